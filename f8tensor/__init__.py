@@ -1,0 +1,31 @@
+"""f8tensor: FP8 training in plain PyTorch.
+
+Wrap a weight as ``Float8Tensor.from_hp(w)`` or swap ``nn.Linear`` for ``Float8Linear``;
+matrix products then run through ``torch._scaled_mm``.
+"""
+
+import torch
+
+from f8tensor import ops as _ops  # noqa: F401  (fills Float8Tensor's op table)
+from f8tensor.config import GemmConfig, Granularity
+from f8tensor.formats import FLOAT8_DTYPES, FORMATS, Float8Format, float8_max
+from f8tensor.ops import float8_mm
+from f8tensor.stats import sqnr
+from f8tensor.tensor import Float8Tensor
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "FLOAT8_DTYPES",
+    "FORMATS",
+    "Float8Format",
+    "Float8Tensor",
+    "GemmConfig",
+    "Granularity",
+    "float8_max",
+    "float8_mm",
+    "sqnr",
+]
+
+# torch.load(weights_only=True) refuses unknown classes: allow ours (and nothing else).
+torch.serialization.add_safe_globals([Float8Tensor, GemmConfig, Granularity])

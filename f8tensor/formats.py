@@ -1,0 +1,120 @@
+"""The FP8 formats PyTorch knows, their ranges, and the one saturating cast.
+
+Every conversion to FP8 in f8tensor goes through :func:`saturated_cast`: a plain
+``.to(float8_dtype)`` does not saturate consistently (e4m3fn has no inf, so
+out-of-range values become NaN; e5m2 overflows to inf; fnuz formats differ again).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+__all__ = [
+    "FLOAT8_DTYPES",
+    "HP_DTYPES",
+    "Float8Format",
+    "FORMATS",
+    "float8_max",
+    "check_float8_dtype",
+    "check_hp_dtype",
+    "e4m3_like",
+    "saturated_cast",
+]
+
+FLOAT8_DTYPES: tuple[torch.dtype, ...] = (
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.float8_e4m3fnuz,
+    torch.float8_e5m2fnuz,
+)
+
+#: High-precision dtypes a Float8Tensor can stand for (its outer dtype).
+HP_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Float8Format:
+    """The numbers that describe one FP8 format (range from ``torch.finfo``, eps from the mantissa)."""
+
+    dtype: torch.dtype
+    exponent_bits: int
+    mantissa_bits: int
+    max: float
+    smallest_normal: float
+    smallest_subnormal: float
+    eps: float
+    has_inf: bool
+    has_negative_zero: bool
+
+    @property
+    def name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+
+def _describe(dtype: torch.dtype, exponent_bits: int, mantissa_bits: int) -> Float8Format:
+    info = torch.finfo(dtype)
+    fnuz = "fnuz" in str(dtype)
+    return Float8Format(
+        dtype=dtype,
+        exponent_bits=exponent_bits,
+        mantissa_bits=mantissa_bits,
+        max=float(info.max),
+        smallest_normal=float(info.smallest_normal),
+        # The smallest subnormal is one mantissa ulp below the smallest normal.
+        smallest_subnormal=float(info.smallest_normal) * 2.0**-mantissa_bits,
+        # Spacing above 1.0. Derived from the mantissa width, not torch.finfo: finfo reports
+        # 0.125 for e5m2fnuz, yet 1.125 is not representable there (the spacing is 0.25).
+        eps=2.0**-mantissa_bits,
+        # Only e5m2 keeps IEEE infinities; e4m3fn and both fnuz formats have none.
+        has_inf=dtype == torch.float8_e5m2,
+        has_negative_zero=not fnuz,
+    )
+
+
+FORMATS: dict[torch.dtype, Float8Format] = {
+    torch.float8_e4m3fn: _describe(torch.float8_e4m3fn, 4, 3),
+    torch.float8_e5m2: _describe(torch.float8_e5m2, 5, 2),
+    torch.float8_e4m3fnuz: _describe(torch.float8_e4m3fnuz, 4, 3),
+    torch.float8_e5m2fnuz: _describe(torch.float8_e5m2fnuz, 5, 2),
+}
+
+_ALLOWED_FP8 = ", ".join(str(d) for d in FLOAT8_DTYPES)
+_ALLOWED_HP = ", ".join(str(d) for d in HP_DTYPES)
+
+
+def float8_max(dtype: torch.dtype) -> float:
+    """Largest finite value of ``dtype`` (448, 57344, 240 or 57344)."""
+    return FORMATS[check_float8_dtype(dtype)].max
+
+
+def check_float8_dtype(dtype: object, what: str = "float8_dtype") -> torch.dtype:
+    """Return ``dtype`` if it is one of the four FP8 dtypes, else raise ``TypeError``."""
+    if dtype not in FORMATS:
+        raise TypeError(f"{what} must be one of {_ALLOWED_FP8}; got {dtype!r}")
+    return dtype  # type: ignore[return-value]
+
+
+def check_hp_dtype(dtype: object, what: str = "input") -> torch.dtype:
+    """Return ``dtype`` if it is bf16, fp16 or fp32, else raise ``TypeError``."""
+    if dtype not in HP_DTYPES:
+        raise TypeError(
+            f"{what} must have a high-precision floating dtype ({_ALLOWED_HP}); got {dtype!r}"
+        )
+    return dtype  # type: ignore[return-value]
+
+
+def e4m3_like(dtype: torch.dtype) -> torch.dtype:
+    """The e4m3 format of the same family (fn or fnuz) as ``dtype``."""
+    return torch.float8_e4m3fnuz if "fnuz" in str(dtype) else torch.float8_e4m3fn
+
+
+def saturated_cast(x: torch.Tensor, float8_dtype: torch.dtype) -> torch.Tensor:
+    """Clamp an already scaled fp32 tensor to the finite range of ``float8_dtype`` and convert.
+
+    NaN stays NaN (clamp keeps it). An infinity would become the max value here, so the
+    callers guard against infinite *inputs* through the scale (see ``scaling.py``).
+    """
+    fmax = FORMATS[float8_dtype].max
+    return x.clamp(min=-fmax, max=fmax).to(float8_dtype)

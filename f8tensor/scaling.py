@@ -1,0 +1,129 @@
+"""amax -> scale: dynamic (current), delayed (amax history) and power-of-2 rounding.
+
+Scale semantics, one rule everywhere in f8tensor::
+
+    data = saturate(hp.float() * scale)        hp ~= data.float() / scale
+
+so ``scale = float8_max / amax``. Tensorwise scales are 0-dim; axiswise (rowwise)
+scales keep the reduced dimension as size 1 and broadcast against the data.
+
+This module only computes fp32 scale tensors; it never builds a Float8Tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from f8tensor.formats import FORMATS
+
+__all__ = [
+    "EPS",
+    "HISTORY_REDUCTIONS",
+    "tensor_amax",
+    "amax_to_scale",
+    "dynamic_scale",
+    "history_to_scale",
+    "push_amax",
+]
+
+#: amax is clamped to at least this before division, so an all-zero tensor gets a finite
+#: scale (float8_max / EPS <= 5.8e16, far inside fp32 for every format and input dtype,
+#: including fp16 inputs whose amax is a tiny subnormal).
+EPS = 1e-12
+
+HISTORY_REDUCTIONS = ("max", "most_recent")
+
+
+def tensor_amax(x: torch.Tensor, axiswise_dim: int | None = None) -> torch.Tensor:
+    """max |x| in fp32: a 0-dim tensor, or reduced over ``axiswise_dim`` with keepdim.
+
+    One pass over ``x`` (an inf-norm reduction never materializes ``|x|``). NaN in ``x``
+    gives a NaN amax, inf gives inf; an empty tensor (an empty FSDP shard) gives 0.
+    """
+    if x.numel() == 0:
+        shape = () if axiswise_dim is None else _keepdim_shape(x.shape, axiswise_dim)
+        return torch.zeros(shape, dtype=torch.float32, device=x.device)
+    # The reduction is exact in any float dtype; dtype=float32 only widens the result.
+    return torch.linalg.vector_norm(
+        x,
+        ord=float("inf"),
+        dim=axiswise_dim,
+        keepdim=axiswise_dim is not None,
+        dtype=torch.float32,
+    )
+
+
+def _keepdim_shape(shape: torch.Size, dim: int) -> tuple[int, ...]:
+    return tuple(1 if i == dim % len(shape) else s for i, s in enumerate(shape))
+
+
+def amax_to_scale(
+    amax: torch.Tensor, float8_dtype: torch.dtype, *, round_pow2: bool = False
+) -> torch.Tensor:
+    """``float8_max / amax`` as fp32, guarded.
+
+    - amax of 0 (or below :data:`EPS`) gives ``float8_max / EPS``: finite.
+    - A non-finite amax (the tensor held inf or NaN) gives a NaN scale, so the cast turns
+      the whole tensor into NaN instead of finite-looking garbage.
+    - ``round_pow2`` rounds the scale down to a power of two (exact dequantization,
+      scales that never drift by an ulp between ranks or steps).
+    """
+    # Deliberate upcast: float64 division is correctly rounded on every backend, while
+    # fp32 division in generated GPU kernels may not be; the fp32 result is then bitwise
+    # identical in eager and under torch.compile.
+    amax64 = amax.to(torch.float64)
+    scale = (FORMATS[float8_dtype].max / amax64.clamp(min=EPS)).to(torch.float32)
+    if round_pow2:
+        scale = _round_down_pow2(scale)
+    return torch.where(torch.isfinite(amax64), scale, torch.nan)
+
+
+def _round_down_pow2(scale: torch.Tensor) -> torch.Tensor:
+    # Keep sign and exponent bits, drop the mantissa: 2**floor(log2(scale)) exactly for
+    # positive normal fp32, without log2/exp2 whose rounding differs across backends.
+    bits = scale.view(torch.int32) & 0x7F800000
+    return bits.view(torch.float32)
+
+
+def dynamic_scale(
+    x: torch.Tensor,
+    float8_dtype: torch.dtype,
+    *,
+    axiswise_dim: int | None = None,
+    round_pow2: bool = False,
+) -> torch.Tensor:
+    """The current ("dynamic") scale of ``x``: one extra read of ``x`` for the amax."""
+    return amax_to_scale(tensor_amax(x, axiswise_dim), float8_dtype, round_pow2=round_pow2)
+
+
+def history_to_scale(
+    history: torch.Tensor,
+    float8_dtype: torch.dtype,
+    *,
+    reduction: str = "max",
+    margin: int = 0,
+    round_pow2: bool = False,
+) -> torch.Tensor:
+    """Delayed scaling: the scale from an amax history (newest first, shape ``(L,)``).
+
+    ``reduction="max"`` uses the largest amax of the window, ``"most_recent"`` the last
+    one. ``margin`` leaves ``2**margin`` of headroom below the format's max.
+    """
+    if reduction == "max":
+        amax = history.amax()
+    elif reduction == "most_recent":
+        amax = history[0]
+    else:
+        raise ValueError(f"reduction must be one of {HISTORY_REDUCTIONS}; got {reduction!r}")
+    if margin:
+        amax = amax * (2.0**margin)
+    return amax_to_scale(amax, float8_dtype, round_pow2=round_pow2)
+
+
+def push_amax(history: torch.Tensor, amax: torch.Tensor) -> None:
+    """Shift ``history`` by one (in place) and store ``amax`` as its newest entry.
+
+    In-place so that the history can live in a module buffer and be updated inside
+    forward or backward, eager or compiled, with no Python state.
+    """
+    history.copy_(torch.cat([amax.reshape(1).to(history.dtype), history[:-1]]))
