@@ -7,8 +7,17 @@ matrix products then run through ``torch._scaled_mm``.
 import torch
 
 from f8tensor import ops as _ops  # noqa: F401  (fills Float8Tensor's op table)
-from f8tensor.config import GemmConfig, Granularity
+from f8tensor.config import (
+    RECIPES,
+    CastConfig,
+    DelayedScalingConfig,
+    Float8LinearConfig,
+    GemmConfig,
+    Granularity,
+    ScalingType,
+)
 from f8tensor.formats import FLOAT8_DTYPES, FORMATS, Float8Format, float8_max
+from f8tensor.linear import Float8Linear, convert_to_float8_training
 from f8tensor.ops import float8_mm
 from f8tensor.stats import sqnr
 from f8tensor.tensor import Float8Tensor
@@ -18,10 +27,17 @@ __version__ = "0.1.0"
 __all__ = [
     "FLOAT8_DTYPES",
     "FORMATS",
+    "RECIPES",
+    "CastConfig",
+    "DelayedScalingConfig",
     "Float8Format",
+    "Float8Linear",
+    "Float8LinearConfig",
     "Float8Tensor",
     "GemmConfig",
     "Granularity",
+    "ScalingType",
+    "convert_to_float8_training",
     "float8_max",
     "float8_mm",
     "sqnr",

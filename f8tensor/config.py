@@ -1,21 +1,30 @@
 """Frozen configuration objects, read by every other module.
 
-All configs are ``dataclasses.dataclass(frozen=True)``: hashable, comparable by value
-(so they can ride along as Float8Tensor metadata and as torch.compile guards), and
-``dataclasses.replace`` derives variants. ``__post_init__`` says what is wrong and what
-is allowed.
+Configs are immutable and compare by value, so they can ride along as torch.compile
+guards: ``dataclasses.dataclass(frozen=True)`` (``dataclasses.replace`` derives variants),
+except :class:`GemmConfig`, which is Float8Tensor metadata and therefore a NamedTuple (see
+its docstring). Validation says what is wrong and what is allowed.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import NamedTuple
 
 import torch
 
-from f8tensor.formats import FLOAT8_DTYPES, HP_DTYPES
+from f8tensor.formats import FLOAT8_DTYPES, HP_DTYPES, check_float8_dtype
 
-__all__ = ["Granularity", "GemmConfig"]
+__all__ = [
+    "Granularity",
+    "GemmConfig",
+    "ScalingType",
+    "CastConfig",
+    "DelayedScalingConfig",
+    "Float8LinearConfig",
+    "RECIPES",
+]
 
 
 class Granularity(str, enum.Enum):
@@ -46,8 +55,7 @@ def _check_bool(owner: str, name: str, value: object) -> None:
         raise TypeError(f"{owner}.{name} must be a bool; got {value!r}")
 
 
-@dataclasses.dataclass(frozen=True)
-class GemmConfig:
+class GemmConfig(NamedTuple):
     """How one FP8 matrix product runs; carried by each Float8Tensor operand.
 
     - ``out_dtype``: dtype of the product. ``None`` means the first operand's
@@ -57,13 +65,20 @@ class GemmConfig:
     - ``use_fast_accum``: Hopper's faster, less precise FP8 accumulation (ignored on CPU).
     - ``pad_inner_dim``: zero-pad K and N up to multiples of 16 (what ``torch._scaled_mm``
       requires) instead of raising.
+
+    An immutable NamedTuple rather than a dataclass: it is Float8Tensor metadata, and
+    torch.compile reads and builds it on tensors created inside the graph, where dynamo
+    handles plain named tuples (on every supported torch version) but neither dataclasses
+    nor tuples with a custom ``__new__``. So it is checked where it enters the public
+    API (:meth:`validated`). Derive variants with ``cfg._replace(...)``.
     """
 
     out_dtype: torch.dtype | None = None
     use_fast_accum: bool = False
     pad_inner_dim: bool = False
 
-    def __post_init__(self) -> None:
+    def validated(self) -> "GemmConfig":
+        """Return ``self`` if every field is allowed, else raise saying what is."""
         if self.out_dtype is not None and self.out_dtype not in HP_DTYPES:
             hint = (
                 " (for an FP8 output pass out_dtype and out_scale to f8tensor.float8_mm)"
@@ -71,11 +86,164 @@ class GemmConfig:
                 else ""
             )
             allowed = ", ".join(str(d) for d in HP_DTYPES)
-            raise ValueError(
-                f"GemmConfig.out_dtype must be None or one of {allowed}; got {self.out_dtype!r}{hint}"
-            )
+            raise ValueError(f"GemmConfig.out_dtype must be None or one of {allowed}; got {self.out_dtype!r}{hint}")
         _check_bool("GemmConfig", "use_fast_accum", self.use_fast_accum)
         _check_bool("GemmConfig", "pad_inner_dim", self.pad_inner_dim)
+        return self
 
 
 DEFAULT_GEMM = GemmConfig()
+
+
+class ScalingType(str, enum.Enum):
+    """Where a cast's scale comes from.
+
+    ``DYNAMIC``: the current tensor's amax (one extra read of the tensor, never stale).
+    ``DELAYED``: the amax history of earlier steps (can clip a sudden outlier; the
+    current amax is still measured, to extend the history).
+    """
+
+    DYNAMIC = "dynamic"
+    DELAYED = "delayed"
+
+    @classmethod
+    def parse(cls, value: object) -> "ScalingType":
+        if isinstance(value, cls):
+            return value
+        try:
+            return cls(value)
+        except ValueError:
+            allowed = ", ".join(repr(s.value) for s in cls)
+            raise ValueError(f"scaling must be one of {allowed}; got {value!r}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class CastConfig:
+    """How one operand (input, weight or grad_output) of a Float8Linear is cast."""
+
+    dtype: torch.dtype = torch.float8_e4m3fn
+    granularity: Granularity = Granularity.TENSORWISE
+    scaling: ScalingType = ScalingType.DYNAMIC
+    power_of_2_scale: bool = False
+
+    def __post_init__(self) -> None:
+        check_float8_dtype(self.dtype, "CastConfig.dtype")
+        # Accept the strings users type; store the enums.
+        object.__setattr__(self, "granularity", Granularity.parse(self.granularity))
+        object.__setattr__(self, "scaling", ScalingType.parse(self.scaling))
+        _check_bool("CastConfig", "power_of_2_scale", self.power_of_2_scale)
+        if self.scaling is ScalingType.DELAYED and self.granularity is not Granularity.TENSORWISE:
+            raise ValueError("delayed scaling keeps one amax history per tensor: it needs granularity='tensorwise'")
+
+    @property
+    def rowwise(self) -> bool:
+        return self.granularity is Granularity.ROWWISE
+
+    @property
+    def delayed(self) -> bool:
+        return self.scaling is ScalingType.DELAYED
+
+
+HISTORY_REDUCTIONS = ("max", "most_recent")
+
+
+@dataclasses.dataclass(frozen=True)
+class DelayedScalingConfig:
+    """The amax history of delayed scaling (defaults: 16 steps, max)."""
+
+    history_len: int = 16
+    reduction: str = "max"
+    margin: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.history_len, bool) or not isinstance(self.history_len, int) or self.history_len < 1:
+            raise ValueError(f"DelayedScalingConfig.history_len must be an int >= 1; got {self.history_len!r}")
+        if self.reduction not in HISTORY_REDUCTIONS:
+            raise ValueError(f"DelayedScalingConfig.reduction must be one of {HISTORY_REDUCTIONS}; got {self.reduction!r}")
+        if isinstance(self.margin, bool) or not isinstance(self.margin, int) or self.margin < 0:
+            raise ValueError(f"DelayedScalingConfig.margin must be an int >= 0; got {self.margin!r}")
+
+
+_E4M3 = torch.float8_e4m3fn
+_E5M2 = torch.float8_e5m2
+
+
+@dataclasses.dataclass(frozen=True)
+class Float8LinearConfig:
+    """Everything a Float8Linear needs to know; build one with :meth:`from_recipe`.
+
+    - ``input``, ``weight``, ``grad_output``: per-operand :class:`CastConfig`.
+    - ``weight_grad_in_hp``: compute ``grad_W = grad_y.t() @ x`` in high precision.
+    - ``delayed``: history settings, used by operands with ``scaling="delayed"``.
+    - ``pad_inner_dim``: zero-pad K and N to multiples of 16 instead of refusing a layer.
+    - ``use_fast_accum``: Hopper fast accumulation in the forward GEMM (backward GEMMs
+      always accumulate precisely).
+    - ``enable_fsdp_float8_all_gather``: under FSDP2, all-gather weights in FP8
+      (tensorwise weight casts only).
+    - ``collect_stats``: record saturation/underflow telemetry per cast (see ``stats.py``).
+    """
+
+    input: CastConfig = CastConfig(_E4M3)
+    weight: CastConfig = CastConfig(_E4M3)
+    grad_output: CastConfig = CastConfig(_E5M2)
+    weight_grad_in_hp: bool = False
+    delayed: DelayedScalingConfig = DelayedScalingConfig()
+    pad_inner_dim: bool = False
+    use_fast_accum: bool = True
+    enable_fsdp_float8_all_gather: bool = False
+    collect_stats: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("input", "weight", "grad_output"):
+            if not isinstance(getattr(self, name), CastConfig):
+                raise TypeError(f"Float8LinearConfig.{name} must be a CastConfig; got {getattr(self, name)!r}")
+        if not isinstance(self.delayed, DelayedScalingConfig):
+            raise TypeError(f"Float8LinearConfig.delayed must be a DelayedScalingConfig; got {self.delayed!r}")
+        for name in ("weight_grad_in_hp", "pad_inner_dim", "use_fast_accum", "enable_fsdp_float8_all_gather", "collect_stats"):
+            _check_bool("Float8LinearConfig", name, getattr(self, name))
+        # cuBLASLt multiplies no two e5m2 operands; name the GEMM that would hit it.
+        gemms = [("forward (input x weight)", self.input, self.weight), ("grad_input (grad_output x weight)", self.grad_output, self.weight)]
+        if not self.weight_grad_in_hp:
+            gemms.append(("grad_weight (grad_output x input)", self.grad_output, self.input))
+        for gemm, a, b in gemms:
+            if _is_e5m2(a.dtype) and _is_e5m2(b.dtype):
+                raise ValueError(f"the {gemm} GEMM would multiply two e5m2 tensors, which torch._scaled_mm refuses; use e4m3 for one of them")
+        if self.enable_fsdp_float8_all_gather and (self.weight.rowwise or self.weight.delayed):
+            raise ValueError("enable_fsdp_float8_all_gather needs dynamic tensorwise weight scaling (recipe 'tensorwise')")
+
+    @property
+    def any_delayed(self) -> bool:
+        return self.input.delayed or self.weight.delayed or self.grad_output.delayed
+
+    @classmethod
+    def from_recipe(cls, name: str, **overrides: object) -> "Float8LinearConfig":
+        """A named recipe: ``"tensorwise"``, ``"rowwise"``, ``"rowwise_with_gw_hp"`` or ``"delayed"``.
+
+        Keyword overrides replace top-level fields (e.g. ``pad_inner_dim=True``).
+        """
+        if name not in RECIPES:
+            raise ValueError(f"unknown recipe {name!r}; choose one of {sorted(RECIPES)}")
+        return dataclasses.replace(RECIPES[name], **overrides)
+
+
+def _is_e5m2(dtype: torch.dtype) -> bool:
+    return dtype in (torch.float8_e5m2, torch.float8_e5m2fnuz)
+
+
+_ROWWISE = CastConfig(_E4M3, Granularity.ROWWISE)
+_DELAYED_E4M3 = CastConfig(_E4M3, scaling=ScalingType.DELAYED)
+
+RECIPES: dict[str, Float8LinearConfig] = {
+    # Fastest: one scale per tensor, e5m2 for the wider range of gradients.
+    "tensorwise": Float8LinearConfig(),
+    # One scale per row for all three operands: an outlier only costs its own row.
+    "rowwise": Float8LinearConfig(input=_ROWWISE, weight=_ROWWISE, grad_output=_ROWWISE),
+    "rowwise_with_gw_hp": Float8LinearConfig(
+        input=_ROWWISE, weight=_ROWWISE, grad_output=_ROWWISE, weight_grad_in_hp=True
+    ),
+    "delayed": Float8LinearConfig(
+        input=_DELAYED_E4M3,
+        weight=_DELAYED_E4M3,
+        grad_output=CastConfig(_E5M2, scaling=ScalingType.DELAYED),
+    ),
+}

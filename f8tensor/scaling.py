@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from f8tensor.config import HISTORY_REDUCTIONS
 from f8tensor.formats import FORMATS
 
 __all__ = [
@@ -22,7 +23,7 @@ __all__ = [
     "tensor_amax",
     "amax_to_scale",
     "dynamic_scale",
-    "history_to_scale",
+    "delayed_scale",
     "push_amax",
 ]
 
@@ -30,9 +31,6 @@ __all__ = [
 #: scale (float8_max / EPS <= 5.8e16, far inside fp32 for every format and input dtype,
 #: including fp16 inputs whose amax is a tiny subnormal).
 EPS = 1e-12
-
-HISTORY_REDUCTIONS = ("max", "most_recent")
-
 
 def tensor_amax(x: torch.Tensor, axiswise_dim: int | None = None) -> torch.Tensor:
     """max |x| in fp32: a 0-dim tensor, or reduced over ``axiswise_dim`` with keepdim.
@@ -96,8 +94,9 @@ def dynamic_scale(
     return amax_to_scale(tensor_amax(x, axiswise_dim), float8_dtype, round_pow2=round_pow2)
 
 
-def history_to_scale(
+def delayed_scale(
     history: torch.Tensor,
+    amax_now: torch.Tensor,
     float8_dtype: torch.dtype,
     *,
     reduction: str = "max",
@@ -106,8 +105,11 @@ def history_to_scale(
 ) -> torch.Tensor:
     """Delayed scaling: the scale from an amax history (newest first, shape ``(L,)``).
 
-    ``reduction="max"`` uses the largest amax of the window, ``"most_recent"`` the last
-    one. ``margin`` leaves ``2**margin`` of headroom below the format's max.
+    ``reduction="max"`` uses the largest amax of the window, ``"most_recent"`` the newest
+    one; ``margin`` leaves ``2**margin`` of headroom below the format's max. The current
+    amax ``amax_now`` is used twice, without a Python flag: while the history is still
+    empty (all zero, the first step) it sets the scale, and when it is non-finite the
+    scale is NaN, so an inf or NaN in the tensor never turns into finite values.
     """
     if reduction == "max":
         amax = history.amax()
@@ -115,15 +117,20 @@ def history_to_scale(
         amax = history[0]
     else:
         raise ValueError(f"reduction must be one of {HISTORY_REDUCTIONS}; got {reduction!r}")
+    amax = torch.where(amax > 0, amax, amax_now)
     if margin:
         amax = amax * (2.0**margin)
-    return amax_to_scale(amax, float8_dtype, round_pow2=round_pow2)
+    scale = amax_to_scale(amax, float8_dtype, round_pow2=round_pow2)
+    return torch.where(torch.isfinite(amax_now), scale, torch.nan)
 
 
 def push_amax(history: torch.Tensor, amax: torch.Tensor) -> None:
     """Shift ``history`` by one (in place) and store ``amax`` as its newest entry.
 
-    In-place so that the history can live in a module buffer and be updated inside
-    forward or backward, eager or compiled, with no Python state.
+    A non-finite amax (an inf/NaN step, e.g. an fp16 overflow that a grad scaler skips)
+    repeats the newest entry instead of poisoning the next ``L`` scales. In place, so the
+    history can live in a module buffer and be updated inside forward or backward, eager
+    or compiled, with no Python state.
     """
-    history.copy_(torch.cat([amax.reshape(1).to(history.dtype), history[:-1]]))
+    amax = torch.where(torch.isfinite(amax), amax.to(history.dtype), history[0])
+    history.copy_(torch.cat([amax.reshape(1), history[:-1]]))

@@ -15,8 +15,8 @@ def sqnr(reference: torch.Tensor, actual: torch.Tensor) -> float:
     """
     if reference.shape != actual.shape:
         raise ValueError(f"sqnr needs equal shapes; got {tuple(reference.shape)} and {tuple(actual.shape)}")
-    ref = _plain(reference).to(torch.float64)
-    act = _plain(actual).to(torch.float64)
+    ref = _plain(reference).detach().to(torch.float64)
+    act = _plain(actual).detach().to(torch.float64)
     signal = ref.pow(2).sum()
     noise = (ref - act).pow(2).sum()
     return float(10.0 * torch.log10(signal / noise))

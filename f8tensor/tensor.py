@@ -115,6 +115,8 @@ class Float8Tensor(torch.Tensor):
             gemm_config = DEFAULT_GEMM
         elif not isinstance(gemm_config, GemmConfig):
             raise TypeError(f"gemm_config must be a GemmConfig; got {type(gemm_config).__name__}")
+        else:
+            gemm_config.validated()
         if scale is not None:
             scale = _check_given_scale(scale, hp, axiswise_dim)
         return _FromHP.apply(hp, float8_dtype, axiswise_dim, scale, gemm_config, power_of_2_scale)

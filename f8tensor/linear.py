@@ -1,0 +1,306 @@
+"""Float8Linear: nn.Linear whose three GEMMs run in FP8, and the model converter.
+
+Forward ``y = x @ W.t() + b``; backward ``grad_x = grad_y @ W`` and
+``grad_W = grad_y.t() @ x``, each operand cast per the :class:`Float8LinearConfig`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from f8tensor.config import CastConfig, Float8LinearConfig, GemmConfig
+from f8tensor.ops import _matmul
+from f8tensor.scaling import delayed_scale, push_amax, tensor_amax
+from f8tensor.tensor import Float8Tensor, cast_to_float8
+
+__all__ = ["Float8Linear", "convert_to_float8_training"]
+
+logger = logging.getLogger("f8tensor")
+
+_ALIGN = 16
+# Delayed-scaling buffers: one amax history per operand role, and the scales the current
+# step used for input and weight (re-used if activation checkpointing re-runs forward).
+_HISTORY_BUFFERS = ("amax_history_input", "amax_history_weight", "amax_history_grad_output")
+_SCALE_BUFFERS = ("scale_input", "scale_weight")
+
+
+def _sync_amax(amax: torch.Tensor) -> torch.Tensor:
+    """Make an amax agree across data-parallel ranks (a no-op without torch.distributed)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        if torch.distributed.get_world_size() > 1:
+            import torch.distributed._functional_collectives as funcol
+
+            return funcol.all_reduce(amax, "max", torch.distributed.group.WORLD)
+    return amax
+
+
+def _recomputing() -> bool:
+    """True while activation checkpointing re-runs a forward inside backward (eager).
+
+    Delayed scaling must not push the amax a second time then. Under torch.compile the
+    partitioner recomputes from the traced graph and never replays buffer updates.
+    """
+    if torch.compiler.is_compiling():
+        return False
+    return torch._C._current_graph_task_id() != -1
+
+
+def _cast(
+    hp: torch.Tensor,
+    cast: CastConfig,
+    axiswise_dim: int | None,
+    gemm: GemmConfig,
+    config: Float8LinearConfig,
+    history: torch.Tensor | None = None,
+    scale_buffer: torch.Tensor | None = None,
+    recompute: bool = False,
+) -> Float8Tensor:
+    """Cast one GEMM operand per its CastConfig (dynamic or delayed).
+
+    Delayed: the scale comes from ``history`` (updated in place with the current amax)
+    and is also written to ``scale_buffer``; with ``recompute`` (a checkpointed forward
+    running again) that stored scale is reused and the history left alone.
+    """
+    if not cast.delayed:
+        return cast_to_float8(
+            hp, cast.dtype, axiswise_dim=axiswise_dim, gemm=gemm, power_of_2_scale=cast.power_of_2_scale
+        )
+    if recompute:
+        return cast_to_float8(hp, cast.dtype, scale=scale_buffer, gemm=gemm)
+    amax_now = _sync_amax(tensor_amax(hp))
+    scale = delayed_scale(
+        history,
+        amax_now,
+        cast.dtype,
+        reduction=config.delayed.reduction,
+        margin=config.delayed.margin,
+        round_pow2=cast.power_of_2_scale,
+    )
+    push_amax(history, amax_now)
+    if scale_buffer is not None:
+        scale_buffer.copy_(scale)
+    return cast_to_float8(hp, cast.dtype, scale=scale, gemm=gemm)
+
+
+class _Float8LinearFn(torch.autograd.Function):
+    """``x @ W.t() + b`` with FP8 GEMMs in forward and backward.
+
+    Saved for backward: the FP8 input (1 byte/element) when the weight-gradient GEMM
+    takes it as is (tensorwise input), else the high-precision input; the weight itself
+    (a parameter, no extra memory) and its 0-dim scale, so backward re-casts it to the
+    very same bytes instead of keeping an FP8 copy of every weight alive.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, config, state):  # type: ignore[override]
+        # `state`: None, or the delayed-scaling buffers (hist_in, hist_w, hist_go, scale_in,
+        # scale_w). They ride on ctx, not save_for_backward: they are updated in place by
+        # later steps, which is their purpose, not a hazard for this step's gradients.
+        hist_in, hist_w, hist_go, scale_in, scale_w = state if state is not None else (None,) * 5
+        recompute = config.any_delayed and _recomputing()
+        fwd = GemmConfig(use_fast_accum=config.use_fast_accum, pad_inner_dim=config.pad_inner_dim)
+        x2 = x.reshape(-1, x.shape[-1])
+        x8 = _cast(x2, config.input, 1 if config.input.rowwise else None, fwd, config, hist_in, scale_in, recompute)
+        if isinstance(weight, Float8Tensor):  # FSDP2 float8 all-gather hands over an FP8 weight
+            w8 = weight._replace(gemm=fwd)
+        else:
+            w8 = _cast(weight, config.weight, 1 if config.weight.rowwise else None, fwd, config, hist_w, scale_w, recompute)
+        y = _matmul(x8, w8.t(), bias=bias)
+
+        # The weight-gradient GEMM contracts over tokens (dim 0 of x): a tensorwise x8 is
+        # reused there as is; a rowwise one would need the other axis, so keep x in hp.
+        keep_fp8_input = not config.input.rowwise and not config.weight_grad_in_hp
+        ctx.save_for_backward(x8 if keep_fp8_input else x2, weight, w8._scale)
+        ctx.config = config
+        ctx.hist_go = hist_go
+        ctx.x_shape = x.shape
+        ctx.has_bias = bias is not None
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_y):  # type: ignore[override]
+        saved_x, weight, w_scale = ctx.saved_tensors
+        config: Float8LinearConfig = ctx.config
+        bwd = GemmConfig(pad_inner_dim=config.pad_inner_dim)
+        # grad_W contracts over the tokens, whose count (M) varies with the batch: always
+        # pad it to 16 (zero rows add nothing), never fail on an odd batch.
+        bwd_w = GemmConfig(pad_inner_dim=True)
+        g = grad_y.reshape(-1, grad_y.shape[-1])
+        go_cfg = config.grad_output
+
+        # grad_x = g @ W: contraction over N, so W's scale must be constant along dim 0.
+        g8 = _cast(g, go_cfg, 1 if go_cfg.rowwise else None, bwd, config, ctx.hist_go)
+        if isinstance(weight, Float8Tensor):
+            w8 = weight._replace(gemm=bwd)
+        elif config.weight.rowwise:
+            w8 = cast_to_float8(weight, config.weight.dtype, axiswise_dim=0, gemm=bwd, power_of_2_scale=config.weight.power_of_2_scale)
+        else:
+            # Same scale as in forward: the same FP8 bytes, without keeping them alive.
+            w8 = cast_to_float8(weight, config.weight.dtype, scale=w_scale, gemm=bwd)
+        grad_x = _matmul(g8, w8).reshape(ctx.x_shape)
+
+        # grad_W = g.t() @ x: contraction over M.
+        if config.weight_grad_in_hp:
+            grad_w = g.t().to(saved_x.dtype) @ saved_x
+        else:
+            if go_cfg.rowwise:
+                gt8 = cast_to_float8(g, go_cfg.dtype, axiswise_dim=0, gemm=bwd_w, power_of_2_scale=go_cfg.power_of_2_scale)
+            else:
+                gt8 = g8._replace(gemm=bwd_w)
+            if isinstance(saved_x, Float8Tensor):
+                x8 = saved_x._replace(gemm=bwd_w)
+            else:
+                x8 = cast_to_float8(saved_x, config.input.dtype, axiswise_dim=0, gemm=bwd_w, power_of_2_scale=config.input.power_of_2_scale)
+            grad_w = _matmul(gt8.t(), x8, out_dtype=weight.dtype)
+        grad_w = grad_w.to(weight.dtype)
+        grad_b = g.sum(0) if ctx.has_bias else None
+        return grad_x, grad_w, grad_b, None, None
+
+
+class Float8Linear(nn.Linear):
+    """A drop-in ``nn.Linear`` whose forward and backward GEMMs run in FP8.
+
+    Parameters are those of ``nn.Linear`` (same names, shapes, dtypes), so state dicts
+    move freely between the two. Delayed scaling adds buffers: one amax history per
+    operand (``amax_history_input``, ``..._weight``, ``..._grad_output``) and the input and
+    weight scales of the current step (``scale_input``, ``scale_weight``), all in
+    ``state_dict`` so a resumed run continues bit for bit.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        *,
+        config: Float8LinearConfig | None = None,
+    ) -> None:
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.config = _check_config(config)
+        _check_dims(in_features, out_features, self.config)
+        if self.config.any_delayed:
+            n = self.config.delayed.history_len
+            for name in _HISTORY_BUFFERS:
+                self.register_buffer(name, torch.zeros(n, dtype=torch.float32, device=device))
+            for name in _SCALE_BUFFERS:
+                self.register_buffer(name, torch.ones((), dtype=torch.float32, device=device))
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear, config: Float8LinearConfig | None = None) -> "Float8Linear":
+        """A Float8Linear sharing ``linear``'s parameters (the same Parameter objects,
+        so an optimizer built before the swap keeps working)."""
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"from_float expects an nn.Linear; got {type(linear).__name__}")
+        with torch.device("meta"):
+            new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, config=config)
+        new.weight = linear.weight
+        new.bias = linear.bias
+        device = linear.weight.device
+        for name, buf in list(new.named_buffers(recurse=False)):
+            fill = 1.0 if name in _SCALE_BUFFERS else 0.0
+            setattr(new, name, torch.full_like(buf, fill, device=device))
+        new.train(linear.training)
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight, bias = self.weight, self.bias
+        device_type = x.device.type
+        if torch.is_autocast_enabled(device_type):
+            # What nn.Linear does under autocast: compute in the autocast dtype. The weight
+            # stays in its own dtype and is cast to FP8 straight from it.
+            dtype = torch.get_autocast_dtype(device_type)
+            x = x.to(dtype)
+            bias = None if bias is None else bias.to(dtype)
+            with torch.autocast(device_type, enabled=False):
+                return self._fp8_forward(x, weight, bias)
+        return self._fp8_forward(x, weight, bias)
+
+    def _fp8_forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if bias is not None and bias.dtype != x.dtype:
+            bias = bias.to(x.dtype)
+        state = None
+        if self.config.any_delayed:
+            state = tuple(getattr(self, name) for name in _HISTORY_BUFFERS + _SCALE_BUFFERS)
+        return _Float8LinearFn.apply(x, weight, bias, self.config, state)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        # A plain nn.Linear checkpoint has no delayed-scaling state: start those buffers
+        # fresh instead of failing a strict load.
+        for name, buf in self.named_buffers(recurse=False):
+            state_dict.setdefault(prefix + name, buf.detach().clone())
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+
+    def extra_repr(self) -> str:
+        c = self.config
+        ops = ", ".join(
+            f"{role}={str(cc.dtype).removeprefix('torch.float8_')}/{cc.granularity.value}/{cc.scaling.value}"
+            for role, cc in (("input", c.input), ("weight", c.weight), ("grad_output", c.grad_output))
+        )
+        extra = ", weight_grad_in_hp" if c.weight_grad_in_hp else ""
+        return f"{super().extra_repr()}, {ops}{extra}"
+
+
+def _check_config(config: Float8LinearConfig | None) -> Float8LinearConfig:
+    if config is None:
+        return Float8LinearConfig()
+    if not isinstance(config, Float8LinearConfig):
+        raise TypeError(f"config must be a Float8LinearConfig (e.g. Float8LinearConfig.from_recipe('rowwise')); got {type(config).__name__}")
+    return config
+
+
+def _dims_ok(in_features: int, out_features: int, config: Float8LinearConfig) -> bool:
+    return config.pad_inner_dim or (in_features % _ALIGN == 0 and out_features % _ALIGN == 0)
+
+
+def _check_dims(in_features: int, out_features: int, config: Float8LinearConfig) -> None:
+    if not _dims_ok(in_features, out_features, config):
+        raise ValueError(
+            f"Float8Linear({in_features}, {out_features}): FP8 GEMMs need in_features and out_features "
+            f"to be multiples of {_ALIGN}; pass a config with pad_inner_dim=True to pad them with zeros"
+        )
+
+
+def convert_to_float8_training(
+    module: nn.Module,
+    *,
+    config: Float8LinearConfig | None = None,
+    module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
+) -> nn.Module:
+    """Swap every ``nn.Linear`` in ``module`` for a :class:`Float8Linear`, in place.
+
+    ``module_filter_fn(mod, fqn) -> bool`` chooses which linears convert (``fqn`` is the
+    dotted name, e.g. ``"layers.0.mlp.down_proj"``). Linears whose dimensions FP8 GEMMs
+    cannot take (not multiples of 16) are left in high precision with a log line, unless
+    ``config.pad_inner_dim``. Returns ``module`` (or the new layer, when ``module`` is
+    itself an ``nn.Linear``).
+    """
+    config = _check_config(config)
+
+    def wanted(mod: nn.Module, fqn: str) -> bool:
+        if type(mod) is not nn.Linear:  # exactly nn.Linear: subclasses may read .weight themselves
+            return False
+        if module_filter_fn is not None and not module_filter_fn(mod, fqn):
+            return False
+        if not _dims_ok(mod.in_features, mod.out_features, config):
+            logger.warning(
+                "f8tensor: left %s (%d -> %d) in high precision: FP8 GEMMs need dimensions that are "
+                "multiples of %d (set pad_inner_dim=True to pad instead)",
+                fqn or "<root>", mod.in_features, mod.out_features, _ALIGN,
+            )
+            return False
+        return True
+
+    if wanted(module, ""):
+        return Float8Linear.from_float(module, config)
+    for fqn, mod in list(module.named_modules()):
+        for name, child in list(mod.named_children()):
+            child_fqn = f"{fqn}.{name}" if fqn else name
+            if wanted(child, child_fqn):
+                setattr(mod, name, Float8Linear.from_float(child, config))
+    return module
