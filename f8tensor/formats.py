@@ -110,11 +110,13 @@ def e4m3_like(dtype: torch.dtype) -> torch.dtype:
     return torch.float8_e4m3fnuz if "fnuz" in str(dtype) else torch.float8_e4m3fn
 
 
-def saturated_cast(x: torch.Tensor, float8_dtype: torch.dtype) -> torch.Tensor:
+def saturated_cast(x: torch.Tensor, float8_dtype: torch.dtype, *, inplace: bool = False) -> torch.Tensor:
     """Clamp an already scaled fp32 tensor to the finite range of ``float8_dtype`` and convert.
 
+    ``inplace`` clamps ``x`` itself (for a temporary the caller owns: one allocation less).
     NaN stays NaN (clamp keeps it). An infinity would become the max value here, so the
     callers guard against infinite *inputs* through the scale (see ``scaling.py``).
     """
     fmax = FORMATS[float8_dtype].max
-    return x.clamp(min=-fmax, max=fmax).to(float8_dtype)
+    clamped = x.clamp_(min=-fmax, max=fmax) if inplace else x.clamp(min=-fmax, max=fmax)
+    return clamped.to(float8_dtype)

@@ -242,9 +242,13 @@ def cast_to_float8(
     """
     if scale is None:
         scale = dynamic_scale(hp, float8_dtype, axiswise_dim=axiswise_dim, round_pow2=power_of_2_scale)
-    # Deliberate upcast: multiply in fp32 so bf16/fp16 inputs are not rounded a second time
-    # before the FP8 rounding (a 0-dim fp32 scale alone would not promote a bf16 tensor).
-    data = saturated_cast(hp.to(torch.float32) * scale, float8_dtype)
+    # Deliberate upcast: the product is computed in fp32, so bf16/fp16 inputs are not
+    # rounded a second time before the FP8 rounding. A 0-dim fp32 scale would not promote
+    # a bf16 tensor; a 1-element one does, and the multiply reads `hp` directly instead of
+    # after a separate upcast pass (same bits as hp.float() * scale).
+    factor = scale.reshape(1) if scale.dim() == 0 and hp.dim() > 0 else scale
+    scaled = hp * factor if hp.dim() > 0 else hp.to(torch.float32) * scale
+    data = saturated_cast(scaled, float8_dtype, inplace=True)
     return Float8Tensor(data, scale, orig_dtype or hp.dtype, axiswise_dim, gemm)
 
 
