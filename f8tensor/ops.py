@@ -342,9 +342,18 @@ def _clone(func, types, args, kwargs):
     return x._replace(data=func(x._data, **kwargs), scale=x._scale.clone())
 
 
+def _scale_varies_along(x: Float8Tensor, dim: int) -> bool:
+    """Whether ``x`` has one scale per index along ``dim``.
+
+    Decided from the metadata, not from ``_scale.shape[dim] == 1``: a one-row piece of a
+    rowwise tensor also has a size-1 scale along ``dim``, yet its scale is its own.
+    """
+    return x._axiswise_dim is not None and dim != x._axiswise_dim
+
+
 def _split_scale(x: Float8Tensor, dim: int, pieces: Sequence[torch.Tensor], split) -> list[torch.Tensor]:
     """Scales for pieces of ``x`` cut along ``dim``: shared when constant along ``dim``."""
-    if x._axiswise_dim is None or x._scale.shape[dim] == 1:
+    if not _scale_varies_along(x, dim):
         return [x._scale] * len(pieces)
     return list(split(x._scale))
 
@@ -386,7 +395,7 @@ def _cat(func, types, args, kwargs):
         if not same_meta:
             raise ValueError("cat needs Float8Tensors of one float8 dtype, original dtype, granularity and GemmConfig")
     data = torch.cat([t._data for t in tensors], dim)
-    if first._axiswise_dim is not None and first._scale.shape[dim] != 1:
+    if _scale_varies_along(first, dim):
         return first._replace(data=data, scale=torch.cat([t._scale for t in tensors], dim))
     # The scale is constant along `dim`: every piece must carry the same one.
     for t in tensors[1:]:
