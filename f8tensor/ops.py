@@ -330,6 +330,47 @@ def _expand(func, types, args, kwargs):
     return _view_result(func, args, kwargs, out)
 
 
+def _as_permutation(x: Float8Tensor, size: Sequence[int], stride: Sequence[int], offset: int | None) -> list[int] | None:
+    """``perm`` with ``x._data.permute(perm)`` laid out as (size, stride, offset), or None."""
+    if len(size) != x.dim() or (offset is not None and offset != x.storage_offset()):
+        return None
+    old = [(x.shape[j], x.stride(j)) for j in range(x.dim())]
+    perm: list[int] = []
+    for i, layout in enumerate(zip(size, stride)):
+        # Prefer the same dim, so dims that look alike (size 1) keep their order.
+        candidates = [i] + [j for j in range(x.dim()) if j != i]
+        match = next((j for j in candidates if j not in perm and old[j] == layout), None)
+        if match is None:
+            return None
+        perm.append(match)
+    return perm
+
+
+@implements([aten.as_strided.default])
+def _as_strided(func, types, args, kwargs):
+    """Re-striding the FP8 bytes in place.
+
+    torch.compile calls it to rebuild a graph output that aliases a graph input (a compiled
+    function returning ``w8.t()`` or ``w8.detach()``). Tensorwise: any layout, the one scale
+    applies to every byte. Axiswise: only layouts that permute the tensor's own dims at the
+    same storage offset (detach, t, transpose, permute); the scale is permuted alongside.
+    """
+    x, size, stride = args[0], args[1], args[2]
+    offset = args[3] if len(args) > 3 else kwargs.get("storage_offset")
+    data = func(x._data, size, stride, offset)
+    if x._axiswise_dim is None:
+        return _view_result(func, args, kwargs, x._replace(data=data))
+    perm = _as_permutation(x, size, stride, offset)
+    if perm is None:
+        raise NotImplementedError(
+            f"as_strided of a Float8Tensor scaled along dim {x._axiswise_dim} is only supported "
+            f"as a permutation of its dims; got size={tuple(size)}, stride={tuple(stride)}, "
+            f"storage_offset={offset} for shape {tuple(x.shape)}, stride {x.stride()}. Call .to_hp() first."
+        )
+    out = x._replace(data=data, scale=x._scale.permute(perm), axiswise_dim=perm.index(x._axiswise_dim))
+    return _view_result(func, args, kwargs, out)
+
+
 @implements([aten.detach.default, aten.alias.default])
 def _detach(func, types, args, kwargs):
     (x,) = args
