@@ -479,15 +479,33 @@ def _copy_(func, types, args, kwargs):
     if _is_f8(src):
         if (src._data.dtype, src._axiswise_dim) != (dst._data.dtype, dst._axiswise_dim):
             raise ValueError("copy_ between Float8Tensors needs one float8 dtype and one granularity")
-        dst._data.copy_(src._data)
-        dst._scale.copy_(src._scale)
-        return dst
-    # A plain source (e.g. load_state_dict into an FP8 weight): cast it afresh with a
-    # dynamic scale in the destination's format, then write data and scale in place.
-    fresh = cast_to_float8(src.to(dst._orig_dtype), dst._data.dtype, axiswise_dim=dst._axiswise_dim)
-    dst._data.copy_(fresh._data)
-    dst._scale.copy_(fresh._scale)
+    else:
+        # A plain source (e.g. load_state_dict into an FP8 weight): cast it afresh with a
+        # dynamic scale in the destination's format, then write data and scale in place.
+        src = cast_to_float8(src.to(dst._orig_dtype), dst._data.dtype, axiswise_dim=dst._axiswise_dim)
+    if src._scale is not dst._scale and _scale_shared_beyond(dst):
+        raise NotImplementedError(
+            f"copy_ into a view of shape {tuple(dst.shape)} of a Float8Tensor of shape {tuple(dst._base.shape)} "
+            f"would change the scale it shares with elements outside the view. Copy into the whole "
+            f"tensor, or call .to_hp(), update, and cast again with Float8Tensor.from_hp."
+        )
+    dst._data.copy_(src._data)
+    dst._scale.copy_(src._scale)
     return dst
+
+
+def _scale_shared_beyond(dst: Float8Tensor) -> bool:
+    """Whether ``dst`` is a view whose scale also covers elements outside it.
+
+    Tensorwise: any view with fewer elements than its base. Axiswise: a view whose rows are
+    shorter than the base's (cut along the scaled axis); row slices own their scale rows.
+    """
+    base = dst._base
+    if not _is_f8(base):
+        return False
+    if dst._axiswise_dim is None or base._axiswise_dim is None:
+        return dst.numel() != base.numel()
+    return dst.shape[dst._axiswise_dim] != base.shape[base._axiswise_dim]
 
 
 @implements([aten.empty_like.default])
