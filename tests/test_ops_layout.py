@@ -296,6 +296,35 @@ def test_copy_from_plain_recasts(granularity, float8_dtype):
     assert_bitwise_equal_f8(dst, fresh)
 
 
+def test_copy_plain_into_row_slice_of_rowwise():
+    x8 = _f8((8, 32), "rowwise")
+    before = x8.clone()
+    src = torch.randn(2, 32, dtype=torch.bfloat16) * 50
+    x8[2:4].copy_(src)
+    # The two rows own their scales: they are re-cast, and every other row is untouched.
+    fresh = Float8Tensor.from_hp(src, granularity="rowwise", gemm_config=GEMM)
+    assert_bitwise_equal_f8(x8[2:4].clone(), fresh)
+    others = [0, 1, 4, 5, 6, 7]
+    assert torch.equal(bits(x8._data[others]), bits(before._data[others]))
+    assert torch.equal(float_bits(x8._scale[others]), float_bits(before._scale[others]))
+
+
+def test_copy_between_views_sharing_one_scale():
+    x8 = _f8((8, 32), "tensorwise")
+    x8[0:2].copy_(x8[4:6])
+    assert torch.equal(bits(x8._data[0:2]), bits(x8._data[4:6]))
+
+
+@pytest.mark.parametrize("granularity, index", [("tensorwise", (slice(0, 2),)), ("rowwise", (slice(None), slice(0, 16)))])
+def test_copy_plain_into_view_sharing_its_scale_raises(granularity, index):
+    # A fresh scale for the view would silently rescale the elements outside it.
+    x8 = _f8((8, 32), granularity)
+    view = x8[index]
+    src = torch.randn(view.shape, dtype=torch.bfloat16)
+    with pytest.raises(NotImplementedError, match=r"would change the scale it shares with elements outside the view"):
+        view.copy_(src)
+
+
 def test_copy_from_float8tensor_of_other_format_raises():
     dst = _f8((8, 32), float8_dtype=torch.float8_e4m3fn)
     src = _f8((8, 32), float8_dtype=torch.float8_e5m2)
