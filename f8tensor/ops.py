@@ -330,7 +330,9 @@ def _expand(func, types, args, kwargs):
     return _view_result(func, args, kwargs, out)
 
 
-def _as_permutation(x: Float8Tensor, size: Sequence[int], stride: Sequence[int], offset: int | None) -> list[int] | None:
+def _as_permutation(
+    x: Float8Tensor, size: Sequence[int], stride: Sequence[int], offset: int | None
+) -> list[int] | None:
     """``perm`` with ``x._data.permute(perm)`` laid out as (size, stride, offset), or None."""
     if len(size) != x.dim() or (offset is not None and offset != x.storage_offset()):
         return None

@@ -315,7 +315,11 @@ def test_copy_between_views_sharing_one_scale():
     assert torch.equal(bits(x8._data[0:2]), bits(x8._data[4:6]))
 
 
-@pytest.mark.parametrize("granularity, index", [("tensorwise", (slice(0, 2),)), ("rowwise", (slice(None), slice(0, 16)))])
+@pytest.mark.parametrize(
+    "granularity, index",
+    [("tensorwise", (slice(0, 2),)), ("rowwise", (slice(None), slice(0, 16)))],
+    ids=["tensorwise_rows", "rowwise_columns"],
+)
 def test_copy_plain_into_view_sharing_its_scale_raises(granularity, index):
     # A fresh scale for the view would silently rescale the elements outside it.
     x8 = _f8((8, 32), granularity)
