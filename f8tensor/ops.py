@@ -330,6 +330,49 @@ def _expand(func, types, args, kwargs):
     return _view_result(func, args, kwargs, out)
 
 
+def _as_permutation(
+    x: Float8Tensor, size: Sequence[int], stride: Sequence[int], offset: int | None
+) -> list[int] | None:
+    """``perm`` with ``x._data.permute(perm)`` laid out as (size, stride, offset), or None."""
+    if len(size) != x.dim() or (offset is not None and offset != x.storage_offset()):
+        return None
+    old = [(x.shape[j], x.stride(j)) for j in range(x.dim())]
+    perm: list[int] = []
+    for i, layout in enumerate(zip(size, stride)):
+        # Prefer the same dim, so dims that look alike (size 1) keep their order.
+        candidates = [i] + [j for j in range(x.dim()) if j != i]
+        match = next((j for j in candidates if j not in perm and old[j] == layout), None)
+        if match is None:
+            return None
+        perm.append(match)
+    return perm
+
+
+@implements([aten.as_strided.default])
+def _as_strided(func, types, args, kwargs):
+    """Re-striding the FP8 bytes in place.
+
+    torch.compile calls it to rebuild a graph output that aliases a graph input (a compiled
+    function returning ``w8.t()`` or ``w8.detach()``). Tensorwise: any layout, the one scale
+    applies to every byte. Axiswise: only layouts that permute the tensor's own dims at the
+    same storage offset (detach, t, transpose, permute); the scale is permuted alongside.
+    """
+    x, size, stride = args[0], args[1], args[2]
+    offset = args[3] if len(args) > 3 else kwargs.get("storage_offset")
+    data = func(x._data, size, stride, offset)
+    if x._axiswise_dim is None:
+        return _view_result(func, args, kwargs, x._replace(data=data))
+    perm = _as_permutation(x, size, stride, offset)
+    if perm is None:
+        raise NotImplementedError(
+            f"as_strided of a Float8Tensor scaled along dim {x._axiswise_dim} is only supported "
+            f"as a permutation of its dims; got size={tuple(size)}, stride={tuple(stride)}, "
+            f"storage_offset={offset} for shape {tuple(x.shape)}, stride {x.stride()}. Call .to_hp() first."
+        )
+    out = x._replace(data=data, scale=x._scale.permute(perm), axiswise_dim=perm.index(x._axiswise_dim))
+    return _view_result(func, args, kwargs, out)
+
+
 @implements([aten.detach.default, aten.alias.default])
 def _detach(func, types, args, kwargs):
     (x,) = args
@@ -342,9 +385,18 @@ def _clone(func, types, args, kwargs):
     return x._replace(data=func(x._data, **kwargs), scale=x._scale.clone())
 
 
+def _scale_varies_along(x: Float8Tensor, dim: int) -> bool:
+    """Whether ``x`` has one scale per index along ``dim``.
+
+    Decided from the metadata, not from ``_scale.shape[dim] == 1``: a one-row piece of a
+    rowwise tensor also has a size-1 scale along ``dim``, yet its scale is its own.
+    """
+    return x._axiswise_dim is not None and dim != x._axiswise_dim
+
+
 def _split_scale(x: Float8Tensor, dim: int, pieces: Sequence[torch.Tensor], split) -> list[torch.Tensor]:
     """Scales for pieces of ``x`` cut along ``dim``: shared when constant along ``dim``."""
-    if x._axiswise_dim is None or x._scale.shape[dim] == 1:
+    if not _scale_varies_along(x, dim):
         return [x._scale] * len(pieces)
     return list(split(x._scale))
 
@@ -386,7 +438,7 @@ def _cat(func, types, args, kwargs):
         if not same_meta:
             raise ValueError("cat needs Float8Tensors of one float8 dtype, original dtype, granularity and GemmConfig")
     data = torch.cat([t._data for t in tensors], dim)
-    if first._axiswise_dim is not None and first._scale.shape[dim] != 1:
+    if _scale_varies_along(first, dim):
         return first._replace(data=data, scale=torch.cat([t._scale for t in tensors], dim))
     # The scale is constant along `dim`: every piece must carry the same one.
     for t in tensors[1:]:
@@ -429,15 +481,33 @@ def _copy_(func, types, args, kwargs):
     if _is_f8(src):
         if (src._data.dtype, src._axiswise_dim) != (dst._data.dtype, dst._axiswise_dim):
             raise ValueError("copy_ between Float8Tensors needs one float8 dtype and one granularity")
-        dst._data.copy_(src._data)
-        dst._scale.copy_(src._scale)
-        return dst
-    # A plain source (e.g. load_state_dict into an FP8 weight): cast it afresh with a
-    # dynamic scale in the destination's format, then write data and scale in place.
-    fresh = cast_to_float8(src.to(dst._orig_dtype), dst._data.dtype, axiswise_dim=dst._axiswise_dim)
-    dst._data.copy_(fresh._data)
-    dst._scale.copy_(fresh._scale)
+    else:
+        # A plain source (e.g. load_state_dict into an FP8 weight): cast it afresh with a
+        # dynamic scale in the destination's format, then write data and scale in place.
+        src = cast_to_float8(src.to(dst._orig_dtype), dst._data.dtype, axiswise_dim=dst._axiswise_dim)
+    if src._scale is not dst._scale and _scale_shared_beyond(dst):
+        raise NotImplementedError(
+            f"copy_ into a view of shape {tuple(dst.shape)} of a Float8Tensor of shape {tuple(dst._base.shape)} "
+            f"would change the scale it shares with elements outside the view. Copy into the whole "
+            f"tensor, or call .to_hp(), update, and cast again with Float8Tensor.from_hp."
+        )
+    dst._data.copy_(src._data)
+    dst._scale.copy_(src._scale)
     return dst
+
+
+def _scale_shared_beyond(dst: Float8Tensor) -> bool:
+    """Whether ``dst`` is a view whose scale also covers elements outside it.
+
+    Tensorwise: any view with fewer elements than its base. Axiswise: a view whose rows are
+    shorter than the base's (cut along the scaled axis); row slices own their scale rows.
+    """
+    base = dst._base
+    if not _is_f8(base):
+        return False
+    if dst._axiswise_dim is None or base._axiswise_dim is None:
+        return dst.numel() != base.numel()
+    return dst.shape[dst._axiswise_dim] != base.shape[base._axiswise_dim]
 
 
 @implements([aten.empty_like.default])

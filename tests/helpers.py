@@ -1,0 +1,85 @@
+"""Shared test helpers: SQNR with a stated threshold, bit-exact Float8Tensor comparison."""
+
+from __future__ import annotations
+
+import torch
+
+from f8tensor import FLOAT8_DTYPES, Float8Tensor, sqnr
+
+HP_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+E4M3_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+E5M2_DTYPES = (torch.float8_e5m2, torch.float8_e5m2fnuz)
+GRANULARITIES = ("tensorwise", "rowwise")
+
+# Minimum round-trip SQNR (dB) of a cast of torch.randn data, per format: 3 mantissa bits
+# give ~31 dB, 2 give ~25 dB; the thresholds leave ~3 dB of margin.
+CAST_MIN_DB = {
+    torch.float8_e4m3fn: 28.0,
+    torch.float8_e4m3fnuz: 28.0,
+    torch.float8_e5m2: 22.0,
+    torch.float8_e5m2fnuz: 22.0,
+}
+assert set(CAST_MIN_DB) == set(FLOAT8_DTYPES)
+
+# Minimum SQNR (dB) of an FP8 matrix product against the fp32 reference.
+MATMUL_MIN_DB = 20.0
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def assert_sqnr(reference: torch.Tensor, actual: torch.Tensor, min_db: float, what: str = "") -> float:
+    """Fail unless ``sqnr(reference, actual) >= min_db``; the message carries the value.
+
+    A NaN SQNR (NaN anywhere in ``actual``) fails too: ``nan >= x`` is False.
+    """
+    db = sqnr(reference.detach(), actual.detach())
+    label = f"{what}: " if what else ""
+    assert db >= min_db, f"{label}SQNR {db:.2f} dB is below the {min_db} dB threshold"
+    return db
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bytes of an FP8 tensor (NaN-safe, sign-of-zero-safe comparison)."""
+    return t.view(torch.uint8)
+
+
+def float_bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bits of an fp32 tensor."""
+    assert t.dtype == torch.float32, t.dtype
+    return t.view(torch.int32)
+
+
+def assert_bitwise_equal_f8(a: Float8Tensor, b: Float8Tensor) -> None:
+    """Same subclass, outer shape/dtype, FP8 bytes, scale bits and metadata."""
+    assert type(a) is Float8Tensor and type(b) is Float8Tensor, (type(a), type(b))
+    assert a.shape == b.shape, (a.shape, b.shape)
+    assert a.dtype == b.dtype, (a.dtype, b.dtype)
+    assert a._data.dtype == b._data.dtype, (a._data.dtype, b._data.dtype)
+    assert a._data.shape == b._data.shape, (a._data.shape, b._data.shape)
+    assert torch.equal(bits(a._data), bits(b._data)), "FP8 bytes differ"
+    assert a._scale.shape == b._scale.shape, (a._scale.shape, b._scale.shape)
+    assert torch.equal(float_bits(a._scale), float_bits(b._scale)), "scale bits differ"
+    assert (a._orig_dtype, a._axiswise_dim, a._gemm) == (b._orig_dtype, b._axiswise_dim, b._gemm)
+
+
+def assert_consistent(t: Float8Tensor) -> None:
+    """The container invariants from the class docstring hold for ``t``."""
+    assert type(t) is Float8Tensor
+    assert t.shape == t._data.shape
+    assert t.stride() == t._data.stride()
+    assert t.dtype == t._orig_dtype
+    assert t._scale.dtype == torch.float32
+    if t._axiswise_dim is None:
+        assert t._scale.dim() == 0, t._scale.shape
+    else:
+        expected = list(t._data.shape)
+        expected[t._axiswise_dim] = 1
+        assert list(t._scale.shape) == expected, (t._scale.shape, expected)
+
+
+def reference_cast(hp: torch.Tensor, scale: torch.Tensor, float8_dtype: torch.dtype) -> torch.Tensor:
+    """The scale rule written out independently: clamp(hp.float() * scale) to the range, then cast."""
+    fmax = torch.finfo(float8_dtype).max
+    return (hp.float() * scale).clamp(-fmax, fmax).to(float8_dtype)
