@@ -79,6 +79,7 @@ def _matmul(
     if a.dim() != 2 or b.dim() != 2:
         raise RuntimeError(f"FP8 mm expects 2D operands; got {tuple(a.shape)} and {tuple(b.shape)}")
     a8, b8 = _as_float8_operands(a, b)
+    _check_operand_dtypes(a8._data.dtype, b8._data.dtype)
     gemm = _merged_gemm(a8._gemm, b8._gemm)
     (m, k), (k2, n) = a8.shape, b8.shape
     if k != k2:
@@ -160,6 +161,18 @@ def _requantize(f8: Float8Tensor, axiswise_dim: int) -> Float8Tensor:
     return cast_to_float8(
         dequantize(f8, torch.float32), f8._data.dtype, axiswise_dim=axiswise_dim, gemm=f8._gemm, orig_dtype=f8._orig_dtype
     )
+
+
+def _check_operand_dtypes(a: torch.dtype, b: torch.dtype) -> None:
+    # cuBLASLt's rules, enforced on every device (CPU kernels would accept these), so a
+    # model that runs on CPU runs unchanged on a GPU.
+    if "e5m2" in str(a) and "e5m2" in str(b):
+        raise ValueError(
+            f"FP8 matmul of two e5m2 operands ({a} x {b}) is not supported by torch._scaled_mm on "
+            f"GPUs; cast one operand to e4m3"
+        )
+    if ("fnuz" in str(a)) != ("fnuz" in str(b)):
+        raise ValueError(f"FP8 matmul operands must both be fnuz formats or neither; got {a} x {b}")
 
 
 def _merged_gemm(a: GemmConfig, b: GemmConfig) -> GemmConfig:

@@ -28,9 +28,11 @@ __all__ = [
 ]
 
 #: amax is clamped to at least this before division, so an all-zero tensor gets a finite
-#: scale (float8_max / EPS <= 5.8e16, far inside fp32 for every format and input dtype,
-#: including fp16 inputs whose amax is a tiny subnormal).
-EPS = 1e-12
+#: scale. 2**-100 (~7.9e-31) keeps tensors with a tiny but real amax (down to ~1e-30)
+#: representable instead of flushing them to zero, while every derived number stays a
+#: normal fp32: float8_max / EPS <= 57344 * 2**100 ~ 7.3e34 (< 3.4e38), and the inverse
+#: scale EPS / float8_max >= 2**-116 ~ 1.2e-35 (> 1.2e-38, the smallest normal).
+EPS = 2.0**-100
 
 def tensor_amax(x: torch.Tensor, axiswise_dim: int | None = None) -> torch.Tensor:
     """max |x| in fp32: a 0-dim tensor, or reduced over ``axiswise_dim`` with keepdim.

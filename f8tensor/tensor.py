@@ -213,6 +213,8 @@ def _check_given_scale(scale: torch.Tensor | float, hp: torch.Tensor, axiswise_d
     if not isinstance(scale, torch.Tensor):
         if isinstance(scale, bool) or not isinstance(scale, (int, float)):
             raise TypeError(f"scale must be a float or an fp32 tensor; got {type(scale).__name__}")
+        if not (0.0 < float(scale) < float("inf")):
+            raise ValueError(f"scale must be a positive finite number; got {scale!r}")
         scale = torch.tensor(float(scale), dtype=torch.float32, device=hp.device)
     if scale.dtype != torch.float32:
         raise TypeError(f"scale must be float32; got {scale.dtype}")

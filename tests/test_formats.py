@@ -139,16 +139,28 @@ def test_scale_rule_bitwise_against_reference(float8_dtype, hp_dtype, granularit
     assert (amax_data == fmax).all()
 
 
+# GemmConfig is a plain NamedTuple (torch.compile builds it inside graphs), so it is
+# validated where it enters the public API: Float8Tensor.from_hp(gemm_config=...).
+
+
 def test_gemm_config_rejects_fp8_out_dtype():
+    cfg = GemmConfig(out_dtype=torch.float8_e4m3fn)
     with pytest.raises(ValueError, match=r"out_dtype.*float8_e4m3fn.*float8_mm"):
-        GemmConfig(out_dtype=torch.float8_e4m3fn)
+        Float8Tensor.from_hp(torch.randn(16, 16), gemm_config=cfg)
 
 
 def test_gemm_config_rejects_float64_out_dtype():
+    cfg = GemmConfig(out_dtype=torch.float64)
     with pytest.raises(ValueError, match=r"GemmConfig.out_dtype must be None or one of"):
-        GemmConfig(out_dtype=torch.float64)
+        cfg.validated()
 
 
 def test_gemm_config_rejects_non_bool_flags():
+    cfg = GemmConfig(pad_inner_dim=1)
     with pytest.raises(TypeError, match=r"GemmConfig.pad_inner_dim must be a bool"):
-        GemmConfig(pad_inner_dim=1)
+        Float8Tensor.from_hp(torch.randn(16, 16), gemm_config=cfg)
+
+
+def test_gemm_config_accepts_allowed_values():
+    cfg = GemmConfig(out_dtype=torch.float16, use_fast_accum=True, pad_inner_dim=True)
+    assert cfg.validated() is cfg
