@@ -330,6 +330,23 @@ def _expand(func, types, args, kwargs):
     return _view_result(func, args, kwargs, out)
 
 
+@implements([aten.as_strided.default])
+def _as_strided(func, types, args, kwargs):
+    """Re-striding the FP8 bytes in place (tensorwise only).
+
+    FSDP2 views the gathered weight as the parameter's shape this way, dropping the zero
+    rows that pad uneven shards. One scale applies to every byte, so any layout is fine;
+    a per-row scale cannot follow an arbitrary re-striding.
+    """
+    x, size, stride = args[0], args[1], args[2]
+    offset = args[3] if len(args) > 3 else kwargs.get("storage_offset")
+    if x._axiswise_dim is not None:
+        raise NotImplementedError(
+            f"as_strided of a Float8Tensor scaled along dim {x._axiswise_dim} is not supported; call .to_hp() first"
+        )
+    return _view_result(func, args, kwargs, x._replace(data=func(x._data, size, stride, offset)))
+
+
 @implements([aten.detach.default, aten.alias.default])
 def _detach(func, types, args, kwargs):
     (x,) = args
