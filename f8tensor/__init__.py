@@ -17,6 +17,7 @@ from f8tensor.config import (
     ScalingType,
 )
 from f8tensor.formats import FLOAT8_DTYPES, FORMATS, Float8Format, float8_max
+from f8tensor.fsdp import Float8AllGatherWeight, precompute_float8_scales_for_fsdp
 from f8tensor.linear import Float8Linear, convert_to_float8_training
 from f8tensor.ops import float8_mm
 from f8tensor.stats import sqnr
@@ -30,6 +31,7 @@ __all__ = [
     "RECIPES",
     "CastConfig",
     "DelayedScalingConfig",
+    "Float8AllGatherWeight",
     "Float8Format",
     "Float8Linear",
     "Float8LinearConfig",
@@ -40,6 +42,7 @@ __all__ = [
     "convert_to_float8_training",
     "float8_max",
     "float8_mm",
+    "precompute_float8_scales_for_fsdp",
     "sqnr",
 ]
 

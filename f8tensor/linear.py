@@ -119,7 +119,11 @@ class _Float8LinearFn(torch.autograd.Function):
         ctx.hist_go = hist_go
         ctx.x_shape = x.shape
         ctx.has_bias = bias is not None
-        return y.reshape(*x.shape[:-1], y.shape[-1])
+        # A fresh tensor, not a view of the 2D product (reshape returns a view even when
+        # the shape is unchanged), like nn.Linear's output: FSDP2 warns on every forward
+        # whose output is a view, as an in-place op on it would bypass the backward hook.
+        # _scaled_mm's result is contiguous, so _unsafe_view only relabels its shape.
+        return torch.ops.aten._unsafe_view(y, (*x.shape[:-1], y.shape[-1]))
 
     @staticmethod
     def backward(ctx, grad_y):  # type: ignore[override]
@@ -190,16 +194,23 @@ class Float8Linear(nn.Linear):
                 self.register_buffer(name, torch.zeros(n, dtype=torch.float32, device=device))
             for name in _SCALE_BUFFERS:
                 self.register_buffer(name, torch.ones((), dtype=torch.float32, device=device))
+        if self.config.enable_fsdp_float8_all_gather:
+            self.weight = _fsdp().wrap_weight(self.weight, self.config.weight)
 
     @classmethod
     def from_float(cls, linear: nn.Linear, config: Float8LinearConfig | None = None) -> "Float8Linear":
         """A Float8Linear sharing ``linear``'s parameters (the same Parameter objects,
-        so an optimizer built before the swap keeps working)."""
+        so an optimizer built before the swap keeps working; with
+        ``enable_fsdp_float8_all_gather`` the weight is a new Parameter over the same
+        storage, and the optimizer is built after ``fully_shard`` anyway)."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"from_float expects an nn.Linear; got {type(linear).__name__}")
         with torch.device("meta"):
             new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, config=config)
-        new.weight = linear.weight
+        if new.config.enable_fsdp_float8_all_gather:
+            new.weight = _fsdp().wrap_weight(linear.weight, new.config.weight)
+        else:
+            new.weight = linear.weight
         new.bias = linear.bias
         device = linear.weight.device
         for name, buf in list(new.named_buffers(recurse=False)):
@@ -243,7 +254,23 @@ class Float8Linear(nn.Linear):
             for role, cc in (("input", c.input), ("weight", c.weight), ("grad_output", c.grad_output))
         )
         extra = ", weight_grad_in_hp" if c.weight_grad_in_hp else ""
+        if c.enable_fsdp_float8_all_gather:
+            extra += ", fsdp_float8_all_gather"
         return f"{super().extra_repr()}, {ops}{extra}"
+
+
+def _fsdp():
+    """``f8tensor.fsdp``, imported when a layer asks for FP8 all-gather.
+
+    The one reference from linear to fsdp, which sits above it (formats <- scaling <-
+    tensor <- ops <- linear <- fsdp). It is resolved at call time, so importing this
+    module never imports fsdp, and fsdp may use anything here without a cycle. The
+    wrapper belongs in fsdp.py with the FSDP hooks it implements; linear only decides,
+    from its config, that its weight gets one.
+    """
+    from f8tensor import fsdp
+
+    return fsdp
 
 
 def _check_config(config: Float8LinearConfig | None) -> Float8LinearConfig:

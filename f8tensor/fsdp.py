@@ -1,0 +1,364 @@
+"""FSDP2 with FP8 weight all-gather: the weight wrapper and the scale precomputation.
+
+Under ``torch.distributed.fsdp.fully_shard`` every rank holds a shard of each weight and
+all-gathers the full weight before a layer runs. A :class:`Float8AllGatherWeight` makes
+that all-gather move FP8 bytes instead of bf16/fp32 ones:
+
+- ``fsdp_pre_all_gather`` casts the local shard with a scale every rank agrees on (the
+  amax of the shards reduced with MAX over the mesh) and hands FSDP the FP8 bytes viewed
+  as ``torch.uint8``: one byte per element, and a dtype every backend moves (gloo refuses
+  the float8 dtypes).
+- ``fsdp_post_all_gather`` views the gathered bytes as FP8 again and builds the tensorwise
+  :class:`~f8tensor.tensor.Float8Tensor` that ``Float8Linear`` takes as its weight; from
+  the second all-gather on it refreshes that same tensor in place (``out=``), so the
+  unsharded parameter is one object for the whole run.
+
+Because the scale comes from the global amax, the gathered bytes are exactly those a
+single process would produce by casting the full weight: FP8 all-gather changes the
+traffic, not the numerics.
+
+:func:`precompute_float8_scales_for_fsdp` moves the amax all-reduce out of the per-layer
+all-gathers: after ``optimizer.step()`` it reduces every weight's amax in one collective.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._pytree import tree_map_only
+
+from f8tensor.config import CastConfig
+from f8tensor.formats import HP_DTYPES
+from f8tensor.scaling import amax_to_scale, tensor_amax
+from f8tensor.tensor import Float8Tensor, cast_to_float8
+
+if dist.is_available():
+    from torch.distributed.tensor import DTensor
+else:  # a torch build without torch.distributed: no parameter is ever a DTensor
+    DTensor = ()  # isinstance(x, ()) is always False
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+__all__ = ["Float8AllGatherWeight", "precompute_float8_scales_for_fsdp"]
+
+aten = torch.ops.aten
+
+# Ops whose result is still "the weight", only stored differently, stay wrapped: the
+# views and copies FSDP uses to shard and pad a parameter, DTensor's local views, device
+# and dtype moves, and the buffers checkpoint loading allocates. Every other op
+# (arithmetic, reductions, the optimizer's math) sees and returns plain tensors, and an
+# in-place op returns its wrapped argument, whatever the op.
+#
+# Views share the write count of the wrapper they view; copies start their own.
+_VIEWS = frozenset(
+    {
+        aten.detach.default,
+        aten.alias.default,
+        aten.view.default,
+        aten._unsafe_view.default,
+        aten.as_strided.default,
+        aten.slice.Tensor,
+        aten.split.Tensor,
+        aten.split_with_sizes.default,
+    }
+)
+_COPIES = frozenset(
+    {
+        aten.clone.default,
+        aten._to_copy.default,
+        aten._pin_memory.default,
+        aten.new_zeros.default,
+        aten.new_empty.default,
+        aten.empty_like.default,
+    }
+)
+
+
+class _WriteCount:
+    """How often the data under a wrapper and its views has been written.
+
+    Not the autograd version counter: a view made inside another subclass's dispatch (a
+    DTensor's ``detach``, as in ``state_dict``) gets a fresh version counter, yet writes
+    through it (a checkpoint load) change the weight all the same.
+    """
+
+    __slots__ = ("n",)
+
+    def __init__(self) -> None:
+        self.n = 0
+
+
+# For each op: the positions and names of the arguments it writes (schema ``Tensor(a!)``).
+_WRITES: dict[Any, tuple[tuple[int, str], ...]] = {}
+
+
+def _written_args(func: Any, args: tuple, kwargs: dict) -> Iterator[Any]:
+    """The tensors ``func`` writes into, in-place and ``out=`` arguments alike."""
+    where = _WRITES.get(func)
+    if where is None:
+        where = tuple(
+            (i, arg.name)
+            for i, arg in enumerate(func._schema.arguments)
+            if arg.alias_info is not None and arg.alias_info.is_write
+        )
+        _WRITES[func] = where
+    for i, name in where:
+        value = args[i] if i < len(args) else kwargs.get(name)
+        yield from value if isinstance(value, (list, tuple)) else (value,)
+
+
+class Float8AllGatherWeight(torch.Tensor):
+    """A high-precision weight whose FSDP2 all-gather moves FP8 bytes.
+
+    For every op it behaves like the plain tensor it wraps (optimizer steps, ``copy_``,
+    ``zero_``, DTensor sharding, checkpoints); only FSDP's all-gather hooks differ.
+    Fields:
+
+    - ``_hp``: the plain bf16/fp16/fp32 tensor (the whole weight, or a rank's shard).
+    - ``_cast``: the weight's :class:`~f8tensor.config.CastConfig` (FP8 dtype, power-of-2
+      rounding); dynamic and tensorwise, which ``Float8LinearConfig`` checks.
+    - ``_writes``: a :class:`_WriteCount` shared with every wrapper that views the same
+      data; each op that writes into any of them (optimizer steps, ``copy_``,
+      ``load_state_dict``, checkpoint loads) counts, whichever subclass dispatched it.
+    - ``_precomputed``: ``None``, or ``(scale, writes)`` from
+      :func:`precompute_float8_scales_for_fsdp`: a 0-dim fp32 scale and the write count
+      it was computed at. A cache, not part of the tensor: used only while the count is
+      unchanged; a rebuilt wrapper (a view, or flatten and unflatten under compile)
+      starts without one and computes its scale afresh.
+    """
+
+    _hp: torch.Tensor
+    _cast: CastConfig
+    _writes: _WriteCount
+    _precomputed: tuple[torch.Tensor, int] | None
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(
+        cls, hp: torch.Tensor, cast: CastConfig, *, writes: _WriteCount | None = None
+    ) -> "Float8AllGatherWeight":
+        if isinstance(hp, (Float8AllGatherWeight, Float8Tensor)):
+            raise TypeError(f"Float8AllGatherWeight wraps a high-precision tensor; got a {type(hp).__name__}")
+        if hp.dtype not in HP_DTYPES:
+            raise TypeError(f"Float8AllGatherWeight wraps a bf16, fp16 or fp32 tensor; got {hp.dtype}")
+        if cast.rowwise or cast.delayed:
+            raise ValueError("FP8 all-gather needs a dynamic tensorwise weight cast (recipe 'tensorwise')")
+        self = torch.Tensor._make_wrapper_subclass(
+            cls,
+            hp.shape,
+            strides=hp.stride(),
+            storage_offset=hp.storage_offset(),
+            dtype=hp.dtype,
+            layout=hp.layout,
+            device=hp.device,
+            requires_grad=hp.requires_grad,
+        )
+        self._hp = hp
+        self._cast = cast
+        self._writes = writes if writes is not None else _WriteCount()
+        self._precomputed = None
+        return self
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        fp8 = str(self._cast.dtype).removeprefix("torch.")
+        return f"Float8AllGatherWeight({fp8}, {self._hp!r})"
+
+    def __reduce_ex__(self, protocol):  # type: ignore[override]
+        # Serialized (torch.save, torch.distributed.checkpoint) as the plain tensor it
+        # wraps: checkpoints hold ordinary tensors, load with weights_only=True, and move
+        # freely between models with and without the FP8 all-gather. Loading into a
+        # wrapper goes through copy_ like any other write. A shard that views a larger
+        # (padded) buffer is copied first so that only its own elements are written.
+        hp = self._hp
+        if hp.untyped_storage().nbytes() != hp.nbytes:
+            hp = hp.clone()
+        if isinstance(self, nn.Parameter):
+            hp = nn.Parameter(hp, requires_grad=self.requires_grad)
+        return hp.__reduce_ex__(protocol)
+
+    # ----------------------------------------------------------------- compile support
+
+    def __tensor_flatten__(self) -> tuple[list[str], tuple]:
+        return ["_hp"], (self._cast,)
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict, meta: tuple, outer_size: Any, outer_stride: Any) -> "Float8AllGatherWeight":
+        return Float8AllGatherWeight(inner["_hp"], *meta)
+
+    # ----------------------------------------------------------------- dispatch
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
+        # Unwrap, run on the plain tensors, and map results back: an in-place result is
+        # the wrapped argument itself; a new result stays wrapped only for _VIEWS (sharing
+        # the argument's write count) and _COPIES.
+        wrapped: dict[int, Float8AllGatherWeight] = {}
+
+        def unwrap(w: Float8AllGatherWeight) -> torch.Tensor:
+            wrapped.setdefault(id(w._hp), w)
+            return w._hp
+
+        kwargs = kwargs or {}
+        out = func(*tree_map_only(cls, unwrap, args), **tree_map_only(cls, unwrap, kwargs))
+        for written in _written_args(func, args, kwargs):
+            if isinstance(written, cls):
+                written._writes.n += 1
+        first = next(iter(wrapped.values()))
+        keep = func in _VIEWS or func in _COPIES
+        writes = first._writes if func in _VIEWS else None
+
+        def rewrap(t: torch.Tensor) -> torch.Tensor:
+            same = wrapped.get(id(t))
+            if same is not None and same._hp is t:
+                return same
+            if keep and t.dtype in HP_DTYPES:
+                return cls(t, first._cast, writes=writes)
+            return t
+
+        return tree_map_only(torch.Tensor, rewrap, out)
+
+    # ----------------------------------------------------------------- FSDP2 extension
+
+    def fsdp_pre_all_gather(
+        self,
+        mesh: DeviceMesh,
+        outer_size: torch.Size,
+        outer_stride: tuple[int, ...],
+        module: nn.Module,
+        mp_policy: MixedPrecisionPolicy,
+    ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor]]:
+        """The local shard as FP8 bytes (``torch.uint8``), padded to FSDP's shard size.
+
+        The cast always starts from this high-precision shard (the fp32 master weight
+        under a bf16 ``MixedPrecisionPolicy``), so ``mp_policy.param_dtype`` only sets the
+        dtype the Float8Tensor stands for, in :meth:`fsdp_post_all_gather`.
+        """
+        scale = self._all_gather_scale(mesh)
+        data = cast_to_float8(self._hp, self._cast.dtype, scale=scale)._data.view(torch.uint8)
+        # FSDP pads every shard along dim 0 to the size of the first one (torch.chunk's
+        # ceil(rows / world)): an uneven or empty shard is topped up with zero bytes (the
+        # zero byte is +0.0 in every FP8 format). Unpadded shards (other shard dims, which
+        # FSDP requires to be even) come out at their own size.
+        padded_rows = -(-outer_size[0] // mesh.size()) if len(outer_size) else 0
+        if data.dim() and data.shape[0] < padded_rows:
+            pad = [0, 0] * (data.dim() - 1) + [0, padded_rows - data.shape[0]]
+            data = torch.nn.functional.pad(data, pad)
+        return (data,), (scale,)
+
+    def fsdp_post_all_gather(
+        self,
+        all_gather_outputs: tuple[torch.Tensor, ...],
+        metadata: tuple[torch.Tensor],
+        param_dtype: torch.dtype,
+        *,
+        out: torch.Tensor | None = None,
+    ) -> tuple[Float8Tensor, tuple[torch.Tensor, ...]] | None:
+        """Build (first call) or refresh (``out=``) the unsharded FP8 weight.
+
+        First call: a Float8Tensor over the gathered bytes (no copy), standing for
+        ``param_dtype``, and those bytes as the inner tensor FSDP frees after use and
+        re-allocates before the next all-gather. With ``out`` (FSDP's unsharded parameter,
+        built from the first result): the new bytes already sit in its storage, so only
+        its scale is updated, in place.
+        """
+        (data,) = all_gather_outputs
+        (scale,) = metadata
+        data = data.view(self._cast.dtype)
+        if out is None:
+            return Float8Tensor(data, scale.clone(), param_dtype), (data,)
+        if not isinstance(out, Float8Tensor) or out._orig_dtype != param_dtype:
+            raise RuntimeError(f"fsdp_post_all_gather: out must be the {param_dtype} Float8Tensor built the first time")
+        if out._data.untyped_storage().data_ptr() != data.untyped_storage().data_ptr():
+            raise RuntimeError(
+                "fsdp_post_all_gather: FSDP gathered into a new buffer; the unsharded FP8 weight would keep stale bytes"
+            )
+        # The scale is saved for backward by Float8Linear. With reshard_after_forward=True
+        # the weight is gathered again for backward, from the same unchanged shard, so the
+        # value written here equals the saved one: hide the write from autograd's check,
+        # exactly as FSDP does for the gathered bytes themselves.
+        with torch.autograd._unsafe_preserve_version_counter(out._scale):
+            out._scale.copy_(scale)
+        return None
+
+    def _all_gather_scale(self, mesh: DeviceMesh) -> torch.Tensor:
+        """The scale all ranks use for this weight: precomputed, or one all-reduce now."""
+        cached = self._precomputed
+        if cached is not None:
+            scale, writes = cached
+            if writes == self._writes.n:
+                return scale
+            self._precomputed = None  # the weight changed since: never use a stale scale
+        amax = tensor_amax(self._hp)  # 0 for an empty shard
+        _all_reduce_max(amax, mesh)
+        return amax_to_scale(amax, self._cast.dtype, round_pow2=self._cast.power_of_2_scale)
+
+
+def _all_reduce_max(t: torch.Tensor, mesh: DeviceMesh) -> None:
+    """In place: the elementwise max of ``t`` over every rank of ``mesh`` (any number of dims)."""
+    if mesh.size() == 1:
+        return
+    for dim in range(mesh.ndim):
+        if mesh.size(dim) > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
+
+
+def wrap_weight(weight: nn.Parameter, cast: CastConfig) -> nn.Parameter:
+    """``weight`` as a Parameter over a :class:`Float8AllGatherWeight` sharing its storage.
+
+    A new Parameter object: build the optimizer after the conversion (and after
+    ``fully_shard``, which replaces every parameter anyway).
+    """
+    if isinstance(weight, Float8AllGatherWeight):
+        return weight
+    return nn.Parameter(Float8AllGatherWeight(weight.detach(), cast), requires_grad=weight.requires_grad)
+
+
+def _local_of(t: Any) -> Any:
+    """The local tensor of a DTensor, else ``None``."""
+    return t._local_tensor if isinstance(t, DTensor) else None
+
+
+@torch.no_grad()
+def precompute_float8_scales_for_fsdp(module: nn.Module) -> None:
+    """Compute the next FP8 all-gather scale of every sharded weight in ``module`` at once.
+
+    Call it after ``optimizer.step()``. It takes the amax of every
+    :class:`Float8AllGatherWeight` shard, reduces them all with one all-reduce (MAX) per
+    device mesh, and stores the scales on the weights, so the next all-gathers need no
+    collective of their own. Optional: without it each all-gather reduces its own amax,
+    with identical results. A stored scale serves every all-gather (forward, and the
+    backward re-gather under ``reshard_after_forward=True``) while its weight is
+    unchanged; once the weight is written (another step, ``load_state_dict``) the next
+    all-gather reduces a fresh amax instead. Weights that are not FSDP-sharded (not
+    DTensors) are skipped: nothing all-gathers them.
+
+    Each rank decides from its own shard whether a stored scale still holds, so weights
+    must change on all ranks alike, as in any data-parallel loop. One way to break that:
+    ``torch.distributed.checkpoint.load`` writes in place only into shards that hold
+    elements; follow it with ``model.load_state_dict`` (or ``set_state_dict``), as the
+    checkpoint documentation does, which writes every shard, empty ones included.
+    """
+    by_mesh: dict[DeviceMesh, list[Float8AllGatherWeight]] = {}
+    for param in module.parameters():
+        local = _local_of(param)
+        if isinstance(local, Float8AllGatherWeight):
+            by_mesh.setdefault(param.device_mesh, []).append(local)
+    for mesh, weights in by_mesh.items():
+        amaxes = torch.stack([tensor_amax(w._hp) for w in weights])
+        _all_reduce_max(amaxes, mesh)
+        # One amax -> scale per (format, rounding) group: usually a single vector op.
+        groups: dict[tuple[torch.dtype, bool], list[int]] = {}
+        for i, w in enumerate(weights):
+            groups.setdefault((w._cast.dtype, w._cast.power_of_2_scale), []).append(i)
+        for (dtype, pow2), indices in groups.items():
+            index = torch.tensor(indices, device=amaxes.device)
+            scales = amax_to_scale(amaxes.index_select(0, index), dtype, round_pow2=pow2)
+            for i, scale in zip(indices, scales.unbind()):
+                weights[i]._precomputed = (scale, weights[i]._writes.n)
