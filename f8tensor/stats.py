@@ -137,7 +137,8 @@ def float8_stats(model: nn.Module, *, history: bool = False) -> dict[str, float]
     roles not measured yet read NaN (e.g. ``grad_output`` before the first backward, or
     ``weight`` when FSDP2 hands over a weight already in FP8). Layers without telemetry
     are absent; a model with none gives ``{}``. The values are gathered with a single
-    device-to-host copy.
+    device-to-host copy. Under data parallelism each rank reports its own tensors (the
+    read runs no collective; reduce the dict yourself if you need a global view).
     """
     layers = _stats_layers(model)
     if not layers:
