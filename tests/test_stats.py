@@ -453,7 +453,16 @@ def _tutorial():
     return sys.modules[name]
 
 
-def test_study_outlier_is_counted_under_delayed_only():
+@pytest.fixture
+def one_thread():
+    # Tiny matrices: a second thread only adds overhead (and contention on shared CPUs).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_study_outlier_is_counted_under_delayed_only(one_thread):
     t = _tutorial()
     cfg = t.StudyConfig(steps=24, outlier_step=20, batch=32)
     results = t.run_study(cfg, runs=(t.DELAYED, t.DYNAMIC, t.MIXED))
@@ -471,14 +480,10 @@ def test_study_outlier_is_counted_under_delayed_only():
         assert results[run, True].losses[:k] == results[run, False].losses[:k]
 
 
-def test_tutorial_main_writes_its_figure(tmp_path, monkeypatch, capsys):
+def test_tutorial_main_writes_its_figure(tmp_path, monkeypatch, capsys, one_thread):
     t = _tutorial()
     monkeypatch.setenv("F8TENSOR_OUT", str(tmp_path))
-    threads = torch.get_num_threads()
-    try:
-        numbers = t.main(t.StudyConfig(steps=30, outlier_step=20, batch=32))
-    finally:
-        torch.set_num_threads(threads)
+    numbers = t.main(t.StudyConfig(steps=30, outlier_step=20, batch=32))  # sets one thread too
     assert (tmp_path / "delayed_vs_dynamic.png").stat().st_size > 10_000
     out = capsys.readouterr().out
     assert "Conclusion" in out and "saturated at step 20" in out
