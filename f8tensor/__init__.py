@@ -16,11 +16,18 @@ from f8tensor.config import (
     Granularity,
     ScalingType,
 )
-from f8tensor.formats import FLOAT8_DTYPES, FORMATS, Float8Format, float8_max
+from f8tensor.formats import FLOAT8_DTYPES, FORMATS, Float8Format, float8_max, saturation_bound
 from f8tensor.fsdp import Float8AllGatherWeight, precompute_float8_scales_for_fsdp
 from f8tensor.linear import Float8Linear, convert_to_float8_training
 from f8tensor.ops import float8_mm
-from f8tensor.stats import sqnr
+from f8tensor.stats import (
+    STATS_FIELDS,
+    Float8SaturationWarning,
+    enable_float8_stats,
+    float8_stats,
+    format_float8_stats,
+    sqnr,
+)
 from f8tensor.tensor import Float8Tensor
 
 __version__ = "0.1.0"
@@ -29,20 +36,26 @@ __all__ = [
     "FLOAT8_DTYPES",
     "FORMATS",
     "RECIPES",
+    "STATS_FIELDS",
     "CastConfig",
     "DelayedScalingConfig",
     "Float8AllGatherWeight",
     "Float8Format",
     "Float8Linear",
+    "Float8SaturationWarning",
     "Float8LinearConfig",
     "Float8Tensor",
     "GemmConfig",
     "Granularity",
     "ScalingType",
     "convert_to_float8_training",
+    "enable_float8_stats",
     "float8_max",
     "float8_mm",
+    "float8_stats",
+    "format_float8_stats",
     "precompute_float8_scales_for_fsdp",
+    "saturation_bound",
     "sqnr",
 ]
 

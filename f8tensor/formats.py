@@ -8,6 +8,7 @@ out-of-range values become NaN; e5m2 overflows to inf; fnuz formats differ again
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -21,6 +22,7 @@ __all__ = [
     "check_hp_dtype",
     "e4m3_like",
     "saturated_cast",
+    "saturation_bound",
 ]
 
 FLOAT8_DTYPES: tuple[torch.dtype, ...] = (
@@ -120,3 +122,33 @@ def saturated_cast(x: torch.Tensor, float8_dtype: torch.dtype, *, inplace: bool 
     fmax = FORMATS[float8_dtype].max
     clamped = x.clamp_(min=-fmax, max=fmax) if inplace else x.clamp(min=-fmax, max=fmax)
     return clamped.to(float8_dtype)
+
+
+def _saturation_bound(fmt: Float8Format) -> float:
+    # The top binade's spacing: max = m * ulp with an integer mantissa m.
+    ulp = 2.0 ** (math.floor(math.log2(fmt.max)) - fmt.mantissa_bits)
+    tie = fmt.max + ulp / 2
+    if int(fmt.max / ulp) % 2 == 0:
+        return tie  # round-half-to-even sends the tie down to max: not clipped
+    # An odd max mantissa sends the tie up, out of range: the tie itself is clipped, so
+    # the bound is the fp32 number just below it (callers compare fp32 with ">").
+    return float(torch.nextafter(torch.tensor(tie, dtype=torch.float32), torch.tensor(0.0)))
+
+
+_SATURATION_BOUNDS: dict[torch.dtype, float] = {dtype: _saturation_bound(fmt) for dtype, fmt in FORMATS.items()}
+
+
+def saturation_bound(dtype: torch.dtype) -> float:
+    """The largest scaled fp32 magnitude whose FP8 value the saturating clamp leaves alone.
+
+    A scaled value ``|x| > saturation_bound(dtype)`` is *saturated*: round-to-nearest would
+    take it past the format's max (to a value the format lacks, inf or NaN), so the clamp
+    is what sets its FP8 value. Values in ``(max, bound]`` round to max anyway (their error
+    is an ordinary rounding error of at most half a spacing) and are not counted; nor is
+    max itself, which is representable. Counting ``|x| > max`` instead would report
+    saturation under dynamic scaling, where ``amax * scale`` lands one fp32 ulp above max
+    for roughly one tensor in ten. Bounds: 464 for e4m3fn (its max, 448, has an even
+    mantissa, so the tie 464 rounds down); for e4m3fnuz, e5m2 and e5m2fnuz the ties 248 and
+    61440 round up, so the bound is the fp32 number just below them.
+    """
+    return _SATURATION_BOUNDS[check_float8_dtype(dtype)]

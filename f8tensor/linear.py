@@ -6,6 +6,7 @@ Forward ``y = x @ W.t() + b``; backward ``grad_x = grad_y @ W`` and
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 
@@ -15,9 +16,9 @@ from torch import nn
 from f8tensor.config import CastConfig, Float8LinearConfig, GemmConfig
 from f8tensor.ops import _matmul
 from f8tensor.scaling import delayed_scale, push_amax, tensor_amax
-from f8tensor.tensor import Float8Tensor, cast_to_float8
+from f8tensor.tensor import CAST_STATS_FIELDS, Float8Tensor, cast_to_float8, cast_to_float8_with_stats
 
-__all__ = ["Float8Linear", "convert_to_float8_training"]
+__all__ = ["STATS_BUFFERS", "STATS_ROLES", "Float8Linear", "convert_to_float8_training"]
 
 logger = logging.getLogger("f8tensor")
 
@@ -26,6 +27,13 @@ _ALIGN = 16
 # step used for input and weight (re-used if activation checkpointing re-runs forward).
 _HISTORY_BUFFERS = ("amax_history_input", "amax_history_weight", "amax_history_grad_output")
 _SCALE_BUFFERS = ("scale_input", "scale_weight")
+# Cast telemetry (config.collect_stats): one float64 vector per operand role, laid out as
+# CAST_STATS_FIELDS. Not persistent: it describes the last step, not the model. Separate
+# buffers, not rows of one: each cast overwrites a whole tensor, which every AOTAutograd
+# partitioner handles (an in-place write to a row of a buffer in backward trips the
+# default partitioner of torch 2.13).
+STATS_ROLES = ("input", "weight", "grad_output")
+STATS_BUFFERS = tuple(f"float8_stats_{role}" for role in STATS_ROLES)
 
 
 def _sync_amax(amax: torch.Tensor) -> torch.Tensor:
@@ -58,20 +66,23 @@ def _cast(
     history: torch.Tensor | None = None,
     scale_buffer: torch.Tensor | None = None,
     recompute: bool = False,
+    stats: torch.Tensor | None = None,
 ) -> Float8Tensor:
     """Cast one GEMM operand per its CastConfig (dynamic or delayed).
 
     Delayed: the scale comes from ``history`` (updated in place with the current amax)
     and is also written to ``scale_buffer``; with ``recompute`` (a checkpointed forward
-    running again) that stored scale is reused and the history left alone.
+    running again) that stored scale is reused and the history left alone. ``stats``: the
+    role's telemetry buffer, which this cast overwrites, or ``None`` (no telemetry).
     """
     if not cast.delayed:
-        return cast_to_float8(
-            hp, cast.dtype, axiswise_dim=axiswise_dim, gemm=gemm, power_of_2_scale=cast.power_of_2_scale
+        return _cast_to_float8(
+            stats, hp, cast.dtype, axiswise_dim=axiswise_dim, gemm=gemm, power_of_2_scale=cast.power_of_2_scale
         )
     if recompute:
-        return cast_to_float8(hp, cast.dtype, scale=scale_buffer, gemm=gemm)
-    amax_now = _sync_amax(tensor_amax(hp))
+        return _cast_to_float8(stats, hp, cast.dtype, scale=scale_buffer, gemm=gemm)
+    amax_local = tensor_amax(hp)
+    amax_now = _sync_amax(amax_local)
     scale = delayed_scale(
         history,
         amax_now,
@@ -83,7 +94,20 @@ def _cast(
     push_amax(history, amax_now)
     if scale_buffer is not None:
         scale_buffer.copy_(scale)
-    return cast_to_float8(hp, cast.dtype, scale=scale, gemm=gemm)
+    # The stats describe this rank's tensor: its own amax, not the all-reduced one.
+    return _cast_to_float8(stats, hp, cast.dtype, scale=scale, gemm=gemm, amax=amax_local)
+
+
+def _cast_to_float8(
+    stats: torch.Tensor | None, hp: torch.Tensor, float8_dtype: torch.dtype, *, amax: torch.Tensor | None = None, **kwargs
+) -> Float8Tensor:
+    """``cast_to_float8``, or with ``stats`` its measuring twin, whose numbers overwrite
+    ``stats`` (never accumulate: a checkpointed forward that runs again writes the same)."""
+    if stats is None:
+        return cast_to_float8(hp, float8_dtype, **kwargs)
+    f8, measured = cast_to_float8_with_stats(hp, float8_dtype, amax=amax, **kwargs)
+    stats.copy_(measured)
+    return f8
 
 
 class _Float8LinearFn(torch.autograd.Function):
@@ -93,22 +117,29 @@ class _Float8LinearFn(torch.autograd.Function):
     takes it as is (tensorwise input), else the high-precision input; the weight itself
     (a parameter, no extra memory) and its 0-dim scale, so backward re-casts it to the
     very same bytes instead of keeping an FP8 copy of every weight alive.
+
+    Telemetry (``stats``: ``None``, or the layer's three statistics buffers) records the
+    three primary casts: input and weight in forward, grad_output in backward. The
+    re-casts along the other axis that rowwise recipes make for the weight-gradient GEMM
+    (and the backward re-cast of a rowwise weight) are not recorded.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, config, state):  # type: ignore[override]
+    def forward(ctx, x, weight, bias, config, state, stats):  # type: ignore[override]
         # `state`: None, or the delayed-scaling buffers (hist_in, hist_w, hist_go, scale_in,
         # scale_w). They ride on ctx, not save_for_backward: they are updated in place by
         # later steps, which is their purpose, not a hazard for this step's gradients.
+        # The same holds for `stats`: None, or the telemetry buffers (input, weight, grad_output).
         hist_in, hist_w, hist_go, scale_in, scale_w = state if state is not None else (None,) * 5
+        st_in, st_w, st_go = stats if stats is not None else (None,) * 3
         recompute = config.any_delayed and _recomputing()
         fwd = GemmConfig(use_fast_accum=config.use_fast_accum, pad_inner_dim=config.pad_inner_dim)
         x2 = x.reshape(-1, x.shape[-1])
-        x8 = _cast(x2, config.input, 1 if config.input.rowwise else None, fwd, config, hist_in, scale_in, recompute)
+        x8 = _cast(x2, config.input, 1 if config.input.rowwise else None, fwd, config, hist_in, scale_in, recompute, st_in)
         if isinstance(weight, Float8Tensor):  # FSDP2 float8 all-gather hands over an FP8 weight
             w8 = weight._replace(gemm=fwd)
         else:
-            w8 = _cast(weight, config.weight, 1 if config.weight.rowwise else None, fwd, config, hist_w, scale_w, recompute)
+            w8 = _cast(weight, config.weight, 1 if config.weight.rowwise else None, fwd, config, hist_w, scale_w, recompute, st_w)
         y = _matmul(x8, w8.t(), bias=bias)
 
         # The weight-gradient GEMM contracts over tokens (dim 0 of x): a tensorwise x8 is
@@ -117,6 +148,7 @@ class _Float8LinearFn(torch.autograd.Function):
         ctx.save_for_backward(x8 if keep_fp8_input else x2, weight, w8._scale)
         ctx.config = config
         ctx.hist_go = hist_go
+        ctx.stats_go = st_go
         ctx.x_shape = x.shape
         ctx.has_bias = bias is not None
         # A fresh tensor, not a view of the 2D product (reshape returns a view even when
@@ -137,7 +169,7 @@ class _Float8LinearFn(torch.autograd.Function):
         go_cfg = config.grad_output
 
         # grad_x = g @ W: contraction over N, so W's scale must be constant along dim 0.
-        g8 = _cast(g, go_cfg, 1 if go_cfg.rowwise else None, bwd, config, ctx.hist_go)
+        g8 = _cast(g, go_cfg, 1 if go_cfg.rowwise else None, bwd, config, ctx.hist_go, stats=ctx.stats_go)
         if isinstance(weight, Float8Tensor):
             w8 = weight._replace(gemm=bwd)
         elif config.weight.rowwise:
@@ -162,7 +194,7 @@ class _Float8LinearFn(torch.autograd.Function):
             grad_w = _matmul(gt8.t(), x8, out_dtype=weight.dtype)
         grad_w = grad_w.to(weight.dtype)
         grad_b = g.sum(0) if ctx.has_bias else None
-        return grad_x, grad_w, grad_b, None, None
+        return grad_x, grad_w, grad_b, None, None, None
 
 
 class Float8Linear(nn.Linear):
@@ -173,6 +205,11 @@ class Float8Linear(nn.Linear):
     operand (``amax_history_input``, ``..._weight``, ``..._grad_output``) and the input and
     weight scales of the current step (``scale_input``, ``scale_weight``), all in
     ``state_dict`` so a resumed run continues bit for bit.
+
+    With ``config.collect_stats`` the layer also holds ``float8_stats_input``,
+    ``..._weight`` and ``..._grad_output``: non-persistent float64 vectors laid out as
+    ``CAST_STATS_FIELDS``, overwritten by each cast, NaN until the first one. Read them
+    through :func:`f8tensor.float8_stats`; switch them with :meth:`set_collect_stats`.
     """
 
     def __init__(
@@ -194,8 +231,31 @@ class Float8Linear(nn.Linear):
                 self.register_buffer(name, torch.zeros(n, dtype=torch.float32, device=device))
             for name in _SCALE_BUFFERS:
                 self.register_buffer(name, torch.ones((), dtype=torch.float32, device=device))
+        if self.config.collect_stats:
+            self._register_stats_buffers(device)
         if self.config.enable_fsdp_float8_all_gather:
             self.weight = _fsdp().wrap_weight(self.weight, self.config.weight)
+
+    def _register_stats_buffers(self, device: torch.device | str | None) -> None:
+        for name in STATS_BUFFERS:
+            empty = torch.full((len(CAST_STATS_FIELDS),), torch.nan, dtype=torch.float64, device=device)
+            self.register_buffer(name, empty, persistent=False)
+
+    def set_collect_stats(self, enabled: bool = True) -> None:
+        """Switch cast telemetry on (fresh NaN buffers) or off (buffers removed).
+
+        Replaces ``config`` with a copy whose ``collect_stats`` is ``enabled``; a compiled
+        model recompiles once (off compiles the telemetry-free graph again). Call between
+        steps, never inside forward.
+        """
+        if not isinstance(enabled, bool):
+            raise TypeError(f"enabled must be a bool; got {enabled!r}")
+        self.config = dataclasses.replace(self.config, collect_stats=enabled)
+        for name in STATS_BUFFERS:
+            if name in self._buffers:
+                delattr(self, name)
+        if enabled:
+            self._register_stats_buffers(self.weight.device)
 
     @classmethod
     def from_float(cls, linear: nn.Linear, config: Float8LinearConfig | None = None) -> "Float8Linear":
@@ -214,7 +274,7 @@ class Float8Linear(nn.Linear):
         new.bias = linear.bias
         device = linear.weight.device
         for name, buf in list(new.named_buffers(recurse=False)):
-            fill = 1.0 if name in _SCALE_BUFFERS else 0.0
+            fill = 1.0 if name in _SCALE_BUFFERS else torch.nan if name in STATS_BUFFERS else 0.0
             setattr(new, name, torch.full_like(buf, fill, device=device))
         new.train(linear.training)
         return new
@@ -238,13 +298,15 @@ class Float8Linear(nn.Linear):
         state = None
         if self.config.any_delayed:
             state = tuple(getattr(self, name) for name in _HISTORY_BUFFERS + _SCALE_BUFFERS)
-        return _Float8LinearFn.apply(x, weight, bias, self.config, state)
+        stats = tuple(getattr(self, name) for name in STATS_BUFFERS) if self.config.collect_stats else None
+        return _Float8LinearFn.apply(x, weight, bias, self.config, state, stats)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         # A plain nn.Linear checkpoint has no delayed-scaling state: start those buffers
-        # fresh instead of failing a strict load.
+        # fresh instead of failing a strict load. (Non-persistent buffers are never loaded.)
         for name, buf in self.named_buffers(recurse=False):
-            state_dict.setdefault(prefix + name, buf.detach().clone())
+            if name not in self._non_persistent_buffers_set:
+                state_dict.setdefault(prefix + name, buf.detach().clone())
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
 
     def extra_repr(self) -> str:
@@ -253,7 +315,7 @@ class Float8Linear(nn.Linear):
             f"{role}={str(cc.dtype).removeprefix('torch.float8_')}/{cc.granularity.value}/{cc.scaling.value}"
             for role, cc in (("input", c.input), ("weight", c.weight), ("grad_output", c.grad_output))
         )
-        extra = ", weight_grad_in_hp" if c.weight_grad_in_hp else ""
+        extra = (", weight_grad_in_hp" if c.weight_grad_in_hp else "") + (", collect_stats" if c.collect_stats else "")
         if c.enable_fsdp_float8_all_gather:
             extra += ", fsdp_float8_all_gather"
         return f"{super().extra_repr()}, {ops}{extra}"

@@ -1,10 +1,260 @@
-"""Numerics you can see: accuracy measures and (per layer) cast telemetry."""
+"""Numerics you can see: accuracy measures and per-layer FP8 cast telemetry.
+
+Telemetry answers, for every :class:`~f8tensor.Float8Linear` and each of its operand roles
+(``input``, ``weight``, ``grad_output``): how many elements did the last cast clip at
+the format's max (*saturated*), how many non-zero values did it flush to zero
+(*underflow*), what were the amax and the scale, how much range was left unused
+(*headroom*, in powers of two) and, under delayed scaling, what does the amax history
+hold. Usage::
+
+    enable_float8_stats(model, warn_saturation_above=1e-4)   # or config collect_stats=True
+    ...
+    loss.backward()
+    logger.log(float8_stats(model))        # {"layers.0.mlp.up_proj/input/saturated_frac": 0.0, ...}
+    print(format_float8_stats(model))
+
+The counting happens inside each cast (see :func:`f8tensor.tensor.cast_to_float8_with_stats`)
+and writes into small buffers on the layer, in forward (input, weight) and backward
+(grad_output), eager or under ``torch.compile(fullgraph=True)``. Each cast overwrites its
+buffer: the numbers always describe the last step. Reading them is one device sync.
+
+This module observes the library; nothing below it imports it.
+"""
 
 from __future__ import annotations
 
-import torch
+import math
+import warnings
+import weakref
+from collections.abc import Mapping
 
-__all__ = ["sqnr"]
+import torch
+from torch import nn
+
+from f8tensor.linear import STATS_BUFFERS, STATS_ROLES, Float8Linear
+from f8tensor.tensor import CAST_STATS_FIELDS
+
+__all__ = [
+    "STATS_FIELDS",
+    "Float8SaturationWarning",
+    "enable_float8_stats",
+    "float8_stats",
+    "format_float8_stats",
+    "sqnr",
+]
+
+#: The fields reported for every role, in this order (key suffixes of :func:`float8_stats`).
+#: Roles with delayed scaling also report ``amax_history_max``.
+STATS_FIELDS: tuple[str, ...] = (
+    "saturated_frac",
+    "saturated_count",
+    "underflow_frac",
+    "underflow_count",
+    "amax",
+    "scale",
+    "headroom_log2",
+)
+_HISTORY_FIELD = "amax_history_max"
+
+_COL = {name: i for i, name in enumerate(CAST_STATS_FIELDS)}
+# Wrappers that insert a level into module names; keys skip them so that they do not
+# change when a model is compiled or wrapped for activation checkpointing.
+_WRAPPER_NAMES = frozenset({"_orig_mod", "_checkpoint_wrapped_module"})
+_WARN_ATTR = "_float8_warn_saturation_above"
+_warned: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+class Float8SaturationWarning(RuntimeWarning):
+    """A layer clipped more than the allowed fraction of an operand at the FP8 max."""
+
+
+def enable_float8_stats(
+    model: nn.Module, enabled: bool = True, *, warn_saturation_above: float | None = None
+) -> nn.Module:
+    """Switch cast telemetry on (or off) for every Float8Linear in ``model``.
+
+    On: each layer's config gets ``collect_stats=True`` and fresh statistics buffers
+    (NaN until the layer's first step). Off: the config flag is cleared and the buffers
+    removed, so forward and backward run exactly the code they run without telemetry; a
+    compiled model recompiles once either way. Call between steps.
+
+    ``warn_saturation_above``: a fraction in ``[0, 1)``. When :func:`float8_stats` (or the
+    table) finds a layer whose saturated fraction exceeds it for any role, it issues one
+    :class:`Float8SaturationWarning` for that layer, once per process. The check runs where
+    the statistics are read, never in forward, so it costs no sync and no graph break.
+
+    Returns ``model``.
+    """
+    if warn_saturation_above is not None:
+        if isinstance(warn_saturation_above, bool) or not isinstance(warn_saturation_above, (int, float)):
+            raise TypeError(f"warn_saturation_above must be a float in [0, 1) or None; got {warn_saturation_above!r}")
+        if not 0.0 <= warn_saturation_above < 1.0:
+            raise ValueError(f"warn_saturation_above must be in [0, 1); got {warn_saturation_above!r}")
+    layers = [m for m in model.modules() if isinstance(m, Float8Linear)]
+    if not layers:
+        raise ValueError("the model has no Float8Linear layers: convert it first (f8tensor.convert_to_float8_training)")
+    for layer in layers:
+        layer.set_collect_stats(enabled)
+        threshold = float(warn_saturation_above) if enabled and warn_saturation_above is not None else None
+        setattr(layer, _WARN_ATTR, threshold)
+    return model
+
+
+def _stats_layers(model: nn.Module) -> list[tuple[str, Float8Linear]]:
+    out = []
+    for fqn, mod in model.named_modules():
+        if isinstance(mod, Float8Linear) and mod.config.collect_stats:
+            name = ".".join(part for part in fqn.split(".") if part not in _WRAPPER_NAMES)
+            out.append((name, mod))
+    return out
+
+
+def _prefix(layer: str, role: str) -> str:
+    return f"{layer}/{role}/" if layer else f"{role}/"
+
+
+def float8_stats(model: nn.Module, *, history: bool = False) -> dict[str, float]:
+    """The last step's cast statistics of every layer that collects them, as Python floats.
+
+    Keys are ``"{layer}/{role}/{field}"``: ``layer`` is the module's name in ``model``
+    (wrappers added by ``torch.compile`` or checkpoint wrapping left out; empty for a bare
+    layer, giving ``"{role}/{field}"``), ``role`` one of ``input``, ``weight``,
+    ``grad_output`` and ``field`` one of :data:`STATS_FIELDS`:
+
+    - ``saturated_frac`` / ``saturated_count``: elements clipped at the format's max
+      (scaled magnitude above :func:`~f8tensor.formats.saturation_bound`; max itself is
+      representable and does not count, nor does a value that rounds to max anyway).
+    - ``underflow_frac`` / ``underflow_count``: non-zero in high precision, zero in FP8.
+    - ``amax``: max |value| of the high-precision operand. ``scale``: the scale used
+      (rowwise: the smallest of the row scales).
+    - ``headroom_log2``: ``log2(float8_max / max|value * scale|)``: ~0 for dynamic
+      scaling, > 0 for range left unused, < 0 when the amax itself was clipped.
+    - ``amax_history_max`` (delayed roles only): the largest amax in the history window
+      after this step's push (the window the next step's scale is taken from). With
+      ``history=True`` the whole window is added as ``.../amax_history/{i}``, newest first.
+
+    The key set depends only on the model's structure and configs, never on the values:
+    roles not measured yet read NaN (e.g. ``grad_output`` before the first backward, or
+    ``weight`` when FSDP2 hands over a weight already in FP8). Layers without telemetry
+    are absent; a model with none gives ``{}``. The values are gathered with a single
+    device-to-host copy. Under data parallelism each rank reports its own tensors (the
+    read runs no collective; reduce the dict yourself if you need a global view).
+    """
+    layers = _stats_layers(model)
+    if not layers:
+        return {}
+    parts: list[torch.Tensor] = []
+    for _, layer in layers:
+        parts.extend(getattr(layer, name).detach() for name in STATS_BUFFERS)
+        for role in _delayed_roles(layer):
+            parts.append(getattr(layer, f"amax_history_{role}").detach())
+    device = parts[0].device
+    # The one sync: every buffer flattened into one float64 tensor, copied to the host once.
+    flat = torch.cat([p.to(device=device, dtype=torch.float64) for p in parts]).tolist()
+
+    out: dict[str, float] = {}
+    pos = 0
+    n_fields = len(CAST_STATS_FIELDS)
+    for name, layer in layers:
+        rows = {role: flat[pos + i * n_fields : pos + (i + 1) * n_fields] for i, role in enumerate(STATS_ROLES)}
+        pos += len(STATS_ROLES) * n_fields
+        histories = {}
+        for role in _delayed_roles(layer):
+            n = layer.config.delayed.history_len
+            histories[role] = flat[pos : pos + n]
+            pos += n
+        for role in STATS_ROLES:
+            row, prefix = rows[role], _prefix(name, role)
+            numel = row[_COL["numel"]]
+            for field in ("saturated", "underflow"):
+                count = row[_COL[f"{field}_count"]]
+                out[prefix + f"{field}_frac"] = count / numel if numel > 0 else (0.0 if numel == 0 else math.nan)
+                out[prefix + f"{field}_count"] = count
+            for field in ("amax", "scale", "headroom_log2"):
+                out[prefix + field] = row[_COL[field]]
+            if role in histories:
+                out[prefix + _HISTORY_FIELD] = max(histories[role])
+                if history:
+                    for i, value in enumerate(histories[role]):
+                        out[prefix + f"amax_history/{i}"] = value
+        _maybe_warn(name, layer, out)
+    return out
+
+
+def _delayed_roles(layer: Float8Linear) -> list[str]:
+    return [role for role in STATS_ROLES if getattr(layer.config, role).delayed]
+
+
+def _maybe_warn(name: str, layer: Float8Linear, stats: Mapping[str, float]) -> None:
+    threshold = getattr(layer, _WARN_ATTR, None)
+    if threshold is None or layer in _warned:
+        return
+    over = [
+        (role, stats[_prefix(name, role) + "saturated_frac"])
+        for role in STATS_ROLES
+        if stats[_prefix(name, role) + "saturated_frac"] > threshold
+    ]
+    if over:
+        _warned.add(layer)
+        what = ", ".join(f"{role} {frac:.3g}" for role, frac in over)
+        hint = (
+            " Its scale is delayed (an amax history that missed a jump): consider dynamic scaling for this layer."
+            if any(getattr(layer.config, role).delayed for role, _ in over)
+            else ""
+        )
+        warnings.warn(
+            f"f8tensor: layer {name or '<root>'!r} clipped more than {threshold:g} of an operand's elements "
+            f"at the FP8 max ({what}).{hint} (Warned once per layer.)",
+            Float8SaturationWarning,
+            stacklevel=3,
+        )
+
+
+def format_float8_stats(stats: nn.Module | Mapping[str, float]) -> str:
+    """A fixed-width table of :func:`float8_stats` (given a model, or the dict it returned).
+
+    One line per layer and role; fractions in percent, headroom in powers of two, ``-``
+    for a value not measured yet (or a column the role does not have).
+    """
+    if isinstance(stats, nn.Module):
+        stats = float8_stats(stats)
+    if not stats:
+        return "(no FP8 statistics: call f8tensor.enable_float8_stats(model) and run a step)"
+    rows: dict[tuple[str, str], dict[str, float]] = {}
+    for key, value in stats.items():
+        parts = key.split("/")
+        if len(parts) >= 3 and parts[-2] == "amax_history":  # .../amax_history/{i}: not tabulated
+            continue
+        if len(parts) == 2:
+            parts = [""] + parts
+        layer, role, field = "/".join(parts[:-2]), parts[-2], parts[-1]
+        rows.setdefault((layer, role), {})[field] = value
+    columns = [
+        ("saturated_frac", "sat %", lambda v: f"{100 * v:.4f}"),
+        ("saturated_count", "sat #", lambda v: f"{v:.0f}"),
+        ("underflow_frac", "uflow %", lambda v: f"{100 * v:.4f}"),
+        ("underflow_count", "uflow #", lambda v: f"{v:.0f}"),
+        ("amax", "amax", lambda v: f"{v:.4g}"),
+        ("scale", "scale", lambda v: f"{v:.4g}"),
+        ("headroom_log2", "headroom log2", lambda v: f"{v + 0.0:+.2f}" if abs(v) >= 0.005 or math.isinf(v) else "0.00"),
+        (_HISTORY_FIELD, "history amax", lambda v: f"{v:.4g}"),
+    ]
+    header = ["layer", "role"] + [title for _, title, _ in columns]
+    table = [header]
+    for (layer, role), fields in rows.items():
+        line = [layer or "<root>", role]
+        for field, _, fmt in columns:
+            value = fields.get(field)
+            line.append("-" if value is None or math.isnan(value) else fmt(value))
+        table.append(line)
+    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+    lines = []
+    for n, r in enumerate(table):
+        cells = [r[0].ljust(widths[0]), r[1].ljust(widths[1])] + [c.rjust(w) for c, w in zip(r[2:], widths[2:])]
+        lines.append("  ".join(cells).rstrip())
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
 
 
 def sqnr(reference: torch.Tensor, actual: torch.Tensor) -> float:

@@ -14,10 +14,10 @@ from typing import Any, ClassVar
 import torch
 
 from f8tensor.config import DEFAULT_GEMM, GemmConfig, Granularity
-from f8tensor.formats import check_float8_dtype, check_hp_dtype, saturated_cast
-from f8tensor.scaling import dynamic_scale
+from f8tensor.formats import FORMATS, check_float8_dtype, check_hp_dtype, saturated_cast, saturation_bound
+from f8tensor.scaling import amax_to_scale, dynamic_scale, tensor_amax
 
-__all__ = ["Float8Tensor", "cast_to_float8", "dequantize"]
+__all__ = ["CAST_STATS_FIELDS", "Float8Tensor", "cast_to_float8", "cast_to_float8_with_stats", "dequantize"]
 
 _NO_KWARGS = types.MappingProxyType({})
 OpHandler = Callable[[Any, Any, tuple, dict], Any]
@@ -244,14 +244,107 @@ def cast_to_float8(
     """
     if scale is None:
         scale = dynamic_scale(hp, float8_dtype, axiswise_dim=axiswise_dim, round_pow2=power_of_2_scale)
-    # Deliberate upcast: the product is computed in fp32, so bf16/fp16 inputs are not
-    # rounded a second time before the FP8 rounding. A 0-dim fp32 scale would not promote
-    # a bf16 tensor; a 1-element one does, and the multiply reads `hp` directly instead of
-    # after a separate upcast pass (same bits as hp.float() * scale).
-    factor = scale.reshape(1) if scale.dim() == 0 and hp.dim() > 0 else scale
-    scaled = hp * factor if hp.dim() > 0 else hp.to(torch.float32) * scale
-    data = saturated_cast(scaled, float8_dtype, inplace=True)
+    # The product is a temporary of our own: clamp it in place.
+    data = saturated_cast(_scaled_fp32(hp, scale), float8_dtype, inplace=True)
     return Float8Tensor(data, scale, orig_dtype or hp.dtype, axiswise_dim, gemm)
+
+
+def _scaled_fp32(hp: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``hp * scale`` computed in fp32: the values the FP8 rounding sees.
+
+    Deliberate upcast: bf16/fp16 inputs are not rounded a second time before the FP8
+    rounding. A 0-dim fp32 scale would not promote a bf16 tensor; a 1-element one does,
+    and the multiply then reads ``hp`` directly instead of after a separate upcast pass
+    (the same bits as ``hp.float() * scale``).
+    """
+    if hp.dim() == 0:
+        return hp.to(torch.float32) * scale
+    return hp * (scale.reshape(1) if scale.dim() == 0 else scale)
+
+
+#: The entries of the vector :func:`cast_to_float8_with_stats` returns, in this order.
+CAST_STATS_FIELDS: tuple[str, ...] = ("saturated_count", "underflow_count", "numel", "amax", "scale", "headroom_log2")
+
+
+def cast_to_float8_with_stats(
+    hp: torch.Tensor,
+    float8_dtype: torch.dtype,
+    *,
+    axiswise_dim: int | None = None,
+    scale: torch.Tensor | None = None,
+    amax: torch.Tensor | None = None,
+    gemm: GemmConfig = DEFAULT_GEMM,
+    power_of_2_scale: bool = False,
+    orig_dtype: torch.dtype | None = None,
+) -> tuple[Float8Tensor, torch.Tensor]:
+    """:func:`cast_to_float8`, also measuring what the cast did to ``hp``.
+
+    The Float8Tensor is bitwise the one :func:`cast_to_float8` returns for the same
+    arguments. The second result is a float64 vector laid out as :data:`CAST_STATS_FIELDS`:
+
+    - ``saturated_count``: elements whose FP8 value the clamp set, i.e. scaled magnitude
+      above :func:`~f8tensor.formats.saturation_bound` (max itself, and values that round
+      to max anyway, are not saturated). NaN is never counted.
+    - ``underflow_count``: elements non-zero in ``hp`` and zero in FP8 (flushed to zero:
+      scaled magnitude at most half the smallest subnormal, where round-to-nearest-even
+      gives zero).
+    - ``numel``: the element count, so that fractions can be formed where they are read.
+    - ``amax``: ``max |hp|``. ``amax``, when given, is that value already measured by the
+      caller (tensorwise only), and saves a read of ``hp``.
+    - ``scale``: the scale in use; for axiswise scales the smallest one (the row that
+      holds the tensor's amax, under dynamic scaling).
+    - ``headroom_log2``: ``log2(float8_max / max |hp * scale|)``. About 0 with a dynamic
+      scale; positive when a (delayed) scale leaves range unused; negative when the amax
+      was clipped, by that many powers of two. ``inf`` for an all-zero tensor.
+
+    Everything is computed from the fp32 products ``hp * scale`` the cast computes anyway
+    and the amax it measures, so under torch.compile it fuses into the cast's kernel (no
+    second read of ``hp``). The vector is float64 so that counts stay exact (fp32 would
+    stop at 2**24 elements) next to fp32 amax and scale values.
+    """
+    if scale is None:
+        # The same two steps as dynamic_scale, keeping the amax it measures.
+        group_amax = tensor_amax(hp, axiswise_dim)
+        scale = amax_to_scale(group_amax, float8_dtype, round_pow2=power_of_2_scale)
+    elif amax is None or axiswise_dim is not None:
+        group_amax = tensor_amax(hp, axiswise_dim)
+    else:
+        group_amax = amax
+    scaled = _scaled_fp32(hp, scale)
+    data = saturated_cast(scaled, float8_dtype)  # not in place: the stats read `scaled`
+    f8 = Float8Tensor(data, scale, orig_dtype or hp.dtype, axiswise_dim, gemm)
+    return f8, _cast_stats(hp, scaled, group_amax, scale, float8_dtype)
+
+
+def _cast_stats(
+    hp: torch.Tensor,
+    scaled: torch.Tensor,
+    group_amax: torch.Tensor,
+    scale: torch.Tensor,
+    float8_dtype: torch.dtype,
+) -> torch.Tensor:
+    f64 = torch.float64
+    if hp.numel() == 0:
+        return torch.tensor([0.0, 0.0, 0.0, 0.0, float("nan"), float("nan")], dtype=f64, device=hp.device)
+    fmt = FORMATS[float8_dtype]
+    magnitude = scaled.abs()
+    # int32 counters where they cannot overflow: a CPU kernel accumulates them at about half
+    # the cost of int64 ones (the tensor's size is static, so this is decided once per shape).
+    count = torch.int32 if hp.numel() < 2**31 else torch.int64
+    saturated = (magnitude > saturation_bound(float8_dtype)).sum(dtype=count)
+    # Round-to-nearest-even sends |x| <= smallest_subnormal / 2 to zero (the tie too: zero's
+    # mantissa is even) and anything larger to a non-zero value, in all four formats. So the
+    # flushed elements are found on the fp32 products, not by reading the FP8 bytes back.
+    underflow = ((hp != 0) & (magnitude <= fmt.smallest_subnormal / 2)).sum(dtype=count)
+    # max |hp * scale| without another pass over the tensor: fp32 rounding is monotonic, so
+    # the largest rounded product is the rounded product of the largest |hp| (per group).
+    scaled_amax = (group_amax * scale).amax()
+    # Deliberate upcast: a ratio of fp32 numbers, exact enough for the log in float64.
+    headroom = torch.log2(fmt.max / scaled_amax.to(f64))
+    numel = torch.full((), hp.numel(), dtype=f64, device=hp.device)
+    return torch.stack(
+        [saturated.to(f64), underflow.to(f64), numel, group_amax.amax().to(f64), scale.amin().to(f64), headroom]
+    )
 
 
 def dequantize(f8: Float8Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
