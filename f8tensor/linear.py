@@ -28,6 +28,11 @@ _HISTORY_BUFFERS = ("amax_history_input", "amax_history_weight", "amax_history_g
 _SCALE_BUFFERS = ("scale_input", "scale_weight")
 
 
+def _fresh_state(name: str, like: torch.Tensor, device: torch.device | str | None = None) -> torch.Tensor:
+    """A delayed-scaling buffer as a newly built layer has it: empty history, unit scale."""
+    return torch.full_like(like, 1.0 if name in _SCALE_BUFFERS else 0.0, dtype=torch.float32, device=device)
+
+
 def _sync_amax(amax: torch.Tensor) -> torch.Tensor:
     """Make an amax agree across data-parallel ranks (a no-op without torch.distributed)."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -91,8 +96,9 @@ class _Float8LinearFn(torch.autograd.Function):
 
     Saved for backward: the FP8 input (1 byte/element) when the weight-gradient GEMM
     takes it as is (tensorwise input), else the high-precision input; the weight itself
-    (a parameter, no extra memory) and its 0-dim scale, so backward re-casts it to the
-    very same bytes instead of keeping an FP8 copy of every weight alive.
+    (a parameter, no extra memory) and, for a tensorwise weight, its 0-dim scale, so
+    backward re-casts it to the very same bytes instead of keeping an FP8 copy of every
+    weight alive.
     """
 
     @staticmethod
@@ -114,7 +120,10 @@ class _Float8LinearFn(torch.autograd.Function):
         # The weight-gradient GEMM contracts over tokens (dim 0 of x): a tensorwise x8 is
         # reused there as is; a rowwise one would need the other axis, so keep x in hp.
         keep_fp8_input = not config.input.rowwise and not config.weight_grad_in_hp
-        ctx.save_for_backward(x8 if keep_fp8_input else x2, weight, w8._scale)
+        # Backward re-casts a tensorwise high-precision weight with this very scale; a
+        # rowwise weight is cast along the other axis there, so its scale is not kept.
+        reuse_w_scale = not isinstance(weight, Float8Tensor) and not config.weight.rowwise
+        ctx.save_for_backward(x8 if keep_fp8_input else x2, weight, w8._scale if reuse_w_scale else None)
         ctx.config = config
         ctx.hist_go = hist_go
         ctx.x_shape = x.shape
@@ -203,8 +212,7 @@ class Float8Linear(nn.Linear):
         new.bias = linear.bias
         device = linear.weight.device
         for name, buf in list(new.named_buffers(recurse=False)):
-            fill = 1.0 if name in _SCALE_BUFFERS else 0.0
-            setattr(new, name, torch.full_like(buf, fill, device=device))
+            setattr(new, name, _fresh_state(name, buf, device))
         new.train(linear.training)
         return new
 
@@ -231,10 +239,24 @@ class Float8Linear(nn.Linear):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         # A plain nn.Linear checkpoint has no delayed-scaling state: start those buffers
-        # fresh instead of failing a strict load.
+        # fresh (the history of the weights being replaced says nothing about the loaded
+        # ones) instead of failing a strict load. `state_dict` is load_state_dict's own copy.
         for name, buf in self.named_buffers(recurse=False):
-            state_dict.setdefault(prefix + name, buf.detach().clone())
+            state_dict.setdefault(prefix + name, _fresh_state(name, buf))
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+
+    def _apply(self, fn, recurse=True):
+        # model.to(dtype) / .bfloat16() / .half() cast every floating buffer, but the
+        # delayed-scaling state is fp32 by the scale semantics (a bf16 history rounds the
+        # amax, a bf16 scale is refused by _scaled_mm): it follows device moves and keeps
+        # its dtype.
+        state = {name: self._buffers[name] for name in _HISTORY_BUFFERS + _SCALE_BUFFERS if name in self._buffers}
+        super()._apply(fn, recurse)
+        for name, old in state.items():
+            new = self._buffers[name]
+            if new.dtype != old.dtype:
+                self._buffers[name] = old.to(device=new.device)
+        return self
 
     def extra_repr(self) -> str:
         c = self.config
