@@ -46,8 +46,9 @@ def _sync_amax(amax: torch.Tensor) -> torch.Tensor:
 def _recomputing() -> bool:
     """True while activation checkpointing re-runs a forward inside backward (eager).
 
-    Delayed scaling must not push the amax a second time then. Under torch.compile the
-    partitioner recomputes from the traced graph and never replays buffer updates.
+    Delayed scaling must cast with the scale the original forward used then. Under
+    torch.compile the partitioner recomputes from the traced graph and never replays
+    buffer updates.
     """
     if torch.compiler.is_compiling():
         return False
@@ -63,20 +64,21 @@ def _cast(
     history: torch.Tensor | None = None,
     scale_buffer: torch.Tensor | None = None,
     recompute: bool = False,
-) -> Float8Tensor:
+) -> tuple[Float8Tensor, torch.Tensor | None]:
     """Cast one GEMM operand per its CastConfig (dynamic or delayed).
 
-    Delayed: the scale comes from ``history`` (updated in place with the current amax)
-    and is also written to ``scale_buffer``; with ``recompute`` (a checkpointed forward
-    running again) that stored scale is reused and the history left alone.
+    Returns the FP8 tensor and, for a delayed cast, the current amax, which the caller
+    pushes into ``history`` (see ``_Float8LinearFn``); for a dynamic cast ``None``.
+    Delayed: the scale comes from ``history`` and is also written to ``scale_buffer``;
+    with ``recompute`` (a checkpointed forward running again) the scale stored there by
+    the original forward is used instead.
     """
     if not cast.delayed:
-        return cast_to_float8(
-            hp, cast.dtype, axiswise_dim=axiswise_dim, gemm=gemm, power_of_2_scale=cast.power_of_2_scale
-        )
-    if recompute:
-        return cast_to_float8(hp, cast.dtype, scale=scale_buffer, gemm=gemm)
+        fp8 = cast_to_float8(hp, cast.dtype, axiswise_dim=axiswise_dim, gemm=gemm, power_of_2_scale=cast.power_of_2_scale)
+        return fp8, None
     amax_now = _sync_amax(tensor_amax(hp))
+    if recompute:
+        return cast_to_float8(hp, cast.dtype, scale=scale_buffer.clone(), gemm=gemm), amax_now
     scale = delayed_scale(
         history,
         amax_now,
@@ -85,10 +87,9 @@ def _cast(
         margin=config.delayed.margin,
         round_pow2=cast.power_of_2_scale,
     )
-    push_amax(history, amax_now)
     if scale_buffer is not None:
         scale_buffer.copy_(scale)
-    return cast_to_float8(hp, cast.dtype, scale=scale, gemm=gemm)
+    return cast_to_float8(hp, cast.dtype, scale=scale, gemm=gemm), amax_now
 
 
 class _Float8LinearFn(torch.autograd.Function):
@@ -98,7 +99,14 @@ class _Float8LinearFn(torch.autograd.Function):
     takes it as is (tensorwise input), else the high-precision input; the weight itself
     (a parameter, no extra memory) and, for a tensorwise weight, its 0-dim scale, so
     backward re-casts it to the very same bytes instead of keeping an FP8 copy of every
-    weight alive.
+    weight alive. Delayed scaling also keeps the input's and weight's 0-dim amax.
+
+    Delayed scaling pushes each amax into its history in backward, once per backward of
+    this node, never in forward. So every forward of one step (gradient accumulation:
+    several forwards, then their backwards) casts with the same scale, which is also
+    kept in a buffer; a forward that activation checkpointing re-runs in backward casts
+    with that stored scale and reproduces the original bytes. A forward without a
+    backward (evaluation) leaves the histories alone.
     """
 
     @staticmethod
@@ -110,11 +118,13 @@ class _Float8LinearFn(torch.autograd.Function):
         recompute = config.any_delayed and _recomputing()
         fwd = GemmConfig(use_fast_accum=config.use_fast_accum, pad_inner_dim=config.pad_inner_dim)
         x2 = x.reshape(-1, x.shape[-1])
-        x8 = _cast(x2, config.input, 1 if config.input.rowwise else None, fwd, config, hist_in, scale_in, recompute)
+        x8, amax_x = _cast(x2, config.input, 1 if config.input.rowwise else None, fwd, config, hist_in, scale_in, recompute)
         if isinstance(weight, Float8Tensor):  # FSDP2 float8 all-gather hands over an FP8 weight
-            w8 = weight._replace(gemm=fwd)
+            w8, amax_w = weight._replace(gemm=fwd), None
         else:
-            w8 = _cast(weight, config.weight, 1 if config.weight.rowwise else None, fwd, config, hist_w, scale_w, recompute)
+            w8, amax_w = _cast(
+                weight, config.weight, 1 if config.weight.rowwise else None, fwd, config, hist_w, scale_w, recompute
+            )
         y = _matmul(x8, w8.t(), bias=bias)
 
         # The weight-gradient GEMM contracts over tokens (dim 0 of x): a tensorwise x8 is
@@ -123,16 +133,19 @@ class _Float8LinearFn(torch.autograd.Function):
         # Backward re-casts a tensorwise high-precision weight with this very scale; a
         # rowwise weight is cast along the other axis there, so its scale is not kept.
         reuse_w_scale = not isinstance(weight, Float8Tensor) and not config.weight.rowwise
-        ctx.save_for_backward(x8 if keep_fp8_input else x2, weight, w8._scale if reuse_w_scale else None)
+        ctx.save_for_backward(
+            x8 if keep_fp8_input else x2, weight, w8._scale if reuse_w_scale else None, amax_x, amax_w
+        )
         ctx.config = config
-        ctx.hist_go = hist_go
+        ctx.histories = (hist_in, hist_w, hist_go)
         ctx.x_shape = x.shape
-        ctx.has_bias = bias is not None
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_y):  # type: ignore[override]
-        saved_x, weight, w_scale = ctx.saved_tensors
+        saved_x, weight, w_scale, amax_x, amax_w = ctx.saved_tensors
+        hist_in, hist_w, hist_go = ctx.histories
+        need_grad_x, need_grad_w, need_grad_b = ctx.needs_input_grad[:3]
         config: Float8LinearConfig = ctx.config
         bwd = GemmConfig(pad_inner_dim=config.pad_inner_dim)
         # grad_W contracts over the tokens, whose count (M) varies with the batch: always
@@ -140,33 +153,55 @@ class _Float8LinearFn(torch.autograd.Function):
         bwd_w = GemmConfig(pad_inner_dim=True)
         g = grad_y.reshape(-1, grad_y.shape[-1])
         go_cfg = config.grad_output
+        if amax_x is not None:
+            push_amax(hist_in, amax_x)
+        if amax_w is not None:
+            push_amax(hist_w, amax_w)
+
+        # g8: grad_output scaled along N (or per tensor), for grad_x and, per tensor, also
+        # for grad_W. A delayed cast measures every backward's grad_output, needed or not.
+        g8 = None
+        gw_uses_g8 = not go_cfg.rowwise and not config.weight_grad_in_hp
+        if need_grad_x or (need_grad_w and gw_uses_g8) or go_cfg.delayed:
+            g8, amax_g = _cast(g, go_cfg, 1 if go_cfg.rowwise else None, bwd, config, hist_go)
+            if amax_g is not None:
+                push_amax(hist_go, amax_g)
 
         # grad_x = g @ W: contraction over N, so W's scale must be constant along dim 0.
-        g8 = _cast(g, go_cfg, 1 if go_cfg.rowwise else None, bwd, config, ctx.hist_go)
-        if isinstance(weight, Float8Tensor):
-            w8 = weight._replace(gemm=bwd)
-        elif config.weight.rowwise:
-            w8 = cast_to_float8(weight, config.weight.dtype, axiswise_dim=0, gemm=bwd, power_of_2_scale=config.weight.power_of_2_scale)
-        else:
-            # Same scale as in forward: the same FP8 bytes, without keeping them alive.
-            w8 = cast_to_float8(weight, config.weight.dtype, scale=w_scale, gemm=bwd)
-        grad_x = _matmul(g8, w8).reshape(ctx.x_shape)
+        grad_x = None
+        if need_grad_x:
+            if isinstance(weight, Float8Tensor):
+                w8 = weight._replace(gemm=bwd)
+            elif config.weight.rowwise:
+                w8 = cast_to_float8(
+                    weight, config.weight.dtype, axiswise_dim=0, gemm=bwd, power_of_2_scale=config.weight.power_of_2_scale
+                )
+            else:
+                # Same scale as in forward: the same FP8 bytes, without keeping them alive.
+                w8 = cast_to_float8(weight, config.weight.dtype, scale=w_scale, gemm=bwd)
+            grad_x = _matmul(g8, w8).reshape(ctx.x_shape)
 
         # grad_W = g.t() @ x: contraction over M.
-        if config.weight_grad_in_hp:
-            grad_w = g.t().to(saved_x.dtype) @ saved_x
-        else:
-            if go_cfg.rowwise:
-                gt8 = cast_to_float8(g, go_cfg.dtype, axiswise_dim=0, gemm=bwd_w, power_of_2_scale=go_cfg.power_of_2_scale)
+        grad_w = None
+        if need_grad_w:
+            if config.weight_grad_in_hp:
+                grad_w = g.t().to(saved_x.dtype) @ saved_x
             else:
-                gt8 = g8._replace(gemm=bwd_w)
-            if isinstance(saved_x, Float8Tensor):
-                x8 = saved_x._replace(gemm=bwd_w)
-            else:
-                x8 = cast_to_float8(saved_x, config.input.dtype, axiswise_dim=0, gemm=bwd_w, power_of_2_scale=config.input.power_of_2_scale)
-            grad_w = _matmul(gt8.t(), x8, out_dtype=weight.dtype)
-        grad_w = grad_w.to(weight.dtype)
-        grad_b = g.sum(0) if ctx.has_bias else None
+                if gw_uses_g8:
+                    gt8 = g8._replace(gemm=bwd_w)
+                else:
+                    gt8 = cast_to_float8(
+                        g, go_cfg.dtype, axiswise_dim=0, gemm=bwd_w, power_of_2_scale=go_cfg.power_of_2_scale
+                    )
+                if isinstance(saved_x, Float8Tensor):
+                    x8 = saved_x._replace(gemm=bwd_w)
+                else:
+                    x8 = cast_to_float8(
+                        saved_x, config.input.dtype, axiswise_dim=0, gemm=bwd_w, power_of_2_scale=config.input.power_of_2_scale
+                    )
+                grad_w = _matmul(gt8.t(), x8, out_dtype=weight.dtype)
+            grad_w = grad_w.to(weight.dtype)
+        grad_b = g.sum(0) if need_grad_b else None
         return grad_x, grad_w, grad_b, None, None
 
 
@@ -176,8 +211,9 @@ class Float8Linear(nn.Linear):
     Parameters are those of ``nn.Linear`` (same names, shapes, dtypes), so state dicts
     move freely between the two. Delayed scaling adds buffers: one amax history per
     operand (``amax_history_input``, ``..._weight``, ``..._grad_output``) and the input and
-    weight scales of the current step (``scale_input``, ``scale_weight``), all in
-    ``state_dict`` so a resumed run continues bit for bit.
+    weight scales of the current step (``scale_input``, ``scale_weight``), all fp32 and
+    all in ``state_dict`` so a resumed run continues bit for bit. The histories grow by
+    one entry per backward (see ``_Float8LinearFn``); forwards alone leave them as is.
     """
 
     def __init__(
