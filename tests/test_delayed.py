@@ -105,9 +105,22 @@ def test_non_finite_step_does_not_poison_the_history():
     x[0, 0] = float("inf")
     y = layer(x)
     assert y.isnan().any()  # an inf input never turns into finite values
+    y.backward(torch.ones_like(y))
     assert layer.amax_history_input.tolist() == [2.0, 2.0, 0.0, 0.0]  # newest entry repeated
     _step(layer, 1.0)
     assert layer.amax_history_input.tolist()[0] == 1.0
+
+
+def test_forward_without_backward_leaves_the_history_alone():
+    # Evaluation between training steps must not change what the next step does.
+    layer = _delayed_layer()
+    _step(layer, 2.0)
+    before = {name: getattr(layer, name).clone() for name in DELAYED_BUFFERS[:3]}
+    with torch.no_grad():
+        layer(_with_amax(50.0, 8, 64))
+    layer(_with_amax(60.0, 8, 64))  # a graph that is never run backward
+    for name, value in before.items():
+        assert torch.equal(getattr(layer, name), value), name
 
 
 # ----------------------------------------------------------------------------- recomputation
@@ -132,27 +145,53 @@ def test_activation_checkpointing_pushes_once_per_step():
 
 
 def test_gradient_accumulation_two_forwards_then_two_backwards():
-    # The scales each cast uses depend only on the order of forwards (input, weight) and
-    # of backwards (grad_output), so interleaving them differently gives the same bits.
     base = MLP()
-    accum, seq = fp8_copy(base, "delayed"), fp8_copy(base, "delayed")
-    x1, x2 = 2 * torch.randn(4, 16, 64), torch.randn(4, 16, 64)
+    model = fp8_copy(base, "delayed")
+    _train(model, 1, start=1)  # a non-empty history, of unit-scale inputs
+    pushed = {name: int(getattr(model.fc1, name).count_nonzero()) for name in DELAYED_BUFFERS[:3]}
+    # x1 is a bit larger than the history: a per-forward update would change the scale.
+    x1, x2 = 1.5 * torch.randn(4, 16, 64), torch.randn(4, 16, 64)
 
-    loss1, loss2 = accum(x1).pow(2).mean(), accum(x2).pow(2).mean()
+    loss1 = model(x1).pow(2).mean()
+    scale_1 = model.fc1.scale_input.clone()
+    loss2 = model(x2).pow(2).mean()
+    # Both forwards of the step cast with the scale of the history as the step began.
+    assert torch.equal(model.fc1.scale_input, scale_1)
     loss1.backward()
     loss2.backward()
-    seq(x1).pow(2).mean().backward()
-    seq(x2).pow(2).mean().backward()
 
-    for (name, a), b in zip(accum.named_parameters(), seq.parameters()):
-        assert torch.equal(a.grad, b.grad), name
-    for name in ("amax_history_input", "amax_history_weight", "amax_history_grad_output"):
-        assert torch.equal(getattr(accum.fc1, name), getattr(seq.fc1, name)), name
-        assert int((getattr(accum.fc1, name) != 0).sum()) == 2, name
-    # ...and the accumulated gradient is that of the high-precision model.
+    for name, before in pushed.items():  # two backwards: two pushes per history
+        assert int(getattr(model.fc1, name).count_nonzero()) == before + 2, name
+    # The accumulated gradient is that of the high-precision model.
     ref = copy.deepcopy(base)
+    ref.load_state_dict(model.state_dict(), strict=False)
+    ref.zero_grad()
     (ref(x1).pow(2).mean() + ref(x2).pow(2).mean()).backward()
-    assert_sqnr(ref.fc1.weight.grad, accum.fc1.weight.grad, 17.0, "accumulated grad_weight")
+    for name, g in grads(ref).items():
+        assert_sqnr(g, model.get_parameter(name).grad, 17.0, f"accumulated {name}.grad")
+
+
+@pytest.mark.parametrize("order", ["first_backward_first", "last_backward_first"])
+def test_gradient_accumulation_with_activation_checkpointing(order):
+    # The recomputed forwards must cast with the scales the original forwards used,
+    # although the backwards between them change the histories.
+    base = MLP()
+    plain, ckpt = fp8_copy(base, "delayed"), fp8_copy(base, "delayed")
+    _train(plain, 1)
+    _train(ckpt, 1)
+    x1, x2 = 4 * torch.randn(4, 16, 64), torch.randn(4, 16, 64)
+    plain_losses = [plain(x).pow(2).mean() for x in (x1, x2)]
+    ckpt_losses = [checkpoint(ckpt, x, use_reentrant=False).pow(2).mean() for x in (x1, x2)]
+    if order == "last_backward_first":
+        plain_losses.reverse()
+        ckpt_losses.reverse()
+    for a, b in zip(plain_losses, ckpt_losses):
+        a.backward()
+        b.backward()
+    for (name, a), b in zip(plain.named_parameters(), ckpt.parameters()):
+        assert torch.equal(a.grad, b.grad), name
+    for (name, a), b in zip(plain.named_buffers(), ckpt.buffers()):
+        assert torch.equal(a, b), name
 
 
 # ----------------------------------------------------------------------------- state in buffers

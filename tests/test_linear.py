@@ -9,6 +9,7 @@ import logging
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 from f8tensor import CastConfig, Float8Linear, Float8LinearConfig, Float8Tensor, convert_to_float8_training, sqnr
@@ -178,6 +179,48 @@ def test_activation_checkpointing_gives_the_same_gradients(recipe):
         ckpt.zero_grad()
     for (name, a), b in zip(plain.named_buffers(), ckpt.buffers()):
         assert torch.equal(a, b), name
+
+
+# ----------------------------------------------------------------------------- only the gradients asked for
+
+
+class _CountScaledMM(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += func is torch.ops.aten._scaled_mm.default
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("recipe", RECIPE_NAMES)
+@pytest.mark.parametrize(
+    ("x_grad", "w_grad", "fp8_gemms"),
+    [(True, True, 2), (False, True, 1), (True, False, 1)],
+    ids=["both", "weight_only", "input_only"],
+)
+def test_backward_computes_only_the_gradients_asked_for(recipe, x_grad, w_grad, fp8_gemms):
+    ref = nn.Linear(64, 32)
+    layer = fp8_linear(ref, recipe)
+    ref.weight.requires_grad_(w_grad)
+    layer.weight.requires_grad_(w_grad)
+    x = torch.randn(4, 16, 64)
+    x_ref, x_fp8 = x.clone().requires_grad_(x_grad), x.clone().requires_grad_(x_grad)
+    grad_out = torch.randn(4, 16, 32)
+    ref(x_ref).backward(grad_out)
+    y = layer(x_fp8)
+    with _CountScaledMM() as counter:
+        y.backward(grad_out)
+    if recipe == "rowwise_with_gw_hp" and w_grad:
+        fp8_gemms -= 1  # its weight gradient is a high-precision GEMM
+    assert counter.calls == fp8_gemms
+    assert (x_fp8.grad is not None) == x_grad and (layer.weight.grad is not None) == w_grad
+    if x_grad:
+        assert_sqnr(x_ref.grad, x_fp8.grad, GRAD_MIN_DB, "grad_input")
+    if w_grad:
+        assert_sqnr(ref.weight.grad, layer.weight.grad, GRAD_MIN_DB, "grad_weight")
+    assert_sqnr(ref.bias.grad, layer.bias.grad, GRAD_MIN_DB, "grad_bias")
 
 
 # ----------------------------------------------------------------------------- no hidden Python state

@@ -8,6 +8,7 @@ import torch
 import torch._dynamo
 import torch._dynamo.testing
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from f8tensor import Float8Linear
 
@@ -74,3 +75,43 @@ def test_compile_a_single_layer_with_odd_tokens_and_4d_input():
     y.sum().backward()
     assert y.shape == (3, 5, 1, 32) and x.grad.shape == x.shape
     assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "delayed"])
+def test_compile_with_a_frozen_weight_and_an_input_without_grad(recipe):
+    # Backward skips the GEMMs of gradients nobody asked for, also in the compiled graph.
+    base = MLP()
+    base.fc2.weight.requires_grad_(False)
+    eager, compiled_model = fp8_copy(base, recipe), fp8_copy(base, recipe)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(compiled_model, backend=counter, fullgraph=True)
+    for _ in range(2):
+        x = torch.randn(4, 16, 64)
+        eager(x).pow(2).mean().backward()
+        compiled(x).pow(2).mean().backward()
+    assert counter.frame_count == 1
+    assert compiled_model.fc2.weight.grad is None
+    for name, g in grads(eager).items():
+        if g is not None:
+            assert_sqnr(g, compiled_model.get_parameter(name).grad, COMPILED_MIN_DB, f"{name}.grad")
+    for (name, a), b in zip(eager.named_buffers(), compiled_model.buffers()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_compile_activation_checkpointing(recipe):
+    base = MLP()
+    eager, compiled_model = fp8_copy(base, recipe), fp8_copy(base, recipe)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(
+        lambda x: checkpoint(compiled_model, x, use_reentrant=False), backend=counter, fullgraph=True
+    )
+    for _ in range(2):
+        x = torch.randn(4, 16, 64)
+        eager(x).pow(2).mean().backward()
+        compiled(x).pow(2).mean().backward()
+    assert counter.frame_count == 1
+    for name, g in grads(eager).items():
+        assert torch.equal(g, compiled_model.get_parameter(name).grad), name
+    for (name, a), b in zip(eager.named_buffers(), compiled_model.buffers()):
+        assert torch.equal(a, b), name  # delayed: one push per step, as in eager
