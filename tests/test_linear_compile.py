@@ -115,3 +115,16 @@ def test_compile_activation_checkpointing(recipe):
         assert torch.equal(g, compiled_model.get_parameter(name).grad), name
     for (name, a), b in zip(eager.named_buffers(), compiled_model.buffers()):
         assert torch.equal(a, b), name  # delayed: one push per step, as in eager
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_compile_varying_token_counts(recipe):
+    # A last batch of another size recompiles once with a dynamic batch dim, then reuses it.
+    model = fp8_copy(MLP(), recipe)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    for batch in (4, 3, 5, 7):
+        x = torch.randn(batch, 5, 64, requires_grad=True)
+        compiled(x).pow(2).mean().backward()
+        assert x.grad.shape == x.shape
+    assert counter.frame_count <= 2
