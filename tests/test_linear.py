@@ -157,6 +157,28 @@ def test_autocast_bf16_cpu_with_fp32_model(recipe):
     assert_sqnr(ref.weight.grad, layer.weight.grad, GRAD_MIN_DB, "autocast grad_weight")
 
 
+_FP8_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _FP8_GPU, reason="needs a CUDA device with FP8 support (compute capability >= 8.9)")
+@pytest.mark.parametrize("recipe", RECIPE_NAMES)
+def test_autocast_bf16_cuda_with_fp32_model(recipe):
+    ref = nn.Linear(64, 32, device="cuda")
+    layer = fp8_linear(ref, recipe)
+    x = torch.randn(2, 16, 64, device="cuda")
+    grad_out = torch.randn(2, 16, 32, dtype=torch.bfloat16, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y_ref = ref(x)
+        y = layer(x)
+    assert y.dtype == torch.bfloat16
+    y.backward(grad_out)
+    y_ref.backward(grad_out)
+    assert layer.weight.grad.dtype == torch.float32 and layer.bias.grad.dtype == torch.float32
+    assert_sqnr(y_ref, y, OUTPUT_MIN_DB, "cuda autocast output")
+    assert_sqnr(ref.weight.grad, layer.weight.grad, GRAD_MIN_DB, "cuda autocast grad_weight")
+
+
 # ----------------------------------------------------------------------------- checkpointing
 
 
