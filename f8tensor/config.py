@@ -223,6 +223,10 @@ class Float8LinearConfig:
         """
         if name not in RECIPES:
             raise ValueError(f"unknown recipe {name!r}; choose one of {sorted(RECIPES)}")
+        fields = [f.name for f in dataclasses.fields(cls)]
+        for key in overrides:
+            if key not in fields:
+                raise TypeError(f"unknown Float8LinearConfig field {key!r}; fields are {', '.join(fields)}")
         return dataclasses.replace(RECIPES[name], **overrides)
 
 

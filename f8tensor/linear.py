@@ -36,6 +36,11 @@ STATS_ROLES = ("input", "weight", "grad_output")
 STATS_BUFFERS = tuple(f"float8_stats_{role}" for role in STATS_ROLES)
 
 
+def _fresh_state(name: str, like: torch.Tensor, device: torch.device | str | None = None) -> torch.Tensor:
+    """A delayed-scaling buffer as a newly built layer has it: empty history, unit scale."""
+    return torch.full_like(like, 1.0 if name in _SCALE_BUFFERS else 0.0, dtype=torch.float32, device=device)
+
+
 def _sync_amax(amax: torch.Tensor) -> torch.Tensor:
     """Make an amax agree across data-parallel ranks (a no-op without torch.distributed)."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -49,8 +54,9 @@ def _sync_amax(amax: torch.Tensor) -> torch.Tensor:
 def _recomputing() -> bool:
     """True while activation checkpointing re-runs a forward inside backward (eager).
 
-    Delayed scaling must not push the amax a second time then. Under torch.compile the
-    partitioner recomputes from the traced graph and never replays buffer updates.
+    Delayed scaling must cast with the scale the original forward used then. Under
+    torch.compile the partitioner recomputes from the traced graph and never replays
+    buffer updates.
     """
     if torch.compiler.is_compiling():
         return False
@@ -67,22 +73,25 @@ def _cast(
     scale_buffer: torch.Tensor | None = None,
     recompute: bool = False,
     stats: torch.Tensor | None = None,
-) -> Float8Tensor:
+) -> tuple[Float8Tensor, torch.Tensor | None]:
     """Cast one GEMM operand per its CastConfig (dynamic or delayed).
 
-    Delayed: the scale comes from ``history`` (updated in place with the current amax)
-    and is also written to ``scale_buffer``; with ``recompute`` (a checkpointed forward
-    running again) that stored scale is reused and the history left alone. ``stats``: the
-    role's telemetry buffer, which this cast overwrites, or ``None`` (no telemetry).
+    Returns the FP8 tensor and, for a delayed cast, the current amax, which the caller
+    pushes into ``history`` (see ``_Float8LinearFn``); for a dynamic cast ``None``.
+    Delayed: the scale comes from ``history`` and is also written to ``scale_buffer``;
+    with ``recompute`` (a checkpointed forward running again) the scale stored there by
+    the original forward is used instead. ``stats``: the role's telemetry buffer, which
+    this cast overwrites, or ``None`` (no telemetry).
     """
     if not cast.delayed:
-        return _cast_to_float8(
+        fp8 = _cast_to_float8(
             stats, hp, cast.dtype, axiswise_dim=axiswise_dim, gemm=gemm, power_of_2_scale=cast.power_of_2_scale
         )
-    if recompute:
-        return _cast_to_float8(stats, hp, cast.dtype, scale=scale_buffer, gemm=gemm)
+        return fp8, None
     amax_local = tensor_amax(hp)
     amax_now = _sync_amax(amax_local)
+    if recompute:
+        return _cast_to_float8(stats, hp, cast.dtype, scale=scale_buffer.clone(), gemm=gemm, amax=amax_local), amax_now
     scale = delayed_scale(
         history,
         amax_now,
@@ -91,11 +100,10 @@ def _cast(
         margin=config.delayed.margin,
         round_pow2=cast.power_of_2_scale,
     )
-    push_amax(history, amax_now)
     if scale_buffer is not None:
         scale_buffer.copy_(scale)
     # The stats describe this rank's tensor: its own amax, not the all-reduced one.
-    return _cast_to_float8(stats, hp, cast.dtype, scale=scale, gemm=gemm, amax=amax_local)
+    return _cast_to_float8(stats, hp, cast.dtype, scale=scale, gemm=gemm, amax=amax_local), amax_now
 
 
 def _cast_to_float8(
@@ -115,8 +123,16 @@ class _Float8LinearFn(torch.autograd.Function):
 
     Saved for backward: the FP8 input (1 byte/element) when the weight-gradient GEMM
     takes it as is (tensorwise input), else the high-precision input; the weight itself
-    (a parameter, no extra memory) and its 0-dim scale, so backward re-casts it to the
-    very same bytes instead of keeping an FP8 copy of every weight alive.
+    (a parameter, no extra memory) and, for a tensorwise weight, its 0-dim scale, so
+    backward re-casts it to the very same bytes instead of keeping an FP8 copy of every
+    weight alive. Delayed scaling also keeps the input's and weight's 0-dim amax.
+
+    Delayed scaling pushes each amax into its history in backward, once per backward of
+    this node, never in forward. So every forward of one step (gradient accumulation:
+    several forwards, then their backwards) casts with the same scale, which is also
+    kept in a buffer; a forward that activation checkpointing re-runs in backward casts
+    with that stored scale and reproduces the original bytes. A forward without a
+    backward (evaluation) leaves the histories alone.
 
     Telemetry (``stats``: ``None``, or the layer's three statistics buffers) records the
     three primary casts: input and weight in forward, grad_output in backward. The
@@ -135,22 +151,30 @@ class _Float8LinearFn(torch.autograd.Function):
         recompute = config.any_delayed and _recomputing()
         fwd = GemmConfig(use_fast_accum=config.use_fast_accum, pad_inner_dim=config.pad_inner_dim)
         x2 = x.reshape(-1, x.shape[-1])
-        x8 = _cast(x2, config.input, 1 if config.input.rowwise else None, fwd, config, hist_in, scale_in, recompute, st_in)
+        x8, amax_x = _cast(
+            x2, config.input, 1 if config.input.rowwise else None, fwd, config, hist_in, scale_in, recompute, st_in
+        )
         if isinstance(weight, Float8Tensor):  # FSDP2 float8 all-gather hands over an FP8 weight
-            w8 = weight._replace(gemm=fwd)
+            w8, amax_w = weight._replace(gemm=fwd), None
         else:
-            w8 = _cast(weight, config.weight, 1 if config.weight.rowwise else None, fwd, config, hist_w, scale_w, recompute, st_w)
+            w8, amax_w = _cast(
+                weight, config.weight, 1 if config.weight.rowwise else None, fwd, config, hist_w, scale_w, recompute, st_w
+            )
         y = _matmul(x8, w8.t(), bias=bias)
 
         # The weight-gradient GEMM contracts over tokens (dim 0 of x): a tensorwise x8 is
         # reused there as is; a rowwise one would need the other axis, so keep x in hp.
         keep_fp8_input = not config.input.rowwise and not config.weight_grad_in_hp
-        ctx.save_for_backward(x8 if keep_fp8_input else x2, weight, w8._scale)
+        # Backward re-casts a tensorwise high-precision weight with this very scale; a
+        # rowwise weight is cast along the other axis there, so its scale is not kept.
+        reuse_w_scale = not isinstance(weight, Float8Tensor) and not config.weight.rowwise
+        ctx.save_for_backward(
+            x8 if keep_fp8_input else x2, weight, w8._scale if reuse_w_scale else None, amax_x, amax_w
+        )
         ctx.config = config
-        ctx.hist_go = hist_go
+        ctx.histories = (hist_in, hist_w, hist_go)
         ctx.stats_go = st_go
         ctx.x_shape = x.shape
-        ctx.has_bias = bias is not None
         # A fresh tensor, not a view of the 2D product (reshape returns a view even when
         # the shape is unchanged), like nn.Linear's output: FSDP2 warns on every forward
         # whose output is a view, as an in-place op on it would bypass the backward hook.
@@ -159,7 +183,9 @@ class _Float8LinearFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):  # type: ignore[override]
-        saved_x, weight, w_scale = ctx.saved_tensors
+        saved_x, weight, w_scale, amax_x, amax_w = ctx.saved_tensors
+        hist_in, hist_w, hist_go = ctx.histories
+        need_grad_x, need_grad_w, need_grad_b = ctx.needs_input_grad[:3]
         config: Float8LinearConfig = ctx.config
         bwd = GemmConfig(pad_inner_dim=config.pad_inner_dim)
         # grad_W contracts over the tokens, whose count (M) varies with the batch: always
@@ -167,33 +193,58 @@ class _Float8LinearFn(torch.autograd.Function):
         bwd_w = GemmConfig(pad_inner_dim=True)
         g = grad_y.reshape(-1, grad_y.shape[-1])
         go_cfg = config.grad_output
+        if amax_x is not None:
+            push_amax(hist_in, amax_x)
+        if amax_w is not None:
+            push_amax(hist_w, amax_w)
+
+        # g8: grad_output scaled along N (or per tensor), for grad_x and, per tensor, also
+        # for grad_W. A delayed cast measures every backward's grad_output, needed or not.
+        g8 = None
+        gw_uses_g8 = not go_cfg.rowwise and not config.weight_grad_in_hp
+        if need_grad_x or (need_grad_w and gw_uses_g8) or go_cfg.delayed:
+            g8, amax_g = _cast(g, go_cfg, 1 if go_cfg.rowwise else None, bwd, config, hist_go, stats=ctx.stats_go)
+            if amax_g is not None:
+                push_amax(hist_go, amax_g)
 
         # grad_x = g @ W: contraction over N, so W's scale must be constant along dim 0.
-        g8 = _cast(g, go_cfg, 1 if go_cfg.rowwise else None, bwd, config, ctx.hist_go, stats=ctx.stats_go)
-        if isinstance(weight, Float8Tensor):
-            w8 = weight._replace(gemm=bwd)
-        elif config.weight.rowwise:
-            w8 = cast_to_float8(weight, config.weight.dtype, axiswise_dim=0, gemm=bwd, power_of_2_scale=config.weight.power_of_2_scale)
-        else:
-            # Same scale as in forward: the same FP8 bytes, without keeping them alive.
-            w8 = cast_to_float8(weight, config.weight.dtype, scale=w_scale, gemm=bwd)
-        grad_x = _matmul(g8, w8).reshape(ctx.x_shape)
+        grad_x = None
+        if need_grad_x:
+            if isinstance(weight, Float8Tensor):
+                w8 = weight._replace(gemm=bwd)
+            elif config.weight.rowwise:
+                w8 = cast_to_float8(
+                    weight, config.weight.dtype, axiswise_dim=0, gemm=bwd, power_of_2_scale=config.weight.power_of_2_scale
+                )
+            else:
+                # Same scale as in forward: the same FP8 bytes, without keeping them alive.
+                w8 = cast_to_float8(weight, config.weight.dtype, scale=w_scale, gemm=bwd)
+            grad_x = _matmul(g8, w8).reshape(ctx.x_shape)
 
         # grad_W = g.t() @ x: contraction over M.
-        if config.weight_grad_in_hp:
-            grad_w = g.t().to(saved_x.dtype) @ saved_x
-        else:
-            if go_cfg.rowwise:
-                gt8 = cast_to_float8(g, go_cfg.dtype, axiswise_dim=0, gemm=bwd_w, power_of_2_scale=go_cfg.power_of_2_scale)
+        grad_w = None
+        if need_grad_w:
+            if config.weight_grad_in_hp:
+                grad_w = g.t().to(saved_x.dtype) @ saved_x
             else:
-                gt8 = g8._replace(gemm=bwd_w)
-            if isinstance(saved_x, Float8Tensor):
-                x8 = saved_x._replace(gemm=bwd_w)
-            else:
-                x8 = cast_to_float8(saved_x, config.input.dtype, axiswise_dim=0, gemm=bwd_w, power_of_2_scale=config.input.power_of_2_scale)
-            grad_w = _matmul(gt8.t(), x8, out_dtype=weight.dtype)
-        grad_w = grad_w.to(weight.dtype)
-        grad_b = g.sum(0) if ctx.has_bias else None
+                if gw_uses_g8:
+                    gt8 = g8._replace(gemm=bwd_w)
+                else:
+                    # When grad_x was not needed this is the only cast of grad_output: it
+                    # then feeds the telemetry.
+                    gt8 = _cast_to_float8(
+                        ctx.stats_go if g8 is None else None,
+                        g, go_cfg.dtype, axiswise_dim=0, gemm=bwd_w, power_of_2_scale=go_cfg.power_of_2_scale,
+                    )
+                if isinstance(saved_x, Float8Tensor):
+                    x8 = saved_x._replace(gemm=bwd_w)
+                else:
+                    x8 = cast_to_float8(
+                        saved_x, config.input.dtype, axiswise_dim=0, gemm=bwd_w, power_of_2_scale=config.input.power_of_2_scale
+                    )
+                grad_w = _matmul(gt8.t(), x8, out_dtype=weight.dtype)
+            grad_w = grad_w.to(weight.dtype)
+        grad_b = g.sum(0) if need_grad_b else None
         return grad_x, grad_w, grad_b, None, None, None
 
 
@@ -203,8 +254,9 @@ class Float8Linear(nn.Linear):
     Parameters are those of ``nn.Linear`` (same names, shapes, dtypes), so state dicts
     move freely between the two. Delayed scaling adds buffers: one amax history per
     operand (``amax_history_input``, ``..._weight``, ``..._grad_output``) and the input and
-    weight scales of the current step (``scale_input``, ``scale_weight``), all in
-    ``state_dict`` so a resumed run continues bit for bit.
+    weight scales of the current step (``scale_input``, ``scale_weight``), all fp32 and
+    all in ``state_dict`` so a resumed run continues bit for bit. The histories grow by
+    one entry per backward (see ``_Float8LinearFn``); forwards alone leave them as is.
 
     With ``config.collect_stats`` the layer also holds ``float8_stats_input``,
     ``..._weight`` and ``..._grad_output``: non-persistent float64 vectors laid out as
@@ -274,8 +326,10 @@ class Float8Linear(nn.Linear):
         new.bias = linear.bias
         device = linear.weight.device
         for name, buf in list(new.named_buffers(recurse=False)):
-            fill = 1.0 if name in _SCALE_BUFFERS else torch.nan if name in STATS_BUFFERS else 0.0
-            setattr(new, name, torch.full_like(buf, fill, device=device))
+            if name in STATS_BUFFERS:
+                setattr(new, name, torch.full_like(buf, torch.nan, device=device))
+            else:
+                setattr(new, name, _fresh_state(name, buf, device))
         new.train(linear.training)
         return new
 
@@ -303,11 +357,26 @@ class Float8Linear(nn.Linear):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         # A plain nn.Linear checkpoint has no delayed-scaling state: start those buffers
-        # fresh instead of failing a strict load. (Non-persistent buffers are never loaded.)
+        # fresh (the history of the weights being replaced says nothing about the loaded
+        # ones) instead of failing a strict load. `state_dict` is load_state_dict's own copy.
+        # (Non-persistent buffers, the telemetry, are never loaded.)
         for name, buf in self.named_buffers(recurse=False):
             if name not in self._non_persistent_buffers_set:
-                state_dict.setdefault(prefix + name, buf.detach().clone())
+                state_dict.setdefault(prefix + name, _fresh_state(name, buf))
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+
+    def _apply(self, fn, recurse=True):
+        # model.to(dtype) / .bfloat16() / .half() cast every floating buffer, but the
+        # delayed-scaling state is fp32 by the scale semantics (a bf16 history rounds the
+        # amax, a bf16 scale is refused by _scaled_mm): it follows device moves and keeps
+        # its dtype.
+        state = {name: self._buffers[name] for name in _HISTORY_BUFFERS + _SCALE_BUFFERS if name in self._buffers}
+        super()._apply(fn, recurse)
+        for name, old in state.items():
+            new = self._buffers[name]
+            if new.dtype != old.dtype:
+                self._buffers[name] = old.to(device=new.device)
+        return self
 
     def extra_repr(self) -> str:
         c = self.config

@@ -1,0 +1,301 @@
+"""Delayed scaling in Float8Linear: the amax histories, their reductions and margin, and the
+state that lives in module buffers (checkpoint resume, strict loads, recomputation)."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+import torch._dynamo
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from f8tensor import DelayedScalingConfig, Float8Linear, Float8LinearConfig
+
+from linear_utils import DELAYED_BUFFERS, MLP, assert_sqnr, fp8_copy, grads
+
+E4M3_MAX, E5M2_MAX = 448.0, 57344.0
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def _delayed_layer(history_len=16, reduction="max", margin=0, dim=64) -> Float8Linear:
+    config = Float8LinearConfig.from_recipe(
+        "delayed", delayed=DelayedScalingConfig(history_len=history_len, reduction=reduction, margin=margin)
+    )
+    return Float8Linear(dim, 32, config=config)
+
+
+def _with_amax(amax: float, *shape: int) -> torch.Tensor:
+    """Random values in [0, 0.5) with one element equal to ``amax``: max |x| is exactly ``amax``."""
+    x = torch.rand(*shape) * 0.5
+    x.view(-1)[3] = amax
+    return x
+
+
+def _step(layer: nn.Module, x_amax: float, g_amax: float = 1.0) -> None:
+    y = layer(_with_amax(x_amax, 8, 64))
+    y.backward(_with_amax(g_amax, *y.shape))
+
+
+# ----------------------------------------------------------------------------- the history
+
+
+def test_buffers_are_fp32_and_start_empty():
+    layer = _delayed_layer(history_len=5)
+    for name in ("amax_history_input", "amax_history_weight", "amax_history_grad_output"):
+        buf = getattr(layer, name)
+        assert (buf.shape, buf.dtype) == ((5,), torch.float32)
+        assert not buf.any()
+    for name in ("scale_input", "scale_weight"):
+        assert getattr(layer, name).dtype == torch.float32
+
+
+def test_history_fills_newest_first_and_rolls_over():
+    layer = _delayed_layer(history_len=4)
+    w_amax = layer.weight.detach().abs().max()
+    for i, amax in enumerate([1.0, 2.0, 3.0], start=1):
+        _step(layer, amax, g_amax=10.0 * amax)
+    assert layer.amax_history_input.tolist() == [3.0, 2.0, 1.0, 0.0]
+    assert layer.amax_history_grad_output.tolist() == [30.0, 20.0, 10.0, 0.0]
+    assert torch.equal(layer.amax_history_weight, torch.stack([w_amax] * 3 + [torch.tensor(0.0)]))
+    for amax in [4.0, 5.0]:
+        _step(layer, amax, g_amax=10.0 * amax)
+    assert layer.amax_history_input.tolist() == [5.0, 4.0, 3.0, 2.0]
+    assert layer.amax_history_grad_output.tolist() == [50.0, 40.0, 30.0, 20.0]
+
+
+def test_first_step_uses_the_current_amax():
+    layer = _delayed_layer()
+    _step(layer, 4.0)
+    assert layer.scale_input.item() == E4M3_MAX / 4.0
+
+
+@pytest.mark.parametrize(
+    ("reduction", "expected_amax"),
+    [("max", 4.0), ("most_recent", 1.0)],
+)
+def test_history_reduction(reduction, expected_amax):
+    # Steps with amax 4, then 1; the third step's scale comes from the history [1, 4, 0...]:
+    # its max is 4, its most recent entry 1 (the third step's own amax, 2, is not used).
+    layer = _delayed_layer(reduction=reduction)
+    _step(layer, 4.0)
+    _step(layer, 1.0)
+    _step(layer, 2.0)
+    assert layer.scale_input.item() == E4M3_MAX / expected_amax
+
+
+@pytest.mark.parametrize("margin", [0, 1, 3])
+def test_margin_leaves_headroom(margin):
+    layer = _delayed_layer(margin=margin)
+    _step(layer, 4.0)
+    _step(layer, 4.0)
+    assert layer.scale_input.item() == E4M3_MAX / (4.0 * 2**margin)
+
+
+def test_non_finite_step_does_not_poison_the_history():
+    layer = _delayed_layer(history_len=4)
+    _step(layer, 2.0)
+    x = _with_amax(3.0, 8, 64)
+    x[0, 0] = float("inf")
+    y = layer(x)
+    assert y.isnan().any()  # an inf input never turns into finite values
+    y.backward(torch.ones_like(y))
+    assert layer.amax_history_input.tolist() == [2.0, 2.0, 0.0, 0.0]  # newest entry repeated
+    _step(layer, 1.0)
+    assert layer.amax_history_input.tolist()[0] == 1.0
+
+
+def test_forward_without_backward_leaves_the_history_alone():
+    # Evaluation between training steps must not change what the next step does.
+    layer = _delayed_layer()
+    _step(layer, 2.0)
+    before = {name: getattr(layer, name).clone() for name in DELAYED_BUFFERS[:3]}
+    with torch.no_grad():
+        layer(_with_amax(50.0, 8, 64))
+    layer(_with_amax(60.0, 8, 64))  # a graph that is never run backward
+    for name, value in before.items():
+        assert torch.equal(getattr(layer, name), value), name
+
+
+# ----------------------------------------------------------------------------- recomputation
+
+
+def test_activation_checkpointing_pushes_once_per_step():
+    base = MLP()
+    plain = fp8_copy(base, "delayed")
+    ckpt = fp8_copy(base, "delayed")
+    for step, amax in enumerate([3.0, 5.0]):
+        x = _with_amax(amax, 4, 8, 64)
+        plain(x).pow(2).sum().backward()
+        checkpoint(ckpt, x, use_reentrant=False).pow(2).sum().backward()
+        for name in ("amax_history_input", "amax_history_weight", "amax_history_grad_output"):
+            hist = getattr(ckpt.fc1, name)
+            assert int((hist != 0).sum()) == step + 1, f"{name}: {hist.tolist()}"
+    assert ckpt.fc1.amax_history_input[:3].tolist() == [5.0, 3.0, 0.0]
+    for (name, a), b in zip(plain.named_buffers(), ckpt.buffers()):
+        assert torch.equal(a, b), name
+    for (name, a), b in zip(plain.named_parameters(), ckpt.parameters()):
+        assert torch.equal(a.grad, b.grad), name
+
+
+def test_gradient_accumulation_two_forwards_then_two_backwards():
+    base = MLP()
+    model = fp8_copy(base, "delayed")
+    _train(model, 1, start=1)  # a non-empty history, of unit-scale inputs
+    pushed = {name: int(getattr(model.fc1, name).count_nonzero()) for name in DELAYED_BUFFERS[:3]}
+    # x1 is a bit larger than the history: a per-forward update would change the scale.
+    x1, x2 = 1.5 * torch.randn(4, 16, 64), torch.randn(4, 16, 64)
+
+    loss1 = model(x1).pow(2).mean()
+    scale_1 = model.fc1.scale_input.clone()
+    loss2 = model(x2).pow(2).mean()
+    # Both forwards of the step cast with the scale of the history as the step began.
+    assert torch.equal(model.fc1.scale_input, scale_1)
+    loss1.backward()
+    loss2.backward()
+
+    for name, before in pushed.items():  # two backwards: two pushes per history
+        assert int(getattr(model.fc1, name).count_nonzero()) == before + 2, name
+    # The accumulated gradient is that of the high-precision model.
+    ref = copy.deepcopy(base)
+    ref.load_state_dict(model.state_dict(), strict=False)
+    ref.zero_grad()
+    (ref(x1).pow(2).mean() + ref(x2).pow(2).mean()).backward()
+    for name, g in grads(ref).items():
+        assert_sqnr(g, model.get_parameter(name).grad, 17.0, f"accumulated {name}.grad")
+
+
+@pytest.mark.parametrize("order", ["first_backward_first", "last_backward_first"])
+def test_gradient_accumulation_with_activation_checkpointing(order):
+    # The recomputed forwards must cast with the scales the original forwards used,
+    # although the backwards between them change the histories.
+    base = MLP()
+    plain, ckpt = fp8_copy(base, "delayed"), fp8_copy(base, "delayed")
+    _train(plain, 1)
+    _train(ckpt, 1)
+    x1, x2 = 4 * torch.randn(4, 16, 64), torch.randn(4, 16, 64)
+    plain_losses = [plain(x).pow(2).mean() for x in (x1, x2)]
+    ckpt_losses = [checkpoint(ckpt, x, use_reentrant=False).pow(2).mean() for x in (x1, x2)]
+    if order == "last_backward_first":
+        plain_losses.reverse()
+        ckpt_losses.reverse()
+    for a, b in zip(plain_losses, ckpt_losses):
+        a.backward()
+        b.backward()
+    for (name, a), b in zip(plain.named_parameters(), ckpt.parameters()):
+        assert torch.equal(a.grad, b.grad), name
+    for (name, a), b in zip(plain.named_buffers(), ckpt.buffers()):
+        assert torch.equal(a, b), name
+
+
+# ----------------------------------------------------------------------------- state in buffers
+
+
+def _train(model: nn.Module, steps: int, start: int = 0) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for i in range(start, start + steps):
+        # Early steps have larger inputs, so the history differs from any one step's amax.
+        x = torch.randn(4, 16, 64, generator=torch.Generator().manual_seed(i)) * (4.0 if i == 0 else 1.0)
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _next_step(model: nn.Module):
+    x = torch.randn(4, 16, 64, generator=torch.Generator().manual_seed(1234), requires_grad=True)
+    y = model(x)
+    y.pow(2).mean().backward()
+    return y.detach(), x.grad, grads(model)
+
+
+def _save_load(state_dict: dict) -> dict:
+    buffer = io.BytesIO()
+    torch.save(state_dict, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+@pytest.mark.parametrize("reduction", ["max", "most_recent"])
+def test_checkpoint_resume_is_bit_exact(reduction):
+    config_kw = {"delayed": DelayedScalingConfig(history_len=8, reduction=reduction)}
+    trained = fp8_copy(MLP(), "delayed", **config_kw)
+    _train(trained, 3)
+    state = _save_load(trained.state_dict())
+    assert state["fc1.amax_history_input"].count_nonzero() == 3
+
+    resumed = fp8_copy(MLP(), "delayed", **config_kw)  # other weights, empty history
+    resumed.load_state_dict(state, strict=True)
+    for (name, a), b in zip(trained.named_buffers(), resumed.buffers()):
+        assert torch.equal(a, b), name
+
+    y_a, gx_a, g_a = _next_step(trained)
+    y_b, gx_b, g_b = _next_step(resumed)
+    assert torch.equal(y_a, y_b) and torch.equal(gx_a, gx_b)
+    for name in g_a:
+        assert torch.equal(g_a[name], g_b[name]), name
+    for (name, a), b in zip(trained.named_buffers(), resumed.buffers()):
+        assert torch.equal(a, b), name
+
+    # The history matters: with only the weights restored, the next step differs.
+    params_only = fp8_copy(MLP(), "delayed", **config_kw)
+    params_only.load_state_dict({k: v for k, v in state.items() if not k.endswith(DELAYED_BUFFERS)}, strict=True)
+    y_c, _, _ = _next_step(params_only)
+    assert not torch.equal(y_a, y_c)
+
+
+def test_compiled_checkpoint_resume_is_bit_exact():
+    torch._dynamo.reset()
+    trained = fp8_copy(MLP(), "delayed")
+    compiled = torch.compile(trained, backend="aot_eager", fullgraph=True)
+    _train(compiled, 3)
+    assert trained.fc1.amax_history_grad_output.count_nonzero() == 3  # updated by the compiled backward
+    state = _save_load(trained.state_dict())
+
+    resumed = fp8_copy(MLP(), "delayed")
+    resumed.load_state_dict(state, strict=True)
+    resumed_compiled = torch.compile(resumed, backend="aot_eager", fullgraph=True)
+    y_a, gx_a, g_a = _next_step(compiled)
+    y_b, gx_b, g_b = _next_step(resumed_compiled)
+    assert torch.equal(y_a, y_b) and torch.equal(gx_a, gx_b)
+    for name in g_a:
+        assert torch.equal(g_a[name], g_b[name]), name
+    for (name, a), b in zip(trained.named_buffers(), resumed.buffers()):
+        assert torch.equal(a, b), name
+    torch._dynamo.reset()
+
+
+def test_strict_load_of_a_plain_linear_checkpoint_starts_fresh_state():
+    plain = MLP()
+    model = fp8_copy(MLP(), "delayed")
+    _train(model, 2)  # the layer has a history of its old weights
+    result = model.load_state_dict(plain.state_dict(), strict=True)
+    assert not result.missing_keys and not result.unexpected_keys
+    assert torch.equal(model.fc1.weight, plain.fc1.weight)
+    for layer in (model.fc1, model.fc2):
+        for name in DELAYED_BUFFERS:
+            buf = getattr(layer, name)
+            assert buf.dtype == torch.float32
+            assert torch.equal(buf, torch.ones_like(buf) if name.startswith("scale") else torch.zeros_like(buf)), name
+    # ...and trains on from there.
+    _train(model, 1)
+    assert model.fc1.amax_history_input.count_nonzero() == 1
+
+
+def test_to_bf16_keeps_delayed_state_fp32():
+    # model.to(dtype) casts floating buffers; amax histories and scales must stay fp32.
+    model = fp8_copy(MLP(), "delayed").to(torch.bfloat16)
+    assert model.fc1.weight.dtype == torch.bfloat16
+    for name in DELAYED_BUFFERS:
+        assert getattr(model.fc1, name).dtype == torch.float32, name
+    plain, ckpt = copy.deepcopy(model), copy.deepcopy(model)
+    x = torch.randn(3, 8, 64, dtype=torch.bfloat16)
+    plain(x).float().pow(2).sum().backward()
+    checkpoint(ckpt, x, use_reentrant=False).float().pow(2).sum().backward()
+    assert torch.equal(plain.fc1.weight.grad, ckpt.fc1.weight.grad)
+    assert plain.fc1.weight.grad.dtype == torch.bfloat16

@@ -1,0 +1,130 @@
+"""Float8Linear under torch.compile(fullgraph=True): one frame for forward and backward, and
+the same numbers as eager."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo
+import torch._dynamo.testing
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from f8tensor import Float8Linear
+
+from linear_utils import MLP, RECIPE_NAMES, assert_sqnr, fp8_copy, grads
+
+# Compiled against eager, in dB.
+COMPILED_MIN_DB = 30.0
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _check_compiled_matches_eager(recipe: str, backend: str, dtype: torch.dtype, steps: int = 2) -> None:
+    base = MLP().to(dtype)
+    eager = fp8_copy(base, recipe)
+    compiled_model = fp8_copy(base, recipe)
+    counter = torch._dynamo.testing.CompileCounterWithBackend(backend)
+    compiled = torch.compile(compiled_model, backend=counter, fullgraph=True)
+    for step in range(steps):
+        x = torch.randn(4, 16, 64, dtype=dtype)
+        x_e, x_c = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        y_e, y_c = eager(x_e), compiled(x_c)
+        y_e.float().pow(2).mean().backward()
+        y_c.float().pow(2).mean().backward()
+        what = f"{recipe}/{backend} step {step}"
+        assert y_c.dtype == y_e.dtype == dtype
+        assert_sqnr(y_e, y_c, COMPILED_MIN_DB, f"{what} output")
+        assert_sqnr(x_e.grad, x_c.grad, COMPILED_MIN_DB, f"{what} grad_input")
+        for name, g in grads(eager).items():
+            assert_sqnr(g, compiled_model.get_parameter(name).grad, COMPILED_MIN_DB, f"{what} {name}.grad")
+    # One frame, one graph: forward and backward compiled without a break, no recompile.
+    assert counter.frame_count == 1
+    assert counter.op_count > 0
+    # Delayed scaling: the compiled graphs updated the buffers as eager did; bit for bit
+    # where the graph runs eager kernels (inductor's fused GELU may move an amax by an ulp).
+    for (name, a), b in zip(eager.named_buffers(), compiled_model.buffers()):
+        if backend == "aot_eager":
+            assert torch.equal(a, b), name
+        else:
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("recipe", RECIPE_NAMES)
+def test_compile_fullgraph_aot_eager(recipe):
+    _check_compiled_matches_eager(recipe, "aot_eager", torch.bfloat16)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_compile_fullgraph_inductor(recipe):
+    _check_compiled_matches_eager(recipe, "inductor", torch.float32)
+
+
+def test_compile_a_single_layer_with_odd_tokens_and_4d_input():
+    layer = Float8Linear.from_float(nn.Linear(64, 32))
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(layer, backend=counter, fullgraph=True)
+    x = torch.randn(3, 5, 1, 64, requires_grad=True)
+    y = compiled(x)
+    y.sum().backward()
+    assert y.shape == (3, 5, 1, 32) and x.grad.shape == x.shape
+    assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "delayed"])
+def test_compile_with_a_frozen_weight_and_an_input_without_grad(recipe):
+    # Backward skips the GEMMs of gradients nobody asked for, also in the compiled graph.
+    base = MLP()
+    base.fc2.weight.requires_grad_(False)
+    eager, compiled_model = fp8_copy(base, recipe), fp8_copy(base, recipe)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(compiled_model, backend=counter, fullgraph=True)
+    for _ in range(2):
+        x = torch.randn(4, 16, 64)
+        eager(x).pow(2).mean().backward()
+        compiled(x).pow(2).mean().backward()
+    assert counter.frame_count == 1
+    assert compiled_model.fc2.weight.grad is None
+    for name, g in grads(eager).items():
+        if g is not None:
+            assert_sqnr(g, compiled_model.get_parameter(name).grad, COMPILED_MIN_DB, f"{name}.grad")
+    for (name, a), b in zip(eager.named_buffers(), compiled_model.buffers()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_compile_activation_checkpointing(recipe):
+    base = MLP()
+    eager, compiled_model = fp8_copy(base, recipe), fp8_copy(base, recipe)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(
+        lambda x: checkpoint(compiled_model, x, use_reentrant=False), backend=counter, fullgraph=True
+    )
+    for _ in range(2):
+        x = torch.randn(4, 16, 64)
+        eager(x).pow(2).mean().backward()
+        compiled(x).pow(2).mean().backward()
+    assert counter.frame_count == 1
+    for name, g in grads(eager).items():
+        assert torch.equal(g, compiled_model.get_parameter(name).grad), name
+    for (name, a), b in zip(eager.named_buffers(), compiled_model.buffers()):
+        assert torch.equal(a, b), name  # delayed: one push per step, as in eager
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_compile_varying_token_counts(recipe):
+    # A last batch of another size recompiles once with a dynamic batch dim, then reuses it.
+    model = fp8_copy(MLP(), recipe)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    for batch in (4, 3, 5, 7):
+        x = torch.randn(batch, 5, 64, requires_grad=True)
+        compiled(x).pow(2).mean().backward()
+        assert x.grad.shape == x.shape
+    assert counter.frame_count <= 2
