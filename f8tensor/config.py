@@ -27,6 +27,17 @@ __all__ = [
 ]
 
 
+def _parse_enum(cls: type[enum.Enum], value: object, what: str):
+    """``cls(value)`` for the strings users type, with an error listing what is allowed."""
+    if isinstance(value, cls):
+        return value
+    try:
+        return cls(value)
+    except ValueError:
+        allowed = ", ".join(repr(member.value) for member in cls)
+        raise ValueError(f"{what} must be one of {allowed}; got {value!r}") from None
+
+
 class Granularity(str, enum.Enum):
     """How many scales a cast uses.
 
@@ -41,13 +52,7 @@ class Granularity(str, enum.Enum):
 
     @classmethod
     def parse(cls, value: object) -> "Granularity":
-        if isinstance(value, cls):
-            return value
-        try:
-            return cls(value)
-        except ValueError:
-            allowed = ", ".join(repr(g.value) for g in cls)
-            raise ValueError(f"granularity must be one of {allowed}; got {value!r}") from None
+        return _parse_enum(cls, value, "granularity")
 
 
 def _check_bool(owner: str, name: str, value: object) -> None:
@@ -108,13 +113,7 @@ class ScalingType(str, enum.Enum):
 
     @classmethod
     def parse(cls, value: object) -> "ScalingType":
-        if isinstance(value, cls):
-            return value
-        try:
-            return cls(value)
-        except ValueError:
-            allowed = ", ".join(repr(s.value) for s in cls)
-            raise ValueError(f"scaling must be one of {allowed}; got {value!r}") from None
+        return _parse_enum(cls, value, "scaling")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -43,3 +43,16 @@ def fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Run a module's tests on one thread, restored afterwards.
+
+    For modules that train tiny models: their GEMMs are too small for threads to help,
+    and on a shared machine extra threads make the runs several times slower.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

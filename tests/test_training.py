@@ -67,14 +67,8 @@ def _train(model: nn.Module, task: _Task) -> float:
         return _loss(model, *task.eval).item()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # Tiny GEMMs: extra threads only add synchronization, and on a shared machine they
-    # make these training runs several times slower. Restored for the other modules.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Tiny GEMMs: extra threads only add synchronization (see conftest.one_thread).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
