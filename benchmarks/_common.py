@@ -274,6 +274,27 @@ def label(key: Any) -> str:
     return " ".join(str(k.name if isinstance(k, Variant) else k) for k in (key if isinstance(key, tuple) else (key,)))
 
 
+def profile_steps(step: Callable[[], Any], device: torch.device, out_dir: str, title: str, steps: int = 3,
+                  rows: int = 15) -> None:
+    """Profile ``steps`` calls of ``step``: print the ops (CPU) or kernels (CUDA) with the most
+    self time, and write a Chrome trace (``chrome://tracing``, Perfetto) into ``out_dir``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        sync(device)
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    name = "".join(c if c.isalnum() or c in "-_" else "_" for c in title) + ".json"
+    prof.export_chrome_trace(str(Path(out_dir) / name))
+    sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    print(f"profile: {title}, {steps} steps (trace: {Path(out_dir) / name})")
+    print()
+    print(prof.key_averages().table(sort_by=sort, row_limit=rows, max_name_column_width=60))
+    print()
+
+
 # ===================================================================== memory
 
 

@@ -26,6 +26,7 @@ Shapes: ``llama`` (LLaMA-3-8B projections, M = 4096, 8192, 16384 tokens, K and N
     python benchmarks/bench_linear.py                              # CUDA: LLaMA sweep; CPU: cpu preset
     python benchmarks/bench_linear.py --shapes 16384x4096x14336 --recipes tensorwise,rowwise
     python benchmarks/bench_linear.py --quick --csv linear.csv
+    python benchmarks/bench_linear.py --shapes 16384x4096x14336 --recipes tensorwise --profile traces/
 """
 
 from __future__ import annotations
@@ -176,6 +177,10 @@ def bench_shape(shape, args, progress: C.Progress) -> tuple[list[dict], list[dic
             steps[("gemm",) + key] = fn
 
     timings = C.interleaved(steps, args.rounds, args.steps, device)
+    if args.profile:
+        for key, step in steps.items():
+            if key[0] == "linear":
+                C.profile_steps(step, device, args.profile, f"{m}x{k}x{n} {key[1].name} {key[2]}")
     gemm_ms = {key[1:]: t.median for key, t in timings.items() if key[0] == "gemm"}
     base = {mode: timings["linear", C.Variant("bf16", ""), mode].median for mode in args.modes}
     rows = []
@@ -237,6 +242,9 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per configuration and round")
     parser.add_argument("--no-gemm", action="store_true", help="skip the GEMM-only ceiling")
+    parser.add_argument("--profile", metavar="DIR", default=None,
+                        help="after timing, profile 3 steps of each configuration: print the top kernels/ops "
+                             "by self time and write a Chrome trace per configuration into DIR")
     args = parser.parse_args(argv)
     cuda = args.device.type == "cuda"
     default_shapes = "quick" if args.quick else ("llama,small" if cuda else "cpu")
