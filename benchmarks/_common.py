@@ -436,14 +436,16 @@ def cpu_model() -> str:
 
 
 def git_commit() -> str:
-    """``git rev-parse --short HEAD`` of the f8tensor checkout, ``+dirty`` with local changes."""
+    """``git rev-parse --short HEAD`` of the f8tensor checkout; ``+dirty`` when the package or
+    the benchmark scripts differ from it (edits elsewhere, e.g. to the docs, change no figure)."""
     import f8tensor
 
     where = Path(f8tensor.__file__).resolve().parent
     commit = _run(["git", "rev-parse", "--short", "HEAD"], cwd=where)
     if commit is None:
         return "unknown (not a git checkout)"
-    dirty = _run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=where)
+    dirty = _run(["git", "status", "--porcelain", "--untracked-files=no", "--", str(where), str(Path(__file__).parent)],
+                 cwd=where)
     return commit + ("+dirty" if dirty else "")
 
 
