@@ -135,7 +135,7 @@ def setup_compile() -> None:
 # ===================================================================== torchao
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _import_torchao():
     # torchao prints a line per CUDA extension it cannot load (harmless on a CPU build).
     return importlib.import_module("torchao"), importlib.import_module("torchao.float8")
@@ -258,7 +258,7 @@ def interleaved(
     rounds: int,
     steps_per_round: int,
     device: torch.device,
-    progress: "Progress | None" = None,
+    progress: Progress | None = None,
 ) -> dict[Any, Timing]:
     """Time every configuration in ``steps`` for ``rounds`` interleaved rounds."""
     out = {key: Timing() for key in steps}

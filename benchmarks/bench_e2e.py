@@ -30,10 +30,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
-
-import _common as C  # noqa: E402
-import _models as M  # noqa: E402
+import _common as C
+import _models as M
+import torch
 
 
 class Run:
@@ -176,7 +175,7 @@ def main(argv=None) -> None:
     table = []
     for r in results:
         name = "bf16" if r["library"] == "bf16" else f"{r['library']} {r['recipe']}"
-        row = [name, r["mode"], round(r["tokens_per_s"]), f"±{100 * r['spread']:.0f}%" if r["spread"] == r["spread"] else "-",
+        row = [name, r["mode"], round(r["tokens_per_s"]), "-" if math.isnan(r["spread"]) else f"±{100 * r['spread']:.0f}%",
                f"{r['speedup_vs_bf16']:.2f}x", r["peak_mib"], f"{r['peak_vs_bf16']:.2f}x"]
         if scratch_col:
             row.append(r["peak_no_gemm_scratch_mib"])

@@ -32,16 +32,16 @@ Shapes: ``llama`` (LLaMA-3-8B projections, M = 4096, 8192, 16384 tokens, K and N
 from __future__ import annotations
 
 import copy
+import math
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-
-import _common as C  # noqa: E402
+import _common as C
+import torch
+from torch import nn
 
 SHAPE_PRESETS: dict[str, list[tuple[int, int, int]]] = {
     "llama": [
@@ -213,10 +213,10 @@ def print_tables(shape, rows: list[dict], gemm_rows: list[dict]) -> None:
     table = []
     for r in rows:
         name = "bf16 nn.Linear" if r["library"] == "bf16" else f"{r['library']} {r['recipe']}"
-        table.append([name, r["mode"], r["ms"], f"±{100 * r['spread']:.0f}%" if r["spread"] == r["spread"] else "-",
+        table.append([name, r["mode"], r["ms"], "-" if math.isnan(r["spread"]) else f"±{100 * r['spread']:.0f}%",
                       f"{r['speedup_vs_bf16']:.2f}x",
-                      "-" if r["library"] == "bf16" or r["gemm_ceiling"] != r["gemm_ceiling"] else f"{r['gemm_ceiling']:.2f}x",
-                      "-" if r["library"] == "bf16" or r["gemm_ceiling"] != r["gemm_ceiling"] else f"{100 * r['fraction_of_ceiling']:.0f}%"])
+                      "-" if r["library"] == "bf16" or math.isnan(r["gemm_ceiling"]) else f"{r['gemm_ceiling']:.2f}x",
+                      "-" if r["library"] == "bf16" or math.isnan(r["gemm_ceiling"]) else f"{100 * r['fraction_of_ceiling']:.0f}%"])
     print(C.markdown_table(
         ["layer", "mode", "ms", "spread", "speed-up vs bf16", "GEMM ceiling", "fraction of ceiling"], table,
         numeric=[False, False, True, True, True, True, True]))

@@ -29,18 +29,19 @@ CPU figure to compare with what a GPU would hold.
 from __future__ import annotations
 
 import copy
+import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
+import _common as C
+import _models as M
+import torch
+from torch import nn
 
-import _common as C  # noqa: E402
-import _models as M  # noqa: E402
-from f8tensor import Float8Linear, Float8LinearConfig  # noqa: E402
+from f8tensor import Float8Linear, Float8LinearConfig
 
 RECIPES = C.F8_RECIPES
 
@@ -85,7 +86,8 @@ def _linear_layers(in_features, out_features, dtype, device, torchao, torchao_re
 
 
 def _linear_rows(batch, seq, in_features, out_features, dtype, torchao, torchao_recipes, peak=True,
-                 device=torch.device("cpu"), progress=None):
+                 device=None, progress=None):
+    device = torch.device("cpu") if device is None else device
     x = torch.randn(batch, seq, in_features, dtype=dtype, device=device, requires_grad=True)
     grad = torch.randn(batch, seq, out_features, dtype=dtype, device=device)
     rows = []
@@ -117,32 +119,36 @@ def _model_rows(args, cfg, progress) -> list[dict]:
     for variant in C.variants(args):
         for mode in args.modes:
             progress.update(f"model: {variant.name} {mode}")
-            model = variant.convert(M.build_model(cfg, args.device), args.torchao, M.fp8_filter)
-            run = torch.compile(model) if mode == "compiled" else model
-            opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-            state = {"i": 0}
-
-            def step() -> None:
-                batch = batches[state["i"]]
-                run(batch[:, :-1], batch[:, 1:]).backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                state["i"] += 1
-
-            saved = float("nan")
-            if mode == "eager":
-                batch = batches[0]
-                saved, loss = saved_bytes(model, lambda: model(batch[:, :-1], batch[:, 1:]))
-                del loss
-            for _ in range(args.model_warmup):
-                step()
-            resident = C.tensor_bytes(C.state_tensors(model, opt) + [batches[state["i"]]])
-            mem = C.measure_peak(step, resident, args.device)
-            rows.append({"library": variant.library, "recipe": variant.recipe or "-", "mode": mode,
-                         "saved_bytes": saved, "resident_bytes": mem.resident, "peak_bytes": mem.peak,
-                         "peak_no_gemm_scratch_bytes": mem.peak_no_gemm_scratch})
-            del model, run, opt
+            rows.append(_model_step_memory(variant, mode, cfg, batches, args))
     return rows
+
+
+def _model_step_memory(variant: C.Variant, mode: str, cfg, batches: torch.Tensor, args) -> dict:
+    """Saved bytes (eager) and peak memory of training step ``args.model_warmup + 1``."""
+    model = variant.convert(M.build_model(cfg, args.device), args.torchao, M.fp8_filter)
+    run = torch.compile(model) if mode == "compiled" else model
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    step_index = 0
+
+    def step() -> None:
+        nonlocal step_index
+        batch = batches[step_index]
+        run(batch[:, :-1], batch[:, 1:]).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step_index += 1
+
+    saved = math.nan
+    if mode == "eager":
+        first = batches[0]
+        saved, _ = saved_bytes(model, lambda: model(first[:, :-1], first[:, 1:]))
+    for _ in range(args.model_warmup):
+        step()
+    resident = C.tensor_bytes([*C.state_tensors(model, opt), batches[step_index]])
+    mem = C.measure_peak(step, resident, args.device)
+    return {"library": variant.library, "recipe": variant.recipe or "-", "mode": mode,
+            "saved_bytes": saved, "resident_bytes": mem.resident, "peak_bytes": mem.peak,
+            "peak_no_gemm_scratch_bytes": mem.peak_no_gemm_scratch}
 
 
 def main(argv=None) -> None:
@@ -218,7 +224,7 @@ def main(argv=None) -> None:
             b = bases[r["mode"]]
             name = "bf16" if r["library"] == "bf16" else f"{r['library']} {r['recipe']}"
             saved = r["saved_bytes"]
-            row = [name, r["mode"], saved / 2**20, f"{saved / b['saved_bytes']:.3f}x" if saved == saved else "-",
+            row = [name, r["mode"], saved / 2**20, "-" if math.isnan(saved) else f"{saved / b['saved_bytes']:.3f}x",
                    r["resident_bytes"] / 2**20, r["peak_bytes"] / 2**20, f"{r['peak_bytes'] / b['peak_bytes']:.2f}x"]
             if scratch:
                 row += [r["peak_no_gemm_scratch_bytes"] / 2**20,
