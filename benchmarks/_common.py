@@ -1,7 +1,7 @@
 """What every benchmark script shares: devices, timing, torchao, memory, tables, CSV, progress.
 
-Kept small and dependency-free (torch only; torchao when installed). Each script imports
-it as a sibling module (``benchmarks/`` is put on ``sys.path`` by running a script from it).
+Kept small and dependency-free (torch only; torchao when installed). Each script puts its
+own directory on ``sys.path`` and imports it as ``_common``.
 
 Conventions:
 

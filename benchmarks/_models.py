@@ -179,8 +179,9 @@ def synthetic_batches(cfg: LlamaConfig, steps: int, device: torch.device, seed: 
     """``(steps, batch, seq + 1)`` int64 token ids from a fixed sparse Markov chain.
 
     Each token has ``successors`` possible next tokens (a fixed random table), drawn
-    uniformly: a model that learns the table reaches a loss of ``ln(successors)`` (1.386
-    nats for 4), from ``ln(vocab)`` at the start. Every configuration trains on the same
+    uniformly: a model that learns the table reaches a loss of about ``ln(successors)``
+    (1.386 nats for 4; a little less where a row drew one successor twice), from
+    ``ln(vocab)`` at the start. Every configuration trains on the same
     batches. Generated on CPU with its own generator, then moved to ``device``.
     """
     g = torch.Generator().manual_seed(seed)

@@ -3,7 +3,7 @@
 Every configuration (bf16; each f8tensor recipe; torchao.float8's recipes when installed;
 each eager and compiled, ``torch.compile(model)`` with inductor) starts from the same
 weights and trains on the same synthetic batches (a sparse Markov chain: loss floor
-ln 4 = 1.386, see ``_models.synthetic_batches``) with AdamW, bf16 parameters and
+about ln 4 = 1.386, see ``_models.synthetic_batches``) with AdamW, bf16 parameters and
 activations, the output projection left in bf16. FP8 conversion happens before compile.
 
 A run of ``--steps`` steps: the first ``--warmup`` (compilation happens there) are not
@@ -184,7 +184,7 @@ def main(argv=None) -> None:
     print(C.markdown_table(headers, table, numeric=[False, False] + [True] * (len(headers) - 2)))
     print()
     print("final loss: mean of the last min(10, steps) steps; ln(vocab) at the start "
-          f"= {math.log(cfg.vocab):.3f}, floor ln 4 = {math.log(4):.3f}")
+          f"= {math.log(cfg.vocab):.3f}, floor about ln 4 = {math.log(4):.3f}")
     C.write_csv(args.csv, [{"table": "e2e", "size": size, **r} for r in results], env)
 
 
