@@ -1,49 +1,65 @@
-"""Saved-for-backward bytes of one linear layer: each FP8 recipe against bf16 ``nn.Linear``.
+"""Memory: saved-for-backward bytes and peak memory per training step, FP8 recipes vs bf16 vs torchao.
 
-Counts what autograd keeps between forward and backward (``saved_tensors_hooks``), leaving
-out the parameters themselves (their storage exists anyway). A Float8Tensor counts its FP8
-``_data`` and fp32 ``_scale``. Byte counts are exact and device independent; measured on
-CPU here. ``tests/test_memory.py`` asserts the same numbers through :func:`saved_bytes`.
+Two tables.
 
-    python benchmarks/bench_memory.py [--batch 4 --seq 1024 --in-features 4096 --out-features 4096]
+1. One linear layer (input (B, S, K), weight (N, K), bf16, with bias), one forward +
+   backward: what autograd saves between them (``saved_tensors_hooks``; the parameters
+   themselves are left out, their storage exists anyway; a tensor subclass such as a
+   Float8Tensor counts its inner tensors, e.g. FP8 ``_data`` and fp32 ``_scale``), and the
+   peak memory of the step (eager). Saved bytes are exact and device independent.
+   ``tests/test_memory.py`` asserts them through :func:`saved_bytes` / :func:`measure`.
+2. A training step of the Llama-style model of ``bench_e2e.py`` (forward, backward,
+   AdamW step; bf16 parameters, the output projection left in bf16), eager and compiled,
+   after a few warm-up steps (so the optimizer state exists): saved-for-backward bytes of
+   the forward (eager) and peak memory.
+
+Peak memory = the bytes alive before the step (parameters, buffers, optimizer state,
+the batch: counted from their storages) plus the highest point the step's own
+allocations reach above that. On CUDA that rise is ``torch.cuda.max_memory_allocated``
+minus the allocated bytes at the start of the step. On CPU it comes from the CPU
+allocator's own allocation and free records (``torch.profiler`` with
+``profile_memory=True``), summed in time order. CPU ``torch._scaled_mm`` widens its FP8
+operands to fp32 in buffers it allocates and frees inside itself, which a GPU GEMM does
+not; the "w/o CPU GEMM scratch" column leaves exactly those allocations out, and is the
+CPU figure to compare with what a GPU would hold.
+
+    python benchmarks/bench_memory.py [--batch 4 --seq 1024 --in-features 4096 --out-features 4096] [--size tiny]
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
-import platform
-import subprocess
+import math
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _common as C
+import _models as M
 import torch
 from torch import nn
 
-from f8tensor import Float8Linear, Float8LinearConfig, Float8Tensor
+from f8tensor import Float8Linear, Float8LinearConfig
 
-RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed")
+RECIPES = C.F8_RECIPES
 
 
 def saved_bytes(module: nn.Module, fn: Callable[[], torch.Tensor]) -> tuple[int, torch.Tensor]:
     """Run ``fn()`` (a forward of ``module``) and return the bytes autograd saved for backward.
 
     Storages are counted once each (two views of one tensor keep one storage alive);
-    storages of ``module``'s parameters are left out.
+    storages of ``module``'s parameters are left out. A tensor subclass (Float8Tensor,
+    torchao's float8 tensor) counts the storages of its inner tensors.
     """
     param_storages = {p.untyped_storage().data_ptr() for p in module.parameters()}
-    seen: set[int] = set()
+    seen: set[int] = set(param_storages)
     total = 0
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         nonlocal total
-        parts = (t._data, t._scale) if isinstance(t, Float8Tensor) else (t,)
-        for part in parts:
-            storage = part.untyped_storage()
-            ptr = storage.data_ptr()
-            if ptr in param_storages or ptr in seen:
-                continue
-            seen.add(ptr)
-            total += storage.nbytes()
+        total += C.tensor_bytes([t], seen)
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -51,48 +67,176 @@ def saved_bytes(module: nn.Module, fn: Callable[[], torch.Tensor]) -> tuple[int,
     return total, out
 
 
-def measure(batch: int, seq: int, in_features: int, out_features: int, dtype: torch.dtype = torch.bfloat16) -> list[tuple[str, int]]:
-    """``[(name, saved bytes)]`` for ``nn.Linear`` and each recipe, one forward on a 3D input."""
+def measure(batch: int, seq: int, in_features: int, out_features: int, dtype: torch.dtype = torch.bfloat16,
+            torchao=None, torchao_recipes=()) -> list[tuple[str, int]]:
+    """``[(name, saved bytes)]`` for ``nn.Linear``, each recipe and (given ``torchao``, the
+    ``torchao.float8`` module) each torchao recipe: one forward on a 3D input."""
+    return [(name, nbytes) for name, nbytes, _ in _linear_rows(batch, seq, in_features, out_features, dtype,
+                                                               torchao, torchao_recipes, peak=False)]
+
+
+def _linear_layers(in_features, out_features, dtype, device, torchao, torchao_recipes):
     torch.manual_seed(0)
-    ref = nn.Linear(in_features, out_features, dtype=dtype)
-    x = torch.randn(batch, seq, in_features, dtype=dtype, requires_grad=True)
-    rows = [("nn.Linear", saved_bytes(ref, lambda: ref(x))[0])]
+    ref = nn.Linear(in_features, out_features, dtype=dtype, device=device)
+    yield "nn.Linear", ref
     for recipe in RECIPES:
-        layer = Float8Linear.from_float(copy.deepcopy(ref), Float8LinearConfig.from_recipe(recipe))
-        rows.append((recipe, saved_bytes(layer, lambda layer=layer: layer(x))[0]))
+        yield recipe, Float8Linear.from_float(copy.deepcopy(ref), Float8LinearConfig.from_recipe(recipe))
+    for recipe in torchao_recipes:
+        yield f"torchao {recipe}", C.torchao_convert(torchao, copy.deepcopy(ref), recipe)
+
+
+def _linear_rows(batch, seq, in_features, out_features, dtype, torchao, torchao_recipes, peak=True,
+                 device=None, progress=None):
+    device = torch.device("cpu") if device is None else device
+    x = torch.randn(batch, seq, in_features, dtype=dtype, device=device, requires_grad=True)
+    grad = torch.randn(batch, seq, out_features, dtype=dtype, device=device)
+    rows = []
+    for name, layer in _linear_layers(in_features, out_features, dtype, device, torchao, torchao_recipes):
+        if progress is not None:
+            progress.update(f"linear: {name}")
+        nbytes, out = saved_bytes(layer, lambda layer=layer: layer(x))
+        mem = None
+        if peak:
+            out.backward(grad)  # warm-up: lazily created state, gradients' first allocation
+
+            def step(layer=layer) -> None:
+                layer.zero_grad(set_to_none=True)
+                x.grad = None
+                layer(x).backward(grad)
+
+            layer.zero_grad(set_to_none=True)
+            x.grad = None
+            resident = C.tensor_bytes(C.state_tensors(layer) + [x, grad])
+            mem = C.measure_peak(step, resident, device)
+        del out
+        rows.append((name, nbytes, mem))
     return rows
 
 
-def cpu_name() -> str:
-    """``lscpu``'s model name (falls back to the platform's processor string)."""
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return platform.processor() or platform.machine()
-    names = [line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")]
-    return names[0] if names else platform.machine()
+def _model_rows(args, cfg, progress) -> list[dict]:
+    batches = M.synthetic_batches(cfg, args.model_warmup + 1, args.device)
+    rows = []
+    for variant in C.variants(args):
+        for mode in args.modes:
+            progress.update(f"model: {variant.name} {mode}")
+            rows.append(_model_step_memory(variant, mode, cfg, batches, args))
+    return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=1024)
-    parser.add_argument("--in-features", type=int, default=4096)
-    parser.add_argument("--out-features", type=int, default=4096)
-    args = parser.parse_args()
+def _model_step_memory(variant: C.Variant, mode: str, cfg, batches: torch.Tensor, args) -> dict:
+    """Saved bytes (eager) and peak memory of training step ``args.model_warmup + 1``."""
+    model = variant.convert(M.build_model(cfg, args.device), args.torchao, M.fp8_filter)
+    run = torch.compile(model) if mode == "compiled" else model
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    step_index = 0
 
+    def step() -> None:
+        nonlocal step_index
+        batch = batches[step_index]
+        run(batch[:, :-1], batch[:, 1:]).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step_index += 1
+
+    saved = math.nan
+    if mode == "eager":
+        first = batches[0]
+        saved, _ = saved_bytes(model, lambda: model(first[:, :-1], first[:, 1:]))
+    for _ in range(args.model_warmup):
+        step()
+    resident = C.tensor_bytes([*C.state_tensors(model, opt), batches[step_index]])
+    mem = C.measure_peak(step, resident, args.device)
+    return {"library": variant.library, "recipe": variant.recipe or "-", "mode": mode,
+            "saved_bytes": saved, "resident_bytes": mem.resident, "peak_bytes": mem.peak,
+            "peak_no_gemm_scratch_bytes": mem.peak_no_gemm_scratch}
+
+
+def main(argv=None) -> None:
+    parser = C.BenchArgumentParser(__doc__)
+    parser.add_modes()
+    parser.add_argument("--batch", type=int, default=None, help="linear input (BATCH, SEQ, IN); default 4")
+    parser.add_argument("--seq", type=int, default=None, help="default 1024")
+    parser.add_argument("--in-features", type=int, default=None, help="default 4096")
+    parser.add_argument("--out-features", type=int, default=None, help="default 4096")
+    parser.add_argument("--no-linear-peak", action="store_true", help="linear table: saved bytes only (fast)")
+    parser.add_argument("--size", choices=sorted(M.SIZES), default=None,
+                        help="model for the training-step table (default: tiny on CPU, 300m on CUDA; quick with --quick)")
+    parser.add_argument("--no-model", action="store_true", help="skip the training-step table")
+    parser.add_argument("--model-warmup", type=int, default=2, help="training steps before the measured one")
+    args = parser.parse_args(argv)
+    quick = args.quick
+    batch = args.batch or (2 if quick else 4)
+    seq = args.seq or (16 if quick else 1024)
+    k = args.in_features or (64 if quick else 4096)
+    n = args.out_features or (128 if quick else 4096)
+    if min(batch, seq, k, n) < 1 or k % 16 or n % 16:
+        parser.error("--batch/--seq must be >= 1; --in-features/--out-features positive multiples of 16")
+    if args.model_warmup < 1:
+        parser.error("--model-warmup must be >= 1 (the optimizer state is created by the first step)")
+    cuda = args.device.type == "cuda"
+    size = args.size or ("quick" if quick else ("300m" if cuda else "tiny"))
+    if "compiled" in args.modes:
+        C.setup_compile()
+
+    env = C.environment(args.device, args.torchao_note)
+    C.print_environment(env, "Memory: saved-for-backward bytes and peak memory per training step")
     dtype = torch.bfloat16
-    rows = measure(args.batch, args.seq, args.in_features, args.out_features, dtype)
-    elements = args.batch * args.seq * args.in_features
-    base = rows[0][1]
-    print(f"# saved-for-backward bytes, one linear layer forward, CPU ({cpu_name()})")
-    print(f"# torch {torch.__version__}; model dtype {dtype}; input ({args.batch}, {args.seq}, {args.in_features}); "
-          f"weight ({args.out_features}, {args.in_features}); parameters not counted")
+    n_linear = 1 + len(RECIPES) + len(args.torchao_recipes)
+    n_model = 0 if args.no_model else len(C.variants(args)) * len(args.modes)
+    progress = C.Progress(n_linear + n_model, "bench_memory")
+    linear = _linear_rows(batch, seq, k, n, dtype, args.torchao, args.torchao_recipes,
+                          peak=not args.no_linear_peak, device=args.device, progress=progress)
+    csv_rows = []
+    elements = batch * seq * k
+    base = linear[0]
+    scratch = args.device.type == "cpu"
+    print(f"### One linear layer: input ({batch}, {seq}, {k}) bf16, weight ({n}, {k}) bf16 + bias; forward + backward, eager")
     print()
-    print("| layer | saved bytes | bytes / input element | vs bf16 nn.Linear |")
-    print("| --- | ---: | ---: | ---: |")
-    for name, nbytes in rows:
-        print(f"| {name} | {nbytes:,} | {nbytes / elements:.4f} | {nbytes / base:.3f}x |")
+    headers = ["layer", "saved bytes", "bytes / input element", "vs nn.Linear"]
+    if not args.no_linear_peak:
+        headers += ["peak MiB", "vs nn.Linear"] + (["peak MiB w/o CPU GEMM scratch", "vs nn.Linear"] if scratch else [])
+    table = []
+    for name, nbytes, mem in linear:
+        row = [name if name != "nn.Linear" else "bf16 nn.Linear", nbytes, f"{nbytes / elements:.4f}", f"{nbytes / base[1]:.3f}x"]
+        csv_row = {"table": "linear", "layer": name, "batch": batch, "seq": seq, "K": k, "N": n, "saved_bytes": nbytes}
+        if mem is not None:
+            row += [mem.peak / 2**20, f"{mem.peak / base[2].peak:.2f}x"]
+            if scratch:
+                row += [mem.peak_no_gemm_scratch / 2**20, f"{mem.peak_no_gemm_scratch / base[2].peak_no_gemm_scratch:.2f}x"]
+            csv_row.update(peak_bytes=mem.peak, peak_no_gemm_scratch_bytes=mem.peak_no_gemm_scratch, resident_bytes=mem.resident)
+        table.append(row)
+        csv_rows.append(csv_row)
+    print(C.markdown_table(headers, table, numeric=[False] + [True] * (len(headers) - 1)))
+    print()
+    if not args.no_model:
+        cfg = M.SIZES[size]
+        probe = M.build_model(cfg, torch.device("meta"))
+        print(f"### Training step: Llama-style model {size}, {M.count_parameters(probe) / 1e6:.1f}M parameters "
+              f"({cfg.describe()}); AdamW; bf16 parameters; step {args.model_warmup + 1}")
+        print()
+        rows = _model_rows(args, cfg, progress)
+        bases = {r["mode"]: r for r in rows if r["library"] == "bf16"}
+        headers = ["configuration", "mode", "saved MiB (forward)", "vs bf16", "resident MiB", "peak MiB", "vs bf16"]
+        if scratch:
+            headers += ["peak MiB w/o CPU GEMM scratch", "vs bf16"]
+        table = []
+        for r in rows:
+            b = bases[r["mode"]]
+            name = "bf16" if r["library"] == "bf16" else f"{r['library']} {r['recipe']}"
+            saved = r["saved_bytes"]
+            row = [name, r["mode"], saved / 2**20, "-" if math.isnan(saved) else f"{saved / b['saved_bytes']:.3f}x",
+                   r["resident_bytes"] / 2**20, r["peak_bytes"] / 2**20, f"{r['peak_bytes'] / b['peak_bytes']:.2f}x"]
+            if scratch:
+                row += [r["peak_no_gemm_scratch_bytes"] / 2**20,
+                        f"{r['peak_no_gemm_scratch_bytes'] / b['peak_no_gemm_scratch_bytes']:.2f}x"]
+            table.append(row)
+            csv_rows.append({"table": "model", "size": size, **r})
+        print(C.markdown_table(headers, table, numeric=[False, False] + [True] * (len(headers) - 2)))
+        print()
+        print("saved: what autograd keeps from forward to backward (eager only: compiled graphs save "
+              "inside the compiled function); resident: parameters, buffers, AdamW state and the batch")
+    progress.close()
+    C.write_csv(args.csv, csv_rows, env)
 
 
 if __name__ == "__main__":

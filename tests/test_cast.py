@@ -335,3 +335,23 @@ def test_scale_value_in_repr_matches_max_over_amax():
 def test_repr_transposed_rowwise_3d():
     x8 = Float8Tensor.from_hp(_fixed().reshape(1, 3, 4), granularity="rowwise").transpose(1, 2)
     assert_expected_inline(repr(x8), """Float8Tensor(float8_e4m3fn, shape=(1, 4, 3), orig_dtype=torch.bfloat16, axiswise(dim=1), scale_shape=(1, 1, 3))""")
+
+
+@pytest.mark.parametrize("hp_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", [(7, 33), (1, 5), (5, 1), (3, 4, 16)])
+def test_axiswise_amax_matches_one_pass_aminmax(hp_dtype, shape):
+    # tensor_amax takes amin and amax separately along a dim on CPU (faster there than
+    # aminmax): the same bits as the one-pass reduction, NaN, inf, -0.0 and zero rows included.
+    from f8tensor.scaling import tensor_amax
+
+    x = (torch.randn(shape) * 10).to(hp_dtype)
+    flat = x.view(-1)
+    flat[0], flat[1], flat[-1] = float("nan"), -0.0, float("-inf")
+    if shape[0] > 2:
+        x[1].zero_()
+    for dim in range(x.dim()):
+        lo, hi = torch.aminmax(x, dim=dim, keepdim=True)
+        expected = torch.maximum(hi, lo.neg()).to(torch.float32)
+        got = tensor_amax(x, dim)
+        assert got.shape == expected.shape
+        assert torch.equal(got.view(torch.int32), expected.view(torch.int32)), dim

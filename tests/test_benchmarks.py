@@ -1,0 +1,165 @@
+"""Smoke tests of the benchmark scripts: each runs in its tiny mode (``--quick``, eager) and
+writes a CSV with the expected rows and finite numbers, with torchao (when installed) and
+without (``F8TENSOR_BENCH_NO_TORCHAO=1``: the column is skipped with a note)."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+F8_RECIPES = ["tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed"]
+AO_RECIPES = ["tensorwise", "rowwise", "rowwise_with_gw_hp"]
+HAS_TORCHAO = importlib.util.find_spec("torchao") is not None
+
+with_and_without_torchao = pytest.mark.parametrize(
+    "torchao",
+    [
+        pytest.param(True, marks=pytest.mark.skipif(not HAS_TORCHAO, reason="torchao is not installed")),
+        False,
+    ],
+    ids=["torchao", "no-torchao"],
+)
+
+
+def run_script(name: str, *args: str, torchao: bool, tmp_path: pathlib.Path) -> tuple[str, list[dict]]:
+    """Run ``benchmarks/<name>`` on CPU, return its stdout and the rows of its CSV."""
+    out_csv = tmp_path / f"{name}.csv"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    env.pop("F8TENSOR_BENCH_NO_TORCHAO", None)
+    if not torchao:
+        env["F8TENSOR_BENCH_NO_TORCHAO"] = "1"
+    cmd = [sys.executable, str(BENCH / name), "--device", "cpu", "--quick", "--csv", str(out_csv), *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    with open(out_csv, newline="") as f:
+        rows = list(csv.DictReader(f))
+    # Every table is self-describing: it starts with the environment.
+    for line in ("- command: python", "- torch:", "- f8tensor commit:", "- cpu:"):
+        assert line in proc.stdout
+    if not torchao:
+        assert "torchao column skipped (F8TENSOR_BENCH_NO_TORCHAO is set)" in proc.stdout
+    return proc.stdout, rows
+
+
+def finite(row: dict, *keys: str) -> None:
+    for key in keys:
+        value = float(row[key])
+        assert math.isfinite(value) and value > 0, (key, row)
+
+
+def expected_variants(torchao: bool) -> list[tuple[str, str]]:
+    return [("bf16", "-")] + [("f8tensor", r) for r in F8_RECIPES] + ([("torchao", r) for r in AO_RECIPES] if torchao else [])
+
+
+@with_and_without_torchao
+def test_bench_linear(torchao, tmp_path):
+    stdout, rows = run_script("bench_linear.py", "--modes", "eager", torchao=torchao, tmp_path=tmp_path)
+    linear = [r for r in rows if r["table"] == "linear"]
+    gemm = [r for r in rows if r["table"] == "gemm"]
+    assert [(r["library"], r["recipe"]) for r in linear] == expected_variants(torchao)
+    assert {(r["M"], r["K"], r["N"], r["mode"]) for r in linear} == {("64", "64", "128", "eager")}
+    for r in linear:
+        finite(r, "ms", "speedup_vs_bf16")
+        if r["library"] != "bf16":
+            finite(r, "gemm_ceiling", "fraction_of_ceiling")
+            ratio = float(r["speedup_vs_bf16"]) / float(r["gemm_ceiling"])
+            assert float(r["fraction_of_ceiling"]) == pytest.approx(ratio)
+    assert float(linear[0]["speedup_vs_bf16"]) == 1.0
+    assert [r["gemm"] for r in gemm] == ["forward", "grad_input", "grad_weight"]
+    for r in gemm:
+        finite(r, "bf16_ms", "tensorwise_ms", "rowwise_ms", "tensorwise_speedup", "rowwise_speedup")
+    assert "| f8tensor tensorwise | eager |" in stdout
+    assert ("| torchao rowwise | eager |" in stdout) == torchao
+
+
+def test_bench_linear_compiled(tmp_path):
+    # One compiled configuration each for bf16 and f8tensor: the compiled path runs end to end.
+    _, rows = run_script("bench_linear.py", "--modes", "compiled", "--recipes", "tensorwise", "--no-gemm",
+                         "--shapes", "32x64x64", torchao=False, tmp_path=tmp_path)
+    assert [(r["library"], r["recipe"], r["mode"]) for r in rows] == [
+        ("bf16", "-", "compiled"), ("f8tensor", "tensorwise", "compiled")]
+    for r in rows:
+        finite(r, "ms", "speedup_vs_bf16")
+
+
+@with_and_without_torchao
+def test_bench_memory(torchao, tmp_path):
+    _, rows = run_script("bench_memory.py", "--modes", "eager", torchao=torchao, tmp_path=tmp_path)
+    linear = {r["layer"]: r for r in rows if r["table"] == "linear"}
+    names = ["nn.Linear"] + F8_RECIPES + ([f"torchao {r}" for r in AO_RECIPES] if torchao else [])
+    assert list(linear) == names
+    elements = 2 * 16 * 64  # the --quick input (2, 16, 64)
+    assert int(linear["nn.Linear"]["saved_bytes"]) == 2 * elements
+    assert int(linear["tensorwise"]["saved_bytes"]) == elements + 8  # FP8 input + two fp32 scales
+    for r in linear.values():
+        finite(r, "peak_bytes", "peak_no_gemm_scratch_bytes", "resident_bytes")
+        assert int(r["peak_no_gemm_scratch_bytes"]) <= int(r["peak_bytes"])
+    model = [r for r in rows if r["table"] == "model"]
+    assert [(r["library"], r["recipe"]) for r in model] == expected_variants(torchao)
+    for r in model:
+        finite(r, "saved_bytes", "resident_bytes", "peak_bytes")
+        assert int(r["peak_bytes"]) > int(r["resident_bytes"])
+
+
+@with_and_without_torchao
+def test_bench_e2e(torchao, tmp_path):
+    _, rows = run_script("bench_e2e.py", "--modes", "eager", torchao=torchao, tmp_path=tmp_path)
+    assert [(r["library"], r["recipe"]) for r in rows] == expected_variants(torchao)
+    for r in rows:
+        assert r["mode"] == "eager" and r["steps"] == "6" and r["timed_steps"] == "3"
+        assert r["finite"] == "True"
+        finite(r, "tokens_per_s", "step_ms", "peak_mib", "first_loss", "final_loss", "speedup_vs_bf16")
+    # Same weights and batches: every configuration starts from the same loss, about ln(vocab).
+    first = [float(r["first_loss"]) for r in rows]
+    assert max(first) - min(first) < 0.01
+    assert first[0] == pytest.approx(math.log(256), abs=0.1)
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name.removesuffix(".py"), BENCH / name)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    ("script", "args", "message"),
+    [
+        ("bench_linear.py", ["--recipes", "fastest"], "--recipes: unknown value 'fastest'"),
+        ("bench_linear.py", ["--torchao-recipes", "delayed"], "--torchao-recipes: unknown value 'delayed'"),
+        ("bench_linear.py", ["--shapes", "64x60x128"], "K and N must be positive multiples of 16"),
+        ("bench_linear.py", ["--shapes", "huge"], "neither a preset"),
+        ("bench_linear.py", ["--modes", "jit"], "--modes: unknown value 'jit'"),
+        ("bench_e2e.py", ["--steps", "3", "--warmup", "2"], "--steps >= warmup + 1 + rounds"),
+        ("bench_e2e.py", ["--size", "7b"], "invalid choice: '7b'"),
+        ("bench_memory.py", ["--in-features", "100"], "multiples of 16"),
+    ],
+)
+def test_bad_flags_are_refused(script, args, message, capsys):
+    module = _load(script)
+    with pytest.raises(SystemExit) as exc:
+        module.main(["--device", "cpu", *args])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_progress_bar(tmp_path):
+    common = _load("_common.py")
+    log = tmp_path / "log.txt"
+    with open(log, "w") as f:
+        bar = common.Progress(3, "demo", stream=f)
+        for what in ("a", "b", "c"):
+            bar.update(what)
+        bar.close()
+    lines = log.read_text().splitlines()
+    assert [line.split(" ")[1] for line in lines] == ["[1/3]", "[2/3]", "[3/3]"]  # plain lines off a terminal
