@@ -388,7 +388,10 @@ def train_run(
 
 def format_table(results: Sequence[RunResult], last: int) -> str:
     base = next((r for r in results if r.name == BASELINE), None)
-    header = f"{'run':<20}{'final loss':>11}{'vs bf16':>9}{'tokens/s':>11}{'vs bf16':>9}{'saved act. MiB':>16}{'vs bf16':>9}{'saturated':>11}"
+    header = (
+        f"{'run':<19}{'final loss':>11}{'vs bf16':>9}{'tokens/s':>10}{'vs bf16':>9}"
+        f"{'act. MiB':>10}{'vs bf16':>9}{'saturated':>11}"
+    )
     lines = [header, "-" * len(header)]
     for r in results:
         loss = r.final_loss(last)
@@ -399,10 +402,33 @@ def format_table(results: Sequence[RunResult], last: int) -> str:
             rel_mem = f"{r.saved_bytes / base.saved_bytes:.2f}x" if base.saved_bytes > 0 else "n/a"
         sat = "n/a" if r.saturation is None else f"{100.0 * r.saturation:.4f}%"
         lines.append(
-            f"{r.name:<20}{loss:>11.4f}{rel_loss:>9}{r.tokens_per_s:>11.0f}{rel_tok:>9}"
-            f"{r.saved_bytes / 2**20:>16.2f}{rel_mem:>9}{sat:>11}"
+            f"{r.name:<19}{loss:>11.4f}{rel_loss:>9}{r.tokens_per_s:>10.0f}{rel_tok:>9}"
+            f"{r.saved_bytes / 2**20:>10.2f}{rel_mem:>9}{sat:>11}"
         )
     return "\n".join(lines)
+
+
+def table_notes(results: Sequence[RunResult], last: int, steps: int, device: torch.device) -> str:
+    """What each column means, under the table."""
+    notes = [
+        ("final loss", f"mean of the last {last} of {steps} steps; same weights and batches in every run."),
+        ("", "Small gaps are run-to-run noise: another --seed moves bf16 itself by a few percent."),
+        ("tokens/s", "from the median step time, warm-up steps excluded."),
+    ]
+    if device.type == "cpu":
+        notes += [
+            ("", "CPU: no FP8 hardware, torch._scaled_mm runs a reference kernel, so this shows"),
+            ("", "what the casts cost, not a speed-up (that needs a GPU, compute capability >= 8.9)."),
+        ]
+    notes += [
+        ("act. MiB", "kept for backward by one training forward (eager); parameters and their bf16"),
+        ("", "copies excluded, FP8 tensors counted as data + scales."),
+    ]
+    if any(r.name != BASELINE and r.saturation is None for r in results):
+        notes.append(("saturated", "n/a: this f8tensor has no per-layer telemetry (f8tensor.stats.float8_stats)."))
+    else:
+        notes.append(("saturated", "mean fraction of values clamped at the FP8 maximum per cast (f8tensor.stats)."))
+    return "\n".join(f"{key:<11} {text}" for key, text in notes)
 
 
 def plot_losses(results: Sequence[RunResult], path: Path, title: str) -> bool:
@@ -412,7 +438,7 @@ def plot_losses(results: Sequence[RunResult], path: Path, title: str) -> bool:
     except ImportError:
         print(
             "matplotlib is not installed, so no loss-curve figure was written; install it with\n"
-            "  python -m pip install matplotlib      (or: python -m pip install -e \".[demo]\")"
+            '  python -m pip install matplotlib      (or: python -m pip install -e ".[demo]")'
         )
         return False
     base = next((r for r in results if r.name == BASELINE), None)
@@ -483,19 +509,29 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         epilog="Example: python -m f8tensor.demo --recipes bf16,tensorwise --steps 100 --size tiny",
     )
-    parser.add_argument("--steps", type=_positive_int, help=f"training steps per run (default: {DEFAULT_STEPS['cpu']} on CPU, {DEFAULT_STEPS['cuda']} on GPU)")
+    parser.add_argument(
+        "--steps",
+        type=_positive_int,
+        help=f"training steps per run (default: {DEFAULT_STEPS['cpu']} on CPU, {DEFAULT_STEPS['cuda']} on GPU)",
+    )
     parser.add_argument(
         "--recipes", default=",".join(_allowed_runs()), help=f"comma-separated runs, from: {allowed} (default: all)"
     )
     parser.add_argument(
-        "--size", choices=sorted(SIZES, key=list(SIZES).index), help="model preset (default: small on CPU, medium on GPU)"
+        "--size",
+        choices=sorted(SIZES, key=list(SIZES).index),
+        help="model preset (default: small on CPU, medium on GPU)",
     )
     parser.add_argument(
-        "--device", choices=["auto", "cpu", "cuda"], default="auto",
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default="auto",
         help="auto: a CUDA GPU with FP8 support (compute capability >= 8.9) if there is one, else the CPU",
     )
     parser.add_argument(
-        "--compile", action=argparse.BooleanOptionalAction, default=None,
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="torch.compile the model (default: on for GPU, off for CPU)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed for the initial weights and the batches (default: 0)")
@@ -568,13 +604,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     base_model = GPT(size).to(device)
     starts = batch_starts(len(data), steps, size.batch_size, size.seq_len, args.seed)
-    n_linear = sum(isinstance(m, nn.Linear) for m in base_model.modules())
+    linears = [(name, m) for name, m in base_model.named_modules() if isinstance(m, nn.Linear)]
+    n_fp8 = sum(keep_lm_head_in_high_precision(m, name) for name, m in linears)
     n_params = sum(p.numel() for p in base_model.parameters())
     print(f"f8tensor {f8tensor.__version__} demo: a byte-level GPT on {CORPUS.name} ({len(data):,} bytes)")
     print(
-        f"  model   {size.n_layers} layers, d_model {size.d_model}, {size.n_heads} heads, "
-        f"{n_params / 1e6:.2f}M parameters; FP8 runs convert {n_linear - 1} of {n_linear} linears (not lm_head)"
+        f"  model   {size.n_layers} layers, d_model {size.d_model}, {size.n_heads} heads, {n_params / 1e6:.2f}M parameters"
     )
+    print(f"  FP8     {n_fp8} of {len(linears)} linears converted (lm_head stays in high precision)")
     print(
         f"  batch   {size.batch_size} x {size.seq_len} = {size.batch_size * size.seq_len} tokens/step, "
         f"{steps} steps per run, seed {args.seed}"
@@ -591,17 +628,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print()
     print(format_table(results, last))
     print()
-    print(f"final loss: mean of the last {last} of {steps} steps; every run starts from the same weights and sees the same batches.")
-    print("saved act.: bytes kept for backward by one training forward (eager), parameters and their bf16 copies excluded.")
-    if any(r.name != BASELINE and r.saturation is None for r in results):
-        print("saturated: n/a, this f8tensor build has no per-layer telemetry (f8tensor.stats.float8_stats).")
-    else:
-        print("saturated: mean fraction of elements clamped at the FP8 maximum, over every cast (f8tensor.stats).")
-    if device.type == "cpu":
-        print(
-            "CPU: there is no FP8 hardware here; torch._scaled_mm runs a reference kernel, so tokens/s shows "
-            "the cost of the casts, not a speed-up. FP8 speed-ups need a GPU with compute capability >= 8.9."
-        )
+    print(table_notes(results, last, steps, device))
     title = f"f8tensor demo: {size.n_layers}x{size.d_model} byte-level GPT, {steps} steps, {_device_name(device)}"
     if plot_losses(results, args.out, title):
         print(f"loss curves: {args.out}")
