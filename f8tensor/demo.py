@@ -36,7 +36,8 @@ step time after a few warm-up steps. *saved act.*: bytes autograd keeps for the 
 forward (eager), excluding parameters and autocast's bf16 copies of them; a
 ``Float8Tensor`` counts as its FP8 data plus its scales. *saturated*: the mean fraction
 of elements clamped at the FP8 maximum per cast, from the numerics telemetry of
-``f8tensor.stats`` (``n/a`` where that telemetry is not available).
+``f8tensor.stats``, switched on for one extra step after training so that it costs the
+timed steps nothing (``n/a`` where that telemetry is not available).
 """
 
 from __future__ import annotations
@@ -179,7 +180,10 @@ def load_corpus(device: torch.device) -> torch.Tensor:
 
 
 def batch_starts(n_tokens: int, steps: int, batch_size: int, seq_len: int, seed: int) -> torch.Tensor:
-    """Where each sequence of each step starts: ``(steps, batch_size)``, the same for every run."""
+    """Where each sequence of each step starts: ``(steps, batch_size)``, the same for every run.
+
+    Ask for one step more than you train: the last row is a batch no run trains on.
+    """
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, n_tokens - seq_len - 1, (steps, batch_size), generator=g)
 
@@ -238,19 +242,19 @@ _VIEW_NODES = frozenset({"TBackward0", "TransposeBackward0", "PermuteBackward0",
 # --- saturation: the one place that reads f8tensor.stats telemetry -------------------
 
 
-def _enable_saturation_stats(model: nn.Module) -> None:
-    if hasattr(f8tensor.stats, "enable_float8_stats"):
-        f8tensor.stats.enable_float8_stats(model)
+def _saturation_rate(model: nn.Module, probe_step: Callable[[], object]) -> float | None:
+    """Mean fraction of values clamped at the FP8 maximum per cast, or None (shown as n/a).
 
-
-def _saturation_rate(model: nn.Module) -> float | None:
-    """Mean fraction of saturated elements over every FP8 cast, or None (shown as n/a).
-
-    None when this f8tensor has no per-layer telemetry yet, or the model has no FP8 casts.
+    Telemetry stays off while training, so it costs the tokens/s column nothing: it is
+    switched on for ``probe_step`` (one more forward and backward on a batch not trained
+    on, no optimizer step) and read once. None where this f8tensor has no per-layer telemetry.
     """
-    if not hasattr(f8tensor.stats, "float8_stats"):
+    stats = f8tensor.stats
+    if not (hasattr(stats, "enable_float8_stats") and hasattr(stats, "float8_stats")):
         return None
-    fracs = [v for k, v in f8tensor.stats.float8_stats(model).items() if k.endswith("/saturated_frac")]
+    stats.enable_float8_stats(model)
+    probe_step()
+    fracs = [v for k, v in stats.float8_stats(model).items() if k.endswith("/saturated_frac") and not math.isnan(v)]
     return sum(fracs) / len(fracs) if fracs else None
 
 
@@ -335,21 +339,25 @@ def train_run(
     device: torch.device,
     compile_model: bool,
 ) -> RunResult:
-    """Train a copy of ``base_model`` in ``name`` ("bf16" or an FP8 recipe) on the given batches."""
+    """Train a copy of ``base_model`` in ``name`` ("bf16" or an FP8 recipe), then measure it.
+
+    ``starts`` holds one row per step plus one: the last batch is not trained on; the
+    saturation is measured on it (a batch the delayed-scaling history has not seen, as
+    a next step's would be).
+    """
     model = copy.deepcopy(base_model)
     if name != BASELINE:
         convert_to_float8_training(
             model, config=Float8LinearConfig.from_recipe(name), module_filter_fn=keep_lm_head_in_high_precision
         )
-        _enable_saturation_stats(model)
     opt = torch.optim.AdamW(model.parameters(), lr=size.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_schedule(len(starts)))
+    steps = len(starts) - 1
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_schedule(steps))
     amp = torch.autocast(device.type, dtype=torch.bfloat16)
     if compile_model:
         torch._dynamo.reset()  # a fresh model each run: start from an empty compile cache
     forward = torch.compile(model) if compile_model else model
 
-    steps = len(starts)
     warmup = min(3, steps // 4)  # first steps (allocations, compilation) are not timed
     tokens_per_step = starts.shape[1] * size.seq_len
     losses: list[float] = []
@@ -377,9 +385,18 @@ def train_run(
     _sync(device)
     seconds = time.perf_counter() - t_run
 
-    saturation = _saturation_rate(model) if name != BASELINE else None
-    # Measured last: a forward advances delayed-scaling histories and telemetry counters.
+    # Memory on the last training batch (its amax is already in any delayed-scaling
+    # history), then saturation on a batch the history has not seen, as a next step's.
     saved = saved_activation_bytes(model, x, y, amp)
+    x_next, y_next = get_batch(data, starts[steps], size.seq_len)
+
+    def probe_step() -> None:
+        with amp:
+            logits = model(x_next)
+        _loss(logits, y_next).backward()
+        model.zero_grad(set_to_none=True)
+
+    saturation = _saturation_rate(model, probe_step) if name != BASELINE else None
     return RunResult(name, losses, tokens_per_s, saved, saturation, seconds)
 
 
@@ -400,7 +417,7 @@ def format_table(results: Sequence[RunResult], last: int) -> str:
             rel_loss = f"{100.0 * (loss - base.final_loss(last)) / base.final_loss(last):+.2f}%"
             rel_tok = f"{r.tokens_per_s / base.tokens_per_s:.2f}x" if base.tokens_per_s > 0 else "n/a"
             rel_mem = f"{r.saved_bytes / base.saved_bytes:.2f}x" if base.saved_bytes > 0 else "n/a"
-        sat = "n/a" if r.saturation is None else f"{100.0 * r.saturation:.4f}%"
+        sat = "n/a" if r.saturation is None else f"{100.0 * r.saturation:.3g}%"
         lines.append(
             f"{r.name:<19}{loss:>11.4f}{rel_loss:>9}{r.tokens_per_s:>10.0f}{rel_tok:>9}"
             f"{r.saved_bytes / 2**20:>10.2f}{rel_mem:>9}{sat:>11}"
@@ -427,7 +444,10 @@ def table_notes(results: Sequence[RunResult], last: int, steps: int, device: tor
     if any(r.name != BASELINE and r.saturation is None for r in results):
         notes.append(("saturated", "n/a: this f8tensor has no per-layer telemetry (f8tensor.stats.float8_stats)."))
     else:
-        notes.append(("saturated", "mean fraction of values clamped at the FP8 maximum per cast (f8tensor.stats)."))
+        notes += [
+            ("saturated", "mean fraction of values clamped at the FP8 maximum per cast, over one more"),
+            ("", "step on a batch not trained on, with the telemetry of f8tensor.stats on."),
+        ]
     return "\n".join(f"{key:<11} {text}" for key, text in notes)
 
 
@@ -603,7 +623,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     torch.manual_seed(args.seed)
     base_model = GPT(size).to(device)
-    starts = batch_starts(len(data), steps, size.batch_size, size.seq_len, args.seed)
+    # One batch more than the runs train on: the measurements after training use it.
+    starts = batch_starts(len(data), steps + 1, size.batch_size, size.seq_len, args.seed)
     linears = [(name, m) for name, m in base_model.named_modules() if isinstance(m, nn.Linear)]
     n_fp8 = sum(keep_lm_head_in_high_precision(m, name) for name, m in linears)
     n_params = sum(p.numel() for p in base_model.parameters())

@@ -142,15 +142,22 @@ def test_the_demo_model_saves_less_in_fp8():
 
 def test_saturation_rate_is_none_without_telemetry(monkeypatch):
     monkeypatch.delattr(f8tensor.stats, "float8_stats", raising=False)
-    assert demo._saturation_rate(torch.nn.Linear(16, 16)) is None
+    probes = []
+    assert demo._saturation_rate(torch.nn.Linear(16, 16), lambda: probes.append(1)) is None
+    assert probes == []  # no extra step without telemetry to read
 
 
-def test_saturation_rate_averages_the_saturated_fractions(monkeypatch):
+def test_saturation_rate_averages_the_saturated_fractions_of_one_probe_step(monkeypatch):
+    events = []
     stats = {
         "blocks.0.mlp.fc1/input/saturated_frac": 0.25,
         "blocks.0.mlp.fc1/input/underflow_frac": 0.5,
         "blocks.0.mlp.fc1/weight/saturated_frac": 0.0,
         "blocks.0.mlp.fc2/grad_output/saturated_frac": 0.05,
+        "blocks.0.mlp.fc2/weight/saturated_frac": math.nan,  # a role not measured: ignored
     }
-    monkeypatch.setattr(f8tensor.stats, "float8_stats", lambda model: stats, raising=False)
-    assert demo._saturation_rate(torch.nn.Linear(16, 16)) == pytest.approx(0.1)
+    monkeypatch.setattr(f8tensor.stats, "enable_float8_stats", lambda m: events.append("on"), raising=False)
+    monkeypatch.setattr(f8tensor.stats, "float8_stats", lambda m: events.append("read") or stats, raising=False)
+    rate = demo._saturation_rate(torch.nn.Linear(16, 16), lambda: events.append("step"))
+    assert rate == pytest.approx(0.1)
+    assert events == ["on", "step", "read"]

@@ -205,5 +205,5 @@ for recipe in ["bf16", *RECIPES]:
     loss, acc = train(recipe)
     print(f"   {recipe:<19} {loss:14.4f} {acc:9.1%}")
 # The FP8 runs land close to the bf16 twin: at this scale the rounding of FP8 is noise
-# that training absorbs. Over long runs at large scale the differences between recipes
-# grow; tutorial 4 and `python -m f8tensor.demo` look at that more closely.
+# that training absorbs. Large models trained for long are where recipes can part ways
+# (outliers, saturated casts); tutorial 4 and `python -m f8tensor.demo` look closer.

@@ -110,8 +110,8 @@ for recipe in RECIPES:
 # 3. Eager vs compiled numerics (inductor, the default backend: real code generation).
 #
 # The casts are written so that eager and compiled agree bit for bit: the same FP8 bytes
-# and the same scale. The matrix products around them may round differently once fused
-# (different summation order), so the rest is compared by SQNR.
+# and the same scale. The rest of a training step may round differently once fused, so
+# it is compared by SQNR.
 print("\n3. Eager vs compiled numerics")
 
 
@@ -154,7 +154,7 @@ def compare(label: str | None) -> nn.Module:
 
 
 print("   a training step under bf16 autocast, compiled vs eager (SQNR; inf = bitwise equal):")
-compiled = compare("default")
+compare("default")
 # Not bitwise, and the gradients only ~30-50 dB apart: where inductor fuses a chain of
 # pointwise ops under bf16 autocast (layer norm, gelu and their backward) it keeps the
 # intermediates in fp32 instead of rounding each to bf16 as eager does. An input to an
@@ -173,8 +173,9 @@ torch._inductor.config.emulate_precision_casts = False
 # 4. Timing, eager vs compiled.
 #
 # WARNING: this is a CPU. It has no FP8 matrix unit; torch._scaled_mm runs a reference
-# kernel here. What you see is the overhead of the Python and the casts that compilation
-# removes, not FP8 speed. Measure FP8 speed-ups on a GPU with compute capability >= 8.9.
+# kernel here. What you see is how much Python and cast overhead compilation removes (or
+# adds: inductor's CPU code is not tuned for FP8), not FP8 speed. Measure FP8 speed-ups
+# on a GPU with compute capability >= 8.9, where compiling is what makes them.
 print("\n4. Timing (CPU: overhead only, see the comment)")
 
 

@@ -111,7 +111,7 @@ print(f"   {'step':>6} {'bf16 twin':>10} {'FP8 (' + RECIPE + ')':>18}")
 for i in range(0, steps, 8):
     print(f"   {i + 1:>6} {bf16_losses[i]:10.4f} {fp8_losses[i]:18.4f}")
 print(f"   {steps:>6} {bf16_losses[-1]:10.4f} {fp8_losses[-1]:18.4f}")
-# The two columns start identical (same weights, same batch) and stay close. The model
+# Same weights, same batches: the columns differ only by FP8 rounding, and stay close. The model
 # is unchanged apart from the layer types: generate(), save_pretrained() and the rest of
 # the transformers API keep working, and the state_dict keys are those of the original.
 assert set(llama.state_dict()) == set(twin.state_dict())
