@@ -2,7 +2,7 @@
 
 Run it::
 
-    python -m f8tensor.demo                        # about two minutes on a 2-core CPU
+    python -m f8tensor.demo                        # about 90 s on two idle CPU cores
     python -m f8tensor.demo --recipes bf16,rowwise --steps 400
     python -m f8tensor.demo --help
 
@@ -429,7 +429,7 @@ def table_notes(results: Sequence[RunResult], last: int, steps: int, device: tor
     """What each column means, under the table."""
     notes = [
         ("final loss", f"mean of the last {last} of {steps} steps; same weights and batches in every run."),
-        ("", "Small gaps are run-to-run noise: another --seed moves bf16 itself by a few percent."),
+        ("", "Gaps of a percent or so are noise here: another --seed moves bf16 itself that much."),
         ("tokens/s", "from the median step time, warm-up steps excluded."),
     ]
     if device.type == "cpu":

@@ -27,6 +27,9 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 from f8tensor import RECIPES, Float8LinearConfig, Float8Tensor, convert_to_float8_training, sqnr
 
+# Small matrices: a second CPU thread gains little here and, on a busy machine, makes
+# every op wait for the slower thread. One thread keeps the run short and steady.
+torch.set_num_threads(1)
 torch.manual_seed(0)
 
 

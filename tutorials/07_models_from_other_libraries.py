@@ -34,6 +34,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from f8tensor import Float8Linear, Float8LinearConfig, convert_to_float8_training
 
+# Small matrices: a second CPU thread gains little here and, on a busy machine, makes
+# every op wait for the slower thread. One thread keeps the run short and steady.
+torch.set_num_threads(1)
 torch.manual_seed(0)
 RECIPE = "tensorwise"
 
