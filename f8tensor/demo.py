@@ -32,8 +32,8 @@ NVIDIA GPU with compute capability 8.9 or more (Ada, Hopper, Blackwell) ``--devi
 picks it, the default model is larger (``--size medium``) and the step is compiled.
 
 Columns. *final loss*: mean training loss of the last steps. *tokens/s*: from the median
-step time after a few warm-up steps. *saved act.*: bytes autograd keeps for the backward of one training
-forward (eager), excluding parameters and autocast's bf16 copies of them; a
+step time after a few warm-up steps. *act. MiB*: what autograd keeps for the backward of
+one training forward (eager), excluding parameters and autocast's bf16 copies of them; a
 ``Float8Tensor`` counts as its FP8 data plus its scales. *saturated*: the mean fraction
 of elements clamped at the FP8 maximum per cast, from the numerics telemetry of
 ``f8tensor.stats``, switched on for one extra step after training so that it costs the
@@ -539,7 +539,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--size",
-        choices=sorted(SIZES, key=list(SIZES).index),
+        choices=list(SIZES),
         help="model preset (default: small on CPU, medium on GPU)",
     )
     parser.add_argument(
@@ -630,7 +630,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     n_params = sum(p.numel() for p in base_model.parameters())
     print(f"f8tensor {f8tensor.__version__} demo: a byte-level GPT on {CORPUS.name} ({len(data):,} bytes)")
     print(
-        f"  model   {size.n_layers} layers, d_model {size.d_model}, {size.n_heads} heads, {n_params / 1e6:.2f}M parameters"
+        f"  model   {size.n_layers} layers, d_model {size.d_model}, {size.n_heads} heads, "
+        f"{n_params / 1e6:.2f}M parameters"
     )
     print(f"  FP8     {n_fp8} of {len(linears)} linears converted (lm_head stays in high precision)")
     print(

@@ -151,7 +151,8 @@ def compare(label: str | None) -> nn.Module:
     worst = min(sqnr(a, b) for a, b in zip(grads_eager, grads_comp))
     if label is not None:
         print(
-            f"   {label:<34} output {sqnr(out_eager, out_comp):5.1f} dB, worst gradient {worst:5.1f} dB  (compiled in {seconds:.0f} s)"
+            f"   {label:<34} output {sqnr(out_eager, out_comp):5.1f} dB, "
+            f"worst gradient {worst:5.1f} dB  (compiled in {seconds:.0f} s)"
         )
     return compiled
 
