@@ -1,0 +1,668 @@
+"""The main job: train a small GPT in bf16 and with every FP8 recipe, and compare.
+
+Run it::
+
+    python -m f8tensor.demo                        # about 90 s on two idle CPU cores
+    python -m f8tensor.demo --recipes bf16,rowwise --steps 400
+    python -m f8tensor.demo --help
+
+What it does. A byte-level GPT (token and position embeddings, pre-norm transformer
+blocks with causal self-attention and an MLP, every projection an ``nn.Linear``) learns
+to continue the English text shipped in ``f8tensor/data/corpus.txt``. It is trained once
+per run: ``bf16`` first (the baseline), then once per FP8 recipe, where
+:func:`f8tensor.convert_to_float8_training` swaps the linears of the transformer blocks
+for :class:`f8tensor.Float8Linear` with ``Float8LinearConfig.from_recipe(name)``. Every run
+starts from the same initial weights and sees the same batches in the same order, so
+what differs between the rows of the final table is the precision of the matrix products
+and nothing else. The table goes to stdout (progress to stderr) and the loss curves to a
+PNG.
+
+Precision. Every run keeps fp32 master weights and an fp32 AdamW state, and runs forward
+and backward under ``torch.autocast(dtype=torch.bfloat16)``. That is the usual mixed
+precision on a GPU; the CPU does the same, so that the baseline is "bf16" on both and
+there is one code path to read. Under autocast a ``Float8Linear`` takes its input in
+bf16 and casts the fp32 master weight straight to FP8. Embeddings, layer norms, the
+attention itself, the loss and ``lm_head`` run exactly as in the baseline: ``lm_head`` is
+kept out of FP8 by the ``module_filter_fn`` (:func:`keep_lm_head_in_high_precision`),
+because the logits decide the loss directly and the layer is a small share of the work.
+
+Hardware. On a CPU there is no FP8 matrix unit: ``torch._scaled_mm`` runs a reference
+kernel, so the tokens/s column there shows what the casts cost, not a speed-up. On an
+NVIDIA GPU with compute capability 8.9 or more (Ada, Hopper, Blackwell) ``--device auto``
+picks it, the default model is larger (``--size medium``) and the step is compiled.
+
+Columns. *final loss*: mean training loss of the last steps. *tokens/s*: from the median
+step time after a few warm-up steps. *act. MiB*: what autograd keeps for the backward of
+one training forward (eager), excluding parameters and autocast's bf16 copies of them; a
+``Float8Tensor`` counts as its FP8 data plus its scales. *saturated*: the mean fraction
+of elements clamped at the FP8 maximum per cast, from the numerics telemetry of
+``f8tensor.stats``, switched on for one extra step after training so that it costs the
+timed steps nothing (``n/a`` where that telemetry is not available).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import math
+import shutil
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import f8tensor
+import f8tensor.stats
+from f8tensor import Float8LinearConfig, Float8Tensor, convert_to_float8_training
+
+__all__ = ["GPT", "SIZES", "RunResult", "keep_lm_head_in_high_precision", "main"]
+
+BASELINE = "bf16"
+CORPUS = Path(__file__).resolve().parent / "data" / "corpus.txt"
+DEFAULT_OUT = Path("out") / "f8tensor_demo_loss.png"
+VOCAB = 256  # byte-level: every byte is a token, no tokenizer to ship
+
+
+# ===================================================================== the model
+
+
+@dataclasses.dataclass(frozen=True)
+class Size:
+    """A model and batch preset. Widths are multiples of 16, as FP8 GEMMs require."""
+
+    d_model: int
+    n_layers: int
+    n_heads: int
+    seq_len: int
+    batch_size: int
+    lr: float
+
+
+SIZES: dict[str, Size] = {
+    "tiny": Size(d_model=64, n_layers=2, n_heads=4, seq_len=64, batch_size=8, lr=3e-3),  # tests and CI
+    "small": Size(d_model=128, n_layers=2, n_heads=4, seq_len=64, batch_size=16, lr=3e-3),  # CPU default
+    "medium": Size(d_model=768, n_layers=8, n_heads=12, seq_len=256, batch_size=32, lr=1e-3),  # GPU default
+}
+DEFAULT_SIZE = {"cpu": "small", "cuda": "medium"}
+DEFAULT_STEPS = {"cpu": 250, "cuda": 400}
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, d_model: int, n_heads: int) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=-1)
+        q, k, v = (z.view(b, t, self.n_heads, c // self.n_heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+
+
+class MLP(nn.Module):
+    def __init__(self, d_model: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d_model, 4 * d_model)
+        self.fc2 = nn.Linear(4 * d_model, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class Block(nn.Module):
+    """Pre-norm: ``x + attn(ln(x))``, then ``x + mlp(ln(x))``."""
+
+    def __init__(self, d_model: int, n_heads: int) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d_model)
+        self.attn = CausalSelfAttention(d_model, n_heads)
+        self.ln2 = nn.LayerNorm(d_model)
+        self.mlp = MLP(d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """A small decoder-only transformer over bytes; returns logits ``(batch, seq, 256)``."""
+
+    def __init__(self, size: Size) -> None:
+        super().__init__()
+        if size.d_model % size.n_heads:
+            raise ValueError(f"d_model {size.d_model} is not divisible by n_heads {size.n_heads}")
+        self.tok_emb = nn.Embedding(VOCAB, size.d_model)
+        self.pos_emb = nn.Embedding(size.seq_len, size.d_model)
+        self.blocks = nn.ModuleList(Block(size.d_model, size.n_heads) for _ in range(size.n_layers))
+        self.ln_f = nn.LayerNorm(size.d_model)
+        self.lm_head = nn.Linear(size.d_model, VOCAB, bias=False)
+        self._init_weights(size.n_layers)
+
+    def _init_weights(self, n_layers: int) -> None:
+        for name, p in self.named_parameters():
+            if name.endswith("bias"):
+                nn.init.zeros_(p)
+            elif p.dim() == 2:
+                # Projections that write into the residual stream start smaller, so the
+                # stream's variance does not grow with depth.
+                std = 0.02 / math.sqrt(2 * n_layers) if name.endswith(("proj.weight", "fc2.weight")) else 0.02
+                nn.init.normal_(p, std=std)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.tok_emb(idx) + self.pos_emb(pos)
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+def keep_lm_head_in_high_precision(module: nn.Module, fqn: str) -> bool:
+    """``module_filter_fn`` for the demo: convert every linear except ``lm_head``."""
+    return fqn != "lm_head"
+
+
+# ===================================================================== data
+
+
+def load_corpus(device: torch.device) -> torch.Tensor:
+    """The shipped text as a 1D tensor of byte values (int64)."""
+    raw = CORPUS.read_bytes()
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device=device, dtype=torch.long)
+
+
+def batch_starts(n_tokens: int, steps: int, batch_size: int, seq_len: int, seed: int) -> torch.Tensor:
+    """Where each sequence of each step starts: ``(steps, batch_size)``, the same for every run.
+
+    Ask for one step more than you train: the last row is a batch no run trains on.
+    """
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, n_tokens - seq_len - 1, (steps, batch_size), generator=g)
+
+
+def get_batch(data: torch.Tensor, starts: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    offsets = torch.arange(seq_len + 1)
+    window = data[(starts[:, None] + offsets).to(data.device)]
+    return window[:, :-1], window[:, 1:]
+
+
+# ===================================================================== measurements
+
+
+def saved_activation_bytes(model: nn.Module, x: torch.Tensor, y: torch.Tensor, amp: torch.autocast) -> int:
+    """Bytes autograd saves for backward during one training forward (model and loss).
+
+    Parameters are not counted (they exist anyway), nor are autocast's bf16 copies of
+    them (weight memory that does not grow with the batch). A Float8Tensor counts as its
+    FP8 data plus its scale. Each storage counts once, however often it is saved.
+    """
+    param_ids = {id(p) for p in model.parameters()}
+    param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    held: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if _is_parameter_copy(t, param_ids):
+            return t
+        parts = (t._data, t._scale) if isinstance(t, Float8Tensor) else (t,)
+        for part in parts:
+            storage = part.untyped_storage()
+            if storage.data_ptr() not in param_storages:
+                held[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with amp:
+            logits = model(x)
+        _loss(logits, y)
+    return sum(held.values())
+
+
+def _is_parameter_copy(t: torch.Tensor, param_ids: set[int]) -> bool:
+    """True for a dtype cast of a parameter, or a view of one (autocast's bf16 weights)."""
+    fn = t.grad_fn
+    while fn is not None and type(fn).__name__ in _VIEW_NODES:
+        fn = fn.next_functions[0][0]
+    if fn is None or type(fn).__name__ != "ToCopyBackward0":
+        return False
+    source = fn.next_functions[0][0]
+    return source is not None and id(getattr(source, "variable", None)) in param_ids
+
+
+_VIEW_NODES = frozenset({"TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0", "ExpandBackward0"})
+
+
+# --- saturation: the one place that reads f8tensor.stats telemetry -------------------
+
+
+def _saturation_rate(model: nn.Module, probe_step: Callable[[], object]) -> float | None:
+    """Mean fraction of values clamped at the FP8 maximum per cast, or None (shown as n/a).
+
+    Telemetry stays off while training, so it costs the tokens/s column nothing: it is
+    switched on for ``probe_step`` (one more forward and backward on a batch not trained
+    on, no optimizer step) and read once. None where this f8tensor has no per-layer telemetry.
+    """
+    stats = f8tensor.stats
+    if not (hasattr(stats, "enable_float8_stats") and hasattr(stats, "float8_stats")):
+        return None
+    stats.enable_float8_stats(model)
+    probe_step()
+    fracs = [v for k, v in stats.float8_stats(model).items() if k.endswith("/saturated_frac") and not math.isnan(v)]
+    return sum(fracs) / len(fracs) if fracs else None
+
+
+# ===================================================================== one run
+
+
+@dataclasses.dataclass
+class RunResult:
+    name: str
+    losses: list[float]
+    tokens_per_s: float
+    saved_bytes: int
+    saturation: float | None
+    seconds: float
+
+    def final_loss(self, last: int) -> float:
+        tail = self.losses[-last:]
+        return sum(tail) / len(tail)
+
+
+class Progress:
+    """A one-line progress bar on stderr; plain lines every 10% when stderr is not a terminal."""
+
+    def __init__(self, name: str, total: int, stream=None) -> None:
+        self.name, self.total = name, total
+        self.stream = stream if stream is not None else sys.stderr
+        self.tty = self.stream.isatty()
+        self.every = max(1, total // 10)
+        self.t0 = time.perf_counter()
+        self.last_draw = 0.0
+        self.drawn = 0  # width of the line on screen, to blank out leftovers
+
+    def update(self, step: int, loss: float, tokens_per_s: float) -> None:
+        now = time.perf_counter()
+        done = step == self.total
+        if self.tty:
+            if not done and now - self.last_draw < 0.1:
+                return
+            self.last_draw = now
+            filled = round(20 * step / self.total)
+            bar = "#" * filled + "." * (20 - filled)
+            eta = (now - self.t0) / step * (self.total - step)
+            speed = f"{tokens_per_s:7.0f} tok/s" if tokens_per_s else "   warm-up   "
+            line = f"{self.name:<18} [{bar}] {step}/{self.total} loss {loss:.3f} {speed} eta {eta:.0f}s"
+            # Never wider than the terminal: a wrapped line cannot be redrawn with \r.
+            width = shutil.get_terminal_size().columns - 1
+            self.stream.write("\r" + line[:width].ljust(min(width, self.drawn)) + ("\n" if done else ""))
+            self.drawn = len(line)
+        elif done or step % self.every == 0:
+            speed = f"  {tokens_per_s:.0f} tok/s" if tokens_per_s else ""
+            self.stream.write(f"{self.name}: step {step}/{self.total}  loss {loss:.3f}{speed}\n")
+        self.stream.flush()
+
+
+def _loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def _lr_schedule(steps: int) -> Callable[[int], float]:
+    warmup = max(1, steps // 20)
+
+    def factor(step: int) -> float:  # linear warm-up, then cosine down to 10%
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, steps - warmup)
+        return 0.1 + 0.45 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train_run(
+    name: str,
+    base_model: GPT,
+    data: torch.Tensor,
+    starts: torch.Tensor,
+    size: Size,
+    device: torch.device,
+    compile_model: bool,
+) -> RunResult:
+    """Train a copy of ``base_model`` in ``name`` ("bf16" or an FP8 recipe), then measure it.
+
+    ``starts`` holds one row per step plus one: the last batch is not trained on; the
+    saturation is measured on it (a batch the delayed-scaling history has not seen, as
+    a next step's would be).
+    """
+    model = copy.deepcopy(base_model)
+    if name != BASELINE:
+        convert_to_float8_training(
+            model, config=Float8LinearConfig.from_recipe(name), module_filter_fn=keep_lm_head_in_high_precision
+        )
+    opt = torch.optim.AdamW(model.parameters(), lr=size.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    steps = len(starts) - 1
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_schedule(steps))
+    amp = torch.autocast(device.type, dtype=torch.bfloat16)
+    if compile_model:
+        torch._dynamo.reset()  # a fresh model each run: start from an empty compile cache
+    forward = torch.compile(model) if compile_model else model
+
+    warmup = min(3, steps // 4)  # first steps (allocations, compilation) are not timed
+    tokens_per_step = starts.shape[1] * size.seq_len
+    losses: list[float] = []
+    step_s: list[float] = []
+    tokens_per_s = 0.0
+    progress = Progress(name, steps)
+    t_run = time.perf_counter()
+    for i in range(steps):
+        x, y = get_batch(data, starts[i], size.seq_len)
+        t0 = time.perf_counter()
+        with amp:
+            logits = forward(x)
+        loss = _loss(logits, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses.append(loss.item())  # synchronizes, so the step time below is complete
+        if i >= warmup:
+            step_s.append(time.perf_counter() - t0)
+            # The median step: robust to the odd step slowed by another process.
+            tokens_per_s = tokens_per_step / statistics.median(step_s)
+        progress.update(i + 1, losses[-1], tokens_per_s)
+    _sync(device)
+    seconds = time.perf_counter() - t_run
+
+    # Memory on the last training batch (its amax is already in any delayed-scaling
+    # history), then saturation on a batch the history has not seen, as a next step's.
+    saved = saved_activation_bytes(model, x, y, amp)
+    x_next, y_next = get_batch(data, starts[steps], size.seq_len)
+
+    def probe_step() -> None:
+        with amp:
+            logits = model(x_next)
+        _loss(logits, y_next).backward()
+        model.zero_grad(set_to_none=True)
+
+    saturation = _saturation_rate(model, probe_step) if name != BASELINE else None
+    return RunResult(name, losses, tokens_per_s, saved, saturation, seconds)
+
+
+# ===================================================================== report
+
+
+def format_table(results: Sequence[RunResult], last: int) -> str:
+    base = next((r for r in results if r.name == BASELINE), None)
+    header = (
+        f"{'run':<19}{'final loss':>11}{'vs bf16':>9}{'tokens/s':>10}{'vs bf16':>9}"
+        f"{'act. MiB':>10}{'vs bf16':>9}{'saturated':>11}"
+    )
+    lines = [header, "-" * len(header)]
+    for r in results:
+        loss = r.final_loss(last)
+        rel_loss = rel_tok = rel_mem = "-"
+        if base is not None and r is not base:
+            rel_loss = f"{100.0 * (loss - base.final_loss(last)) / base.final_loss(last):+.2f}%"
+            rel_tok = f"{r.tokens_per_s / base.tokens_per_s:.2f}x" if base.tokens_per_s > 0 else "n/a"
+            rel_mem = f"{r.saved_bytes / base.saved_bytes:.2f}x" if base.saved_bytes > 0 else "n/a"
+        sat = "n/a" if r.saturation is None else f"{100.0 * r.saturation:.3g}%"
+        lines.append(
+            f"{r.name:<19}{loss:>11.4f}{rel_loss:>9}{r.tokens_per_s:>10.0f}{rel_tok:>9}"
+            f"{r.saved_bytes / 2**20:>10.2f}{rel_mem:>9}{sat:>11}"
+        )
+    return "\n".join(lines)
+
+
+def table_notes(results: Sequence[RunResult], last: int, steps: int, device: torch.device) -> str:
+    """What each column means, under the table."""
+    notes = [
+        ("final loss", f"mean of the last {last} of {steps} steps; same weights and batches in every run."),
+        ("", "Gaps of a percent or so are noise here: another --seed moves bf16 itself that much."),
+        ("tokens/s", "from the median step time, warm-up steps excluded."),
+    ]
+    if device.type == "cpu":
+        notes += [
+            ("", "CPU: no FP8 hardware, torch._scaled_mm runs a reference kernel, so this shows"),
+            ("", "what the casts cost, not a speed-up (that needs a GPU, compute capability >= 8.9)."),
+        ]
+    notes += [
+        ("act. MiB", "kept for backward by one training forward (eager); parameters and their bf16"),
+        ("", "copies excluded, FP8 tensors counted as data + scales."),
+    ]
+    if any(r.name != BASELINE and r.saturation is None for r in results):
+        notes.append(("saturated", "n/a: this f8tensor has no per-layer telemetry (f8tensor.stats.float8_stats)."))
+    else:
+        notes += [
+            ("saturated", "mean fraction of values clamped at the FP8 maximum per cast, over one more"),
+            ("", "step on a batch not trained on, with the telemetry of f8tensor.stats on."),
+        ]
+    return "\n".join(f"{key:<11} {text}" for key, text in notes)
+
+
+def plot_losses(results: Sequence[RunResult], path: Path, title: str) -> bool:
+    """Write the loss curves (and their gap to bf16) to ``path``; False without matplotlib."""
+    try:
+        from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global state
+    except ImportError:
+        print(
+            "matplotlib is not installed, so no loss-curve figure was written; install it with\n"
+            '  python -m pip install matplotlib      (or: python -m pip install -e ".[demo]")'
+        )
+        return False
+    base = next((r for r in results if r.name == BASELINE), None)
+    fig = Figure(figsize=(11, 4.2) if base else (6, 4.2), layout="constrained")
+    axes = fig.subplots(1, 2 if base else 1, squeeze=False)[0]
+    steps = len(results[0].losses)
+    window = max(1, steps // 25)
+    curves = {r.name: _smooth(r.losses, window) for r in results}
+    for name, curve in curves.items():
+        axes[0].plot(range(1, steps + 1), curve, label=name, linewidth=1.3)
+    # The first steps fall steeply from ln(256) = 5.5; show the part where the runs differ.
+    lowest = min(min(c) for c in curves.values())
+    top = max(c[min(steps - 1, steps // 10)] for c in curves.values())
+    if top > lowest:
+        axes[0].set_ylim(lowest - 0.05 * (top - lowest), top)
+    axes[0].set(xlabel="step", ylabel=f"training loss (moving mean of {window} steps)", title="loss")
+    axes[0].legend()
+    if base is not None:
+        for r in results:
+            if r is not base:
+                gap = [100.0 * (a - b) / b for a, b in zip(r.losses, base.losses)]
+                axes[1].plot(range(1, steps + 1), _smooth(gap, window), label=r.name, linewidth=1.3)
+        axes[1].axhline(0.0, color="black", linewidth=0.8)
+        axes[1].set(xlabel="step", ylabel="loss vs bf16, % (same batches)", title="gap to bf16")
+        if len(results) > 1:
+            axes[1].legend()
+    fig.suptitle(title)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def _smooth(values: Sequence[float], window: int) -> list[float]:
+    out, acc = [], 0.0
+    for i, v in enumerate(values):
+        acc += v
+        if i >= window:
+            acc -= values[i - window]
+        out.append(acc / min(i + 1, window))
+    return out
+
+
+# ===================================================================== command line
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _allowed_runs() -> list[str]:
+    return [BASELINE, *f8tensor.RECIPES]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    allowed = ", ".join(_allowed_runs())
+    parser = argparse.ArgumentParser(
+        prog="python -m f8tensor.demo",
+        description=(
+            "Train a small byte-level GPT on the text shipped with f8tensor, once in bf16 and once per "
+            "FP8 recipe, from the same initial weights on the same batches; print a comparison table "
+            "and write a loss-curve PNG."
+        ),
+        epilog="Example: python -m f8tensor.demo --recipes bf16,tensorwise --steps 100 --size tiny",
+    )
+    parser.add_argument(
+        "--steps",
+        type=_positive_int,
+        help=f"training steps per run (default: {DEFAULT_STEPS['cpu']} on CPU, {DEFAULT_STEPS['cuda']} on GPU)",
+    )
+    parser.add_argument(
+        "--recipes", default=",".join(_allowed_runs()), help=f"comma-separated runs, from: {allowed} (default: all)"
+    )
+    parser.add_argument(
+        "--size",
+        choices=list(SIZES),
+        help="model preset (default: small on CPU, medium on GPU)",
+    )
+    parser.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default="auto",
+        help="auto: a CUDA GPU with FP8 support (compute capability >= 8.9) if there is one, else the CPU",
+    )
+    parser.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="torch.compile the model (default: on for GPU, off for CPU)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed for the initial weights and the batches (default: 0)")
+    parser.add_argument("--batch-size", type=_positive_int, help="sequences per step (default: from --size)")
+    parser.add_argument("--seq-len", type=_positive_int, help="tokens per sequence (default: from --size)")
+    parser.add_argument(
+        "--out", type=Path, default=DEFAULT_OUT, help=f"where to write the loss-curve PNG (default: {DEFAULT_OUT})"
+    )
+    return parser
+
+
+def _parse_runs(parser: argparse.ArgumentParser, text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    allowed = _allowed_runs()
+    if not names:
+        parser.error(f"--recipes is empty; choose from: {', '.join(allowed)}")
+    for n in names:
+        if n not in allowed:
+            parser.error(f"unknown recipe {n!r} in --recipes; choose from: {', '.join(allowed)}")
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        parser.error(f"--recipes lists {', '.join(duplicates)} more than once")
+    # The baseline runs first, so every later row can be compared with it as it lands.
+    return sorted(names, key=lambda n: n != BASELINE)
+
+
+def _fp8_gpu() -> bool:
+    # The recipes use the e4m3fn/e5m2 formats of NVIDIA GPUs (ROCm builds also report
+    # through torch.cuda, with other formats and capability numbers).
+    return torch.cuda.is_available() and torch.version.hip is None and torch.cuda.get_device_capability() >= (8, 9)
+
+
+def _resolve_device(parser: argparse.ArgumentParser, choice: str, runs: list[str]) -> torch.device:
+    if choice == "auto":
+        return torch.device("cuda" if _fp8_gpu() else "cpu")
+    if choice == "cuda":
+        if not torch.cuda.is_available():
+            parser.error(
+                f"--device cuda: PyTorch sees no CUDA device (torch {torch.__version__}, "
+                "torch.cuda.is_available() is False); use --device cpu or --device auto"
+            )
+        if not _fp8_gpu() and any(r != BASELINE for r in runs):
+            if torch.version.hip is not None:
+                why = "this is a ROCm build, and the recipes use the FP8 formats of NVIDIA GPUs"
+            else:
+                major, minor = torch.cuda.get_device_capability()
+                why = f"{torch.cuda.get_device_name()} has compute capability {major}.{minor}, FP8 needs 8.9 or more"
+            parser.error(f"--device cuda: {why}; use --recipes bf16 or --device cpu")
+    return torch.device(choice)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    runs = _parse_runs(parser, args.recipes)
+    device = _resolve_device(parser, args.device, runs)
+    if args.out.suffix.lower() != ".png":
+        parser.error(f"--out must name a .png file; got {str(args.out)!r}")
+    preset = SIZES[args.size or DEFAULT_SIZE[device.type]]
+    size = dataclasses.replace(
+        preset, batch_size=args.batch_size or preset.batch_size, seq_len=args.seq_len or preset.seq_len
+    )
+    steps = args.steps or DEFAULT_STEPS[device.type]
+    compile_model = args.compile if args.compile is not None else device.type == "cuda"
+
+    data = load_corpus(device)
+    if size.seq_len >= len(data) - 1:
+        parser.error(f"--seq-len {size.seq_len} is longer than the corpus ({len(data)} bytes)")
+
+    torch.manual_seed(args.seed)
+    base_model = GPT(size).to(device)
+    # One batch more than the runs train on: the measurements after training use it.
+    starts = batch_starts(len(data), steps + 1, size.batch_size, size.seq_len, args.seed)
+    linears = [(name, m) for name, m in base_model.named_modules() if isinstance(m, nn.Linear)]
+    n_fp8 = sum(keep_lm_head_in_high_precision(m, name) for name, m in linears)
+    n_params = sum(p.numel() for p in base_model.parameters())
+    print(f"f8tensor {f8tensor.__version__} demo: a byte-level GPT on {CORPUS.name} ({len(data):,} bytes)")
+    print(
+        f"  model   {size.n_layers} layers, d_model {size.d_model}, {size.n_heads} heads, "
+        f"{n_params / 1e6:.2f}M parameters"
+    )
+    print(f"  FP8     {n_fp8} of {len(linears)} linears converted (lm_head stays in high precision)")
+    print(
+        f"  batch   {size.batch_size} x {size.seq_len} = {size.batch_size * size.seq_len} tokens/step, "
+        f"{steps} steps per run, seed {args.seed}"
+    )
+    print(
+        f"  device  {_device_name(device)}, bf16 autocast over fp32 master weights, "
+        f"{'torch.compile' if compile_model else 'eager'}"
+    )
+    print(f"  runs    {', '.join(runs)}", flush=True)
+
+    t_all = time.perf_counter()
+    results = [train_run(name, base_model, data, starts, size, device, compile_model) for name in runs]
+    last = max(1, min(50, steps // 10))
+    print()
+    print(format_table(results, last))
+    print()
+    print(table_notes(results, last, steps, device))
+    title = f"f8tensor demo: {size.n_layers}x{size.d_model} byte-level GPT, {steps} steps, {_device_name(device)}"
+    if plot_losses(results, args.out, title):
+        print(f"loss curves: {args.out}")
+    print(f"total time: {time.perf_counter() - t_all:.0f} s")
+    return 0
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"cuda ({torch.cuda.get_device_name(device)})"
+    return f"cpu ({torch.get_num_threads()} threads)"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
