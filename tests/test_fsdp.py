@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import io
 import itertools
 import os
@@ -515,6 +516,9 @@ def _worker(rank: int, world: int, port: int, jobs: list, ctx: dict, out_dir: st
             results[key] = {"error": traceback.format_exc()}
         results[key]["seconds"] = time.perf_counter() - start
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    # Free the scenarios' sharded models now (FSDP keeps reference cycles that would
+    # otherwise die at interpreter exit, after the process group, aborting the process).
+    gc.collect()
     dist.barrier()
     dist.destroy_process_group()
 

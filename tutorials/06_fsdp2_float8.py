@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import itertools
 import os
 import socket
@@ -112,6 +113,11 @@ def worker(rank: int, port: int) -> None:
         print("rank 0 loss per step:")
         print("  bf16 all-gather:", " ".join(f"{v:.4f}" for v in bf16_losses))
         print("  FP8 all-gather: ", " ".join(f"{v:.4f}" for v in fp8_losses))
+    # Tear down in order: free the sharded models (FSDP keeps reference cycles, which
+    # would otherwise die only at interpreter exit, after the process group, and abort
+    # the process there), then leave together and destroy the process group.
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
 
 
