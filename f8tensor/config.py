@@ -17,13 +17,13 @@ import torch
 from f8tensor.formats import FLOAT8_DTYPES, HP_DTYPES, check_float8_dtype
 
 __all__ = [
-    "Granularity",
-    "GemmConfig",
-    "ScalingType",
+    "RECIPES",
     "CastConfig",
     "DelayedScalingConfig",
     "Float8LinearConfig",
-    "RECIPES",
+    "GemmConfig",
+    "Granularity",
+    "ScalingType",
 ]
 
 
@@ -51,7 +51,7 @@ class Granularity(str, enum.Enum):
     ROWWISE = "rowwise"
 
     @classmethod
-    def parse(cls, value: object) -> "Granularity":
+    def parse(cls, value: object) -> Granularity:
         return _parse_enum(cls, value, "granularity")
 
 
@@ -82,7 +82,7 @@ class GemmConfig(NamedTuple):
     use_fast_accum: bool = False
     pad_inner_dim: bool = False
 
-    def validated(self) -> "GemmConfig":
+    def validated(self) -> GemmConfig:
         """Return ``self`` if every field is allowed, else raise saying what is."""
         if self.out_dtype is not None and self.out_dtype not in HP_DTYPES:
             hint = (
@@ -112,7 +112,7 @@ class ScalingType(str, enum.Enum):
     DELAYED = "delayed"
 
     @classmethod
-    def parse(cls, value: object) -> "ScalingType":
+    def parse(cls, value: object) -> ScalingType:
         return _parse_enum(cls, value, "scaling")
 
 
@@ -215,7 +215,7 @@ class Float8LinearConfig:
         return self.input.delayed or self.weight.delayed or self.grad_output.delayed
 
     @classmethod
-    def from_recipe(cls, name: str, **overrides: object) -> "Float8LinearConfig":
+    def from_recipe(cls, name: str, **overrides: object) -> Float8LinearConfig:
         """A named recipe: ``"tensorwise"``, ``"rowwise"``, ``"rowwise_with_gw_hp"`` or ``"delayed"``.
 
         Keyword overrides replace top-level fields (e.g. ``pad_inner_dim=True``).

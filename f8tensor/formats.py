@@ -14,13 +14,13 @@ import torch
 
 __all__ = [
     "FLOAT8_DTYPES",
+    "FORMATS",
     "HP_DTYPES",
     "Float8Format",
-    "FORMATS",
-    "float8_max",
     "check_float8_dtype",
     "check_hp_dtype",
     "e4m3_like",
+    "float8_max",
     "saturated_cast",
     "saturation_bound",
 ]

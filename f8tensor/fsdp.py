@@ -143,7 +143,7 @@ class Float8AllGatherWeight(torch.Tensor):
     @staticmethod
     def __new__(
         cls, hp: torch.Tensor, cast: CastConfig, *, writes: _WriteCount | None = None
-    ) -> "Float8AllGatherWeight":
+    ) -> Float8AllGatherWeight:
         if isinstance(hp, (Float8AllGatherWeight, Float8Tensor)):
             raise TypeError(f"Float8AllGatherWeight wraps a high-precision tensor; got a {type(hp).__name__}")
         if hp.dtype not in HP_DTYPES:
@@ -189,7 +189,7 @@ class Float8AllGatherWeight(torch.Tensor):
         return ["_hp"], (self._cast,)
 
     @staticmethod
-    def __tensor_unflatten__(inner: dict, meta: tuple, outer_size: Any, outer_stride: Any) -> "Float8AllGatherWeight":
+    def __tensor_unflatten__(inner: dict, meta: tuple, outer_size: Any, outer_stride: Any) -> Float8AllGatherWeight:
         return Float8AllGatherWeight(inner["_hp"], *meta)
 
     # ----------------------------------------------------------------- dispatch

@@ -310,7 +310,7 @@ class Float8Linear(nn.Linear):
             self._register_stats_buffers(self.weight.device)
 
     @classmethod
-    def from_float(cls, linear: nn.Linear, config: Float8LinearConfig | None = None) -> "Float8Linear":
+    def from_float(cls, linear: nn.Linear, config: Float8LinearConfig | None = None) -> Float8Linear:
         """A Float8Linear sharing ``linear``'s parameters (the same Parameter objects,
         so an optimizer built before the swap keeps working; with
         ``enable_fsdp_float8_all_gather`` the weight is a new Parameter over the same

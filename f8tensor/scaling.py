@@ -20,11 +20,11 @@ from f8tensor.formats import FORMATS
 __all__ = [
     "EPS",
     "HISTORY_REDUCTIONS",
-    "tensor_amax",
     "amax_to_scale",
-    "dynamic_scale",
     "delayed_scale",
+    "dynamic_scale",
     "push_amax",
+    "tensor_amax",
 ]
 
 #: amax is clamped to at least this before division, so an all-zero tensor gets a finite

@@ -62,7 +62,7 @@ class Float8Tensor(torch.Tensor):
         orig_dtype: torch.dtype,
         axiswise_dim: int | None = None,
         gemm: GemmConfig = DEFAULT_GEMM,
-    ) -> "Float8Tensor":
+    ) -> Float8Tensor:
         self = torch.Tensor._make_wrapper_subclass(
             cls,
             data.shape,
@@ -91,7 +91,7 @@ class Float8Tensor(torch.Tensor):
         scale: torch.Tensor | float | None = None,
         gemm_config: GemmConfig | None = None,
         power_of_2_scale: bool = False,
-    ) -> "Float8Tensor":
+    ) -> Float8Tensor:
         """Cast a bf16/fp16/fp32 tensor to FP8 (saturating), differentiably.
 
         ``granularity``: ``"tensorwise"`` (one scale) or ``"rowwise"`` (one scale per row,
@@ -145,7 +145,7 @@ class Float8Tensor(torch.Tensor):
     def gemm_config(self) -> GemmConfig:
         return self._gemm
 
-    def _replace(self, **changes: Any) -> "Float8Tensor":
+    def _replace(self, **changes: Any) -> Float8Tensor:
         """The one way to rebuild: a new Float8Tensor with some fields changed."""
         fields = {
             "data": self._data,
@@ -175,7 +175,7 @@ class Float8Tensor(torch.Tensor):
         return ["_data", "_scale"], (self._orig_dtype, self._axiswise_dim, self._gemm)
 
     @staticmethod
-    def __tensor_unflatten__(inner: dict, meta: tuple, outer_size: Any, outer_stride: Any) -> "Float8Tensor":
+    def __tensor_unflatten__(inner: dict, meta: tuple, outer_size: Any, outer_stride: Any) -> Float8Tensor:
         return Float8Tensor(inner["_data"], inner["_scale"], *meta)
 
     # ----------------------------------------------------------------- dispatch

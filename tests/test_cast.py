@@ -7,8 +7,6 @@ import math
 import pytest
 import torch
 from expecttest import assert_expected_inline
-
-from f8tensor import FLOAT8_DTYPES, FORMATS, Float8Tensor, GemmConfig, Granularity
 from helpers import (
     CAST_MIN_DB,
     GRANULARITIES,
@@ -18,6 +16,8 @@ from helpers import (
     bits,
     dtype_name,
 )
+
+from f8tensor import FLOAT8_DTYPES, FORMATS, Float8Tensor, GemmConfig, Granularity
 
 # ----------------------------------------------------------------------------- numerics
 

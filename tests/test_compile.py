@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch._dynamo.testing
 import torch.nn.functional as F
+from helpers import GRANULARITIES, MATMUL_MIN_DB, assert_bitwise_equal_f8, assert_sqnr, dtype_name
 
 from f8tensor import Float8Tensor, GemmConfig
-from helpers import GRANULARITIES, MATMUL_MIN_DB, assert_bitwise_equal_f8, assert_sqnr, dtype_name
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 

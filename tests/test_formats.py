@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import GRANULARITIES, HP_DTYPES, bits, dtype_name, reference_cast
 
 from f8tensor import FLOAT8_DTYPES, FORMATS, Float8Tensor, GemmConfig, float8_max
-from helpers import HP_DTYPES, GRANULARITIES, bits, dtype_name, reference_cast
 
 EXPECTED_MAX = {
     torch.float8_e4m3fn: 448.0,

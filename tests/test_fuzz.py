@@ -7,12 +7,12 @@ everything else), so each example is a whole tensor and shrinking still works on
 from __future__ import annotations
 
 import torch
+from helpers import GRANULARITIES, HP_DTYPES
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from f8tensor import FLOAT8_DTYPES, FORMATS, Float8Tensor
 from f8tensor.scaling import EPS
-from helpers import GRANULARITIES, HP_DTYPES
 
 # fp32 rounding in x * scale and data / scale, relative.
 FP32_SLACK = 2.0**-21

@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch._dynamo.testing
 import torch.nn.functional as F
+from helpers import GRANULARITIES, MATMUL_MIN_DB, assert_bitwise_equal_f8, assert_sqnr
 
 from f8tensor import FORMATS, Float8Tensor, GemmConfig, float8_mm
-from helpers import GRANULARITIES, MATMUL_MIN_DB, assert_bitwise_equal_f8, assert_sqnr
 
 pytestmark = pytest.mark.gpu
 

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from f8tensor import FLOAT8_DTYPES, Float8Tensor, GemmConfig
 from helpers import (
     GRANULARITIES,
     assert_bitwise_equal_f8,
@@ -14,6 +12,8 @@ from helpers import (
     dtype_name,
     float_bits,
 )
+
+from f8tensor import FLOAT8_DTYPES, Float8Tensor, GemmConfig
 
 # A non-default config and dtype, so that dropped metadata shows.
 GEMM = GemmConfig(out_dtype=torch.float32, pad_inner_dim=True)

@@ -5,9 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
-
-from f8tensor import FLOAT8_DTYPES, FORMATS, Float8Tensor, GemmConfig, float8_mm
 from helpers import (
     E4M3_DTYPES,
     E5M2_DTYPES,
@@ -17,6 +14,9 @@ from helpers import (
     assert_sqnr,
     dtype_name,
 )
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from f8tensor import FLOAT8_DTYPES, FORMATS, Float8Tensor, GemmConfig, float8_mm
 
 aten = torch.ops.aten
 

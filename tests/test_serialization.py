@@ -6,9 +6,9 @@ import io
 
 import pytest
 import torch
+from helpers import GRANULARITIES, HP_DTYPES, assert_bitwise_equal_f8, dtype_name
 
 from f8tensor import FLOAT8_DTYPES, Float8Tensor, GemmConfig
-from helpers import GRANULARITIES, HP_DTYPES, assert_bitwise_equal_f8, dtype_name
 
 GEMMS = [GemmConfig(), GemmConfig(out_dtype=torch.float32, use_fast_accum=True, pad_inner_dim=True)]
 

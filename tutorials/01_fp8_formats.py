@@ -36,7 +36,7 @@ for dtype in FLOAT8_DTYPES:
     f = FORMATS[dtype]
     print(
         f"{short(dtype):<10} {f.exponent_bits:>2} {f.mantissa_bits:>2} {f.max:>9g} {f.smallest_normal:>12.4g} "
-        f"{f.smallest_subnormal:>14.4g} {f.eps:>7g} {str(f.has_inf):>5} {str(f.has_negative_zero):>5}"
+        f"{f.smallest_subnormal:>14.4g} {f.eps:>7g} {f.has_inf!s:>5} {f.has_negative_zero!s:>5}"
     )
 
 # eps is the gap between 1 and the next number up: 2**-mantissa_bits. torch.finfo agrees,

@@ -44,7 +44,7 @@ products = {
     "transposed x (bmm path)": (x.transpose(0, 1) @ w8.t()).transpose(0, 1),
 }
 for name, y in products.items():
-    print(f"   {name:<26} {str(y.dtype):<15} {tuple(y.shape)}  "
+    print(f"   {name:<26} {y.dtype!s:<15} {tuple(y.shape)}  "
           f"vs bf16 {sqnr(ref_bf16, y):5.1f} dB, vs fp32 {sqnr(ref_fp32, y):5.1f} dB")
 print()
 
