@@ -23,21 +23,11 @@ import sys
 import time
 
 import torch
+from _common import cpu_model  # benchmarks/_common.py (the script's own folder)
 from torch import nn
 
 from f8tensor import Float8LinearConfig, convert_to_float8_training, enable_float8_stats, float8_stats
 from f8tensor.tensor import cast_to_float8, cast_to_float8_with_stats
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def build(recipe: str, stats: bool, args: argparse.Namespace) -> nn.Module:
