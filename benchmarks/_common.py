@@ -35,6 +35,8 @@ from typing import Any
 
 import torch
 
+from f8tensor.stats import tensor_bytes  # noqa: F401  (re-exported for the scripts: C.tensor_bytes)
+
 #: f8tensor's recipes, in the order tables list them.
 F8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed")
 #: torchao.float8's recipes compared against (``Float8LinearConfig.from_recipe_name``).
@@ -296,30 +298,6 @@ def profile_steps(step: Callable[[], Any], device: torch.device, out_dir: str, t
 
 
 # ===================================================================== memory
-
-
-def tensor_bytes(tensors: Iterable[torch.Tensor], seen: set[int] | None = None) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (a wrapper subclass such as a
-    Float8Tensor counts its inner tensors, e.g. FP8 data and fp32 scale)."""
-    seen = set() if seen is None else seen
-    total = 0
-    for t in tensors:
-        for part in storage_parts(t):
-            storage = part.untyped_storage()
-            key = storage.data_ptr()
-            if key in seen or storage.nbytes() == 0:
-                continue
-            seen.add(key)
-            total += storage.nbytes()
-    return total
-
-
-def storage_parts(t: torch.Tensor) -> list[torch.Tensor]:
-    """The plain tensors holding ``t``'s bytes: itself, or a subclass's inner tensors."""
-    if type(t) not in (torch.Tensor, torch.nn.Parameter) and hasattr(t, "__tensor_flatten__"):
-        names, _ = t.__tensor_flatten__()
-        return [p for name in names for p in storage_parts(getattr(t, name))]
-    return [t]
 
 
 def state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> list[torch.Tensor]:

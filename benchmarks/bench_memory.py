@@ -31,7 +31,6 @@ from __future__ import annotations
 import copy
 import math
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -42,29 +41,9 @@ import torch
 from torch import nn
 
 from f8tensor import Float8Linear, Float8LinearConfig
+from f8tensor.stats import saved_tensor_bytes
 
 RECIPES = C.F8_RECIPES
-
-
-def saved_bytes(module: nn.Module, fn: Callable[[], torch.Tensor]) -> tuple[int, torch.Tensor]:
-    """Run ``fn()`` (a forward of ``module``) and return the bytes autograd saved for backward.
-
-    Storages are counted once each (two views of one tensor keep one storage alive);
-    storages of ``module``'s parameters are left out. A tensor subclass (Float8Tensor,
-    torchao's float8 tensor) counts the storages of its inner tensors.
-    """
-    param_storages = {p.untyped_storage().data_ptr() for p in module.parameters()}
-    seen: set[int] = set(param_storages)
-    total = 0
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        nonlocal total
-        total += C.tensor_bytes([t], seen)
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return total, out
 
 
 def measure(batch: int, seq: int, in_features: int, out_features: int, dtype: torch.dtype = torch.bfloat16,
@@ -94,7 +73,7 @@ def _linear_rows(batch, seq, in_features, out_features, dtype, torchao, torchao_
     for name, layer in _linear_layers(in_features, out_features, dtype, device, torchao, torchao_recipes):
         if progress is not None:
             progress.update(f"linear: {name}")
-        nbytes, out = saved_bytes(layer, lambda layer=layer: layer(x))
+        nbytes, out = saved_tensor_bytes(layer, lambda layer=layer: layer(x))
         mem = None
         if peak:
             out.backward(grad)  # warm-up: lazily created state, gradients' first allocation
@@ -141,7 +120,7 @@ def _model_step_memory(variant: C.Variant, mode: str, cfg, batches: torch.Tensor
     saved = math.nan
     if mode == "eager":
         first = batches[0]
-        saved, _ = saved_bytes(model, lambda: model(first[:, :-1], first[:, 1:]))
+        saved, _ = saved_tensor_bytes(model, lambda: model(first[:, :-1], first[:, 1:]))
     for _ in range(args.model_warmup):
         step()
     resident = C.tensor_bytes([*C.state_tensors(model, opt), batches[step_index]])

@@ -59,7 +59,7 @@ from torch import nn
 
 import f8tensor
 import f8tensor.stats
-from f8tensor import Float8LinearConfig, Float8Tensor, convert_to_float8_training
+from f8tensor import Float8LinearConfig, convert_to_float8_training
 
 __all__ = ["GPT", "SIZES", "RunResult", "keep_lm_head_in_high_precision", "main"]
 
@@ -198,45 +198,15 @@ def get_batch(data: torch.Tensor, starts: torch.Tensor, seq_len: int) -> tuple[t
 
 
 def saved_activation_bytes(model: nn.Module, x: torch.Tensor, y: torch.Tensor, amp: torch.autocast) -> int:
-    """Bytes autograd saves for backward during one training forward (model and loss).
+    """Bytes autograd saves for backward during one training forward (model and loss);
+    see :func:`f8tensor.stats.saved_tensor_bytes` for what counts."""
 
-    Parameters are not counted (they exist anyway), nor are autocast's bf16 copies of
-    them (weight memory that does not grow with the batch). A Float8Tensor counts as its
-    FP8 data plus its scale. Each storage counts once, however often it is saved.
-    """
-    param_ids = {id(p) for p in model.parameters()}
-    param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    held: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if _is_parameter_copy(t, param_ids):
-            return t
-        parts = (t._data, t._scale) if isinstance(t, Float8Tensor) else (t,)
-        for part in parts:
-            storage = part.untyped_storage()
-            if storage.data_ptr() not in param_storages:
-                held[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    def forward_and_loss() -> torch.Tensor:
         with amp:
             logits = model(x)
-        _loss(logits, y)
-    return sum(held.values())
+        return _loss(logits, y)
 
-
-def _is_parameter_copy(t: torch.Tensor, param_ids: set[int]) -> bool:
-    """True for a dtype cast of a parameter, or a view of one (autocast's bf16 weights)."""
-    fn = t.grad_fn
-    while fn is not None and type(fn).__name__ in _VIEW_NODES:
-        fn = fn.next_functions[0][0]
-    if fn is None or type(fn).__name__ != "ToCopyBackward0":
-        return False
-    source = fn.next_functions[0][0]
-    return source is not None and id(getattr(source, "variable", None)) in param_ids
-
-
-_VIEW_NODES = frozenset({"TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0", "ExpandBackward0"})
+    return f8tensor.stats.saved_tensor_bytes(model, forward_and_loss)[0]
 
 
 # --- saturation: the one place that reads f8tensor.stats telemetry -------------------

@@ -43,12 +43,12 @@ def _fresh_state(name: str, like: torch.Tensor, device: torch.device | str | Non
 
 def _sync_amax(amax: torch.Tensor) -> torch.Tensor:
     """Make an amax agree across data-parallel ranks (a no-op without torch.distributed)."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        if torch.distributed.get_world_size() > 1:
-            import torch.distributed._functional_collectives as funcol
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return amax
+    import torch.distributed._functional_collectives as funcol
 
-            return funcol.all_reduce(amax, "max", torch.distributed.group.WORLD)
-    return amax
+    return funcol.all_reduce(amax, "max", dist.group.WORLD)
 
 
 def _recomputing() -> bool:

@@ -34,6 +34,7 @@ __all__ = [
 #: scale EPS / float8_max >= 2**-116 ~ 1.2e-35 (> 1.2e-38, the smallest normal).
 EPS = 2.0**-100
 
+
 def tensor_amax(x: torch.Tensor, axiswise_dim: int | None = None) -> torch.Tensor:
     """max |x| in fp32: a 0-dim tensor, or reduced over ``axiswise_dim`` with keepdim.
 

@@ -18,6 +18,9 @@ and writes into small buffers on the layer, in forward (input, weight) and backw
 (grad_output), eager or under ``torch.compile(fullgraph=True)``. Each cast overwrites its
 buffer: the numbers always describe the last step. Reading them is one device sync.
 
+:func:`saved_tensor_bytes` measures the other thing FP8 changes: what autograd keeps for
+backward (a Float8Tensor counts as its FP8 data plus its scale).
+
 This module observes the library; nothing below it imports it.
 """
 
@@ -26,7 +29,8 @@ from __future__ import annotations
 import math
 import warnings
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -40,8 +44,12 @@ __all__ = [
     "enable_float8_stats",
     "float8_stats",
     "format_float8_stats",
+    "saved_tensor_bytes",
     "sqnr",
+    "tensor_bytes",
 ]
+
+_T = TypeVar("_T")
 
 #: The fields reported for every role, in this order (key suffixes of :func:`float8_stats`).
 #: Roles with delayed scaling also report ``amax_history_max``.
@@ -275,3 +283,70 @@ def sqnr(reference: torch.Tensor, actual: torch.Tensor) -> float:
 def _plain(t: torch.Tensor) -> torch.Tensor:
     to_hp = getattr(type(t), "to_hp", None)
     return t.to_hp() if to_hp is not None else t
+
+
+# ===================================================================== memory
+
+
+def saved_tensor_bytes(module: nn.Module, fn: Callable[[], _T]) -> tuple[int, _T]:
+    """Run ``fn()`` (a forward through ``module``); return the bytes autograd saved for
+    backward meanwhile, and ``fn``'s result.
+
+    Each storage counts once, however often it is saved. Left out: ``module``'s
+    parameters and dtype copies of them (autocast's bf16 weights): weight memory that
+    exists anyway and does not grow with the batch. A tensor subclass counts its inner
+    tensors (a Float8Tensor: FP8 data plus fp32 scale).
+    """
+    params = list(module.parameters())
+    param_ids = {id(p) for p in params}
+    seen = {part.untyped_storage().data_ptr() for p in params for part in storage_parts(p)}
+    total = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        if not _is_parameter_copy(t, param_ids):
+            total += tensor_bytes([t], seen)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return total, out
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor], seen: set[int] | None = None) -> int:
+    """Bytes of the distinct storages behind ``tensors``, skipping (and extending) ``seen``,
+    a set of storage addresses already counted."""
+    seen = set() if seen is None else seen
+    total = 0
+    for t in tensors:
+        for part in storage_parts(t):
+            storage = part.untyped_storage()
+            key = storage.data_ptr()
+            if key in seen or storage.nbytes() == 0:
+                continue
+            seen.add(key)
+            total += storage.nbytes()
+    return total
+
+
+def storage_parts(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors holding ``t``'s bytes: itself, or a subclass's inner tensors."""
+    if type(t) not in (torch.Tensor, nn.Parameter) and hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return [p for name in names for p in storage_parts(getattr(t, name))]
+    return [t]
+
+
+# Autograd nodes of views, walked through to find the cast a saved tensor comes from.
+_VIEW_NODES = frozenset({"TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0", "ExpandBackward0"})
+
+
+def _is_parameter_copy(t: torch.Tensor, param_ids: set[int]) -> bool:
+    """True for a dtype cast of a parameter, or a view of one (autocast's bf16 weights)."""
+    fn = t.grad_fn
+    while fn is not None and type(fn).__name__ in _VIEW_NODES:
+        fn = fn.next_functions[0][0]
+    if fn is None or type(fn).__name__ != "ToCopyBackward0":
+        return False
+    source = fn.next_functions[0][0]
+    return source is not None and id(getattr(source, "variable", None)) in param_ids

@@ -83,3 +83,30 @@ def reference_cast(hp: torch.Tensor, scale: torch.Tensor, float8_dtype: torch.dt
     """The scale rule written out independently: clamp(hp.float() * scale) to the range, then cast."""
     fmax = torch.finfo(float8_dtype).max
     return (hp.float() * scale).clamp(-fmax, fmax).to(float8_dtype)
+
+
+def check_compiled_linear(granularity: str, batch: tuple[int, ...], k: int, n: int, device: str = "cpu") -> None:
+    """``F.linear(x, Float8Tensor.from_hp(w))`` under inductor with ``fullgraph=True``: one
+    graph, and output and both gradients within MATMUL_MIN_DB of an fp32 reference."""
+    import torch._dynamo.testing
+    import torch.nn.functional as F
+
+    from f8tensor import Float8Tensor
+
+    def fn(x, w):
+        return F.linear(x, Float8Tensor.from_hp(w, granularity=granularity))
+
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    compiled = torch.compile(fn, backend=counter, fullgraph=True)
+    x = torch.randn(*batch, k, dtype=torch.bfloat16, device=device, requires_grad=True)
+    w = torch.randn(n, k, dtype=torch.bfloat16, device=device, requires_grad=True)
+    upstream = torch.randn(*batch, n, dtype=torch.bfloat16, device=device)
+    y = compiled(x, w)
+    y.backward(upstream)
+    assert counter.frame_count == 1
+    x_ref, w_ref = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    y_ref = x_ref @ w_ref.t()
+    y_ref.backward(upstream.float())
+    assert_sqnr(y_ref, y, MATMUL_MIN_DB, "output")
+    assert_sqnr(x_ref.grad, x.grad, MATMUL_MIN_DB, "grad_x")
+    assert_sqnr(w_ref.grad, w.grad, MATMUL_MIN_DB, "grad_w")

@@ -10,7 +10,14 @@ import pytest
 import torch
 import torch._dynamo.testing
 import torch.nn.functional as F
-from helpers import GRANULARITIES, MATMUL_MIN_DB, assert_bitwise_equal_f8, assert_sqnr, dtype_name
+from helpers import (
+    GRANULARITIES,
+    MATMUL_MIN_DB,
+    assert_bitwise_equal_f8,
+    assert_sqnr,
+    check_compiled_linear,
+    dtype_name,
+)
 
 from f8tensor import Float8Tensor, GemmConfig
 
@@ -163,17 +170,4 @@ def test_inductor_cast_bitwise_equals_eager(granularity, hp_dtype):
 
 
 def test_inductor_linear_forward_backward_rowwise_3d():
-    fn = _linear_fn("rowwise")
-    compiled, counter = _compile(fn, "inductor")
-    x = torch.randn(2, 8, K, dtype=torch.bfloat16, requires_grad=True)
-    w = torch.randn(N, K, dtype=torch.bfloat16, requires_grad=True)
-    upstream = torch.randn(2, 8, N, dtype=torch.bfloat16)
-    y = compiled(x, w)
-    y.backward(upstream)
-    assert counter.frame_count == 1
-    x_ref, w_ref = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
-    y_ref = x_ref @ w_ref.t()
-    y_ref.backward(upstream.float())
-    assert_sqnr(y_ref, y, MATMUL_MIN_DB, "output")
-    assert_sqnr(x_ref.grad, x.grad, MATMUL_MIN_DB, "grad_x")
-    assert_sqnr(w_ref.grad, w.grad, MATMUL_MIN_DB, "grad_w")
+    check_compiled_linear("rowwise", (2, 8), K, N)

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch._dynamo.testing
 import torch.nn.functional as F
-from helpers import GRANULARITIES, MATMUL_MIN_DB, assert_bitwise_equal_f8, assert_sqnr
+from helpers import GRANULARITIES, MATMUL_MIN_DB, assert_bitwise_equal_f8, assert_sqnr, check_compiled_linear
 
 from f8tensor import FORMATS, Float8Tensor, GemmConfig, float8_mm
 
@@ -93,23 +93,7 @@ def test_cuda_pad_inner_dim():
 @pytest.mark.usefixtures("fresh_dynamo")
 @pytest.mark.parametrize("granularity", GRANULARITIES)
 def test_cuda_compile_linear_forward_backward(granularity):
-    def fn(x, w):
-        return F.linear(x, Float8Tensor.from_hp(w, granularity=granularity))
-
-    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
-    compiled = torch.compile(fn, backend=counter, fullgraph=True)
-    x = torch.randn(4, 32, K, dtype=torch.bfloat16, device=CUDA, requires_grad=True)
-    w = torch.randn(N, K, dtype=torch.bfloat16, device=CUDA, requires_grad=True)
-    upstream = torch.randn(4, 32, N, dtype=torch.bfloat16, device=CUDA)
-    y = compiled(x, w)
-    y.backward(upstream)
-    assert counter.frame_count == 1
-    x_ref, w_ref = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
-    y_ref = x_ref @ w_ref.t()
-    y_ref.backward(upstream.float())
-    assert_sqnr(y_ref, y, MATMUL_MIN_DB, "output")
-    assert_sqnr(x_ref.grad, x.grad, MATMUL_MIN_DB, "grad_x")
-    assert_sqnr(w_ref.grad, w.grad, MATMUL_MIN_DB, "grad_w")
+    check_compiled_linear(granularity, (4, 32), K, N, device=CUDA)
 
 
 @pytest.mark.usefixtures("fresh_dynamo")

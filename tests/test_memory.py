@@ -1,5 +1,6 @@
 """What Float8Linear keeps for backward: the input in FP8 for the per-tensor recipes (1 byte
-per element instead of 2), cast once; the measurement is benchmarks/bench_memory.py's."""
+per element instead of 2), cast once, measured with f8tensor.stats.saved_tensor_bytes (the
+measure benchmarks/bench_memory.py reports)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from f8tensor import FLOAT8_DTYPES, Float8Linear, Float8LinearConfig
+from f8tensor.stats import saved_tensor_bytes
 
 from linear_utils import RECIPE_NAMES
 
@@ -55,8 +57,8 @@ def test_saved_bytes_fp32_model(recipe, fp32_values):
     ref = nn.Linear(K, N)
     layer = Float8Linear.from_float(copy.deepcopy(ref), Float8LinearConfig.from_recipe(recipe))
     x = torch.randn(B, S, K, requires_grad=True)
-    ref_bytes, _ = bench_memory.saved_bytes(ref, lambda: ref(x))
-    fp8_bytes, y = bench_memory.saved_bytes(layer, lambda: layer(x))
+    ref_bytes, _ = saved_tensor_bytes(ref, lambda: ref(x))
+    fp8_bytes, y = saved_tensor_bytes(layer, lambda: layer(x))
     assert ref_bytes == 4 * M * K
     assert fp8_bytes == M * K + fp32_values * SCALE_BYTES  # a quarter of fp32's
     y.sum().backward()  # what was saved is enough for backward
@@ -67,10 +69,10 @@ def test_parameters_are_not_counted():
     # A frozen weight: autograd keeps only the weight (for grad_input), i.e. nothing new.
     layer = nn.Linear(K, N, bias=False).requires_grad_(False)
     x = torch.randn(B, S, K, requires_grad=True)
-    nbytes, _ = bench_memory.saved_bytes(layer, lambda: layer(x))
+    nbytes, _ = saved_tensor_bytes(layer, lambda: layer(x))
     assert nbytes == 0
     # The input, seen through two views, counts once.
-    nbytes, _ = bench_memory.saved_bytes(layer, lambda: (x * x)[..., :8])
+    nbytes, _ = saved_tensor_bytes(layer, lambda: (x * x)[..., :8])
     assert nbytes == 4 * M * K
 
 
