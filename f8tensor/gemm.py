@@ -719,7 +719,7 @@ def _matmul(
         if pad_n:
             b_vec = torch.nn.functional.pad(b_vec, (0, pad_n), value=1.0)
         out_t = torch._scaled_mm(
-            b_data.t(), a_data.t(), scale_a=b_vec.t().contiguous(), scale_b=a_vec.t().contiguous(),
+            b_data.t(), a_data.t(), scale_a=b_vec.reshape(-1, 1), scale_b=a_vec.reshape(1, -1),
             out_dtype=out_dtype, use_fast_accum=gemm.use_fast_accum,
         )
         out = out_t[:n].t().contiguous()
