@@ -19,8 +19,8 @@ from f8tensor.config import (
 )
 from f8tensor.formats import FLOAT8_DTYPES, FORMATS, Float8Format, float8_max, saturation_bound
 from f8tensor.fsdp import Float8AllGatherWeight, precompute_float8_scales_for_fsdp
-from f8tensor.linear import Float8Linear, convert_to_float8_training
 from f8tensor.gemm import float8_mm
+from f8tensor.linear import Float8Linear, convert_to_float8_training
 from f8tensor.stats import (
     STATS_FIELDS,
     Float8SaturationWarning,

@@ -19,6 +19,13 @@ Three parts, in this order:
 
 Nothing in here depends on the device: CPU runs the same calls a GPU would get, so the
 CPU suite under the checker vouches for the GPU builds.
+
+``torch.nn.functional.scaled_mm`` (torch >= 2.10, present in 2.13) names its scaling
+recipes explicitly and reaches the same kernels through ``torch._scaled_mm_v2``; f8tensor
+calls ``torch._scaled_mm`` only (it exists on every supported release), and the checker
+reads ``F.scaled_mm`` calls with the same rows. New kinds (blockwise, MX, grouped GEMMs)
+add rows to :data:`SCALED_MM_RULES`, a :class:`Route` member and a branch in
+:func:`_matmul`.
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ from f8tensor.tensor import Float8Tensor, cast_to_float8, dequantize
 __all__ = [
     "ALIGN",
     "ROCM_BUILDS",
-    "ROCM_ROWWISE_NOTE",
+    "RULES_CHECK_ENV",
     "SCALED_MM_RULES",
     "STRICTEST_BUILDS",
     "SUPPORTED_BUILDS",
@@ -197,8 +204,10 @@ SCALED_MM_RULES: tuple[ScaledMMRule, ...] = (
         bias_dtypes=_BIAS,
         fast_accum=True,
         sources=(
-            "aten/src/ATen/native/cuda/ScaledBlas.cpp: _scaled_mm_out_cuda (K % 16, mat2 dims % 16, "
-            "no e5m2 x e5m2, bias bf16/fp16 and none with fp32 out), is_tensorwise_scaling",
+            (
+                "aten/src/ATen/native/cuda/ScaledBlas.cpp: _scaled_mm_out_cuda (K % 16, mat2 dims % 16, "
+                "no e5m2 x e5m2, bias bf16/fp16 and none with fp32 out), is_tensorwise_scaling"
+            ),
             "torch/_meta_registrations.py: _check_scaled_mm_sizes (row-major self, column-major mat2 on CUDA)",
         ),
     ),
@@ -225,8 +234,10 @@ SCALED_MM_RULES: tuple[ScaledMMRule, ...] = (
         bias_dtypes=_BIAS,
         fast_accum=True,
         sources=(
-            "aten/src/ATen/native/cuda/ScaledBlas.cpp: _scaled_mm_out_cuda takes the CUTLASS path when "
-            "sm < 9.0 or CUBLAS_VERSION < 120900, cuBLASLt otherwise; is_rowwise_scaling",
+            (
+                "aten/src/ATen/native/cuda/ScaledBlas.cpp: _scaled_mm_out_cuda takes the CUTLASS path when "
+                "sm < 9.0 or CUBLAS_VERSION < 120900, cuBLASLt otherwise; is_rowwise_scaling"
+            ),
         ),
     ),
     # Rowwise everywhere else: the CUTLASS f8f8bf16_rowwise kernel (sm89 and sm90 with cu126/cu128).
@@ -253,9 +264,11 @@ SCALED_MM_RULES: tuple[ScaledMMRule, ...] = (
         bias_dtypes=_BIAS,
         fast_accum=True,  # both schedules exist; without fast accumulation the slow one runs
         sources=(
-            "aten/src/ATen/native/cuda/RowwiseScaledMM.cu: check_inputs (a e4m3fn/e5m2, b e4m3fn, fp32 "
-            "scales (M, 1) stride(0) == 1 and (1, N) stride(1) == 1, a row-major, b column-major, bias "
-            "1-D, no bias with fp32 out), dispatch_fp8_rowwise_kernel_on_bias_dtype (fp16 bias needs fp16 out)",
+            (
+                "aten/src/ATen/native/cuda/RowwiseScaledMM.cu: check_inputs (a e4m3fn/e5m2, b e4m3fn, fp32 "
+                "scales (M, 1) stride(0) == 1 and (1, N) stride(1) == 1, a row-major, b column-major, bias "
+                "1-D, no bias with fp32 out), dispatch_fp8_rowwise_kernel_on_bias_dtype (fp16 bias needs fp16 out)"
+            ),
             "aten/src/ATen/native/cuda/ScaledBlas.cpp: _scaled_mm_out_cuda, rowwise branch (output dtype check)",
         ),
     ),
@@ -264,25 +277,35 @@ SCALED_MM_RULES: tuple[ScaledMMRule, ...] = (
 _ROCM = Builds(platform="rocm")
 _FNUZ_OPERANDS = frozenset({_E4M3_FNUZ, _E5M2_FNUZ})
 _ROCM_SOURCES = (
-    "aten/src/ATen/native/cuda/ScaledBlas.cpp: _scaled_mm_out_cuda, USE_ROCM branches (_scaled_mm_is_fnuz "
-    "on gfx942; rowwise: b e4m3fnuz, BFloat16 output only)",
+    (
+        "aten/src/ATen/native/cuda/ScaledBlas.cpp: _scaled_mm_out_cuda, USE_ROCM branches (_scaled_mm_is_fnuz "
+        "on gfx942; rowwise: b e4m3fnuz, BFloat16 output only)"
+    ),
 )
 SCALED_MM_RULES += (
     # ROCm MI300 (gfx942): the fnuz formats. The e5m2 x e5m2 refusal is NVIDIA-only in
     # PyTorch; f8tensor refuses that pair everywhere, so the row keeps it.
     dataclasses.replace(
-        SCALED_MM_RULES[0], kernel="hipBLASLt", builds=_ROCM, mat1_dtypes=_FNUZ_OPERANDS, mat2_dtypes=_FNUZ_OPERANDS,
+        SCALED_MM_RULES[0],
+        kernel="hipBLASLt",
+        builds=_ROCM,
+        mat1_dtypes=_FNUZ_OPERANDS,
+        mat2_dtypes=_FNUZ_OPERANDS,
         refused_pairs=frozenset({(_E5M2_FNUZ, _E5M2_FNUZ)}),
-        out_dtypes=frozenset({_BF16, _FP16, _FP32, _E4M3_FNUZ, _E5M2_FNUZ}), sources=_ROCM_SOURCES,
+        out_dtypes=frozenset({_BF16, _FP16, _FP32, _E4M3_FNUZ, _E5M2_FNUZ}),
+        sources=_ROCM_SOURCES,
     ),
     dataclasses.replace(
-        SCALED_MM_RULES[2], kernel="hipBLASLt rowwise", builds=_ROCM, mat1_dtypes=_FNUZ_OPERANDS,
-        mat2_dtypes=frozenset({_E4M3_FNUZ}), refused_pairs=frozenset({(_E5M2_FNUZ, _E5M2_FNUZ)}),
-        out_dtypes=frozenset({_BF16}), sources=_ROCM_SOURCES,
+        SCALED_MM_RULES[2],
+        kernel="hipBLASLt rowwise",
+        builds=_ROCM,
+        mat1_dtypes=_FNUZ_OPERANDS,
+        mat2_dtypes=frozenset({_E4M3_FNUZ}),
+        refused_pairs=frozenset({(_E5M2_FNUZ, _E5M2_FNUZ)}),
+        out_dtypes=frozenset({_BF16}),
+        sources=_ROCM_SOURCES,
     ),
 )
-
-ROCM_ROWWISE_NOTE = "ROCm rowwise: mat2 e4m3fnuz (e4m3fn on non-fnuz archs), bf16 output only"
 
 #: Builds that between them carry every restriction of the table: sm89 (CUTLASS rowwise,
 #: any CUDA) and sm90 with cu128 (CUTLASS rowwise, Hopper). cu130 on sm90 only relaxes.
@@ -348,10 +371,12 @@ def scaled_mm_violations(
     kind = _scaling_kind(mat1, mat2, scale_a, scale_b)
     rule = rule_for(kind, build)
     if rule is None:
-        return [
+        m, n = mat1.shape[0], mat2.shape[1]
+        message = (
             f"no kernel for these scales on {build.name}: scale_a {tuple(scale_a.shape)}, scale_b "
-            f"{tuple(scale_b.shape)} (tensorwise: 1 element each; rowwise: ({mat1.shape[0]}, 1) and (1, {mat2.shape[1]}))"
-        ]
+            f"{tuple(scale_b.shape)} (tensorwise: 1 element each; rowwise: ({m}, 1) and (1, {n}))"
+        )
+        return [message]
     out = []
     a, b = mat1.dtype, mat2.dtype
     out_dtype = out_dtype if out_dtype is not None else a
@@ -382,7 +407,8 @@ def scaled_mm_violations(
         allowed = rule.bias_allowed(out_dtype)
         if bias.dtype not in allowed:
             out.append(
-                f"{where}: bias dtype {_name(bias.dtype)} with out_dtype {_name(out_dtype)}; allowed: {{{_names(allowed)}}}"
+                f"{where}: bias dtype {_name(bias.dtype)} with out_dtype {_name(out_dtype)}; "
+                f"allowed: {{{_names(allowed)}}}"
             )
         if bias.dim() != 1 or bias.numel() != n:
             out.append(f"{where}: bias must be 1-D of size N={n}; got shape {tuple(bias.shape)}")
@@ -481,7 +507,9 @@ def _checked_scaled_mm(
     """``torch._scaled_mm``, after checking the call against every supported build.
 
     ``kwargs``: passed through (inductor's CPU extern-kernel call adds ``out=``)."""
-    problems = violations_on_supported_builds(mat1, mat2, scale_a, scale_b, bias, scale_result, out_dtype, use_fast_accum)
+    problems = violations_on_supported_builds(
+        mat1, mat2, scale_a, scale_b, bias, scale_result, out_dtype, use_fast_accum
+    )
     _CHECK.record("torch._scaled_mm", _summary(mat1, mat2, scale_a, scale_b, bias, out_dtype, use_fast_accum), problems)
     return _ORIGINAL_SCALED_MM(
         mat1,
@@ -719,8 +747,12 @@ def _matmul(
         if pad_n:
             b_vec = torch.nn.functional.pad(b_vec, (0, pad_n), value=1.0)
         out_t = torch._scaled_mm(
-            b_data.t(), a_data.t(), scale_a=b_vec.reshape(-1, 1), scale_b=a_vec.reshape(1, -1),
-            out_dtype=out_dtype, use_fast_accum=gemm.use_fast_accum,
+            b_data.t(),
+            a_data.t(),
+            scale_a=b_vec.reshape(-1, 1),
+            scale_b=a_vec.reshape(1, -1),
+            out_dtype=out_dtype,
+            use_fast_accum=gemm.use_fast_accum,
         )
         out = out_t[:n].t().contiguous()
         if bias is not None:
@@ -734,11 +766,7 @@ def _fused_bias_mm(a_data, b_data, scale_a, scale_b, bias, out_dtype, use_fast_a
     """One ``_scaled_mm`` call; the bias is fused when the kernels take it (1-D, same
     bf16/fp16 dtype as the output, no N padding), else added afterwards."""
     fuse_bias = (
-        bias is not None
-        and not pad_n
-        and bias.dim() == 1
-        and bias.dtype == out_dtype
-        and out_dtype in (_BF16, _FP16)
+        bias is not None and not pad_n and bias.dim() == 1 and bias.dtype == out_dtype and out_dtype in (_BF16, _FP16)
     )
     out = torch._scaled_mm(
         a_data,
@@ -827,7 +855,11 @@ def _cast_plain(x: torch.Tensor, ref: Float8Tensor, axiswise_dim: int | None) ->
 def _requantize(f8: Float8Tensor, axiswise_dim: int) -> Float8Tensor:
     # Deliberate upcast to fp32 between the two roundings, not to the original dtype.
     return cast_to_float8(
-        dequantize(f8, torch.float32), f8._data.dtype, axiswise_dim=axiswise_dim, gemm=f8._gemm, orig_dtype=f8._orig_dtype
+        dequantize(f8, torch.float32),
+        f8._data.dtype,
+        axiswise_dim=axiswise_dim,
+        gemm=f8._gemm,
+        orig_dtype=f8._orig_dtype,
     )
 
 

@@ -46,7 +46,8 @@ def _cuda_rules_check():
     found = check.take()
     if found:
         shown = "\n  ".join(dict.fromkeys(found))
-        pytest.fail(f"{len(found)} torch._scaled_mm call(s) a supported CUDA build would refuse:\n  {shown}", pytrace=False)
+        what = f"{len(found)} torch._scaled_mm call(s) a supported CUDA build would refuse"
+        pytest.fail(f"{what}:\n  {shown}", pytrace=False)
 
 
 @pytest.fixture

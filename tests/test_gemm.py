@@ -79,7 +79,9 @@ def test_fnuz_refused_on_nvidia_builds(kind):
     a, b = _operands(E4M3_FNUZ, E4M3_FNUZ)
     scales = _tensorwise_scales() if kind == "tensorwise" else _rowwise_scales()
     found = scaled_mm_violations(a, b, *scales, out_dtype=torch.bfloat16, build=SM90_CU128)
-    assert any("mat1 dtype float8_e4m3fnuz" in v for v in found) and any("mat2 dtype float8_e4m3fnuz" in v for v in found)
+    assert any("mat1 dtype float8_e4m3fnuz" in v for v in found) and any(
+        "mat2 dtype float8_e4m3fnuz" in v for v in found
+    )
     # ... and checked against the ROCm (MI300) rules instead: legal there.
     assert violations_on_supported_builds(a, b, *scales, out_dtype=torch.bfloat16) == []
 
@@ -92,26 +94,46 @@ def test_rocm_rowwise_needs_bf16_output():
 
 def test_e5m2_pair_layout_alignment_bias_and_scale_rules():
     a, b = _operands(E5M2, E5M2)
-    assert any("float8_e5m2 x float8_e5m2 is refused" in v for v in scaled_mm_violations(a, b, *_tensorwise_scales(), out_dtype=torch.bfloat16, build=SM90_CU128))
+    assert any(
+        "float8_e5m2 x float8_e5m2 is refused" in v
+        for v in scaled_mm_violations(a, b, *_tensorwise_scales(), out_dtype=torch.bfloat16, build=SM90_CU128)
+    )
     a, b = _operands()
     row_major_b = b.contiguous()
-    assert any("mat2 must be column-major" in v for v in scaled_mm_violations(a, row_major_b, *_tensorwise_scales(), build=SM90_CU128))
-    assert any("mat1 must be row-major" in v for v in scaled_mm_violations(a.t().contiguous().t(), b, *_tensorwise_scales(), build=SM90_CU128))
+    assert any(
+        "mat2 must be column-major" in v
+        for v in scaled_mm_violations(a, row_major_b, *_tensorwise_scales(), build=SM90_CU128)
+    )
+    assert any(
+        "mat1 must be row-major" in v
+        for v in scaled_mm_violations(a.t().contiguous().t(), b, *_tensorwise_scales(), build=SM90_CU128)
+    )
     a, b = _operands(k=40, n=24)
     found = scaled_mm_violations(a, b, *_tensorwise_scales(), out_dtype=torch.bfloat16, build=SM90_CU128)
-    assert any("K=40 is not a multiple of 16" in v for v in found) and any("N=24 is not a multiple of 16" in v for v in found)
+    assert any("K=40 is not a multiple of 16" in v for v in found) and any(
+        "N=24 is not a multiple of 16" in v for v in found
+    )
     a, b = _operands()
-    fp32_bias = scaled_mm_violations(a, b, *_tensorwise_scales(), bias=torch.randn(N), out_dtype=torch.float32, build=SM90_CU128)
+    fp32_bias = scaled_mm_violations(
+        a, b, *_tensorwise_scales(), bias=torch.randn(N), out_dtype=torch.float32, build=SM90_CU128
+    )
     assert any("bias dtype float32 with out_dtype float32" in v for v in fp32_bias), fp32_bias
     mixed_bias = scaled_mm_violations(
-        a, b, *_tensorwise_scales(), bias=torch.randn(N, dtype=torch.float16), out_dtype=torch.bfloat16, build=SM90_CU128
+        a,
+        b,
+        *_tensorwise_scales(),
+        bias=torch.randn(N, dtype=torch.float16),
+        out_dtype=torch.bfloat16,
+        build=SM90_CU128,
     )
     assert any("bias dtype float16 with out_dtype bfloat16" in v for v in mixed_bias), mixed_bias
     sa, sb = _rowwise_scales()
     strided_sb = torch.rand(N, 2)[:, :1].t()  # (1, N) with stride (1, 2)
     assert any("scale_b must be contiguous" in v for v in scaled_mm_violations(a, b, sa, strided_sb, build=SM90_CU128))
     assert any("scale_a dtype bfloat16" in v for v in scaled_mm_violations(a, b, sa.bfloat16(), sb, build=SM90_CU128))
-    assert any("no kernel for these scales" in v for v in scaled_mm_violations(a, b, torch.tensor(1.0), sb, build=SM90_CU128))
+    assert any(
+        "no kernel for these scales" in v for v in scaled_mm_violations(a, b, torch.tensor(1.0), sb, build=SM90_CU128)
+    )
 
 
 def test_wrapper_records_and_can_raise(cuda_rules):
@@ -153,7 +175,9 @@ def test_env_var_installs_the_check_at_import():
         "    print('refused')\n"
     )
     env = {**os.environ, G.RULES_CHECK_ENV: "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code], check=False, env=env, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0 and out.stdout.strip() == "refused", out.stderr[-2000:]
 
 
@@ -241,7 +265,9 @@ def test_postscale_matches_rowwise_kernel(out_dtype, scaled_mm_calls):
     w = torch.randn(N, K)
     bias = torch.randn(N, dtype=out_dtype)
     kernel = float8_mm(_f8(x, E4M3, "rowwise", FAST), _f8(w, E4M3, "rowwise", FAST).t(), bias=bias, out_dtype=out_dtype)
-    post = float8_mm(_f8(x, E4M3, "rowwise", PRECISE), _f8(w, E4M3, "rowwise", PRECISE).t(), bias=bias, out_dtype=out_dtype)
+    post = float8_mm(
+        _f8(x, E4M3, "rowwise", PRECISE), _f8(w, E4M3, "rowwise", PRECISE).t(), bias=bias, out_dtype=out_dtype
+    )
     assert [c["kind"] for c in scaled_mm_calls] == ["rowwise", "tensorwise"]
     # Equal up to one rounding of the output (bf16: 8 bits, ~48 dB; fp16: 11 bits, ~66 dB).
     assert_sqnr(kernel.float(), post.float(), 45.0 if out_dtype == torch.bfloat16 else 60.0, "post-scale vs kernel")
@@ -296,4 +322,3 @@ def test_rowwise_linear_fp32_model_is_legal_and_accurate(one_thread):
     assert_sqnr(x1.grad, x2.grad, MATMUL_MIN_DB, "grad_x")
     assert_sqnr(layer.weight.grad, f8.weight.grad, MATMUL_MIN_DB, "grad_w")
     assert f8.weight.grad.dtype == torch.float32
-
