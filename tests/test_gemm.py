@@ -322,3 +322,22 @@ def test_rowwise_linear_fp32_model_is_legal_and_accurate(one_thread):
     assert_sqnr(x1.grad, x2.grad, MATMUL_MIN_DB, "grad_x")
     assert_sqnr(layer.weight.grad, f8.weight.grad, MATMUL_MIN_DB, "grad_w")
     assert f8.weight.grad.dtype == torch.float32
+
+
+def test_compiled_products_are_checked(scaled_mm_calls, fresh_dynamo):
+    """Under torch.compile(fullgraph=True) the check sees the calls AOTAutograd traces (one
+    opaque op for dynamo: no graph break), and the rowwise fp32 model stays legal."""
+    import torch._dynamo.testing
+
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+
+    @torch.compile(backend=counter, fullgraph=True)
+    def fn(x, w):
+        return F.linear(x, Float8Tensor.from_hp(w, granularity="rowwise"))
+
+    x = torch.randn(16, K, requires_grad=True)
+    w = torch.randn(N, K, requires_grad=True)
+    fn(x, w).sum().backward()
+    assert counter.frame_count == 1
+    kinds = {(c["kind"], c["out_dtype"]) for c in scaled_mm_calls}
+    assert ("tensorwise", torch.float32) in kinds and ("rowwise", torch.float32) not in kinds, kinds
