@@ -156,6 +156,10 @@ class GemmConfig(NamedTuple):
     - ``use_fast_accum``: Hopper's faster, less precise FP8 accumulation (ignored on CPU).
     - ``pad_inner_dim``: zero-pad K and N up to multiples of 16 (what ``torch._scaled_mm``
       requires) instead of raising.
+    - ``emulate``: on CUDA, compute block-scaled products (1x128, 128x128, MX) with the
+      reference path (dequantize per block in fp32, fp32 matmul) instead of the
+      ``torch.nn.functional.scaled_mm`` kernels, e.g. on a GPU or build without them.
+      CPU always uses the reference path for block scales.
 
     An immutable NamedTuple rather than a dataclass: it is Float8Tensor metadata, and
     torch.compile reads and builds it on tensors created inside the graph, where dynamo
@@ -167,6 +171,7 @@ class GemmConfig(NamedTuple):
     out_dtype: torch.dtype | None = None
     use_fast_accum: bool = False
     pad_inner_dim: bool = False
+    emulate: bool = False
 
     def validated(self) -> GemmConfig:
         """Return ``self`` if every field is allowed, else raise saying what is."""
@@ -180,6 +185,7 @@ class GemmConfig(NamedTuple):
             raise ValueError(f"GemmConfig.out_dtype must be None or one of {allowed}; got {self.out_dtype!r}{hint}")
         _check_bool("GemmConfig", "use_fast_accum", self.use_fast_accum)
         _check_bool("GemmConfig", "pad_inner_dim", self.pad_inner_dim)
+        _check_bool("GemmConfig", "emulate", self.emulate)
         return self
 
 
@@ -204,25 +210,47 @@ class ScalingType(str, enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class CastConfig:
-    """How one operand (input, weight or grad_output) of a Float8Linear is cast."""
+    """How one operand (input, weight or grad_output) of a Float8Linear is cast.
+
+    ``granularity``: ``"tensorwise"``, ``"rowwise"`` or a :class:`BlockGranularity` (or a
+    block tuple). A block is written for the operand laid out as ``(rows, contracted)``:
+    ``(1, 128)`` tiles run along the dimension its GEMM contracts, so the same config is
+    re-oriented for each of the three GEMMs (e.g. along the tokens in the weight-gradient
+    GEMM). ``rounding``: ``"nearest"`` (round to nearest even, the default) or
+    ``"stochastic"`` (unbiased; draws from torch's global generator, so runs repeat under
+    ``torch.manual_seed``), in any recipe, typically for ``grad_output``.
+    """
 
     dtype: torch.dtype = torch.float8_e4m3fn
-    granularity: Granularity = Granularity.TENSORWISE
+    granularity: Granularity | BlockGranularity = Granularity.TENSORWISE
     scaling: ScalingType = ScalingType.DYNAMIC
     power_of_2_scale: bool = False
+    rounding: str = "nearest"
 
     def __post_init__(self) -> None:
         check_float8_dtype(self.dtype, "CastConfig.dtype")
         # Accept the strings users type; store the enums.
-        object.__setattr__(self, "granularity", Granularity.parse(self.granularity))
+        object.__setattr__(self, "granularity", parse_granularity(self.granularity))
         object.__setattr__(self, "scaling", ScalingType.parse(self.scaling))
         _check_bool("CastConfig", "power_of_2_scale", self.power_of_2_scale)
+        if self.rounding not in ROUNDING_MODES:
+            raise ValueError(f"CastConfig.rounding must be one of {ROUNDING_MODES}; got {self.rounding!r}")
         if self.scaling is ScalingType.DELAYED and self.granularity is not Granularity.TENSORWISE:
             raise ValueError("delayed scaling keeps one amax history per tensor: it needs granularity='tensorwise'")
+        if isinstance(self.granularity, BlockGranularity) and len(self.granularity.block) != 2:
+            raise ValueError(f"a Float8Linear operand's block has 2 entries (rows, contracted); got {self.granularity.block}")
 
     @property
     def rowwise(self) -> bool:
         return self.granularity is Granularity.ROWWISE
+
+    @property
+    def tensorwise(self) -> bool:
+        return self.granularity is Granularity.TENSORWISE
+
+    @property
+    def blockwise(self) -> bool:
+        return isinstance(self.granularity, BlockGranularity)
 
     @property
     def delayed(self) -> bool:
@@ -266,6 +294,7 @@ class Float8LinearConfig:
     - ``enable_fsdp_float8_all_gather``: under FSDP2, all-gather weights in FP8
       (tensorwise weight casts only).
     - ``collect_stats``: record saturation/underflow telemetry per cast (see ``stats.py``).
+    - ``emulate``: on CUDA, run block-scaled GEMMs on the reference path (see :class:`GemmConfig`).
     """
 
     input: CastConfig = CastConfig(_E4M3)
@@ -277,6 +306,7 @@ class Float8LinearConfig:
     use_fast_accum: bool = True
     enable_fsdp_float8_all_gather: bool = False
     collect_stats: bool = False
+    emulate: bool = False
 
     def __post_init__(self) -> None:
         for name in ("input", "weight", "grad_output"):
@@ -284,7 +314,7 @@ class Float8LinearConfig:
                 raise TypeError(f"Float8LinearConfig.{name} must be a CastConfig; got {getattr(self, name)!r}")
         if not isinstance(self.delayed, DelayedScalingConfig):
             raise TypeError(f"Float8LinearConfig.delayed must be a DelayedScalingConfig; got {self.delayed!r}")
-        for name in ("weight_grad_in_hp", "pad_inner_dim", "use_fast_accum", "enable_fsdp_float8_all_gather", "collect_stats"):
+        for name in ("weight_grad_in_hp", "pad_inner_dim", "use_fast_accum", "enable_fsdp_float8_all_gather", "collect_stats", "emulate"):
             _check_bool("Float8LinearConfig", name, getattr(self, name))
         # cuBLASLt multiplies no two e5m2 operands; name the GEMM that would hit it.
         gemms = [("forward (input x weight)", self.input, self.weight), ("grad_input (grad_output x weight)", self.grad_output, self.weight)]
@@ -293,7 +323,7 @@ class Float8LinearConfig:
         for gemm, a, b in gemms:
             if _is_e5m2(a.dtype) and _is_e5m2(b.dtype):
                 raise ValueError(f"the {gemm} GEMM would multiply two e5m2 tensors, which torch._scaled_mm refuses; use e4m3 for one of them")
-        if self.enable_fsdp_float8_all_gather and (self.weight.rowwise or self.weight.delayed):
+        if self.enable_fsdp_float8_all_gather and (not self.weight.tensorwise or self.weight.delayed):
             raise ValueError("enable_fsdp_float8_all_gather needs dynamic tensorwise weight scaling (recipe 'tensorwise')")
 
     @property
@@ -302,7 +332,10 @@ class Float8LinearConfig:
 
     @classmethod
     def from_recipe(cls, name: str, **overrides: object) -> Float8LinearConfig:
-        """A named recipe: ``"tensorwise"``, ``"rowwise"``, ``"rowwise_with_gw_hp"`` or ``"delayed"``.
+        """A named recipe: ``"tensorwise"``, ``"rowwise"``, ``"rowwise_with_gw_hp"``, ``"delayed"``,
+        ``"blockwise"`` (DeepSeek-V3: 1x128 input and grad_output, 128x128 weight, e4m3, fp32
+        scales) or ``"mxfp8"`` (every operand 1x32 along its GEMM's contracted dim, e4m3,
+        e8m0 scales with the RCEIL exponent).
 
         Keyword overrides replace top-level fields (e.g. ``pad_inner_dim=True``).
         """
@@ -320,6 +353,8 @@ def _is_e5m2(dtype: torch.dtype) -> bool:
 
 
 _ROWWISE = CastConfig(_E4M3, Granularity.ROWWISE)
+_TILE_1x128 = CastConfig(_E4M3, BLOCK_1x128)
+_MX = CastConfig(_E4M3, MX_1x32)
 _DELAYED_E4M3 = CastConfig(_E4M3, scaling=ScalingType.DELAYED)
 
 RECIPES: dict[str, Float8LinearConfig] = {
@@ -335,4 +370,10 @@ RECIPES: dict[str, Float8LinearConfig] = {
         weight=_DELAYED_E4M3,
         grad_output=CastConfig(_E5M2, scaling=ScalingType.DELAYED),
     ),
+    # DeepSeek-V3 (arXiv 2412.19437, section 3.3): e4m3 everywhere; activations and gradients
+    # per 1x128 tile, weights per 128x128 block. The weight-gradient GEMM contracts over the
+    # tokens, so its operands are tiled 128 tokens long (the config is re-oriented per GEMM).
+    "blockwise": Float8LinearConfig(input=_TILE_1x128, weight=CastConfig(_E4M3, BLOCK_128x128), grad_output=_TILE_1x128),
+    # MXFP8 (OCP MX v1.0): e4m3 data, one e8m0 scale per 32 elements along each GEMM's K.
+    "mxfp8": Float8LinearConfig(input=_MX, weight=_MX, grad_output=_MX),
 }
