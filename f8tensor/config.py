@@ -97,6 +97,12 @@ class BlockGranularity(NamedTuple):
             raise ValueError(f"BlockGranularity.scale_mode must be one of {E8M0_SCALE_MODES}; got {self.scale_mode!r}")
         return self
 
+    @property
+    def value(self) -> str:
+        """A short name, as ``Granularity.value`` is for the others: ``"1x128"``, ``"1x32 e8m0 rceil"``."""
+        name = "x".join(str(b) for b in self.block)
+        return f"{name} e8m0 {self.scale_mode}" if self.scale_dtype == E8M0 else name
+
     def full_block(self, ndim: int) -> tuple[int, ...]:
         """The per-dim block for a tensor with ``ndim`` dims (leading dims padded with 1)."""
         if ndim < len(self.block):
