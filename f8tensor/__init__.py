@@ -9,23 +9,23 @@ import torch
 from f8tensor import gemm as _gemm
 from f8tensor import ops as _ops  # noqa: F401  (fills Float8Tensor's op table)
 from f8tensor.config import (
+    RECIPES,
     BLOCK_1x128,
     BLOCK_128x128,
-    MX_1x32,
-    MX_1x32_FLOOR,
-    RECIPES,
     BlockGranularity,
     CastConfig,
     DelayedScalingConfig,
     Float8LinearConfig,
     GemmConfig,
     Granularity,
+    MX_1x32,
+    MX_1x32_FLOOR,
     ScalingType,
 )
 from f8tensor.formats import FLOAT8_DTYPES, FORMATS, Float8Format, float8_max, saturation_bound
 from f8tensor.fsdp import Float8AllGatherWeight, precompute_float8_scales_for_fsdp
-from f8tensor.linear import Float8Linear, convert_to_float8_training
 from f8tensor.gemm import float8_mm
+from f8tensor.linear import Float8Linear, convert_to_float8_training
 from f8tensor.stats import (
     STATS_FIELDS,
     Float8SaturationWarning,
@@ -39,14 +39,12 @@ from f8tensor.tensor import Float8Tensor
 __version__ = "0.1.0"
 
 __all__ = [
-    "BLOCK_128x128",
-    "BLOCK_1x128",
     "FLOAT8_DTYPES",
     "FORMATS",
-    "MX_1x32",
-    "MX_1x32_FLOOR",
     "RECIPES",
     "STATS_FIELDS",
+    "BLOCK_1x128",
+    "BLOCK_128x128",
     "BlockGranularity",
     "CastConfig",
     "DelayedScalingConfig",
@@ -58,6 +56,8 @@ __all__ = [
     "Float8Tensor",
     "GemmConfig",
     "Granularity",
+    "MX_1x32",
+    "MX_1x32_FLOOR",
     "ScalingType",
     "convert_to_float8_training",
     "enable_float8_stats",

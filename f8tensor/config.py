@@ -17,17 +17,17 @@ import torch
 from f8tensor.formats import E8M0, FLOAT8_DTYPES, HP_DTYPES, SCALE_DTYPES, check_float8_dtype
 
 __all__ = [
-    "BLOCK_128x128",
-    "BLOCK_1x128",
-    "MX_1x32",
-    "MX_1x32_FLOOR",
     "RECIPES",
+    "BLOCK_1x128",
+    "BLOCK_128x128",
     "BlockGranularity",
     "CastConfig",
     "DelayedScalingConfig",
     "Float8LinearConfig",
     "GemmConfig",
     "Granularity",
+    "MX_1x32",
+    "MX_1x32_FLOOR",
     "ScalingType",
 ]
 
@@ -128,7 +128,7 @@ def parse_granularity(value: object) -> Granularity | BlockGranularity:
     if isinstance(value, tuple):
         return BlockGranularity(tuple(value)).validated()
     if isinstance(value, list):
-        raise ValueError(f"a block shape is a tuple, not a list; got {value!r}")
+        raise TypeError(f"a block shape is a tuple, not a list; got {value!r}")
     return Granularity.parse(value)
 
 

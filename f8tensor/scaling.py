@@ -32,11 +32,11 @@ __all__ = [
     "amax_to_e8m0_scale",
     "amax_to_scale",
     "block_amax",
-    "expand_block_scale",
-    "stochastic_round",
     "delayed_scale",
     "dynamic_scale",
+    "expand_block_scale",
     "push_amax",
+    "stochastic_round",
     "tensor_amax",
 ]
 

@@ -28,7 +28,6 @@ from f8tensor.scaling import (
     amax_to_e8m0_scale,
     amax_to_scale,
     block_amax,
-    dynamic_scale,
     expand_block_scale,
     stochastic_round,
     tensor_amax,

@@ -18,7 +18,7 @@ import math
 import pytest
 import torch
 
-from f8tensor import BLOCK_1x128, BLOCK_128x128, MX_1x32, MX_1x32_FLOOR, Float8Tensor, sqnr
+from f8tensor import BLOCK_1x128, BLOCK_128x128, Float8Tensor, MX_1x32, MX_1x32_FLOOR, sqnr
 from tests.helpers import assert_consistent, assert_sqnr
 
 E4M3 = torch.float8_e4m3fn

@@ -16,19 +16,20 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from linear_utils import RECIPE_NAMES, fp8_copy
 
 from f8tensor import (
     BLOCK_1x128,
-    MX_1x32,
     Float8Linear,
     Float8LinearConfig,
     Float8Tensor,
+    MX_1x32,
     convert_to_float8_training,
     float8_stats,
     sqnr,
 )
 from tests.helpers import assert_bitwise_equal_f8
+
+from linear_utils import RECIPE_NAMES, fp8_copy
 
 E4M3 = torch.float8_e4m3fn
 

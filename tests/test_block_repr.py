@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from f8tensor import BLOCK_1x128, BLOCK_128x128, MX_1x32, BlockGranularity, Float8Tensor, Granularity
+from f8tensor import BLOCK_1x128, BLOCK_128x128, BlockGranularity, Float8Tensor, Granularity, MX_1x32
 from tests.helpers import assert_bitwise_equal_f8, assert_consistent
 
 E8M0 = torch.float8_e8m0fnu
@@ -72,14 +72,13 @@ def test_block_tensor_has_no_axiswise_dim():
     assert x8.granularity == BlockGranularity((1, 128))
     assert x8.is_blockwise
     with pytest.raises(ValueError, match=r"block-scaled Float8Tensor \(block \(1, 128\)\) has no axiswise_dim"):
-        x8.axiswise_dim
+        _ = x8.axiswise_dim
 
 
 @pytest.mark.parametrize(
     "bad, message",
     [
         ((1, -2), r"non-empty tuple of ints >= 0"),
-        ([1, 128], r"a block shape is a tuple, not a list"),
         ((1, 2, 3), r"block \(1, 2, 3\) needs a tensor with at least 3 dims"),
         (BlockGranularity((1, 32), torch.float16), r"scale_dtype must be one of"),
         (BlockGranularity((1, 32), E8M0, "round"), r"scale_mode must be one of \('rceil', 'floor'\)"),
@@ -88,6 +87,11 @@ def test_block_tensor_has_no_axiswise_dim():
 def test_bad_block_spelling_raises(bad, message):
     with pytest.raises(ValueError, match=message):
         Float8Tensor.from_hp(_hp((4, 64)), granularity=bad)
+
+
+def test_block_as_list_raises():
+    with pytest.raises(TypeError, match=r"a block shape is a tuple, not a list"):
+        Float8Tensor.from_hp(_hp((4, 64)), granularity=[1, 128])
 
 
 def test_given_block_scale_shape_checked():

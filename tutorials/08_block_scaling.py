@@ -29,10 +29,10 @@ from torch import nn
 
 from f8tensor import (
     BLOCK_1x128,
-    MX_1x32,
-    MX_1x32_FLOOR,
     Float8LinearConfig,
     Float8Tensor,
+    MX_1x32,
+    MX_1x32_FLOOR,
     convert_to_float8_training,
     saturation_bound,
     sqnr,
