@@ -200,3 +200,16 @@ def test_tiny_transformer_trains_within_2_percent_of_bf16(recipe, tiny_gpt_and_t
     loss = train(fp8)
     assert twin < math.log(256) - 1.0, f"the bf16 twin did not learn ({twin:.3f})"
     assert abs(loss - twin) <= PARITY_REL_TOL * twin, f"{recipe}: {loss:.4f} vs bf16 {twin:.4f}"
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "mxfp8"])
+def test_stochastic_grad_output_compiles_fullgraph(recipe):
+    import torch._dynamo.testing
+
+    layer = Float8Linear.from_float(torch.nn.Linear(128, 64), _sr_grad_output(recipe))
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(layer, backend=counter, fullgraph=True)
+    x = torch.randn(32, 128, requires_grad=True)
+    compiled(x).sum().backward()
+    assert counter.frame_count == 1
+    assert torch.isfinite(x.grad).all() and torch.isfinite(layer.weight.grad).all()
