@@ -50,6 +50,7 @@ __all__ = [
     "Route",
     "ScaledMMRule",
     "block_rule_for",
+    "block_scaled_mm_violations",
     "choose_route",
     "float8_mm",
     "install_rules_check",
@@ -504,7 +505,13 @@ def _checked_functional_scaled_mm(mat_a, mat_b, scale_a, scale_recipe_a, scale_b
     the recipes the table has rows for; any other recipe is reported until a row covers it."""
     recipes = {str(getattr(r, "name", r)).lower() for r in (scale_recipe_a, scale_recipe_b)}
     single = not isinstance(scale_a, (list, tuple)) and not isinstance(scale_b, (list, tuple))
-    if single and len(recipes) == 1 and recipes <= {"tensorwise", "rowwise"}:
+    block_rule = _block_rule_by_recipes(scale_recipe_a, scale_recipe_b) if single else None
+    if block_rule is not None:
+        # Block-scaled kernels exist on some builds only; the route refuses the others up
+        # front (_block_kernel_mm), so a call is checked against its own row's layouts.
+        problems = block_scaled_mm_violations(mat_a, mat_b, scale_a, scale_b, block_rule)
+        summary = {"kind": block_rule.name, "mat1": mat_a.dtype, "mat2": mat_b.dtype}
+    elif single and len(recipes) == 1 and recipes <= {"tensorwise", "rowwise"}:
         bias = kwargs.get("bias", args[2] if len(args) > 2 else None)
         out_dtype = kwargs.get("output_dtype", args[3] if len(args) > 3 else torch.bfloat16)
         fast = kwargs.get("use_fast_accum", args[5] if len(args) > 5 else False)
@@ -1127,4 +1134,52 @@ def _block_kernel_mm(a8: Float8Tensor, b8: Float8Tensor, bias, out_dtype: torch.
     )
     if bias is not None:
         out = out + bias.to(out_dtype)
+    return out
+
+
+def _block_rule_by_recipes(recipe_a: Any, recipe_b: Any) -> BlockScaledMMRule | None:
+    names = tuple(str(getattr(r, "name", r)) for r in (recipe_a, recipe_b))
+    for rule in BLOCK_SCALED_MM_RULES:
+        if (rule.recipe_a, rule.recipe_b) == names:
+            return rule
+    return None
+
+
+def block_scaled_mm_violations(
+    mat_a: torch.Tensor, mat_b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, rule: BlockScaledMMRule
+) -> list[str]:
+    """What ``rule``'s kernel would refuse in this ``torch.nn.functional.scaled_mm`` call:
+    operand dtypes and layouts, scale dtypes, and the scale sizes of its row."""
+    out = []
+    where = f"block-scaled {rule.name}"
+    for label, t in (("mat_a", mat_a), ("mat_b", mat_b)):
+        if t.dtype not in rule.operand_dtypes:
+            out.append(f"{where}: {label} dtype {_name(t.dtype)} not in {{{_names(rule.operand_dtypes)}}}")
+    for label, t in (("scale_a", scale_a), ("scale_b", scale_b)):
+        if t.dtype != rule.scale_dtype:
+            out.append(f"{where}: {label} dtype {_name(t.dtype)}, needs {_name(rule.scale_dtype)}")
+    if not _is_row_major(mat_a):
+        out.append(f"{where}: mat_a must be row-major; got stride {mat_a.stride()}")
+    if not _is_col_major(mat_b):
+        out.append(f"{where}: mat_b must be column-major; got stride {mat_b.stride()}")
+    m, k = mat_a.shape
+    n = mat_b.shape[1]
+    if rule.recipe_a == "BlockWise1x32":
+        want = (_round_up(m, 128) * _round_up(-(-k // 32), 4), _round_up(n, 128) * _round_up(-(-k // 32), 4))
+        got = (scale_a.numel(), scale_b.numel())
+        if got != want:
+            out.append(f"{where}: scale element counts {got}, needs {want}")
+        return out
+    kb = -(-k // 128)
+    shapes = {
+        (1, 128): ((m, kb), (1, m)),
+        (128, 128): ((_round_up(kb, 4), -(-m // 128)), (1, _round_up(kb, 4))),
+    }
+    want_a = shapes[rule.block_a]
+    want_b = ((n, kb), (1, n)) if rule.block_b == (128, 1) else ((_round_up(kb, 4), -(-n // 128)), (1, _round_up(kb, 4)))
+    for label, t, (shape, stride) in (("scale_a", scale_a, want_a), ("scale_b", scale_b, want_b)):
+        if tuple(t.shape) != shape:
+            out.append(f"{where}: {label} shape {tuple(t.shape)}, needs {shape}")
+        elif t.stride(0) != 1 or (shape[1] > 1 and t.stride(1) != stride[1]):
+            out.append(f"{where}: {label} strides {t.stride()}, needs {stride}")
     return out

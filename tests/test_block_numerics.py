@@ -319,3 +319,45 @@ def test_eager_equals_compiled_bitwise():
         assert torch.equal(c._scale.view(torch.uint8), e._scale.view(torch.uint8))
         assert c._block == e._block
     assert counter.frame_count == 1
+
+
+# ----------------------------------------------------------------------------- CUDA kernel layouts (checked on CPU)
+
+
+@pytest.mark.parametrize(
+    ("ga", "gb_on_b", "m", "k", "n"),
+    [
+        (BLOCK_1x128, (128, 128), 200, 300, 260),  # forward / grad_input: 1x128 x 128x128
+        ((1, 128), (128, 1), 64, 300, 96),  # weight gradient: both tiled 128 tokens long
+        (MX_1x32, (32, 1), 200, 300, 260),  # MXFP8
+    ],
+    ids=["1x128_x_128x128", "1x128_x_1x128", "mx"],
+)
+def test_kernel_scale_layouts_obey_the_rules_rows(ga, gb_on_b, m, k, n):
+    from f8tensor import BlockGranularity, gemm
+
+    a8 = Float8Tensor.from_hp(torch.randn(m, k), granularity=ga)
+    scale_dtype = a8._scale.dtype
+    b8 = Float8Tensor.from_hp(torch.randn(k, n), granularity=BlockGranularity(gb_on_b, scale_dtype))
+    rule = gemm.block_rule_for(a8._block, b8._block, scale_dtype)
+    assert rule is not None
+    sa, sb = gemm._block_kernel_scales(rule, a8, b8)
+    b_data = b8._data.t().contiguous().t()
+    assert gemm.block_scaled_mm_violations(a8._data, b_data, sa, sb, rule) == []
+    # And the checker does catch a wrong layout: a row-major 1x128 scale_a.
+    if rule.recipe_a == "BlockWise1x128":
+        assert gemm.block_scaled_mm_violations(a8._data, b_data, sa.contiguous(), sb, rule)
+
+
+def test_mx_swizzle_places_each_scale_where_cublas_reads_it():
+    from f8tensor.gemm import _swizzle_32_4_4
+
+    rows, cols = 200, 10
+    codes = torch.randint(0, 255, (rows, cols), dtype=torch.uint8)
+    flat = _swizzle_32_4_4(codes.view(torch.float8_e8m0fnu)).view(torch.uint8)
+    col_tiles = -(-cols // 4)
+    assert flat.numel() == 256 * 12
+    for r, c in [(0, 0), (31, 3), (32, 0), (127, 9), (128, 4), (199, 9), (77, 5)]:
+        tile = (r // 128) * col_tiles + c // 4
+        offset = tile * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4
+        assert flat[offset] == codes[r, c], (r, c)
