@@ -10,11 +10,16 @@ from f8tensor import gemm as _gemm
 from f8tensor import ops as _ops  # noqa: F401  (fills Float8Tensor's op table)
 from f8tensor.config import (
     RECIPES,
+    BLOCK_1x128,
+    BLOCK_128x128,
+    BlockGranularity,
     CastConfig,
     DelayedScalingConfig,
     Float8LinearConfig,
     GemmConfig,
     Granularity,
+    MX_1x32,
+    MX_1x32_FLOOR,
     ScalingType,
 )
 from f8tensor.formats import FLOAT8_DTYPES, FORMATS, Float8Format, float8_max, saturation_bound
@@ -38,6 +43,9 @@ __all__ = [
     "FORMATS",
     "RECIPES",
     "STATS_FIELDS",
+    "BLOCK_1x128",
+    "BLOCK_128x128",
+    "BlockGranularity",
     "CastConfig",
     "DelayedScalingConfig",
     "Float8AllGatherWeight",
@@ -48,6 +56,8 @@ __all__ = [
     "Float8Tensor",
     "GemmConfig",
     "Granularity",
+    "MX_1x32",
+    "MX_1x32_FLOOR",
     "ScalingType",
     "convert_to_float8_training",
     "enable_float8_stats",

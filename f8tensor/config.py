@@ -14,15 +14,20 @@ from typing import NamedTuple
 
 import torch
 
-from f8tensor.formats import FLOAT8_DTYPES, HP_DTYPES, check_float8_dtype
+from f8tensor.formats import E8M0, FLOAT8_DTYPES, HP_DTYPES, SCALE_DTYPES, check_float8_dtype
 
 __all__ = [
     "RECIPES",
+    "BLOCK_1x128",
+    "BLOCK_128x128",
+    "BlockGranularity",
     "CastConfig",
     "DelayedScalingConfig",
     "Float8LinearConfig",
     "GemmConfig",
     "Granularity",
+    "MX_1x32",
+    "MX_1x32_FLOOR",
     "ScalingType",
 ]
 
@@ -55,6 +60,93 @@ class Granularity(str, enum.Enum):
         return _parse_enum(cls, value, "granularity")
 
 
+E8M0_SCALE_MODES = ("rceil", "floor")
+ROUNDING_MODES = ("nearest", "stochastic")
+
+
+class BlockGranularity(NamedTuple):
+    """A block-scaled granularity: which elements share one scale, and the scale's dtype.
+
+    - ``block``: one entry per trailing dim of the tensor it is applied to; a tensor with
+      more dims gets 1 on the leading ones (``(1, 128)`` on a ``(B, S, K)`` activation is
+      ``(1, 1, 128)``: every row of every batch entry has its own tiles). An entry
+      ``b > 0``: ``b`` consecutive elements along that dim share a scale (partial edge
+      blocks allowed: ``ceil(size / b)`` scales); ``0``: the whole dim shares one.
+    - ``scale_dtype``: ``torch.float32`` or ``torch.float8_e8m0fnu`` (MX: power-of-two scales).
+    - ``scale_mode``: for e8m0 only, how the shared exponent is chosen: ``"rceil"`` (default:
+      the smallest power of two that keeps the block's amax in range, never saturates) or
+      ``"floor"`` (OCP MX spec v1.0: ``floor(log2(amax)) - emax_elem``; can saturate the top
+      of a block by up to 2x).
+
+    Public spellings: :data:`BLOCK_1x128`, :data:`BLOCK_128x128`, :data:`MX_1x32`,
+    :data:`MX_1x32_FLOOR`, or a plain tuple such as ``(1, 128)`` (fp32 scales).
+    A NamedTuple, not a dataclass, for the reason given at :class:`GemmConfig`.
+    """
+
+    block: tuple[int, ...]
+    scale_dtype: torch.dtype = torch.float32
+    scale_mode: str = "rceil"
+
+    def validated(self) -> BlockGranularity:
+        block = self.block
+        if not isinstance(block, tuple) or not block or any(isinstance(b, bool) or not isinstance(b, int) or b < 0 for b in block):
+            raise ValueError(f"a block shape is a non-empty tuple of ints >= 0 (0: the whole dim); got {block!r}")
+        if self.scale_dtype not in SCALE_DTYPES:
+            raise ValueError(f"BlockGranularity.scale_dtype must be one of {SCALE_DTYPES}; got {self.scale_dtype!r}")
+        if self.scale_mode not in E8M0_SCALE_MODES:
+            raise ValueError(f"BlockGranularity.scale_mode must be one of {E8M0_SCALE_MODES}; got {self.scale_mode!r}")
+        return self
+
+    @property
+    def value(self) -> str:
+        """A short name, as ``Granularity.value`` is for the others: ``"1x128"``, ``"1x32 e8m0 rceil"``."""
+        name = "x".join(str(b) for b in self.block)
+        return f"{name} e8m0 {self.scale_mode}" if self.scale_dtype == E8M0 else name
+
+    def full_block(self, ndim: int) -> tuple[int, ...]:
+        """The per-dim block for a tensor with ``ndim`` dims (leading dims padded with 1)."""
+        if ndim < len(self.block):
+            raise ValueError(f"block {self.block} needs a tensor with at least {len(self.block)} dims; got {ndim}")
+        return (1,) * (ndim - len(self.block)) + self.block
+
+
+#: DeepSeek-V3 activation/gradient tiles: one fp32 scale per 128 consecutive elements of a row.
+BLOCK_1x128 = BlockGranularity((1, 128))
+#: DeepSeek-V3 weight blocks: one fp32 scale per 128x128 block.
+BLOCK_128x128 = BlockGranularity((128, 128))
+#: MXFP8: one e8m0 (power-of-two) scale per 32 consecutive elements of a row, RCEIL exponent.
+MX_1x32 = BlockGranularity((1, 32), E8M0, "rceil")
+#: MXFP8 with the OCP spec's floor rule for the shared exponent.
+MX_1x32_FLOOR = BlockGranularity((1, 32), E8M0, "floor")
+
+
+def parse_granularity(value: object) -> Granularity | BlockGranularity:
+    """``"tensorwise"``, ``"rowwise"``, a :class:`Granularity`, a :class:`BlockGranularity`
+    or a block tuple such as ``(1, 128)`` -> the canonical object."""
+    if isinstance(value, BlockGranularity):
+        return value.validated()
+    if isinstance(value, tuple):
+        return BlockGranularity(tuple(value)).validated()
+    if isinstance(value, list):
+        raise TypeError(f"a block shape is a tuple, not a list; got {value!r}")
+    return Granularity.parse(value)
+
+
+def block_scale_shape(shape: tuple[int, ...], block: tuple[int, ...]) -> tuple[int, ...]:
+    """The scale's shape for data of ``shape`` and a per-dim ``block``: 1 where the block
+    is 0 (the whole dim), ``ceil(size / b)`` elsewhere."""
+    return tuple(1 if b == 0 else -(-s // b) for s, b in zip(shape, block))
+
+
+def axiswise_block(axiswise_dim: int | None, ndim: int) -> tuple[int, ...]:
+    """The block of the old spellings: tensorwise (``None``) -> all 0; axiswise ``d`` -> 0 at
+    ``d`` (the amax runs along it), 1 elsewhere (one scale per index)."""
+    if axiswise_dim is None:
+        return (0,) * ndim
+    d = axiswise_dim % ndim
+    return tuple(0 if i == d else 1 for i in range(ndim))
+
+
 def _check_bool(owner: str, name: str, value: object) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"{owner}.{name} must be a bool; got {value!r}")
@@ -70,6 +162,10 @@ class GemmConfig(NamedTuple):
     - ``use_fast_accum``: Hopper's faster, less precise FP8 accumulation (ignored on CPU).
     - ``pad_inner_dim``: zero-pad K and N up to multiples of 16 (what ``torch._scaled_mm``
       requires) instead of raising.
+    - ``emulate``: on CUDA, compute block-scaled products (1x128, 128x128, MX) with the
+      reference path (dequantize per block in fp32, fp32 matmul) instead of the
+      ``torch.nn.functional.scaled_mm`` kernels, e.g. on a GPU or build without them.
+      CPU always uses the reference path for block scales.
 
     An immutable NamedTuple rather than a dataclass: it is Float8Tensor metadata, and
     torch.compile reads and builds it on tensors created inside the graph, where dynamo
@@ -81,6 +177,7 @@ class GemmConfig(NamedTuple):
     out_dtype: torch.dtype | None = None
     use_fast_accum: bool = False
     pad_inner_dim: bool = False
+    emulate: bool = False
 
     def validated(self) -> GemmConfig:
         """Return ``self`` if every field is allowed, else raise saying what is."""
@@ -94,6 +191,7 @@ class GemmConfig(NamedTuple):
             raise ValueError(f"GemmConfig.out_dtype must be None or one of {allowed}; got {self.out_dtype!r}{hint}")
         _check_bool("GemmConfig", "use_fast_accum", self.use_fast_accum)
         _check_bool("GemmConfig", "pad_inner_dim", self.pad_inner_dim)
+        _check_bool("GemmConfig", "emulate", self.emulate)
         return self
 
 
@@ -118,25 +216,47 @@ class ScalingType(str, enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class CastConfig:
-    """How one operand (input, weight or grad_output) of a Float8Linear is cast."""
+    """How one operand (input, weight or grad_output) of a Float8Linear is cast.
+
+    ``granularity``: ``"tensorwise"``, ``"rowwise"`` or a :class:`BlockGranularity` (or a
+    block tuple). A block is written for the operand laid out as ``(rows, contracted)``:
+    ``(1, 128)`` tiles run along the dimension its GEMM contracts, so the same config is
+    re-oriented for each of the three GEMMs (e.g. along the tokens in the weight-gradient
+    GEMM). ``rounding``: ``"nearest"`` (round to nearest even, the default) or
+    ``"stochastic"`` (unbiased; draws from torch's global generator, so runs repeat under
+    ``torch.manual_seed``), in any recipe, typically for ``grad_output``.
+    """
 
     dtype: torch.dtype = torch.float8_e4m3fn
-    granularity: Granularity = Granularity.TENSORWISE
+    granularity: Granularity | BlockGranularity = Granularity.TENSORWISE
     scaling: ScalingType = ScalingType.DYNAMIC
     power_of_2_scale: bool = False
+    rounding: str = "nearest"
 
     def __post_init__(self) -> None:
         check_float8_dtype(self.dtype, "CastConfig.dtype")
         # Accept the strings users type; store the enums.
-        object.__setattr__(self, "granularity", Granularity.parse(self.granularity))
+        object.__setattr__(self, "granularity", parse_granularity(self.granularity))
         object.__setattr__(self, "scaling", ScalingType.parse(self.scaling))
         _check_bool("CastConfig", "power_of_2_scale", self.power_of_2_scale)
+        if self.rounding not in ROUNDING_MODES:
+            raise ValueError(f"CastConfig.rounding must be one of {ROUNDING_MODES}; got {self.rounding!r}")
         if self.scaling is ScalingType.DELAYED and self.granularity is not Granularity.TENSORWISE:
             raise ValueError("delayed scaling keeps one amax history per tensor: it needs granularity='tensorwise'")
+        if isinstance(self.granularity, BlockGranularity) and len(self.granularity.block) != 2:
+            raise ValueError(f"a Float8Linear operand's block has 2 entries (rows, contracted); got {self.granularity.block}")
 
     @property
     def rowwise(self) -> bool:
         return self.granularity is Granularity.ROWWISE
+
+    @property
+    def tensorwise(self) -> bool:
+        return self.granularity is Granularity.TENSORWISE
+
+    @property
+    def blockwise(self) -> bool:
+        return isinstance(self.granularity, BlockGranularity)
 
     @property
     def delayed(self) -> bool:
@@ -180,6 +300,7 @@ class Float8LinearConfig:
     - ``enable_fsdp_float8_all_gather``: under FSDP2, all-gather weights in FP8
       (tensorwise weight casts only).
     - ``collect_stats``: record saturation/underflow telemetry per cast (see ``stats.py``).
+    - ``emulate``: on CUDA, run block-scaled GEMMs on the reference path (see :class:`GemmConfig`).
     """
 
     input: CastConfig = CastConfig(_E4M3)
@@ -191,6 +312,7 @@ class Float8LinearConfig:
     use_fast_accum: bool = True
     enable_fsdp_float8_all_gather: bool = False
     collect_stats: bool = False
+    emulate: bool = False
 
     def __post_init__(self) -> None:
         for name in ("input", "weight", "grad_output"):
@@ -198,7 +320,7 @@ class Float8LinearConfig:
                 raise TypeError(f"Float8LinearConfig.{name} must be a CastConfig; got {getattr(self, name)!r}")
         if not isinstance(self.delayed, DelayedScalingConfig):
             raise TypeError(f"Float8LinearConfig.delayed must be a DelayedScalingConfig; got {self.delayed!r}")
-        for name in ("weight_grad_in_hp", "pad_inner_dim", "use_fast_accum", "enable_fsdp_float8_all_gather", "collect_stats"):
+        for name in ("weight_grad_in_hp", "pad_inner_dim", "use_fast_accum", "enable_fsdp_float8_all_gather", "collect_stats", "emulate"):
             _check_bool("Float8LinearConfig", name, getattr(self, name))
         # cuBLASLt multiplies no two e5m2 operands; name the GEMM that would hit it.
         gemms = [("forward (input x weight)", self.input, self.weight), ("grad_input (grad_output x weight)", self.grad_output, self.weight)]
@@ -207,7 +329,7 @@ class Float8LinearConfig:
         for gemm, a, b in gemms:
             if _is_e5m2(a.dtype) and _is_e5m2(b.dtype):
                 raise ValueError(f"the {gemm} GEMM would multiply two e5m2 tensors, which torch._scaled_mm refuses; use e4m3 for one of them")
-        if self.enable_fsdp_float8_all_gather and (self.weight.rowwise or self.weight.delayed):
+        if self.enable_fsdp_float8_all_gather and (not self.weight.tensorwise or self.weight.delayed):
             raise ValueError("enable_fsdp_float8_all_gather needs dynamic tensorwise weight scaling (recipe 'tensorwise')")
 
     @property
@@ -216,7 +338,10 @@ class Float8LinearConfig:
 
     @classmethod
     def from_recipe(cls, name: str, **overrides: object) -> Float8LinearConfig:
-        """A named recipe: ``"tensorwise"``, ``"rowwise"``, ``"rowwise_with_gw_hp"`` or ``"delayed"``.
+        """A named recipe: ``"tensorwise"``, ``"rowwise"``, ``"rowwise_with_gw_hp"``, ``"delayed"``,
+        ``"blockwise"`` (DeepSeek-V3: 1x128 input and grad_output, 128x128 weight, e4m3, fp32
+        scales) or ``"mxfp8"`` (every operand 1x32 along its GEMM's contracted dim, e4m3,
+        e8m0 scales with the RCEIL exponent).
 
         Keyword overrides replace top-level fields (e.g. ``pad_inner_dim=True``).
         """
@@ -234,6 +359,8 @@ def _is_e5m2(dtype: torch.dtype) -> bool:
 
 
 _ROWWISE = CastConfig(_E4M3, Granularity.ROWWISE)
+_TILE_1x128 = CastConfig(_E4M3, BLOCK_1x128)
+_MX = CastConfig(_E4M3, MX_1x32)
 _DELAYED_E4M3 = CastConfig(_E4M3, scaling=ScalingType.DELAYED)
 
 RECIPES: dict[str, Float8LinearConfig] = {
@@ -249,4 +376,10 @@ RECIPES: dict[str, Float8LinearConfig] = {
         weight=_DELAYED_E4M3,
         grad_output=CastConfig(_E5M2, scaling=ScalingType.DELAYED),
     ),
+    # DeepSeek-V3 (arXiv 2412.19437, section 3.3): e4m3 everywhere; activations and gradients
+    # per 1x128 tile, weights per 128x128 block. The weight-gradient GEMM contracts over the
+    # tokens, so its operands are tiled 128 tokens long (the config is re-oriented per GEMM).
+    "blockwise": Float8LinearConfig(input=_TILE_1x128, weight=CastConfig(_E4M3, BLOCK_128x128), grad_output=_TILE_1x128),
+    # MXFP8 (OCP MX v1.0): e4m3 data, one e8m0 scale per 32 elements along each GEMM's K.
+    "mxfp8": Float8LinearConfig(input=_MX, weight=_MX, grad_output=_MX),
 }

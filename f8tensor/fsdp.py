@@ -148,7 +148,7 @@ class Float8AllGatherWeight(torch.Tensor):
             raise TypeError(f"Float8AllGatherWeight wraps a high-precision tensor; got a {type(hp).__name__}")
         if hp.dtype not in HP_DTYPES:
             raise TypeError(f"Float8AllGatherWeight wraps a bf16, fp16 or fp32 tensor; got {hp.dtype}")
-        if cast.rowwise or cast.delayed:
+        if not cast.tensorwise or cast.delayed:
             raise ValueError("FP8 all-gather needs a dynamic tensorwise weight cast (recipe 'tensorwise')")
         self = torch.Tensor._make_wrapper_subclass(
             cls,

@@ -45,16 +45,20 @@ from f8tensor.tensor import Float8Tensor, cast_to_float8, dequantize
 
 __all__ = [
     "ALIGN",
+    "BLOCK_SCALED_MM_RULES",
     "ROCM_BUILDS",
     "ROCM_ROWWISE_NOTE",
     "RULES_CHECK_ENV",
     "SCALED_MM_RULES",
     "STRICTEST_BUILDS",
     "SUPPORTED_BUILDS",
+    "BlockScaledMMRule",
     "CudaBuild",
     "CudaRuleViolation",
     "Route",
     "ScaledMMRule",
+    "block_rule_for",
+    "block_scaled_mm_violations",
     "choose_route",
     "float8_mm",
     "install_rules_check",
@@ -534,7 +538,13 @@ def _checked_functional_scaled_mm(mat_a, mat_b, scale_a, scale_recipe_a, scale_b
     the recipes the table has rows for; any other recipe is reported until a row covers it."""
     recipes = {str(getattr(r, "name", r)).lower() for r in (scale_recipe_a, scale_recipe_b)}
     single = not isinstance(scale_a, (list, tuple)) and not isinstance(scale_b, (list, tuple))
-    if single and len(recipes) == 1 and recipes <= {"tensorwise", "rowwise"}:
+    block_rule = _block_rule_by_recipes(scale_recipe_a, scale_recipe_b) if single else None
+    if block_rule is not None:
+        # Block-scaled kernels exist on some builds only; the route refuses the others up
+        # front (_block_kernel_mm), so a call is checked against its own row's layouts.
+        problems = block_scaled_mm_violations(mat_a, mat_b, scale_a, scale_b, block_rule)
+        summary = {"kind": block_rule.name, "mat1": mat_a.dtype, "mat2": mat_b.dtype}
+    elif single and len(recipes) == 1 and recipes <= {"tensorwise", "rowwise"}:
         bias = kwargs.get("bias", args[2] if len(args) > 2 else None)
         out_dtype = kwargs.get("output_dtype", args[3] if len(args) > 3 else torch.bfloat16)
         fast = kwargs.get("use_fast_accum", args[5] if len(args) > 5 else False)
@@ -705,7 +715,11 @@ def _matmul(
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """The one place that calls ``torch._scaled_mm``. ``a``: (M, K), ``b``: (K, N)."""
+    """The one place that calls ``torch._scaled_mm``. ``a``: (M, K), ``b``: (K, N).
+
+    Block-scaled operands (1x128, 128x128, MX) go to :func:`_block_matmul`."""
+    if _is_blockwise(a) or _is_blockwise(b):
+        return _block_matmul(a, b, bias=bias, out_dtype=out_dtype)
     if a.dim() != 2 or b.dim() != 2:
         raise RuntimeError(f"FP8 mm expects 2D operands; got {tuple(a.shape)} and {tuple(b.shape)}")
     a8, b8 = _as_float8_operands(a, b)
@@ -903,3 +917,306 @@ def _pad_bytes(x: torch.Tensor, pad_rows: int, pad_cols: int) -> torch.Tensor:
     # all four formats (0x80 would be NaN in the fnuz ones).
     raw = torch.nn.functional.pad(x.contiguous().view(torch.uint8), (0, pad_cols, 0, pad_rows))
     return raw.view(x.dtype)
+
+
+# =====================================================================================
+# 4. Block-scaled products (1x128, 128x128, MX 1x32)
+# =====================================================================================
+#
+# A product with a block-scaled operand (see Float8Tensor's ``_block``) goes to
+# :func:`_block_matmul`. On CPU, and on CUDA with ``GemmConfig(emulate=True)``, it is the
+# reference computation: each operand dequantized per block in fp32, an fp32 matmul, the
+# bias added in fp32, one cast (the numbers the GPU kernels compute up to accumulation
+# order). On CUDA otherwise it is ``torch.nn.functional.scaled_mm`` with the scale layouts
+# of :data:`BLOCK_SCALED_MM_RULES`, or a clear error where no supported build has the kernel.
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockScaledMMRule:
+    """One block-scaled kernel of ``torch.nn.functional.scaled_mm`` (one row of the table).
+
+    ``block_a`` is the block of ``mat_a`` (M, K) and ``block_b`` that of ``mat_b`` (K, N),
+    in f8tensor's per-dim spelling; ``recipe_a``/``recipe_b`` name the
+    ``torch.nn.functional.ScalingType`` members; ``scale_a``/``scale_b`` describe the
+    scale tensors the kernel reads (shape, strides, swizzle), which
+    :func:`_block_kernel_scales` builds from f8tensor's scales.
+    """
+
+    name: str
+    recipe_a: str
+    recipe_b: str
+    block_a: tuple[int, int]
+    block_b: tuple[int, int]
+    operand_dtypes: frozenset[torch.dtype]
+    scale_dtype: torch.dtype
+    scale_a: str
+    scale_b: str
+    builds: Builds
+    fast_accum: bool
+    sources: tuple[str, ...]
+
+
+_DEEPSEEK_BUILDS = Builds(min_cuda=(12, 9), min_sm=(9, 0), max_sm=(9, 0))
+_DEEPSEEK_SOURCES = (
+    "aten/src/ATen/native/cuda/ScaledBlas.cpp: _scaled_block1x128_block128x128, "
+    "_scaled_block1x128_block1x128, _scaled_block128x128_block1x128 (scale shapes and strides), "
+    "_check_deepseek_support (sm90, cuBLAS >= 12.9); check_deepseek_recipe (both operands e4m3fn, fp32 scales)",
+)
+
+BLOCK_SCALED_MM_RULES: tuple[BlockScaledMMRule, ...] = (
+    BlockScaledMMRule(
+        name="1x128 x 128x128",
+        recipe_a="BlockWise1x128",
+        recipe_b="BlockWise128x128",
+        block_a=(1, 128),
+        block_b=(128, 128),
+        operand_dtypes=frozenset({_E4M3}),
+        scale_dtype=_FP32,
+        scale_a="(M, ceil(K/128)), strides (1, M)",
+        scale_b="(round_up(ceil(K/128), 4), ceil(N/128)), strides (1, round_up(ceil(K/128), 4))",
+        builds=_DEEPSEEK_BUILDS,
+        fast_accum=True,
+        sources=_DEEPSEEK_SOURCES,
+    ),
+    BlockScaledMMRule(
+        name="1x128 x 1x128",
+        recipe_a="BlockWise1x128",
+        recipe_b="BlockWise1x128",
+        block_a=(1, 128),
+        block_b=(128, 1),
+        operand_dtypes=frozenset({_E4M3}),
+        scale_dtype=_FP32,
+        scale_a="(M, ceil(K/128)), strides (1, M)",
+        scale_b="(N, ceil(K/128)), strides (1, N)",
+        builds=_DEEPSEEK_BUILDS,
+        fast_accum=True,
+        sources=_DEEPSEEK_SOURCES,
+    ),
+    BlockScaledMMRule(
+        name="128x128 x 1x128",
+        recipe_a="BlockWise128x128",
+        recipe_b="BlockWise1x128",
+        block_a=(128, 128),
+        block_b=(128, 1),
+        operand_dtypes=frozenset({_E4M3}),
+        scale_dtype=_FP32,
+        scale_a="(round_up(ceil(K/128), 4), ceil(M/128)), strides (1, round_up(ceil(K/128), 4))",
+        scale_b="(N, ceil(K/128)), strides (1, N)",
+        builds=_DEEPSEEK_BUILDS,
+        fast_accum=True,
+        sources=_DEEPSEEK_SOURCES,
+    ),
+    BlockScaledMMRule(
+        name="MXFP8 1x32 x 1x32",
+        recipe_a="BlockWise1x32",
+        recipe_b="BlockWise1x32",
+        block_a=(1, 32),
+        block_b=(32, 1),
+        operand_dtypes=frozenset({_E4M3, _E5M2}),
+        scale_dtype=torch.float8_e8m0fnu,
+        scale_a="round_up(M, 128) * round_up(ceil(K/32), 4) e8m0, SWIZZLE_32_4_4, contiguous",
+        scale_b="round_up(N, 128) * round_up(ceil(K/32), 4) e8m0, SWIZZLE_32_4_4, contiguous",
+        # Blackwell (sm100) and later: no build in SUPPORTED_BUILDS (sm89, sm90) has it.
+        builds=Builds(min_cuda=(12, 8), min_sm=(10, 0)),
+        fast_accum=False,  # _scaled_mxfp8_mxfp8 passes use_fast_accum=false to the GEMM
+        sources=(
+            "aten/src/ATen/native/cuda/ScaledBlas.cpp: _scaled_mxfp8_mxfp8 (scale element counts, "
+            "SWIZZLE_32_4_4 on CUDA, contiguous scales); check_mxfp8_recipe (e8m0 scales)",
+        ),
+    ),
+)
+
+
+def block_rule_for(block_a: tuple[int, ...], block_b: tuple[int, ...], scale_dtype: torch.dtype) -> BlockScaledMMRule | None:
+    """The row whose operand blocks and scale dtype are these, or None."""
+    for rule in BLOCK_SCALED_MM_RULES:
+        if (rule.block_a, rule.block_b, rule.scale_dtype) == (tuple(block_a), tuple(block_b), scale_dtype):
+            return rule
+    return None
+
+
+def _is_blockwise(x: object) -> bool:
+    return isinstance(x, Float8Tensor) and x.is_blockwise
+
+
+def _block_operands(a: torch.Tensor, b: torch.Tensor) -> tuple[Float8Tensor, Float8Tensor]:
+    """Both operands as Float8Tensors. A plain one is cast with the other's block along K
+    (``(1, k)`` for ``a``, ``(k, 1)`` for ``b``; rowwise where the other's K block is 0),
+    its scale dtype and the e4m3 format of its family."""
+    if not _is_f8(a):
+        check_hp_dtype(a.dtype, "the plain operand of an FP8 matmul")
+        kb = b._block[0] if b._scale.dim() else 0
+        block = (1, kb) if kb else (1, 0)
+        a = cast_to_float8(a, e4m3_like(b._data.dtype), block=block, scale_dtype=b._scale.dtype, gemm=b._gemm)
+    if not _is_f8(b):
+        check_hp_dtype(b.dtype, "the plain operand of an FP8 matmul")
+        kb = a._block[1] if a._scale.dim() else 0
+        block = (kb, 1) if kb else (0, 1)
+        b = cast_to_float8(b, e4m3_like(a._data.dtype), block=block, scale_dtype=a._scale.dtype, gemm=a._gemm)
+    return a, b
+
+
+def _block_matmul(
+    a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """``a @ b`` where at least one operand is block-scaled (2D: (M, K) @ (K, N))."""
+    if a.dim() != 2 or b.dim() != 2:
+        raise RuntimeError(f"FP8 mm expects 2D operands; got {tuple(a.shape)} and {tuple(b.shape)}")
+    a8, b8 = _block_operands(a, b)
+    _check_operand_dtypes(a8._data.dtype, b8._data.dtype, a8._data.device)
+    gemm = _merged_gemm(a8._gemm, b8._gemm)
+    (m, k), (k2, n) = a8.shape, b8.shape
+    if k != k2:
+        raise RuntimeError(f"mat1 and mat2 shapes cannot be multiplied ({m}x{k} and {k2}x{n})")
+    if out_dtype is None:
+        out_dtype = gemm.out_dtype or a8._orig_dtype
+    if a8._data.device.type == "cuda" and not gemm.emulate:
+        return _block_kernel_mm(a8, b8, bias, out_dtype, gemm)
+    return _block_reference_mm(a8, b8, bias, out_dtype)
+
+
+def _block_reference_mm(a8: Float8Tensor, b8: Float8Tensor, bias, out_dtype: torch.dtype) -> torch.Tensor:
+    """The reference: dequantize per block in fp32, fp32 matmul, fp32 bias, one cast.
+
+    Deliberate fp32 throughout: it is what the block-scaled kernels accumulate in (they
+    apply each K-block's scales to its fp32 partial sum), so the results agree up to the
+    order of accumulation.
+    """
+    acc = dequantize(a8, torch.float32) @ dequantize(b8, torch.float32)
+    if bias is not None:
+        acc = acc + bias.to(torch.float32)
+    return acc.to(out_dtype)
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def _swizzle_32_4_4(scale: torch.Tensor) -> torch.Tensor:
+    """An (R, C) e8m0 scale in the tiled layout cuBLAS reads for 1x32 block scaling.
+
+    Padded to 128-row x 4-column tiles (tiles in row-major order); inside a tile, the
+    entry at (r, c) lands at offset ``(r % 32) * 16 + (r // 32) * 4 + c``.
+    """
+    rows, cols = scale.shape
+    pr, pc = _round_up(rows, 128), _round_up(cols, 4)
+    raw = scale.view(torch.uint8)
+    if (pr, pc) != (rows, cols):
+        # Pad bytes: 127 is 2**0 in e8m0, a harmless 1 for the padding's zero data.
+        raw = torch.nn.functional.pad(raw, (0, pc - cols, 0, pr - rows), value=127)
+    tiles = raw.reshape(pr // 128, 4, 32, pc // 4, 4).permute(0, 3, 2, 1, 4)
+    return tiles.contiguous().reshape(-1).view(torch.float8_e8m0fnu)
+
+
+def _inverse_block_scale(x8: Float8Tensor) -> torch.Tensor:
+    """The kernels' dequantization factors (``1 / _scale``) in the scale's dtype; exact for
+    e8m0 (powers of two)."""
+    inv = x8._scale.to(torch.float32).reciprocal()
+    return inv if x8._scale.dtype == torch.float32 else inv.to(torch.float8_e8m0fnu)
+
+
+def _column_major(t: torch.Tensor) -> torch.Tensor:
+    return t.t().contiguous().t()
+
+
+def _block_kernel_scales(rule: BlockScaledMMRule, a8: Float8Tensor, b8: Float8Tensor):
+    """The two scale tensors in the layouts ``rule`` names (see its ``scale_a``/``scale_b``)."""
+    a_inv, b_inv = _inverse_block_scale(a8), _inverse_block_scale(b8)
+    if rule.recipe_a == "BlockWise1x32":
+        # a: (M, K/32) as is; b: its (K/32, N) scales read per column of b, i.e. (N, K/32).
+        return _swizzle_32_4_4(a_inv), _swizzle_32_4_4(b_inv.t().contiguous())
+    if rule.block_a == (1, 128):
+        sa = _column_major(a_inv)  # (M, K/128), strides (1, M)
+    else:  # 128x128 a: (M/128, K/128) -> (round_up(K/128, 4), M/128), column-major
+        t = a_inv.t()
+        sa = _column_major(torch.nn.functional.pad(t, (0, 0, 0, _round_up(t.shape[0], 4) - t.shape[0])))
+    if rule.block_b == (128, 1):
+        sb = b_inv.contiguous().t()  # (K/128, N) row-major, read as (N, K/128) with strides (1, N)
+    else:  # 128x128 b: (K/128, N/128) -> (round_up(K/128, 4), N/128), column-major
+        sb = _column_major(torch.nn.functional.pad(b_inv, (0, 0, 0, _round_up(b_inv.shape[0], 4) - b_inv.shape[0])))
+    return sa, sb
+
+
+def _block_kernel_mm(a8: Float8Tensor, b8: Float8Tensor, bias, out_dtype: torch.dtype, gemm: GemmConfig) -> torch.Tensor:
+    """``torch.nn.functional.scaled_mm`` with block scales, or a clear error."""
+    scale_dtype = a8._scale.dtype if a8._scale.dtype == b8._scale.dtype else None
+    rule = block_rule_for(a8._block, b8._block, scale_dtype) if scale_dtype is not None else None
+    allowed = "; ".join(f"{r.name}: a block {r.block_a}, b block {r.block_b}, {_name(r.scale_dtype)} scales" for r in BLOCK_SCALED_MM_RULES)
+    if rule is None:
+        raise NotImplementedError(
+            f"no CUDA kernel multiplies a block-{a8._block} ({_name(a8._scale.dtype)} scales) by a "
+            f"block-{b8._block} ({_name(b8._scale.dtype)} scales) operand. Kernels: {allowed}. "
+            f"Use GemmConfig(emulate=True) / Float8LinearConfig(emulate=True) for the reference path."
+        )
+    functional = torch.nn.functional
+    major, minor = torch.cuda.get_device_capability(a8._data.device)
+    cuda = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
+    here = CudaBuild((0, 0), cuda, (major, minor))
+    if not hasattr(functional, "scaled_mm") or here not in rule.builds:
+        raise NotImplementedError(
+            f"the {rule.name} kernel needs {rule.builds} and torch.nn.functional.scaled_mm; this is "
+            f"sm{major}{minor} with CUDA {torch.version.cuda}. Use emulate=True for the reference path."
+        )
+    if a8._data.dtype not in rule.operand_dtypes or b8._data.dtype not in rule.operand_dtypes:
+        raise ValueError(f"the {rule.name} kernel takes {_names(rule.operand_dtypes)} operands; got {_name(a8._data.dtype)} x {_name(b8._data.dtype)}")
+    a_data = a8._data if a8._data.is_contiguous() else a8._data.contiguous()
+    b_data = b8._data if b8._data.t().is_contiguous() else b8._data.t().contiguous().t()
+    sa, sb = _block_kernel_scales(rule, a8, b8)
+    kinds, swizzle = functional.ScalingType, functional.SwizzleType
+    swz = swizzle.SWIZZLE_32_4_4 if rule.recipe_a == "BlockWise1x32" else swizzle.NO_SWIZZLE
+    out = functional.scaled_mm(
+        a_data, b_data, sa, getattr(kinds, rule.recipe_a), sb, getattr(kinds, rule.recipe_b),
+        swizzle_a=swz, swizzle_b=swz, output_dtype=out_dtype,
+        use_fast_accum=gemm.use_fast_accum and rule.fast_accum,
+    )
+    if bias is not None:
+        out = out + bias.to(out_dtype)
+    return out
+
+
+def _block_rule_by_recipes(recipe_a: Any, recipe_b: Any) -> BlockScaledMMRule | None:
+    names = tuple(str(getattr(r, "name", r)) for r in (recipe_a, recipe_b))
+    for rule in BLOCK_SCALED_MM_RULES:
+        if (rule.recipe_a, rule.recipe_b) == names:
+            return rule
+    return None
+
+
+def block_scaled_mm_violations(
+    mat_a: torch.Tensor, mat_b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, rule: BlockScaledMMRule
+) -> list[str]:
+    """What ``rule``'s kernel would refuse in this ``torch.nn.functional.scaled_mm`` call:
+    operand dtypes and layouts, scale dtypes, and the scale sizes of its row."""
+    out = []
+    where = f"block-scaled {rule.name}"
+    for label, t in (("mat_a", mat_a), ("mat_b", mat_b)):
+        if t.dtype not in rule.operand_dtypes:
+            out.append(f"{where}: {label} dtype {_name(t.dtype)} not in {{{_names(rule.operand_dtypes)}}}")
+    for label, t in (("scale_a", scale_a), ("scale_b", scale_b)):
+        if t.dtype != rule.scale_dtype:
+            out.append(f"{where}: {label} dtype {_name(t.dtype)}, needs {_name(rule.scale_dtype)}")
+    if not _is_row_major(mat_a):
+        out.append(f"{where}: mat_a must be row-major; got stride {mat_a.stride()}")
+    if not _is_col_major(mat_b):
+        out.append(f"{where}: mat_b must be column-major; got stride {mat_b.stride()}")
+    m, k = mat_a.shape
+    n = mat_b.shape[1]
+    if rule.recipe_a == "BlockWise1x32":
+        want = (_round_up(m, 128) * _round_up(-(-k // 32), 4), _round_up(n, 128) * _round_up(-(-k // 32), 4))
+        got = (scale_a.numel(), scale_b.numel())
+        if got != want:
+            out.append(f"{where}: scale element counts {got}, needs {want}")
+        return out
+    kb = -(-k // 128)
+    shapes = {
+        (1, 128): ((m, kb), (1, m)),
+        (128, 128): ((_round_up(kb, 4), -(-m // 128)), (1, _round_up(kb, 4))),
+    }
+    want_a = shapes[rule.block_a]
+    want_b = ((n, kb), (1, n)) if rule.block_b == (128, 1) else ((_round_up(kb, 4), -(-n // 128)), (1, _round_up(kb, 4)))
+    for label, t, (shape, stride) in (("scale_a", scale_a, want_a), ("scale_b", scale_b, want_b)):
+        if tuple(t.shape) != shape:
+            out.append(f"{where}: {label} shape {tuple(t.shape)}, needs {shape}")
+        elif t.stride(0) != 1 or (shape[1] > 1 and t.stride(1) != stride[1]):
+            out.append(f"{where}: {label} strides {t.stride()}, needs {stride}")
+    return out

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from f8tensor.config import CastConfig, Float8LinearConfig, GemmConfig
+from f8tensor.config import BlockGranularity, CastConfig, Float8LinearConfig, GemmConfig
 from f8tensor.gemm import _matmul
 from f8tensor.scaling import delayed_scale, push_amax, tensor_amax
 from f8tensor.tensor import CAST_STATS_FIELDS, Float8Tensor, cast_to_float8, cast_to_float8_with_stats
@@ -63,10 +63,30 @@ def _recomputing() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def _granularity(cast: CastConfig, contracted_dim: int) -> dict:
+    """``cast_to_float8`` keywords for an operand whose GEMM contracts over ``contracted_dim``.
+
+    Tensorwise: one scale. Rowwise: the scale is constant along the contracted dim. A block
+    is written as ``(rows, contracted)``, so it is reversed for an operand contracted over
+    dim 0 (a 1x128 tile becomes 128x1: 128 tokens long in the weight-gradient GEMM). The
+    rounding mode rides along.
+    """
+    gran = cast.granularity
+    if isinstance(gran, BlockGranularity):
+        block = gran.block if contracted_dim == 1 else gran.block[::-1]
+        return {
+            "block": block,
+            "scale_dtype": gran.scale_dtype,
+            "scale_mode": gran.scale_mode,
+            "rounding": cast.rounding,
+        }
+    return {"axiswise_dim": contracted_dim if cast.rowwise else None, "rounding": cast.rounding}
+
+
 def _cast(
     hp: torch.Tensor,
     cast: CastConfig,
-    axiswise_dim: int | None,
+    contracted_dim: int,
     gemm: GemmConfig,
     config: Float8LinearConfig,
     history: torch.Tensor | None = None,
@@ -74,7 +94,8 @@ def _cast(
     recompute: bool = False,
     stats: torch.Tensor | None = None,
 ) -> tuple[Float8Tensor, torch.Tensor | None]:
-    """Cast one GEMM operand per its CastConfig (dynamic or delayed).
+    """Cast one GEMM operand per its CastConfig (dynamic or delayed); its GEMM contracts
+    over ``contracted_dim`` (see :func:`_granularity`).
 
     Returns the FP8 tensor and, for a delayed cast, the current amax, which the caller
     pushes into ``history`` (see ``_Float8LinearFn``); for a dynamic cast ``None``.
@@ -85,13 +106,18 @@ def _cast(
     """
     if not cast.delayed:
         fp8 = _cast_to_float8(
-            stats, hp, cast.dtype, axiswise_dim=axiswise_dim, gemm=gemm, power_of_2_scale=cast.power_of_2_scale
+            stats, hp, cast.dtype, **_granularity(cast, contracted_dim), gemm=gemm, power_of_2_scale=cast.power_of_2_scale
         )
         return fp8, None
     amax_local = tensor_amax(hp)
     amax_now = _sync_amax(amax_local)
     if recompute:
-        return _cast_to_float8(stats, hp, cast.dtype, scale=scale_buffer.clone(), gemm=gemm, amax=amax_local), amax_now
+        return (
+            _cast_to_float8(
+                stats, hp, cast.dtype, scale=scale_buffer.clone(), gemm=gemm, amax=amax_local, rounding=cast.rounding
+            ),
+            amax_now,
+        )
     scale = delayed_scale(
         history,
         amax_now,
@@ -103,7 +129,7 @@ def _cast(
     if scale_buffer is not None:
         scale_buffer.copy_(scale)
     # The stats describe this rank's tensor: its own amax, not the all-reduced one.
-    return _cast_to_float8(stats, hp, cast.dtype, scale=scale, gemm=gemm, amax=amax_local), amax_now
+    return _cast_to_float8(stats, hp, cast.dtype, scale=scale, gemm=gemm, amax=amax_local, rounding=cast.rounding), amax_now
 
 
 def _cast_to_float8(
@@ -149,25 +175,23 @@ class _Float8LinearFn(torch.autograd.Function):
         hist_in, hist_w, hist_go, scale_in, scale_w = state if state is not None else (None,) * 5
         st_in, st_w, st_go = stats if stats is not None else (None,) * 3
         recompute = config.any_delayed and _recomputing()
-        fwd = GemmConfig(use_fast_accum=config.use_fast_accum, pad_inner_dim=config.pad_inner_dim)
+        fwd = GemmConfig(use_fast_accum=config.use_fast_accum, pad_inner_dim=config.pad_inner_dim, emulate=config.emulate)
         x2 = x.reshape(-1, x.shape[-1])
-        x8, amax_x = _cast(
-            x2, config.input, 1 if config.input.rowwise else None, fwd, config, hist_in, scale_in, recompute, st_in
-        )
+        x8, amax_x = _cast(x2, config.input, 1, fwd, config, hist_in, scale_in, recompute, st_in)
         if isinstance(weight, Float8Tensor):  # FSDP2 float8 all-gather hands over an FP8 weight
             w8, amax_w = weight._replace(gemm=fwd), None
         else:
-            w8, amax_w = _cast(
-                weight, config.weight, 1 if config.weight.rowwise else None, fwd, config, hist_w, scale_w, recompute, st_w
-            )
+            w8, amax_w = _cast(weight, config.weight, 1, fwd, config, hist_w, scale_w, recompute, st_w)
         y = _matmul(x8, w8.t(), bias=bias)
 
         # The weight-gradient GEMM contracts over tokens (dim 0 of x): a tensorwise x8 is
-        # reused there as is; a rowwise one would need the other axis, so keep x in hp.
-        keep_fp8_input = not config.input.rowwise and not config.weight_grad_in_hp
+        # reused there as is; a rowwise or block-scaled one would need the other axis (the
+        # tokens), so keep x in hp.
+        keep_fp8_input = config.input.tensorwise and not config.weight_grad_in_hp
         # Backward re-casts a tensorwise high-precision weight with this very scale; a
-        # rowwise weight is cast along the other axis there, so its scale is not kept.
-        reuse_w_scale = not isinstance(weight, Float8Tensor) and not config.weight.rowwise
+        # rowwise or block-scaled weight is cast along the other axis there (a 128x128 one
+        # to the same blocks), so its scale is not kept.
+        reuse_w_scale = not isinstance(weight, Float8Tensor) and config.weight.tensorwise
         ctx.save_for_backward(
             x8 if keep_fp8_input else x2, weight, w8._scale if reuse_w_scale else None, amax_x, amax_w
         )
@@ -187,10 +211,10 @@ class _Float8LinearFn(torch.autograd.Function):
         hist_in, hist_w, hist_go = ctx.histories
         need_grad_x, need_grad_w, need_grad_b = ctx.needs_input_grad[:3]
         config: Float8LinearConfig = ctx.config
-        bwd = GemmConfig(pad_inner_dim=config.pad_inner_dim)
+        bwd = GemmConfig(pad_inner_dim=config.pad_inner_dim, emulate=config.emulate)
         # grad_W contracts over the tokens, whose count (M) varies with the batch: always
         # pad it to 16 (zero rows add nothing), never fail on an odd batch.
-        bwd_w = GemmConfig(pad_inner_dim=True)
+        bwd_w = GemmConfig(pad_inner_dim=True, emulate=config.emulate)
         g = grad_y.reshape(-1, grad_y.shape[-1])
         go_cfg = config.grad_output
         if amax_x is not None:
@@ -201,9 +225,9 @@ class _Float8LinearFn(torch.autograd.Function):
         # g8: grad_output scaled along N (or per tensor), for grad_x and, per tensor, also
         # for grad_W. A delayed cast measures every backward's grad_output, needed or not.
         g8 = None
-        gw_uses_g8 = not go_cfg.rowwise and not config.weight_grad_in_hp
+        gw_uses_g8 = go_cfg.tensorwise and not config.weight_grad_in_hp
         if need_grad_x or (need_grad_w and gw_uses_g8) or go_cfg.delayed:
-            g8, amax_g = _cast(g, go_cfg, 1 if go_cfg.rowwise else None, bwd, config, hist_go, stats=ctx.stats_go)
+            g8, amax_g = _cast(g, go_cfg, 1, bwd, config, hist_go, stats=ctx.stats_go)
             if amax_g is not None:
                 push_amax(hist_go, amax_g)
 
@@ -212,9 +236,13 @@ class _Float8LinearFn(torch.autograd.Function):
         if need_grad_x:
             if isinstance(weight, Float8Tensor):
                 w8 = weight._replace(gemm=bwd)
-            elif config.weight.rowwise:
+            elif not config.weight.tensorwise:
                 w8 = cast_to_float8(
-                    weight, config.weight.dtype, axiswise_dim=0, gemm=bwd, power_of_2_scale=config.weight.power_of_2_scale
+                    weight,
+                    config.weight.dtype,
+                    **_granularity(config.weight, 0),
+                    gemm=bwd,
+                    power_of_2_scale=config.weight.power_of_2_scale,
                 )
             else:
                 # Same scale as in forward: the same FP8 bytes, without keeping them alive.
@@ -234,13 +262,17 @@ class _Float8LinearFn(torch.autograd.Function):
                     # then feeds the telemetry.
                     gt8 = _cast_to_float8(
                         ctx.stats_go if g8 is None else None,
-                        g, go_cfg.dtype, axiswise_dim=0, gemm=bwd_w, power_of_2_scale=go_cfg.power_of_2_scale,
+                        g, go_cfg.dtype, **_granularity(go_cfg, 0), gemm=bwd_w, power_of_2_scale=go_cfg.power_of_2_scale,
                     )
                 if isinstance(saved_x, Float8Tensor):
                     x8 = saved_x._replace(gemm=bwd_w)
                 else:
                     x8 = cast_to_float8(
-                        saved_x, config.input.dtype, axiswise_dim=0, gemm=bwd_w, power_of_2_scale=config.input.power_of_2_scale
+                        saved_x,
+                        config.input.dtype,
+                        **_granularity(config.input, 0),
+                        gemm=bwd_w,
+                        power_of_2_scale=config.input.power_of_2_scale,
                     )
                 # Written in the weight's dtype (fp32 for fp32 master weights), not bf16:
                 # autograd needs the fp32 .grad anyway, and a bf16 output adds a rounding

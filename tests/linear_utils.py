@@ -9,7 +9,7 @@ from torch import nn
 
 from f8tensor import RECIPES, Float8Linear, Float8LinearConfig, convert_to_float8_training, sqnr
 
-RECIPE_NAMES = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed")
+RECIPE_NAMES = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed", "blockwise", "mxfp8")
 assert set(RECIPE_NAMES) == set(RECIPES), "a recipe was added: give it a place in the tests"
 
 # The per-role buffers delayed scaling adds to a Float8Linear.

@@ -20,6 +20,7 @@ import datetime
 import gc
 import io
 import itertools
+import math
 import os
 import socket
 import sys
@@ -96,7 +97,9 @@ def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(model(x).float(), y)
 
 
-def _reference_losses(world: int, device: str, steps: int = STEPS, input_dtype: torch.dtype | None = None) -> list:
+def _reference_losses(
+    world: int, device: str, steps: int = STEPS, input_dtype: torch.dtype | None = None, config: Float8LinearConfig = HP_AG
+) -> list:
     """One process, the same recipe, grads reduced as data parallelism does.
 
     Each rank's rows run as their own micro-batch (so every activation cast sees the
@@ -104,7 +107,7 @@ def _reference_losses(world: int, device: str, steps: int = STEPS, input_dtype: 
     The weight is cast from the full fp32 weight, whose amax FSDP reproduces exactly.
     Returns losses[step][rank].
     """
-    model = _mlp(HP_AG, device=device)
+    model = _mlp(config, device=device)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     out = []
     for step in range(steps):
@@ -402,6 +405,28 @@ def _scenario_mixed_precision(rank, world, mesh, ctx) -> dict:
     return result
 
 
+BLOCK_RECIPES = ("blockwise", "mxfp8")
+
+
+def _scenario_block_recipes(rank, world, mesh, ctx) -> dict:
+    """Block-scaled recipes under FSDP2 with a high-precision all-gather (fp32 parameters,
+    and bf16 through a MixedPrecisionPolicy): each layer casts the gathered weight itself.
+    FP8 all-gather is tensorwise-only (Float8LinearConfig refuses it for block weights)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    device = ctx["device"]
+    out = {}
+    for recipe in BLOCK_RECIPES:
+        model = _shard(_mlp(_config(recipe), device=device), mesh)
+        res = _train(model, torch.optim.SGD(model.parameters(), lr=LR), rank, world, device)
+        bf16 = _shard(_mlp(_config(recipe), device=device), mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+        res["bf16_losses"] = _train(bf16, torch.optim.SGD(bf16.parameters(), lr=LR), rank, world, device)["losses"]
+        if rank == 0:
+            res["reference"] = _reference_losses(world, device, config=_config(recipe))
+        out[recipe] = res
+    return out
+
+
 def _dcp_model(seed: int, device: str) -> nn.Sequential:
     # FP8 all-gather everywhere but the middle layer, which keeps delayed-scaling state.
     return _mlp(FP8_AG, seed=seed, device=device, layer_configs={1: _config("delayed")})
@@ -490,6 +515,7 @@ _SCENARIOS: dict[str, Callable] = {
     "delayed": _scenario_delayed,
     "compile": _scenario_compile,
     "mixed_precision": _scenario_mixed_precision,
+    "block_recipes": _scenario_block_recipes,
     "dcp_save": _scenario_dcp_save,
     "dcp_load": _scenario_dcp_load,
 }
@@ -551,6 +577,7 @@ _COMMON_JOBS = [
     ("bytes", "bytes", {}),
     ("delayed", "delayed", {}),
     ("mixed_precision", "mixed_precision", {}),
+    ("block_recipes", "block_recipes", {}),
 ]
 
 
@@ -616,6 +643,19 @@ def test_loss_parity_with_single_process(run, key):
         want = torch.tensor([step[rank] for step in reference], dtype=torch.float64)
         torch.testing.assert_close(got, want, rtol=PARITY_RTOL, atol=0, msg=f"rank {rank} of {world}")
     # Training happened: the loss moved.
+    assert reference[-1] != reference[0]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("recipe", BLOCK_RECIPES)
+def test_block_recipes_with_high_precision_all_gather(run, recipe):
+    res = [r[recipe] for r in _results(run, "block_recipes")]
+    reference = res[0]["reference"]
+    for rank, r in enumerate(res):
+        got = torch.tensor(r["losses"], dtype=torch.float64)
+        want = torch.tensor([step[rank] for step in reference], dtype=torch.float64)
+        torch.testing.assert_close(got, want, rtol=PARITY_RTOL, atol=0, msg=f"{recipe}: rank {rank} of {len(run)}")
+        assert all(math.isfinite(v) for v in r["bf16_losses"]), r["bf16_losses"]
     assert reference[-1] != reference[0]
 
 

@@ -207,12 +207,16 @@ def test_activation_checkpointing_gives_the_same_gradients(recipe):
 
 
 class _CountScaledMM(TorchDispatchMode):
-    def __init__(self) -> None:
+    """Counts FP8 GEMMs: ``_scaled_mm`` calls, and with ``reference_mm`` the fp32 ``mm`` of
+    the block-scaled reference path (block recipes on CPU)."""
+
+    def __init__(self, reference_mm: bool = False) -> None:
         super().__init__()
         self.calls = 0
+        self.ops = (torch.ops.aten._scaled_mm.default, torch.ops.aten.mm.default) if reference_mm else (torch.ops.aten._scaled_mm.default,)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.calls += func is torch.ops.aten._scaled_mm.default
+        self.calls += func in self.ops
         return func(*args, **(kwargs or {}))
 
 
@@ -232,7 +236,7 @@ def test_backward_computes_only_the_gradients_asked_for(recipe, x_grad, w_grad, 
     grad_out = torch.randn(4, 16, 32)
     ref(x_ref).backward(grad_out)
     y = layer(x_fp8)
-    with _CountScaledMM() as counter:
+    with _CountScaledMM(reference_mm=layer.config.weight.blockwise) as counter:
         y.backward(grad_out)
     if recipe == "rowwise_with_gw_hp" and w_grad:
         fp8_gemms -= 1  # its weight gradient is a high-precision GEMM
