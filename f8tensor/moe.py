@@ -376,8 +376,8 @@ class Float8ExpertWeight(torch.Tensor):
 
     @staticmethod
     def __new__(cls, hp: torch.Tensor, config: Float8LinearConfig) -> Float8ExpertWeight:
-        if isinstance(hp, Float8ExpertWeight) or type(hp) not in (torch.Tensor, nn.Parameter):
-            raise TypeError(f"Float8ExpertWeight wraps a plain tensor; got {type(hp).__name__}")
+        if isinstance(hp, Float8ExpertWeight):
+            raise TypeError("Float8ExpertWeight wraps a plain high-precision tensor; got a Float8ExpertWeight")
         if hp.dtype not in HP_DTYPES:
             raise TypeError(f"Float8ExpertWeight wraps a bf16, fp16 or fp32 tensor; got {hp.dtype}")
         self = torch.Tensor._make_wrapper_subclass(

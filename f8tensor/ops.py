@@ -14,6 +14,7 @@ from torch.utils._python_dispatch import return_and_correct_aliasing
 
 from f8tensor.config import DEFAULT_GEMM, GemmConfig
 from f8tensor.formats import FLOAT8_DTYPES, check_hp_dtype, e4m3_like
+from f8tensor.grouped_gemm import GROUPED_RULES, scaled_grouped_mm
 from f8tensor.tensor import Float8Tensor, cast_to_float8, dequantize
 
 __all__ = ["float8_mm"]
@@ -234,7 +235,83 @@ def _bmm(func, types, args, kwargs):
     if b.stride(0) == 0:
         out = _matmul(_flatten_batch(a), _batch_item(b, 0))
         return out.view(batch, a.shape[1], b.shape[2])
+    orig = a._orig_dtype if _is_f8(a) else b._orig_dtype
+    if orig in GROUPED_RULES["out_dtypes"] and a.shape[2] % _ALIGN == 0:
+        # One batched FP8 kernel (torch._scaled_grouped_mm's 3D x 3D form), which writes
+        # bf16 only: taken when that is the output dtype; fp16/fp32 outputs keep one
+        # _scaled_mm per batch entry, which writes them directly.
+        return _batched(a, b, orig)
     return torch.stack([_matmul(_batch_item(a, i), _batch_item(b, i)) for i in range(batch)])
+
+
+def _batched(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``a (B, M, K) @ b (B, K, N)`` in one grouped-kernel call: scales per batch row / column."""
+    ref = a if _is_f8(a) else b
+    rowwise = ref._axiswise_dim is not None
+    a8 = a if _is_f8(a) else _cast_plain(a, ref, 2 if rowwise else None)
+    b8 = b if _is_f8(b) else _cast_plain(b, ref, 1 if rowwise else None)
+    # The kernel takes scales constant along K: a's along dim 2, b's along dim 1.
+    a8 = a8 if a8._axiswise_dim in (None, 2) else _requantize(a8, 2)
+    b8 = b8 if b8._axiswise_dim in (None, 1) else _requantize(b8, 1)
+    a8, b8 = _as_e4m3fn(a8), _as_e4m3fn(b8)
+    (bsz, m, _), n = a8.shape, b8.shape[2]
+    a_inv = a8._scale.reciprocal().expand(bsz, m, 1).reshape(bsz, m).contiguous()
+    b_inv = b8._scale.reciprocal().expand(bsz, 1, n).reshape(bsz, n).contiguous()
+    a_data = a8._data if a8._data.is_contiguous() else a8._data.contiguous()
+    out = scaled_grouped_mm(a_data, _col_major(b8._data), a_inv, b_inv, None, torch.bfloat16)
+    return out.to(out_dtype)
+
+
+def _as_e4m3fn(x: Float8Tensor) -> Float8Tensor:
+    """The grouped kernel multiplies e4m3fn only: other formats are re-cast (one extra rounding)."""
+    if x._data.dtype == torch.float8_e4m3fn:
+        return x
+    return cast_to_float8(
+        dequantize(x, torch.float32), torch.float8_e4m3fn, axiswise_dim=x._axiswise_dim, gemm=x._gemm, orig_dtype=x._orig_dtype
+    )
+
+
+def _col_major(t: torch.Tensor) -> torch.Tensor:
+    if t.stride(-2) == 1 and t.stride(-1) >= max(1, t.shape[-2]):
+        return t
+    return t.transpose(-2, -1).contiguous().transpose(-2, -1)
+
+
+@implements([aten._grouped_mm.default])
+def _grouped_mm(func, types, args, kwargs):
+    """``torch._grouped_mm(a, b, offs)``: a (M, K) tokens sorted by group, b (G, K, N), in FP8.
+
+    The form MoE layers use (2D x 3D with ``offs``). ``b``'s scale: one per tensor, or per
+    group and output column (a rowwise (G, N, K) weight after ``transpose(-2, -1)``); a
+    scale that varies along K is re-derived along N. Groups may be empty or any size.
+    The kernel writes bf16; the result is returned in ``out_dtype`` (default: a's dtype).
+    """
+    names = ("mat_a", "mat_b", "offs", "bias", "out_dtype")
+    bound = dict(zip(names, args))
+    bound.update(kwargs)
+    a, b, offs = bound["mat_a"], bound["mat_b"], bound.get("offs")
+    if a.dim() != 2 or b.dim() != 3 or offs is None:
+        raise NotImplementedError(
+            f"Float8Tensor supports _grouped_mm as 2D x 3D with offs (MoE tokens x experts); got "
+            f"{a.dim()}D x {b.dim()}D, offs={'None' if offs is None else 'given'}. Call .to_hp() first."
+        )
+    if bound.get("bias") is not None:
+        raise NotImplementedError("FP8 _grouped_mm with bias is not supported (torch._scaled_grouped_mm takes none)")
+    ref = a if _is_f8(a) else b
+    out_dtype = bound.get("out_dtype") or (a._orig_dtype if _is_f8(a) else a.dtype)
+    a8 = a if _is_f8(a) else _cast_plain(a, ref, 1 if ref._axiswise_dim is not None else None)
+    b8 = b if _is_f8(b) else _cast_plain(b, ref, 1 if ref._axiswise_dim is not None else None)
+    a8 = a8 if a8._axiswise_dim in (None, 1) else _requantize(a8, 1)
+    b8 = b8 if b8._axiswise_dim in (None, 1) else _requantize(b8, 1)
+    a8, b8 = _as_e4m3fn(a8), _as_e4m3fn(b8)
+    (m, k), (g, _, n) = a8.shape, b8.shape
+    if k % _ALIGN:
+        raise ValueError(f"FP8 _grouped_mm needs K to be a multiple of {_ALIGN} (the kernel's stride rule); got K={k}")
+    a_inv = a8._scale.reciprocal().expand(m, 1).reshape(m).contiguous()
+    b_inv = b8._scale.reciprocal().expand(g, 1, n).reshape(g, n).contiguous()
+    a_data = a8._data if a8._data.is_contiguous() else a8._data.contiguous()
+    out = scaled_grouped_mm(a_data, _col_major(b8._data), a_inv, b_inv, offs.to(torch.int32), torch.bfloat16)
+    return out.to(out_dtype)
 
 
 def _flatten_batch(x: torch.Tensor) -> torch.Tensor:
@@ -432,6 +509,40 @@ def _slice(func, types, args, kwargs):
     data = func(x._data, *rest, **kwargs)
     (scale,) = _split_scale(x, dim, [data], lambda s: [func(s, *rest, **kwargs)])
     return _view_result(func, args, kwargs, x._replace(data=data, scale=scale))
+
+
+@implements([aten.select.int])
+def _select(func, types, args, kwargs):
+    """One expert (or row) of a batched tensor: ``w8[e]``. The scale follows when it varies along ``dim``."""
+    x, dim, index = args
+    dim = dim % x.dim()
+    if x._axiswise_dim == dim:
+        raise NotImplementedError(
+            f"select along dim {dim}, the dim a rowwise Float8Tensor's scale is constant along, would leave "
+            f"one scale per element; select along another dim, or call .to_hp() first"
+        )
+    if x._axiswise_dim is None:
+        return _view_result(func, args, kwargs, x._replace(data=func(x._data, dim, index)))
+    scale = x._scale.select(dim, index if x._scale.shape[dim] > 1 else 0)
+    axis = x._axiswise_dim - (1 if dim < x._axiswise_dim else 0)
+    return _view_result(func, args, kwargs, x._replace(data=func(x._data, dim, index), scale=scale, axiswise_dim=axis))
+
+
+@implements([aten.index.Tensor])
+def _index(func, types, args, kwargs):
+    """``w8[ids]``: experts gathered along dim 0 by an integer tensor (a copy, with their scales)."""
+    x, indices = args
+    if len(indices) != 1 or indices[0] is None or indices[0].dtype not in (torch.int64, torch.int32):
+        raise NotImplementedError(
+            "Float8Tensor supports indexing with one integer tensor along dim 0 (w8[ids]); call .to_hp() first"
+        )
+    (ids,) = indices
+    data = x._data.view(torch.uint8)[ids].view(x._data.dtype)  # gather through bytes: no FP8 index kernel needed
+    if x._axiswise_dim is None:
+        return x._replace(data=data)
+    if x._axiswise_dim == 0:
+        raise NotImplementedError("indexing along dim 0 of a Float8Tensor scaled along dim 0 is not supported; call .to_hp() first")
+    return x._replace(data=data, scale=x._scale[ids], axiswise_dim=x._axiswise_dim - 1 + ids.dim())
 
 
 @implements([aten.cat.default])
