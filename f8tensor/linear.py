@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from f8tensor.config import CastConfig, Float8LinearConfig, GemmConfig
-from f8tensor.ops import _matmul
+from f8tensor.gemm import _matmul
 from f8tensor.scaling import delayed_scale, push_amax, tensor_amax
 from f8tensor.tensor import CAST_STATS_FIELDS, Float8Tensor, cast_to_float8, cast_to_float8_with_stats
 

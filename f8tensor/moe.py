@@ -8,7 +8,7 @@ Hugging Face MoE models keep their experts as 3D parameters, ``gate_up_proj`` (E
 like the plain tensor it wraps (indexing, views, optimizer steps, ``copy_``, checkpoints),
 and its ``__torch_function__`` routes ``F.linear``, ``torch.bmm``, ``torch._grouped_mm`` /
 ``F.grouped_mm`` and transformers' grouped fallback op to autograd Functions whose forward
-and both backward GEMMs are FP8 (:mod:`f8tensor.grouped_gemm`).
+and both backward GEMMs are FP8 (:func:`f8tensor.gemm.scaled_grouped_mm`).
 
 Scaling, per :class:`~f8tensor.config.Float8LinearConfig` (``input``, ``weight``,
 ``grad_output`` granularities; recipes ``tensorwise`` and ``rowwise``):
@@ -36,7 +36,7 @@ from torch.utils._pytree import tree_map_only
 
 from f8tensor.config import CastConfig, Float8LinearConfig
 from f8tensor.formats import HP_DTYPES, saturated_cast
-from f8tensor.grouped_gemm import scaled_grouped_mm
+from f8tensor.gemm import scaled_grouped_mm
 from f8tensor.linear import _Float8LinearFn
 from f8tensor.scaling import amax_to_scale
 

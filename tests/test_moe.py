@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from f8tensor import Float8LinearConfig, Float8Tensor
-from f8tensor import grouped_gemm as gg
+from f8tensor import gemm as gg
 from f8tensor.moe import Float8ExpertWeight, _pad_groups, convert_experts_to_float8, float8_grouped_mm
 from tests.helpers import assert_sqnr, bits
 
