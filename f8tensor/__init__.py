@@ -9,7 +9,12 @@ import torch
 from f8tensor import gemm as _gemm
 from f8tensor import ops as _ops  # noqa: F401  (fills Float8Tensor's op table)
 from f8tensor.config import (
+    BLOCK_1x128,
+    BLOCK_128x128,
+    MX_1x32,
+    MX_1x32_FLOOR,
     RECIPES,
+    BlockGranularity,
     CastConfig,
     DelayedScalingConfig,
     Float8LinearConfig,
@@ -34,10 +39,15 @@ from f8tensor.tensor import Float8Tensor
 __version__ = "0.1.0"
 
 __all__ = [
+    "BLOCK_128x128",
+    "BLOCK_1x128",
     "FLOAT8_DTYPES",
     "FORMATS",
+    "MX_1x32",
+    "MX_1x32_FLOOR",
     "RECIPES",
     "STATS_FIELDS",
+    "BlockGranularity",
     "CastConfig",
     "DelayedScalingConfig",
     "Float8AllGatherWeight",

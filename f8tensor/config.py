@@ -14,10 +14,15 @@ from typing import NamedTuple
 
 import torch
 
-from f8tensor.formats import FLOAT8_DTYPES, HP_DTYPES, check_float8_dtype
+from f8tensor.formats import E8M0, FLOAT8_DTYPES, HP_DTYPES, SCALE_DTYPES, check_float8_dtype
 
 __all__ = [
+    "BLOCK_128x128",
+    "BLOCK_1x128",
+    "MX_1x32",
+    "MX_1x32_FLOOR",
     "RECIPES",
+    "BlockGranularity",
     "CastConfig",
     "DelayedScalingConfig",
     "Float8LinearConfig",
@@ -53,6 +58,87 @@ class Granularity(str, enum.Enum):
     @classmethod
     def parse(cls, value: object) -> Granularity:
         return _parse_enum(cls, value, "granularity")
+
+
+E8M0_SCALE_MODES = ("rceil", "floor")
+ROUNDING_MODES = ("nearest", "stochastic")
+
+
+class BlockGranularity(NamedTuple):
+    """A block-scaled granularity: which elements share one scale, and the scale's dtype.
+
+    - ``block``: one entry per trailing dim of the tensor it is applied to; a tensor with
+      more dims gets 1 on the leading ones (``(1, 128)`` on a ``(B, S, K)`` activation is
+      ``(1, 1, 128)``: every row of every batch entry has its own tiles). An entry
+      ``b > 0``: ``b`` consecutive elements along that dim share a scale (partial edge
+      blocks allowed: ``ceil(size / b)`` scales); ``0``: the whole dim shares one.
+    - ``scale_dtype``: ``torch.float32`` or ``torch.float8_e8m0fnu`` (MX: power-of-two scales).
+    - ``scale_mode``: for e8m0 only, how the shared exponent is chosen: ``"rceil"`` (default:
+      the smallest power of two that keeps the block's amax in range, never saturates) or
+      ``"floor"`` (OCP MX spec v1.0: ``floor(log2(amax)) - emax_elem``; can saturate the top
+      of a block by up to 2x).
+
+    Public spellings: :data:`BLOCK_1x128`, :data:`BLOCK_128x128`, :data:`MX_1x32`,
+    :data:`MX_1x32_FLOOR`, or a plain tuple such as ``(1, 128)`` (fp32 scales).
+    A NamedTuple, not a dataclass, for the reason given at :class:`GemmConfig`.
+    """
+
+    block: tuple[int, ...]
+    scale_dtype: torch.dtype = torch.float32
+    scale_mode: str = "rceil"
+
+    def validated(self) -> BlockGranularity:
+        block = self.block
+        if not isinstance(block, tuple) or not block or any(isinstance(b, bool) or not isinstance(b, int) or b < 0 for b in block):
+            raise ValueError(f"a block shape is a non-empty tuple of ints >= 0 (0: the whole dim); got {block!r}")
+        if self.scale_dtype not in SCALE_DTYPES:
+            raise ValueError(f"BlockGranularity.scale_dtype must be one of {SCALE_DTYPES}; got {self.scale_dtype!r}")
+        if self.scale_mode not in E8M0_SCALE_MODES:
+            raise ValueError(f"BlockGranularity.scale_mode must be one of {E8M0_SCALE_MODES}; got {self.scale_mode!r}")
+        return self
+
+    def full_block(self, ndim: int) -> tuple[int, ...]:
+        """The per-dim block for a tensor with ``ndim`` dims (leading dims padded with 1)."""
+        if ndim < len(self.block):
+            raise ValueError(f"block {self.block} needs a tensor with at least {len(self.block)} dims; got {ndim}")
+        return (1,) * (ndim - len(self.block)) + self.block
+
+
+#: DeepSeek-V3 activation/gradient tiles: one fp32 scale per 128 consecutive elements of a row.
+BLOCK_1x128 = BlockGranularity((1, 128))
+#: DeepSeek-V3 weight blocks: one fp32 scale per 128x128 block.
+BLOCK_128x128 = BlockGranularity((128, 128))
+#: MXFP8: one e8m0 (power-of-two) scale per 32 consecutive elements of a row, RCEIL exponent.
+MX_1x32 = BlockGranularity((1, 32), E8M0, "rceil")
+#: MXFP8 with the OCP spec's floor rule for the shared exponent.
+MX_1x32_FLOOR = BlockGranularity((1, 32), E8M0, "floor")
+
+
+def parse_granularity(value: object) -> Granularity | BlockGranularity:
+    """``"tensorwise"``, ``"rowwise"``, a :class:`Granularity`, a :class:`BlockGranularity`
+    or a block tuple such as ``(1, 128)`` -> the canonical object."""
+    if isinstance(value, BlockGranularity):
+        return value.validated()
+    if isinstance(value, tuple):
+        return BlockGranularity(tuple(value)).validated()
+    if isinstance(value, list):
+        raise ValueError(f"a block shape is a tuple, not a list; got {value!r}")
+    return Granularity.parse(value)
+
+
+def block_scale_shape(shape: tuple[int, ...], block: tuple[int, ...]) -> tuple[int, ...]:
+    """The scale's shape for data of ``shape`` and a per-dim ``block``: 1 where the block
+    is 0 (the whole dim), ``ceil(size / b)`` elsewhere."""
+    return tuple(1 if b == 0 else -(-s // b) for s, b in zip(shape, block))
+
+
+def axiswise_block(axiswise_dim: int | None, ndim: int) -> tuple[int, ...]:
+    """The block of the old spellings: tensorwise (``None``) -> all 0; axiswise ``d`` -> 0 at
+    ``d`` (the amax runs along it), 1 elsewhere (one scale per index)."""
+    if axiswise_dim is None:
+        return (0,) * ndim
+    d = axiswise_dim % ndim
+    return tuple(0 if i == d else 1 for i in range(ndim))
 
 
 def _check_bool(owner: str, name: str, value: object) -> None:

@@ -13,9 +13,13 @@ import math
 import torch
 
 __all__ = [
+    "E8M0",
+    "E8M0_MAX_EXP",
+    "E8M0_MIN_EXP",
     "FLOAT8_DTYPES",
     "FORMATS",
     "HP_DTYPES",
+    "SCALE_DTYPES",
     "Float8Format",
     "check_float8_dtype",
     "check_hp_dtype",
@@ -54,6 +58,14 @@ class Float8Format:
     def name(self) -> str:
         return str(self.dtype).removeprefix("torch.")
 
+    @property
+    def emax(self) -> int:
+        """The exponent of the largest binade, ``floor(log2(max))``: 8 for e4m3fn, 15 for e5m2.
+
+        The OCP MX spec's ``emax_elem``, which its shared-exponent rule subtracts.
+        """
+        return math.floor(math.log2(self.max))
+
 
 def _describe(dtype: torch.dtype, exponent_bits: int, mantissa_bits: int) -> Float8Format:
     info = torch.finfo(dtype)
@@ -81,6 +93,23 @@ FORMATS: dict[torch.dtype, Float8Format] = {
     torch.float8_e4m3fnuz: _describe(torch.float8_e4m3fnuz, 4, 3),
     torch.float8_e5m2fnuz: _describe(torch.float8_e5m2fnuz, 5, 2),
 }
+
+# ---------------------------------------------------------------- e8m0: the MX scale format
+#
+# torch.float8_e8m0fnu (OCP Microscaling spec v1.0, section 5.4): 8 exponent bits, no sign,
+# no mantissa; byte e stands for 2**(e - 127), so 2**-127 .. 2**127, and byte 0xFF is NaN.
+# There is no zero and no infinity. f8tensor stores its own scale (the multiplier
+# hp -> data, see scaling.py) in it, i.e. the reciprocal of the spec's shared scale X:
+# ``data = saturate(hp * scale)``, ``hp ~= data / scale`` with ``scale = 1 / X``. Both are
+# powers of two, so the reciprocal is exact, and the exponent range is symmetric.
+
+#: The MX scale dtype.
+E8M0: torch.dtype = torch.float8_e8m0fnu
+#: Smallest and largest exponent an e8m0 byte holds: 2**-127 and 2**127.
+E8M0_MIN_EXP: int = -127
+E8M0_MAX_EXP: int = 127
+#: Scale dtypes a Float8Tensor may carry: fp32 (any granularity) or e8m0 (block scales).
+SCALE_DTYPES: tuple[torch.dtype, ...] = (torch.float32, E8M0)
 
 _ALLOWED_FP8 = ", ".join(str(d) for d in FLOAT8_DTYPES)
 _ALLOWED_HP = ", ".join(str(d) for d in HP_DTYPES)

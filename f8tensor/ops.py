@@ -72,14 +72,7 @@ def _bmm(func, types, args, kwargs):
 
 def _batched(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """``a (B, M, K) @ b (B, K, N)`` in one grouped-kernel call: scales per batch row / column."""
-    ref = a if _is_f8(a) else b
-    rowwise = ref._axiswise_dim is not None
-    a8 = a if _is_f8(a) else _cast_plain(a, ref, 2 if rowwise else None)
-    b8 = b if _is_f8(b) else _cast_plain(b, ref, 1 if rowwise else None)
-    # The kernel takes scales constant along K: a's along dim 2, b's along dim 1.
-    a8 = a8 if a8._axiswise_dim in (None, 2) else _requantize(a8, 2)
-    b8 = b8 if b8._axiswise_dim in (None, 1) else _requantize(b8, 1)
-    a8, b8 = _as_e4m3fn(a8), _as_e4m3fn(b8)
+    a8, b8 = _kernel_operands(a, b, a_k=2, b_k=1)
     (bsz, m, _), n = a8.shape, b8.shape[2]
     a_inv = a8._scale.reciprocal().expand(bsz, m, 1).reshape(bsz, m).contiguous()
     b_inv = b8._scale.reciprocal().expand(bsz, 1, n).reshape(bsz, n).contiguous()
@@ -88,12 +81,35 @@ def _batched(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.
     return out.to(out_dtype)
 
 
+def _kernel_operands(a: torch.Tensor, b: torch.Tensor, a_k: int, b_k: int) -> tuple[Float8Tensor, Float8Tensor]:
+    """Both operands as e4m3fn Float8Tensors whose fp32 scales the grouped kernel takes.
+
+    The kernel takes one scale per row of ``a`` and per column of ``b`` (per group): every
+    block entry 0 or 1, and 0 along the contraction dim (``a_k`` / ``b_k``). A plain
+    operand is cast like the other one; any other scale is re-derived along K.
+    """
+    ref = a if _is_f8(a) else b
+    rowwise = not _tensorwise(ref)
+    a8 = a if _is_f8(a) else _cast_plain(a, ref, a_k if rowwise else None)
+    b8 = b if _is_f8(b) else _cast_plain(b, ref, b_k if rowwise else None)
+    a8 = a8 if _kernel_ready(a8, a_k) else _requantize(a8, a_k)
+    b8 = b8 if _kernel_ready(b8, b_k) else _requantize(b8, b_k)
+    return _as_e4m3fn(a8), _as_e4m3fn(b8)
+
+
+def _kernel_ready(x: Float8Tensor, k_dim: int) -> bool:
+    if _tensorwise(x):
+        return True
+    return x._scale.dtype == torch.float32 and x._block[k_dim] == 0 and all(b in (0, 1) for b in x._block)
+
+
 def _as_e4m3fn(x: Float8Tensor) -> Float8Tensor:
     """The grouped kernel multiplies e4m3fn only: other formats are re-cast (one extra rounding)."""
     if x._data.dtype == torch.float8_e4m3fn:
         return x
     return cast_to_float8(
-        dequantize(x, torch.float32), torch.float8_e4m3fn, axiswise_dim=x._axiswise_dim, gemm=x._gemm, orig_dtype=x._orig_dtype
+        dequantize(x, torch.float32), torch.float8_e4m3fn, block=None if _tensorwise(x) else x._block,
+        gemm=x._gemm, orig_dtype=x._orig_dtype,
     )
 
 
@@ -123,13 +139,8 @@ def _grouped_mm(func, types, args, kwargs):
         )
     if bound.get("bias") is not None:
         raise NotImplementedError("FP8 _grouped_mm with bias is not supported (torch._scaled_grouped_mm takes none)")
-    ref = a if _is_f8(a) else b
     out_dtype = bound.get("out_dtype") or (a._orig_dtype if _is_f8(a) else a.dtype)
-    a8 = a if _is_f8(a) else _cast_plain(a, ref, 1 if ref._axiswise_dim is not None else None)
-    b8 = b if _is_f8(b) else _cast_plain(b, ref, 1 if ref._axiswise_dim is not None else None)
-    a8 = a8 if a8._axiswise_dim in (None, 1) else _requantize(a8, 1)
-    b8 = b8 if b8._axiswise_dim in (None, 1) else _requantize(b8, 1)
-    a8, b8 = _as_e4m3fn(a8), _as_e4m3fn(b8)
+    a8, b8 = _kernel_operands(a, b, a_k=1, b_k=1)
     (m, k), (g, _, n) = a8.shape, b8.shape
     if k % ALIGN:
         raise ValueError(f"FP8 _grouped_mm needs K to be a multiple of {ALIGN} (the kernel's stride rule); got K={k}")
@@ -144,6 +155,10 @@ def _flatten_batch(x: torch.Tensor) -> torch.Tensor:
     """(B, M, K) -> (B*M, K), copying only when the layout demands it."""
     if not _is_f8(x):
         return x.reshape(-1, x.shape[-1])
+    if x.is_blockwise:
+        data = x._data.reshape(-1, x.shape[-1])
+        scale, block = _reshaped_meta(x, data.shape)
+        return x._replace(data=data, scale=scale, block=block)
     if x._axiswise_dim not in (None, 2):
         x = _requantize(x, 2)
     data = x._data.reshape(-1, x.shape[-1])
@@ -154,6 +169,8 @@ def _flatten_batch(x: torch.Tensor) -> torch.Tensor:
 def _batch_item(x: torch.Tensor, i: int) -> torch.Tensor:
     if not _is_f8(x):
         return x[i]
+    if x.is_blockwise:
+        return _selected(x, 0, i)
     scale = x._scale if x._axiswise_dim is None else x._scale[i if x._scale.shape[0] > 1 else 0]
     axis = None if x._axiswise_dim is None else x._axiswise_dim - 1
     if axis == -1:  # scale was reduced over the batch dim: re-derive along K instead
@@ -162,87 +179,130 @@ def _batch_item(x: torch.Tensor, i: int) -> torch.Tensor:
 
 
 # ===================================================================== layout ops
+#
+# Every layout op keeps ``_block`` and ``_scale`` consistent with ``_data`` (see the
+# Float8Tensor docstring): a dim keeps its block entry wherever it goes, the scale moves
+# with it, and a view that would cut a block (e.g. a slice starting inside a 128-block)
+# raises instead of silently mislabelling scales.
 
 
 def _view_result(func, args, kwargs, out):
     return return_and_correct_aliasing(func, args, kwargs, out)
 
 
-def _swap_axis(axis: int | None, d0: int, d1: int) -> int | None:
-    if axis == d0:
-        return d1
-    if axis == d1:
-        return d0
-    return axis
+def _tensorwise(x: Float8Tensor) -> bool:
+    return x._scale.dim() == 0
+
+
+def _describe_scaling(x: Float8Tensor) -> str:
+    return f"with block {x._block}" if x.is_blockwise else f"scaled along dim {x._axiswise_dim}"
+
+
+def _permuted(x: Float8Tensor, data: torch.Tensor, perm: Sequence[int]) -> Float8Tensor:
+    """``x`` with ``data`` (its data permuted by ``perm``): block and scale follow."""
+    block = tuple(x._block[p] for p in perm)
+    scale = x._scale if _tensorwise(x) else x._scale.permute(list(perm))
+    return x._replace(data=data, scale=scale, block=block)
 
 
 @implements([aten.t.default])
 def _t(func, types, args, kwargs):
     (x,) = args
-    out = x._replace(
-        data=x._data.t(),
-        scale=x._scale if x._scale.dim() < 2 else x._scale.t(),
-        axiswise_dim=_swap_axis(x._axiswise_dim, 0, 1) if x.dim() == 2 else x._axiswise_dim,
-    )
-    return _view_result(func, args, kwargs, out)
+    perm = [1, 0] if x.dim() == 2 else list(range(x.dim()))
+    return _view_result(func, args, kwargs, _permuted(x, x._data.t(), perm))
 
 
 @implements([aten.transpose.int])
 def _transpose(func, types, args, kwargs):
     x, d0, d1 = args
     d0, d1 = d0 % max(x.dim(), 1), d1 % max(x.dim(), 1)
-    scale = x._scale if x._axiswise_dim is None else x._scale.transpose(d0, d1)
-    out = x._replace(data=x._data.transpose(d0, d1), scale=scale, axiswise_dim=_swap_axis(x._axiswise_dim, d0, d1))
-    return _view_result(func, args, kwargs, out)
+    perm = list(range(x.dim()))
+    if x.dim():
+        perm[d0], perm[d1] = perm[d1], perm[d0]
+    return _view_result(func, args, kwargs, _permuted(x, x._data.transpose(d0, d1), perm))
 
 
 @implements([aten.permute.default])
 def _permute(func, types, args, kwargs):
     x, dims = args
     dims = [d % x.dim() for d in dims]
-    scale = x._scale if x._axiswise_dim is None else x._scale.permute(dims)
-    axis = None if x._axiswise_dim is None else dims.index(x._axiswise_dim)
-    out = x._replace(data=x._data.permute(dims), scale=scale, axiswise_dim=axis)
-    return _view_result(func, args, kwargs, out)
+    return _view_result(func, args, kwargs, _permuted(x, x._data.permute(dims), dims))
 
 
-def _reshaped_scale(x: Float8Tensor, new_shape: torch.Size) -> tuple[torch.Tensor, int | None]:
-    """The scale for ``x`` reshaped to ``new_shape``, when one exists."""
-    if x._axiswise_dim is None:
-        return x._scale, None
-    if tuple(new_shape) == tuple(x.shape):
-        return x._scale, x._axiswise_dim
-    last = x.dim() - 1
-    if x._axiswise_dim == last and len(new_shape) >= 1 and new_shape[-1] == x.shape[-1]:
-        # Rows keep their length, so each row keeps its own scale: (B, S, 1) <-> (B*S, 1).
-        return x._scale.reshape(*new_shape[:-1], 1), len(new_shape) - 1
-    raise NotImplementedError(
-        f"cannot reshape a Float8Tensor of shape {tuple(x.shape)} scaled along dim {x._axiswise_dim} "
-        f"to {tuple(new_shape)}: elements with different scales would share a row. Only reshapes "
-        f"that keep the last dimension are supported for rowwise scales; call .to_hp() first."
-    )
+def _reshaped_meta(x: Float8Tensor, new_shape: Sequence[int]) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """Scale and block for ``x`` reshaped to ``new_shape``, when they exist.
+
+    The trailing dims both shapes share keep their blocks and scales; the leading dims
+    before them may be merged or split when their blocks are all 1 (one scale per index:
+    ``(B, S, K) <-> (B*S, K)`` for rowwise, 1x128 and MX activations) or all 0 (shared).
+    Anything else would put elements with different scales into one block: refused.
+    """
+    new_shape = tuple(new_shape)
+    old_shape = tuple(x.shape)
+    if _tensorwise(x):
+        return x._scale, (0,) * len(new_shape)
+    if new_shape == old_shape:
+        return x._scale, x._block
+    common = 0
+    while common < min(len(old_shape), len(new_shape)) and old_shape[-1 - common] == new_shape[-1 - common]:
+        common += 1
+    n_old, n_new = len(old_shape) - common, len(new_shape) - common
+    # Size-1 dims hold one scale whatever their block says.
+    lead = {b for b, size in zip(x._block[:n_old], old_shape[:n_old]) if size != 1}
+    if lead <= {1}:
+        prefix_block, prefix_scale = (1,) * n_new, new_shape[:n_new]
+    elif lead == {0}:
+        prefix_block, prefix_scale = (0,) * n_new, (1,) * n_new
+    else:
+        raise NotImplementedError(
+            f"cannot reshape a Float8Tensor of shape {old_shape} with block {x._block} to {new_shape}: "
+            f"elements with different scales would share a block. Only reshapes that keep the last "
+            f"dimension are supported (they may merge or split the leading dims when their blocks are "
+            f"all 1 or all 0); call .to_hp() first."
+        )
+    scale = x._scale.reshape(*prefix_scale, *x._scale.shape[n_old:])
+    return scale, prefix_block + x._block[n_old:]
 
 
 @implements([aten.view.default, aten._unsafe_view.default, aten.reshape.default])
 def _view(func, types, args, kwargs):
     x, size = args[0], args[1]
     data = func(x._data, size)
-    scale, axis = _reshaped_scale(x, data.shape)
-    out = x._replace(data=data, scale=scale, axiswise_dim=axis)
+    scale, block = _reshaped_meta(x, data.shape)
+    out = x._replace(data=data, scale=scale, block=block)
     return _view_result(func, args, kwargs, out)
+
+
+@implements([aten.unsqueeze.default])
+def _unsqueeze(func, types, args, kwargs):
+    x, dim = args
+    dim = dim % (x.dim() + 1)
+    data = x._data.unsqueeze(dim)
+    if _tensorwise(x):
+        return _view_result(func, args, kwargs, x._replace(data=data, block=(0,) * data.dim()))
+    # A new size-1 dim holds one scale whatever its block: 1, as for a leading batch dim.
+    block = x._block[:dim] + (1,) + x._block[dim:]
+    return _view_result(func, args, kwargs, x._replace(data=data, scale=x._scale.unsqueeze(dim), block=block))
 
 
 @implements([aten.expand.default])
 def _expand(func, types, args, kwargs):
     x, size = args[0], args[1]
     data = x._data.expand(size)
-    if x._axiswise_dim is None:
-        out = x._replace(data=data)
-    else:
-        axis = x._axiswise_dim + (data.dim() - x.dim())
-        scale_shape = list(data.shape)
-        scale_shape[axis] = 1
-        out = x._replace(data=data, scale=x._scale.expand(scale_shape), axiswise_dim=axis)
+    lead = data.dim() - x.dim()
+    if _tensorwise(x):
+        return _view_result(func, args, kwargs, x._replace(data=data, block=(0,) * data.dim()))
+    # New leading dims and expanded size-1 dims get one scale per index (block 1), the
+    # scale expanded alongside (stride 0, no copy); other dims keep block and scale.
+    block, scale_shape = [1] * lead, list(data.shape[:lead])
+    for d, (b, old, new) in enumerate(zip(x._block, x.shape, data.shape[lead:])):
+        if old == 1 and new != 1 and b != 0:
+            block.append(1)
+            scale_shape.append(new)
+        else:
+            block.append(b)
+            scale_shape.append(x._scale.shape[d])
+    out = x._replace(data=data, scale=x._scale.expand(scale_shape), block=tuple(block))
     return _view_result(func, args, kwargs, out)
 
 
@@ -270,23 +330,22 @@ def _as_strided(func, types, args, kwargs):
 
     torch.compile calls it to rebuild a graph output that aliases a graph input (a compiled
     function returning ``w8.t()`` or ``w8.detach()``). Tensorwise: any layout, the one scale
-    applies to every byte. Axiswise: only layouts that permute the tensor's own dims at the
-    same storage offset (detach, t, transpose, permute); the scale is permuted alongside.
+    applies to every byte. Other blocks: only layouts that permute the tensor's own dims at
+    the same storage offset (detach, t, transpose, permute); block and scale are permuted alongside.
     """
     x, size, stride = args[0], args[1], args[2]
     offset = args[3] if len(args) > 3 else kwargs.get("storage_offset")
     data = func(x._data, size, stride, offset)
-    if x._axiswise_dim is None:
-        return _view_result(func, args, kwargs, x._replace(data=data))
+    if _tensorwise(x):
+        return _view_result(func, args, kwargs, x._replace(data=data, block=(0,) * data.dim()))
     perm = _as_permutation(x, size, stride, offset)
     if perm is None:
         raise NotImplementedError(
-            f"as_strided of a Float8Tensor scaled along dim {x._axiswise_dim} is only supported "
+            f"as_strided of a Float8Tensor {_describe_scaling(x)} is only supported "
             f"as a permutation of its dims; got size={tuple(size)}, stride={tuple(stride)}, "
             f"storage_offset={offset} for shape {tuple(x.shape)}, stride {x.stride()}. Call .to_hp() first."
         )
-    out = x._replace(data=data, scale=x._scale.permute(perm), axiswise_dim=perm.index(x._axiswise_dim))
-    return _view_result(func, args, kwargs, out)
+    return _view_result(func, args, kwargs, _permuted(x, data, perm))
 
 
 @implements([aten.detach.default, aten.alias.default])
@@ -302,19 +361,45 @@ def _clone(func, types, args, kwargs):
 
 
 def _scale_varies_along(x: Float8Tensor, dim: int) -> bool:
-    """Whether ``x`` has one scale per index along ``dim``.
+    """Whether ``x`` has more than one scale along ``dim`` (block entry > 0).
 
     Decided from the metadata, not from ``_scale.shape[dim] == 1``: a one-row piece of a
     rowwise tensor also has a size-1 scale along ``dim``, yet its scale is its own.
     """
-    return x._axiswise_dim is not None and dim != x._axiswise_dim
+    return not _tensorwise(x) and x._block[dim] != 0
 
 
-def _split_scale(x: Float8Tensor, dim: int, pieces: Sequence[torch.Tensor], split) -> list[torch.Tensor]:
-    """Scales for pieces of ``x`` cut along ``dim``: shared when constant along ``dim``."""
+def _piece_scale(x: Float8Tensor, dim: int, start: int, stop: int, step: int = 1) -> torch.Tensor:
+    """The scale of the elements ``start:stop:step`` of ``x`` along ``dim``.
+
+    Block 0 (or tensorwise): the shared scale. Block 1: the same slice of the scale. Block
+    ``b > 1``: the piece must start on a block boundary with step 1 (it may end inside a
+    block: that becomes its partial last block); its scales are those of the blocks it touches.
+    """
     if not _scale_varies_along(x, dim):
-        return [x._scale] * len(pieces)
-    return list(split(x._scale))
+        return x._scale
+    b = x._block[dim]
+    if b == 1:
+        return x._scale[(slice(None),) * dim + (slice(start, stop, step),)]
+    if step != 1 or start % b:
+        raise NotImplementedError(
+            f"this view of a Float8Tensor with block {x._block} would cut a block along dim {dim}: "
+            f"elements {start}:{stop}:{step} do not start on a multiple of {b} with step 1. "
+            f"Cut at multiples of {b}, or call .to_hp() first."
+        )
+    first, last = start // b, -(-stop // b)
+    return x._scale.narrow(dim, first, max(last - first, 0))
+
+
+def _check_pieces_cat(tensors: Sequence[Float8Tensor], dim: int) -> None:
+    b = tensors[0]._block[dim]
+    if b > 1:
+        for t in tensors[:-1]:
+            if t.shape[dim] % b:
+                raise ValueError(
+                    f"cat along dim {dim} of Float8Tensors with block {tensors[0]._block}: every piece but "
+                    f"the last must hold whole blocks (a multiple of {b}); got size {t.shape[dim]}"
+                )
 
 
 @implements([aten.split.Tensor, aten.split_with_sizes.default])
@@ -322,8 +407,11 @@ def _split(func, types, args, kwargs):
     x, sizes = args[0], args[1]
     dim = (args[2] if len(args) > 2 else kwargs.get("dim", 0)) % x.dim()
     datas = func(x._data, sizes, dim)
-    scales = _split_scale(x, dim, datas, lambda s: func(s, sizes, dim))
-    out = [x._replace(data=d, scale=s) for d, s in zip(datas, scales)]
+    out, start = [], 0
+    for d in datas:
+        stop = start + d.shape[dim]
+        out.append(x._replace(data=d, scale=_piece_scale(x, dim, start, stop)))
+        start = stop
     return _view_result(func, args, kwargs, out)
 
 
@@ -332,43 +420,50 @@ def _slice(func, types, args, kwargs):
     x = args[0]
     rest = list(args[1:])
     dim = (rest[0] if rest else kwargs.get("dim", 0)) % x.dim()
+    start = rest[1] if len(rest) > 1 else kwargs.get("start")
+    end = rest[2] if len(rest) > 2 else kwargs.get("end")
+    step = rest[3] if len(rest) > 3 else kwargs.get("step", 1)
     data = func(x._data, *rest, **kwargs)
-    (scale,) = _split_scale(x, dim, [data], lambda s: [func(s, *rest, **kwargs)])
+    size = x.shape[dim]
+    start, end, _ = slice(start, end, step).indices(size) if size else (0, 0, 1)
+    scale = _piece_scale(x, dim, start, max(end, start), step)
     return _view_result(func, args, kwargs, x._replace(data=data, scale=scale))
+
+
+def _selected(x: Float8Tensor, dim: int, index: int) -> Float8Tensor:
+    """``x`` indexed at ``index`` along ``dim`` (the dim drops out of data, block and scale)."""
+    dim = dim % x.dim()
+    index = index % x.shape[dim]
+    data = x._data.select(dim, index)
+    block = x._block[:dim] + x._block[dim + 1 :]
+    if _tensorwise(x):
+        return x._replace(data=data, block=block)
+    b = x._block[dim]
+    return x._replace(data=data, scale=x._scale.select(dim, 0 if b == 0 else index // b), block=block)
 
 
 @implements([aten.select.int])
 def _select(func, types, args, kwargs):
-    """One expert (or row) of a batched tensor: ``w8[e]``. The scale follows when it varies along ``dim``."""
     x, dim, index = args
-    dim = dim % x.dim()
-    if x._axiswise_dim == dim:
-        raise NotImplementedError(
-            f"select along dim {dim}, the dim a rowwise Float8Tensor's scale is constant along, would leave "
-            f"one scale per element; select along another dim, or call .to_hp() first"
-        )
-    if x._axiswise_dim is None:
-        return _view_result(func, args, kwargs, x._replace(data=func(x._data, dim, index)))
-    scale = x._scale.select(dim, index if x._scale.shape[dim] > 1 else 0)
-    axis = x._axiswise_dim - (1 if dim < x._axiswise_dim else 0)
-    return _view_result(func, args, kwargs, x._replace(data=func(x._data, dim, index), scale=scale, axiswise_dim=axis))
+    return _view_result(func, args, kwargs, _selected(x, dim, index))
 
 
 @implements([aten.index.Tensor])
 def _index(func, types, args, kwargs):
-    """``w8[ids]``: experts gathered along dim 0 by an integer tensor (a copy, with their scales)."""
+    """``w8[ids]``: experts gathered along dim 0 by a 1D integer tensor (a copy, with their scales)."""
     x, indices = args
-    if len(indices) != 1 or indices[0] is None or indices[0].dtype not in (torch.int64, torch.int32):
+    if len(indices) != 1 or indices[0] is None or indices[0].dtype not in (torch.int64, torch.int32) or indices[0].dim() != 1:
         raise NotImplementedError(
-            "Float8Tensor supports indexing with one integer tensor along dim 0 (w8[ids]); call .to_hp() first"
+            "Float8Tensor supports indexing with one 1D integer tensor along dim 0 (w8[ids]); call .to_hp() first"
         )
     (ids,) = indices
     data = x._data.view(torch.uint8)[ids].view(x._data.dtype)  # gather through bytes: no FP8 index kernel needed
-    if x._axiswise_dim is None:
+    b = x._block[0] if x._block else 0
+    if _tensorwise(x) or b == 0:
         return x._replace(data=data)
-    if x._axiswise_dim == 0:
-        raise NotImplementedError("indexing along dim 0 of a Float8Tensor scaled along dim 0 is not supported; call .to_hp() first")
-    return x._replace(data=data, scale=x._scale[ids], axiswise_dim=x._axiswise_dim - 1 + ids.dim())
+    # Each gathered row keeps its own scale row: blocks of b rows become blocks of one.
+    block = (1,) + tuple(x._block[1:])
+    return x._replace(data=data, scale=x._scale[ids // b], block=block)
 
 
 @implements([aten.cat.default])
@@ -379,16 +474,19 @@ def _cat(func, types, args, kwargs):
     for t in tensors:
         if not _is_f8(t):
             raise TypeError("cat of Float8Tensors with plain tensors is not supported; call .to_hp() first")
-        same_meta = (t._data.dtype, t._orig_dtype, t._axiswise_dim, t._gemm) == (
+        same_meta = (t._data.dtype, t._orig_dtype, t._block, t._scale.dtype, t._scale.dim(), t._gemm) == (
             first._data.dtype,
             first._orig_dtype,
-            first._axiswise_dim,
+            first._block,
+            first._scale.dtype,
+            first._scale.dim(),
             first._gemm,
         )
         if not same_meta:
-            raise ValueError("cat needs Float8Tensors of one float8 dtype, original dtype, granularity and GemmConfig")
+            raise ValueError("cat needs Float8Tensors of one float8 dtype, original dtype, block, scale dtype and GemmConfig")
     data = torch.cat([t._data for t in tensors], dim)
     if _scale_varies_along(first, dim):
+        _check_pieces_cat(tensors, dim)
         return first._replace(data=data, scale=torch.cat([t._scale for t in tensors], dim))
     # The scale is constant along `dim`: every piece must carry the same one.
     for t in tensors[1:]:
@@ -429,12 +527,17 @@ def _copy_(func, types, args, kwargs):
         dst.copy_(dequantize(src, dst.dtype))
         return dst
     if _is_f8(src):
-        if (src._data.dtype, src._axiswise_dim) != (dst._data.dtype, dst._axiswise_dim):
-            raise ValueError("copy_ between Float8Tensors needs one float8 dtype and one granularity")
+        if (src._data.dtype, src._block, src._scale.dtype) != (dst._data.dtype, dst._block, dst._scale.dtype):
+            raise ValueError("copy_ between Float8Tensors needs one float8 dtype and one granularity (block)")
     else:
         # A plain source (e.g. load_state_dict into an FP8 weight): cast it afresh with a
         # dynamic scale in the destination's format, then write data and scale in place.
-        src = cast_to_float8(src.to(dst._orig_dtype), dst._data.dtype, axiswise_dim=dst._axiswise_dim)
+        src = cast_to_float8(
+            src.to(dst._orig_dtype),
+            dst._data.dtype,
+            block=None if _tensorwise(dst) else dst._block,
+            scale_dtype=dst._scale.dtype,
+        )
     if src._scale is not dst._scale and _scale_shared_beyond(dst):
         raise NotImplementedError(
             f"copy_ into a view of shape {tuple(dst.shape)} of a Float8Tensor of shape {tuple(dst._base.shape)} "
@@ -449,15 +552,16 @@ def _copy_(func, types, args, kwargs):
 def _scale_shared_beyond(dst: Float8Tensor) -> bool:
     """Whether ``dst`` is a view whose scale also covers elements outside it.
 
-    Tensorwise: any view with fewer elements than its base. Axiswise: a view whose rows are
-    shorter than the base's (cut along the scaled axis); row slices own their scale rows.
+    Tensorwise: any view with fewer elements than its base. Other blocks (same ndim as the
+    base): a view cut along a dim whose block is not 1 (rows of a rowwise tensor own their
+    scale rows; a 128-block or a whole-dim scale is shared). Otherwise: conservatively yes.
     """
     base = dst._base
     if not _is_f8(base):
         return False
-    if dst._axiswise_dim is None or base._axiswise_dim is None:
+    if _tensorwise(dst) or _tensorwise(base) or dst.dim() != base.dim():
         return dst.numel() != base.numel()
-    return dst.shape[dst._axiswise_dim] != base.shape[base._axiswise_dim]
+    return any(b != 1 and ds != bs for b, ds, bs in zip(dst._block, dst.shape, base.shape))
 
 
 @implements([aten.empty_like.default])

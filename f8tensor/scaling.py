@@ -7,20 +7,33 @@ Scale semantics, one rule everywhere in f8tensor::
 so ``scale = float8_max / amax``. Tensorwise scales are 0-dim; axiswise (rowwise)
 scales keep the reduced dimension as size 1 and broadcast against the data.
 
-This module only computes fp32 scale tensors; it never builds a Float8Tensor.
+Block scales (1x128, 128x128, MX 1x32, any block shape: see
+:class:`f8tensor.config.BlockGranularity`) follow the same rule per block: the amax is
+taken over each block, and the scale has one entry per block (``ceil(size / b)`` along a
+dim with block ``b``, 1 along a dim with block 0). e8m0 scales are powers of two stored
+as ``torch.float8_e8m0fnu`` with the same meaning (the multiplier hp -> data).
+
+This module only computes scale tensors (and the stochastic rounding of scaled values);
+it never builds a Float8Tensor.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from f8tensor.config import HISTORY_REDUCTIONS
-from f8tensor.formats import FORMATS
+from f8tensor.config import E8M0_SCALE_MODES, HISTORY_REDUCTIONS
+from f8tensor.formats import E8M0, E8M0_MAX_EXP, E8M0_MIN_EXP, FORMATS
 
 __all__ = [
     "EPS",
     "HISTORY_REDUCTIONS",
+    "amax_to_e8m0_scale",
     "amax_to_scale",
+    "block_amax",
+    "expand_block_scale",
+    "stochastic_round",
     "delayed_scale",
     "dynamic_scale",
     "push_amax",
@@ -141,3 +154,121 @@ def push_amax(history: torch.Tensor, amax: torch.Tensor) -> None:
     """
     amax = torch.where(torch.isfinite(amax), amax.to(history.dtype), history[0])
     history.copy_(torch.cat([amax.reshape(1), history[:-1]]))
+
+
+# ===================================================================== block scales
+
+
+def _blocked(x: torch.Tensor, block: tuple[int, ...]) -> torch.Tensor:
+    """``x`` zero-padded to whole blocks and viewed as ``(n0, b0, n1, b1, ...)``.
+
+    ``n_d`` is the number of blocks along dim ``d`` (1 for block 0) and ``b_d`` the block's
+    extent (the whole dim for block 0). Zero padding leaves every block's amax unchanged.
+    """
+    pads: list[int] = []
+    shape: list[int] = []
+    for size, b in zip(x.shape, block):
+        extent = size if b == 0 else b
+        count = 1 if b == 0 else -(-size // b)
+        pads.append(count * extent - size)
+        shape += [count, extent]
+    if any(pads):
+        # F.pad takes (last-dim-left, last-dim-right, ...): pad on the right only.
+        flat = [p for pad in reversed(pads) for p in (0, pad)]
+        x = torch.nn.functional.pad(x, flat)
+    return x.reshape(shape)
+
+
+def block_amax(x: torch.Tensor, block: tuple[int, ...]) -> torch.Tensor:
+    """max |x| per block, fp32, in the scale's shape (``ceil(size / b)`` per dim, 1 for b = 0).
+
+    NaN in a block gives that block a NaN amax, inf gives inf; other blocks are unaffected.
+    """
+    if len(block) != x.dim():
+        raise ValueError(f"block {block} has {len(block)} entries for a {x.dim()}-dim tensor")
+    out_shape = tuple(1 if b == 0 else -(-s // b) for s, b in zip(x.shape, block))
+    if x.numel() == 0:
+        return torch.zeros(out_shape, dtype=torch.float32, device=x.device)
+    xb = _blocked(x, block)
+    inner = tuple(range(1, 2 * x.dim(), 2))
+    lo, hi = torch.amin(xb, dim=inner), torch.amax(xb, dim=inner)
+    return torch.maximum(hi, lo.neg()).to(torch.float32).reshape(out_shape)
+
+
+def _floor_pow2_f64(x: torch.Tensor) -> torch.Tensor:
+    # 2**floor(log2(x)) exactly for positive normal float64: keep the exponent bits only.
+    return (x.view(torch.int64) & 0x7FF0000000000000).view(torch.float64)
+
+
+def amax_to_e8m0_scale(amax: torch.Tensor, float8_dtype: torch.dtype, mode: str = "rceil") -> torch.Tensor:
+    """Power-of-two scales for MX blocks, as ``torch.float8_e8m0fnu``.
+
+    With ``X = 2**shared_exp`` the spec's dequantization factor and ``scale = 1 / X`` ours:
+
+    - ``"rceil"``: ``X = 2**ceil(log2(amax / float8_max))``, the smallest power of two that
+      keeps ``amax / X <= float8_max``: nothing in the block saturates.
+    - ``"floor"`` (OCP MX v1.0, section 6.3): ``X = 2**(floor(log2(amax)) - emax_elem)``;
+      ``amax / X`` lies in ``[2**emax, 2**(emax+1))``, so the top of a block above
+      ``float8_max`` (448 for e4m3fn) is clamped.
+
+    amax of 0 is clamped to :data:`EPS` first (a finite scale); the exponent is clamped to
+    e8m0's range ``[-127, 127]``; a non-finite amax gives the e8m0 NaN (byte 0xFF), so the
+    whole block dequantizes to NaN.
+    """
+    if mode not in E8M0_SCALE_MODES:
+        raise ValueError(f"e8m0 scale mode must be one of {E8M0_SCALE_MODES}; got {mode!r}")
+    fmt = FORMATS[float8_dtype]
+    # Deliberate upcast: float64 holds 448 / amax for every fp32 amax without rounding to
+    # the next power of two (the two differ by >= 2**-24 relative), and powers of two
+    # 2**-127..2**127 are exact; the same bits eager and compiled.
+    amax64 = amax.to(torch.float64).clamp(min=EPS)
+    if mode == "rceil":
+        scale = _floor_pow2_f64(fmt.max / amax64)
+    else:
+        scale = (2.0**fmt.emax) / _floor_pow2_f64(amax64)
+    scale = scale.clamp(min=2.0**E8M0_MIN_EXP, max=2.0**E8M0_MAX_EXP)
+    scale = torch.where(torch.isfinite(amax.to(torch.float64)), scale, torch.nan)
+    # Exact: every value is a power of two in e8m0's range (fp32 holds 2**-127 as a subnormal).
+    return scale.to(torch.float32).to(E8M0)
+
+
+def expand_block_scale(scale: torch.Tensor, block: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
+    """The fp32 scale repeated over its blocks, broadcastable against data of ``shape``.
+
+    Dims with block 0 or 1 already broadcast; a dim with block ``b > 1`` repeats each
+    entry ``b`` times and drops the padding of a partial edge block.
+    """
+    if scale.dtype != torch.float32:
+        scale = scale.to(torch.float32)
+    for d, b in enumerate(block):
+        if b > 1:
+            n = scale.shape[d]
+            sizes = list(scale.shape)
+            scale = scale.unsqueeze(d + 1).expand(*sizes[: d + 1], b, *sizes[d + 1 :])
+            scale = scale.reshape(*sizes[:d], n * b, *sizes[d + 1 :])
+            if n * b != shape[d]:
+                scale = scale.narrow(d, 0, shape[d])
+    return scale
+
+
+def stochastic_round(x: torch.Tensor, float8_dtype: torch.dtype, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Round fp32 ``x`` (already within the format's finite range) to a neighbouring value of
+    the ``float8_dtype`` grid, up with probability equal to the distance from the lower one
+    in spacings: ``E[result] = x`` exactly. Returns fp32 values that are on the FP8 grid.
+
+    The spacing at ``x`` is ``2**(e - mantissa_bits)`` with ``e = floor(log2|x|)``, held at
+    the format's smallest normal exponent below it (the subnormal spacing). Everything is
+    exact in fp32 (power-of-two spacings, ``floor``), so the only randomness is the
+    uniform draw: reproducible with ``generator`` (or ``torch.manual_seed``). NaN stays NaN.
+    """
+    fmt = FORMATS[float8_dtype]
+    emin = round(math.log2(fmt.smallest_normal))
+    # floor(log2|x|) from the fp32 exponent bits (values below fp32's normals are far below
+    # every FP8 subnormal and take the subnormal spacing through the clamp).
+    e = ((x.view(torch.int32) >> 23) & 0xFF) - 127
+    e = e.clamp(min=emin)
+    ulp = ((e - fmt.mantissa_bits + 127) << 23).view(torch.float32)
+    q = x / ulp
+    lo = torch.floor(q)
+    u = torch.rand(x.shape, dtype=torch.float32, device=x.device, generator=generator)
+    return (lo + (u < q - lo).to(torch.float32)) * ulp

@@ -60,8 +60,14 @@ def assert_bitwise_equal_f8(a: Float8Tensor, b: Float8Tensor) -> None:
     assert a._data.shape == b._data.shape, (a._data.shape, b._data.shape)
     assert torch.equal(bits(a._data), bits(b._data)), "FP8 bytes differ"
     assert a._scale.shape == b._scale.shape, (a._scale.shape, b._scale.shape)
-    assert torch.equal(float_bits(a._scale), float_bits(b._scale)), "scale bits differ"
-    assert (a._orig_dtype, a._axiswise_dim, a._gemm) == (b._orig_dtype, b._axiswise_dim, b._gemm)
+    assert a._scale.dtype == b._scale.dtype, (a._scale.dtype, b._scale.dtype)
+    assert torch.equal(scale_bits(a._scale), scale_bits(b._scale)), "scale bits differ"
+    assert (a._orig_dtype, a._block, a._gemm) == (b._orig_dtype, b._block, b._gemm)
+
+
+def scale_bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bits of a scale: fp32 as int32, e8m0 as its byte."""
+    return float_bits(t) if t.dtype == torch.float32 else t.view(torch.uint8)
 
 
 def assert_consistent(t: Float8Tensor) -> None:
@@ -70,13 +76,14 @@ def assert_consistent(t: Float8Tensor) -> None:
     assert t.shape == t._data.shape
     assert t.stride() == t._data.stride()
     assert t.dtype == t._orig_dtype
-    assert t._scale.dtype == torch.float32
-    if t._axiswise_dim is None:
-        assert t._scale.dim() == 0, t._scale.shape
+    assert t._scale.dtype in (torch.float32, torch.float8_e8m0fnu)
+    assert len(t._block) == t.dim(), (t._block, t.shape)
+    if t._scale.dim() == 0:
+        assert set(t._block) <= {0}, t._block
     else:
-        expected = list(t._data.shape)
-        expected[t._axiswise_dim] = 1
-        assert list(t._scale.shape) == expected, (t._scale.shape, expected)
+        # One scale per block: ceil(size / b) along a dim with block b, 1 where b == 0.
+        expected = [1 if b == 0 else -(-s // b) for s, b in zip(t._data.shape, t._block)]
+        assert list(t._scale.shape) == expected, (t._scale.shape, expected, t._block)
 
 
 def reference_cast(hp: torch.Tensor, scale: torch.Tensor, float8_dtype: torch.dtype) -> torch.Tensor:

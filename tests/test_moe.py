@@ -129,14 +129,21 @@ def test_grouped_kernel_not_claimed_on_cpu():
 # ----------------------------------------------------------------------------- 3D Float8Tensors
 
 
-@pytest.mark.parametrize("granularity", RECIPES)
-def test_expert_layout_ops(granularity):
+# Per-expert scales on (E, N, K): one per expert, one per expert row; and one for the tensor.
+GRANULARITIES = {"tensorwise": "tensorwise", "per_expert": (1, 0, 0), "per_expert_row": "rowwise"}
+EXPERT_BLOCKS = {"tensorwise": (0, 0), "per_expert": (0, 0), "per_expert_row": (1, 0)}
+
+
+@pytest.mark.parametrize("name", sorted(GRANULARITIES))
+def test_expert_layout_ops(name):
     w = torch.randn(4, N, K)
-    w8 = Float8Tensor.from_hp(w, granularity=granularity)
-    e2 = w8[2]  # one expert: its own scale rows
+    w8 = Float8Tensor.from_hp(w, granularity=GRANULARITIES[name])
+    e2 = w8[2]  # one expert: its own scale (rows)
     assert torch.equal(bits(e2._data), bits(w8._data[2]))
     torch.testing.assert_close(e2.to_hp(), w8.to_hp()[2], rtol=0, atol=0)
-    assert e2._axiswise_dim == (None if granularity == "tensorwise" else 1)
+    assert e2._block == EXPERT_BLOCKS[name]
+    x = torch.randn(5, K)
+    assert_sqnr(F.linear(x.double(), w[2].double()), F.linear(x, e2), 25.0, "one expert through F.linear")
     for piece, ref in (
         (w8.transpose(-2, -1), w8.to_hp().transpose(-2, -1)),
         (w8[1:3], w8.to_hp()[1:3]),
@@ -149,24 +156,24 @@ def test_expert_layout_ops(granularity):
     assert moved.dtype == torch.bfloat16 and torch.equal(bits(moved._data), bits(w8._data))
 
 
-def test_select_along_the_constant_scale_dim_raises():
+def test_index_with_a_2d_tensor_raises():
     w8 = Float8Tensor.from_hp(torch.randn(4, N, K), granularity="rowwise")
-    with pytest.raises(NotImplementedError, match="one scale per element"):
-        w8.select(2, 0)
+    with pytest.raises(NotImplementedError, match="one 1D integer tensor along dim 0"):
+        w8[torch.tensor([[0, 1]])]
 
 
-@pytest.mark.parametrize("granularity", RECIPES)
-def test_float8tensor_grouped_mm(granularity):
+@pytest.mark.parametrize("name", sorted(GRANULARITIES))
+def test_float8tensor_grouped_mm(name):
     offs = _offs([0, 7, 20, 5])
     w, x = torch.randn(4, N, K), torch.randn(32, K)
-    w8 = Float8Tensor.from_hp(w, granularity=granularity)
+    w8 = Float8Tensor.from_hp(w, granularity=GRANULARITIES[name])
     y = torch._grouped_mm(x, w8.transpose(-2, -1), offs=offs)
     assert y.dtype == torch.float32 and y.shape == (32, N)
     assert_sqnr(torch._grouped_mm(x, w.transpose(-2, -1), offs=offs), y, 25.0)
 
 
-@pytest.mark.parametrize("granularity", RECIPES)
-def test_bmm_is_one_grouped_call(granularity, monkeypatch):
+@pytest.mark.parametrize("name", sorted(GRANULARITIES))
+def test_bmm_is_one_grouped_call(name, monkeypatch):
     calls = {"grouped": 0, "scaled_mm": 0}
     real_grouped, real_mm = gg.scaled_grouped_mm, torch._scaled_mm
 
@@ -181,7 +188,7 @@ def test_bmm_is_one_grouped_call(granularity, monkeypatch):
     monkeypatch.setattr("f8tensor.ops.scaled_grouped_mm", grouped)
     monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
     x, w = torch.randn(6, 5, K, dtype=torch.bfloat16), torch.randn(6, N, K, dtype=torch.bfloat16)
-    w8 = Float8Tensor.from_hp(w, granularity=granularity)
+    w8 = Float8Tensor.from_hp(w, granularity=GRANULARITIES[name])
     y = torch.bmm(x, w8.transpose(1, 2))
     assert calls == {"grouped": 1, "scaled_mm": 0}
     assert_sqnr(torch.bmm(x.double(), w.double().transpose(1, 2)), y, 25.0)

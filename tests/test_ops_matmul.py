@@ -309,7 +309,7 @@ UNSUPPORTED = {
     "mul": lambda t: t * 2.0,
     "sum": lambda t: t.sum(),
     "relu": lambda t: F.relu(t),
-    "exp": lambda t: torch.exp(t),
+    "neg": lambda t: -t,
 }
 UNSUPPORTED_OP_NAMES = {
     "sin": "aten.sin.default",
@@ -317,7 +317,7 @@ UNSUPPORTED_OP_NAMES = {
     "mul": "aten.mul.Tensor",
     "sum": "aten.sum.default",
     "relu": "aten.relu.default",
-    "exp": "aten.exp.default",
+    "neg": "aten.neg.default",
 }
 
 
