@@ -158,13 +158,20 @@ def _group_quantize(t: torch.Tensor, offs: torch.Tensor, g: int, cast: CastConfi
     return data, scale[:g]
 
 
-def _grouped_wgrad(x: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor, g: int, x_cast: CastConfig, go_cast: CastConfig):
-    """FP8 ``x[group].t() @ grad[group]`` per group: (G, K, N), in bf16."""
-    m, k = x.shape
-    n = grad.shape[1]
+def _grouped_wgrad(x, grad: torch.Tensor, offs: torch.Tensor, g: int, x_cast: CastConfig, go_cast: CastConfig):
+    """FP8 ``x[group].t() @ grad[group]`` per group: (G, K, N), in bf16.
+
+    ``x``: the high-precision input, or ``(x8, scale)`` saved by a tensorwise forward (the
+    same bytes the forward multiplied: no second cast, half the saved bytes of bf16).
+    """
+    m = grad.shape[0]
     dest, poffs, p = _pad_groups(offs, m)
-    xp, gp = _scatter_rows(x, dest, p), _scatter_rows(grad, dest, p)
-    x8, xs = _group_quantize(xp, poffs, g, x_cast)  # (P, K), (G, K)
+    gp = _scatter_rows(grad, dest, p)
+    if isinstance(x, tuple):
+        x8, scale = x
+        x8, xs = _scatter_rows(x8, dest, p), scale.expand(g, x8.shape[1])
+    else:
+        x8, xs = _group_quantize(_scatter_rows(x, dest, p), poffs, g, x_cast)  # (P, K), (G, K)
     g8, gs = _group_quantize(gp, poffs, g, go_cast)  # (P, N), (G, N)
     a = x8.t().contiguous()  # (K, P) row-major
     b = _col_major(g8)  # (P, N) column-major
@@ -174,21 +181,28 @@ def _grouped_wgrad(x: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor, g: i
 class _GroupedMMFn(torch.autograd.Function):
     """``y = grouped_mm(x, w, offs)`` with x (M, K) sorted by expert and w (G, K, N), all GEMMs FP8.
 
-    Saved for backward: x in high precision (the weight-gradient GEMM re-casts it per
-    expert group), w (the parameter's own view: no extra memory), offs, and for a
-    tensorwise weight its per-expert scales (backward re-casts the very same bytes).
+    Saved for backward: w (the parameter's own view: no extra memory), offs, for a
+    tensorwise weight its per-expert scales (backward re-casts the very same bytes), and x:
+    with a tensorwise input its FP8 bytes and scale (the weight-gradient GEMM takes them as
+    they are), else in high precision (re-cast per expert group there).
     """
 
     @staticmethod
     def forward(ctx, x, w, offs, config):  # type: ignore[override]
-        out, _, _, ws = _grouped_fwd(x, w, offs, config.input, config.weight)
-        ctx.save_for_backward(x, w, offs, None if config.weight.rowwise else ws)
+        out, x8, xs, ws = _grouped_fwd(x, w, offs, config.input, config.weight)
+        keep_fp8_x = not config.input.rowwise and not config.weight_grad_in_hp
+        ctx.save_for_backward(
+            None if keep_fp8_x else x, x8 if keep_fp8_x else None, xs if keep_fp8_x else None,
+            w, offs, None if config.weight.rowwise else ws,
+        )
         ctx.config = config
+        ctx.x_meta = (x.shape, x.dtype)
         return out.to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        x, w, offs, ws = ctx.saved_tensors
+        x, x8, xs, w, offs, ws = ctx.saved_tensors
+        x_shape, x_dtype = ctx.x_meta
         config: Float8LinearConfig = ctx.config
         g, k, n = w.shape
         grad_x = grad_w = None
@@ -201,15 +215,15 @@ class _GroupedMMFn(torch.autograd.Function):
             else:
                 wt8, wts = _cast(wt, ws.transpose(-2, -1)), ws.transpose(-2, -1)
             wts_inv = wts.reciprocal().expand(g, 1, k).reshape(g, k).contiguous()
-            grad_x = scaled_grouped_mm(g8, _col_major(wt8), _inv(gs, (grad.shape[0],)), wts_inv, offs, _KERNEL_OUT)
-            grad_x = grad_x.to(x.dtype)
+            grad_x = scaled_grouped_mm(g8, _col_major(wt8), _inv(gs, (x_shape[0],)), wts_inv, offs, _KERNEL_OUT)
+            grad_x = grad_x.to(x_dtype)
         if ctx.needs_input_grad[1]:
             if config.weight_grad_in_hp:
                 dest, poffs, p = _pad_groups(offs, x.shape[0])
                 xp, gp = _scatter_rows(x, dest, p), _scatter_rows(grad.to(x.dtype), dest, p)
                 grad_w = torch._grouped_mm(xp.t().contiguous(), gp, offs=poffs)
             else:
-                grad_w = _grouped_wgrad(x, grad, offs, g, config.input, config.grad_output)
+                grad_w = _grouped_wgrad((x8, xs) if x is None else x, grad, offs, g, config.input, config.grad_output)
             grad_w = grad_w.to(w.dtype)
         return grad_x, grad_w, None, None
 
