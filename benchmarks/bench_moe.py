@@ -64,7 +64,8 @@ def main(argv=None) -> None:
         parser.error(f"--shape: expected TOKENSxHIDDENxINTERxEXPERTSxTOPK, e.g. 512x512x256x8x2; got {shape!r}")
     rounds, per_round = (2, 2) if args.quick else (5, 4)
     device = args.device
-    env = C.environment(device, "not compared (torchao.float8 does not convert 3D expert weights)")
+    not_compared = "not compared (torchao.float8 does not convert 3D expert weights)"
+    env = C.environment(device, f"{args.torchao_note}; {not_compared}" if args.torchao_note else not_compared)
     C.print_environment(env, "MoE layer: FP8 experts vs bf16 (Qwen3-MoE sparse block, forward + backward)")
 
     x = torch.randn(1, tokens, hidden, device=device, dtype=torch.bfloat16)
