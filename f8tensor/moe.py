@@ -418,6 +418,27 @@ class Float8ExpertWeight(torch.Tensor):
     def __tensor_unflatten__(inner: dict, meta: tuple, outer_size: Any, outer_stride: Any) -> Float8ExpertWeight:
         return Float8ExpertWeight(inner["_hp"], *meta)
 
+    # ----------------------------------------------------------------- FSDP2 extension
+    # High-precision all-gather (in mp_policy.param_dtype): the gathered weight is wrapped
+    # again, so the unsharded experts still multiply in FP8. Here rather than in fsdp.py:
+    # plain methods FSDP2 looks up on the parameter, needing nothing from torch.distributed.
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        hp = self._hp
+        if mp_policy.param_dtype is not None and hp.dtype != mp_policy.param_dtype:
+            hp = hp.to(mp_policy.param_dtype)
+        # FSDP pads every shard along dim 0 to the size of the first (ceil(rows / world)).
+        rows = -(-outer_size[0] // mesh.size())
+        if hp.shape[0] < rows:
+            hp = torch.nn.functional.pad(hp, [0, 0] * (hp.dim() - 1) + [0, rows - hp.shape[0]])
+        return (hp.contiguous(),), None
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        (data,) = all_gather_outputs
+        if out is not None:  # the gathered values already sit in out's storage
+            return None
+        return Float8ExpertWeight(data, self._config), (data,)
+
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
         route = _ROUTES.get(func)
