@@ -53,16 +53,16 @@ def _block(hidden: int, inter: int, experts: int, top_k: int, impl: str, recipe:
 def main(argv=None) -> None:
     parser = C.BenchArgumentParser(__doc__)
     parser.add_argument("--impls", default=",".join(IMPLS), help=f"experts implementations (default: {','.join(IMPLS)})")
-    parser.add_argument("--shape", default=None, help="TOKENSxHIDDENxINTERxEXPERTSxTOPK (default 512x512x256x8x2)")
+    parser.add_argument("--shape", default=None, help="TOKENSxHIDDENxINTERxEXPERTSxTOPK (default 256x256x128x8x2)")
     args = parser.parse_args(argv)
     impls = C.parse_list(args.impls, IMPLS, "--impls", parser)
     recipes = [r for r in args.recipes if r in MOE_RECIPES]
-    shape = args.shape or ("32x32x32x4x2" if args.quick else "512x512x256x8x2")
+    shape = args.shape or ("32x32x32x4x2" if args.quick else "256x256x128x8x2")
     try:
         tokens, hidden, inter, experts, top_k = (int(v) for v in shape.split("x"))
     except ValueError:
-        parser.error(f"--shape: expected TOKENSxHIDDENxINTERxEXPERTSxTOPK, e.g. 512x512x256x8x2; got {shape!r}")
-    rounds, per_round = (2, 2) if args.quick else (5, 4)
+        parser.error(f"--shape: expected TOKENSxHIDDENxINTERxEXPERTSxTOPK, e.g. 256x256x128x8x2; got {shape!r}")
+    rounds, per_round = (2, 2) if args.quick else (3, 3)
     device = args.device
     not_compared = "not compared (torchao.float8 does not convert 3D expert weights)"
     env = C.environment(device, f"{args.torchao_note}; {not_compared}" if args.torchao_note else not_compared)
