@@ -342,11 +342,29 @@ def _route_linear(args: tuple, kwargs: dict) -> torch.Tensor:
     return _Float8LinearFn.apply(x, _Unwrap.apply(w), _plain(bias), w._config, None, None)
 
 
+def _route_matmul(args: tuple, kwargs: dict) -> torch.Tensor:
+    a, b = args[0], args[1] if len(args) > 1 else kwargs["other"]
+    if isinstance(b, Float8ExpertWeight) and not isinstance(a, Float8ExpertWeight):
+        if b.dim() == 2:  # x @ w[e].t()
+            return _route_linear((a, b.transpose(0, 1)), {})
+        if b.dim() == 3 and a.dim() == 3:
+            return _route_bmm((a, b), {})
+    if isinstance(a, Float8ExpertWeight) and not isinstance(b, Float8ExpertWeight) and a.dim() == 3 and b.dim() == 3:
+        return _route_bmm((a, b), {})
+    raise NotImplementedError(
+        f"matmul with an FP8 expert weight supports x @ w[e].t() and batched 3D x 3D products; got "
+        f"{tuple(a.shape)} @ {tuple(b.shape)}"
+    )
+
+
 _ROUTES: dict[Any, Callable[[tuple, dict], torch.Tensor]] = {
     torch._grouped_mm: _route_grouped_mm,
     torch.bmm: _route_bmm,
     torch.Tensor.bmm: _route_bmm,
     torch.nn.functional.linear: _route_linear,
+    torch.matmul: _route_matmul,
+    torch.Tensor.matmul: _route_matmul,
+    torch.Tensor.__matmul__: _route_matmul,
 }
 if hasattr(torch.nn.functional, "grouped_mm"):
     _ROUTES[torch.nn.functional.grouped_mm] = _route_grouped_mm
@@ -361,6 +379,12 @@ def _register_hf_fallback() -> None:
     _ROUTES[op] = _route_hf_fallback
     _ROUTES[op.default] = _route_hf_fallback
 
+
+# Matrix products that reach dispatch (below the routes above) would run in high precision:
+# refused, never silently upcast.
+_GEMMS = frozenset(
+    {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten._grouped_mm.default}
+)
 
 # Ops whose result is still (a piece of) the weight: views, indexing of experts, copies.
 _KEEP = frozenset(
@@ -449,6 +473,12 @@ class Float8ExpertWeight(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
+        if func in _GEMMS:
+            raise NotImplementedError(
+                f"{func} with an FP8 expert weight would run in high precision. Expert weights multiply "
+                f"through F.linear(x, w[e]), torch.bmm, torch.matmul or torch._grouped_mm / F.grouped_mm; "
+                f"use w._hp for a high-precision product."
+            )
         wrapped: dict[int, Float8ExpertWeight] = {}
 
         def unwrap(w: Float8ExpertWeight) -> torch.Tensor:

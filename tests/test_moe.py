@@ -276,3 +276,13 @@ def test_wrapper_behaves_like_its_tensor_for_training_and_checkpoints():
     fresh.load_state_dict(plain.state_dict())
     assert isinstance(fresh.gate_up_proj, Float8ExpertWeight)
     assert torch.equal(fresh.gate_up_proj._hp, plain.gate_up_proj.detach())
+
+
+def test_wrapper_matmul_routes_and_unrouted_products_refuse():
+    mod = _Experts()
+    convert_experts_to_float8(mod, Float8LinearConfig())
+    x = torch.randn(4, 32)
+    w = mod.gate_up_proj.detach()
+    assert_sqnr(x.double() @ w._hp[1].double().t(), x @ w[1].t(), MIN_DB, "x @ w[e].t()")
+    with pytest.raises(NotImplementedError, match="would run in high precision"):
+        torch.mm(x, w[1].t())
