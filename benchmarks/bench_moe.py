@@ -24,10 +24,10 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common as C  # noqa: E402
+import _common as C
 
-from f8tensor import Float8LinearConfig, convert_experts_to_float8  # noqa: E402
-from f8tensor.stats import saved_tensor_bytes  # noqa: E402
+from f8tensor import Float8LinearConfig, convert_experts_to_float8
+from f8tensor.stats import saved_tensor_bytes
 
 MOE_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")  # delayed scaling: not for experts
 IMPLS = ("grouped_mm", "batched_mm", "eager")

@@ -38,6 +38,7 @@ from f8tensor.tensor import Float8Tensor, cast_to_float8, dequantize
 
 __all__ = [
     "ALIGN",
+    "GROUPED_RULES",
     "ROCM_BUILDS",
     "ROCM_ROWWISE_NOTE",
     "SCALED_MM_RULES",
@@ -47,17 +48,16 @@ __all__ = [
     "CudaRuleViolation",
     "Route",
     "ScaledMMRule",
+    "check_grouped_rules",
     "choose_route",
     "float8_mm",
+    "grouped_kernel_available",
     "install_rules_check",
     "rules_check_installed",
+    "scaled_grouped_mm",
     "scaled_mm_violations",
     "uninstall_rules_check",
     "violations_on_supported_builds",
-    "GROUPED_RULES",
-    "check_grouped_rules",
-    "grouped_kernel_available",
-    "scaled_grouped_mm",
 ]
 
 _E4M3 = torch.float8_e4m3fn

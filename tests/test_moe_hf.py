@@ -13,13 +13,16 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: E402
-from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock  # noqa: E402
+from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-from f8tensor import Float8LinearConfig, convert_to_float8_training  # noqa: E402
-from f8tensor import moe  # noqa: E402
-from f8tensor.moe import Float8ExpertWeight  # noqa: E402
-from tests.helpers import assert_sqnr  # noqa: E402
+from f8tensor import (
+    Float8LinearConfig,
+    convert_to_float8_training,
+    moe,
+)
+from f8tensor.moe import Float8ExpertWeight
+from tests.helpers import assert_sqnr
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

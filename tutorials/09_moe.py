@@ -29,7 +29,14 @@ import torch
 import torch.nn.functional as F
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from f8tensor import Float8ExpertWeight, Float8LinearConfig, Float8Tensor, convert_to_float8_training, float8_grouped_mm, sqnr
+from f8tensor import (
+    Float8ExpertWeight,
+    Float8LinearConfig,
+    Float8Tensor,
+    convert_to_float8_training,
+    float8_grouped_mm,
+    sqnr,
+)
 
 torch.set_num_threads(1)
 torch.manual_seed(0)
@@ -47,7 +54,7 @@ for name, granularity in [("per expert row", "rowwise"), ("per expert", (1, 0, 0
     w8 = Float8Tensor.from_hp(w, granularity=granularity)
     y = torch._grouped_mm(x, w8.transpose(-2, -1), offs=offs)  # the call MoE code makes
     one = F.linear(x[:5], w8[0])  # expert 0 alone: w8[0] keeps expert 0's scale
-    print(f"   {name:15s} scale shape {str(tuple(w8._scale.shape)):12s} grouped {sqnr(reference, y):5.1f} dB"
+    print(f"   {name:15s} scale shape {tuple(w8._scale.shape)!s:12s} grouped {sqnr(reference, y):5.1f} dB"
           f"   F.linear(x, w8[0]) {sqnr(x[:5] @ w[0].t(), one):5.1f} dB")
 
 # ----------------------------------------------------------------------------- 2. gradients
