@@ -370,6 +370,12 @@ if hasattr(torch.nn.functional, "grouped_mm"):
     _ROUTES[torch.nn.functional.grouped_mm] = _route_grouped_mm
 
 
+def _is_transformers_op(func: Any) -> bool:
+    if isinstance(func, torch._ops.OpOverloadPacket):
+        return func._qualified_op_name.startswith("transformers::")
+    return isinstance(func, torch._ops.OpOverload) and func.namespace == "transformers"
+
+
 def _register_hf_fallback() -> None:
     """transformers' compile-friendly grouped fallback op, when transformers registered it."""
     try:
@@ -466,6 +472,9 @@ class Float8ExpertWeight(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
         route = _ROUTES.get(func)
+        if route is None and _is_transformers_op(func):
+            _register_hf_fallback()  # weights wrapped by hand, not by the converter
+            route = _ROUTES.get(func)
         if route is not None:
             return route(args, kwargs or {})
         with torch._C.DisableTorchFunctionSubclass():
@@ -473,7 +482,7 @@ class Float8ExpertWeight(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
-        if func in _GEMMS:
+        if func in _GEMMS or func.namespace == "transformers":
             raise NotImplementedError(
                 f"{func} with an FP8 expert weight would run in high precision. Expert weights multiply "
                 f"through F.linear(x, w[e]), torch.bmm, torch.matmul or torch._grouped_mm / F.grouped_mm; "

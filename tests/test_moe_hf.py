@@ -177,3 +177,18 @@ def test_hf_moe_block_compiles_once_for_changing_token_counts(impl, dtype, fresh
         out = out[0] if isinstance(out, tuple) else out
         db = assert_sqnr(hp, out, 20.0, "compiled FP8 vs high precision")
         assert db < 45.0, f"{db:.1f} dB: the compiled block did not run its experts in FP8"
+
+
+def test_hand_wrapped_weight_routes_transformers_grouped_fallback():
+    """transformers' compile-time fallback op (used for non-bf16 weights) runs in FP8 too."""
+    import transformers.integrations.moe  # noqa: F401  (registers transformers::grouped_mm_fallback)
+
+    w = torch.nn.Parameter(Float8ExpertWeight(torch.randn(4, 48, 32), Float8LinearConfig()))
+    x = torch.randn(10, 32)
+    offs = torch.tensor([2, 2, 7, 10], dtype=torch.int32)
+    y = torch.ops.transformers.grouped_mm_fallback(x, w.transpose(-2, -1), offs)
+    reference = torch._grouped_mm(x, w._hp.transpose(-2, -1), offs=offs)
+    db = assert_sqnr(reference, y, 25.0)
+    assert db < 45.0, "ran in high precision"
+    y.sum().backward()
+    assert w.grad.shape == w.shape
