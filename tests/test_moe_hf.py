@@ -34,10 +34,11 @@ VOCAB = 64
 
 
 def _model(arch: str, impl: str) -> torch.nn.Module:
-    common = dict(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16, num_experts_per_tok=2, max_position_embeddings=64,
-    )
+    common = {
+        "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "num_experts_per_tok": 2,
+        "max_position_embeddings": 64,
+    }
     if arch == "qwen3_moe":
         config, cls = Qwen3MoeConfig(moe_intermediate_size=32, num_experts=4, **common), Qwen3MoeForCausalLM
     else:
