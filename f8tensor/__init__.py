@@ -26,6 +26,7 @@ from f8tensor.formats import FLOAT8_DTYPES, FORMATS, Float8Format, float8_max, s
 from f8tensor.fsdp import Float8AllGatherWeight, precompute_float8_scales_for_fsdp
 from f8tensor.gemm import float8_mm
 from f8tensor.linear import Float8Linear, convert_to_float8_training
+from f8tensor.moe import Float8ExpertWeight, convert_experts_to_float8, float8_grouped_mm
 from f8tensor.stats import (
     STATS_FIELDS,
     Float8SaturationWarning,
@@ -49,6 +50,7 @@ __all__ = [
     "CastConfig",
     "DelayedScalingConfig",
     "Float8AllGatherWeight",
+    "Float8ExpertWeight",
     "Float8Format",
     "Float8Linear",
     "Float8LinearConfig",
@@ -59,8 +61,10 @@ __all__ = [
     "MX_1x32",
     "MX_1x32_FLOOR",
     "ScalingType",
+    "convert_experts_to_float8",
     "convert_to_float8_training",
     "enable_float8_stats",
+    "float8_grouped_mm",
     "float8_max",
     "float8_mm",
     "float8_stats",

@@ -444,6 +444,13 @@ def _fsdp():
     return fsdp
 
 
+def _moe():
+    """``f8tensor.moe``, imported when a model is converted (it builds on this module)."""
+    from f8tensor import moe
+
+    return moe
+
+
 def _check_config(config: Float8LinearConfig | None) -> Float8LinearConfig:
     if config is None:
         return Float8LinearConfig()
@@ -469,8 +476,15 @@ def convert_to_float8_training(
     *,
     config: Float8LinearConfig | None = None,
     module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
+    experts_filter_fn: Callable[[nn.Module, str], bool] | None = None,
 ) -> nn.Module:
     """Swap every ``nn.Linear`` in ``module`` for a :class:`Float8Linear`, in place.
+
+    Mixture-of-experts weights (3D parameters of an experts module, as transformers stores
+    them) become :class:`~f8tensor.moe.Float8ExpertWeight`: their grouped, batched and
+    per-expert GEMMs run in FP8 (see :mod:`f8tensor.moe`; routers stay high precision).
+    ``experts_filter_fn(experts_module, param_fqn) -> bool`` chooses which; return False
+    for all to keep every expert in high precision.
 
     ``module_filter_fn(mod, fqn) -> bool`` chooses which linears convert (``fqn`` is the
     dotted name, e.g. ``"layers.0.mlp.down_proj"``). Linears whose dimensions FP8 GEMMs
@@ -496,6 +510,7 @@ def convert_to_float8_training(
 
     if wanted(module, ""):
         return Float8Linear.from_float(module, config)
+    _moe().convert_experts_to_float8(module, config, experts_filter_fn)
     for fqn, mod in list(module.named_modules()):
         for name, child in list(mod.named_children()):
             child_fqn = f"{fqn}.{name}" if fqn else name

@@ -13,7 +13,7 @@ import torch
 from torch.utils._python_dispatch import return_and_correct_aliasing
 
 from f8tensor.formats import FLOAT8_DTYPES, check_hp_dtype
-from f8tensor.gemm import _matmul, _requantize, float8_mm
+from f8tensor.gemm import ALIGN, GROUPED_RULES, _cast_plain, _matmul, _requantize, float8_mm, scaled_grouped_mm
 from f8tensor.tensor import Float8Tensor, cast_to_float8, dequantize
 
 __all__ = ["float8_mm"]
@@ -61,7 +61,94 @@ def _bmm(func, types, args, kwargs):
     if b.stride(0) == 0:
         out = _matmul(_flatten_batch(a), _batch_item(b, 0))
         return out.view(batch, a.shape[1], b.shape[2])
+    orig = a._orig_dtype if _is_f8(a) else b._orig_dtype
+    if orig in GROUPED_RULES["out_dtypes"] and a.shape[2] % ALIGN == 0:
+        # One batched FP8 kernel (torch._scaled_grouped_mm's 3D x 3D form), which writes
+        # bf16 only: taken when that is the output dtype; fp16/fp32 outputs keep one
+        # _scaled_mm per batch entry, which writes them directly.
+        return _batched(a, b, orig)
     return torch.stack([_matmul(_batch_item(a, i), _batch_item(b, i)) for i in range(batch)])
+
+
+def _batched(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``a (B, M, K) @ b (B, K, N)`` in one grouped-kernel call: scales per batch row / column."""
+    a8, b8 = _kernel_operands(a, b, a_k=2, b_k=1)
+    (bsz, m, _), n = a8.shape, b8.shape[2]
+    a_inv = a8._scale.reciprocal().expand(bsz, m, 1).reshape(bsz, m).contiguous()
+    b_inv = b8._scale.reciprocal().expand(bsz, 1, n).reshape(bsz, n).contiguous()
+    a_data = a8._data if a8._data.is_contiguous() else a8._data.contiguous()
+    out = scaled_grouped_mm(a_data, _col_major(b8._data), a_inv, b_inv, None, torch.bfloat16)
+    return out.to(out_dtype)
+
+
+def _kernel_operands(a: torch.Tensor, b: torch.Tensor, a_k: int, b_k: int) -> tuple[Float8Tensor, Float8Tensor]:
+    """Both operands as e4m3fn Float8Tensors whose fp32 scales the grouped kernel takes.
+
+    The kernel takes one scale per row of ``a`` and per column of ``b`` (per group): every
+    block entry 0 or 1, and 0 along the contraction dim (``a_k`` / ``b_k``). A plain
+    operand is cast like the other one; any other scale is re-derived along K.
+    """
+    ref = a if _is_f8(a) else b
+    rowwise = not _tensorwise(ref)
+    a8 = a if _is_f8(a) else _cast_plain(a, ref, a_k if rowwise else None)
+    b8 = b if _is_f8(b) else _cast_plain(b, ref, b_k if rowwise else None)
+    a8 = a8 if _kernel_ready(a8, a_k) else _requantize(a8, a_k)
+    b8 = b8 if _kernel_ready(b8, b_k) else _requantize(b8, b_k)
+    return _as_e4m3fn(a8), _as_e4m3fn(b8)
+
+
+def _kernel_ready(x: Float8Tensor, k_dim: int) -> bool:
+    if _tensorwise(x):
+        return True
+    return x._scale.dtype == torch.float32 and x._block[k_dim] == 0 and all(b in (0, 1) for b in x._block)
+
+
+def _as_e4m3fn(x: Float8Tensor) -> Float8Tensor:
+    """The grouped kernel multiplies e4m3fn only: other formats are re-cast (one extra rounding)."""
+    if x._data.dtype == torch.float8_e4m3fn:
+        return x
+    return cast_to_float8(
+        dequantize(x, torch.float32), torch.float8_e4m3fn, block=None if _tensorwise(x) else x._block,
+        gemm=x._gemm, orig_dtype=x._orig_dtype,
+    )
+
+
+def _col_major(t: torch.Tensor) -> torch.Tensor:
+    if t.stride(-2) == 1 and t.stride(-1) >= max(1, t.shape[-2]):
+        return t
+    return t.transpose(-2, -1).contiguous().transpose(-2, -1)
+
+
+@implements([aten._grouped_mm.default])
+def _grouped_mm(func, types, args, kwargs):
+    """``torch._grouped_mm(a, b, offs)``: a (M, K) tokens sorted by group, b (G, K, N), in FP8.
+
+    The form MoE layers use (2D x 3D with ``offs``). ``b``'s scale: one per tensor, or per
+    group and output column (a rowwise (G, N, K) weight after ``transpose(-2, -1)``); a
+    scale that varies along K is re-derived along N. Groups may be empty or any size.
+    The kernel writes bf16; the result is returned in ``out_dtype`` (default: a's dtype).
+    """
+    names = ("mat_a", "mat_b", "offs", "bias", "out_dtype")
+    bound = dict(zip(names, args))
+    bound.update(kwargs)
+    a, b, offs = bound["mat_a"], bound["mat_b"], bound.get("offs")
+    if a.dim() != 2 or b.dim() != 3 or offs is None:
+        raise NotImplementedError(
+            f"Float8Tensor supports _grouped_mm as 2D x 3D with offs (MoE tokens x experts); got "
+            f"{a.dim()}D x {b.dim()}D, offs={'None' if offs is None else 'given'}. Call .to_hp() first."
+        )
+    if bound.get("bias") is not None:
+        raise NotImplementedError("FP8 _grouped_mm with bias is not supported (torch._scaled_grouped_mm takes none)")
+    out_dtype = bound.get("out_dtype") or (a._orig_dtype if _is_f8(a) else a.dtype)
+    a8, b8 = _kernel_operands(a, b, a_k=1, b_k=1)
+    (m, k), (g, _, n) = a8.shape, b8.shape
+    if k % ALIGN:
+        raise ValueError(f"FP8 _grouped_mm needs K to be a multiple of {ALIGN} (the kernel's stride rule); got K={k}")
+    a_inv = a8._scale.reciprocal().expand(m, 1).reshape(m).contiguous()
+    b_inv = b8._scale.reciprocal().expand(g, 1, n).reshape(g, n).contiguous()
+    a_data = a8._data if a8._data.is_contiguous() else a8._data.contiguous()
+    out = scaled_grouped_mm(a_data, _col_major(b8._data), a_inv, b_inv, offs.to(torch.int32), torch.bfloat16)
+    return out.to(out_dtype)
 
 
 def _flatten_batch(x: torch.Tensor) -> torch.Tensor:
@@ -359,6 +446,24 @@ def _selected(x: Float8Tensor, dim: int, index: int) -> Float8Tensor:
 def _select(func, types, args, kwargs):
     x, dim, index = args
     return _view_result(func, args, kwargs, _selected(x, dim, index))
+
+
+@implements([aten.index.Tensor])
+def _index(func, types, args, kwargs):
+    """``w8[ids]``: experts gathered along dim 0 by a 1D integer tensor (a copy, with their scales)."""
+    x, indices = args
+    if len(indices) != 1 or indices[0] is None or indices[0].dtype not in (torch.int64, torch.int32) or indices[0].dim() != 1:
+        raise NotImplementedError(
+            "Float8Tensor supports indexing with one 1D integer tensor along dim 0 (w8[ids]); call .to_hp() first"
+        )
+    (ids,) = indices
+    data = x._data.view(torch.uint8)[ids].view(x._data.dtype)  # gather through bytes: no FP8 index kernel needed
+    b = x._block[0] if x._block else 0
+    if _tensorwise(x) or b == 0:
+        return x._replace(data=data)
+    # Each gathered row keeps its own scale row: blocks of b rows become blocks of one.
+    block = (1,) + tuple(x._block[1:])
+    return x._replace(data=data, scale=x._scale[ids // b], block=block)
 
 
 @implements([aten.cat.default])
