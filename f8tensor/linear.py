@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from f8tensor.config import CastConfig, Float8LinearConfig, GemmConfig
-from f8tensor.ops import _matmul
+from f8tensor.ops import _matmul, transpose_2d
 from f8tensor.scaling import delayed_scale, push_amax, tensor_amax
 from f8tensor.tensor import CAST_STATS_FIELDS, Float8Tensor, cast_to_float8, cast_to_float8_with_stats
 
@@ -160,7 +160,7 @@ class _Float8LinearFn(torch.autograd.Function):
             w8, amax_w = _cast(
                 weight, config.weight, 1 if config.weight.rowwise else None, fwd, config, hist_w, scale_w, recompute, st_w
             )
-        y = _matmul(x8, w8.t(), bias=bias)
+        y = _matmul(x8, transpose_2d(w8), bias=bias)  # built, not dispatched: torch.export traces it
 
         # The weight-gradient GEMM contracts over tokens (dim 0 of x): a tensorwise x8 is
         # reused there as is; a rowwise one would need the other axis, so keep x in hp.
