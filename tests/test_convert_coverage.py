@@ -9,12 +9,11 @@ import logging
 
 import pytest
 import torch
+from helpers import assert_sqnr
 from torch import nn
 
 from f8tensor import Float8Linear, Float8LinearConfig, convert_to_float8_training
 from f8tensor.linear import Float8Conv1D
-
-from helpers import assert_sqnr
 
 # One FP8 linear against fp32: output and gradients (cf. tests/test_linear.py).
 OUTPUT_MIN_DB = 25.0
@@ -70,10 +69,11 @@ def test_summary_line_counts_and_reasons(caplog):
     with caplog.at_level(logging.INFO, logger="f8tensor"):
         convert_to_float8_training(model, module_filter_fn=lambda m, fqn: fqn != "head")
     summary = [r.getMessage() for r in caplog.records if "linear layers to FP8" in r.getMessage()]
-    assert summary == [
+    expected = (
         "f8tensor: converted 2 of 5 linear layers to FP8; skipped 1 nn.Linear subclass overriding forward [c]; "
         "1 dims not multiples of 16 [d]; 1 rejected by module_filter_fn [head]"
-    ]
+    )
+    assert summary == [expected]
     assert model.float8_converted_fqns == ("a", "b")
 
 
@@ -140,3 +140,19 @@ def test_gpt2_converts_every_conv1d_and_trains_like_its_twin():
     loss.backward()
     name = "transformer.h.0.mlp.c_fc.weight"
     assert_sqnr(ref.get_parameter(name).grad, model.get_parameter(name).grad, GRAD_MIN_DB, "GPT-2 c_fc grad_weight")
+
+
+def test_the_core_imports_no_integration():
+    # f8tensor depends on torch alone: importing it (and the integrations package) pulls in
+    # no framework. Run in a fresh interpreter, as other tests import them.
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, f8tensor, f8tensor.integrations; "
+        "bad = sorted({m.split('.')[0] for m in sys.modules} & "
+        "{'transformers', 'lightning', 'pytorch_lightning', 'torchtitan', 'timm', 'accelerate', 'safetensors'}); "
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr

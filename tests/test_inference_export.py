@@ -13,11 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import MATMUL_MIN_DB, assert_sqnr
 from torch import nn
 
 from f8tensor import Float8Linear, Float8LinearConfig, Float8Tensor, convert_to_float8_training
-
-from helpers import MATMUL_MIN_DB, assert_sqnr
 
 # A two-layer model's output through two FP8 products: one rounding more than a matmul.
 MODEL_MIN_DB = 18.0

@@ -13,7 +13,7 @@ from f8tensor import Float8Linear, Float8LinearConfig, convert_to_float8_trainin
 
 transformers = pytest.importorskip("transformers")
 
-from f8tensor.integrations.hf import float8_state_dict, from_pretrained_float8, load_float8_state  # noqa: E402
+from f8tensor.integrations.hf import float8_state_dict, from_pretrained_float8, load_float8_state
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -12,9 +12,9 @@ from torch import nn
 from f8tensor import Float8Linear, Float8LinearConfig
 
 pytest.importorskip("lightning", reason="lightning is not installed (pip install 'f8tensor[integrations]')")
-import lightning as L  # noqa: E402
+import lightning as L
 
-from f8tensor.integrations.lightning import Float8Precision  # noqa: E402
+from f8tensor.integrations.lightning import Float8Precision
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

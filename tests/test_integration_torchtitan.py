@@ -11,21 +11,20 @@ import copy
 
 import pytest
 import torch
+from helpers import assert_sqnr
 from torch import nn
 
 from f8tensor import Float8Linear, convert_to_float8_training, sqnr
-
-from helpers import assert_sqnr
 
 pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip install 'f8tensor[integrations]')")
 # torchtitan's model package imports triton and spmd_types at import time.
 llama3 = pytest.importorskip("torchtitan.models.llama3", reason="torchtitan's model code does not import here")
 
-from torchtitan.config.override import OverrideConfig, apply_overrides  # noqa: E402
-from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention  # noqa: E402
-from torchtitan.models.common.linear import Linear  # noqa: E402
+from torchtitan.config.override import OverrideConfig, apply_overrides
+from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
+from torchtitan.models.common.linear import Linear
 
-from f8tensor.integrations.torchtitan import F8TensorLinear, F8TensorLinearConverter  # noqa: E402
+from f8tensor.integrations.torchtitan import F8TensorLinear, F8TensorLinearConverter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -88,7 +88,7 @@ class _TorchvisionStandIn(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 def import_timm():
     """timm, importable with or without a working torchvision; None when timm is absent."""
     try:
-        import timm  # noqa: F401
+        import timm
 
         return timm
     except ModuleNotFoundError as e:
