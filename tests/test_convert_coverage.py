@@ -18,6 +18,9 @@ from f8tensor.linear import Float8Conv1D
 # One FP8 linear against fp32: output and gradients (cf. tests/test_linear.py).
 OUTPUT_MIN_DB = 25.0
 GRAD_MIN_DB = 20.0
+# A weight gradient at the bottom of a 2-block GPT-2 whose 8 projections are all FP8: the
+# FP8 errors of the layers above add up in it (measured 21.0 dB at seed 0).
+MODEL_GRAD_MIN_DB = 17.0
 
 
 class _TitanStyleLinear(nn.Linear):
@@ -139,7 +142,7 @@ def test_gpt2_converts_every_conv1d_and_trains_like_its_twin():
     loss_ref.backward()
     loss.backward()
     name = "transformer.h.0.mlp.c_fc.weight"
-    assert_sqnr(ref.get_parameter(name).grad, model.get_parameter(name).grad, GRAD_MIN_DB, "GPT-2 c_fc grad_weight")
+    assert_sqnr(ref.get_parameter(name).grad, model.get_parameter(name).grad, MODEL_GRAD_MIN_DB, "GPT-2 c_fc grad_weight")
 
 
 def test_the_core_imports_no_integration():
