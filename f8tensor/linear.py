@@ -15,7 +15,7 @@ from torch import nn
 
 from f8tensor.config import CastConfig, Float8LinearConfig, GemmConfig
 from f8tensor.ops import _matmul
-from f8tensor.scaling import delayed_scale, push_amax, tensor_amax
+from f8tensor.scaling import delayed_scale, materialized, push_amax, tensor_amax
 from f8tensor.tensor import CAST_STATS_FIELDS, Float8Tensor, cast_to_float8, cast_to_float8_with_stats
 
 __all__ = ["STATS_BUFFERS", "STATS_ROLES", "Float8Linear", "convert_to_float8_training"]
@@ -118,6 +118,24 @@ def _cast_to_float8(
     return f8
 
 
+def _column_major(f8: Float8Tensor) -> Float8Tensor:
+    """``f8`` (2D) with its FP8 bytes laid out column-major: the layout the weight-gradient
+    GEMM takes for both operands (it contracts over the tokens, dim 0).
+
+    Written as a copy into a column-major buffer, which inductor fuses into the cast that
+    produced ``f8``: one pass over the high-precision tensor stores both layouts. (Left to
+    ``_matmul``'s ``.t().contiguous()``, the transposed copy becomes a pass of its own that
+    casts the high-precision tensor a second time.) In eager mode it is one copy of the
+    FP8 bytes, as before.
+    """
+    data = f8._data
+    if data.dim() != 2 or data.stride(0) == 1:
+        return f8
+    out = torch.empty_strided(data.shape, (1, data.shape[0]), dtype=data.dtype, device=data.device)
+    out.copy_(data)
+    return f8._replace(data=materialized(out))
+
+
 class _Float8LinearFn(torch.autograd.Function):
     """``x @ W.t() + b`` with FP8 GEMMs in forward and backward.
 
@@ -168,8 +186,10 @@ class _Float8LinearFn(torch.autograd.Function):
         # Backward re-casts a tensorwise high-precision weight with this very scale; a
         # rowwise weight is cast along the other axis there, so its scale is not kept.
         reuse_w_scale = not isinstance(weight, Float8Tensor) and not config.weight.rowwise
+        # The weight-gradient GEMM takes x8 with M innermost: lay the bytes out so now, while
+        # the cast writes them (see _column_major).
         ctx.save_for_backward(
-            x8 if keep_fp8_input else x2, weight, w8._scale if reuse_w_scale else None, amax_x, amax_w
+            _column_major(x8) if keep_fp8_input else x2, weight, w8._scale if reuse_w_scale else None, amax_x, amax_w
         )
         ctx.config = config
         ctx.histories = (hist_in, hist_w, hist_go)
@@ -206,6 +226,9 @@ class _Float8LinearFn(torch.autograd.Function):
             g8, amax_g = _cast(g, go_cfg, 1 if go_cfg.rowwise else None, bwd, config, hist_go, stats=ctx.stats_go)
             if amax_g is not None:
                 push_amax(hist_go, amax_g)
+        # The weight-gradient GEMM's copy of g8 (M innermost), taken right at the cast so
+        # that inductor writes both layouts from the cast's pass.
+        g8_cm = _column_major(g8) if g8 is not None and need_grad_w and gw_uses_g8 else None
 
         # grad_x = g @ W: contraction over N, so W's scale must be constant along dim 0.
         grad_x = None
@@ -227,21 +250,22 @@ class _Float8LinearFn(torch.autograd.Function):
             if config.weight_grad_in_hp:
                 grad_w = g.t().to(saved_x.dtype) @ saved_x
             else:
+                # Both operands with M innermost (column-major), written by their casts.
                 if gw_uses_g8:
-                    gt8 = g8._replace(gemm=bwd_w)
+                    gt8 = g8_cm._replace(gemm=bwd_w)
                 else:
                     # When grad_x was not needed this is the only cast of grad_output: it
                     # then feeds the telemetry.
-                    gt8 = _cast_to_float8(
+                    gt8 = _column_major(_cast_to_float8(
                         ctx.stats_go if g8 is None else None,
                         g, go_cfg.dtype, axiswise_dim=0, gemm=bwd_w, power_of_2_scale=go_cfg.power_of_2_scale,
-                    )
+                    ))
                 if isinstance(saved_x, Float8Tensor):
                     x8 = saved_x._replace(gemm=bwd_w)
                 else:
-                    x8 = cast_to_float8(
+                    x8 = _column_major(cast_to_float8(
                         saved_x, config.input.dtype, axiswise_dim=0, gemm=bwd_w, power_of_2_scale=config.input.power_of_2_scale
-                    )
+                    ))
                 grad_w = _matmul(gt8.t(), x8, out_dtype=weight.dtype)
             grad_w = grad_w.to(weight.dtype)
         grad_b = g.sum(0) if need_grad_b else None
