@@ -128,9 +128,7 @@ def _column_major(f8: Float8Tensor) -> Float8Tensor:
     casts the high-precision tensor a second time.) In eager mode it is one copy of the
     FP8 bytes, as before.
     """
-    data = f8._data
-    if data.dim() != 2 or data.stride(0) == 1:
-        return f8
+    data = f8._data  # a fresh cast: row-major (no stride test, which dynamic shapes would trace)
     out = torch.empty_strided(data.shape, (1, data.shape[0]), dtype=data.dtype, device=data.device)
     out.copy_(data)
     return f8._replace(data=materialized(out))
