@@ -59,11 +59,9 @@ code reading is of inductor's C++ kernels.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 import re
-import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -178,11 +176,7 @@ def _accesses(body: str, pointers: list[str]) -> tuple[set[str], set[str]]:
         for m in re.finditer(rf"(?<![\w]){re.escape(name)}(?![\w])", body):
             before = body[max(0, m.start() - 8):m.start()]
             after = body[m.end():m.end() + 200]
-            if before.endswith(".store("):
-                stores.add(name)
-            elif after.startswith("[") and re.match(r"\[[^\]]*\]\s*=(?!=)", after):
-                stores.add(name)
-            elif _is_transpose_dst(body, m.start()):
+            if before.endswith(".store(") or after.startswith("[") and re.match(r"\[[^\]]*\]\s*=(?!=)", after) or _is_transpose_dst(body, m.start()):
                 stores.add(name)
             else:
                 loads.add(name)
@@ -268,7 +262,7 @@ def parse_graph_code(code: str, element_threshold: int) -> GraphCode:
     (x, W, grad_y or a copy of one), for the per-element float64 check.
     """
     kernels_src: dict[str, tuple[list[str], str]] = {}
-    for m in re.finditer(r"^(cpp_fused_\w+) = async_compile\.cpp_pybinding\(\[(.*?)\], r'''(.*?)'''", code, re.S | re.M):
+    for m in re.finditer(r"^(cpp_fused_\w+) = async_compile\.cpp_pybinding\(\[(.*?)\], r'''(.*?)'''", code, re.DOTALL | re.MULTILINE):
         types = [t.strip().strip("'\"") for t in m.group(2).split(",")]
         kernels_src[m.group(1)] = (types, m.group(3))
     call_src = code[code.index("    def call(self, args):"):]
@@ -277,7 +271,7 @@ def parse_graph_code(code: str, element_threshold: int) -> GraphCode:
     # Graph inputs: their shapes and dtypes in get_args().
     for m in re.finditer(r"(\w+) = rand_strided\((\([^)]*\)), \([^)]*\), device='\w+', dtype=torch\.(\w+)\)", code):
         buffers[m.group(1)] = Buffer(_shape_numel(m.group(2)), _TORCH_BYTES.get(m.group(3)))
-    inputs_m = re.search(r"^\s+(.*?) = args$", call_src, re.M)
+    inputs_m = re.search(r"^\s+(.*?) = args$", call_src, re.MULTILINE)
     inputs = [a.strip() for a in inputs_m.group(1).split(",") if a.strip()] if inputs_m else []
     for m in re.finditer(r"(\w+) = empty_strided_cpu\((\([^)]*\)), \([^)]*\), torch\.(\w+)\)", call_src):
         buffers[m.group(1)] = Buffer(_shape_numel(m.group(2)), _TORCH_BYTES.get(m.group(3)))
@@ -293,9 +287,9 @@ def parse_graph_code(code: str, element_threshold: int) -> GraphCode:
         return arg, buffers.get(arg)
 
     kernels, gemms, others, passes = [], [], [], []
-    for m in re.finditer(r"^\s+(cpp_fused_\w+|extern_kernels\.\w+|torch\.ops\.[\w.]+)\(", call_src, re.M):
+    for m in re.finditer(r"^\s+(cpp_fused_\w+|extern_kernels\.\w+|torch\.ops\.[\w.]+)\(", call_src, re.MULTILINE):
         name = m.group(1)
-        if name.startswith("extern_kernels.") or name.startswith("torch.ops."):
+        if name.startswith(("extern_kernels.", "torch.ops.")):
             short = name.split(".")[-1] if name.startswith("extern_kernels.") else name.split(".")[-2]
             (gemms if short in _GEMMS else others).append(short)
             continue
@@ -311,7 +305,7 @@ def parse_graph_code(code: str, element_threshold: int) -> GraphCode:
             bound[param] = (buf_name, buf)
         body = src[src.index("{"):]
         passes.extend(_kernel_passes(name, body, bound, element_threshold))
-    ret = re.search(r"^\s+return \((.*)\)\s*$", call_src, re.M)
+    ret = re.search(r"^\s+return \((.*)\)\s*$", call_src, re.MULTILINE)
     outputs = _split_args(ret.group(1)) if ret else []
     return GraphCode(inputs, buffers, kernels, gemms, others, passes, outputs)
 

@@ -141,7 +141,10 @@ class _Float8LinearFn(torch.autograd.Function):
     takes it as is (tensorwise input), else the high-precision input; the weight itself
     (a parameter, no extra memory) and, for a tensorwise weight, its 0-dim scale, so
     backward re-casts it to the very same bytes instead of keeping an FP8 copy of every
-    weight alive. Delayed scaling also keeps the input's and weight's 0-dim amax.
+    weight alive. Delayed scaling also keeps the input's and weight's 0-dim amax. (This
+    is what eager mode keeps; under torch.compile the partitioner may save other tensors,
+    e.g. a rowwise input already cast along the other axis, in FP8.) The FP8 input is
+    saved column-major, the layout the weight-gradient GEMM takes (see _column_major).
 
     Delayed scaling pushes each amax into its history in backward, once per backward of
     this node, never in forward. So every forward of one step (gradient accumulation:
