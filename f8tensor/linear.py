@@ -17,7 +17,7 @@ from torch import nn
 from f8tensor.config import BlockGranularity, CastConfig, Float8LinearConfig, GemmConfig
 from f8tensor.gemm import _matmul
 from f8tensor.ops import transpose_2d
-from f8tensor.scaling import delayed_scale, push_amax, tensor_amax
+from f8tensor.scaling import delayed_scale, materialized, push_amax, tensor_amax
 from f8tensor.tensor import CAST_STATS_FIELDS, Float8Tensor, cast_to_float8, cast_to_float8_with_stats
 
 __all__ = [
@@ -153,6 +153,22 @@ def _cast_to_float8(
     return f8
 
 
+def _column_major(f8: Float8Tensor) -> Float8Tensor:
+    """``f8`` (2D) with its FP8 bytes laid out column-major: the layout the weight-gradient
+    GEMM takes for both operands (it contracts over the tokens, dim 0).
+
+    Written as a copy into a column-major buffer, which inductor fuses into the cast that
+    produced ``f8``: one pass over the high-precision tensor stores both layouts. (Left to
+    ``_matmul``'s ``.t().contiguous()``, the transposed copy becomes a pass of its own that
+    casts the high-precision tensor a second time.) In eager mode it is one copy of the
+    FP8 bytes, as before.
+    """
+    data = f8._data  # a fresh cast: row-major (no stride test, which dynamic shapes would trace)
+    out = torch.empty_strided(data.shape, (1, data.shape[0]), dtype=data.dtype, device=data.device)
+    out.copy_(data)
+    return f8._replace(data=materialized(out))
+
+
 class _Float8LinearFn(torch.autograd.Function):
     """``x @ W.t() + b`` with FP8 GEMMs in forward and backward.
 
@@ -160,7 +176,10 @@ class _Float8LinearFn(torch.autograd.Function):
     takes it as is (tensorwise input), else the high-precision input; the weight itself
     (a parameter, no extra memory) and, for a tensorwise weight, its 0-dim scale, so
     backward re-casts it to the very same bytes instead of keeping an FP8 copy of every
-    weight alive. Delayed scaling also keeps the input's and weight's 0-dim amax.
+    weight alive. Delayed scaling also keeps the input's and weight's 0-dim amax. (This
+    is what eager mode keeps; under torch.compile the partitioner may save other tensors,
+    e.g. a rowwise input already cast along the other axis, in FP8.) The FP8 input is
+    saved column-major, the layout the weight-gradient GEMM takes (see _column_major).
 
     Delayed scaling pushes each amax into its history in backward, once per backward of
     this node, never in forward. So every forward of one step (gradient accumulation:
@@ -201,8 +220,10 @@ class _Float8LinearFn(torch.autograd.Function):
         # rowwise or block-scaled weight is cast along the other axis there (a 128x128 one
         # to the same blocks), so its scale is not kept.
         reuse_w_scale = not isinstance(weight, Float8Tensor) and config.weight.tensorwise
+        # The weight-gradient GEMM takes x8 with M innermost: lay the bytes out so now, while
+        # the cast writes them (see _column_major).
         ctx.save_for_backward(
-            x8 if keep_fp8_input else x2, weight, w8._scale if reuse_w_scale else None, amax_x, amax_w
+            _column_major(x8) if keep_fp8_input else x2, weight, w8._scale if reuse_w_scale else None, amax_x, amax_w
         )
         ctx.config = config
         ctx.histories = (hist_in, hist_w, hist_go)
@@ -239,6 +260,9 @@ class _Float8LinearFn(torch.autograd.Function):
             g8, amax_g = _cast(g, go_cfg, 1, bwd, config, hist_go, stats=ctx.stats_go)
             if amax_g is not None:
                 push_amax(hist_go, amax_g)
+        # The weight-gradient GEMM's copy of g8 (M innermost), taken right at the cast so
+        # that inductor writes both layouts from the cast's pass.
+        g8_cm = _column_major(g8) if g8 is not None and need_grad_w and gw_uses_g8 else None
 
         # grad_x = g @ W: contraction over N, so W's scale must be constant along dim 0.
         grad_x = None
@@ -264,25 +288,26 @@ class _Float8LinearFn(torch.autograd.Function):
             if config.weight_grad_in_hp:
                 grad_w = g.t().to(saved_x.dtype) @ saved_x
             else:
+                # Both operands with M innermost (column-major), written by their casts.
                 if gw_uses_g8:
-                    gt8 = g8._replace(gemm=bwd_w)
+                    gt8 = g8_cm._replace(gemm=bwd_w)
                 else:
                     # When grad_x was not needed this is the only cast of grad_output: it
                     # then feeds the telemetry.
-                    gt8 = _cast_to_float8(
+                    gt8 = _column_major(_cast_to_float8(
                         ctx.stats_go if g8 is None else None,
                         g, go_cfg.dtype, **_granularity(go_cfg, 0), gemm=bwd_w, power_of_2_scale=go_cfg.power_of_2_scale,
-                    )
+                    ))
                 if isinstance(saved_x, Float8Tensor):
                     x8 = saved_x._replace(gemm=bwd_w)
                 else:
-                    x8 = cast_to_float8(
+                    x8 = _column_major(cast_to_float8(
                         saved_x,
                         config.input.dtype,
                         **_granularity(config.input, 0),
                         gemm=bwd_w,
                         power_of_2_scale=config.input.power_of_2_scale,
-                    )
+                    ))
                 # Written in the weight's dtype (fp32 for fp32 master weights), not bf16:
                 # autograd needs the fp32 .grad anyway, and a bf16 output adds a rounding
                 # and an upcast pass. Bytes per weight element in eager: tensorwise route

@@ -35,6 +35,7 @@ __all__ = [
     "delayed_scale",
     "dynamic_scale",
     "expand_block_scale",
+    "materialized",
     "push_amax",
     "stochastic_round",
     "tensor_amax",
@@ -93,7 +94,24 @@ def amax_to_scale(
     scale = (FORMATS[float8_dtype].max / amax64.clamp(min=EPS)).to(torch.float32)
     if round_pow2:
         scale = _round_down_pow2(scale)
-    return torch.where(torch.isfinite(amax64), scale, torch.nan)
+    # Stored once: inductor would otherwise inline the float64 division into every loop
+    # that reads the scale, a double conversion and division per element of the cast.
+    return materialized(torch.where(torch.isfinite(amax64), scale, torch.nan))
+
+
+def materialized(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself; under torch.compile, a result inductor stores to memory where computed.
+
+    Inductor inlines a cheap elementwise result into each loop that reads it (recomputing
+    it there) and re-derives a transposed view's producer in the view's loop order. Both
+    are wrong for the casts: a scale must be computed once, not once per element, and a
+    column-major FP8 copy must be written by the cast's own pass. ``as_strided`` is a view
+    whose inductor lowering needs a real buffer, so ``t`` is stored in its own layout by
+    the loop that computes it, and readers load it. Eager: returned as is.
+    """
+    if not torch.compiler.is_compiling() or type(t) is not torch.Tensor:
+        return t
+    return t.as_strided(t.shape, t.stride())
 
 
 def _round_down_pow2(scale: torch.Tensor) -> torch.Tensor:

@@ -176,3 +176,69 @@ def test_bench_moe(tmp_path):
     # tensorwise keeps the FP8 tokens (1 byte each) for the weight gradient instead of bf16 ones
     assert grouped["tensorwise"] < grouped["bf16"]
     assert "| grouped_mm | tensorwise |" in stdout
+
+
+def test_bench_cast_traffic(tmp_path):
+    # Reads inductor's generated code of one compiled training step per recipe. The casts
+    # of rowwise_with_gw_hp are a subset of rowwise's, so three recipes cover every kernel.
+    stdout, rows = run_script("bench_cast_traffic.py", "--recipes", "tensorwise,rowwise,delayed",
+                              torchao=False, tmp_path=tmp_path)
+    assert [r["recipe"] for r in rows] == ["tensorwise", "rowwise", "delayed"]
+    m, k, n = 32, 64, 128  # the --quick shape: x (2, 16, 64), Linear(64 -> 128)
+    for r in rows:
+        assert (int(r["M"]), int(r["K"]), int(r["N"])) == (m, k, n)
+        # No float64 arithmetic inside any loop over a full-size tensor: scales are computed
+        # once (a double per element made the column-scaled casts several times slower).
+        assert int(r["fp64_loops"]) == 0, r
+        assert int(r["gemms"]) == 3 and int(r["other_externs"]) == 0
+        finite(r, "total_bytes", "floor_bytes", "kernels_fwd", "kernels_bwd", "eager_kernels_step")
+        assert int(r["total_bytes"]) >= int(float(r["floor_bytes"]))
+    tw = rows[0]
+    # Tensorwise at its floor (scalars aside): two passes over x and grad_y (amax, then one
+    # cast writing both FP8 layouts), three over W (amax and cast; the backward re-cast).
+    assert int(tw["total_bytes"]) - int(float(tw["floor_bytes"])) < 64
+    assert (int(tw["passes_x"]), int(tw["passes_W"]), int(tw["passes_grad_y"])) == (2, 3, 2)
+    # Saved for backward: the FP8 input (1 byte/element) and fp32 scales, compiled as eager.
+    assert m * k <= int(tw["saved_bytes_compiled"]) <= m * k + 16
+    assert "| f8tensor | tensorwise |" in stdout
+
+
+def test_cast_traffic_finds_per_element_float64():
+    # The check the benchmark (and the test above) relies on, on two hand-written kernels
+    # in the shape inductor emits: a double computed per element is flagged, a double
+    # computed once per scale (outside the element loop) is not.
+    # Registered in sys.modules while it loads: its dataclasses look their module up there.
+    spec = importlib.util.spec_from_file_location("bench_cast_traffic", BENCH / "bench_cast_traffic.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules[spec.name]
+    header = "cpp_fused_k_0 = async_compile.cpp_pybinding(['const at::BFloat16*', 'const float*', 'float*'], r'''\n"
+    call = (
+        "    def call(self, args):\n        arg0_1, arg1_1 = args\n        buf0 = empty_strided_cpu((64, 64), (64, 1), torch.float32)\n"
+        "        cpp_fused_k_0(arg0_1, arg1_1, buf0)\n        return (buf0, )\n\nrunner = Runner(partitions=[])\n"
+        "    arg0_1 = rand_strided((64, 64), (64, 1), device='cpu', dtype=torch.bfloat16)\n"
+        "    arg1_1 = rand_strided((64, ), (1, ), device='cpu', dtype=torch.float32)\n"
+    )
+    per_element = (
+        "extern \"C\" void kernel(const at::BFloat16* in_ptr0, const float* in_ptr1, float* out_ptr0)\n{\n"
+        "    for(int64_t x0=static_cast<int64_t>(0L); x0<static_cast<int64_t>(4096L); x0+=static_cast<int64_t>(1L))\n"
+        "    {\n        auto tmp0 = in_ptr0[x0];\n        auto tmp1 = c10::convert<double>(in_ptr1[x0 % 64]);\n"
+        "        out_ptr0[x0] = static_cast<float>(tmp0) * static_cast<float>(448.0 / tmp1);\n    }\n}\n'''\n"
+    )
+    per_scale = (
+        "extern \"C\" void kernel(const at::BFloat16* in_ptr0, const float* in_ptr1, float* out_ptr0)\n{\n"
+        "    for(int64_t x0=static_cast<int64_t>(0L); x0<static_cast<int64_t>(64L); x0+=static_cast<int64_t>(1L))\n"
+        "    {\n        auto tmp1 = static_cast<float>(448.0 / c10::convert<double>(in_ptr1[x0]));\n"
+        "        for(int64_t x1=static_cast<int64_t>(0L); x1<static_cast<int64_t>(64L); x1+=static_cast<int64_t>(1L))\n"
+        "        {\n            out_ptr0[x1 + 64L*x0] = static_cast<float>(in_ptr0[x1 + 64L*x0]) * tmp1;\n        }\n    }\n}\n'''\n"
+    )
+    bad = module.parse_graph_code(header + per_element + call, element_threshold=4096)
+    good = module.parse_graph_code(header + per_scale + call, element_threshold=4096)
+    assert [p.fp64_per_element for p in bad.passes] == [True]
+    assert [p.fp64_per_element for p in good.passes] == [False]
+    # One pass each: x (8 KiB bf16) and the scales read, the fp32 output written.
+    for graph in (bad, good):
+        assert (graph.read_bytes, graph.written_bytes) == (64 * 64 * 2 + 64 * 4, 64 * 64 * 4)
