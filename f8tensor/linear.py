@@ -118,27 +118,44 @@ def _cast(
             stats, hp, cast.dtype, **_granularity(cast, contracted_dim), gemm=gemm, power_of_2_scale=cast.power_of_2_scale
         )
         return fp8, None
-    amax_local = tensor_amax(hp)
-    amax_now = _sync_amax(amax_local)
+    # The scale comes from the history alone (unit scale while it is empty, see
+    # delayed_scale), so the cast does not wait for the current amax. That amax, pushed
+    # into the history in backward, is taken after the cast, which is stored first
+    # (`materialized`): under torch.compile inductor then computes it in the cast's own
+    # pass over `hp` (its CPU back end fuses a pointwise loop with a later reduction over
+    # the same outer loop, not with an earlier one). A scale decided in advance does not
+    # see an inf in `hp`, which the saturating cast would turn into the format's max:
+    # make it NaN, element by element, in the same pass (NaN stays NaN).
+    guarded = torch.where(torch.isinf(hp), torch.nan, hp)
     if recompute:
-        return (
-            _cast_to_float8(
-                stats, hp, cast.dtype, scale=scale_buffer.clone(), gemm=gemm, amax=amax_local, rounding=cast.rounding
-            ),
-            amax_now,
+        scale = scale_buffer.clone()
+    else:
+        scale = delayed_scale(
+            history,
+            cast.dtype,
+            reduction=config.delayed.reduction,
+            margin=config.delayed.margin,
+            round_pow2=cast.power_of_2_scale,
         )
-    scale = delayed_scale(
-        history,
-        amax_now,
-        cast.dtype,
-        reduction=config.delayed.reduction,
-        margin=config.delayed.margin,
-        round_pow2=cast.power_of_2_scale,
-    )
-    if scale_buffer is not None:
-        scale_buffer.copy_(scale)
+    amax_local = None if stats is None else _amax_by_rows(hp)
     # The stats describe this rank's tensor: its own amax, not the all-reduced one.
-    return _cast_to_float8(stats, hp, cast.dtype, scale=scale, gemm=gemm, amax=amax_local, rounding=cast.rounding), amax_now
+    fp8 = _cast_to_float8(stats, guarded, cast.dtype, scale=scale, gemm=gemm, amax=amax_local, rounding=cast.rounding)
+    fp8 = fp8._replace(data=materialized(fp8._data))
+    if amax_local is None:
+        amax_local = _amax_by_rows(hp)
+    if scale_buffer is not None and not recompute:
+        scale_buffer.copy_(scale)
+    return fp8, _sync_amax(amax_local)
+
+
+def _amax_by_rows(hp: torch.Tensor) -> torch.Tensor:
+    """``tensor_amax(hp)`` (the same value: min and max are exact), reduced row by row
+    first for a 2D ``hp``: a reduction over the cast's own loop nest, which inductor fuses
+    into the cast's pass (a flat reduction over all elements has other loops and stays a
+    pass of its own)."""
+    if hp.dim() != 2 or hp.numel() == 0:
+        return tensor_amax(hp)
+    return torch.maximum(hp.amax(-1), -hp.amin(-1)).amax().float()
 
 
 def _cast_to_float8(
@@ -247,10 +264,6 @@ class _Float8LinearFn(torch.autograd.Function):
         bwd_w = GemmConfig(pad_inner_dim=True, emulate=config.emulate)
         g = grad_y.reshape(-1, grad_y.shape[-1])
         go_cfg = config.grad_output
-        if amax_x is not None:
-            push_amax(hist_in, amax_x)
-        if amax_w is not None:
-            push_amax(hist_w, amax_w)
 
         # g8: grad_output scaled along N (or per tensor), for grad_x and, per tensor, also
         # for grad_W. A delayed cast measures every backward's grad_output, needed or not.
@@ -319,6 +332,12 @@ class _Float8LinearFn(torch.autograd.Function):
                 grad_w = _matmul(gt8.t(), x8, out_dtype=weight.dtype)
             grad_w = grad_w.to(weight.dtype)
         grad_b = g.sum(0) if need_grad_b else None
+        # Pushed last: under torch.compile an amax the partitioner recomputes here (the
+        # weight's) is then read in the same pass as the weight's re-cast above.
+        if amax_x is not None:
+            push_amax(hist_in, amax_x)
+        if amax_w is not None:
+            push_amax(hist_w, amax_w)
         return grad_x, grad_w, grad_b, None, None, None
 
 

@@ -134,20 +134,30 @@ def dynamic_scale(
 
 def delayed_scale(
     history: torch.Tensor,
-    amax_now: torch.Tensor,
     float8_dtype: torch.dtype,
     *,
     reduction: str = "max",
     margin: int = 0,
     round_pow2: bool = False,
 ) -> torch.Tensor:
-    """Delayed scaling: the scale from an amax history (newest first, shape ``(L,)``).
+    """Delayed scaling: the scale from an amax history (newest first, shape ``(L,)``) alone.
 
     ``reduction="max"`` uses the largest amax of the window, ``"most_recent"`` the newest
-    one; ``margin`` leaves ``2**margin`` of headroom below the format's max. The current
-    amax ``amax_now`` is used twice, without a Python flag: while the history is still
-    empty (all zero, the first step) it sets the scale, and when it is non-finite the
-    scale is NaN, so an inf or NaN in the tensor never turns into finite values.
+    one; ``margin`` leaves ``2**margin`` of headroom below the format's max.
+
+    The scale depends on nothing measured on the tensor being cast, so the cast needs no
+    pass over it beforehand: under torch.compile the amax pushed into the history is
+    measured inside the cast's own pass. Hence the two guards work without the current
+    amax:
+
+    - An empty history (all zero: the first step) gives the unit scale (``2**-margin``
+      with a margin), as if the amax were the format's max: FP8 values are the
+      high-precision ones rounded to the format, whose range (E4M3 up to 448, E5M2 up to
+      57344) holds typical activations, weights and gradients; from the next step on the
+      history holds a real amax. Every data-parallel rank picks the same first scale.
+    - A history never holds a non-finite amax (see :func:`push_amax`), so the scale is
+      always finite and positive. Non-finite *inputs* are the caller's to keep
+      non-finite (the delayed cast turns inf into NaN element by element).
     """
     if reduction == "max":
         amax = history.amax()
@@ -155,11 +165,10 @@ def delayed_scale(
         amax = history[0]
     else:
         raise ValueError(f"reduction must be one of {HISTORY_REDUCTIONS}; got {reduction!r}")
-    amax = torch.where(amax > 0, amax, amax_now)
+    amax = torch.where(amax > 0, amax, FORMATS[float8_dtype].max)
     if margin:
         amax = amax * (2.0**margin)
-    scale = amax_to_scale(amax, float8_dtype, round_pow2=round_pow2)
-    return torch.where(torch.isfinite(amax_now), scale, torch.nan)
+    return amax_to_scale(amax, float8_dtype, round_pow2=round_pow2)
 
 
 def push_amax(history: torch.Tensor, amax: torch.Tensor) -> None:

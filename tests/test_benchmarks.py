@@ -200,6 +200,14 @@ def test_bench_cast_traffic(tmp_path):
     assert (int(tw["passes_x"]), int(tw["passes_W"]), int(tw["passes_grad_y"])) == (2, 3, 2)
     # Saved for backward: the FP8 input (1 byte/element) and fp32 scales, compiled as eager.
     assert m * k <= int(tw["saved_bytes_compiled"]) <= m * k + 16
+    dl = rows[2]
+    # Delayed at its floor, aside from the per-row amax partials (two bf16 per row of x,
+    # grad_y and W, written then read: 8 bytes a row) and the scalars (three fp32 histories
+    # of 16, read by several passes, and the scales): one pass over x and grad_y (the scale
+    # comes from the history, the amax is taken in the cast's pass), two over W (forward
+    # cast; backward re-cast, which also measures its amax). Before: 2 / 3 / 2 passes.
+    assert int(dl["total_bytes"]) - int(float(dl["floor_bytes"])) <= 8 * (2 * m + n) + 1024, dl
+    assert (int(dl["passes_x"]), int(dl["passes_W"]), int(dl["passes_grad_y"])) == (1, 2, 1)
     assert "| f8tensor | tensorwise |" in stdout
 
 

@@ -70,10 +70,31 @@ def test_history_fills_newest_first_and_rolls_over():
     assert layer.amax_history_grad_output.tolist() == [50.0, 40.0, 30.0, 20.0]
 
 
-def test_first_step_uses_the_current_amax():
+def test_first_step_casts_with_unit_scale_then_uses_the_history():
+    # The scale never depends on the tensor being cast (that is what lets the cast and its
+    # amax share one pass): an empty history gives the unit scale, FP8 values equal to the
+    # high-precision ones (rounded); the next step scales by the first step's amax.
     layer = _delayed_layer()
-    _step(layer, 4.0)
+    ref = nn.Linear(64, 32)
+    ref.load_state_dict(layer.state_dict(), strict=False)
+    x = _with_amax(4.0, 8, 64)
+    assert_sqnr(ref(x), layer(x), 25.0, "first-step output")
+    y = layer(x)
+    y.backward(_with_amax(1.0, *y.shape))
+    assert layer.scale_input.item() == 1.0
+    assert layer.amax_history_input[0].item() == 4.0
+    _step(layer, 2.0)
     assert layer.scale_input.item() == E4M3_MAX / 4.0
+
+
+def test_first_step_inf_is_nan_not_saturated():
+    # With the unit scale an inf would saturate to the format's max: it must come out NaN.
+    layer = _delayed_layer()
+    x = _with_amax(4.0, 8, 64)
+    x[0, 0] = float("inf")
+    y = layer(x)
+    assert y[0].isnan().all()
+    assert y[1:].isfinite().all()
 
 
 @pytest.mark.parametrize(
