@@ -17,7 +17,24 @@ from f8tensor.config import DEFAULT_GEMM, GemmConfig, Granularity
 from f8tensor.formats import FORMATS, check_float8_dtype, check_hp_dtype, saturated_cast, saturation_bound
 from f8tensor.scaling import amax_to_scale, dynamic_scale, tensor_amax
 
-__all__ = ["CAST_STATS_FIELDS", "Float8Tensor", "cast_to_float8", "cast_to_float8_with_stats", "dequantize"]
+__all__ = [
+    "CAST_STATS_FIELDS",
+    "SCALE_DTYPES",
+    "Float8Tensor",
+    "cast_to_float8",
+    "cast_to_float8_with_stats",
+    "check_scale_values",
+    "dequantize",
+    "scale_from_number",
+]
+
+#: The dtypes a Float8Tensor's ``_scale`` may have: the one place to extend (e.g. with
+#: ``torch.float8_e8m0fnu`` once MX formats store power-of-two scales).
+SCALE_DTYPES: tuple[torch.dtype, ...] = (torch.float32,)
+# A scale must be a normal fp32 number: its inverse (the dequantization factor) is then
+# finite too. 2**-126 ~ 1.18e-38 up to the fp32 max ~ 3.4e38.
+_SCALE_MIN = torch.finfo(torch.float32).tiny
+_SCALE_MAX = torch.finfo(torch.float32).max
 
 _NO_KWARGS = types.MappingProxyType({})
 OpHandler = Callable[[Any, Any, tuple, dict], Any]
@@ -107,6 +124,8 @@ class Float8Tensor(torch.Tensor):
             raise TypeError(f"from_hp expects a torch.Tensor; got {type(hp).__name__}")
         check_hp_dtype(hp.dtype, "Float8Tensor.from_hp input")
         check_float8_dtype(float8_dtype)
+        if not isinstance(power_of_2_scale, bool):
+            raise TypeError(f"power_of_2_scale must be a bool; got {power_of_2_scale!r}")
         gran = Granularity.parse(granularity)
         if gran is Granularity.ROWWISE and hp.dim() == 0:
             raise ValueError("rowwise scaling needs at least one dimension; got a 0-dim tensor")
@@ -156,6 +175,81 @@ class Float8Tensor(torch.Tensor):
         }
         fields.update(changes)
         return Float8Tensor(**fields)
+
+    # ----------------------------------------------------------------- serialization
+
+    def __reduce_ex__(self, protocol):  # type: ignore[override]
+        """Pickle (``torch.save``, ``pickle``, ``copy.deepcopy``) as plain fields rebuilt by
+        :func:`_rebuild_float8_tensor`, the one validating way back.
+
+        The FP8 bytes travel as a ``uint8`` tensor holding exactly this tensor's elements (a
+        slice or ``split`` piece is copied out of its larger storage; a dense layout keeps
+        its strides): ``uint8`` pickles everywhere, where FP8 storages do not always.
+        Attributes other than the fields (and ``nn.Parameter``'s mark) are not saved.
+        """
+        return (_rebuild_float8_tensor, (_SERIAL_VERSION, self._serial_fields()))
+
+    def _serial_fields(self) -> dict[str, Any]:
+        raw = self._data.view(torch.uint8)
+        size, stride = tuple(raw.shape), raw.stride()
+        if raw.storage_offset() != 0 or raw.untyped_storage().nbytes() != _extent(size, stride) or not _no_overlap(size, stride):
+            raw = raw.clone(memory_format=torch.contiguous_format)
+        gemm = self._gemm
+        return {
+            "data": raw,
+            "float8_dtype": self._data.dtype,
+            "scale": self._scale,
+            "orig_dtype": self._orig_dtype,
+            "axiswise_dim": self._axiswise_dim,
+            "gemm": (gemm.out_dtype, gemm.use_fast_accum, gemm.pad_inner_dim),
+            "requires_grad": self.requires_grad,
+            "is_param": bool(self.__dict__.get("_is_param", False)),
+        }
+
+    def __deepcopy__(self, memo: dict) -> Float8Tensor:
+        if id(self) in memo:
+            return memo[id(self)]
+        fields = self._serial_fields()
+        fields["data"] = fields["data"].clone()
+        fields["scale"] = fields["scale"].clone()
+        new = _rebuild_float8_tensor(_SERIAL_VERSION, fields)
+        memo[id(self)] = new
+        return new
+
+    def __setstate__(self, state: Any) -> None:
+        """Checkpoints written before :meth:`__reduce_ex__` existed: a wrapper rebuilt from its
+        outer size and strides, then its attributes. Every field is validated here."""
+        dict_state = state[0] if isinstance(state, tuple) and len(state) == 2 else state
+        if isinstance(state, tuple) and len(state) == 2 and state[1]:
+            raise ValueError(f"Float8Tensor checkpoint: unexpected slot state {sorted(state[1])!r}")
+        if not isinstance(dict_state, dict):
+            raise ValueError(f"Float8Tensor checkpoint: the state must be a dict of fields; got {type(dict_state).__name__}")
+        names = {"_data", "_scale", "_orig_dtype", "_axiswise_dim", "_gemm"}
+        missing, extra = names - dict_state.keys(), dict_state.keys() - names - {"_is_param"}
+        if missing or extra:
+            raise ValueError(
+                f"Float8Tensor checkpoint: fields must be exactly {sorted(names)} (plus '_is_param'); "
+                f"missing {sorted(missing)}, unexpected {sorted(map(str, extra))}"
+            )
+        if dict_state.get("_is_param", True) is not True:
+            raise ValueError(f"Float8Tensor checkpoint: '_is_param' must be True; got {dict_state['_is_param']!r}")
+        data, gemm = dict_state["_data"], dict_state["_gemm"]
+        if type(gemm) is not GemmConfig:
+            raise TypeError(f"Float8Tensor checkpoint: '_gemm' must be a GemmConfig; got {type(gemm).__name__}")
+        scale = _validate_fields(data, dict_state["_scale"], dict_state["_orig_dtype"], dict_state["_axiswise_dim"], gemm)
+        outer = (self.dtype, tuple(self.shape), self.stride(), self.storage_offset(), self.device)
+        inner = (dict_state["_orig_dtype"], tuple(data.shape), data.stride(), data.storage_offset(), data.device)
+        if outer != inner:
+            raise ValueError(
+                f"Float8Tensor checkpoint: the wrapper (dtype, shape, strides, offset, device) {outer} "
+                f"does not match its data {inner}"
+            )
+        self._data, self._scale = data, scale
+        self._orig_dtype, self._axiswise_dim, self._gemm = dict_state["_orig_dtype"], dict_state["_axiswise_dim"], gemm
+        if "_is_param" in dict_state:
+            self._is_param = True
+        if type(self) is not Float8Tensor:  # _LegacyFloat8Tensor, see there
+            self.__class__ = Float8Tensor
 
     def __repr__(self) -> str:  # type: ignore[override]
         if self._axiswise_dim is None and not _is_fake(self._scale):
@@ -209,15 +303,195 @@ def _is_fake(t: torch.Tensor) -> bool:
     return isinstance(t, torch._subclasses.fake_tensor.FakeTensor) or t.device.type == "meta"
 
 
+# ===================================================================== validation
+
+_SERIAL_VERSION = 1
+_SERIAL_FIELDS = frozenset(
+    {"data", "float8_dtype", "scale", "orig_dtype", "axiswise_dim", "gemm", "requires_grad", "is_param"}
+)
+
+
+def scale_from_number(value: object, what: str, device: torch.device | str | None = None) -> torch.Tensor:
+    """A Python number as a 0-dim fp32 scale, range-checked *in fp32* (``1e39`` would
+    round to inf there, ``1e-46`` to 0)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{what} must be a float or an fp32 tensor; got {type(value).__name__}")
+    scale = torch.tensor(float(value), dtype=torch.float32, device=device)
+    as_fp32 = float(torch.tensor(float(value), dtype=torch.float32))
+    if not _SCALE_MIN <= as_fp32 <= _SCALE_MAX:
+        raise ValueError(
+            f"{what} must be a positive finite fp32 number in [{_SCALE_MIN:.4g}, {_SCALE_MAX:.4g}] "
+            f"(so that it and its inverse are finite normal fp32 numbers); got {value!r} (in fp32: {as_fp32!r})"
+        )
+    return scale
+
+
+def check_scale_values(scale: torch.Tensor, what: str, *, allow_nan: bool = False) -> torch.Tensor:
+    """Every entry of ``scale`` a normal positive finite fp32 number (NaN too if ``allow_nan``).
+
+    Checked where that costs no device sync: on CPU, eagerly, a bad entry raises
+    ``ValueError``. Elsewhere (a GPU tensor, or under torch.compile) the values are not
+    read: bad entries become NaN, so the tensor reads back NaN rather than finite garbage
+    (PyTorch offers no way to raise from device code without a sync). Returns the scale.
+    """
+    if _is_fake(scale):
+        return scale
+    ok = (scale >= _SCALE_MIN) & (scale <= _SCALE_MAX)
+    if allow_nan:
+        ok = ok | torch.isnan(scale)
+    if scale.device.type == "cpu" and not torch.compiler.is_compiling():
+        if not bool(ok.all()):
+            bad = scale[~ok].flatten()[0].item()
+            nan = " or NaN" if allow_nan else ""
+            raise ValueError(
+                f"{what} must hold positive finite fp32 numbers in [{_SCALE_MIN:.4g}, {_SCALE_MAX:.4g}]{nan}; got {bad!r}"
+            )
+        return scale
+    return torch.where(ok, scale, torch.nan)
+
+
+def _extent(size: tuple[int, ...], stride: tuple[int, ...]) -> int:
+    """Elements from the first to one past the last one a layout touches (0 when empty)."""
+    if any(n == 0 for n in size):
+        return 0
+    return 1 + sum((n - 1) * st for n, st in zip(size, stride))
+
+
+def _no_overlap(size: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    """Whether no two indices of the layout share an element (no zero or overlapping strides)."""
+    if any(n == 0 for n in size):
+        return True
+    span = 1
+    for st, n in sorted((st, n) for n, st in zip(size, stride) if n > 1):
+        if st < span:
+            return False
+        span += (n - 1) * st
+    return True
+
+
+def _check_layout(t: torch.Tensor, what: str) -> None:
+    """Every element of ``t`` has its own bytes in its real storage.
+
+    A zero or overlapping stride would let a 2 KB checkpoint stand for a 16 GiB tensor that
+    the first matmul or ``to_hp`` materializes; a view past its storage reads foreign memory.
+    """
+    if t.layout is not torch.strided:
+        raise ValueError(f"{what} must be a strided (dense) tensor; got layout {t.layout}")
+    size, stride = tuple(t.shape), t.stride()
+    if any(st < 0 for st in stride) or not _no_overlap(size, stride):
+        raise ValueError(
+            f"{what} must not repeat elements through zero or overlapping strides; got shape {size}, strides {stride}"
+        )
+    if t.device.type == "meta":
+        return
+    end = (t.storage_offset() + _extent(size, stride)) * t.element_size()
+    if end > t.untyped_storage().nbytes():
+        raise ValueError(f"{what} reaches byte {end} of a storage of {t.untyped_storage().nbytes()} bytes")
+
+
+def _validate_fields(
+    data: object, scale: object, orig_dtype: object, axiswise_dim: object, gemm: GemmConfig
+) -> torch.Tensor:
+    """Check every field of a Float8Tensor coming from outside the library (a checkpoint).
+
+    The one validation of deserialized tensors (both checkpoint formats go through it):
+    extend it here when the granularity grows (e.g. a block shape). Returns the scale
+    (invalid values turned into NaN where they cannot be read without a device sync).
+    """
+    if type(data) is not torch.Tensor:
+        raise TypeError(f"Float8Tensor data must be a plain torch.Tensor; got {type(data).__name__}")
+    check_float8_dtype(data.dtype, "Float8Tensor data dtype")
+    _check_layout(data, "Float8Tensor data")
+    if type(scale) is not torch.Tensor:
+        raise TypeError(f"Float8Tensor scale must be a plain torch.Tensor; got {type(scale).__name__}")
+    if scale.dtype not in SCALE_DTYPES:
+        allowed = ", ".join(str(d) for d in SCALE_DTYPES)
+        raise TypeError(f"Float8Tensor scale dtype must be one of {allowed}; got {scale.dtype}")
+    _check_layout(scale, "Float8Tensor scale")
+    if scale.device != data.device:
+        raise ValueError(f"Float8Tensor scale is on {scale.device}, its data on {data.device}: they must share a device")
+    check_hp_dtype(orig_dtype, "Float8Tensor orig_dtype")
+    if axiswise_dim is None:
+        if scale.dim() != 0:
+            raise ValueError(f"a tensorwise Float8Tensor has a 0-dim scale; got shape {tuple(scale.shape)}")
+    else:
+        if isinstance(axiswise_dim, bool) or not isinstance(axiswise_dim, int):
+            raise TypeError(f"Float8Tensor axiswise_dim must be None or an int; got {axiswise_dim!r}")
+        if not 0 <= axiswise_dim < data.dim():
+            raise ValueError(
+                f"Float8Tensor axiswise_dim must be in [0, {data.dim()}) for data of shape {tuple(data.shape)}; got {axiswise_dim}"
+            )
+        expected = tuple(1 if i == axiswise_dim else n for i, n in enumerate(data.shape))
+        if tuple(scale.shape) != expected:
+            raise ValueError(
+                f"an axiswise (dim {axiswise_dim}) scale for data of shape {tuple(data.shape)} must have shape "
+                f"{expected}; got {tuple(scale.shape)}"
+            )
+    if not isinstance(gemm, GemmConfig):
+        raise TypeError(f"Float8Tensor gemm must be a GemmConfig; got {type(gemm).__name__}")
+    if gemm.out_dtype is not None and not isinstance(gemm.out_dtype, torch.dtype):
+        raise TypeError(f"GemmConfig.out_dtype must be None or a torch.dtype; got {gemm.out_dtype!r}")
+    gemm.validated()
+    # A NaN scale is what a cast of a non-finite tensor legitimately produces (its data reads
+    # back NaN); zero, negative, infinite or subnormal scales never are.
+    return check_scale_values(scale, "Float8Tensor scale", allow_nan=True)
+
+
+def _rebuild_float8_tensor(version: object, fields: object) -> Float8Tensor:
+    """Unpickle a Float8Tensor (``torch.load``, with ``weights_only=True`` too; ``pickle``;
+    ``copy.deepcopy``): every field is validated before the tensor exists."""
+    if version != _SERIAL_VERSION:
+        raise ValueError(f"Float8Tensor checkpoint format {version!r} is not supported (this f8tensor reads {_SERIAL_VERSION})")
+    if not isinstance(fields, dict) or set(fields) != _SERIAL_FIELDS:
+        got = sorted(map(str, fields)) if isinstance(fields, dict) else type(fields).__name__
+        raise ValueError(f"Float8Tensor checkpoint: fields must be exactly {sorted(_SERIAL_FIELDS)}; got {got}")
+    raw = fields["data"]
+    if type(raw) is not torch.Tensor or raw.dtype != torch.uint8:
+        what = raw.dtype if isinstance(raw, torch.Tensor) else type(raw).__name__
+        raise TypeError(f"Float8Tensor checkpoint: 'data' must be a uint8 tensor (the FP8 bytes); got {what}")
+    float8_dtype = check_float8_dtype(fields["float8_dtype"], "Float8Tensor checkpoint 'float8_dtype'")
+    _check_layout(raw, "Float8Tensor data")
+    data = raw.view(float8_dtype)
+    gemm_fields = fields["gemm"]
+    if not isinstance(gemm_fields, tuple) or len(gemm_fields) != len(GemmConfig._fields):
+        raise ValueError(f"Float8Tensor checkpoint: 'gemm' must be a tuple {GemmConfig._fields}; got {gemm_fields!r}")
+    gemm = GemmConfig(*gemm_fields)
+    for name in ("requires_grad", "is_param"):
+        if not isinstance(fields[name], bool):
+            raise TypeError(f"Float8Tensor checkpoint: {name!r} must be a bool; got {fields[name]!r}")
+    scale = _validate_fields(data, fields["scale"], fields["orig_dtype"], fields["axiswise_dim"], gemm)
+    out = Float8Tensor(data, scale, fields["orig_dtype"], fields["axiswise_dim"], gemm)
+    if fields["is_param"]:
+        return torch.nn.Parameter(out, requires_grad=fields["requires_grad"])
+    return out.requires_grad_(fields["requires_grad"])
+
+
+class _LegacyFloat8Tensor(Float8Tensor):
+    """What ``weights_only=True`` loading knows as ``f8tensor.tensor.Float8Tensor``.
+
+    Checkpoints written before :meth:`Float8Tensor.__reduce_ex__` name the class: they
+    rebuild an empty wrapper of it and restore its attributes through ``__setstate__``,
+    which validates them and turns the object into a Float8Tensor. Constructing the class
+    directly (pickle's NEWOBJ), which would skip that validation, is refused.
+    """
+
+    @staticmethod
+    def __new__(cls, *args: Any, **kwargs: Any):  # type: ignore[override]
+        raise TypeError("a Float8Tensor is loaded through its validating rebuild, never constructed from a checkpoint")
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
+        raise RuntimeError("a Float8Tensor from a checkpoint was used before its fields were restored (a malformed checkpoint)")
+
+
 def _check_given_scale(scale: torch.Tensor | float, hp: torch.Tensor, axiswise_dim: int | None) -> torch.Tensor:
     if not isinstance(scale, torch.Tensor):
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-            raise TypeError(f"scale must be a float or an fp32 tensor; got {type(scale).__name__}")
-        if not (0.0 < float(scale) < float("inf")):
-            raise ValueError(f"scale must be a positive finite number; got {scale!r}")
-        scale = torch.tensor(float(scale), dtype=torch.float32, device=hp.device)
+        scale = scale_from_number(scale, "scale", hp.device)
     if scale.dtype != torch.float32:
         raise TypeError(f"scale must be float32; got {scale.dtype}")
+    if scale.device != hp.device:
+        raise ValueError(f"scale is on {scale.device}, the tensor on {hp.device}: they must share a device")
+    scale = check_scale_values(scale, "scale")
     if axiswise_dim is None:
         if scale.numel() != 1:
             raise ValueError(f"a tensorwise scale has one element; got shape {tuple(scale.shape)}")
