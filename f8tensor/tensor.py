@@ -146,6 +146,20 @@ class Float8Tensor(torch.Tensor):
             check_hp_dtype(dtype, "to_hp dtype")
         return _ToHP.apply(self, dtype)
 
+    # Python's `@` turns a TypeError raised inside Tensor.__matmul__ (our message for, say,
+    # an int operand) into NotImplemented and then into "unsupported operand type(s)".
+    # Overriding both sides on the subclass makes Python call them first, and our error
+    # comes through as raised.
+    def __matmul__(self, other: Any) -> torch.Tensor:  # type: ignore[override]
+        if not isinstance(other, torch.Tensor):
+            return NotImplemented
+        return torch.matmul(self, other)
+
+    def __rmatmul__(self, other: Any) -> torch.Tensor:  # type: ignore[override]
+        if not isinstance(other, torch.Tensor):
+            return NotImplemented
+        return torch.matmul(other, self)
+
     # ----------------------------------------------------------------- introspection
 
     @property
