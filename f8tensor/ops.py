@@ -74,7 +74,7 @@ def _check_float8_mm_args(a, b, bias, out_dtype, out_scale) -> torch.Tensor | No
             raise TypeError(f"float8_mm: bias must be None or a high-precision tensor; got {type(bias).__name__}")
         check_hp_dtype(bias.dtype, "float8_mm bias")
     if out_dtype is not None and out_dtype not in FLOAT8_DTYPES:
-        check_hp_dtype(out_dtype, "float8_mm out_dtype (or an FP8 dtype with out_scale)")
+        check_hp_dtype(out_dtype, "out_dtype")
     if out_dtype not in FLOAT8_DTYPES:
         if out_scale is not None:
             raise ValueError("out_scale is only meaningful with an FP8 out_dtype")
