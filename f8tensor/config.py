@@ -265,7 +265,7 @@ class Float8LinearConfig:
 
         Keyword overrides replace top-level fields (e.g. ``pad_inner_dim=True``).
         """
-        if name not in RECIPES:
+        if not isinstance(name, str) or name not in RECIPES:
             raise ValueError(f"unknown recipe {name!r}; choose one of {sorted(RECIPES)}")
         fields = [f.name for f in dataclasses.fields(cls)]
         for key in overrides:

@@ -394,6 +394,8 @@ def precompute_float8_scales_for_fsdp(module: nn.Module) -> None:
     elements; follow it with ``model.load_state_dict`` (or ``set_state_dict``), as the
     checkpoint documentation does, which writes every shard, empty ones included.
     """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"precompute_float8_scales_for_fsdp expects an nn.Module; got {type(module).__name__}")
     by_mesh: dict[DeviceMesh, list[Float8AllGatherWeight]] = {}
     for param in module.parameters():
         local = _local_of(param)

@@ -345,6 +345,9 @@ class Float8Linear(nn.Linear):
         *,
         config: Float8LinearConfig | None = None,
     ) -> None:
+        if dtype is not None and dtype not in HP_DTYPES:
+            allowed = ", ".join(str(d) for d in HP_DTYPES)
+            raise TypeError(f"Float8Linear parameters must have dtype {allowed}; got dtype={dtype}")
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.config = _check_config(config)
         _check_dims(in_features, out_features, self.config)
@@ -390,6 +393,9 @@ class Float8Linear(nn.Linear):
         storage, and the optimizer is built after ``fully_shard`` anyway)."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"from_float expects an nn.Linear; got {type(linear).__name__}")
+        if linear.weight.dtype not in HP_DTYPES:
+            allowed = ", ".join(str(d) for d in HP_DTYPES)
+            raise TypeError(f"from_float: FP8 casts start from {allowed} weights; got {linear.weight.dtype}")
         with torch.device("meta"):
             new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, config=config)
         if new.config.enable_fsdp_float8_all_gather:
@@ -432,6 +438,9 @@ class Float8Linear(nn.Linear):
             raise TypeError(f"Float8Linear input must be a floating tensor of dtype {allowed}; got {x.dtype}{hint}")
         if x.dim() == 0:
             raise ValueError("Float8Linear input must have at least one dimension (..., in_features); got a 0-dim tensor")
+        if self.weight.dtype not in HP_DTYPES:  # e.g. after model.double()
+            allowed = ", ".join(str(d) for d in HP_DTYPES)
+            raise TypeError(f"Float8Linear weight must have dtype {allowed}; got {self.weight.dtype}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight, bias = self.weight, self.bias

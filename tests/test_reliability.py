@@ -385,6 +385,48 @@ def test_pickle_round_trip():
     assert torch.equal(out._scale, x8._scale) and out._orig_dtype == torch.bfloat16
 
 
+# ============================================================================ neighbours
+
+
+def test_float64_layers_are_refused_where_they_are_made():
+    with pytest.raises(TypeError, match=r"Float8Linear parameters must have dtype .*; got dtype=torch.float64"):
+        Float8Linear(32, 16, dtype=torch.float64)
+    with pytest.raises(TypeError, match=r"from_float: FP8 casts start from .* weights; got torch.float64"):
+        Float8Linear.from_float(nn.Linear(32, 16).double())
+    with pytest.raises(TypeError, match=r"Float8Linear weight must have dtype .*; got torch.float64"):
+        Float8Linear(32, 16).double()(torch.randn(4, 32))
+
+
+def test_precompute_refuses_a_non_module():
+    from f8tensor import precompute_float8_scales_for_fsdp
+
+    with pytest.raises(TypeError, match=r"precompute_float8_scales_for_fsdp expects an nn.Module; got str"):
+        precompute_float8_scales_for_fsdp("model")
+
+
+def test_recipe_name_of_the_wrong_type():
+    with pytest.raises(ValueError, match=r"unknown recipe \['tensorwise'\]"):
+        Float8LinearConfig.from_recipe(["tensorwise"])
+
+
+def test_float8_stats_refuses_a_non_module():
+    with pytest.raises(TypeError, match=r"float8_stats expects an nn.Module"):
+        float8_stats("m")
+
+
+def test_float8_mm_bias_of_the_wrong_kind():
+    a8 = Float8Tensor.from_hp(torch.randn(16, 32))
+    with pytest.raises(TypeError, match=r"float8_mm bias must have a high-precision floating dtype"):
+        float8_mm(a8, a8.t(), bias=torch.ones(16, dtype=torch.int64))
+    with pytest.raises(TypeError, match=r"float8_mm: bias must be None or a high-precision tensor; got Float8Tensor"):
+        float8_mm(a8, a8.t(), bias=Float8Tensor.from_hp(torch.ones(16)))
+
+
+def test_float8_tensor_input_to_linear_says_what_to_do():
+    with pytest.raises(TypeError, match=r"pass a high-precision tensor \(call .to_hp\(\) first\)"):
+        Float8Linear(32, 16)(Float8Tensor.from_hp(torch.randn(4, 32)))
+
+
 # ============================================================================ property test
 
 
