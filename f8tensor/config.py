@@ -238,7 +238,8 @@ class Float8LinearConfig:
         for gemm, a, b in gemms:
             if _is_e5m2(a.dtype) and _is_e5m2(b.dtype):
                 raise ValueError(f"the {gemm} GEMM would multiply two e5m2 tensors, which torch._scaled_mm refuses; use e4m3 for one of them")
-        families = {role: "fnuz" if "fnuz" in str(getattr(self, role).dtype) else "fn" for role in ("input", "weight", "grad_output")}
+        roles = ("input", "weight", "grad_output")
+        families = {role: "fnuz" if "fnuz" in str(getattr(self, role).dtype) else "fn" for role in roles}
         if len(set(families.values())) > 1:
             raise ValueError(
                 "every operand must use one FP8 family, fn (e4m3fn, e5m2) or fnuz (e4m3fnuz, e5m2fnuz): "

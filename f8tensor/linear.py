@@ -55,7 +55,9 @@ def _fresh_state(name: str, like: torch.Tensor, device: torch.device | str | Non
     return torch.full_like(like, fill, dtype=torch.float32, device=device)
 
 
-def _record_call(keys: torch.Tensor, scales: torch.Tensor, key: torch.Tensor, scale_in: torch.Tensor, scale_w: torch.Tensor) -> None:
+def _record_call(
+    keys: torch.Tensor, scales: torch.Tensor, key: torch.Tensor, scale_in: torch.Tensor, scale_w: torch.Tensor
+) -> None:
     """Push this forward's (key, input scale, weight scale) as the newest recorded call."""
     keys.copy_(torch.cat([key.reshape(1).to(keys.dtype), keys[:-1]]))
     scales.copy_(torch.cat([torch.stack([scale_in, scale_w]).reshape(1, 2), scales[:-1]]))
@@ -219,14 +221,15 @@ class _Float8LinearFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):  # type: ignore[override]
+        saved = ctx.saved_tensors  # unpacked once (a checkpointed forward allows no second unpack)
         if not torch.is_grad_enabled():
-            return _Float8LinearFn._backward(ctx, grad_y)
+            return _Float8LinearFn._backward(ctx, grad_y, saved)
         # create_graph=True: FP8 GEMMs have no derivative (torch._scaled_mm has none), so
         # compute the gradients without a graph and attach a node that refuses a second
         # backward with a message naming the layer, instead of failing deep in autograd.
         with torch.no_grad():
-            grads = _Float8LinearFn._backward(ctx, grad_y)
-        saved_x, weight = ctx.saved_tensors[:2]
+            grads = _Float8LinearFn._backward(ctx, grad_y, saved)
+        saved_x, weight = saved[:2]
         present = [i for i, g in enumerate(grads[:3]) if g is not None]
         outs = _NoDoubleBackward.apply(ctx.layer, grad_y, weight, saved_x, *(grads[i] for i in present))
         grads = list(grads)
@@ -235,8 +238,8 @@ class _Float8LinearFn(torch.autograd.Function):
         return tuple(grads)
 
     @staticmethod
-    def _backward(ctx, grad_y):
-        saved_x, weight, w_scale, amax_x, amax_w = ctx.saved_tensors
+    def _backward(ctx, grad_y, saved):
+        saved_x, weight, w_scale, amax_x, amax_w = saved
         hist_in, hist_w, hist_go = ctx.histories
         need_grad_x, need_grad_w, need_grad_b = ctx.needs_input_grad[:3]
         config: Float8LinearConfig = ctx.config
@@ -503,7 +506,8 @@ class Float8Linear(nn.Linear):
         weight = self._parameters.get("weight")
         if self.config.enable_fsdp_float8_all_gather and weight is not None:
             fsdp = _fsdp()
-            if not isinstance(weight, fsdp.Float8AllGatherWeight) and not type(weight).__name__ == "DTensor":
+            # A DTensor (after fully_shard) is FSDP's to manage.
+            if not isinstance(weight, (fsdp.Float8AllGatherWeight, fsdp.DTensor)):
                 self.weight = fsdp.wrap_weight(weight, self.config.weight)
 
     def __setstate__(self, state: dict) -> None:

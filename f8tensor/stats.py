@@ -248,7 +248,8 @@ def format_float8_stats(stats: nn.Module | Mapping[str, float]) -> str:
     rows: dict[tuple[str, str], dict[str, float]] = {}
     for key, value in stats.items():
         parts = key.split("/") if isinstance(key, str) else []
-        if len(parts) < 2 or parts[-2] not in STATS_ROLES + ("amax_history",) or isinstance(value, bool) or not isinstance(value, (int, float)):
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if len(parts) < 2 or parts[-2] not in STATS_ROLES + ("amax_history",) or not number:
             raise ValueError(
                 f"format_float8_stats expects the dict float8_stats returns, keys '[layer/]role/field' with a role "
                 f"in {STATS_ROLES} and number values; got {key!r}: {value!r}"

@@ -206,7 +206,8 @@ class Float8Tensor(torch.Tensor):
     def _serial_fields(self) -> dict[str, Any]:
         raw = self._data.view(torch.uint8)
         size, stride = tuple(raw.shape), raw.stride()
-        if raw.storage_offset() != 0 or raw.untyped_storage().nbytes() != _extent(size, stride) or not _no_overlap(size, stride):
+        own = raw.storage_offset() == 0 and raw.untyped_storage().nbytes() == _extent(size, stride)
+        if not (own and _no_overlap(size, stride)):
             raw = raw.clone(memory_format=torch.contiguous_format)
         gemm = self._gemm
         return {
@@ -433,7 +434,8 @@ def _validate_fields(
             raise TypeError(f"Float8Tensor axiswise_dim must be None or an int; got {axiswise_dim!r}")
         if not 0 <= axiswise_dim < data.dim():
             raise ValueError(
-                f"Float8Tensor axiswise_dim must be in [0, {data.dim()}) for data of shape {tuple(data.shape)}; got {axiswise_dim}"
+                f"Float8Tensor axiswise_dim must be in [0, {data.dim()}) for data of shape "
+                f"{tuple(data.shape)}; got {axiswise_dim}"
             )
         expected = tuple(1 if i == axiswise_dim else n for i, n in enumerate(data.shape))
         if tuple(scale.shape) != expected:
