@@ -93,6 +93,14 @@ def test_explicit_scale_at_the_edges_of_the_range_still_works():
     assert torch.equal(small.to_hp(), torch.zeros_like(hp))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("value", [-1.0, 0.0, math.inf])
+def test_bad_tensor_scale_on_a_gpu_reads_back_nan_without_a_sync(value):
+    # Device values are not read at the entry (that would be a sync): they become NaN.
+    x8 = Float8Tensor.from_hp(torch.randn(4, 16, device="cuda"), scale=torch.tensor(value, device="cuda"))
+    assert torch.isnan(x8.to_hp()).all()
+
+
 @pytest.mark.parametrize("float8_dtype", [E4M3, E5M2])
 @pytest.mark.parametrize("inf", [math.inf, -math.inf])
 def test_float8_mm_inf_bias_with_fp8_output_stays_non_finite(float8_dtype, inf):
