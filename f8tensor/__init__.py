@@ -6,6 +6,7 @@ matrix products then run through ``torch._scaled_mm``.
 
 import torch
 
+from f8tensor import gemm as _gemm
 from f8tensor import ops as _ops  # noqa: F401  (fills Float8Tensor's op table)
 from f8tensor.config import (
     RECIPES,
@@ -18,8 +19,8 @@ from f8tensor.config import (
 )
 from f8tensor.formats import FLOAT8_DTYPES, FORMATS, Float8Format, float8_max, saturation_bound
 from f8tensor.fsdp import Float8AllGatherWeight, precompute_float8_scales_for_fsdp
+from f8tensor.gemm import float8_mm
 from f8tensor.linear import Float8Linear, convert_to_float8_training
-from f8tensor.ops import float8_mm
 from f8tensor.stats import (
     STATS_FIELDS,
     Float8SaturationWarning,
@@ -58,6 +59,10 @@ __all__ = [
     "saturation_bound",
     "sqnr",
 ]
+
+# F8TENSOR_CHECK_CUDA_RULES=1: check every torch._scaled_mm call against the CUDA rules of
+# every supported NVIDIA build (f8tensor.gemm.SCALED_MM_RULES), raising at a violation.
+_gemm._install_from_env()
 
 # torch.load(weights_only=True) refuses unknown globals: allow ours (and nothing else).
 # A Float8Tensor is saved as plain fields rebuilt by one validating function. Checkpoints

@@ -1,4 +1,4 @@
-"""The Float8Tensor op table: matrix products to ``torch._scaled_mm``, layout ops on data and scale.
+"""The Float8Tensor op table: matrix products (handed to ``gemm.py``), layout ops on data and scale.
 
 Every handler has the signature ``handler(func, types, args, kwargs)`` and is registered
 with ``Float8Tensor.implements``. View-like handlers rebuild through
@@ -12,18 +12,14 @@ from collections.abc import Sequence
 import torch
 from torch.utils._python_dispatch import return_and_correct_aliasing
 
-from f8tensor.config import DEFAULT_GEMM, GemmConfig
-from f8tensor.formats import FLOAT8_DTYPES, check_hp_dtype, e4m3_like
-from f8tensor.tensor import Float8Tensor, cast_to_float8, check_scale_values, dequantize, scale_from_number
+from f8tensor.formats import FLOAT8_DTYPES, check_hp_dtype
+from f8tensor.gemm import _matmul, _requantize, float8_mm
+from f8tensor.tensor import Float8Tensor, cast_to_float8, dequantize
 
 __all__ = ["float8_mm"]
 
 aten = torch.ops.aten
 implements = Float8Tensor.implements
-
-# torch._scaled_mm (cuBLASLt) needs K and N to be multiples of 16. The rule is enforced on
-# every device, CPU included, so that code tested on CPU runs unchanged on a GPU.
-_ALIGN = 16
 
 
 def _is_f8(x: object) -> bool:
@@ -31,202 +27,8 @@ def _is_f8(x: object) -> bool:
 
 
 # ===================================================================== matrix products
-
-
-def float8_mm(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    *,
-    bias: torch.Tensor | None = None,
-    out_dtype: torch.dtype | None = None,
-    out_scale: torch.Tensor | float | None = None,
-) -> torch.Tensor:
-    """``a @ b`` (2D) on FP8 tensor cores, with an explicit output dtype.
-
-    At least one operand is a Float8Tensor; a plain one is cast on the fly (dynamic
-    scale, the other operand's granularity). ``out_dtype``: bf16, fp16 or fp32 are
-    written straight from the fp32 accumulator (default: ``a``'s original dtype). An FP8
-    ``out_dtype`` needs ``out_scale`` and returns a Float8Tensor with that scale; the
-    product is saturated into range, never overflowed; a non-finite one (an inf in
-    ``bias``) becomes NaN, never the format's max.
-    """
-    out_scale = _check_float8_mm_args(a, b, bias, out_dtype, out_scale)
-    if out_scale is not None:
-        orig = a._orig_dtype if _is_f8(a) else a.dtype
-        # Accumulate and add the bias in fp32, then one saturating cast: the only rounding
-        # to FP8 is the one asked for. The clamp would turn an inf into the format's max:
-        # keep it non-finite (NaN, the one non-finite value all four formats have).
-        acc = _matmul(a, b, bias=bias, out_dtype=torch.float32)
-        acc = torch.where(torch.isinf(acc), torch.nan, acc)
-        return cast_to_float8(acc, out_dtype, scale=out_scale, orig_dtype=orig)
-    return _matmul(a, b, bias=bias, out_dtype=out_dtype)
-
-
-def _check_float8_mm_args(a, b, bias, out_dtype, out_scale) -> torch.Tensor | None:
-    """float8_mm's arguments, checked at its entry; returns the 0-dim fp32 out_scale (FP8 output) or None."""
-    for name, t in (("a", a), ("b", b)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"float8_mm: {name} must be a tensor; got {type(t).__name__}")
-    if not (_is_f8(a) or _is_f8(b)):
-        raise TypeError("float8_mm needs at least one Float8Tensor operand; use torch.mm for plain tensors")
-    if bias is not None:
-        if not isinstance(bias, torch.Tensor) or _is_f8(bias):
-            raise TypeError(f"float8_mm: bias must be None or a high-precision tensor; got {type(bias).__name__}")
-        check_hp_dtype(bias.dtype, "float8_mm bias")
-    if out_dtype is not None and out_dtype not in FLOAT8_DTYPES:
-        check_hp_dtype(out_dtype, "out_dtype")
-    if out_dtype not in FLOAT8_DTYPES:
-        if out_scale is not None:
-            raise ValueError("out_scale is only meaningful with an FP8 out_dtype")
-        return None
-    if out_scale is None:
-        raise ValueError(f"an FP8 out_dtype ({out_dtype}) needs out_scale (the scale of the output)")
-    device = (a if _is_f8(a) else b).device
-    if not isinstance(out_scale, torch.Tensor):
-        return scale_from_number(out_scale, "float8_mm out_scale", device)
-    if out_scale.dtype != torch.float32:
-        raise TypeError(f"float8_mm out_scale must be a float or a float32 tensor; got dtype {out_scale.dtype}")
-    if out_scale.numel() != 1:
-        raise ValueError(f"float8_mm out_scale must be one number (a tensor of 1 element); got shape {tuple(out_scale.shape)}")
-    if out_scale.device != device:
-        raise ValueError(f"float8_mm out_scale is on {out_scale.device}, the operands on {device}")
-    return check_scale_values(out_scale.reshape(()), "float8_mm out_scale")
-
-
-def _matmul(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    *,
-    bias: torch.Tensor | None = None,
-    out_dtype: torch.dtype | None = None,
-) -> torch.Tensor:
-    """The one place that calls ``torch._scaled_mm``. ``a``: (M, K), ``b``: (K, N)."""
-    if a.dim() != 2 or b.dim() != 2:
-        raise RuntimeError(f"FP8 mm expects 2D operands; got {tuple(a.shape)} and {tuple(b.shape)}")
-    a8, b8 = _as_float8_operands(a, b)
-    _check_operand_dtypes(a8._data.dtype, b8._data.dtype)
-    gemm = _merged_gemm(a8._gemm, b8._gemm)
-    (m, k), (k2, n) = a8.shape, b8.shape
-    if k != k2:
-        raise RuntimeError(f"mat1 and mat2 shapes cannot be multiplied ({m}x{k} and {k2}x{n})")
-    if out_dtype is None:
-        out_dtype = gemm.out_dtype or a8._orig_dtype
-
-    # Layouts cuBLASLt takes: A row-major, B column-major. FP8 copies are 1 byte/element.
-    a_data = a8._data if a8._data.is_contiguous() else a8._data.contiguous()
-    b_data = b8._data if b8._data.t().is_contiguous() else b8._data.t().contiguous().t()
-    a_inv, b_inv = _inverse_scales(a8, b8, m, n)
-
-    pad_k, pad_n = (-k) % _ALIGN, (-n) % _ALIGN
-    if pad_k or pad_n:
-        if not gemm.pad_inner_dim:
-            raise ValueError(
-                f"FP8 matmul needs the inner dimension K and the output dimension N to be multiples "
-                f"of {_ALIGN} (torch._scaled_mm's rule); got ({m}x{k}) @ ({k}x{n}). Use such shapes, or "
-                f"ask for zero padding with GemmConfig(pad_inner_dim=True)."
-            )
-        a_data = _pad_bytes(a_data, 0, pad_k)
-        b_data = _pad_bytes(b_data.t(), pad_n, pad_k).t()
-        if b_inv.dim():
-            b_inv = torch.nn.functional.pad(b_inv, (0, pad_n), value=1.0)
-
-    fuse_bias = (
-        bias is not None
-        and not pad_n
-        and bias.dim() == 1
-        and bias.dtype == out_dtype
-        and out_dtype in (torch.bfloat16, torch.float16)
-    )
-    out = torch._scaled_mm(
-        a_data,
-        b_data,
-        scale_a=a_inv,
-        scale_b=b_inv,
-        bias=bias if fuse_bias else None,
-        out_dtype=out_dtype,
-        use_fast_accum=gemm.use_fast_accum,
-    )
-    if pad_n:
-        out = out[:, :n].contiguous()
-    if bias is not None and not fuse_bias:
-        out = out + bias.to(out_dtype)
-    return out
-
-
-def _as_float8_operands(a: torch.Tensor, b: torch.Tensor) -> tuple[Float8Tensor, Float8Tensor]:
-    """Both operands as Float8Tensors whose scales are constant along K.
-
-    A plain operand is cast with a dynamic scale, in the e4m3 format of the other
-    operand's family (cuBLASLt refuses e5m2 x e5m2) and with its granularity. An operand
-    whose scale varies along K (e.g. a rowwise weight used in ``grad @ w``) is
-    re-quantized along the other axis: one extra rounding, but the product stays in FP8.
-    """
-    ref = a if _is_f8(a) else b
-    if not _is_f8(ref):
-        raise TypeError("FP8 mm needs at least one Float8Tensor operand")
-    rowwise = ref._axiswise_dim is not None
-    if not _is_f8(a):
-        a = _cast_plain(a, ref, 1 if rowwise else None)
-    if not _is_f8(b):
-        b = _cast_plain(b, ref, 0 if rowwise else None)
-    if a._axiswise_dim not in (None, 1):
-        a = _requantize(a, 1)
-    if b._axiswise_dim not in (None, 0):
-        b = _requantize(b, 0)
-    return a, b
-
-
-def _cast_plain(x: torch.Tensor, ref: Float8Tensor, axiswise_dim: int | None) -> Float8Tensor:
-    check_hp_dtype(x.dtype, "the plain operand of an FP8 matmul")
-    return cast_to_float8(x, e4m3_like(ref._data.dtype), axiswise_dim=axiswise_dim, gemm=ref._gemm)
-
-
-def _requantize(f8: Float8Tensor, axiswise_dim: int) -> Float8Tensor:
-    # Deliberate upcast to fp32 between the two roundings, not to the original dtype.
-    return cast_to_float8(
-        dequantize(f8, torch.float32), f8._data.dtype, axiswise_dim=axiswise_dim, gemm=f8._gemm, orig_dtype=f8._orig_dtype
-    )
-
-
-def _check_operand_dtypes(a: torch.dtype, b: torch.dtype) -> None:
-    # cuBLASLt's rules, enforced on every device (CPU kernels would accept these), so a
-    # model that runs on CPU runs unchanged on a GPU.
-    if "e5m2" in str(a) and "e5m2" in str(b):
-        raise ValueError(
-            f"FP8 matmul of two e5m2 operands ({a} x {b}) is not supported by torch._scaled_mm on "
-            f"GPUs; cast one operand to e4m3"
-        )
-    if ("fnuz" in str(a)) != ("fnuz" in str(b)):
-        raise ValueError(f"FP8 matmul operands must both be fnuz formats or neither; got {a} x {b}")
-
-
-def _merged_gemm(a: GemmConfig, b: GemmConfig) -> GemmConfig:
-    if a == b or b == DEFAULT_GEMM:
-        return a
-    if a == DEFAULT_GEMM:
-        return b
-    raise ValueError(f"the operands of an FP8 matmul carry different GemmConfigs: {a} and {b}")
-
-
-def _inverse_scales(a8: Float8Tensor, b8: Float8Tensor, m: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dequantization factors in the shapes ``_scaled_mm`` takes.
-
-    Tensorwise x tensorwise: two 0-dim tensors. Otherwise both rowwise, (M, 1) and (1, N):
-    ``_scaled_mm`` does not mix granularities, so a tensorwise side is broadcast.
-    """
-    a_inv, b_inv = a8._scale.reciprocal(), b8._scale.reciprocal()
-    if a_inv.dim() == 0 and b_inv.dim() == 0:
-        return a_inv, b_inv
-    a_inv = a_inv.reshape(-1, 1).expand(m, 1).contiguous()
-    b_inv = b_inv.reshape(1, -1).expand(1, n).contiguous()
-    return a_inv, b_inv
-
-
-def _pad_bytes(x: torch.Tensor, pad_rows: int, pad_cols: int) -> torch.Tensor:
-    # Pad through uint8: constant_pad_nd has no FP8 kernels, and the zero byte is +0.0 in
-    # all four formats (0x80 would be NaN in the fnuz ones).
-    raw = torch.nn.functional.pad(x.contiguous().view(torch.uint8), (0, pad_cols, 0, pad_rows))
-    return raw.view(x.dtype)
+# The products themselves (routes, CUDA rules, padding) live in gemm.py; the handlers
+# here only unpack aten's arguments.
 
 
 @implements([aten.mm.default])

@@ -1,9 +1,62 @@
-"""Test set-up: the ``gpu`` marker, a fixed seed per test, a fresh dynamo per compile test."""
+"""Test set-up: the CUDA rules check, the ``gpu`` marker, a fixed seed per test, a fresh
+dynamo per compile test.
+
+CUDA rules check (on by default): every ``torch._scaled_mm`` call a test makes is checked
+against the rules of every supported NVIDIA build (``f8tensor.gemm.SCALED_MM_RULES``) and
+a test that made an illegal call fails. Subprocesses (tutorials, benchmarks, the demo,
+FSDP workers) inherit ``F8TENSOR_CHECK_CUDA_RULES=1`` and raise at such a call. Switch it
+off with ``F8TENSOR_CHECK_CUDA_RULES=0 pytest ...``.
+"""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+_RULES_ENV = "F8TENSOR_CHECK_CUDA_RULES"
+
+
+def _rules_check_on() -> bool:
+    return os.environ.get(_RULES_ENV, "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+def pytest_configure(config):
+    if _rules_check_on():
+        os.environ[_RULES_ENV] = "1"  # for subprocesses
+        from f8tensor import gemm
+
+        # In this process: record, and fail the test at teardown (a raise inside the op
+        # could be swallowed by a test's own pytest.raises).
+        gemm.install_rules_check(raise_on_violation=False)
+
+
+@pytest.fixture(autouse=True)
+def _cuda_rules_check():
+    """Fail a test whose ``torch._scaled_mm`` calls a supported CUDA build would refuse."""
+    from f8tensor import gemm
+
+    check = gemm.rules_check_installed()
+    if check is None:
+        yield None
+        return
+    check.take()
+    yield check
+    found = check.take()
+    if found:
+        shown = "\n  ".join(dict.fromkeys(found))
+        what = f"{len(found)} torch._scaled_mm call(s) a supported CUDA build would refuse"
+        pytest.fail(f"{what}:\n  {shown}", pytrace=False)
+
+
+@pytest.fixture
+def cuda_rules(_cuda_rules_check):
+    """The installed rules check (skips the test when the check is switched off). A test
+    that makes illegal calls on purpose drains them with ``cuda_rules.take()``."""
+    if _cuda_rules_check is None:
+        pytest.skip(f"the CUDA rules check is off ({_RULES_ENV}=0)")
+    return _cuda_rules_check
 
 
 def _fp8_gpu_reason() -> str | None:

@@ -1,0 +1,932 @@
+"""FP8 matrix products: the CUDA rules of ``torch._scaled_mm``, the kernel routes, the checker.
+
+Three parts, in this order:
+
+1. **The rules** (:data:`SCALED_MM_RULES`): one row per (scaling kind, set of builds) that
+   says what ``torch._scaled_mm`` accepts there: operand dtypes, output dtypes, scale
+   dtype/shape/contiguity, layouts, alignment, bias, fast accumulation. Data, not code: a
+   new scaling kind (blockwise, MX) or a new build adds a row. The supported NVIDIA builds
+   are :data:`SUPPORTED_BUILDS` (torch 2.11-2.13; cu126, cu128, cu130 wheels; sm89, sm90).
+2. **The checker** (:func:`scaled_mm_violations`, :func:`violations_on_supported_builds`)
+   reads those rows, and :func:`install_rules_check` wraps ``torch._scaled_mm`` (and
+   ``torch.nn.functional.scaled_mm`` where it exists) so that every call is checked before
+   the real op runs. ``F8TENSOR_CHECK_CUDA_RULES=1`` turns it on at ``import f8tensor``
+   (any script: the demo, tutorials, benchmarks); the test suite has it on by default.
+3. **The routes** (:func:`choose_route`, :func:`_matmul`, :func:`float8_mm`): every product
+   f8tensor makes is sent, from the operands' dtypes and granularities, the requested
+   output dtype and fast accumulation (never by catching an error), to a kernel that is
+   legal on every supported build.
+
+Nothing in here depends on the device: CPU runs the same calls a GPU would get, so the
+CPU suite under the checker vouches for the GPU builds.
+
+``torch.nn.functional.scaled_mm`` (torch >= 2.10, present in 2.13) names its scaling
+recipes explicitly and reaches the same kernels through ``torch._scaled_mm_v2``; f8tensor
+calls ``torch._scaled_mm`` only (it exists on every supported release), and the checker
+reads ``F.scaled_mm`` calls with the same rows. New kinds (blockwise, MX, grouped GEMMs)
+add rows to :data:`SCALED_MM_RULES`, a :class:`Route` member and a branch in
+:func:`_matmul`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+import threading
+from collections.abc import Iterable
+from typing import Any, NamedTuple
+
+import torch
+
+from f8tensor.config import DEFAULT_GEMM, GemmConfig
+from f8tensor.formats import FLOAT8_DTYPES, check_hp_dtype, e4m3_like
+from f8tensor.tensor import Float8Tensor, cast_to_float8, check_scale_values, dequantize, scale_from_number
+
+__all__ = [
+    "ALIGN",
+    "ROCM_BUILDS",
+    "ROCM_ROWWISE_NOTE",
+    "RULES_CHECK_ENV",
+    "SCALED_MM_RULES",
+    "STRICTEST_BUILDS",
+    "SUPPORTED_BUILDS",
+    "CudaBuild",
+    "CudaRuleViolation",
+    "Route",
+    "ScaledMMRule",
+    "choose_route",
+    "float8_mm",
+    "install_rules_check",
+    "rules_check_installed",
+    "scaled_mm_violations",
+    "uninstall_rules_check",
+    "violations_on_supported_builds",
+]
+
+_E4M3 = torch.float8_e4m3fn
+_E5M2 = torch.float8_e5m2
+_E4M3_FNUZ = torch.float8_e4m3fnuz
+_E5M2_FNUZ = torch.float8_e5m2fnuz
+_FNUZ = (_E4M3_FNUZ, _E5M2_FNUZ)
+_BF16, _FP16, _FP32 = torch.bfloat16, torch.float16, torch.float32
+
+# =====================================================================================
+# 1. The rules
+# =====================================================================================
+
+
+class CudaBuild(NamedTuple):
+    """One GPU build f8tensor supports: a torch release, its toolkit, a GPU arch.
+
+    ``platform="cuda"``: ``cuda`` is the wheel's CUDA version, ``sm`` the compute
+    capability. ``platform="rocm"``: ``cuda`` is the ROCm version and ``sm`` the gfx
+    arch's digits ((9, 42) for gfx942).
+    """
+
+    torch_version: tuple[int, int]
+    cuda: tuple[int, int]
+    sm: tuple[int, int]
+    platform: str = "cuda"
+
+    @property
+    def name(self) -> str:
+        t, c, s = self.torch_version, self.cuda, self.sm
+        if self.platform == "rocm":
+            return f"torch {t[0]}.{t[1]} rocm{c[0]}.{c[1]} gfx{s[0]}{s[1]}"
+        return f"torch {t[0]}.{t[1]} cu{c[0]}{c[1]} sm{s[0]}{s[1]}"
+
+
+#: Every NVIDIA build whose rules every f8tensor ``_scaled_mm`` call must obey. The wheels
+#: of torch 2.11-2.13 exist for CUDA 12.6, 12.8 and 13.0; FP8 tensor cores start at sm89
+#: (Ada: L4, L40S, RTX 4090) and sm90 (Hopper: H100, H200).
+SUPPORTED_BUILDS: tuple[CudaBuild, ...] = tuple(
+    CudaBuild(t, c, s)
+    for t in ((2, 11), (2, 12), (2, 13))
+    for c in ((12, 6), (12, 8), (13, 0))
+    for s in ((8, 9), (9, 0))
+)
+
+#: The fnuz formats run on AMD MI300 (gfx942) only; their products are checked against
+#: these builds instead (f8tensor refuses fnuz products on NVIDIA devices up front).
+ROCM_BUILDS: tuple[CudaBuild, ...] = tuple(CudaBuild(t, (6, 4), (9, 42), "rocm") for t in ((2, 11), (2, 12), (2, 13)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Builds:
+    """A set of builds, as data: ``min_*`` bounds are inclusive; ``None`` means any."""
+
+    min_cuda: tuple[int, int] | None = None
+    min_sm: tuple[int, int] | None = None
+    max_sm: tuple[int, int] | None = None
+    platform: str = "cuda"
+
+    def __contains__(self, build: CudaBuild) -> bool:
+        return (
+            build.platform == self.platform
+            and (self.min_cuda is None or build.cuda >= self.min_cuda)
+            and (self.min_sm is None or build.sm >= self.min_sm)
+            and (self.max_sm is None or build.sm <= self.max_sm)
+        )
+
+
+ALL_BUILDS = Builds()
+
+# torch._scaled_mm's scale shapes, named as PyTorch's checks name them.
+SCALE_ONE = "1 element"  # tensorwise: numel() == 1
+SCALE_ROWS = "(M, 1)"  # rowwise scale_a
+SCALE_COLS = "(1, N)"  # rowwise scale_b
+
+#: K (mat1.size(1) == mat2.size(0)) and N (mat2.size(1)) must be multiples of this.
+ALIGN = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaledMMRule:
+    """What one scaling kind of one op accepts on a set of builds (one row of the table).
+
+    ``bias_dtypes`` maps each output dtype to the bias dtypes allowed with it; an output
+    dtype missing from it takes no bias. ``refused_pairs``: (mat1, mat2) dtype pairs that
+    are refused even though each dtype alone is allowed.
+    """
+
+    op: str
+    kind: str
+    kernel: str
+    builds: Builds
+    mat1_dtypes: frozenset[torch.dtype]
+    mat2_dtypes: frozenset[torch.dtype]
+    refused_pairs: frozenset[tuple[torch.dtype, torch.dtype]]
+    out_dtypes: frozenset[torch.dtype]
+    scale_dtype: torch.dtype
+    scale_a_shape: str
+    scale_b_shape: str
+    scales_contiguous: bool
+    mat1_layout: str  # "row-major"
+    mat2_layout: str  # "column-major"
+    align_k: int
+    align_n: int
+    align_m: int
+    bias_dtypes: tuple[tuple[torch.dtype, frozenset[torch.dtype]], ...]
+    fast_accum: bool
+    sources: tuple[str, ...]
+
+    def bias_allowed(self, out_dtype: torch.dtype) -> frozenset[torch.dtype]:
+        return dict(self.bias_dtypes).get(out_dtype, frozenset())
+
+
+_OPERANDS = frozenset({_E4M3, _E5M2})  # no fnuz on NVIDIA: "Cannot convert ScalarType Float8_e4m3fnuz to cudaDataType"
+_NO_E5M2_PAIR = frozenset({(_E5M2, _E5M2)})
+# cuBLASLt bias: bf16 or fp16, matching a bf16/fp16 output; none with an fp32 output.
+_BIAS = ((_BF16, frozenset({_BF16})), (_FP16, frozenset({_FP16})))
+
+#: The table. Rows are looked up in order: the first row whose op, kind and builds match
+#: a call is the one that applies (so a narrower row precedes the general one).
+SCALED_MM_RULES: tuple[ScaledMMRule, ...] = (
+    # Tensorwise x tensorwise: cuBLASLt on every build.
+    ScaledMMRule(
+        op="torch._scaled_mm",
+        kind="tensorwise",
+        kernel="cuBLASLt",
+        builds=ALL_BUILDS,
+        mat1_dtypes=_OPERANDS,
+        mat2_dtypes=_OPERANDS,
+        refused_pairs=_NO_E5M2_PAIR,
+        out_dtypes=frozenset({_BF16, _FP16, _FP32, _E4M3, _E5M2}),
+        scale_dtype=_FP32,
+        scale_a_shape=SCALE_ONE,
+        scale_b_shape=SCALE_ONE,
+        scales_contiguous=False,
+        mat1_layout="row-major",
+        mat2_layout="column-major",
+        align_k=ALIGN,
+        align_n=ALIGN,
+        align_m=1,
+        bias_dtypes=_BIAS,
+        fast_accum=True,
+        sources=(
+            (
+                "aten/src/ATen/native/cuda/ScaledBlas.cpp: _scaled_mm_out_cuda (K % 16, mat2 dims % 16, "
+                "no e5m2 x e5m2, bias bf16/fp16 and none with fp32 out), is_tensorwise_scaling"
+            ),
+            "torch/_meta_registrations.py: _check_scaled_mm_sizes (row-major self, column-major mat2 on CUDA)",
+        ),
+    ),
+    # Rowwise on cuBLASLt: CUDA >= 12.9 (the cu130 wheels) on sm90 only. It takes an fp32
+    # output and an e5m2 mat2; the CUTLASS kernel below does neither.
+    ScaledMMRule(
+        op="torch._scaled_mm",
+        kind="rowwise",
+        kernel="cuBLASLt (outer-vector scales)",
+        builds=Builds(min_cuda=(12, 9), min_sm=(9, 0), max_sm=(9, 0)),
+        mat1_dtypes=_OPERANDS,
+        mat2_dtypes=_OPERANDS,
+        refused_pairs=_NO_E5M2_PAIR,
+        out_dtypes=frozenset({_BF16, _FP16, _FP32}),
+        scale_dtype=_FP32,
+        scale_a_shape=SCALE_ROWS,
+        scale_b_shape=SCALE_COLS,
+        scales_contiguous=True,
+        mat1_layout="row-major",
+        mat2_layout="column-major",
+        align_k=ALIGN,
+        align_n=ALIGN,
+        align_m=1,
+        bias_dtypes=_BIAS,
+        fast_accum=True,
+        sources=(
+            (
+                "aten/src/ATen/native/cuda/ScaledBlas.cpp: _scaled_mm_out_cuda takes the CUTLASS path when "
+                "sm < 9.0 or CUBLAS_VERSION < 120900, cuBLASLt otherwise; is_rowwise_scaling"
+            ),
+        ),
+    ),
+    # Rowwise everywhere else: the CUTLASS f8f8bf16_rowwise kernel (sm89 and sm90 with cu126/cu128).
+    ScaledMMRule(
+        op="torch._scaled_mm",
+        kind="rowwise",
+        kernel="CUTLASS f8f8bf16_rowwise",
+        builds=ALL_BUILDS,
+        mat1_dtypes=_OPERANDS,
+        mat2_dtypes=frozenset({_E4M3}),
+        refused_pairs=_NO_E5M2_PAIR,
+        # The 2.11-2.13 wheels refuse fp32 here ("Only bf16 and fp16 high precision output
+        # types are supported for row-wise scaling"); later sources add fp32.
+        out_dtypes=frozenset({_BF16, _FP16}),
+        scale_dtype=_FP32,
+        scale_a_shape=SCALE_ROWS,
+        scale_b_shape=SCALE_COLS,
+        scales_contiguous=True,
+        mat1_layout="row-major",
+        mat2_layout="column-major",
+        align_k=ALIGN,
+        align_n=ALIGN,
+        align_m=1,  # M is free: the kernel pads scale_a to a multiple of 256 itself
+        bias_dtypes=_BIAS,
+        fast_accum=True,  # both schedules exist; without fast accumulation the slow one runs
+        sources=(
+            (
+                "aten/src/ATen/native/cuda/RowwiseScaledMM.cu: check_inputs (a e4m3fn/e5m2, b e4m3fn, fp32 "
+                "scales (M, 1) stride(0) == 1 and (1, N) stride(1) == 1, a row-major, b column-major, bias "
+                "1-D, no bias with fp32 out), dispatch_fp8_rowwise_kernel_on_bias_dtype (fp16 bias needs fp16 out)"
+            ),
+            "aten/src/ATen/native/cuda/ScaledBlas.cpp: _scaled_mm_out_cuda, rowwise branch (output dtype check)",
+        ),
+    ),
+)
+
+#: One line for readers (kept from the first version of this module; the ROCm rows of the
+#: table below are what the checker reads).
+ROCM_ROWWISE_NOTE = "ROCm rowwise: mat2 e4m3fnuz (e4m3fn on non-fnuz archs), bf16 output only"
+
+_ROCM = Builds(platform="rocm")
+_FNUZ_OPERANDS = frozenset({_E4M3_FNUZ, _E5M2_FNUZ})
+_ROCM_SOURCES = (
+    (
+        "aten/src/ATen/native/cuda/ScaledBlas.cpp: _scaled_mm_out_cuda, USE_ROCM branches (_scaled_mm_is_fnuz "
+        "on gfx942; rowwise: b e4m3fnuz, BFloat16 output only)"
+    ),
+)
+SCALED_MM_RULES += (
+    # ROCm MI300 (gfx942): the fnuz formats. The e5m2 x e5m2 refusal is NVIDIA-only in
+    # PyTorch; f8tensor refuses that pair everywhere, so the row keeps it.
+    dataclasses.replace(
+        SCALED_MM_RULES[0],
+        kernel="hipBLASLt",
+        builds=_ROCM,
+        mat1_dtypes=_FNUZ_OPERANDS,
+        mat2_dtypes=_FNUZ_OPERANDS,
+        refused_pairs=frozenset({(_E5M2_FNUZ, _E5M2_FNUZ)}),
+        out_dtypes=frozenset({_BF16, _FP16, _FP32, _E4M3_FNUZ, _E5M2_FNUZ}),
+        sources=_ROCM_SOURCES,
+    ),
+    dataclasses.replace(
+        SCALED_MM_RULES[2],
+        kernel="hipBLASLt rowwise",
+        builds=_ROCM,
+        mat1_dtypes=_FNUZ_OPERANDS,
+        mat2_dtypes=frozenset({_E4M3_FNUZ}),
+        refused_pairs=frozenset({(_E5M2_FNUZ, _E5M2_FNUZ)}),
+        out_dtypes=frozenset({_BF16}),
+        sources=_ROCM_SOURCES,
+    ),
+)
+
+#: Builds that between them carry every restriction of the table: sm89 (CUTLASS rowwise,
+#: any CUDA) and sm90 with cu128 (CUTLASS rowwise, Hopper). cu130 on sm90 only relaxes.
+STRICTEST_BUILDS: tuple[CudaBuild, ...] = (CudaBuild((2, 11), (12, 6), (8, 9)), CudaBuild((2, 13), (12, 8), (9, 0)))
+
+
+def rule_for(kind: str, build: CudaBuild, op: str = "torch._scaled_mm") -> ScaledMMRule | None:
+    """The row of :data:`SCALED_MM_RULES` that applies to ``kind`` on ``build``, or None."""
+    for rule in SCALED_MM_RULES:
+        if rule.op == op and rule.kind == kind and build in rule.builds:
+            return rule
+    return None
+
+
+# =====================================================================================
+# 2. The checker
+# =====================================================================================
+
+
+def _name(dtype: torch.dtype | None) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _names(dtypes: Iterable[torch.dtype]) -> str:
+    return ", ".join(sorted(_name(d) for d in dtypes)) or "none"
+
+
+def _scaling_kind(mat1: torch.Tensor, mat2: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor) -> str:
+    """How torch._scaled_mm reads the scales (its own order: tensorwise first, then rowwise)."""
+    if scale_a.numel() == 1 and scale_b.numel() == 1:
+        return "tensorwise"
+    m, n = mat1.shape[0], mat2.shape[1]
+    if scale_a.dim() == 2 and scale_b.dim() == 2 and tuple(scale_a.shape) == (m, 1) and tuple(scale_b.shape) == (1, n):
+        return "rowwise"
+    return "unknown"
+
+
+def _is_row_major(t: torch.Tensor) -> bool:
+    rows, cols = t.shape
+    return rows == 0 or cols == 0 or (t.stride(1) == 1 and t.stride(0) >= max(cols, 1))
+
+
+def _is_col_major(t: torch.Tensor) -> bool:
+    rows, cols = t.shape
+    return rows == 0 or cols == 0 or (t.stride(0) == 1 and t.stride(1) >= max(rows, 1))
+
+
+def scaled_mm_violations(
+    mat1: torch.Tensor,
+    mat2: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    scale_result: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    use_fast_accum: bool = False,
+    *,
+    build: CudaBuild,
+) -> list[str]:
+    """What ``build`` would refuse in this ``torch._scaled_mm`` call ([] when it is legal)."""
+    if mat1.dim() != 2 or mat2.dim() != 2:
+        return [f"operands must be 2D; got {tuple(mat1.shape)} and {tuple(mat2.shape)}"]
+    kind = _scaling_kind(mat1, mat2, scale_a, scale_b)
+    rule = rule_for(kind, build)
+    if rule is None:
+        m, n = mat1.shape[0], mat2.shape[1]
+        message = (
+            f"no kernel for these scales on {build.name}: scale_a {tuple(scale_a.shape)}, scale_b "
+            f"{tuple(scale_b.shape)} (tensorwise: 1 element each; rowwise: ({m}, 1) and (1, {n}))"
+        )
+        return [message]
+    out = []
+    a, b = mat1.dtype, mat2.dtype
+    out_dtype = out_dtype if out_dtype is not None else a
+    where = f"{kind} ({rule.kernel})"
+    if a not in rule.mat1_dtypes:
+        out.append(f"{where}: mat1 dtype {_name(a)} not in {{{_names(rule.mat1_dtypes)}}}")
+    if b not in rule.mat2_dtypes:
+        out.append(f"{where}: mat2 dtype {_name(b)} not in {{{_names(rule.mat2_dtypes)}}}")
+    if (a, b) in rule.refused_pairs:
+        out.append(f"{where}: {_name(a)} x {_name(b)} is refused")
+    if out_dtype not in rule.out_dtypes:
+        out.append(f"{where}: out_dtype {_name(out_dtype)} not in {{{_names(rule.out_dtypes)}}}")
+    for label, s in (("scale_a", scale_a), ("scale_b", scale_b)):
+        if s.dtype != rule.scale_dtype:
+            out.append(f"{where}: {label} dtype {_name(s.dtype)}, needs {_name(rule.scale_dtype)}")
+        if rule.scales_contiguous and not s.is_contiguous():
+            out.append(f"{where}: {label} must be contiguous; got stride {s.stride()}")
+    if not _is_row_major(mat1):
+        out.append(f"{where}: mat1 must be {rule.mat1_layout}; got shape {tuple(mat1.shape)} stride {mat1.stride()}")
+    if not _is_col_major(mat2):
+        out.append(f"{where}: mat2 must be {rule.mat2_layout}; got shape {tuple(mat2.shape)} stride {mat2.stride()}")
+    m, k = mat1.shape
+    n = mat2.shape[1]
+    for dim, size, align in (("K", k, rule.align_k), ("N", n, rule.align_n), ("M", m, rule.align_m)):
+        if size % align:
+            out.append(f"{where}: {dim}={size} is not a multiple of {align}")
+    if bias is not None:
+        allowed = rule.bias_allowed(out_dtype)
+        if bias.dtype not in allowed:
+            out.append(
+                f"{where}: bias dtype {_name(bias.dtype)} with out_dtype {_name(out_dtype)}; "
+                f"allowed: {{{_names(allowed)}}}"
+            )
+        if bias.dim() != 1 or bias.numel() != n:
+            out.append(f"{where}: bias must be 1-D of size N={n}; got shape {tuple(bias.shape)}")
+    if scale_result is not None and out_dtype not in FLOAT8_DTYPES:
+        # PyTorch ignores it then; f8tensor never relies on an ignored argument.
+        out.append(f"{where}: scale_result is only applied to an FP8 output; out_dtype is {_name(out_dtype)}")
+    if use_fast_accum and not rule.fast_accum:
+        out.append(f"{where}: use_fast_accum is not supported")
+    return out
+
+
+_GROUPS: dict[tuple[CudaBuild, ...], list[tuple[CudaBuild, list[CudaBuild]]]] = {}
+
+
+def _build_groups(builds: tuple[CudaBuild, ...]) -> list[tuple[CudaBuild, list[CudaBuild]]]:
+    """``builds`` grouped by the rows that apply to them (one check per group), cached."""
+    if builds not in _GROUPS:
+        groups: dict[tuple[int, ...], list[CudaBuild]] = {}
+        kinds = sorted({r.kind for r in SCALED_MM_RULES})
+        for build in builds:
+            key = tuple(id(rule_for(kind, build)) for kind in kinds)
+            groups.setdefault(key, []).append(build)
+        _GROUPS[builds] = [(members[0], members) for members in groups.values()]
+    return _GROUPS[builds]
+
+
+def violations_on_supported_builds(mat1: torch.Tensor, mat2: torch.Tensor, *args: Any, **kwargs: Any) -> list[str]:
+    """:func:`scaled_mm_violations` on every supported build, merged: each message once,
+    with the builds that refuse it (``[]``: legal everywhere).
+
+    Products of fnuz operands are checked against :data:`ROCM_BUILDS` (the only GPUs
+    that have those formats), all others against :data:`SUPPORTED_BUILDS`.
+    """
+    builds = ROCM_BUILDS if mat1.dtype in _FNUZ or mat2.dtype in _FNUZ else SUPPORTED_BUILDS
+    found: dict[str, list[CudaBuild]] = {}
+    for representative, members in _build_groups(builds):
+        for message in scaled_mm_violations(mat1, mat2, *args, build=representative, **kwargs):
+            found.setdefault(message, []).extend(members)
+    return [f"{msg} [refused on {len(b)} of {len(builds)} builds, e.g. {b[0].name}]" for msg, b in found.items()]
+
+
+class CudaRuleViolation(AssertionError):
+    """A ``torch._scaled_mm`` call that a supported NVIDIA build would refuse."""
+
+
+class _RulesCheck:
+    """The state of the installed check: the wrapped ops and what they recorded."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.originals: dict[str, Any] = {}
+        self.raise_on_violation = True
+        self.calls = 0
+        self.violations: list[str] = []
+        self.call_log: list[dict[str, Any]] | None = None
+
+    def record(self, op: str, summary: dict[str, Any], problems: list[str]) -> None:
+        with self.lock:
+            self.calls += 1
+            if self.call_log is not None:
+                self.call_log.append(summary)
+            if problems:
+                self.violations.extend(f"{op}: {p}" for p in problems)
+        if problems and self.raise_on_violation:
+            raise CudaRuleViolation(f"{op} call a supported CUDA build would refuse:\n  " + "\n  ".join(problems))
+
+    def take(self) -> list[str]:
+        """The violations recorded so far, cleared."""
+        with self.lock:
+            out, self.violations = self.violations, []
+        return out
+
+
+_CHECK = _RulesCheck()
+# The real ops, captured at import (before any wrapping): a wrapper that inductor captured
+# in a compiled graph keeps working after uninstall_rules_check().
+_ORIGINAL_SCALED_MM = torch._scaled_mm
+_ORIGINAL_F_SCALED_MM = getattr(torch.nn.functional, "scaled_mm", None)
+
+
+def _summary(mat1, mat2, scale_a, scale_b, bias, out_dtype, use_fast_accum) -> dict[str, Any]:
+    return {
+        "kind": _scaling_kind(mat1, mat2, scale_a, scale_b),
+        "mat1": mat1.dtype,
+        "mat2": mat2.dtype,
+        "shape": (mat1.shape[0], mat1.shape[1], mat2.shape[1]),
+        "out_dtype": out_dtype if out_dtype is not None else mat1.dtype,
+        "bias": None if bias is None else bias.dtype,
+        "use_fast_accum": use_fast_accum,
+    }
+
+
+def _checked_scaled_mm(
+    mat1, mat2, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None, use_fast_accum=False, **kwargs
+):
+    """``torch._scaled_mm``, after checking the call against every supported build.
+
+    ``kwargs``: passed through (inductor's CPU extern-kernel call adds ``out=``)."""
+    problems = violations_on_supported_builds(
+        mat1, mat2, scale_a, scale_b, bias, scale_result, out_dtype, use_fast_accum
+    )
+    _CHECK.record("torch._scaled_mm", _summary(mat1, mat2, scale_a, scale_b, bias, out_dtype, use_fast_accum), problems)
+    return _ORIGINAL_SCALED_MM(
+        mat1,
+        mat2,
+        scale_a,
+        scale_b,
+        bias=bias,
+        scale_result=scale_result,
+        out_dtype=out_dtype,
+        use_fast_accum=use_fast_accum,
+        **kwargs,
+    )
+
+
+def _checked_functional_scaled_mm(mat_a, mat_b, scale_a, scale_recipe_a, scale_b, scale_recipe_b, *args, **kwargs):
+    """``torch.nn.functional.scaled_mm`` (torch >= 2.10), checked like ``_scaled_mm`` for
+    the recipes the table has rows for; any other recipe is reported until a row covers it."""
+    recipes = {str(getattr(r, "name", r)).lower() for r in (scale_recipe_a, scale_recipe_b)}
+    single = not isinstance(scale_a, (list, tuple)) and not isinstance(scale_b, (list, tuple))
+    if single and len(recipes) == 1 and recipes <= {"tensorwise", "rowwise"}:
+        bias = kwargs.get("bias", args[2] if len(args) > 2 else None)
+        out_dtype = kwargs.get("output_dtype", args[3] if len(args) > 3 else torch.bfloat16)
+        fast = kwargs.get("use_fast_accum", args[5] if len(args) > 5 else False)
+        problems = violations_on_supported_builds(mat_a, mat_b, scale_a, scale_b, bias, None, out_dtype, fast)
+        summary = _summary(mat_a, mat_b, scale_a, scale_b, bias, out_dtype, fast)
+    else:
+        problems = [f"no rules row for scale recipes {sorted(recipes)}: add one to f8tensor.gemm.SCALED_MM_RULES"]
+        summary = {"kind": "unknown", "recipes": sorted(recipes)}
+    _CHECK.record("torch.nn.functional.scaled_mm", summary, problems)
+    return _ORIGINAL_F_SCALED_MM(mat_a, mat_b, scale_a, scale_recipe_a, scale_b, scale_recipe_b, *args, **kwargs)
+
+
+# Inductor names its extern-kernel call after the function it captured; keep torch's name.
+_checked_scaled_mm.__name__ = _checked_scaled_mm.__qualname__ = "_scaled_mm"
+
+
+def install_rules_check(*, raise_on_violation: bool = True) -> _RulesCheck:
+    """Wrap ``torch._scaled_mm`` (and ``torch.nn.functional.scaled_mm``) with the checker.
+
+    Every call is checked against :data:`SUPPORTED_BUILDS` and recorded (``.calls``,
+    ``.violations``; ``.take()`` drains them), then the real op runs. With
+    ``raise_on_violation`` a violation raises :class:`CudaRuleViolation` at the call.
+    Idempotent; :func:`uninstall_rules_check` restores the originals. Under torch.compile
+    the wrapper is one opaque call for dynamo (``allow_in_graph``), so it checks the fake
+    tensors AOTAutograd traces with, without a graph break.
+    """
+    _CHECK.raise_on_violation = raise_on_violation
+    if _CHECK.originals:
+        return _CHECK
+    _CHECK.originals["_scaled_mm"] = torch._scaled_mm
+    torch._scaled_mm = torch._dynamo.allow_in_graph(_checked_scaled_mm)
+    functional = torch.nn.functional
+    if hasattr(functional, "scaled_mm"):
+        _CHECK.originals["F.scaled_mm"] = functional.scaled_mm
+        functional.scaled_mm = torch._dynamo.allow_in_graph(_checked_functional_scaled_mm)
+    return _CHECK
+
+
+def uninstall_rules_check() -> None:
+    """Put the original ops back (no-op when the check is not installed)."""
+    if "_scaled_mm" in _CHECK.originals:
+        torch._scaled_mm = _CHECK.originals.pop("_scaled_mm")
+    if "F.scaled_mm" in _CHECK.originals:
+        torch.nn.functional.scaled_mm = _CHECK.originals.pop("F.scaled_mm")
+
+
+def rules_check_installed() -> _RulesCheck | None:
+    """The installed check (its counters and records), or None."""
+    return _CHECK if _CHECK.originals else None
+
+
+#: Environment switch read at ``import f8tensor``: "1"/"raise" installs the check and
+#: raises at a violation; "record" only records; "0" or unset leaves torch alone.
+RULES_CHECK_ENV = "F8TENSOR_CHECK_CUDA_RULES"
+
+
+def _install_from_env() -> None:
+    mode = os.environ.get(RULES_CHECK_ENV, "").strip().lower()
+    if mode in ("", "0", "off", "false", "no"):
+        return
+    if mode not in ("1", "on", "true", "yes", "raise", "record"):
+        raise ValueError(f"{RULES_CHECK_ENV}={mode!r}: use 1 (check and raise), record (check and record) or 0 (off)")
+    install_rules_check(raise_on_violation=mode != "record")
+
+
+# =====================================================================================
+# 3. The routes
+# =====================================================================================
+
+
+class Route(str, enum.Enum):
+    """The kernel a product runs on (see :func:`choose_route`)."""
+
+    #: cuBLASLt with one scale per operand.
+    TENSORWISE = "tensorwise"
+    #: The rowwise kernel, outer scales applied in its epilogue.
+    ROWWISE = "rowwise"
+    #: The rowwise kernel on ``(B^T A^T)^T``: an e5m2 second operand becomes the first.
+    ROWWISE_SWAPPED = "rowwise_swapped"
+    #: cuBLASLt with the rowwise sides' scales set to 1 and an fp32 output, then one
+    #: elementwise ``acc * a_inv[:, None] * b_inv[None, :]`` (+ bias, cast). Legal on every
+    #: build; on Hopper the precise-accumulation rowwise schedule is the slower one anyway.
+    TENSORWISE_POSTSCALE = "tensorwise_postscale"
+
+
+def _is_e4m3(dtype: torch.dtype) -> bool:
+    return dtype in (_E4M3, _E4M3_FNUZ)
+
+
+def choose_route(
+    a_dtype: torch.dtype,
+    b_dtype: torch.dtype,
+    *,
+    rowwise: bool,
+    out_dtype: torch.dtype,
+    use_fast_accum: bool,
+    m: int,
+) -> Route:
+    """The kernel route for ``(M, K) @ (K, N)`` FP8 operands of these dtypes.
+
+    ``rowwise``: either operand has one scale per row/column. Decided from the arguments
+    alone, so that the choice is the same on every device and build:
+
+    - both tensorwise: :attr:`Route.TENSORWISE`;
+    - rowwise, fast accumulation and a bf16/fp16 output (bf16 only for fnuz operands, the
+      ROCm rule): the rowwise kernel, :attr:`Route.ROWWISE` when ``b`` is e4m3, else
+      :attr:`Route.ROWWISE_SWAPPED` when ``a`` is e4m3 and ``M`` is a multiple of 16
+      (``M`` becomes the swapped product's N);
+    - every other rowwise product (fp32 output, precise accumulation as in the backward
+      GEMMs, an e5m2 ``b`` that cannot be swapped): :attr:`Route.TENSORWISE_POSTSCALE`.
+    """
+    if not rowwise:
+        return Route.TENSORWISE
+    fnuz = a_dtype in _FNUZ
+    kernel_outs = (_BF16,) if fnuz else (_BF16, _FP16)
+    if use_fast_accum and out_dtype in kernel_outs:
+        if _is_e4m3(b_dtype):
+            return Route.ROWWISE
+        if _is_e4m3(a_dtype) and m % ALIGN == 0:
+            return Route.ROWWISE_SWAPPED
+    return Route.TENSORWISE_POSTSCALE
+
+
+def _is_f8(x: object) -> bool:
+    return isinstance(x, Float8Tensor)
+
+
+def float8_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    out_scale: torch.Tensor | float | None = None,
+) -> torch.Tensor:
+    """``a @ b`` (2D) on FP8 tensor cores, with an explicit output dtype.
+
+    At least one operand is a Float8Tensor; a plain one is cast on the fly (dynamic
+    scale, the other operand's granularity). ``out_dtype``: bf16, fp16 or fp32 are
+    written straight from the fp32 accumulator (default: ``a``'s original dtype). An FP8
+    ``out_dtype`` needs ``out_scale`` and returns a Float8Tensor with that scale; the
+    product is saturated into range, never overflowed; a non-finite one (an inf in
+    ``bias``) becomes NaN, never the format's max.
+    """
+    out_scale = _check_float8_mm_args(a, b, bias, out_dtype, out_scale)
+    if out_scale is not None:
+        orig = a._orig_dtype if _is_f8(a) else a.dtype
+        # Accumulate and add the bias in fp32, then one saturating cast: the only rounding
+        # to FP8 is the one asked for (and no FP8 output is asked of the kernel, which the
+        # rowwise kernels refuse). The clamp would turn an inf into the format's max: keep
+        # it non-finite (NaN, the one non-finite value all four formats have).
+        acc = _matmul(a, b, bias=bias, out_dtype=torch.float32)
+        acc = torch.where(torch.isinf(acc), torch.nan, acc)
+        return cast_to_float8(acc, out_dtype, scale=out_scale, orig_dtype=orig)
+    return _matmul(a, b, bias=bias, out_dtype=out_dtype)
+
+
+def _check_float8_mm_args(a, b, bias, out_dtype, out_scale) -> torch.Tensor | None:
+    """float8_mm's arguments, checked at its entry; returns the 0-dim fp32 out_scale (FP8 output) or None."""
+    for name, t in (("a", a), ("b", b)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"float8_mm: {name} must be a tensor; got {type(t).__name__}")
+    if not (_is_f8(a) or _is_f8(b)):
+        raise TypeError("float8_mm needs at least one Float8Tensor operand; use torch.mm for plain tensors")
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor) or _is_f8(bias):
+            raise TypeError(f"float8_mm: bias must be None or a high-precision tensor; got {type(bias).__name__}")
+        check_hp_dtype(bias.dtype, "float8_mm bias")
+    if out_dtype is not None and out_dtype not in FLOAT8_DTYPES:
+        check_hp_dtype(out_dtype, "out_dtype")
+    if out_dtype not in FLOAT8_DTYPES:
+        if out_scale is not None:
+            raise ValueError("out_scale is only meaningful with an FP8 out_dtype")
+        return None
+    if out_scale is None:
+        raise ValueError(f"an FP8 out_dtype ({out_dtype}) needs out_scale (the scale of the output)")
+    device = (a if _is_f8(a) else b).device
+    if not isinstance(out_scale, torch.Tensor):
+        return scale_from_number(out_scale, "float8_mm out_scale", device)
+    if out_scale.dtype != torch.float32:
+        raise TypeError(f"float8_mm out_scale must be a float or a float32 tensor; got dtype {out_scale.dtype}")
+    if out_scale.numel() != 1:
+        raise ValueError(
+            f"float8_mm out_scale must be one number (a tensor of 1 element); got shape {tuple(out_scale.shape)}"
+        )
+    if out_scale.device != device:
+        raise ValueError(f"float8_mm out_scale is on {out_scale.device}, the operands on {device}")
+    return check_scale_values(out_scale.reshape(()), "float8_mm out_scale")
+
+
+def _matmul(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """The one place that calls ``torch._scaled_mm``. ``a``: (M, K), ``b``: (K, N)."""
+    if a.dim() != 2 or b.dim() != 2:
+        raise RuntimeError(f"FP8 mm expects 2D operands; got {tuple(a.shape)} and {tuple(b.shape)}")
+    a8, b8 = _as_float8_operands(a, b)
+    _check_operand_dtypes(a8._data.dtype, b8._data.dtype, a8._data.device)
+    gemm = _merged_gemm(a8._gemm, b8._gemm)
+    (m, k), (k2, n) = a8.shape, b8.shape
+    if k != k2:
+        raise RuntimeError(f"mat1 and mat2 shapes cannot be multiplied ({m}x{k} and {k2}x{n})")
+    if out_dtype is None:
+        out_dtype = gemm.out_dtype or a8._orig_dtype
+
+    # Layouts the kernels take: A row-major, B column-major. FP8 copies are 1 byte/element.
+    a_data = a8._data if a8._data.is_contiguous() else a8._data.contiguous()
+    b_data = b8._data if b8._data.t().is_contiguous() else b8._data.t().contiguous().t()
+
+    pad_k, pad_n = (-k) % ALIGN, (-n) % ALIGN
+    if pad_k or pad_n:
+        if not gemm.pad_inner_dim:
+            raise ValueError(
+                f"FP8 matmul needs the inner dimension K and the output dimension N to be multiples "
+                f"of {ALIGN} (torch._scaled_mm's rule); got ({m}x{k}) @ ({k}x{n}). Use such shapes, or "
+                f"ask for zero padding with GemmConfig(pad_inner_dim=True)."
+            )
+        a_data = _pad_bytes(a_data, 0, pad_k)
+        b_data = _pad_bytes(b_data.t(), pad_n, pad_k).t()
+
+    rowwise = a8._axiswise_dim is not None or b8._axiswise_dim is not None
+    route = choose_route(
+        a_data.dtype, b_data.dtype, rowwise=rowwise, out_dtype=out_dtype, use_fast_accum=gemm.use_fast_accum, m=m
+    )
+    a_inv, b_inv = a8._scale.reciprocal(), b8._scale.reciprocal()
+    if route is Route.TENSORWISE:
+        out = _fused_bias_mm(a_data, b_data, a_inv, b_inv, bias, out_dtype, gemm.use_fast_accum, pad_n)
+    elif route is Route.ROWWISE:
+        a_vec, b_vec = _row_scales(a_inv, m), _col_scales(b_inv, n)
+        if pad_n:
+            b_vec = torch.nn.functional.pad(b_vec, (0, pad_n), value=1.0)
+        out = _fused_bias_mm(a_data, b_data, a_vec, b_vec, bias, out_dtype, gemm.use_fast_accum, pad_n)
+    elif route is Route.ROWWISE_SWAPPED:
+        # (A B)^T = B^T A^T: B^T is (N, K) row-major and A^T is (K, M) column-major, both
+        # views of the bytes we have. The bias runs along the swapped product's rows, so it
+        # is added after the kernel.
+        a_vec, b_vec = _row_scales(a_inv, m), _col_scales(b_inv, n)
+        if pad_n:
+            b_vec = torch.nn.functional.pad(b_vec, (0, pad_n), value=1.0)
+        out_t = torch._scaled_mm(
+            b_data.t(),
+            a_data.t(),
+            scale_a=b_vec.reshape(-1, 1),
+            scale_b=a_vec.reshape(1, -1),
+            out_dtype=out_dtype,
+            use_fast_accum=gemm.use_fast_accum,
+        )
+        out = out_t[:n].t().contiguous()
+        if bias is not None:
+            out = out + bias.to(out_dtype)
+    else:
+        out = _postscaled_mm(a8, b8, a_data, b_data, a_inv, b_inv, m, n, bias, out_dtype, gemm.use_fast_accum)
+    return out
+
+
+def _fused_bias_mm(a_data, b_data, scale_a, scale_b, bias, out_dtype, use_fast_accum, pad_n):
+    """One ``_scaled_mm`` call; the bias is fused when the kernels take it (1-D, same
+    bf16/fp16 dtype as the output, no N padding), else added afterwards."""
+    fuse_bias = (
+        bias is not None and not pad_n and bias.dim() == 1 and bias.dtype == out_dtype and out_dtype in (_BF16, _FP16)
+    )
+    out = torch._scaled_mm(
+        a_data,
+        b_data,
+        scale_a=scale_a,
+        scale_b=scale_b,
+        bias=bias if fuse_bias else None,
+        out_dtype=out_dtype,
+        use_fast_accum=use_fast_accum,
+    )
+    if pad_n:
+        out = out[:, : out.shape[1] - pad_n].contiguous()
+    if bias is not None and not fuse_bias:
+        out = out + bias.to(out_dtype)
+    return out
+
+
+def _postscaled_mm(a8, b8, a_data, b_data, a_inv, b_inv, m, n, bias, out_dtype, use_fast_accum):
+    """:attr:`Route.TENSORWISE_POSTSCALE`: the tensorwise kernel, fp32 out, outer scales after.
+
+    A tensorwise side passes its own scale to the kernel; a rowwise side passes 1 and is
+    applied in fp32 afterwards, in the order the rowwise kernel's epilogue uses
+    (``acc * a_inv`` then ``* b_inv``), then the bias in fp32, then one cast. Deliberate
+    fp32 intermediate: the rowwise kernel's epilogue is fp32 as well.
+    """
+    one = torch.ones((), dtype=torch.float32, device=a_data.device)
+    a_rowwise, b_rowwise = a8._axiswise_dim is not None, b8._axiswise_dim is not None
+    acc = torch._scaled_mm(
+        a_data,
+        b_data,
+        scale_a=one if a_rowwise else a_inv,
+        scale_b=one if b_rowwise else b_inv,
+        out_dtype=torch.float32,
+        use_fast_accum=use_fast_accum,
+    )
+    out = acc if acc.shape[1] == n else acc[:, :n]
+    # The first product allocates (the kernel's output may be a padded view); the rest
+    # run in place on that fresh tensor: one fp32 M x N buffer besides the kernel's.
+    if a_rowwise:
+        out = out * _row_scales(a_inv, m)
+    if b_rowwise:
+        out = out.mul_(_col_scales(b_inv, n)) if a_rowwise else out * _col_scales(b_inv, n)
+    if bias is not None:
+        out = out.add_(bias.to(torch.float32))
+    return out.to(out_dtype)
+
+
+def _row_scales(inv: torch.Tensor, m: int) -> torch.Tensor:
+    """An operand's inverse scale as the (M, 1) fp32 contiguous column the kernels take."""
+    return inv.reshape(-1, 1).expand(m, 1).contiguous()
+
+
+def _col_scales(inv: torch.Tensor, n: int) -> torch.Tensor:
+    """An operand's inverse scale as the (1, N) fp32 contiguous row the kernels take."""
+    return inv.reshape(1, -1).expand(1, n).contiguous()
+
+
+def _as_float8_operands(a: torch.Tensor, b: torch.Tensor) -> tuple[Float8Tensor, Float8Tensor]:
+    """Both operands as Float8Tensors whose scales are constant along K.
+
+    A plain operand is cast with a dynamic scale, in the e4m3 format of the other
+    operand's family (cuBLASLt refuses e5m2 x e5m2) and with its granularity. An operand
+    whose scale varies along K (e.g. a rowwise weight used in ``grad @ w``) is
+    re-quantized along the other axis: one extra rounding, but the product stays in FP8.
+    """
+    ref = a if _is_f8(a) else b
+    if not _is_f8(ref):
+        raise TypeError("FP8 mm needs at least one Float8Tensor operand")
+    rowwise = ref._axiswise_dim is not None
+    if not _is_f8(a):
+        a = _cast_plain(a, ref, 1 if rowwise else None)
+    if not _is_f8(b):
+        b = _cast_plain(b, ref, 0 if rowwise else None)
+    if a._axiswise_dim not in (None, 1):
+        a = _requantize(a, 1)
+    if b._axiswise_dim not in (None, 0):
+        b = _requantize(b, 0)
+    return a, b
+
+
+def _cast_plain(x: torch.Tensor, ref: Float8Tensor, axiswise_dim: int | None) -> Float8Tensor:
+    check_hp_dtype(x.dtype, "the plain operand of an FP8 matmul")
+    return cast_to_float8(x, e4m3_like(ref._data.dtype), axiswise_dim=axiswise_dim, gemm=ref._gemm)
+
+
+def _requantize(f8: Float8Tensor, axiswise_dim: int) -> Float8Tensor:
+    # Deliberate upcast to fp32 between the two roundings, not to the original dtype.
+    return cast_to_float8(
+        dequantize(f8, torch.float32),
+        f8._data.dtype,
+        axiswise_dim=axiswise_dim,
+        gemm=f8._gemm,
+        orig_dtype=f8._orig_dtype,
+    )
+
+
+def _nvidia_cuda(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.version.hip is None
+
+
+def _check_operand_dtypes(a: torch.dtype, b: torch.dtype, device: torch.device | None = None) -> None:
+    # Rules of every GPU build, enforced on every device (CPU kernels would accept these),
+    # so a model that runs on CPU runs unchanged on a GPU.
+    if "e5m2" in str(a) and "e5m2" in str(b):
+        raise ValueError(
+            f"FP8 matmul of two e5m2 operands ({a} x {b}) is not supported by torch._scaled_mm on "
+            f"GPUs; cast one operand to e4m3"
+        )
+    if (a in _FNUZ) != (b in _FNUZ):
+        raise ValueError(f"FP8 matmul operands must both be fnuz formats or neither; got {a} x {b}")
+    if device is not None and _nvidia_cuda(device) and a in _FNUZ:
+        raise ValueError(
+            f"FP8 matmul of {_name(a)} x {_name(b)} on an NVIDIA CUDA device: the fnuz formats exist "
+            f"for AMD ROCm GPUs (MI300) only. This device multiplies {_name(_E4M3)} and {_name(_E5M2)} "
+            f"(not both e5m2); cast with one of those."
+        )
+
+
+def _merged_gemm(a: GemmConfig, b: GemmConfig) -> GemmConfig:
+    if a == b or b == DEFAULT_GEMM:
+        return a
+    if a == DEFAULT_GEMM:
+        return b
+    raise ValueError(f"the operands of an FP8 matmul carry different GemmConfigs: {a} and {b}")
+
+
+def _pad_bytes(x: torch.Tensor, pad_rows: int, pad_cols: int) -> torch.Tensor:
+    # Pad through uint8: constant_pad_nd has no FP8 kernels, and the zero byte is +0.0 in
+    # all four formats (0x80 would be NaN in the fnuz ones).
+    raw = torch.nn.functional.pad(x.contiguous().view(torch.uint8), (0, pad_cols, 0, pad_rows))
+    return raw.view(x.dtype)
