@@ -950,7 +950,8 @@ def _pad_bytes(x: torch.Tensor, pad_rows: int, pad_cols: int) -> torch.Tensor:
     return raw.view(x.dtype)
 
 
-# ==============================================================================# 4. Block-scaled products (1x128, 128x128, MX 1x32)
+# =====================================================================================
+# 4. Block-scaled products (1x128, 128x128, MX 1x32)
 # =====================================================================================
 #
 # A product with a block-scaled operand (see Float8Tensor's ``_block``) goes to

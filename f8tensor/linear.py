@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -16,10 +17,18 @@ from torch import nn
 from f8tensor.config import BlockGranularity, CastConfig, Float8LinearConfig, GemmConfig
 from f8tensor.formats import HP_DTYPES
 from f8tensor.gemm import _matmul
+from f8tensor.ops import transpose_2d
 from f8tensor.scaling import delayed_scale, push_amax, tensor_amax
 from f8tensor.tensor import CAST_STATS_FIELDS, Float8Tensor, cast_to_float8, cast_to_float8_with_stats
 
-__all__ = ["STATS_BUFFERS", "STATS_ROLES", "Float8Linear", "convert_to_float8_training"]
+__all__ = [
+    "STATS_BUFFERS",
+    "STATS_ROLES",
+    "TRANSPOSED_LINEAR_CLASSES",
+    "Float8Conv1D",
+    "Float8Linear",
+    "convert_to_float8_training",
+]
 
 logger = logging.getLogger("f8tensor")
 
@@ -219,7 +228,7 @@ class _Float8LinearFn(torch.autograd.Function):
         if calls is not None and not recompute:
             key = amax_x if amax_x is not None else _sync_amax(tensor_amax(x2))
             _record_call(*calls, key, scale_in, scale_w)
-        y = _matmul(x8, w8.t(), bias=bias)
+        y = _matmul(x8, transpose_2d(w8), bias=bias)  # built, not dispatched: torch.export traces it
 
         # The weight-gradient GEMM contracts over tokens (dim 0 of x): a tensorwise x8 is
         # reused there as is; a rowwise or block-scaled one would need the other axis (the
@@ -620,6 +629,92 @@ def _check_dims(in_features: int, out_features: int, config: Float8LinearConfig)
         )
 
 
+# Modules that compute exactly a linear map with a transposed weight, (in, out), named by
+# where they are defined: the core imports none of the libraries they come from.
+# Hugging Face's Conv1D (GPT-2, GPT-J's ancestors, ...): forward = addmm(bias, x, weight).
+TRANSPOSED_LINEAR_CLASSES: frozenset[tuple[str, str]] = frozenset({("transformers.pytorch_utils", "Conv1D")})
+
+# Why a candidate stayed in high precision, as the summary line words it.
+_SKIP_FILTER = "rejected by module_filter_fn"
+_SKIP_DIMS = f"dims not multiples of {_ALIGN}"
+_SKIP_FORWARD = "nn.Linear subclass overriding forward"
+_SKIP_FSDP = "Conv1D with FP8 all-gather (needs an (out, in) weight)"
+
+
+def _is_transposed_linear(mod: nn.Module) -> bool:
+    cls = type(mod)
+    if (cls.__module__, cls.__qualname__) not in TRANSPOSED_LINEAR_CLASSES:
+        return False
+    weight = getattr(mod, "weight", None)
+    return isinstance(weight, torch.Tensor) and weight.dim() == 2
+
+
+class Float8Conv1D(Float8Linear):
+    """Hugging Face ``Conv1D`` in FP8: ``y = x @ weight + bias`` with ``weight`` of shape
+    ``(in_features, out_features)``.
+
+    The parameter keeps Conv1D's layout (and is the very same Parameter object), so
+    ``state_dict``, ``save_pretrained`` and an optimizer built before the swap are
+    unaffected; the FP8 GEMMs see its transpose, the ``(out, in)`` weight of a linear.
+    """
+
+    @classmethod
+    def from_conv1d(cls, conv: nn.Module, config: Float8LinearConfig | None = None) -> Float8Conv1D:
+        if not _is_transposed_linear(conv):
+            raise TypeError(f"from_conv1d expects a transformers Conv1D; got {type(conv).__name__}")
+        in_features, out_features = conv.weight.shape
+        with torch.device("meta"):
+            new = cls(in_features, out_features, bias=conv.bias is not None, config=config)
+        if new.config.enable_fsdp_float8_all_gather:
+            raise ValueError("Float8Conv1D: FP8 all-gather needs an (out, in) weight; use enable_fsdp_float8_all_gather=False")
+        new.weight, new.bias = conv.weight, conv.bias
+        device = conv.weight.device
+        for name, buf in list(new.named_buffers(recurse=False)):
+            fill = torch.full_like(buf, torch.nan, device=device) if name in STATS_BUFFERS else _fresh_state(name, buf, device)
+            setattr(new, name, fill)
+        new.train(conv.training)
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # A transposed view: the gradient lands in the parameter's own (in, out) layout.
+        weight, bias = self.weight.t(), self.bias
+        device_type = x.device.type
+        if torch.is_autocast_enabled(device_type):
+            dtype = torch.get_autocast_dtype(device_type)
+            x = x.to(dtype)
+            bias = None if bias is None else bias.to(dtype)
+            with torch.autocast(device_type, enabled=False):
+                return self._fp8_forward(x, weight, bias)
+        return self._fp8_forward(x, weight, bias)
+
+
+_FLOAT8_SUBCLASSES: dict[type, type] = {}
+
+
+def _float8_subclass(cls: type) -> type:
+    """``Float8Linear`` mixed into an ``nn.Linear`` subclass that keeps ``nn.Linear.forward``.
+
+    The converted layer stays an instance of ``cls`` (methods such as a library's
+    ``init_weights`` and ``isinstance`` checks keep working) while ``Float8Linear``'s
+    forward comes first in the MRO. One class per ``cls``, cached.
+    """
+    if cls is nn.Linear:
+        return Float8Linear
+    if cls not in _FLOAT8_SUBCLASSES:
+        _FLOAT8_SUBCLASSES[cls] = type(f"Float8{cls.__name__}", (Float8Linear, cls), {"__module__": cls.__module__})
+    return _FLOAT8_SUBCLASSES[cls]
+
+
+def _convert_linear(mod: nn.Linear, config: Float8LinearConfig) -> Float8Linear:
+    new = Float8Linear.from_float(mod, config)
+    if type(mod) is not nn.Linear:
+        new.__class__ = _float8_subclass(type(mod))
+        # The subclass's own attributes (set by its __init__ or its library), as they were.
+        for key, value in vars(mod).items():
+            vars(new).setdefault(key, value)
+    return new
+
+
 def convert_to_float8_training(
     module: nn.Module,
     *,
@@ -627,48 +722,103 @@ def convert_to_float8_training(
     module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
     experts_filter_fn: Callable[[nn.Module, str], bool] | None = None,
 ) -> nn.Module:
-    """Swap every ``nn.Linear`` in ``module`` for a :class:`Float8Linear`, in place.
+    """Swap every module that computes a linear map for its FP8 twin, in place.
+
+    Converted: ``nn.Linear`` and its subclasses that keep ``nn.Linear.forward`` (e.g.
+    torchtitan's ``Linear``; the new layer is a ``Float8Linear`` that is still an
+    instance of the subclass), and Hugging Face's ``Conv1D`` (as :class:`Float8Conv1D`,
+    weight layout kept; see ``TRANSPOSED_LINEAR_CLASSES``). Left alone, and reported:
+    ``nn.Linear`` subclasses that override ``forward`` (they may not compute
+    ``x @ W.t() + b``), layers ``module_filter_fn`` rejects, and layers whose dimensions
+    FP8 GEMMs cannot take (not multiples of 16) unless ``config.pad_inner_dim``.
+
+    ``module_filter_fn(mod, fqn) -> bool`` chooses among the candidates (``fqn`` is the
+    dotted name, e.g. ``"layers.0.mlp.down_proj"``). Logs one summary line on the
+    ``"f8tensor"`` logger (converted N of M linear layers, skipped with reasons) and
+    warns when nothing was converted. Returns ``module`` (or the new layer, when
+    ``module`` is itself a linear); the names of the converted layers are on the result
+    as ``float8_converted_fqns`` (a tuple; ``""`` for a bare layer).
 
     Mixture-of-experts weights (3D parameters of an experts module, as transformers stores
     them) become :class:`~f8tensor.moe.Float8ExpertWeight`: their grouped, batched and
     per-expert GEMMs run in FP8 (see :mod:`f8tensor.moe`; routers stay high precision).
     ``experts_filter_fn(experts_module, param_fqn) -> bool`` chooses which; return False
-    for all to keep every expert in high precision.
-
-    ``module_filter_fn(mod, fqn) -> bool`` chooses which linears convert (``fqn`` is the
-    dotted name, e.g. ``"layers.0.mlp.down_proj"``). Linears whose dimensions FP8 GEMMs
-    cannot take (not multiples of 16) are left in high precision with a log line, unless
-    ``config.pad_inner_dim``. Returns ``module`` (or the new layer, when ``module`` is
-    itself an ``nn.Linear``).
+    for all to keep every expert in high precision. Their names join the summary and
+    ``float8_converted_fqns``.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"convert_to_float8_training expects an nn.Module; got {type(module).__name__}")
     if module_filter_fn is not None and not callable(module_filter_fn):
         raise TypeError(f"module_filter_fn must be a callable (module, fqn) -> bool or None; got {module_filter_fn!r}")
     config = _check_config(config)
+    # Every converter appends the names it converted here; the summary reports them all.
+    converted: list[str] = []
+    skipped: dict[str, list[str]] = {}
+    candidates = 0
 
-    def wanted(mod: nn.Module, fqn: str) -> bool:
-        if type(mod) is not nn.Linear:  # exactly nn.Linear: subclasses may read .weight themselves
-            return False
+    def convert_one(mod: nn.Module, fqn: str) -> nn.Module | None:
+        """The FP8 replacement of ``mod``, or None (not a linear, or skipped)."""
+        nonlocal candidates
+        if isinstance(mod, Float8Linear):
+            return None
+        transposed = _is_transposed_linear(mod)
+        if not (transposed or isinstance(mod, nn.Linear)):
+            return None
+        candidates += 1
+        name = fqn or "<root>"
+        if not transposed and type(mod).forward is not nn.Linear.forward:
+            skipped.setdefault(_SKIP_FORWARD, []).append(name)
+            return None
         if module_filter_fn is not None and not module_filter_fn(mod, fqn):
-            return False
-        if not _dims_ok(mod.in_features, mod.out_features, config):
+            skipped.setdefault(_SKIP_FILTER, []).append(name)
+            return None
+        in_features, out_features = mod.weight.shape if transposed else (mod.in_features, mod.out_features)
+        if not _dims_ok(in_features, out_features, config):
             logger.warning(
                 "f8tensor: left %s (%d -> %d) in high precision: FP8 GEMMs need dimensions that are "
                 "multiples of %d (set pad_inner_dim=True to pad instead)",
-                fqn or "<root>", mod.in_features, mod.out_features, _ALIGN,
+                name, in_features, out_features, _ALIGN,
             )
-            return False
-        return True
+            skipped.setdefault(_SKIP_DIMS, []).append(name)
+            return None
+        if transposed and config.enable_fsdp_float8_all_gather:
+            skipped.setdefault(_SKIP_FSDP, []).append(name)
+            return None
+        converted.append(fqn)
+        return Float8Conv1D.from_conv1d(mod, config) if transposed else _convert_linear(mod, config)
 
-    if wanted(module, ""):
-        return Float8Linear.from_float(module, config)
-    _moe().convert_experts_to_float8(module, config, experts_filter_fn)
-    for fqn, mod in list(module.named_modules()):
-        for name, child in list(mod.named_children()):
-            child_fqn = f"{fqn}.{name}" if fqn else name
-            if wanted(child, child_fqn):
-                setattr(mod, name, Float8Linear.from_float(child, config))
-    if config.enable_fsdp_float8_all_gather:
+    root = convert_one(module, "")
+    if root is None:
+        for fqn, mod in list(module.named_modules()):
+            for name, child in list(mod.named_children()):
+                new = convert_one(child, f"{fqn}.{name}" if fqn else name)
+                if new is not None:
+                    setattr(mod, name, new)
+    # FP8 expert weights (3D parameters of MoE experts modules): their own converter.
+    experts = [] if root is not None else _moe().convert_experts_to_float8(module, config, experts_filter_fn)
+    converted.extend(experts)
+    if root is None and config.enable_fsdp_float8_all_gather:
         _fsdp().keep_tied_weights_tied(module)
-    return module
+    result = module if root is None else root
+    _report_conversion(converted, skipped, candidates, len(experts))
+    result.float8_converted_fqns = tuple(converted)
+    return result
+
+
+def _report_conversion(converted: list[str], skipped: dict[str, list[str]], candidates: int, experts: int = 0) -> None:
+    """One summary line; a warning (also through ``warnings``) when nothing converted."""
+
+    def names(fqns: list[str]) -> str:
+        return ", ".join(fqns[:4]) + (f", ... ({len(fqns) - 4} more)" if len(fqns) > 4 else "")
+
+    reasons = "; ".join(f"{len(fqns)} {reason} [{names(fqns)}]" for reason, fqns in skipped.items())
+    line = f"f8tensor: converted {len(converted) - experts} of {candidates} linear layers to FP8"
+    line += f" and {experts} expert weights" if experts else ""
+    line += f"; skipped {reasons}" if reasons else ""
+    if converted:
+        logger.info(line)
+        return
+    if not candidates:
+        line += ": the model has no nn.Linear (or Hugging Face Conv1D) layer"
+    logger.warning(line)
+    warnings.warn(line + "; the model trains in high precision", UserWarning, stacklevel=3)

@@ -16,7 +16,7 @@ from f8tensor.formats import FLOAT8_DTYPES, check_hp_dtype
 from f8tensor.gemm import ALIGN, GROUPED_RULES, _cast_plain, _matmul, _requantize, float8_mm, scaled_grouped_mm
 from f8tensor.tensor import Float8Tensor, cast_to_float8, dequantize
 
-__all__ = ["float8_mm"]
+__all__ = ["float8_mm", "transpose_2d"]
 
 aten = torch.ops.aten
 implements = Float8Tensor.implements
@@ -50,6 +50,30 @@ def _addmm(func, types, args, kwargs):
         out = out * alpha
     # torch semantics: with beta == 0 the input is ignored entirely (NaN in it included).
     return out if beta == 0 else out + beta * bias.to(out.dtype)
+
+
+@implements([aten.matmul.default, aten.linear.default])
+def _composite_product(func, types, args, kwargs):
+    """``matmul`` and ``linear``, which reach the table only undecomposed.
+
+    With autograd on, PyTorch decomposes both into ``t``/``view``/``mm``/``bmm`` before
+    dispatch. Under ``torch.inference_mode()`` and in ``ExportedProgram.run_decompositions()``
+    they arrive whole: run PyTorch's own decomposition (their CompositeImplicitAutograd
+    kernel), whose pieces land on the handlers of this table. So every product keeps
+    the semantics (broadcasting, 1D operands, bias) of its high-precision twin.
+    """
+    return func.decompose(*args, **kwargs)
+
+
+def transpose_2d(x: Float8Tensor) -> Float8Tensor:
+    """``x.t()`` for a 2D Float8Tensor, built directly instead of dispatched.
+
+    For library code that makes a Float8Tensor and multiplies with it in one traced
+    region: torch.export's pre-dispatch trace does not hand ops on a subclass created
+    inside it to ``__torch_dispatch__`` ("Unable to cast NotImplemented to Tensor").
+    The result is not registered as a view of ``x`` for autograd: use it on temporaries.
+    """
+    return _permuted(x, x._data.t(), (1, 0))
 
 
 @implements([aten.bmm.default])
@@ -187,6 +211,14 @@ def _batch_item(x: torch.Tensor, i: int) -> torch.Tensor:
 
 
 def _view_result(func, args, kwargs, out):
+    if torch.is_inference_mode_enabled() and not args[0].is_inference():
+        # A view of a normal tensor is a normal tensor, in inference mode too (it shares
+        # its base's version counter). A wrapper built here would be an inference tensor,
+        # which PyTorch refuses to give a version counter ("Cannot set version_counter
+        # for inference tensor"): rebuild it as a normal one.
+        with torch.inference_mode(False):
+            out = [o._replace() for o in out] if isinstance(out, list) else out._replace()
+            return return_and_correct_aliasing(func, args, kwargs, out)
     return return_and_correct_aliasing(func, args, kwargs, out)
 
 

@@ -1,0 +1,84 @@
+"""f8tensor in Lightning: a ``Precision`` plugin.
+
+::
+
+    import lightning as L
+    from f8tensor import Float8LinearConfig
+    from f8tensor.integrations.lightning import Float8Precision
+
+    trainer = L.Trainer(plugins=[Float8Precision(Float8LinearConfig.from_recipe("rowwise"),
+                                                 module_filter_fn=lambda m, fqn: "head" not in fqn)])
+    trainer.fit(lit_module)
+
+``convert_module`` swaps the LightningModule's linear layers for FP8 ones (Lightning
+calls it before ``configure_optimizers``, and the parameters are the same objects
+anyway); ``forward_context`` runs every step under ``torch.autocast`` in bf16 (or
+``autocast_dtype``), so that the rest of the model computes in half precision around
+the FP8 matrix products, as the ``"bf16-mixed"`` precision does. Pass
+``autocast_dtype=None`` to run the rest in the parameters' own dtype.
+
+Works with ``lightning`` (``lightning.pytorch``) or, when only that is installed, the
+standalone ``pytorch_lightning`` package: the plugin subclasses whichever ``Precision``
+the Trainer checks against. Use it with one of them in a process, not both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Generator
+
+import torch
+from torch import nn
+
+from f8tensor.config import Float8LinearConfig
+from f8tensor.linear import convert_to_float8_training
+
+try:
+    from lightning.pytorch.plugins.precision import Precision
+except ImportError:  # the standalone package
+    from pytorch_lightning.plugins.precision import Precision
+
+__all__ = ["Float8Precision"]
+
+_AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
+
+
+class Float8Precision(Precision):
+    """FP8 linear layers (f8tensor) with the rest of the model under autocast.
+
+    ``config``: the :class:`Float8LinearConfig` (default: tensorwise).
+    ``module_filter_fn``: as for :func:`f8tensor.convert_to_float8_training`.
+    ``autocast_dtype``: bf16 (default), fp16, or ``None`` for no autocast. fp16 needs a
+    gradient scaler, which this plugin does not run: prefer bf16.
+    ``device``: the autocast device type (``"cuda"``, ``"cpu"``).
+    """
+
+    def __init__(
+        self,
+        config: Float8LinearConfig | None = None,
+        *,
+        module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
+        autocast_dtype: torch.dtype | None = torch.bfloat16,
+        device: str = "cuda",
+    ) -> None:
+        if config is not None and not isinstance(config, Float8LinearConfig):
+            raise TypeError(f"config must be a Float8LinearConfig; got {type(config).__name__}")
+        if autocast_dtype is not None and autocast_dtype not in _AUTOCAST_DTYPES:
+            raise ValueError(f"autocast_dtype must be torch.bfloat16, torch.float16 or None; got {autocast_dtype}")
+        self.config = config if config is not None else Float8LinearConfig()
+        self.module_filter_fn = module_filter_fn
+        self.autocast_dtype = autocast_dtype
+        self.device = device
+        # What Lightning logs: the precision of everything around the FP8 GEMMs.
+        self.precision = {torch.bfloat16: "bf16-mixed", torch.float16: "16-mixed", None: "32-true"}[autocast_dtype]
+
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        return convert_to_float8_training(module, config=self.config, module_filter_fn=self.module_filter_fn)
+
+    @contextlib.contextmanager
+    def forward_context(self) -> Generator[None, None, None]:
+        if self.autocast_dtype is None:
+            yield
+            return
+        with torch.autocast(self.device, dtype=self.autocast_dtype):
+            yield

@@ -1,0 +1,172 @@
+"""f8tensor in torchtitan (>= 0.3): FP8 linears chosen through torchtitan's own config tree.
+
+torchtitan builds a model from a tree of ``Config`` dataclasses; low-precision training
+rewrites that tree before anything is built. Two ways in, both registered in
+torchtitan's own registries under f8tensor's names:
+
+1. A model converter, listed with the model, like torchtitan's own::
+
+       from f8tensor.integrations.torchtitan import F8TensorLinearConverter
+       from torchtitan.models.llama3 import model_registry
+
+       spec = model_registry("8B", converters=[
+           F8TensorLinearConverter.Config(recipe="rowwise", filter_fqns=["lm_head"]),
+       ])
+
+2. A config override, switched on from the command line without editing any
+   config_registry function::
+
+       --override.imports f8tensor.integrations.torchtitan.f8tensor_float8_linear
+       # with options: ('f8tensor.integrations.torchtitan.f8tensor_float8_linear',
+       #                {"recipe": "delayed"})
+
+   It converts the linears of the transformer blocks (``layers.*``) and leaves the
+   embedding and the output projection in high precision.
+
+Either way, each converted ``Linear.Config`` becomes a :class:`F8TensorLinear.Config`:
+the same fields (``param_init``, sharding, ...) plus f8tensor's ``Float8LinearConfig``,
+and the built module is an f8tensor ``Float8Linear`` that satisfies torchtitan's
+``Module`` protocol. Only configs whose module keeps ``nn.Linear.forward`` convert (as
+in :func:`f8tensor.convert_to_float8_training`); ``filter_fqns`` entries are matched as
+substrings of the module's dotted name, as torchtitan's float8 converter does.
+
+With ``enable_fsdp_float8_all_gather=True``, call
+:func:`f8tensor.precompute_float8_scales_for_fsdp` after each ``optimizer.step()``
+(e.g. from ``ModelSpec.post_optimizer_build_fn``'s hook) to compute all weight scales
+with one all-reduce; it is optional.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from torch import nn
+from torchtitan.components.quantization import QuantizationConverter
+from torchtitan.config.override import derive, override
+from torchtitan.models.common.linear import Linear
+from torchtitan.protocols.module import Module
+
+from f8tensor.config import RECIPES, Float8LinearConfig
+from f8tensor.linear import Float8Linear
+
+__all__ = ["F8TensorLinear", "F8TensorLinearConverter", "f8tensor_float8_linear"]
+
+logger = logging.getLogger("f8tensor")
+
+_ALIGN = 16
+
+
+class F8TensorLinear(Float8Linear, Module):
+    """An f8tensor ``Float8Linear`` built from a torchtitan config.
+
+    Subclasses torchtitan's ``Module`` (not its ``Linear``, whose constructor takes a
+    config) so that ``init_states`` and ``param_init`` work as for any torchtitan layer.
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Linear.Config):
+        # Leading underscore: torchtitan's to_dict leaves it out of logged configs.
+        _float8_config: Float8LinearConfig | None = None
+
+    def __init__(self, config: Config) -> None:
+        Float8Linear.__init__(
+            self, config.in_features, config.out_features, bias=config.bias, config=config._float8_config
+        )
+
+
+def _float8_config(
+    recipe: str, pad_inner_dim: bool, enable_fsdp_float8_all_gather: bool, collect_stats: bool
+) -> Float8LinearConfig:
+    if recipe not in RECIPES:
+        raise ValueError(f"unknown f8tensor recipe {recipe!r}; choose one of {sorted(RECIPES)}")
+    return Float8LinearConfig.from_recipe(
+        recipe,
+        pad_inner_dim=pad_inner_dim,
+        enable_fsdp_float8_all_gather=enable_fsdp_float8_all_gather,
+        collect_stats=collect_stats,
+    )
+
+
+def _skip_reason(cfg: Linear.Config, float8: Float8LinearConfig) -> str | None:
+    owner = type(cfg)._owner
+    if owner is None or owner.forward is not nn.Linear.forward:
+        return "overrides forward"
+    aligned = cfg.in_features % _ALIGN == 0 and cfg.out_features % _ALIGN == 0
+    if not (aligned or float8.pad_inner_dim):
+        return f"dims not multiples of {_ALIGN}"
+    return None
+
+
+class F8TensorLinearConverter(QuantizationConverter):
+    """Replace the model's ``Linear.Config`` nodes with :class:`F8TensorLinear.Config`."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(QuantizationConverter.Config):
+        recipe: str = "tensorwise"
+        """f8tensor recipe: tensorwise, rowwise, rowwise_with_gw_hp or delayed."""
+
+        filter_fqns: list[str] = field(default_factory=lambda: ["lm_head", "output"])
+        """Linears whose dotted name contains any of these stay in high precision.
+        Linears with a dimension not a multiple of 16 always do (unless pad_inner_dim)."""
+
+        pad_inner_dim: bool = False
+        """Pad dimensions that are not multiples of 16 with zeros instead of skipping."""
+
+        enable_fsdp_float8_all_gather: bool = False
+        """FSDP2 all-gathers the weights in FP8 (1 byte per element)."""
+
+        collect_stats: bool = False
+        """Record saturation/underflow telemetry (see f8tensor.float8_stats)."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.float8_config = _float8_config(
+            config.recipe, config.pad_inner_dim, config.enable_fsdp_float8_all_gather, config.collect_stats
+        )
+        self.converted_fqns: list[str] = []
+
+    def convert(self, model_config: Module.Config) -> Module.Config:
+        converted, skipped = [], []
+        for fqn, cfg, parent, attr in list(model_config.traverse(Linear.Config)):
+            reason = _skip_reason(cfg, self.float8_config)
+            if reason is None and any(f in fqn for f in self.config.filter_fqns):
+                reason = "filter_fqns"
+            if reason is not None:
+                skipped.append(f"{fqn} ({reason})")
+                continue
+            new = derive(cfg, F8TensorLinear.Config, _float8_config=self.float8_config)
+            if parent is None:
+                model_config = new
+            elif isinstance(parent, list):
+                parent[attr] = new
+            else:
+                setattr(parent, attr, new)
+            converted.append(fqn)
+        self.converted_fqns = converted
+        line = f"f8tensor: {self.config.recipe} FP8 for {len(converted)} of {len(converted) + len(skipped)} linear layers"
+        logger.info(line + (f"; kept in high precision: {', '.join(skipped)}" if skipped else ""))
+        if not converted:
+            logger.warning("f8tensor: the torchtitan converter found no linear layer to convert")
+        return model_config
+
+
+@override(
+    target=Linear.Config,
+    fqns=["layers.*"],
+    exact=True,
+    description="f8tensor FP8 linears in the transformer blocks",
+)
+def f8tensor_float8_linear(
+    cfg: Linear.Config,
+    *,
+    recipe: str = "tensorwise",
+    pad_inner_dim: bool = False,
+    enable_fsdp_float8_all_gather: bool = False,
+    collect_stats: bool = False,
+) -> Linear.Config:
+    """The override factory: one ``Linear.Config`` of a transformer block -> FP8."""
+    float8 = _float8_config(recipe, pad_inner_dim, enable_fsdp_float8_all_gather, collect_stats)
+    if _skip_reason(cfg, float8) is not None:
+        return cfg
+    return derive(cfg, F8TensorLinear.Config, _float8_config=float8)
