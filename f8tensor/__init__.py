@@ -35,7 +35,7 @@ from f8tensor.stats import (
     format_float8_stats,
     sqnr,
 )
-from f8tensor.tensor import Float8Tensor
+from f8tensor.tensor import Float8Tensor, _LegacyFloat8Tensor, _rebuild_float8_tensor
 
 __version__ = "0.1.0"
 
@@ -78,5 +78,11 @@ __all__ = [
 # every supported NVIDIA build (f8tensor.gemm.SCALED_MM_RULES), raising at a violation.
 _gemm._install_from_env()
 
-# torch.load(weights_only=True) refuses unknown classes: allow ours (and nothing else).
-torch.serialization.add_safe_globals([Float8Tensor, GemmConfig, Granularity])
+# torch.load(weights_only=True) refuses unknown globals: allow ours (and nothing else).
+# A Float8Tensor is saved as plain fields rebuilt by one validating function. Checkpoints
+# from before it name the class itself: under that name weights_only loading gets a
+# subclass that cannot be constructed directly and becomes a Float8Tensor only once
+# __setstate__ has validated its fields (GemmConfig is one of them).
+torch.serialization.add_safe_globals(
+    [_rebuild_float8_tensor, (_LegacyFloat8Tensor, "f8tensor.tensor.Float8Tensor"), GemmConfig, Granularity]
+)

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from typing import NamedTuple
 
 import torch
 
-from f8tensor.formats import E8M0, FLOAT8_DTYPES, HP_DTYPES, SCALE_DTYPES, check_float8_dtype
+from f8tensor.formats import E8M0, FLOAT8_DTYPES, FORMATS, HP_DTYPES, SCALE_DTYPES, check_float8_dtype
 
 __all__ = [
     "RECIPES",
@@ -264,11 +265,35 @@ class CastConfig:
 
 
 HISTORY_REDUCTIONS = ("max", "most_recent")
+_E4M3 = torch.float8_e4m3fn
+_E5M2 = torch.float8_e5m2
+
+#: The longest amax history: each layer keeps three fp32 histories and every delayed cast
+#: reduces a whole window, so the window's cost grows with it, while an amax from
+#: thousands of steps back says little about today's tensors. 1024 steps is 4 KiB per
+#: history (10**9 would be 4 GB each).
+MAX_HISTORY_LEN = 1024
+
+
+def max_margin(float8_dtype: torch.dtype) -> int:
+    """The largest delayed-scaling margin for ``float8_dtype``: the amax, scaled to
+    ``max / 2**margin``, must stay a normal number of the format, or the whole tensor
+    flushes towards zero (margin 14 already leaves e4m3fn only its smallest binades)."""
+    fmt = FORMATS[float8_dtype]
+    return math.floor(math.log2(fmt.max / fmt.smallest_normal))
+
+
+_MAX_ANY_MARGIN = max(max_margin(d) for d in FLOAT8_DTYPES)
 
 
 @dataclasses.dataclass(frozen=True)
 class DelayedScalingConfig:
-    """The amax history of delayed scaling (defaults: 16 steps, max)."""
+    """The amax history of delayed scaling (defaults: 16 steps, max).
+
+    ``history_len`` in ``[1, MAX_HISTORY_LEN]``; ``margin``: headroom of ``2**margin``
+    below the format's max, an int from 0 up to :func:`max_margin` of the formats that
+    use it (checked by :class:`Float8LinearConfig`, which knows them).
+    """
 
     history_len: int = 16
     reduction: str = "max"
@@ -277,14 +302,20 @@ class DelayedScalingConfig:
     def __post_init__(self) -> None:
         if isinstance(self.history_len, bool) or not isinstance(self.history_len, int) or self.history_len < 1:
             raise ValueError(f"DelayedScalingConfig.history_len must be an int >= 1; got {self.history_len!r}")
+        if self.history_len > MAX_HISTORY_LEN:
+            raise ValueError(
+                f"DelayedScalingConfig.history_len must be in [1, {MAX_HISTORY_LEN}] (every delayed cast reduces "
+                f"the whole window, and each layer keeps three); got {self.history_len!r}"
+            )
         if self.reduction not in HISTORY_REDUCTIONS:
             raise ValueError(f"DelayedScalingConfig.reduction must be one of {HISTORY_REDUCTIONS}; got {self.reduction!r}")
         if isinstance(self.margin, bool) or not isinstance(self.margin, int) or self.margin < 0:
             raise ValueError(f"DelayedScalingConfig.margin must be an int >= 0; got {self.margin!r}")
-
-
-_E4M3 = torch.float8_e4m3fn
-_E5M2 = torch.float8_e5m2
+        if self.margin > _MAX_ANY_MARGIN:
+            raise ValueError(
+                f"DelayedScalingConfig.margin must be in [0, {_MAX_ANY_MARGIN}] (and at most "
+                f"{max_margin(_E4M3)} for e4m3fn); got {self.margin!r}"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -329,6 +360,21 @@ class Float8LinearConfig:
         for gemm, a, b in gemms:
             if _is_e5m2(a.dtype) and _is_e5m2(b.dtype):
                 raise ValueError(f"the {gemm} GEMM would multiply two e5m2 tensors, which torch._scaled_mm refuses; use e4m3 for one of them")
+        roles = ("input", "weight", "grad_output")
+        families = {role: "fnuz" if "fnuz" in str(getattr(self, role).dtype) else "fn" for role in roles}
+        if len(set(families.values())) > 1:
+            raise ValueError(
+                "every operand must use one FP8 family, fn (e4m3fn, e5m2) or fnuz (e4m3fnuz, e5m2fnuz): "
+                f"the GEMMs multiply them together; got {', '.join(f'{r}={getattr(self, r).dtype}' for r in families)}"
+            )
+        for role in ("input", "weight", "grad_output"):
+            cast = getattr(self, role)
+            if cast.delayed and self.delayed.margin > max_margin(cast.dtype):
+                raise ValueError(
+                    f"DelayedScalingConfig.margin={self.delayed.margin} would scale the {role}'s amax below the "
+                    f"smallest normal {cast.dtype} number (flushing the tensor to zero); the most {cast.dtype} "
+                    f"allows is {max_margin(cast.dtype)}"
+                )
         if self.enable_fsdp_float8_all_gather and (not self.weight.tensorwise or self.weight.delayed):
             raise ValueError("enable_fsdp_float8_all_gather needs dynamic tensorwise weight scaling (recipe 'tensorwise')")
 
@@ -345,7 +391,7 @@ class Float8LinearConfig:
 
         Keyword overrides replace top-level fields (e.g. ``pad_inner_dim=True``).
         """
-        if name not in RECIPES:
+        if not isinstance(name, str) or name not in RECIPES:
             raise ValueError(f"unknown recipe {name!r}; choose one of {sorted(RECIPES)}")
         fields = [f.name for f in dataclasses.fields(cls)]
         for key in overrides:

@@ -122,14 +122,14 @@ def float8_max(dtype: torch.dtype) -> float:
 
 def check_float8_dtype(dtype: object, what: str = "float8_dtype") -> torch.dtype:
     """Return ``dtype`` if it is one of the four FP8 dtypes, else raise ``TypeError``."""
-    if dtype not in FORMATS:
+    if not isinstance(dtype, torch.dtype) or dtype not in FORMATS:
         raise TypeError(f"{what} must be one of {_ALLOWED_FP8}; got {dtype!r}")
     return dtype  # type: ignore[return-value]
 
 
 def check_hp_dtype(dtype: object, what: str = "input") -> torch.dtype:
     """Return ``dtype`` if it is bf16, fp16 or fp32, else raise ``TypeError``."""
-    if dtype not in HP_DTYPES:
+    if not isinstance(dtype, torch.dtype) or dtype not in HP_DTYPES:
         raise TypeError(
             f"{what} must have a high-precision floating dtype ({_ALLOWED_HP}); got {dtype!r}"
         )

@@ -23,12 +23,15 @@ all-gathers: after ``optimizer.step()`` it reduces every weight's amax in one co
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_map_only
 
 from f8tensor.config import CastConfig
@@ -48,6 +51,7 @@ if TYPE_CHECKING:
 __all__ = ["Float8AllGatherWeight", "precompute_float8_scales_for_fsdp"]
 
 aten = torch.ops.aten
+logger = logging.getLogger("f8tensor")
 
 # Ops whose result is still "the weight", only stored differently, stay wrapped: the
 # views and copies FSDP uses to shard and pad a parameter, DTensor's local views, device
@@ -320,6 +324,51 @@ def wrap_weight(weight: nn.Parameter, cast: CastConfig) -> nn.Parameter:
     return nn.Parameter(Float8AllGatherWeight(weight.detach(), cast), requires_grad=weight.requires_grad)
 
 
+def keep_tied_weights_tied(module: nn.Module) -> None:
+    """Undo the untying that wrapping weights for FP8 all-gather causes, in place.
+
+    ``wrap_weight`` gives a converted layer a new Parameter over the same storage; a weight
+    tied to another module (an embedding and its lm_head) would become two Parameters,
+    which an optimizer then updates twice per step. Tied only among FP8 layers: they share
+    one wrapped Parameter. Tied to anything else (an embedding looks rows up in high
+    precision, which an FP8 all-gathered weight cannot serve): every user gets the one plain
+    Parameter back, and those FP8 layers all-gather that weight in high precision (their
+    config says so; a warning names them).
+    """
+    from f8tensor.linear import Float8Linear  # linear sits below fsdp; imported at call time
+
+    users: dict[tuple, list[tuple[nn.Module, str, nn.Parameter]]] = {}
+    for mod in module.modules():
+        for name, param in mod._parameters.items():
+            if param is None:
+                continue
+            hp = param._hp if isinstance(param, Float8AllGatherWeight) else param
+            key = (StorageWeakRef(hp.untyped_storage()), hp.storage_offset(), tuple(hp.shape), hp.stride())
+            users.setdefault(key, []).append((mod, name, param))
+    for group in users.values():
+        if len({id(p) for _, _, p in group}) < 2:
+            continue
+        wrapped = [p for _, _, p in group if isinstance(p, Float8AllGatherWeight)]
+        if not wrapped:
+            continue
+        all_fp8 = all(isinstance(m, Float8Linear) and n == "weight" for m, n, _ in group)
+        if all_fp8:
+            shared = wrapped[0]
+        else:
+            plain = [p for _, _, p in group if not isinstance(p, Float8AllGatherWeight)]
+            shared = plain[0]
+            names = sorted({type(m).__name__ for m, _, _ in group})
+            logger.warning(
+                "f8tensor: a weight tied between %s stays one high-precision Parameter: FP8 all-gather is "
+                "off for it (only Float8Linear layers can use an FP8-gathered weight)", ", ".join(names),
+            )
+        for mod, name, param in group:
+            if param is not shared:
+                setattr(mod, name, shared)
+            if not all_fp8 and isinstance(mod, Float8Linear):
+                mod.config = dataclasses.replace(mod.config, enable_fsdp_float8_all_gather=False)
+
+
 def _local_of(t: Any) -> Any:
     """The local tensor of a DTensor, else ``None``."""
     return t._local_tensor if isinstance(t, DTensor) else None
@@ -345,6 +394,8 @@ def precompute_float8_scales_for_fsdp(module: nn.Module) -> None:
     elements; follow it with ``model.load_state_dict`` (or ``set_state_dict``), as the
     checkpoint documentation does, which writes every shard, empty ones included.
     """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"precompute_float8_scales_for_fsdp expects an nn.Module; got {type(module).__name__}")
     by_mesh: dict[DeviceMesh, list[Float8AllGatherWeight]] = {}
     for param in module.parameters():
         local = _local_of(param)

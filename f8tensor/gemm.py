@@ -41,7 +41,7 @@ import torch
 
 from f8tensor.config import DEFAULT_GEMM, GemmConfig
 from f8tensor.formats import FLOAT8_DTYPES, check_hp_dtype, e4m3_like
-from f8tensor.tensor import Float8Tensor, cast_to_float8, dequantize
+from f8tensor.tensor import Float8Tensor, cast_to_float8, check_scale_values, dequantize, scale_from_number
 
 __all__ = [
     "ALIGN",
@@ -690,26 +690,53 @@ def float8_mm(
     scale, the other operand's granularity). ``out_dtype``: bf16, fp16 or fp32 are
     written straight from the fp32 accumulator (default: ``a``'s original dtype). An FP8
     ``out_dtype`` needs ``out_scale`` and returns a Float8Tensor with that scale; the
-    product is saturated into range, never overflowed.
+    product is saturated into range, never overflowed; a non-finite one (an inf in
+    ``bias``) becomes NaN, never the format's max.
     """
-    if not (_is_f8(a) or _is_f8(b)):
-        raise TypeError("float8_mm needs at least one Float8Tensor operand; use torch.mm for plain tensors")
-    if out_dtype in FLOAT8_DTYPES:
-        if out_scale is None:
-            raise ValueError(f"an FP8 out_dtype ({out_dtype}) needs out_scale (the scale of the output)")
-        if not isinstance(out_scale, torch.Tensor):
-            out_scale = torch.tensor(float(out_scale), dtype=torch.float32, device=a.device)
+    out_scale = _check_float8_mm_args(a, b, bias, out_dtype, out_scale)
+    if out_scale is not None:
         orig = a._orig_dtype if _is_f8(a) else a.dtype
         # Accumulate and add the bias in fp32, then one saturating cast: the only rounding
         # to FP8 is the one asked for (and no FP8 output is asked of the kernel, which the
-        # rowwise kernels refuse).
+        # rowwise kernels refuse). The clamp would turn an inf into the format's max: keep
+        # it non-finite (NaN, the one non-finite value all four formats have).
         acc = _matmul(a, b, bias=bias, out_dtype=torch.float32)
-        return cast_to_float8(acc, out_dtype, scale=out_scale.reshape(()).to(torch.float32), orig_dtype=orig)
-    if out_scale is not None:
-        raise ValueError("out_scale is only meaningful with an FP8 out_dtype")
-    if out_dtype is not None:
-        check_hp_dtype(out_dtype, "out_dtype")
+        acc = torch.where(torch.isinf(acc), torch.nan, acc)
+        return cast_to_float8(acc, out_dtype, scale=out_scale, orig_dtype=orig)
     return _matmul(a, b, bias=bias, out_dtype=out_dtype)
+
+
+def _check_float8_mm_args(a, b, bias, out_dtype, out_scale) -> torch.Tensor | None:
+    """float8_mm's arguments, checked at its entry; returns the 0-dim fp32 out_scale (FP8 output) or None."""
+    for name, t in (("a", a), ("b", b)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"float8_mm: {name} must be a tensor; got {type(t).__name__}")
+    if not (_is_f8(a) or _is_f8(b)):
+        raise TypeError("float8_mm needs at least one Float8Tensor operand; use torch.mm for plain tensors")
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor) or _is_f8(bias):
+            raise TypeError(f"float8_mm: bias must be None or a high-precision tensor; got {type(bias).__name__}")
+        check_hp_dtype(bias.dtype, "float8_mm bias")
+    if out_dtype is not None and out_dtype not in FLOAT8_DTYPES:
+        check_hp_dtype(out_dtype, "out_dtype")
+    if out_dtype not in FLOAT8_DTYPES:
+        if out_scale is not None:
+            raise ValueError("out_scale is only meaningful with an FP8 out_dtype")
+        return None
+    if out_scale is None:
+        raise ValueError(f"an FP8 out_dtype ({out_dtype}) needs out_scale (the scale of the output)")
+    device = (a if _is_f8(a) else b).device
+    if not isinstance(out_scale, torch.Tensor):
+        return scale_from_number(out_scale, "float8_mm out_scale", device)
+    if out_scale.dtype != torch.float32:
+        raise TypeError(f"float8_mm out_scale must be a float or a float32 tensor; got dtype {out_scale.dtype}")
+    if out_scale.numel() != 1:
+        raise ValueError(
+            f"float8_mm out_scale must be one number (a tensor of 1 element); got shape {tuple(out_scale.shape)}"
+        )
+    if out_scale.device != device:
+        raise ValueError(f"float8_mm out_scale is on {out_scale.device}, the operands on {device}")
+    return check_scale_values(out_scale.reshape(()), "float8_mm out_scale")
 
 
 def _matmul(

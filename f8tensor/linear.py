@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from f8tensor.config import BlockGranularity, CastConfig, Float8LinearConfig, GemmConfig
+from f8tensor.formats import HP_DTYPES
 from f8tensor.gemm import _matmul
 from f8tensor.ops import transpose_2d
 from f8tensor.scaling import delayed_scale, materialized, push_amax, tensor_amax
@@ -36,6 +37,15 @@ _ALIGN = 16
 # step used for input and weight (re-used if activation checkpointing re-runs forward).
 _HISTORY_BUFFERS = ("amax_history_input", "amax_history_weight", "amax_history_grad_output")
 _SCALE_BUFFERS = ("scale_input", "scale_weight")
+# The scales of each of the last _CALLS forwards of a step, keyed by the input's amax: a
+# layer called several times per step under activation checkpointing recomputes each call
+# with its own scales (the 0-dim buffers above only hold the latest call's). The key is
+# free (the delayed input cast measures it anyway) and a recompute reproduces it bit for
+# bit; calls with equal keys share a history, hence a scale. Not persistent: they only
+# link a forward to its recompute within one step.
+_CALL_KEYS, _CALL_SCALES = "delayed_call_keys", "delayed_call_scales"
+_CALLS = 8
+_DELAYED_BUFFERS = _HISTORY_BUFFERS + _SCALE_BUFFERS + (_CALL_KEYS, _CALL_SCALES)
 # Cast telemetry (config.collect_stats): one float64 vector per operand role, laid out as
 # CAST_STATS_FIELDS. Not persistent: it describes the last step, not the model. Separate
 # buffers, not rows of one: each cast overwrites a whole tensor, which every AOTAutograd
@@ -46,8 +56,28 @@ STATS_BUFFERS = tuple(f"float8_stats_{role}" for role in STATS_ROLES)
 
 
 def _fresh_state(name: str, like: torch.Tensor, device: torch.device | str | None = None) -> torch.Tensor:
-    """A delayed-scaling buffer as a newly built layer has it: empty history, unit scale."""
-    return torch.full_like(like, 1.0 if name in _SCALE_BUFFERS else 0.0, dtype=torch.float32, device=device)
+    """A buffer as a newly built layer has it: empty history, unit scale, no recorded call
+    (key -1: an amax is never negative), telemetry NaN (not measured)."""
+    if name in STATS_BUFFERS:
+        return torch.full_like(like, torch.nan, device=device)
+    fill = 1.0 if name in _SCALE_BUFFERS or name == _CALL_SCALES else -1.0 if name == _CALL_KEYS else 0.0
+    return torch.full_like(like, fill, dtype=torch.float32, device=device)
+
+
+def _record_call(
+    keys: torch.Tensor, scales: torch.Tensor, key: torch.Tensor, scale_in: torch.Tensor, scale_w: torch.Tensor
+) -> None:
+    """Push this forward's (key, input scale, weight scale) as the newest recorded call."""
+    keys.copy_(torch.cat([key.reshape(1).to(keys.dtype), keys[:-1]]))
+    scales.copy_(torch.cat([torch.stack([scale_in, scale_w]).reshape(1, 2), scales[:-1]]))
+
+
+def _recorded_scales(keys: torch.Tensor, scales: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The input and weight scales of the newest recorded call with this key (no device
+    sync: an argmax on the device). No match (more than _CALLS calls since): the newest."""
+    index = (keys == key).to(torch.int32).argmax()
+    row = scales[index]
+    return row[0], row[1]
 
 
 def _sync_amax(amax: torch.Tensor) -> torch.Tensor:
@@ -217,16 +247,23 @@ class _Float8LinearFn(torch.autograd.Function):
         # scale_w). They ride on ctx, not save_for_backward: they are updated in place by
         # later steps, which is their purpose, not a hazard for this step's gradients.
         # The same holds for `stats`: None, or the telemetry buffers (input, weight, grad_output).
-        hist_in, hist_w, hist_go, scale_in, scale_w = state if state is not None else (None,) * 5
+        hist_in, hist_w, hist_go, scale_in, scale_w = state[:5] if state is not None else (None,) * 5
         st_in, st_w, st_go = stats if stats is not None else (None,) * 3
         recompute = config.any_delayed and _recomputing()
         fwd = GemmConfig(use_fast_accum=config.use_fast_accum, pad_inner_dim=config.pad_inner_dim, emulate=config.emulate)
         x2 = x.reshape(-1, x.shape[-1])
+        calls = state[5:] if state is not None and (config.input.delayed or config.weight.delayed) else None
+        if calls is not None and recompute:
+            # This call's own scales, not the latest call's (see _CALL_KEYS).
+            scale_in, scale_w = _recorded_scales(*calls, _sync_amax(tensor_amax(x2)))
         x8, amax_x = _cast(x2, config.input, 1, fwd, config, hist_in, scale_in, recompute, st_in)
         if isinstance(weight, Float8Tensor):  # FSDP2 float8 all-gather hands over an FP8 weight
             w8, amax_w = weight._replace(gemm=fwd), None
         else:
             w8, amax_w = _cast(weight, config.weight, 1, fwd, config, hist_w, scale_w, recompute, st_w)
+        if calls is not None and not recompute:
+            key = amax_x if amax_x is not None else _sync_amax(tensor_amax(x2))
+            _record_call(*calls, key, scale_in, scale_w)
         y = _matmul(x8, transpose_2d(w8), bias=bias)  # built, not dispatched: torch.export traces it
 
         # The weight-gradient GEMM contracts over tokens (dim 0 of x): a tensorwise x8 is
@@ -246,6 +283,7 @@ class _Float8LinearFn(torch.autograd.Function):
         ctx.histories = (hist_in, hist_w, hist_go)
         ctx.stats_go = st_go
         ctx.x_shape = x.shape
+        ctx.layer = f"Float8Linear(in_features={weight.shape[1]}, out_features={weight.shape[0]})"
         # A fresh tensor, not a view of the 2D product (reshape returns a view even when
         # the shape is unchanged), like nn.Linear's output: FSDP2 warns on every forward
         # whose output is a view, as an in-place op on it would bypass the backward hook.
@@ -254,7 +292,25 @@ class _Float8LinearFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):  # type: ignore[override]
-        saved_x, weight, w_scale, amax_x, amax_w = ctx.saved_tensors
+        saved = ctx.saved_tensors  # unpacked once (a checkpointed forward allows no second unpack)
+        if not torch.is_grad_enabled():
+            return _Float8LinearFn._backward(ctx, grad_y, saved)
+        # create_graph=True: FP8 GEMMs have no derivative (torch._scaled_mm has none), so
+        # compute the gradients without a graph and attach a node that refuses a second
+        # backward with a message naming the layer, instead of failing deep in autograd.
+        with torch.no_grad():
+            grads = _Float8LinearFn._backward(ctx, grad_y, saved)
+        saved_x, weight = saved[:2]
+        present = [i for i, g in enumerate(grads[:3]) if g is not None]
+        outs = _NoDoubleBackward.apply(ctx.layer, grad_y, weight, saved_x, *(grads[i] for i in present))
+        grads = list(grads)
+        for i, g in zip(present, outs):
+            grads[i] = g
+        return tuple(grads)
+
+    @staticmethod
+    def _backward(ctx, grad_y, saved):
+        saved_x, weight, w_scale, amax_x, amax_w = saved
         hist_in, hist_w, hist_go = ctx.histories
         need_grad_x, need_grad_w, need_grad_b = ctx.needs_input_grad[:3]
         config: Float8LinearConfig = ctx.config
@@ -341,6 +397,24 @@ class _Float8LinearFn(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None, None
 
 
+class _NoDoubleBackward(torch.autograd.Function):
+    """Identity on first-order gradients whose own backward explains why there is none."""
+
+    @staticmethod
+    def forward(ctx, layer, grad_y, weight, x, *grads):  # type: ignore[override]
+        ctx.layer = layer
+        return tuple(g.clone() for g in grads)
+
+    @staticmethod
+    def backward(ctx, *unused):  # type: ignore[override]
+        raise RuntimeError(
+            f"{ctx.layer}: double backward (a gradient of a gradient, e.g. a gradient penalty or "
+            f"torch.autograd.grad(..., create_graph=True) followed by another backward) is not "
+            f"supported through FP8 GEMMs, which have no second derivative. Keep this layer in high "
+            f"precision (convert_to_float8_training(..., module_filter_fn=...) leaving it out)."
+        )
+
+
 class Float8Linear(nn.Linear):
     """A drop-in ``nn.Linear`` whose forward and backward GEMMs run in FP8.
 
@@ -367,6 +441,9 @@ class Float8Linear(nn.Linear):
         *,
         config: Float8LinearConfig | None = None,
     ) -> None:
+        if dtype is not None and dtype not in HP_DTYPES:
+            allowed = ", ".join(str(d) for d in HP_DTYPES)
+            raise TypeError(f"Float8Linear parameters must have dtype {allowed}; got dtype={dtype}")
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.config = _check_config(config)
         _check_dims(in_features, out_features, self.config)
@@ -376,6 +453,8 @@ class Float8Linear(nn.Linear):
                 self.register_buffer(name, torch.zeros(n, dtype=torch.float32, device=device))
             for name in _SCALE_BUFFERS:
                 self.register_buffer(name, torch.ones((), dtype=torch.float32, device=device))
+            self.register_buffer(_CALL_KEYS, torch.full((_CALLS,), -1.0, device=device), persistent=False)
+            self.register_buffer(_CALL_SCALES, torch.ones((_CALLS, 2), device=device), persistent=False)
         if self.config.collect_stats:
             self._register_stats_buffers(device)
         if self.config.enable_fsdp_float8_all_gather:
@@ -410,6 +489,9 @@ class Float8Linear(nn.Linear):
         storage, and the optimizer is built after ``fully_shard`` anyway)."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"from_float expects an nn.Linear; got {type(linear).__name__}")
+        if linear.weight.dtype not in HP_DTYPES:
+            allowed = ", ".join(str(d) for d in HP_DTYPES)
+            raise TypeError(f"from_float: FP8 casts start from {allowed} weights; got {linear.weight.dtype}")
         with torch.device("meta"):
             new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, config=config)
         if new.config.enable_fsdp_float8_all_gather:
@@ -419,17 +501,54 @@ class Float8Linear(nn.Linear):
         new.bias = linear.bias
         device = linear.weight.device
         for name, buf in list(new.named_buffers(recurse=False)):
-            if name in STATS_BUFFERS:
-                setattr(new, name, torch.full_like(buf, torch.nan, device=device))
-            else:
-                setattr(new, name, _fresh_state(name, buf, device))
+            setattr(new, name, _fresh_state(name, buf, device))
         new.train(linear.training)
         return new
 
+    def reset_parameters(self) -> None:
+        """``nn.Linear``'s initialization, and fresh delayed-scaling and telemetry state.
+
+        The deferred-initialization path (build on ``torch.device("meta")``, ``to_empty``,
+        then ``reset_parameters()``, as FSDP2 and torchtitan do) leaves buffers as
+        uninitialized memory; this sets them as a newly built layer has them.
+        """
+        super().reset_parameters()
+        with torch.no_grad():
+            for name, buf in self._buffers.items():  # empty while nn.Linear.__init__ calls this
+                if buf is not None and (name in _DELAYED_BUFFERS or name in STATS_BUFFERS):
+                    buf.copy_(_fresh_state(name, buf))
+
+    def _check_input(self, x: object) -> None:
+        """What nn.Linear takes, restricted to what FP8 GEMMs can take; said at the entry."""
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"Float8Linear expects a tensor input; got {type(x).__name__}")
+        if isinstance(x, Float8Tensor):
+            raise TypeError("Float8Linear casts its input itself: pass a high-precision tensor (call .to_hp() first)")
+        if not x.is_floating_point() or x.dtype not in HP_DTYPES:
+            allowed = ", ".join(str(d) for d in HP_DTYPES)
+            hint = (
+                " (float64 has no FP8 GEMM on GPUs: convert the input, or keep this layer as nn.Linear)"
+                if x.dtype == torch.float64
+                else ""
+            )
+            raise TypeError(f"Float8Linear input must be a floating tensor of dtype {allowed}; got {x.dtype}{hint}")
+        if x.dim() == 0:
+            raise ValueError("Float8Linear input must have at least one dimension (..., in_features); got a 0-dim tensor")
+        if self.weight.dtype not in HP_DTYPES:  # e.g. after model.double()
+            allowed = ", ".join(str(d) for d in HP_DTYPES)
+            raise TypeError(f"Float8Linear weight must have dtype {allowed}; got {self.weight.dtype}")
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight, bias = self.weight, self.bias
-        device_type = x.device.type
-        if torch.is_autocast_enabled(device_type):
+        device_type = x.device.type if isinstance(x, torch.Tensor) else None
+        # Autocast exists for some device types only (not meta): ask only where it does.
+        autocast = (
+            device_type is not None
+            and torch.amp.is_autocast_available(device_type)
+            and torch.is_autocast_enabled(device_type)
+            and x.is_floating_point()
+        )
+        if autocast:
             # What nn.Linear does under autocast: compute in the autocast dtype. The weight
             # stays in its own dtype and is cast to FP8 straight from it.
             dtype = torch.get_autocast_dtype(device_type)
@@ -440,11 +559,16 @@ class Float8Linear(nn.Linear):
         return self._fp8_forward(x, weight, bias)
 
     def _fp8_forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        self._check_input(x)
         if bias is not None and bias.dtype != x.dtype:
             bias = bias.to(x.dtype)
+        if self.in_features == 0 or self.out_features == 0:
+            # Nothing to quantize: an empty product is zeros (plus the bias), as nn.Linear
+            # computes it, in high precision.
+            return nn.functional.linear(x, weight.to(x.dtype), bias)
         state = None
         if self.config.any_delayed:
-            state = tuple(getattr(self, name) for name in _HISTORY_BUFFERS + _SCALE_BUFFERS)
+            state = tuple(getattr(self, name) for name in _DELAYED_BUFFERS)
         stats = tuple(getattr(self, name) for name in STATS_BUFFERS) if self.config.collect_stats else None
         return _Float8LinearFn.apply(x, weight, bias, self.config, state, stats)
 
@@ -452,18 +576,43 @@ class Float8Linear(nn.Linear):
         # A plain nn.Linear checkpoint has no delayed-scaling state: start those buffers
         # fresh (the history of the weights being replaced says nothing about the loaded
         # ones) instead of failing a strict load. `state_dict` is load_state_dict's own copy.
-        # (Non-persistent buffers, the telemetry, are never loaded.)
+        # (Non-persistent buffers, the telemetry, are never loaded.) The fresh buffers go
+        # where the loaded weight is: load_state_dict(assign=True) into a model built on
+        # meta would otherwise keep them there.
+        loaded = state_dict.get(prefix + "weight")
+        device = loaded.device if isinstance(loaded, torch.Tensor) else None
         for name, buf in self.named_buffers(recurse=False):
             if name not in self._non_persistent_buffers_set:
-                state_dict.setdefault(prefix + name, _fresh_state(name, buf))
+                state_dict.setdefault(prefix + name, _fresh_state(name, buf, device))
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        if device is not None and local_metadata.get("assign_to_params_buffers", False):
+            for name in self._non_persistent_buffers_set & set(self._buffers):
+                buf = self._buffers[name]
+                if buf is not None and buf.device != device:
+                    self._buffers[name] = _fresh_state(name, buf, device)
+        self._keep_fsdp_weight()
+
+    def _keep_fsdp_weight(self) -> None:
+        """Re-wrap a weight that was replaced by a plain tensor (load_state_dict(assign=True),
+        torch.save of the whole model, copy.deepcopy) while the config asks for FP8 all-gather:
+        the 1-byte all-gather must not silently turn off."""
+        weight = self._parameters.get("weight")
+        if self.config.enable_fsdp_float8_all_gather and weight is not None:
+            fsdp = _fsdp()
+            # A DTensor (after fully_shard) is FSDP's to manage.
+            if not isinstance(weight, (fsdp.Float8AllGatherWeight, fsdp.DTensor)):
+                self.weight = fsdp.wrap_weight(weight, self.config.weight)
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._keep_fsdp_weight()
 
     def _apply(self, fn, recurse=True):
         # model.to(dtype) / .bfloat16() / .half() cast every floating buffer, but the
         # delayed-scaling state is fp32 by the scale semantics (a bf16 history rounds the
         # amax, a bf16 scale is refused by _scaled_mm): it follows device moves and keeps
         # its dtype.
-        state = {name: self._buffers[name] for name in _HISTORY_BUFFERS + _SCALE_BUFFERS if name in self._buffers}
+        state = {name: self._buffers[name] for name in _DELAYED_BUFFERS if name in self._buffers}
         super()._apply(fn, recurse)
         for name, old in state.items():
             new = self._buffers[name]
@@ -641,6 +790,10 @@ def convert_to_float8_training(
     for all to keep every expert in high precision. Their names join the summary and
     ``float8_converted_fqns``.
     """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"convert_to_float8_training expects an nn.Module; got {type(module).__name__}")
+    if module_filter_fn is not None and not callable(module_filter_fn):
+        raise TypeError(f"module_filter_fn must be a callable (module, fqn) -> bool or None; got {module_filter_fn!r}")
     config = _check_config(config)
     # Every converter appends the names it converted here; the summary reports them all.
     converted: list[str] = []
@@ -688,6 +841,8 @@ def convert_to_float8_training(
     # FP8 expert weights (3D parameters of MoE experts modules): their own converter.
     experts = [] if root is not None else _moe().convert_experts_to_float8(module, config, experts_filter_fn)
     converted.extend(experts)
+    if root is None and config.enable_fsdp_float8_all_gather:
+        _fsdp().keep_tied_weights_tied(module)
     result = module if root is None else root
     _report_conversion(converted, skipped, candidates, len(experts))
     result.float8_converted_fqns = tuple(converted)

@@ -93,6 +93,9 @@ def enable_float8_stats(
 
     Returns ``model``.
     """
+    _check_model(model, "enable_float8_stats")
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enable_float8_stats: enabled must be a bool; got {enabled!r}")
     if warn_saturation_above is not None:
         if isinstance(warn_saturation_above, bool) or not isinstance(warn_saturation_above, (int, float)):
             raise TypeError(f"warn_saturation_above must be a float in [0, 1) or None; got {warn_saturation_above!r}")
@@ -106,6 +109,11 @@ def enable_float8_stats(
         threshold = float(warn_saturation_above) if enabled and warn_saturation_above is not None else None
         setattr(layer, _WARN_ATTR, threshold)
     return model
+
+
+def _check_model(model: object, what: str) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{what} expects an nn.Module (a model with Float8Linear layers); got {type(model).__name__}")
 
 
 def _stats_layers(model: nn.Module) -> list[tuple[str, Float8Linear]]:
@@ -148,6 +156,7 @@ def float8_stats(model: nn.Module, *, history: bool = False) -> dict[str, float]
     device-to-host copy. Under data parallelism each rank reports its own tensors (the
     read runs no collective; reduce the dict yourself if you need a global view).
     """
+    _check_model(model, "float8_stats")
     layers = _stats_layers(model)
     if not layers:
         return {}
@@ -174,9 +183,14 @@ def float8_stats(model: nn.Module, *, history: bool = False) -> dict[str, float]
         for role in STATS_ROLES:
             row, prefix = rows[role], _prefix(name, role)
             numel = row[_COL["numel"]]
+            # A non-finite amax (NaN or inf in the operand) made the whole cast NaN: its
+            # counts say nothing about saturation, so the fractions read NaN, not 0.
+            finite = math.isfinite(row[_COL["amax"]]) or numel == 0
             for field in ("saturated", "underflow"):
                 count = row[_COL[f"{field}_count"]]
-                out[prefix + f"{field}_frac"] = count / numel if numel > 0 else (0.0 if numel == 0 else math.nan)
+                out[prefix + f"{field}_frac"] = (
+                    count / numel if numel > 0 and finite else (0.0 if numel == 0 else math.nan)
+                )
                 out[prefix + f"{field}_count"] = count
             for field in ("amax", "scale", "headroom_log2"):
                 out[prefix + field] = row[_COL[field]]
@@ -222,15 +236,24 @@ def format_float8_stats(stats: nn.Module | Mapping[str, float]) -> str:
     """A fixed-width table of :func:`float8_stats` (given a model, or the dict it returned).
 
     One line per layer and role; fractions in percent, headroom in powers of two, ``-``
-    for a value not measured yet (or a column the role does not have).
+    for a value not measured yet (or a column the role does not have), ``nan``/``inf`` for
+    a measured value that is not finite (a cast of an operand holding NaN or inf).
     """
     if isinstance(stats, nn.Module):
         stats = float8_stats(stats)
+    if not isinstance(stats, Mapping):
+        raise TypeError(f"format_float8_stats expects a model or the dict float8_stats returns; got {type(stats).__name__}")
     if not stats:
         return "(no FP8 statistics: call f8tensor.enable_float8_stats(model) and run a step)"
     rows: dict[tuple[str, str], dict[str, float]] = {}
     for key, value in stats.items():
-        parts = key.split("/")
+        parts = key.split("/") if isinstance(key, str) else []
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if len(parts) < 2 or parts[-2] not in STATS_ROLES + ("amax_history",) or not number:
+            raise ValueError(
+                f"format_float8_stats expects the dict float8_stats returns, keys '[layer/]role/field' with a role "
+                f"in {STATS_ROLES} and number values; got {key!r}: {value!r}"
+            )
         if len(parts) >= 3 and parts[-2] == "amax_history":  # .../amax_history/{i}: not tabulated
             continue
         if len(parts) == 2:
@@ -251,9 +274,17 @@ def format_float8_stats(stats: nn.Module | Mapping[str, float]) -> str:
     table = [header]
     for (layer, role), fields in rows.items():
         line = [layer or "<root>", role]
+        # Measured iff its counts are numbers: a cast of a NaN tensor still counts (zero).
+        count = fields.get("saturated_count")
+        measured = count is not None and not math.isnan(count)
         for field, _, fmt in columns:
             value = fields.get(field)
-            line.append("-" if value is None or math.isnan(value) else fmt(value))
+            if value is None or (math.isnan(value) and not measured):
+                line.append("-")
+            elif not math.isfinite(value):
+                line.append(f"{value}")
+            else:
+                line.append(fmt(value))
         table.append(line)
     widths = [max(len(r[i]) for r in table) for i in range(len(header))]
     lines = []

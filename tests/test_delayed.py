@@ -253,7 +253,8 @@ def test_checkpoint_resume_is_bit_exact(reduction):
     resumed = fp8_copy(MLP(), "delayed", **config_kw)  # other weights, empty history
     resumed.load_state_dict(state, strict=True)
     for (name, a), b in zip(trained.named_buffers(), resumed.buffers()):
-        assert torch.equal(a, b), name
+        # The per-call scale table links a forward to its recompute within one step only.
+        assert "delayed_call_" in name or torch.equal(a, b), name
 
     y_a, gx_a, g_a = _next_step(trained)
     y_b, gx_b, g_b = _next_step(resumed)
@@ -261,7 +262,8 @@ def test_checkpoint_resume_is_bit_exact(reduction):
     for name in g_a:
         assert torch.equal(g_a[name], g_b[name]), name
     for (name, a), b in zip(trained.named_buffers(), resumed.buffers()):
-        assert torch.equal(a, b), name
+        # The per-call scale table links a forward to its recompute within one step only.
+        assert "delayed_call_" in name or torch.equal(a, b), name
 
     # The history matters: with only the weights restored, the next step differs.
     params_only = fp8_copy(MLP(), "delayed", **config_kw)
@@ -287,7 +289,8 @@ def test_compiled_checkpoint_resume_is_bit_exact():
     for name in g_a:
         assert torch.equal(g_a[name], g_b[name]), name
     for (name, a), b in zip(trained.named_buffers(), resumed.buffers()):
-        assert torch.equal(a, b), name
+        # The per-call scale table links a forward to its recompute within one step only.
+        assert "delayed_call_" in name or torch.equal(a, b), name
     torch._dynamo.reset()
 
 

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import copy
 import io
+import pickle
 
 import pytest
 import torch
 from helpers import GRANULARITIES, HP_DTYPES, assert_bitwise_equal_f8, dtype_name
 
-from f8tensor import FLOAT8_DTYPES, Float8Tensor, GemmConfig
+from f8tensor import FLOAT8_DTYPES, BLOCK_1x128, BLOCK_128x128, Float8Tensor, GemmConfig, MX_1x32
 
 GEMMS = [GemmConfig(), GemmConfig(out_dtype=torch.float32, use_fast_accum=True, pad_inner_dim=True)]
 
@@ -94,3 +96,37 @@ def test_state_dict_round_trip(granularity):
     assert torch.equal(dst.bias, src.bias)
     x = torch.randn(4, 32)
     assert torch.equal(dst(x), src(x))
+
+
+# Block-scaled tensors (the per-dim block travels in the checkpoint; the scale's dtype, fp32
+# or e8m0, with the scale). Sizes leave partial edge blocks.
+BLOCK_CASES = {
+    "1x128": ((4, 200), BLOCK_1x128),
+    "128x128": ((130, 200), BLOCK_128x128),
+    "mx_1x32": ((4, 96), MX_1x32),
+    "per_expert": ((3, 8, 16), (1, 0, 0)),
+}
+
+
+def _pickle_round_trip(obj):
+    return pickle.loads(pickle.dumps(obj))
+
+
+ROUND_TRIPS = {"torch_save_weights_only": _save_load, "pickle": _pickle_round_trip, "deepcopy": copy.deepcopy}
+
+
+@pytest.mark.parametrize("how", list(ROUND_TRIPS))
+@pytest.mark.parametrize("case", list(BLOCK_CASES))
+def test_block_tensor_round_trips_bit_exact(case, how):
+    shape, granularity = BLOCK_CASES[case]
+    x8 = Float8Tensor.from_hp(torch.randn(shape, dtype=torch.bfloat16), granularity=granularity, gemm_config=GEMMS[1])
+    w8 = torch.nn.Parameter(Float8Tensor.from_hp(torch.randn(shape), granularity=granularity), requires_grad=False)
+    loaded = ROUND_TRIPS[how]({"x8": x8, "w8": w8})
+    assert_bitwise_equal_f8(loaded["x8"], x8)
+    assert loaded["x8"]._block == x8._block and x8._block == x8.block
+    assert torch.equal(loaded["x8"].to_hp(), x8.to_hp())
+    assert isinstance(loaded["w8"], torch.nn.Parameter) and not loaded["w8"].requires_grad
+    assert_bitwise_equal_f8(loaded["w8"].detach(), w8.detach())
+    if how == "deepcopy":  # a copy, not an alias
+        assert loaded["x8"]._data.data_ptr() != x8._data.data_ptr()
+        assert loaded["x8"]._scale.data_ptr() != x8._scale.data_ptr()
