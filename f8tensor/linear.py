@@ -539,7 +539,11 @@ class Float8Linear(nn.Linear):
             raise TypeError(f"Float8Linear weight must have dtype {allowed}; got {self.weight.dtype}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight, bias = self.weight, self.bias
+        return self._forward_with(x, self.weight)
+
+    def _forward_with(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The forward with ``weight`` as the (out, in) matrix (Float8Conv1D passes a view)."""
+        bias = self.bias
         device_type = x.device.type if isinstance(x, torch.Tensor) else None
         # Autocast exists for some device types only (not meta): ask only where it does.
         autocast = (
@@ -721,15 +725,7 @@ class Float8Conv1D(Float8Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # A transposed view: the gradient lands in the parameter's own (in, out) layout.
-        weight, bias = self.weight.t(), self.bias
-        device_type = x.device.type
-        if torch.is_autocast_enabled(device_type):
-            dtype = torch.get_autocast_dtype(device_type)
-            x = x.to(dtype)
-            bias = None if bias is None else bias.to(dtype)
-            with torch.autocast(device_type, enabled=False):
-                return self._fp8_forward(x, weight, bias)
-        return self._fp8_forward(x, weight, bias)
+        return self._forward_with(x, self.weight.t())
 
 
 _FLOAT8_SUBCLASSES: dict[type, type] = {}
