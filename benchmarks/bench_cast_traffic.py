@@ -42,19 +42,32 @@ contracts over the tokens); W with K innermost (forward) and N innermost (grad_x
 - delayed: the scale is known from the history before the pass, so the amax is measured
   inside the cast pass: x hX + 2X, grad_y hG + 2G, W 2 (hW + W). Floor = 4X + 6W + 4G:
   15 MiB.
-- rowwise: a row's amax and its cast share one pass. The weight-gradient GEMM needs x and
-  grad_y scaled per column (along M): a column amax is complete only after a full pass,
-  so the column cast is a pass of its own. x: hX + X (rows) + hX (column amax, which at
-  best rides along the row pass) + hX + X (column cast); W: forward hW + W, backward
-  (scaled per column, along N) hW + hW + W. Floor = 6X + 8W + 6G = 22 MiB with the column
-  amax inside the row pass; 8X + 8W + 8G = 28 MiB with a pass of its own ("practical").
+- rowwise: a row's amax and its cast share one pass (the row is reduced, then cast, in one
+  loop over the rows). The weight-gradient GEMM needs x and grad_y scaled per column (along
+  M): a column amax is complete only after a full pass, which is the second read; once the
+  column scales are known, the column cast rides along the row pass (the row loop writes
+  the row-scaled copy and, strided, the column-scaled one). x: hX (column amax) + hX + 2X;
+  grad_y likewise; W: forward hW + W, backward (scaled per column, along N) hW + hW + W.
+  Floor = 6X + 8W + 6G = 22 MiB, as tensorwise.
 - rowwise_with_gw_hp: the weight-gradient GEMM takes bf16 x and grad_y, so only the row
   casts remain: x hX + X, grad_y hG + G, W as rowwise. Floor = 3X + 8W + 3G = 13 MiB.
 
-Scalars and per-row scales are counted like any buffer (they are small). CPU only: the
-code reading is of inductor's C++ kernels.
+Scalars and per-row scales are counted like any buffer (they are small); the floors leave
+them out, and the "full-size" column counts the x-, W- and grad_y-sized buffers alone.
 
-    python benchmarks/bench_cast_traffic.py [--batch 8 --seq 256 --in-features 512 --out-features 1024] [--timing]
+Code generation. By default inductor's C++ back end vectorizes each loop nest on its own: a
+per-row scale is computed 16 rows at a time, a cast that writes two layouts is tiled 32 x
+32. Loops whose steps then differ cannot share an outer loop, so a row's amax, its scale
+and its cast end up in separate passes (the same for f8tensor and torchao). That split is
+a CPU vectorization choice, not a fusion decision of inductor's scheduler, and GPU kernels
+have no such steps. ``--scalar-codegen`` compiles with vectorization off
+(``cpp.simdlen=1``): the passes are then the loop fusion the scheduler decided, the closer
+reading of what a GPU back end fuses. Both readings are reported.
+
+CPU only: the code reading is of inductor's C++ kernels.
+
+    python benchmarks/bench_cast_traffic.py [--batch 8 --seq 256 --in-features 512 --out-features 1024]
+        [--timing] [--scalar-codegen]
 """
 
 from __future__ import annotations
@@ -251,6 +264,12 @@ class GraphCode:
     def written_bytes(self) -> int:
         return sum(sum(p.writes.values()) for p in self.passes)
 
+    def full_size_bytes(self, threshold: int) -> int:
+        """Bytes of the buffers of at least ``threshold`` elements (x, W, grad_y and their
+        copies), the part the floors count; the rest are scales, amax partials, scalars."""
+        return sum(n for p in self.passes for d in (p.reads, p.writes) for b, n in d.items()
+                   if self.buffers.get(b) is not None and self.buffers[b].numel >= threshold)
+
     def passes_over(self, buffer: str | None) -> int:
         return 0 if buffer is None else sum(buffer in p.reads for p in self.passes)
 
@@ -278,6 +297,10 @@ def parse_graph_code(code: str, element_threshold: int) -> GraphCode:
     for m in re.finditer(r"(\w+) = reinterpret_tensor\((\w+), (\([^)]*\))", call_src):
         base = buffers.get(m.group(2))
         buffers[m.group(1)] = Buffer(_shape_numel(m.group(3)), base.itemsize if base else None)
+    # Storage reuse: ``buf13 = buf12; del buf12  # reuse`` (e.g. an in-place pass over a GEMM's output).
+    for m in re.finditer(r"^\s+(\w+) = (\w+); del \2\b", call_src, re.MULTILINE):
+        if m.group(2) in buffers:
+            buffers[m.group(1)] = buffers[m.group(2)]
 
     def resolve(arg: str) -> tuple[str, Buffer | None]:
         m = re.match(r"reinterpret_tensor\((\w+), (\([^)]*\))", arg)
@@ -371,17 +394,17 @@ class Shape:
         return self.batch * self.seq
 
 
-def floor_bytes(recipe: str, s: Shape) -> tuple[float, float | None]:
-    """(floor, practical floor or None) in bytes, per the module docstring."""
+def floor_bytes(recipe: str, s: Shape) -> int:
+    """The floor in bytes, per the module docstring."""
     x, w, g = s.m * s.k, s.n * s.k, s.m * s.n
     if recipe == "tensorwise":
-        return 6 * x + 8 * w + 6 * g, None
+        return 6 * x + 8 * w + 6 * g
     if recipe == "delayed":
-        return 4 * x + 6 * w + 4 * g, None
+        return 4 * x + 6 * w + 4 * g
     if recipe == "rowwise":
-        return 6 * x + 8 * w + 6 * g, 8 * x + 8 * w + 8 * g
+        return 6 * x + 8 * w + 6 * g
     if recipe == "rowwise_with_gw_hp":
-        return 3 * x + 8 * w + 3 * g, None
+        return 3 * x + 8 * w + 3 * g
     raise ValueError(recipe)
 
 
@@ -400,14 +423,23 @@ def _inputs(s: Shape) -> tuple[torch.Tensor, torch.Tensor]:
     return x, grad
 
 
-def compiled_step_code(layer: nn.Module, s: Shape, kernel_profile: bool = False) -> tuple[list[str], Callable[[], None]]:
-    """Inductor's output code of one compiled training step (forward, backward), and the step."""
+def compiled_step_code(
+    layer: nn.Module, s: Shape, kernel_profile: bool = False, scalar: bool = False
+) -> tuple[list[str], Callable[[], None]]:
+    """Inductor's output code of one compiled training step (forward, backward), and the step.
+
+    ``scalar``: compile with the CPU back end's SIMD vectorization off (``cpp.simdlen=1``),
+    see the module docstring.
+    """
     from torch._inductor import config as ic
     from torch._inductor.utils import run_and_get_code
 
     torch._dynamo.reset()
     x, grad = _inputs(s)
-    with ic.patch({"cpp.enable_kernel_profile": kernel_profile}):
+    patches = {"cpp.enable_kernel_profile": kernel_profile}
+    if scalar:
+        patches["cpp.simdlen"] = 1
+    with ic.patch(patches):
         compiled = torch.compile(layer, fullgraph=True)
 
         def step() -> None:
@@ -465,9 +497,9 @@ def kernel_times_ms(step: Callable[[], None], steps: int) -> float:
     return min(totals)
 
 
-def measure(library: str, recipe: str, s: Shape, float8=None, timing_steps: int = 0) -> dict:
+def measure(library: str, recipe: str, s: Shape, float8=None, timing_steps: int = 0, scalar: bool = False) -> dict:
     layer = build_layer(library, recipe, s, float8)
-    codes, step = compiled_step_code(layer, s, kernel_profile=timing_steps > 0)
+    codes, step = compiled_step_code(layer, s, kernel_profile=timing_steps > 0, scalar=scalar)
     threshold = min(s.m * s.k, s.n * s.k, s.m * s.n)
     graphs = [parse_graph_code(c, threshold) for c in codes]
     fwd = next(g for g in graphs if not any(i.startswith("tangents") for i in g.inputs))
@@ -500,6 +532,7 @@ def measure(library: str, recipe: str, s: Shape, float8=None, timing_steps: int 
         "other_externs": len(fwd.other_externs) + sum(len(g.other_externs) for g in bwd),
         "passes": sum(len(g.passes) for g in graphs),
         "read_bytes": sum(g.read_bytes for g in graphs), "written_bytes": sum(g.written_bytes for g in graphs),
+        "full_size_bytes": sum(g.full_size_bytes(threshold) for g in graphs),
         "passes_x": passes["x"], "passes_W": passes["W"], "passes_grad_y": passes["grad_y"],
         "saved_bytes_compiled": saved, "saved_bytes_eager": saved_eager,
         "fp64_loops": sum(p.fp64_per_element for g in graphs for p in g.passes),
@@ -508,9 +541,7 @@ def measure(library: str, recipe: str, s: Shape, float8=None, timing_steps: int 
         "kernel_ms": kernel_times_ms(step, timing_steps) if timing_steps else math.nan,
     }
     row["total_bytes"] = row["read_bytes"] + row["written_bytes"]
-    floor, practical = floor_bytes(recipe, s)
-    row["floor_bytes"] = floor
-    row["practical_floor_bytes"] = practical if practical is not None else math.nan
+    row["floor_bytes"] = floor_bytes(recipe, s)
     return row
 
 
@@ -526,6 +557,9 @@ def main(argv=None) -> None:
     parser.add_argument("--out-features", type=int, default=None, help="N, default 1024")
     parser.add_argument("--timing", action="store_true", help="also time the compiled step's fused kernels (CPU)")
     parser.add_argument("--steps", type=int, default=15, help="profiled steps per configuration with --timing")
+    parser.add_argument("--scalar-codegen", action="store_true",
+                        help="compile with the CPU back end's SIMD vectorization off (cpp.simdlen=1): the loop "
+                             "fusion inductor's scheduler decides, unsplit by per-loop vector steps")
     args = parser.parse_args(argv)
     if args.device.type != "cpu":
         parser.error(f"--device {args.device.type}: this script reads inductor's C++ (CPU) kernels; use --device cpu")
@@ -544,12 +578,15 @@ def main(argv=None) -> None:
     rows = []
     for library, recipe in jobs:
         progress.update(f"{library} {recipe}")
-        rows.append(measure(library, recipe, s, args.torchao, args.steps if args.timing else 0))
+        row = measure(library, recipe, s, args.torchao, args.steps if args.timing else 0, args.scalar_codegen)
+        row["codegen"] = "scalar" if args.scalar_codegen else "vectorized"
+        rows.append(row)
     progress.close()
     print(f"### bf16 Linear({s.k} -> {s.n}, bias=False), x ({s.batch}, {s.seq}, {s.k}): M={s.m}, K={s.k}, N={s.n}; "
-          f"one compiled forward + backward")
+          f"one compiled forward + backward; {rows[0]['codegen'] if rows else ''} CPU code generation")
     print()
-    headers = ["library", "recipe", "MiB outside GEMMs", "read", "written", "floor MiB", "fused kernels (fwd+bwd)",
+    headers = ["library", "recipe", "MiB outside GEMMs", "of which full-size", "read", "written", "floor MiB",
+               "fused kernels (fwd+bwd)",
                "GEMMs", "passes", "passes x / W / grad_y", "saved MiB compiled / eager", "fp64 loops",
                "eager kernels: step / cast of x"]
     if args.timing:
@@ -557,10 +594,9 @@ def main(argv=None) -> None:
     table = []
     for r in rows:
         floor = f"{r['floor_bytes'] / MIB:.1f}"
-        if not math.isnan(r["practical_floor_bytes"]):
-            floor += f" ({r['practical_floor_bytes'] / MIB:.1f} practical)"
         cast = "-" if math.isnan(r["eager_kernels_cast_x"]) else str(r["eager_kernels_cast_x"])
-        row = [r["library"], r["recipe"], f"{r['total_bytes'] / MIB:.2f}", f"{r['read_bytes'] / MIB:.2f}",
+        row = [r["library"], r["recipe"], f"{r['total_bytes'] / MIB:.2f}", f"{r['full_size_bytes'] / MIB:.2f}",
+               f"{r['read_bytes'] / MIB:.2f}",
                f"{r['written_bytes'] / MIB:.2f}", floor,
                f"{r['kernels_fwd'] + r['kernels_bwd']} ({r['kernels_fwd']}+{r['kernels_bwd']})",
                str(r["gemms"]) + (f" +{r['other_externs']} other" if r["other_externs"] else ""),

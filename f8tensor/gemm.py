@@ -65,9 +65,11 @@ __all__ = [
     "float8_mm",
     "grouped_kernel_available",
     "install_rules_check",
+    "precise_rowwise_route",
     "rules_check_installed",
     "scaled_grouped_mm",
     "scaled_mm_violations",
+    "set_precise_rowwise_route",
     "uninstall_rules_check",
     "violations_on_supported_builds",
 ]
@@ -630,8 +632,45 @@ class Route(str, enum.Enum):
     ROWWISE_SWAPPED = "rowwise_swapped"
     #: cuBLASLt with the rowwise sides' scales set to 1 and an fp32 output, then one
     #: elementwise ``acc * a_inv[:, None] * b_inv[None, :]`` (+ bias, cast). Legal on every
-    #: build; on Hopper the precise-accumulation rowwise schedule is the slower one anyway.
+    #: build: the route of the products the rowwise kernels refuse (an fp32 output on the
+    #: CUTLASS builds, an e5m2 ``b`` that cannot be swapped), and, when asked for with
+    #: :func:`set_precise_rowwise_route`, of precise-accumulation rowwise products.
     TENSORWISE_POSTSCALE = "tensorwise_postscale"
+
+
+# The route of a rowwise product that accumulates precisely (use_fast_accum=False, as the
+# rowwise recipes' backward GEMMs do) and asks for a bf16/fp16 output. Both routes are
+# legal on every supported build. Default: the rowwise kernel. The post-scale route writes
+# the fp32 product and reads it back (+9 MiB per training step of Linear(512 -> 1024) on
+# 2048 tokens, benchmarks/bench_cast_traffic.py) and costs one more kernel per GEMM; it was
+# the usual remedy for the CUTLASS kernel's slow precise-accumulation schedule (cu126/cu128
+# wheels, sm89), while on cu130 sm90 the rowwise product runs on cuBLASLt with the same
+# accumulation as the tensorwise kernel. Which is faster on a given build and shape is a
+# GPU timing: benchmarks/bench_routes.py measures both.
+# Process-wide, like torch.backends flags: it belongs to the build, not to a tensor (and so
+# is not part of GemmConfig or of any checkpoint).
+_PRECISE_ROWWISE = {"route": "kernel"}
+_PRECISE_ROWWISE_CHOICES = ("kernel", "postscale")
+
+
+def set_precise_rowwise_route(route: str) -> str:
+    """Choose how rowwise products with precise accumulation and a bf16/fp16 output run:
+    ``"kernel"`` (the rowwise kernel, default) or ``"postscale"`` (the tensorwise kernel
+    with an fp32 output and one scaling pass after). Returns the previous choice.
+
+    Products the rowwise kernels refuse take the post-scale route whatever is set here.
+    Read when a product is traced or run: set it before ``torch.compile`` traces a model
+    (a change afterwards recompiles).
+    """
+    if route not in _PRECISE_ROWWISE_CHOICES:
+        raise ValueError(f"precise rowwise route must be one of {_PRECISE_ROWWISE_CHOICES}; got {route!r}")
+    previous, _PRECISE_ROWWISE["route"] = _PRECISE_ROWWISE["route"], route
+    return previous
+
+
+def precise_rowwise_route() -> str:
+    """The current choice of :func:`set_precise_rowwise_route`."""
+    return _PRECISE_ROWWISE["route"]
 
 
 def _is_e4m3(dtype: torch.dtype) -> bool:
@@ -646,6 +685,7 @@ def choose_route(
     out_dtype: torch.dtype,
     use_fast_accum: bool,
     m: int,
+    precise_route: str | None = None,
 ) -> Route:
     """The kernel route for ``(M, K) @ (K, N)`` FP8 operands of these dtypes.
 
@@ -653,18 +693,25 @@ def choose_route(
     alone, so that the choice is the same on every device and build:
 
     - both tensorwise: :attr:`Route.TENSORWISE`;
-    - rowwise, fast accumulation and a bf16/fp16 output (bf16 only for fnuz operands, the
-      ROCm rule): the rowwise kernel, :attr:`Route.ROWWISE` when ``b`` is e4m3, else
-      :attr:`Route.ROWWISE_SWAPPED` when ``a`` is e4m3 and ``M`` is a multiple of 16
-      (``M`` becomes the swapped product's N);
-    - every other rowwise product (fp32 output, precise accumulation as in the backward
-      GEMMs, an e5m2 ``b`` that cannot be swapped): :attr:`Route.TENSORWISE_POSTSCALE`.
+    - rowwise with a bf16/fp16 output (bf16 only for fnuz operands, the ROCm rule), fast
+      accumulation or precise (unless ``precise_route`` is ``"postscale"``): the rowwise
+      kernel, :attr:`Route.ROWWISE` when ``b`` is e4m3, else :attr:`Route.ROWWISE_SWAPPED`
+      when ``a`` is e4m3 and ``M`` is a multiple of 16 (``M`` becomes the swapped product's N);
+    - every other rowwise product (fp32 output, an e5m2 ``b`` that cannot be swapped,
+      precise accumulation with ``precise_route="postscale"``): :attr:`Route.TENSORWISE_POSTSCALE`.
+
+    ``precise_route``: ``"kernel"`` or ``"postscale"``; None reads
+    :func:`precise_rowwise_route`.
     """
     if not rowwise:
         return Route.TENSORWISE
+    if precise_route is None:
+        precise_route = _PRECISE_ROWWISE["route"]
+    elif precise_route not in _PRECISE_ROWWISE_CHOICES:
+        raise ValueError(f"precise_route must be one of {_PRECISE_ROWWISE_CHOICES}; got {precise_route!r}")
     fnuz = a_dtype in _FNUZ
     kernel_outs = (_BF16,) if fnuz else (_BF16, _FP16)
-    if use_fast_accum and out_dtype in kernel_outs:
+    if (use_fast_accum or precise_route == "kernel") and out_dtype in kernel_outs:
         if _is_e4m3(b_dtype):
             return Route.ROWWISE
         if _is_e4m3(a_dtype) and m % ALIGN == 0:

@@ -381,8 +381,9 @@ class _Float8LinearFn(torch.autograd.Function):
                 # autograd needs the fp32 .grad anyway, and a bf16 output adds a rounding
                 # and an upcast pass. Bytes per weight element in eager: tensorwise route
                 # 4 (fp32 written once) vs 4 + 2 + 4 (bf16 written, read, fp32 written);
-                # post-scale route (rowwise, precise accumulation: gemm.choose_route)
-                # fp32 either way until its last pass, then 12 bytes more for bf16. The
+                # post-scale route (a rowwise product with an fp32 output, or any precise
+                # one when asked for: gemm.choose_route) fp32 either way until its last
+                # pass, then 12 bytes more for bf16. The
                 # accuracy is the same either way (grad_W SQNR vs fp64: 28.9 dB, rowwise
                 # e4m3, M=256 K=64 N=48 and M=2048 K=512 N=1792), so the bytes decide.
                 grad_w = _matmul(gt8.t(), x8, out_dtype=weight.dtype)

@@ -213,10 +213,56 @@ def test_bench_cast_traffic(tmp_path):
     assert "| f8tensor | tensorwise |" in stdout
 
 
-def test_cast_traffic_finds_per_element_float64():
-    # The check the benchmark (and the test above) relies on, on two hand-written kernels
-    # in the shape inductor emits: a double computed per element is flagged, a double
-    # computed once per scale (outside the element loop) is not.
+def test_bench_cast_traffic_loop_fusion_at_the_floor(tmp_path):
+    # With the CPU back end's vectorization off, the passes are the loop fusion inductor's
+    # scheduler decides: rowwise and rowwise_with_gw_hp move exactly their floors' bytes of
+    # full-size tensors (a row's amax, scale and casts share one loop; the column cast rides
+    # along the row pass). The rowwise backward GEMMs write bf16 straight from the kernel:
+    # the post-scale route's read and write of the product would add full-size bytes.
+    stdout, rows = run_script("bench_cast_traffic.py", "--recipes", "rowwise,rowwise_with_gw_hp", "--scalar-codegen",
+                              torchao=False, tmp_path=tmp_path)
+    assert "scalar CPU code generation" in stdout
+    for r in rows:
+        assert r["codegen"] == "scalar"
+        assert int(r["full_size_bytes"]) == int(float(r["floor_bytes"])), r
+        assert int(r["fp64_loops"]) == 0, r
+    rw, hp = rows
+    assert (int(rw["passes_x"]), int(rw["passes_W"]), int(rw["passes_grad_y"])) == (2, 3, 2)
+    assert (int(hp["passes_x"]), int(hp["passes_W"]), int(hp["passes_grad_y"])) == (1, 3, 1)
+
+
+_REUSE_CODE = """cpp_fused_k_0 = async_compile.cpp_pybinding(['at::BFloat16*'], r'''
+extern "C" void kernel(at::BFloat16* in_out_ptr0)
+{
+    for(int64_t x0=static_cast<int64_t>(0L); x0<static_cast<int64_t>(4096L); x0+=static_cast<int64_t>(1L))
+    {
+        auto tmp0 = in_out_ptr0[x0];
+        in_out_ptr0[x0] = tmp0 * tmp0;
+    }
+}
+''')
+    def call(self, args):
+        arg0_1, = args
+        buf2 = empty_strided_cpu((64, 64), (64, 1), torch.bfloat16)
+        extern_kernels.mm(arg0_1, arg0_1, out=buf2)
+        buf3 = buf2; del buf2  # reuse
+        cpp_fused_k_0(buf3)
+        return (buf3, )
+
+runner = Runner(partitions=[])
+    arg0_1 = rand_strided((64, 64), (64, 1), device='cpu', dtype=torch.bfloat16)
+"""
+
+
+def test_cast_traffic_counts_reused_buffers():
+    # Inductor reuses a dead buffer's storage (``buf3 = buf2; del buf2  # reuse``), e.g. for
+    # an in-place pass over a GEMM's output: that pass reads and writes the whole buffer.
+    graph = _load_bench_cast_traffic().parse_graph_code(_REUSE_CODE, 4096)
+    assert graph.gemms == ["mm"] and len(graph.passes) == 1
+    assert graph.read_bytes == graph.written_bytes == 64 * 64 * 2
+
+
+def _load_bench_cast_traffic():
     # Registered in sys.modules while it loads: its dataclasses look their module up there.
     spec = importlib.util.spec_from_file_location("bench_cast_traffic", BENCH / "bench_cast_traffic.py")
     module = importlib.util.module_from_spec(spec)
@@ -225,6 +271,14 @@ def test_cast_traffic_finds_per_element_float64():
         spec.loader.exec_module(module)
     finally:
         del sys.modules[spec.name]
+    return module
+
+
+def test_cast_traffic_finds_per_element_float64():
+    # The check the benchmark (and the test above) relies on, on two hand-written kernels
+    # in the shape inductor emits: a double computed per element is flagged, a double
+    # computed once per scale (outside the element loop) is not.
+    module = _load_bench_cast_traffic()
     header = "cpp_fused_k_0 = async_compile.cpp_pybinding(['const at::BFloat16*', 'const float*', 'float*'], r'''\n"
     call = (
         "    def call(self, args):\n        arg0_1, arg1_1 = args\n        buf0 = empty_strided_cpu((64, 64), (64, 1), torch.float32)\n"
@@ -252,3 +306,17 @@ def test_cast_traffic_finds_per_element_float64():
     # One pass each: x (8 KiB bf16) and the scales read, the fp32 output written.
     for graph in (bad, good):
         assert (graph.read_bytes, graph.written_bytes) == (64 * 64 * 2 + 64 * 4, 64 * 64 * 4)
+
+
+def test_bench_routes(tmp_path):
+    # Both routes of a precise rowwise product, eager and compiled, timed and compared.
+    stdout, rows = run_script("bench_routes.py", torchao=False, tmp_path=tmp_path)
+    assert [(r["mode"], r["route"]) for r in rows] == [
+        ("eager", "kernel"), ("eager", "postscale"), ("compiled", "kernel"), ("compiled", "postscale")
+    ]
+    for r in rows:
+        assert (int(r["M"]), int(r["K"]), int(r["N"])) == (64, 64, 32)
+        finite(r, "ms", "vs_kernel")
+        # The same product either way: one extra bf16 rounding at most (~48 dB), exact on CPU.
+        assert float(r["sqnr_vs_kernel_db"]) > 45.0, r
+    assert "CPU (no FP8 matrix units" in stdout

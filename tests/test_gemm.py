@@ -198,14 +198,59 @@ FAST, PRECISE = True, False
         (True, E4M3, E5M2, torch.bfloat16, FAST, M, Route.ROWWISE_SWAPPED),
         (True, E4M3, E5M2, torch.bfloat16, FAST, 24, Route.TENSORWISE_POSTSCALE),  # M cannot be N
         (True, E4M3, E4M3, torch.float32, FAST, M, Route.TENSORWISE_POSTSCALE),
-        (True, E4M3, E4M3, torch.bfloat16, PRECISE, M, Route.TENSORWISE_POSTSCALE),
-        (True, E4M3, E4M3, torch.float16, PRECISE, M, Route.TENSORWISE_POSTSCALE),
+        (True, E4M3, E4M3, torch.float32, PRECISE, M, Route.TENSORWISE_POSTSCALE),
+        (True, E4M3, E4M3, torch.bfloat16, PRECISE, M, Route.ROWWISE),
+        (True, E4M3, E4M3, torch.float16, PRECISE, M, Route.ROWWISE),
+        (True, E4M3, E5M2, torch.bfloat16, PRECISE, M, Route.ROWWISE_SWAPPED),
         (True, E4M3_FNUZ, E4M3_FNUZ, torch.bfloat16, FAST, M, Route.ROWWISE),
         (True, E4M3_FNUZ, E4M3_FNUZ, torch.float16, FAST, M, Route.TENSORWISE_POSTSCALE),  # ROCm: bf16 only
     ],
 )
 def test_choose_route(rowwise, a_dtype, b_dtype, out_dtype, fast, m, expected):
+    assert G.precise_rowwise_route() == "kernel"  # the default
     assert choose_route(a_dtype, b_dtype, rowwise=rowwise, out_dtype=out_dtype, use_fast_accum=fast, m=m) is expected
+
+
+@pytest.mark.parametrize(
+    "a_dtype, b_dtype, out_dtype, fast, m, expected",
+    [
+        (E4M3, E4M3, torch.bfloat16, PRECISE, M, Route.TENSORWISE_POSTSCALE),
+        (E4M3, E4M3, torch.float16, PRECISE, M, Route.TENSORWISE_POSTSCALE),
+        (E4M3, E5M2, torch.bfloat16, PRECISE, M, Route.TENSORWISE_POSTSCALE),
+        (E4M3, E4M3, torch.bfloat16, FAST, M, Route.ROWWISE),  # fast accumulation: the setting does not apply
+        (E4M3, E5M2, torch.bfloat16, FAST, M, Route.ROWWISE_SWAPPED),
+    ],
+)
+def test_choose_route_precise_postscale(a_dtype, b_dtype, out_dtype, fast, m, expected):
+    """``precise_route="postscale"`` sends precise-accumulation rowwise products to the
+    tensorwise kernel; the process-wide setting does the same when none is passed."""
+    kw = {"rowwise": True, "out_dtype": out_dtype, "use_fast_accum": fast, "m": m}
+    assert choose_route(a_dtype, b_dtype, precise_route="postscale", **kw) is expected
+    previous = G.set_precise_rowwise_route("postscale")
+    try:
+        assert previous == "kernel"
+        assert choose_route(a_dtype, b_dtype, **kw) is expected
+    finally:
+        G.set_precise_rowwise_route(previous)
+    assert choose_route(a_dtype, b_dtype, **kw) is not Route.TENSORWISE_POSTSCALE
+
+
+@pytest.mark.parametrize("bad", ["cutlass", "POSTSCALE", None, Route.ROWWISE])
+def test_precise_rowwise_route_refuses_unknown_names(bad):
+    with pytest.raises(ValueError, match="'kernel', 'postscale'"):
+        G.set_precise_rowwise_route(bad)
+    assert G.precise_rowwise_route() == "kernel"
+    if bad is not None:
+        with pytest.raises(ValueError, match="precise_route must be one of"):
+            choose_route(E4M3, E4M3, rowwise=True, out_dtype=torch.bfloat16, use_fast_accum=False, m=M, precise_route=bad)
+
+
+@pytest.fixture
+def precise_postscale():
+    """Precise-accumulation rowwise products on the post-scale route for one test."""
+    previous = G.set_precise_rowwise_route("postscale")
+    yield
+    G.set_precise_rowwise_route(previous)
 
 
 @pytest.fixture
@@ -258,7 +303,7 @@ def test_route_taken_and_accuracy(granularity, b_dtype, out_dtype, fast, scaled_
 
 
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16], ids=dtype_name)
-def test_postscale_matches_rowwise_kernel(out_dtype, scaled_mm_calls):
+def test_postscale_matches_rowwise_kernel(out_dtype, scaled_mm_calls, precise_postscale):
     """The post-scale route computes what the rowwise kernel's epilogue computes: the two
     outputs differ by output rounding only (CPU ignores fast accumulation)."""
     x = torch.randn(M, K) * torch.logspace(-2, 2, M).unsqueeze(1)
@@ -341,3 +386,35 @@ def test_compiled_products_are_checked(scaled_mm_calls, fresh_dynamo):
     assert counter.frame_count == 1
     kinds = {(c["kind"], c["out_dtype"]) for c in scaled_mm_calls}
     assert ("tensorwise", torch.float32) in kinds and ("rowwise", torch.float32) not in kinds, kinds
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "rowwise_with_gw_hp"])
+def test_rowwise_recipe_backward_on_either_precise_route(recipe, scaled_mm_calls):
+    """The rowwise recipes' backward GEMMs (precise accumulation, bf16 out) take the rowwise
+    kernel by default and the tensorwise kernel + post-scale when asked; the gradients agree
+    up to one bf16 rounding of the product."""
+    from f8tensor import Float8Linear, Float8LinearConfig
+
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(K, N, bias=False, dtype=torch.bfloat16)
+    x0 = torch.randn(M, K, dtype=torch.bfloat16) * torch.logspace(-1, 1, M, dtype=torch.bfloat16).unsqueeze(1)
+    g = torch.randn(M, N, dtype=torch.bfloat16)
+    grads, kinds = {}, {}
+    for route in ("kernel", "postscale"):
+        layer = Float8Linear.from_float(ref, Float8LinearConfig.from_recipe(recipe))
+        x = x0.clone().requires_grad_()
+        previous = G.set_precise_rowwise_route(route)
+        try:
+            scaled_mm_calls.clear()
+            layer(x).backward(g)
+        finally:
+            G.set_precise_rowwise_route(previous)
+        grads[route] = (x.grad, layer.weight.grad)
+        kinds[route] = [(c["kind"], c["out_dtype"], c["use_fast_accum"]) for c in scaled_mm_calls]
+    # Forward (fast accumulation) on the rowwise kernel either way; grad_x (and, for rowwise,
+    # grad_W; rowwise_with_gw_hp runs that one in bf16) precise.
+    n_precise = 2 if recipe == "rowwise" else 1
+    assert kinds["kernel"] == [("rowwise", torch.bfloat16, True)] + [("rowwise", torch.bfloat16, False)] * n_precise
+    assert kinds["postscale"] == [("rowwise", torch.bfloat16, True)] + [("tensorwise", torch.float32, False)] * n_precise
+    for a, b in zip(grads["kernel"], grads["postscale"]):
+        assert_sqnr(a.float(), b.float(), 45.0, f"{recipe} gradient, kernel vs post-scale route")
