@@ -662,10 +662,14 @@ def set_precise_rowwise_route(route: str) -> str:
     Read when a product is traced or run: set it before ``torch.compile`` traces a model
     (a change afterwards recompiles).
     """
+    previous, _PRECISE_ROWWISE["route"] = _PRECISE_ROWWISE["route"], _checked_precise_route(route)
+    return previous
+
+
+def _checked_precise_route(route: object) -> str:
     if route not in _PRECISE_ROWWISE_CHOICES:
         raise ValueError(f"precise rowwise route must be one of {_PRECISE_ROWWISE_CHOICES}; got {route!r}")
-    previous, _PRECISE_ROWWISE["route"] = _PRECISE_ROWWISE["route"], route
-    return previous
+    return route
 
 
 def precise_rowwise_route() -> str:
@@ -690,7 +694,8 @@ def choose_route(
     """The kernel route for ``(M, K) @ (K, N)`` FP8 operands of these dtypes.
 
     ``rowwise``: either operand has one scale per row/column. Decided from the arguments
-    alone, so that the choice is the same on every device and build:
+    (and the process-wide :func:`precise_rowwise_route`) alone, so that the choice is the
+    same on every device and build:
 
     - both tensorwise: :attr:`Route.TENSORWISE`;
     - rowwise with a bf16/fp16 output (bf16 only for fnuz operands, the ROCm rule), fast
@@ -705,10 +710,7 @@ def choose_route(
     """
     if not rowwise:
         return Route.TENSORWISE
-    if precise_route is None:
-        precise_route = _PRECISE_ROWWISE["route"]
-    elif precise_route not in _PRECISE_ROWWISE_CHOICES:
-        raise ValueError(f"precise_route must be one of {_PRECISE_ROWWISE_CHOICES}; got {precise_route!r}")
+    precise_route = _PRECISE_ROWWISE["route"] if precise_route is None else _checked_precise_route(precise_route)
     fnuz = a_dtype in _FNUZ
     kernel_outs = (_BF16,) if fnuz else (_BF16, _FP16)
     if (use_fast_accum or precise_route == "kernel") and out_dtype in kernel_outs:
@@ -1036,9 +1038,11 @@ class BlockScaledMMRule:
 
 _DEEPSEEK_BUILDS = Builds(min_cuda=(12, 9), min_sm=(9, 0), max_sm=(9, 0))
 _DEEPSEEK_SOURCES = (
-    "aten/src/ATen/native/cuda/ScaledBlas.cpp: _scaled_block1x128_block128x128, "
-    "_scaled_block1x128_block1x128, _scaled_block128x128_block1x128 (scale shapes and strides), "
-    "_check_deepseek_support (sm90, cuBLAS >= 12.9); check_deepseek_recipe (both operands e4m3fn, fp32 scales)",
+    (
+        "aten/src/ATen/native/cuda/ScaledBlas.cpp: _scaled_block1x128_block128x128, "
+        "_scaled_block1x128_block1x128, _scaled_block128x128_block1x128 (scale shapes and strides), "
+        "_check_deepseek_support (sm90, cuBLAS >= 12.9); check_deepseek_recipe (both operands e4m3fn, fp32 scales)"
+    ),
 )
 
 BLOCK_SCALED_MM_RULES: tuple[BlockScaledMMRule, ...] = (
@@ -1098,8 +1102,10 @@ BLOCK_SCALED_MM_RULES: tuple[BlockScaledMMRule, ...] = (
         builds=Builds(min_cuda=(12, 8), min_sm=(10, 0)),
         fast_accum=False,  # _scaled_mxfp8_mxfp8 passes use_fast_accum=false to the GEMM
         sources=(
-            "aten/src/ATen/native/cuda/ScaledBlas.cpp: _scaled_mxfp8_mxfp8 (scale element counts, "
-            "SWIZZLE_32_4_4 on CUDA, contiguous scales); check_mxfp8_recipe (e8m0 scales)",
+            (
+                "aten/src/ATen/native/cuda/ScaledBlas.cpp: _scaled_mxfp8_mxfp8 (scale element counts, "
+                "SWIZZLE_32_4_4 on CUDA, contiguous scales); check_mxfp8_recipe (e8m0 scales)"
+            ),
         ),
     ),
 )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 import torch
 
 from f8tensor import FLOAT8_DTYPES, Float8Tensor, sqnr
@@ -117,3 +119,10 @@ def check_compiled_linear(granularity: str, batch: tuple[int, ...], k: int, n: i
     assert_sqnr(y_ref, y, MATMUL_MIN_DB, "output")
     assert_sqnr(x_ref.grad, x.grad, MATMUL_MIN_DB, "grad_x")
     assert_sqnr(w_ref.grad, w.grad, MATMUL_MIN_DB, "grad_w")
+
+
+def free_port() -> int:
+    """A free TCP port on localhost, for a test's process group."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

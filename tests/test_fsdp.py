@@ -22,7 +22,6 @@ import io
 import itertools
 import math
 import os
-import socket
 import sys
 import time
 import traceback
@@ -34,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from helpers import free_port
 from torch import nn
 
 from f8tensor import (
@@ -549,18 +549,12 @@ def _worker(rank: int, world: int, port: int, jobs: list, ctx: dict, out_dir: st
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(world: int, jobs: list, out_dir: Path, *, checkpoints: Path, backend="gloo", device="cpu", timeout=240):
     """Run ``jobs`` on ``world`` fresh processes; return each rank's results dict."""
     out_dir.mkdir(parents=True, exist_ok=True)
     ctx = {"backend": backend, "device": device, "checkpoints": str(checkpoints)}
     procs = mp.start_processes(
-        _worker, args=(world, _free_port(), jobs, ctx, str(out_dir)), nprocs=world, join=False, start_method="spawn"
+        _worker, args=(world, free_port(), jobs, ctx, str(out_dir)), nprocs=world, join=False, start_method="spawn"
     )
     deadline = time.monotonic() + timeout
     while not procs.join(timeout=1):

@@ -241,7 +241,7 @@ def test_precise_rowwise_route_refuses_unknown_names(bad):
         G.set_precise_rowwise_route(bad)
     assert G.precise_rowwise_route() == "kernel"
     if bad is not None:
-        with pytest.raises(ValueError, match="precise_route must be one of"):
+        with pytest.raises(ValueError, match="precise rowwise route must be one of"):
             choose_route(E4M3, E4M3, rowwise=True, out_dtype=torch.bfloat16, use_fast_accum=False, m=M, precise_route=bad)
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import sys
 import time
 import traceback
@@ -19,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers import free_port
 from torch import nn
 
 from f8tensor import Float8ExpertWeight, Float8LinearConfig, convert_experts_to_float8
@@ -94,15 +94,9 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 def test_fsdp2_shards_fp8_expert_weights(tmp_path):
-    procs = mp.start_processes(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=False, start_method="spawn")
+    procs = mp.start_processes(_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=False, start_method="spawn")
     deadline = time.monotonic() + 240
     while not procs.join(timeout=1):
         if time.monotonic() > deadline:
