@@ -474,14 +474,14 @@ def eager_kernels(fn: Callable[[], object]) -> int:
 def f8tensor_cast_kernels(recipe: str, s: Shape) -> int:
     """Eager kernels of f8tensor's forward cast of x for ``recipe``."""
     from f8tensor.config import GemmConfig
-    from f8tensor.linear import _cast
+    from f8tensor.functions import cast_operand
 
     layer = build_layer("f8tensor", recipe, s)
     cfg = layer.config
     x, _ = _inputs(s)
     x2 = x.detach().reshape(-1, s.k)
     state = [getattr(layer, n).clone() for n in ("amax_history_input", "scale_input")] if cfg.any_delayed else [None, None]
-    return eager_kernels(lambda: _cast(x2, cfg.input, 1 if cfg.input.rowwise else None, GemmConfig(), cfg, state[0], state[1]))
+    return eager_kernels(lambda: cast_operand(x2, cfg.input, 1, GemmConfig(), cfg, state[0], state[1]))
 
 
 def kernel_times_ms(step: Callable[[], None], steps: int) -> float:

@@ -2,11 +2,16 @@
 
 Wrap a weight as ``Float8Tensor.from_hp(w)`` or swap ``nn.Linear`` for ``Float8Linear``;
 matrix products then run through ``torch._scaled_mm``.
+
+The public API is ``__all__``; the module map (which file owns which concern, and the
+layers they import along) is in README.md, "How it works". Importing the package changes
+nothing in torch: the CUDA-rules check mode is switched on explicitly
+(``f8tensor.gemm.install_rules_check``) or by ``F8TENSOR_CHECK_CUDA_RULES``, read at the
+first FP8 product (``f8tensor.gemm.check.install_from_env``).
 """
 
 import torch
 
-from f8tensor import gemm as _gemm
 from f8tensor import ops as _ops  # noqa: F401  (fills Float8Tensor's op table)
 from f8tensor.config import (
     RECIPES,
@@ -22,10 +27,11 @@ from f8tensor.config import (
     MX_1x32_FLOOR,
     ScalingType,
 )
+from f8tensor.convert import convert_to_float8_training
+from f8tensor.distributed.fsdp import Float8AllGatherWeight, precompute_float8_scales_for_fsdp
 from f8tensor.formats import FLOAT8_DTYPES, FORMATS, Float8Format, float8_max, saturation_bound
-from f8tensor.fsdp import Float8AllGatherWeight, precompute_float8_scales_for_fsdp
 from f8tensor.gemm import float8_mm
-from f8tensor.linear import Float8Linear, convert_to_float8_training
+from f8tensor.linear import Float8Linear
 from f8tensor.moe import Float8ExpertWeight, convert_experts_to_float8, float8_grouped_mm
 from f8tensor.stats import (
     STATS_FIELDS,
@@ -73,10 +79,6 @@ __all__ = [
     "saturation_bound",
     "sqnr",
 ]
-
-# F8TENSOR_CHECK_CUDA_RULES=1: check every torch._scaled_mm call against the CUDA rules of
-# every supported NVIDIA build (f8tensor.gemm.SCALED_MM_RULES), raising at a violation.
-_gemm._install_from_env()
 
 # torch.load(weights_only=True) refuses unknown globals: allow ours (and nothing else).
 # A Float8Tensor is saved as plain fields rebuilt by one validating function. Checkpoints

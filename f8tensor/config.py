@@ -2,8 +2,17 @@
 
 Configs are immutable and compare by value, so they can ride along as torch.compile
 guards: ``dataclasses.dataclass(frozen=True)`` (``dataclasses.replace`` derives variants),
-except :class:`GemmConfig`, which is Float8Tensor metadata and therefore a NamedTuple (see
-its docstring). Validation says what is wrong and what is allowed.
+except :class:`GemmConfig` and :class:`CastSpec`, which travel as Float8Tensor metadata and
+through casts and are therefore NamedTuples (see :class:`GemmConfig`). Validation says what
+is wrong and what is allowed.
+
+Granularity has one internal spelling, the per-dim block of a :class:`CastSpec` (and of a
+Float8Tensor's ``_block``); :func:`is_tensorwise`, :func:`axiswise_dim` and
+:func:`is_blockwise` are the predicates on it, here and nowhere else.
+:meth:`CastConfig.operand_spec` turns a user's granularity into that block for one GEMM
+operand: linear layers, experts and grouped products all ask it.
+
+Layer: above ``formats``; imports ``formats`` and ``compat`` only.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ __all__ = [
     "BLOCK_128x128",
     "BlockGranularity",
     "CastConfig",
+    "CastSpec",
     "DelayedScalingConfig",
     "Float8LinearConfig",
     "GemmConfig",
@@ -148,6 +158,84 @@ def axiswise_block(axiswise_dim: int | None, ndim: int) -> tuple[int, ...]:
     return tuple(0 if i == d else 1 for i in range(ndim))
 
 
+# ----------------------------------------------------------------------- the cast spec
+
+
+class CastSpec(NamedTuple):
+    """One cast to FP8, as data: every cast in f8tensor is given one (casts of a Float8Linear
+    operand, of an expert weight, of a plain GEMM operand, re-casts for a kernel).
+
+    - ``float8_dtype``: one of the four FP8 dtypes.
+    - ``block``: which elements share one scale, one entry per dim of the tensor cast:
+      ``b > 0``: ``b`` consecutive elements along that dim (a partial last block allowed);
+      ``0``: the whole dim. ``()``: one scale for the whole tensor, of any rank (tensorwise:
+      a 0-dim scale). Otherwise the scale has one dim per entry, ``ceil(size / b)`` long (1
+      for 0). Rowwise is 0 on the dim the GEMM contracts and 1 elsewhere: ``(1, 0)`` for an
+      ``(M, K)`` input; 1x128 tiles ``(1, 128)``; DeepSeek weights ``(128, 128)``.
+    - ``scale_dtype``: ``torch.float32`` or ``torch.float8_e8m0fnu`` (MX: powers of two).
+    - ``scale_mode``: the e8m0 exponent rule, ``"rceil"`` or ``"floor"`` (see
+      :class:`BlockGranularity`).
+    - ``power_of_2``: round a computed fp32 scale down to a power of two.
+    - ``rounding``: ``"nearest"`` or ``"stochastic"``.
+
+    A NamedTuple for the reason given at :class:`GemmConfig`. Library code builds it from
+    validated configs (:meth:`CastConfig.operand_spec`) or from a Float8Tensor's own fields;
+    the public entry points (``Float8Tensor.from_hp``) validate what users pass.
+    """
+
+    float8_dtype: torch.dtype
+    block: tuple[int, ...] = ()
+    scale_dtype: torch.dtype = torch.float32
+    scale_mode: str = "rceil"
+    power_of_2: bool = False
+    rounding: str = "nearest"
+
+
+# The predicates on a block, in the spelling of CastSpec.block: ``()`` is tensorwise (a
+# 0-dim scale); a Float8Tensor's is ``Float8Tensor._scale_block``.
+
+
+def is_tensorwise(block: tuple[int, ...]) -> bool:
+    """One scale for the whole tensor (a 0-dim scale)."""
+    return not block
+
+
+def axiswise_dim(block: tuple[int, ...]) -> int | None:
+    """The dim an axiswise block shares its scales along: the one 0 of a block that is 1
+    elsewhere (one scale per index of the other dims), or the last dim of an all-0 block
+    (one scale, kept with the tensor's rank). ``None`` for tensorwise and for true blocks."""
+    if not block:
+        return None
+    zeros = [d for d, b in enumerate(block) if b == 0]
+    if len(zeros) == len(block):
+        return len(block) - 1
+    if len(zeros) == 1 and all(b in (0, 1) for b in block):
+        return zeros[0]
+    return None
+
+
+def is_axiswise(block: tuple[int, ...], dim: int | None = None) -> bool:
+    """An axiswise block (see :func:`axiswise_dim`), along ``dim`` if given."""
+    axis = axiswise_dim(block)
+    return axis is not None and (dim is None or axis == dim % len(block))
+
+
+def is_blockwise(block: tuple[int, ...]) -> bool:
+    """A true block (1x128, 128x128, MX, ...): neither tensorwise nor axiswise."""
+    return bool(block) and axiswise_dim(block) is None
+
+
+def varies_along(block: tuple[int, ...], dim: int) -> bool:
+    """Whether the scale takes more than one value along ``dim`` (block entry > 0)."""
+    return bool(block) and block[dim] != 0
+
+
+def constant_along(block: tuple[int, ...], dim: int) -> bool:
+    """One scale for the whole of ``dim`` per index of the other dims (tensorwise, or every
+    entry 0 or 1 with 0 at ``dim``): the scales the dense and grouped kernels read along K."""
+    return not block or (block[dim] == 0 and all(b in (0, 1) for b in block))
+
+
 def _check_bool(owner: str, name: str, value: object) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"{owner}.{name} must be a bool; got {value!r}")
@@ -246,6 +334,31 @@ class CastConfig:
             raise ValueError("delayed scaling keeps one amax history per tensor: it needs granularity='tensorwise'")
         if isinstance(self.granularity, BlockGranularity) and len(self.granularity.block) != 2:
             raise ValueError(f"a Float8Linear operand's block has 2 entries (rows, contracted); got {self.granularity.block}")
+
+    def operand_spec(self, contracted_dim: int, *, ndim: int = 2, per_expert: bool = False) -> CastSpec:
+        """The :class:`CastSpec` of a GEMM operand with ``ndim`` dims whose product contracts
+        over ``contracted_dim`` (one of the last two dims): the one place a granularity
+        becomes a block, for linear layers, experts and grouped products alike.
+
+        Tensorwise: ``()``. Rowwise: 0 on the contracted dim, 1 elsewhere. A block, written
+        for the operand laid out as ``(rows, contracted)``, is oriented so that its second
+        entry runs along the contracted dim (a 1x128 tile becomes 128x1, 128 tokens long, in
+        the weight-gradient GEMM); leading dims get 1. ``per_expert``: the leading dims index
+        expert matrices, each with its own scales (tensorwise is then one scale per expert).
+        """
+        lead = ndim - 2
+        contracted = contracted_dim % ndim - lead
+        gran = self.granularity
+        if isinstance(gran, BlockGranularity):
+            matrix = gran.block if contracted == 1 else gran.block[::-1]
+            block = (1,) * lead + matrix
+        elif gran is Granularity.ROWWISE:
+            block = tuple(0 if d == contracted_dim % ndim else 1 for d in range(ndim))
+        else:
+            block = (1,) * lead + (0, 0) if per_expert and lead else ()
+        scale_dtype = gran.scale_dtype if isinstance(gran, BlockGranularity) else torch.float32
+        scale_mode = gran.scale_mode if isinstance(gran, BlockGranularity) else "rceil"
+        return CastSpec(self.dtype, block, scale_dtype, scale_mode, self.power_of_2_scale, self.rounding)
 
     @property
     def rowwise(self) -> bool:

@@ -38,6 +38,8 @@ one training forward (eager), excluding parameters and autocast's bf16 copies of
 of elements clamped at the FP8 maximum per cast, from the numerics telemetry of
 ``f8tensor.stats``, switched on for one extra step after training so that it costs the
 timed steps nothing (``n/a`` where that telemetry is not available).
+
+Layer: the top of the package (below ``integrations``); imports the public API and ``stats``.
 """
 
 from __future__ import annotations
@@ -325,7 +327,7 @@ def train_run(
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_schedule(steps))
     amp = torch.autocast(device.type, dtype=torch.bfloat16)
     if compile_model:
-        torch._dynamo.reset()  # a fresh model each run: start from an empty compile cache
+        torch.compiler.reset()  # a fresh model each run: start from an empty compile cache
     forward = torch.compile(model) if compile_model else model
 
     warmup = min(3, steps // 4)  # first steps (allocations, compilation) are not timed

@@ -8,7 +8,8 @@ Hugging Face MoE models keep their experts as 3D parameters, ``gate_up_proj`` (E
 like the plain tensor it wraps (indexing, views, optimizer steps, ``copy_``, checkpoints),
 and its ``__torch_function__`` routes ``F.linear``, ``torch.bmm``, ``torch._grouped_mm`` /
 ``F.grouped_mm`` and transformers' grouped fallback op to autograd Functions whose forward
-and both backward GEMMs are FP8 (:func:`f8tensor.gemm.scaled_grouped_mm`).
+and both backward GEMMs are FP8, through gemm's front doors for grouped and batched
+products (:func:`f8tensor.gemm.grouped_mm`, :func:`f8tensor.gemm.batched_mm`).
 
 Scaling, per :class:`~f8tensor.config.Float8LinearConfig` (``input``, ``weight``,
 ``grad_output`` granularities; recipes ``tensorwise`` and ``rowwise``):
@@ -22,6 +23,14 @@ Scaling, per :class:`~f8tensor.config.Float8LinearConfig` (``input``, ``weight``
 - all three grouped/batched GEMMs take e4m3 operands, ``grad_output`` included, because
   ``torch._scaled_grouped_mm`` multiplies no e5m2 (the tensorwise recipe's e5m2 gradients
   apply to the loop path, which runs through ``Float8Linear``'s GEMMs).
+
+Every cast is the library's one cast (``tensor.to_float8`` / ``kernels.cast``) with a
+:class:`~f8tensor.config.CastSpec` from :meth:`CastConfig.operand_spec` (:func:`_spec`):
+block granularities (``blockwise``, ``mxfp8``) still run per tensor on experts; block-scaled
+experts are a matter of passing the config's block through there.
+
+Layer: above ``functions`` (beside ``linear``); imports ``functions``, ``weights``, ``gemm``,
+``tensor``, ``kernels``, ``scaling``, ``config``, ``compat``.
 """
 
 from __future__ import annotations
@@ -32,83 +41,49 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map_only
 
-from f8tensor.config import CastConfig, Float8LinearConfig
-from f8tensor.formats import HP_DTYPES, saturated_cast
-from f8tensor.gemm import scaled_grouped_mm
-from f8tensor.linear import _Float8LinearFn
-from f8tensor.scaling import amax_to_scale
+from f8tensor import kernels
+from f8tensor.compat import GROUPED_MM_FUNCTIONS, disable_torch_function_subclass, is_op_of_namespace
+from f8tensor.compat import grouped_mm as hp_grouped_mm
+from f8tensor.config import CastConfig, CastSpec, Float8LinearConfig, is_tensorwise
+from f8tensor.functions import Float8LinearFn as _Float8LinearFn  # the routes look it up here
+from f8tensor.gemm import batched_mm, grouped_mm, scaled_grouped_mm
+from f8tensor.gemm.grouped import KERNEL_OUT
+from f8tensor.gemm.operands import col_major, kernel_scale, row_major
+from f8tensor.gemm.rules import ALIGN
+from f8tensor.scaling import amax_to_scale, group_amax
+from f8tensor.tensor import to_float8
+from f8tensor.weights import HighPrecisionWeight, WriteCount
 
 __all__ = ["Float8ExpertWeight", "convert_experts_to_float8", "float8_grouped_mm"]
 
 logger = logging.getLogger("f8tensor")
 aten = torch.ops.aten
 
-_E4M3 = torch.float8_e4m3fn
-_ALIGN = 16
-# What the grouped kernel writes (its only output dtype); results are cast to the model's dtype.
-_KERNEL_OUT = torch.bfloat16
-
 
 # ===================================================================== casts
 
 
-def _amax(t: torch.Tensor, dims: tuple[int, ...] | None) -> torch.Tensor:
-    """max |t| in fp32 over ``dims`` (keepdim), or over everything (0-dim) for ``None``."""
-    if t.numel() == 0:
-        shape = () if dims is None else tuple(1 if i in dims else s for i, s in enumerate(t.shape))
-        return t.new_zeros(shape, dtype=torch.float32)
-    if dims is None:
-        return t.abs().amax().to(torch.float32)
-    return t.abs().amax(dim=dims, keepdim=True).to(torch.float32)
-
-
-def _cast(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    # Deliberate upcast: the product the FP8 rounding sees is formed in fp32.
-    return saturated_cast(t.float() * scale, _E4M3)
-
-
-def _quantize(t: torch.Tensor, dims: tuple[int, ...] | None, cast: CastConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """(FP8 data, scale) with one scale per slice reduced over ``dims`` (all dims for None)."""
-    scale = amax_to_scale(_amax(t, dims), _E4M3, round_pow2=cast.power_of_2_scale)
-    return _cast(t, scale), scale
-
-
-def _col_major(t: torch.Tensor) -> torch.Tensor:
-    """The same values with the last two dims stored column-major (an FP8 copy if needed)."""
-    if t.stride(-2) == 1 and t.stride(-1) >= max(1, t.shape[-2]):
-        return t
-    return t.transpose(-2, -1).contiguous().transpose(-2, -1)
-
-
-def _inv(scale: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """Dequantization factors in the (contiguous) shape the kernel takes."""
-    return scale.reciprocal().expand(shape).contiguous() if scale.dim() == 0 else scale.reciprocal().reshape(shape).contiguous()
+def _spec(cast: CastConfig, contracted_dim: int, *, ndim: int = 2, per_expert: bool = False) -> CastSpec:
+    """The cast of one expert-GEMM operand contracted over ``contracted_dim``: e4m3 (what
+    the grouped kernel multiplies, grad_output included), round-to-nearest, the scales of
+    :meth:`CastConfig.operand_spec` (``per_expert``: a weight, one scale set per expert). A
+    block granularity runs per tensor here, as it always has."""
+    if cast.blockwise:
+        cast = CastConfig(cast.dtype, power_of_2_scale=cast.power_of_2_scale)
+    spec = cast.operand_spec(contracted_dim, ndim=ndim, per_expert=per_expert)
+    return spec._replace(float8_dtype=torch.float8_e4m3fn, rounding="nearest")
 
 
 def _check_contraction(k: int, what: str) -> None:
-    if k % _ALIGN:
+    if k % ALIGN:
         raise ValueError(
-            f"FP8 expert GEMM ({what}): the contraction dim must be a multiple of {_ALIGN} "
+            f"FP8 expert GEMM ({what}): the contraction dim must be a multiple of {ALIGN} "
             f"(torch._scaled_grouped_mm's stride rule); got {k}"
         )
 
 
 # ===================================================================== grouped GEMMs (2D x 3D, offs)
-
-
-def _grouped_fwd(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, x_cast: CastConfig, w_cast: CastConfig):
-    """FP8 ``x (M, K) @ w[g] (K, N)`` per group: returns out (bf16) and the casts."""
-    m, k = x.shape
-    g, _, n = w.shape
-    _check_contraction(k, "forward")
-    x8, xs = _quantize(x, (1,) if x_cast.rowwise else None, x_cast)
-    # weights: per expert (tensorwise) or per expert and output feature (rowwise), constant along K
-    w8, ws = _quantize(w, (1,) if w_cast.rowwise else (1, 2), w_cast)
-    ws_inv = ws.reciprocal().expand(g, 1, n).reshape(g, n).contiguous()
-    out = scaled_grouped_mm(x8, _col_major(w8), _inv(xs, (m,)), ws_inv, offs, _KERNEL_OUT)
-    return out, x8, xs, ws
 
 
 def _pad_groups(offs: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -122,12 +97,12 @@ def _pad_groups(offs: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor,
     g = offs.shape[0]
     o = offs.to(torch.int64)
     sizes = torch.diff(o, prepend=o.new_zeros(1))
-    padded_sizes = (sizes + _ALIGN - 1) // _ALIGN * _ALIGN
+    padded_sizes = (sizes + ALIGN - 1) // ALIGN * ALIGN
     padded_offs = torch.cumsum(padded_sizes, 0)
     rows = torch.arange(m, device=offs.device)
     gid = torch.searchsorted(o, rows, right=True)
     gid_c = gid.clamp(max=g - 1)
-    p = (m + _ALIGN - 1) // _ALIGN * _ALIGN + _ALIGN * g + _ALIGN
+    p = (m + ALIGN - 1) // ALIGN * ALIGN + ALIGN * g + ALIGN
     dest = (padded_offs - padded_sizes)[gid_c] + rows - (o - sizes)[gid_c]
     dest = torch.where(gid < g, dest, p - 1)
     return dest, padded_offs.to(torch.int32), p
@@ -141,24 +116,23 @@ def _scatter_rows(t: torch.Tensor, dest: torch.Tensor, p: int) -> torch.Tensor:
     return t.new_zeros(p, t.shape[1]).index_copy_(0, dest, t)
 
 
-def _group_quantize(t: torch.Tensor, offs: torch.Tensor, g: int, cast: CastConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """(P, C) rows grouped by ``offs``: FP8 data and a (G, C) scale (rowwise: per group and column).
 
-    Tensorwise: one scale for the tensor, broadcast to (G, C).
-    """
+def _group_cast(t: torch.Tensor, offs: torch.Tensor, g: int, spec: CastSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """(P, C) rows grouped by ``offs``: FP8 data and a (G, C) scale (rowwise: per group and
+    column, from the amax of the group's rows). Tensorwise: one scale for the tensor,
+    broadcast to (G, C)."""
     p, c = t.shape
-    if not cast.rowwise:
-        data, scale = _quantize(t, None, cast)
+    if is_tensorwise(spec.block):
+        data, scale = kernels.cast(t, spec)
         return data, scale.expand(g, c)
     gid = torch.searchsorted(offs.to(torch.int64), torch.arange(p, device=t.device), right=True)  # G: no group
-    mag = t.abs().float()
-    amax = mag.new_zeros(g + 1, c).scatter_reduce_(0, gid[:, None].expand(p, c), mag, "amax")
-    scale = amax_to_scale(amax, _E4M3, round_pow2=cast.power_of_2_scale)
-    data = _cast(t, scale[gid])
+    scale = amax_to_scale(group_amax(t, gid, g + 1), spec.float8_dtype, round_pow2=spec.power_of_2)
+    # Each row with its group's scales: a given scale per element (block (1, 1)).
+    data, _ = kernels.cast(t, spec._replace(block=(1, 1)), scale[gid])
     return data, scale[:g]
 
 
-def _grouped_wgrad(x, grad: torch.Tensor, offs: torch.Tensor, g: int, x_cast: CastConfig, go_cast: CastConfig):
+def _grouped_wgrad(x, grad: torch.Tensor, offs: torch.Tensor, g: int, config: Float8LinearConfig) -> torch.Tensor:
     """FP8 ``x[group].t() @ grad[group]`` per group: (G, K, N), in bf16.
 
     ``x``: the high-precision input, or ``(x8, scale)`` saved by a tensorwise forward (the
@@ -171,11 +145,11 @@ def _grouped_wgrad(x, grad: torch.Tensor, offs: torch.Tensor, g: int, x_cast: Ca
         x8, scale = x
         x8, xs = _scatter_rows(x8, dest, p), scale.expand(g, x8.shape[1])
     else:
-        x8, xs = _group_quantize(_scatter_rows(x, dest, p), poffs, g, x_cast)  # (P, K), (G, K)
-    g8, gs = _group_quantize(gp, poffs, g, go_cast)  # (P, N), (G, N)
-    a = x8.t().contiguous()  # (K, P) row-major
-    b = _col_major(g8)  # (P, N) column-major
-    return scaled_grouped_mm(a, b, xs.reciprocal().reshape(-1).contiguous(), gs.reciprocal().reshape(-1).contiguous(), poffs, _KERNEL_OUT)
+        x8, xs = _group_cast(_scatter_rows(x, dest, p), poffs, g, _spec(config.input, 0))  # (P, K), (G, K)
+    g8, gs = _group_cast(gp, poffs, g, _spec(config.grad_output, 0))  # (P, N), (G, N)
+    k, n = x8.shape[1], g8.shape[1]
+    sa, sb = kernel_scale(xs.reciprocal(), (g, k), (g * k,)), kernel_scale(gs.reciprocal(), (g, n), (g * n,))
+    return scaled_grouped_mm(row_major(x8.t()), col_major(g8), sa, sb, poffs, KERNEL_OUT)
 
 
 class _GroupedMMFn(torch.autograd.Function):
@@ -189,41 +163,42 @@ class _GroupedMMFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w, offs, config):  # type: ignore[override]
-        out, x8, xs, ws = _grouped_fwd(x, w, offs, config.input, config.weight)
+        _check_contraction(x.shape[1], "forward")
+        x8 = to_float8(x, _spec(config.input, 1))
+        # weights: per expert (tensorwise) or per expert and output feature (rowwise), constant along K
+        w8 = to_float8(w, _spec(config.weight, 1, ndim=3, per_expert=True))
+        out = grouped_mm(x8, w8, offs, KERNEL_OUT)
         keep_fp8_x = not config.input.rowwise and not config.weight_grad_in_hp
         ctx.save_for_backward(
-            None if keep_fp8_x else x, x8 if keep_fp8_x else None, xs if keep_fp8_x else None,
-            w, offs, None if config.weight.rowwise else ws,
+            None if keep_fp8_x else x, x8._data if keep_fp8_x else None, x8._scale if keep_fp8_x else None,
+            w, offs, None if config.weight.rowwise else w8._scale,
         )
         ctx.config = config
-        ctx.x_meta = (x.shape, x.dtype)
+        ctx.x_dtype = x.dtype
         return out.to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         x, x8, xs, w, offs, ws = ctx.saved_tensors
-        x_shape, x_dtype = ctx.x_meta
+        x_dtype = ctx.x_dtype
         config: Float8LinearConfig = ctx.config
-        g, k, n = w.shape
+        g, _, n = w.shape
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
             _check_contraction(n, "input gradient")
-            g8, gs = _quantize(grad, (1,) if config.grad_output.rowwise else None, config.grad_output)
-            wt = w.transpose(-2, -1)  # (G, N, K): contraction over N
-            if ws is None:  # rowwise: per expert and input feature, constant along N
-                wt8, wts = _quantize(wt, (1,), config.weight)
-            else:
-                wt8, wts = _cast(wt, ws.transpose(-2, -1)), ws.transpose(-2, -1)
-            wts_inv = wts.reciprocal().expand(g, 1, k).reshape(g, k).contiguous()
-            grad_x = scaled_grouped_mm(g8, _col_major(wt8), _inv(gs, (x_shape[0],)), wts_inv, offs, _KERNEL_OUT)
-            grad_x = grad_x.to(x_dtype)
+            g8 = to_float8(grad, _spec(config.grad_output, 1))
+            # (G, N, K): contraction over N; rowwise: per expert and input feature, constant
+            # along N; tensorwise: the forward's per-expert scales, the same bytes.
+            wt = w.transpose(-2, -1)
+            wt8 = to_float8(wt, _spec(config.weight, 1, ndim=3, per_expert=True), scale=None if ws is None else ws.transpose(-2, -1))
+            grad_x = grouped_mm(g8, wt8, offs, KERNEL_OUT).to(x_dtype)
         if ctx.needs_input_grad[1]:
             if config.weight_grad_in_hp:
                 dest, poffs, p = _pad_groups(offs, x.shape[0])
                 xp, gp = _scatter_rows(x, dest, p), _scatter_rows(grad.to(x.dtype), dest, p)
-                grad_w = torch._grouped_mm(xp.t().contiguous(), gp, offs=poffs)
+                grad_w = hp_grouped_mm(xp.t().contiguous(), gp, poffs)
             else:
-                grad_w = _grouped_wgrad((x8, xs) if x is None else x, grad, offs, g, config.input, config.grad_output)
+                grad_w = _grouped_wgrad((x8, xs) if x is None else x, grad, offs, g, config)
             grad_w = grad_w.to(w.dtype)
         return grad_x, grad_w, None, None
 
@@ -231,19 +206,14 @@ class _GroupedMMFn(torch.autograd.Function):
 # ===================================================================== batched GEMMs (bmm)
 
 
-def _bmm_fp8(a: torch.Tensor, b: torch.Tensor, a_dims, b_dims, a_cast: CastConfig, b_cast: CastConfig) -> torch.Tensor:
-    """FP8 ``a (B, M, K) @ b (B, K, N)``; scales reduced over ``a_dims`` / ``b_dims`` (K included)."""
-    bsz, m, k = a.shape
-    n = b.shape[2]
-    pad = (-k) % _ALIGN  # only the weight-gradient GEMM of one-token batches needs it (K = M = 1)
+def _bmm_fp8(a: torch.Tensor, b: torch.Tensor, a_spec: CastSpec, b_spec: CastSpec) -> torch.Tensor:
+    """FP8 ``a (B, M, K) @ b (B, K, N)``, each cast per its spec (scales constant along K)."""
+    k = a.shape[2]
+    pad = (-k) % ALIGN  # only the weight-gradient GEMM of one-token batches needs it (K = M = 1)
     if pad:
         a = torch.nn.functional.pad(a, (0, pad))
         b = torch.nn.functional.pad(b, (0, 0, 0, pad))
-    a8, as_ = _quantize(a, a_dims, a_cast)
-    b8, bs = _quantize(b, b_dims, b_cast)
-    a_inv = _inv(as_, (bsz, m)) if as_.dim() == 0 else as_.reciprocal().reshape(bsz, m).contiguous()
-    b_inv = _inv(bs, (bsz, n)) if bs.dim() == 0 else bs.reciprocal().expand(bsz, 1, n).reshape(bsz, n).contiguous()
-    return scaled_grouped_mm(a8.contiguous(), _col_major(b8), a_inv, b_inv, None, _KERNEL_OUT)
+    return batched_mm(to_float8(a, a_spec), to_float8(b, b_spec), KERNEL_OUT)
 
 
 class _ExpertBmmFn(torch.autograd.Function):
@@ -257,10 +227,9 @@ class _ExpertBmmFn(torch.autograd.Function):
     def forward(ctx, x, w, config):  # type: ignore[override]
         ctx.save_for_backward(x, w)
         ctx.config = config
-        xd = (2,) if config.input.rowwise else None
-        wd = (1,) if config.weight.rowwise else (1, 2)
         _check_contraction(x.shape[2], "batched forward")
-        return _bmm_fp8(x, w, xd, wd, config.input, config.weight).to(x.dtype)
+        w_spec = _spec(config.weight, 1, ndim=3, per_expert=True)
+        return _bmm_fp8(x, w, _spec(config.input, 2, ndim=3), w_spec).to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
@@ -269,13 +238,11 @@ class _ExpertBmmFn(torch.autograd.Function):
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:  # grad (B, M, N) @ w^T (B, N, K): contraction over N
             _check_contraction(w.shape[2], "batched input gradient")
-            gd = (2,) if c.grad_output.rowwise else None
-            wd = (1,) if c.weight.rowwise else (1, 2)
-            grad_x = _bmm_fp8(grad, w.transpose(1, 2), gd, wd, c.grad_output, c.weight).to(x.dtype)
+            w_spec = _spec(c.weight, 1, ndim=3, per_expert=True)
+            grad_x = _bmm_fp8(grad, w.transpose(1, 2), _spec(c.grad_output, 2, ndim=3), w_spec).to(x.dtype)
         if ctx.needs_input_grad[1]:  # x^T (B, K, M) @ grad (B, M, N): contraction over M
-            xd = (2,) if c.input.rowwise else None
-            gd = (1,) if c.grad_output.rowwise else None
-            grad_w = _bmm_fp8(x.transpose(1, 2), grad, xd, gd, c.input, c.grad_output).to(w.dtype)
+            a_spec, b_spec = _spec(c.input, 2, ndim=3), _spec(c.grad_output, 1, ndim=3)
+            grad_w = _bmm_fp8(x.transpose(1, 2), grad, a_spec, b_spec).to(w.dtype)
         return grad_x, grad_w, None
 
 
@@ -356,9 +323,8 @@ def _route_matmul(args: tuple, kwargs: dict) -> torch.Tensor:
         f"{tuple(a.shape)} @ {tuple(b.shape)}"
     )
 
-
 _ROUTES: dict[Any, Callable[[tuple, dict], torch.Tensor]] = {
-    torch._grouped_mm: _route_grouped_mm,
+    **{fn: _route_grouped_mm for fn in GROUPED_MM_FUNCTIONS},
     torch.bmm: _route_bmm,
     torch.Tensor.bmm: _route_bmm,
     torch.nn.functional.linear: _route_linear,
@@ -366,14 +332,6 @@ _ROUTES: dict[Any, Callable[[tuple, dict], torch.Tensor]] = {
     torch.Tensor.matmul: _route_matmul,
     torch.Tensor.__matmul__: _route_matmul,
 }
-if hasattr(torch.nn.functional, "grouped_mm"):
-    _ROUTES[torch.nn.functional.grouped_mm] = _route_grouped_mm
-
-
-def _is_transformers_op(func: Any) -> bool:
-    if isinstance(func, torch._ops.OpOverloadPacket):
-        return func._qualified_op_name.startswith("transformers::")
-    return isinstance(func, torch._ops.OpOverload) and func.namespace == "transformers"
 
 
 def _register_hf_fallback() -> None:
@@ -392,57 +350,49 @@ _GEMMS = frozenset(
     {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten._grouped_mm.default}
 )
 
-# Ops whose result is still (a piece of) the weight: views, indexing of experts, copies.
-_KEEP = frozenset(
-    {
-        aten.detach.default, aten.alias.default, aten.view.default, aten._unsafe_view.default,
-        aten.as_strided.default, aten.slice.Tensor, aten.select.int, aten.index.Tensor,
-        aten.transpose.int, aten.t.default, aten.permute.default, aten.expand.default,
-        aten.unsqueeze.default, aten.squeeze.dim, aten.split.Tensor, aten.split_with_sizes.default,
-        aten.unbind.int, aten.clone.default, aten._to_copy.default, aten.empty_like.default,
-        aten.new_empty.default, aten.new_zeros.default, aten._pin_memory.default,
-    }
-)
 
 
-class Float8ExpertWeight(torch.Tensor):
+class Float8ExpertWeight(HighPrecisionWeight):
     """A high-precision expert weight whose matrix products run in FP8.
 
     Fields: ``_hp``, the plain bf16/fp16/fp32 tensor (E, N, K), or a view/piece of it;
     ``_config``, the :class:`Float8LinearConfig` its GEMMs follow (tensorwise or rowwise
-    granularities, dynamic scaling). Every op behaves as on ``_hp``; views, expert
-    selection and copies stay wrapped so that the product they reach (``F.linear``,
-    ``bmm``, ``grouped_mm``) knows to run in FP8. Serialized as the plain tensor.
+    granularities, dynamic scaling). Every op behaves as on ``_hp`` (see
+    :class:`~f8tensor.weights.HighPrecisionWeight`); views, expert selection and copies
+    stay wrapped so that the product they reach (``F.linear``, ``bmm``, ``grouped_mm``)
+    knows to run in FP8. Serialized as the plain tensor.
     """
 
-    _hp: torch.Tensor
     _config: Float8LinearConfig
 
+    # Ops whose result is still (a piece of) the weight: views, indexing of experts, copies.
+    VIEWS = frozenset(
+        {
+            aten.detach.default, aten.alias.default, aten.view.default, aten._unsafe_view.default,
+            aten.as_strided.default, aten.slice.Tensor, aten.select.int, aten.transpose.int, aten.t.default,
+            aten.permute.default, aten.expand.default, aten.unsqueeze.default, aten.squeeze.dim,
+            aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int,
+        }
+    )
+    COPIES = frozenset(
+        {
+            aten.index.Tensor, aten.clone.default, aten._to_copy.default, aten.empty_like.default,
+            aten.new_empty.default, aten.new_zeros.default, aten._pin_memory.default,
+        }
+    )
+
     @staticmethod
-    def __new__(cls, hp: torch.Tensor, config: Float8LinearConfig) -> Float8ExpertWeight:
-        if isinstance(hp, Float8ExpertWeight):
-            raise TypeError("Float8ExpertWeight wraps a plain high-precision tensor; got a Float8ExpertWeight")
-        if hp.dtype not in HP_DTYPES:
-            raise TypeError(f"Float8ExpertWeight wraps a bf16, fp16 or fp32 tensor; got {hp.dtype}")
-        self = torch.Tensor._make_wrapper_subclass(
-            cls, hp.shape, strides=hp.stride(), storage_offset=hp.storage_offset(), dtype=hp.dtype,
-            layout=hp.layout, device=hp.device, requires_grad=hp.requires_grad,
-        )
-        self._hp = hp
+    def __new__(cls, hp: torch.Tensor, config: Float8LinearConfig, *, writes: WriteCount | None = None) -> Float8ExpertWeight:
+        HighPrecisionWeight._check_hp(cls, hp)
+        self = HighPrecisionWeight._wrap(cls, hp, writes)
         self._config = config
         return self
 
+    def _meta(self) -> tuple:
+        return (self._config,)
+
     def __repr__(self) -> str:  # type: ignore[override]
         return f"Float8ExpertWeight({self._hp!r})"
-
-    def __reduce_ex__(self, protocol):  # type: ignore[override]
-        hp = self._hp
-        if isinstance(self, nn.Parameter):
-            hp = nn.Parameter(hp, requires_grad=self.requires_grad)
-        return hp.__reduce_ex__(protocol)
-
-    def __tensor_flatten__(self) -> tuple[list[str], tuple]:
-        return ["_hp"], (self._config,)
 
     @staticmethod
     def __tensor_unflatten__(inner: dict, meta: tuple, outer_size: Any, outer_stride: Any) -> Float8ExpertWeight:
@@ -450,7 +400,7 @@ class Float8ExpertWeight(torch.Tensor):
 
     # ----------------------------------------------------------------- FSDP2 extension
     # High-precision all-gather (in mp_policy.param_dtype): the gathered weight is wrapped
-    # again, so the unsharded experts still multiply in FP8. Here rather than in fsdp.py:
+    # again, so the unsharded experts still multiply in FP8. Here rather than in distributed/fsdp.py:
     # plain methods FSDP2 looks up on the parameter, needing nothing from torch.distributed.
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
@@ -472,42 +422,23 @@ class Float8ExpertWeight(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
         route = _ROUTES.get(func)
-        if route is None and _is_transformers_op(func):
+        if route is None and is_op_of_namespace(func, "transformers"):
             _register_hf_fallback()  # weights wrapped by hand, not by the converter
             route = _ROUTES.get(func)
         if route is not None:
             return route(args, kwargs or {})
-        with torch._C.DisableTorchFunctionSubclass():
+        with disable_torch_function_subclass():
             return func(*args, **(kwargs or {}))
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
-        if func in _GEMMS or func.namespace == "transformers":
+        if func in _GEMMS or is_op_of_namespace(func, "transformers"):
             raise NotImplementedError(
                 f"{func} with an FP8 expert weight would run in high precision. Expert weights multiply "
                 f"through F.linear(x, w[e]), torch.bmm, torch.matmul or torch._grouped_mm / F.grouped_mm; "
                 f"use w._hp for a high-precision product."
             )
-        wrapped: dict[int, Float8ExpertWeight] = {}
-
-        def unwrap(w: Float8ExpertWeight) -> torch.Tensor:
-            wrapped.setdefault(id(w._hp), w)
-            return w._hp
-
-        kwargs = kwargs or {}
-        out = func(*tree_map_only(cls, unwrap, args), **tree_map_only(cls, unwrap, kwargs))
-        first = next(iter(wrapped.values()))
-        keep = func in _KEEP
-
-        def rewrap(t: torch.Tensor) -> torch.Tensor:
-            same = wrapped.get(id(t))
-            if same is not None and same._hp is t:
-                return same  # an in-place op returns its (wrapped) argument
-            if keep and t.dtype in HP_DTYPES:
-                return cls(t, first._config)
-            return t
-
-        return tree_map_only(torch.Tensor, rewrap, out)
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
 
 def float8_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, config: Float8LinearConfig | None = None) -> torch.Tensor:
@@ -570,10 +501,10 @@ def convert_experts_to_float8(
             continue
         if experts_filter_fn is not None and not experts_filter_fn(mod, fqn):
             continue
-        if p.shape[1] % _ALIGN or p.shape[2] % _ALIGN:
+        if p.shape[1] % ALIGN or p.shape[2] % ALIGN:
             logger.warning(
                 "f8tensor: left %s %s in high precision: FP8 expert GEMMs need its last two dims to be multiples of %d",
-                fqn, tuple(p.shape), _ALIGN,
+                fqn, tuple(p.shape), ALIGN,
             )
             continue
         setattr(mod, name, nn.Parameter(Float8ExpertWeight(p.data, config), requires_grad=p.requires_grad))

@@ -1,8 +1,13 @@
-"""The Float8Tensor op table: matrix products (handed to ``gemm.py``), layout ops on data and scale.
+"""The Float8Tensor op table: matrix products (handed to ``gemm``'s front door) and layout
+ops on data and scale.
 
 Every handler has the signature ``handler(func, types, args, kwargs)`` and is registered
-with ``Float8Tensor.implements``. View-like handlers rebuild through
-``Float8Tensor._replace`` and return through ``return_and_correct_aliasing``.
+with ``Float8Tensor.implements``. The product handlers only unpack aten's arguments (and,
+for ``bmm``, pick the batch layout); ``gemm`` makes the products. View-like handlers
+rebuild through ``Float8Tensor._replace`` and return through ``return_and_correct_aliasing``.
+
+Layer: above ``gemm``; imports ``gemm``, ``tensor``, ``config``, ``formats``, ``compat``.
+Importing it fills the table (``f8tensor/__init__.py`` does).
 """
 
 from __future__ import annotations
@@ -10,31 +15,33 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from torch.utils._python_dispatch import return_and_correct_aliasing
 
+from f8tensor.compat import return_and_correct_aliasing, view_base
+from f8tensor.config import CastSpec, axiswise_dim, is_tensorwise, varies_along
 from f8tensor.formats import FLOAT8_DTYPES, check_hp_dtype
-from f8tensor.gemm import ALIGN, GROUPED_RULES, _cast_plain, _matmul, _requantize, float8_mm, scaled_grouped_mm
-from f8tensor.tensor import Float8Tensor, cast_to_float8, dequantize
+from f8tensor.gemm import GROUPED_RULES, batched_mm, grouped_mm, matmul
+from f8tensor.gemm.operands import requantize
+from f8tensor.gemm.rules import ALIGN
+from f8tensor.tensor import Float8Tensor, dequantize, is_float8, to_float8
 
-__all__ = ["float8_mm", "transpose_2d"]
+__all__ = ["transpose_2d"]
 
 aten = torch.ops.aten
 implements = Float8Tensor.implements
+_is_f8 = is_float8
 
 
-def _is_f8(x: object) -> bool:
-    return isinstance(x, Float8Tensor)
+def _tensorwise(x: Float8Tensor) -> bool:
+    return is_tensorwise(x._scale_block)
 
 
 # ===================================================================== matrix products
-# The products themselves (routes, CUDA rules, padding) live in gemm.py; the handlers
-# here only unpack aten's arguments.
 
 
 @implements([aten.mm.default])
 def _mm(func, types, args, kwargs):
     a, b = args
-    return _matmul(a, b)
+    return matmul(a, b)
 
 
 @implements([aten.addmm.default])
@@ -44,8 +51,8 @@ def _addmm(func, types, args, kwargs):
     if _is_f8(bias):
         raise NotImplementedError("addmm with a Float8Tensor bias/input is not supported; pass it in high precision")
     if beta == 1 and alpha == 1:
-        return _matmul(a, b, bias=bias)
-    out = _matmul(a, b)
+        return matmul(a, b, bias=bias)
+    out = matmul(a, b)
     if alpha != 1:
         out = out * alpha
     # torch semantics: with beta == 0 the input is ignored entirely (NaN in it included).
@@ -83,64 +90,15 @@ def _bmm(func, types, args, kwargs):
     # x @ w.t() with a non-contiguous 3D x reaches here as bmm(x, w.t().expand(B, K, N)):
     # the same matrix for every batch entry, so it folds into one 2D product.
     if b.stride(0) == 0:
-        out = _matmul(_flatten_batch(a), _batch_item(b, 0))
+        out = matmul(_flatten_batch(a), _batch_item(b, 0))
         return out.view(batch, a.shape[1], b.shape[2])
     orig = a._orig_dtype if _is_f8(a) else b._orig_dtype
-    if orig in GROUPED_RULES["out_dtypes"] and a.shape[2] % ALIGN == 0:
+    if orig in GROUPED_RULES[0].out_dtypes and a.shape[2] % ALIGN == 0:
         # One batched FP8 kernel (torch._scaled_grouped_mm's 3D x 3D form), which writes
         # bf16 only: taken when that is the output dtype; fp16/fp32 outputs keep one
         # _scaled_mm per batch entry, which writes them directly.
-        return _batched(a, b, orig)
-    return torch.stack([_matmul(_batch_item(a, i), _batch_item(b, i)) for i in range(batch)])
-
-
-def _batched(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """``a (B, M, K) @ b (B, K, N)`` in one grouped-kernel call: scales per batch row / column."""
-    a8, b8 = _kernel_operands(a, b, a_k=2, b_k=1)
-    (bsz, m, _), n = a8.shape, b8.shape[2]
-    a_inv = a8._scale.reciprocal().expand(bsz, m, 1).reshape(bsz, m).contiguous()
-    b_inv = b8._scale.reciprocal().expand(bsz, 1, n).reshape(bsz, n).contiguous()
-    a_data = a8._data if a8._data.is_contiguous() else a8._data.contiguous()
-    out = scaled_grouped_mm(a_data, _col_major(b8._data), a_inv, b_inv, None, torch.bfloat16)
-    return out.to(out_dtype)
-
-
-def _kernel_operands(a: torch.Tensor, b: torch.Tensor, a_k: int, b_k: int) -> tuple[Float8Tensor, Float8Tensor]:
-    """Both operands as e4m3fn Float8Tensors whose fp32 scales the grouped kernel takes.
-
-    The kernel takes one scale per row of ``a`` and per column of ``b`` (per group): every
-    block entry 0 or 1, and 0 along the contraction dim (``a_k`` / ``b_k``). A plain
-    operand is cast like the other one; any other scale is re-derived along K.
-    """
-    ref = a if _is_f8(a) else b
-    rowwise = not _tensorwise(ref)
-    a8 = a if _is_f8(a) else _cast_plain(a, ref, a_k if rowwise else None)
-    b8 = b if _is_f8(b) else _cast_plain(b, ref, b_k if rowwise else None)
-    a8 = a8 if _kernel_ready(a8, a_k) else _requantize(a8, a_k)
-    b8 = b8 if _kernel_ready(b8, b_k) else _requantize(b8, b_k)
-    return _as_e4m3fn(a8), _as_e4m3fn(b8)
-
-
-def _kernel_ready(x: Float8Tensor, k_dim: int) -> bool:
-    if _tensorwise(x):
-        return True
-    return x._scale.dtype == torch.float32 and x._block[k_dim] == 0 and all(b in (0, 1) for b in x._block)
-
-
-def _as_e4m3fn(x: Float8Tensor) -> Float8Tensor:
-    """The grouped kernel multiplies e4m3fn only: other formats are re-cast (one extra rounding)."""
-    if x._data.dtype == torch.float8_e4m3fn:
-        return x
-    return cast_to_float8(
-        dequantize(x, torch.float32), torch.float8_e4m3fn, block=None if _tensorwise(x) else x._block,
-        gemm=x._gemm, orig_dtype=x._orig_dtype,
-    )
-
-
-def _col_major(t: torch.Tensor) -> torch.Tensor:
-    if t.stride(-2) == 1 and t.stride(-1) >= max(1, t.shape[-2]):
-        return t
-    return t.transpose(-2, -1).contiguous().transpose(-2, -1)
+        return batched_mm(a, b, orig)
+    return torch.stack([matmul(_batch_item(a, i), _batch_item(b, i)) for i in range(batch)])
 
 
 @implements([aten._grouped_mm.default])
@@ -164,15 +122,7 @@ def _grouped_mm(func, types, args, kwargs):
     if bound.get("bias") is not None:
         raise NotImplementedError("FP8 _grouped_mm with bias is not supported (torch._scaled_grouped_mm takes none)")
     out_dtype = bound.get("out_dtype") or (a._orig_dtype if _is_f8(a) else a.dtype)
-    a8, b8 = _kernel_operands(a, b, a_k=1, b_k=1)
-    (m, k), (g, _, n) = a8.shape, b8.shape
-    if k % ALIGN:
-        raise ValueError(f"FP8 _grouped_mm needs K to be a multiple of {ALIGN} (the kernel's stride rule); got K={k}")
-    a_inv = a8._scale.reciprocal().expand(m, 1).reshape(m).contiguous()
-    b_inv = b8._scale.reciprocal().expand(g, 1, n).reshape(g, n).contiguous()
-    a_data = a8._data if a8._data.is_contiguous() else a8._data.contiguous()
-    out = scaled_grouped_mm(a_data, _col_major(b8._data), a_inv, b_inv, offs.to(torch.int32), torch.bfloat16)
-    return out.to(out_dtype)
+    return grouped_mm(a, b, offs, out_dtype)
 
 
 def _flatten_batch(x: torch.Tensor) -> torch.Tensor:
@@ -183,11 +133,12 @@ def _flatten_batch(x: torch.Tensor) -> torch.Tensor:
         data = x._data.reshape(-1, x.shape[-1])
         scale, block = _reshaped_meta(x, data.shape)
         return x._replace(data=data, scale=scale, block=block)
-    if x._axiswise_dim not in (None, 2):
-        x = _requantize(x, 2)
+    axis = axiswise_dim(x._scale_block)
+    if axis not in (None, 2):
+        x, axis = requantize(x, 2), 2
     data = x._data.reshape(-1, x.shape[-1])
-    scale = x._scale if x._axiswise_dim is None else x._scale.reshape(-1, 1)
-    return x._replace(data=data, scale=scale, axiswise_dim=None if x._axiswise_dim is None else 1)
+    scale = x._scale if axis is None else x._scale.reshape(-1, 1)
+    return x._replace(data=data, scale=scale, axiswise_dim=None if axis is None else 1)
 
 
 def _batch_item(x: torch.Tensor, i: int) -> torch.Tensor:
@@ -195,11 +146,13 @@ def _batch_item(x: torch.Tensor, i: int) -> torch.Tensor:
         return x[i]
     if x.is_blockwise:
         return _selected(x, 0, i)
-    scale = x._scale if x._axiswise_dim is None else x._scale[i if x._scale.shape[0] > 1 else 0]
-    axis = None if x._axiswise_dim is None else x._axiswise_dim - 1
-    if axis == -1:  # scale was reduced over the batch dim: re-derive along K instead
-        return _requantize(x._replace(data=x._data[i], scale=x._scale[0]), 1)
-    return x._replace(data=x._data[i], scale=scale, axiswise_dim=axis)
+    axis = axiswise_dim(x._scale_block)
+    if axis is None:
+        return x._replace(data=x._data[i], axiswise_dim=None)
+    if axis == 0:  # scale was reduced over the batch dim: re-derive along K instead
+        return requantize(x._replace(data=x._data[i], scale=x._scale[0]), 1)
+    scale = x._scale[i if x._scale.shape[0] > 1 else 0]
+    return x._replace(data=x._data[i], scale=scale, axiswise_dim=axis - 1)
 
 
 # ===================================================================== layout ops
@@ -222,12 +175,8 @@ def _view_result(func, args, kwargs, out):
     return return_and_correct_aliasing(func, args, kwargs, out)
 
 
-def _tensorwise(x: Float8Tensor) -> bool:
-    return x._scale.dim() == 0
-
-
 def _describe_scaling(x: Float8Tensor) -> str:
-    return f"with block {x._block}" if x.is_blockwise else f"scaled along dim {x._axiswise_dim}"
+    return f"with block {x._block}" if x.is_blockwise else f"scaled along dim {axiswise_dim(x._scale_block)}"
 
 
 def _permuted(x: Float8Tensor, data: torch.Tensor, perm: Sequence[int]) -> Float8Tensor:
@@ -398,7 +347,7 @@ def _scale_varies_along(x: Float8Tensor, dim: int) -> bool:
     Decided from the metadata, not from ``_scale.shape[dim] == 1``: a one-row piece of a
     rowwise tensor also has a size-1 scale along ``dim``, yet its scale is its own.
     """
-    return not _tensorwise(x) and x._block[dim] != 0
+    return varies_along(x._scale_block, dim)
 
 
 def _piece_scale(x: Float8Tensor, dim: int, start: int, stop: int, step: int = 1) -> torch.Tensor:
@@ -564,15 +513,10 @@ def _copy_(func, types, args, kwargs):
     else:
         # A plain source (e.g. load_state_dict into an FP8 weight): cast it afresh with a
         # dynamic scale in the destination's format, then write data and scale in place.
-        src = cast_to_float8(
-            src.to(dst._orig_dtype),
-            dst._data.dtype,
-            block=None if _tensorwise(dst) else dst._block,
-            scale_dtype=dst._scale.dtype,
-        )
+        src = to_float8(src.to(dst._orig_dtype), CastSpec(dst._data.dtype, dst._scale_block, dst._scale.dtype))
     if src._scale is not dst._scale and _scale_shared_beyond(dst):
         raise NotImplementedError(
-            f"copy_ into a view of shape {tuple(dst.shape)} of a Float8Tensor of shape {tuple(dst._base.shape)} "
+            f"copy_ into a view of shape {tuple(dst.shape)} of a Float8Tensor of shape {tuple(view_base(dst).shape)} "
             f"would change the scale it shares with elements outside the view. Copy into the whole "
             f"tensor, or call .to_hp(), update, and cast again with Float8Tensor.from_hp."
         )
@@ -588,7 +532,7 @@ def _scale_shared_beyond(dst: Float8Tensor) -> bool:
     base): a view cut along a dim whose block is not 1 (rows of a rowwise tensor own their
     scale rows; a 128-block or a whole-dim scale is shared). Otherwise: conservatively yes.
     """
-    base = dst._base
+    base = view_base(dst)
     if not _is_f8(base):
         return False
     if _tensorwise(dst) or _tensorwise(base) or dst.dim() != base.dim():

@@ -15,6 +15,8 @@ as ``torch.float8_e8m0fnu`` with the same meaning (the multiplier hp -> data).
 
 This module only computes scale tensors (and the stochastic rounding of scaled values);
 it never builds a Float8Tensor.
+
+Layer: above ``config``; imports ``config`` and ``formats``.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ __all__ = [
     "delayed_scale",
     "dynamic_scale",
     "expand_block_scale",
+    "group_amax",
     "materialized",
     "push_amax",
     "stochastic_round",
@@ -220,6 +223,15 @@ def block_amax(x: torch.Tensor, block: tuple[int, ...]) -> torch.Tensor:
     inner = tuple(range(1, 2 * x.dim(), 2))
     lo, hi = torch.amin(xb, dim=inner), torch.amax(xb, dim=inner)
     return torch.maximum(hi, lo.neg()).to(torch.float32).reshape(out_shape)
+
+
+def group_amax(x: torch.Tensor, group: torch.Tensor, groups: int) -> torch.Tensor:
+    """max |x| per (group, column) of a 2D ``x`` whose row ``i`` belongs to group
+    ``group[i] < groups`` (ragged groups: an MoE layer's tokens sorted by expert), fp32,
+    shape ``(groups, columns)``; a group with no rows gets 0."""
+    rows, cols = x.shape
+    magnitude = x.abs().float()
+    return magnitude.new_zeros(groups, cols).scatter_reduce_(0, group[:, None].expand(rows, cols), magnitude, "amax")
 
 
 def _floor_pow2_f64(x: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ hold. Usage::
     logger.log(float8_stats(model))        # {"layers.0.mlp.up_proj/input/saturated_frac": 0.0, ...}
     print(format_float8_stats(model))
 
-The counting happens inside each cast (see :func:`f8tensor.tensor.cast_to_float8_with_stats`)
+The counting happens inside each cast (see :func:`f8tensor.kernels.cast_with_stats`)
 and writes into small buffers on the layer, in forward (input, weight) and backward
 (grad_output), eager or under ``torch.compile(fullgraph=True)``. Each cast overwrites its
 buffer: the numbers always describe the last step. Reading them is one device sync.
@@ -22,6 +22,9 @@ buffer: the numbers always describe the last step. Reading them is one device sy
 backward (a Float8Tensor counts as its FP8 data plus its scale).
 
 This module observes the library; nothing below it imports it.
+
+Layer: above ``linear`` (beside ``convert``); imports ``linear`` and ``kernels``. Only
+``demo`` and the integrations import it.
 """
 
 from __future__ import annotations
@@ -35,8 +38,8 @@ from typing import TypeVar
 import torch
 from torch import nn
 
+from f8tensor.kernels import CAST_STATS_FIELDS
 from f8tensor.linear import STATS_BUFFERS, STATS_ROLES, Float8Linear
-from f8tensor.tensor import CAST_STATS_FIELDS
 
 __all__ = [
     "STATS_FIELDS",

@@ -335,13 +335,14 @@ def test_eager_equals_compiled_bitwise():
 )
 def test_kernel_scale_layouts_obey_the_rules_rows(ga, gb_on_b, m, k, n):
     from f8tensor import BlockGranularity, gemm
+    from f8tensor.gemm import blocks
 
     a8 = Float8Tensor.from_hp(torch.randn(m, k), granularity=ga)
     scale_dtype = a8._scale.dtype
     b8 = Float8Tensor.from_hp(torch.randn(k, n), granularity=BlockGranularity(gb_on_b, scale_dtype))
     rule = gemm.block_rule_for(a8._block, b8._block, scale_dtype)
     assert rule is not None
-    sa, sb = gemm._block_kernel_scales(rule, a8, b8)
+    sa, sb = blocks._block_kernel_scales(rule, a8, b8)
     b_data = b8._data.t().contiguous().t()
     assert gemm.block_scaled_mm_violations(a8._data, b_data, sa, sb, rule) == []
     # And the checker does catch a wrong layout: a row-major 1x128 scale_a.
@@ -350,7 +351,7 @@ def test_kernel_scale_layouts_obey_the_rules_rows(ga, gb_on_b, m, k, n):
 
 
 def test_mx_swizzle_places_each_scale_where_cublas_reads_it():
-    from f8tensor.gemm import _swizzle_32_4_4
+    from f8tensor.gemm.blocks import _swizzle_32_4_4
 
     rows, cols = 200, 10
     codes = torch.randint(0, 255, (rows, cols), dtype=torch.uint8)

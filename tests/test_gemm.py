@@ -18,7 +18,7 @@ from helpers import MATMUL_MIN_DB, assert_sqnr, dtype_name
 
 from f8tensor import Float8Tensor, GemmConfig, float8_mm
 from f8tensor import gemm as G
-from f8tensor.gemm import CudaBuild, Route, choose_route, scaled_mm_violations, violations_on_supported_builds
+from f8tensor.gemm import CudaBuild, Route, choose_route, front, scaled_mm_violations, violations_on_supported_builds
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 E4M3_FNUZ, E5M2_FNUZ = torch.float8_e4m3fnuz, torch.float8_e5m2fnuz
@@ -165,20 +165,37 @@ def test_wrapper_checks_functional_scaled_mm(cuda_rules):
     assert len(found) == 1 and "torch.nn.functional.scaled_mm" in found[0] and "out_dtype float32" in found[0]
 
 
-def test_env_var_installs_the_check_at_import():
-    code = (
-        "import torch, f8tensor\n"
+def _run_with_env(code: str, mode: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, G.RULES_CHECK_ENV: mode, "PYTHONPATH": os.pathsep.join(sys.path)}
+    return subprocess.run([sys.executable, "-c", code], check=False, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_env_var_checks_products_and_import_changes_nothing():
+    """``import f8tensor`` leaves torch alone whatever the variable says; with it set, the
+    products f8tensor makes are checked (from the first one on): raised at in "1" mode,
+    recorded in "record" mode, and torch's own function is still torch's."""
+    raising = (
+        "import torch\n"
+        "original = torch._scaled_mm\n"
+        "import f8tensor\n"
+        "from f8tensor.gemm import check\n"
+        "assert torch._scaled_mm is original and check.rules_check_installed() is None\n"
         "a = torch.randn(32, 64).to(torch.float8_e4m3fn); b = torch.randn(48, 64).to(torch.float8_e4m3fn).t()\n"
         "try:\n"
-        "    torch._scaled_mm(a, b, torch.ones(32, 1), torch.ones(1, 48), out_dtype=torch.float32)\n"
+        "    check.scaled_mm(a, b, torch.ones(32, 1), torch.ones(1, 48), out_dtype=torch.float32)\n"
         "except f8tensor.gemm.CudaRuleViolation:\n"
-        "    print('refused')\n"
+        "    print('refused', torch._scaled_mm is original)\n"
     )
-    env = {**os.environ, G.RULES_CHECK_ENV: "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    out = subprocess.run(
-        [sys.executable, "-c", code], check=False, env=env, capture_output=True, text=True, timeout=120
-    )
-    assert out.returncode == 0 and out.stdout.strip() == "refused", out.stderr[-2000:]
+    out = _run_with_env(raising, "1")
+    assert out.returncode == 0 and out.stdout.strip() == "refused True", out.stderr[-2000:]
+    recording = "; ".join([
+        "import torch, f8tensor",
+        "x8, w8 = (f8tensor.Float8Tensor.from_hp(torch.randn(n, 64), granularity='rowwise') for n in (32, 48))",
+        "f8tensor.float8_mm(x8, w8.t(), out_dtype=torch.bfloat16)",
+        "print(f8tensor.gemm.rules_check_installed().calls, f8tensor.gemm.rules_check_installed().take())",
+    ])
+    out = _run_with_env(recording, "record")
+    assert out.returncode == 0 and out.stdout.strip() == "1 []", out.stderr[-2000:]
 
 
 # ---------------------------------------------------------------- the routes
@@ -345,10 +362,10 @@ def test_fnuz_refused_up_front_on_nvidia_cuda(monkeypatch):
     cuda = torch.device("cuda")
     monkeypatch.setattr(torch.version, "hip", None)
     with pytest.raises(ValueError, match=r"NVIDIA CUDA device.*float8_e4m3fn and float8_e5m2"):
-        G._check_operand_dtypes(E4M3_FNUZ, E5M2_FNUZ, cuda)
-    G._check_operand_dtypes(E4M3, E5M2, cuda)  # the NVIDIA formats pass
+        front._check_operand_dtypes(E4M3_FNUZ, E5M2_FNUZ, cuda)
+    front._check_operand_dtypes(E4M3, E5M2, cuda)  # the NVIDIA formats pass
     monkeypatch.setattr(torch.version, "hip", "6.4")
-    G._check_operand_dtypes(E4M3_FNUZ, E5M2_FNUZ, cuda)  # ROCm: fnuz is what MI300 has
+    front._check_operand_dtypes(E4M3_FNUZ, E5M2_FNUZ, cuda)  # ROCm: fnuz is what MI300 has
 
 
 def test_rowwise_linear_fp32_model_is_legal_and_accurate(one_thread):

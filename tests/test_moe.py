@@ -185,7 +185,7 @@ def test_bmm_is_one_grouped_call(name, monkeypatch):
         calls["scaled_mm"] += 1
         return real_mm(*a, **k)
 
-    monkeypatch.setattr("f8tensor.ops.scaled_grouped_mm", grouped)
+    monkeypatch.setattr("f8tensor.gemm.grouped.scaled_grouped_mm", grouped)
     monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
     x, w = torch.randn(6, 5, K, dtype=torch.bfloat16), torch.randn(6, N, K, dtype=torch.bfloat16)
     w8 = Float8Tensor.from_hp(w, granularity=GRANULARITIES[name])

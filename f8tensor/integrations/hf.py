@@ -27,6 +27,8 @@ saved files, bit for bit::
     model = from_pretrained_float8(AutoModelForCausalLM, "out/checkpoint",
                                    config=Float8LinearConfig.from_recipe("delayed"),
                                    module_filter_fn=lambda m, fqn: fqn != "lm_head")
+
+Layer: ``integrations`` (the top); imports ``convert``, ``linear``, ``config``.
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ import torch
 from torch import nn
 
 from f8tensor.config import Float8LinearConfig
-from f8tensor.linear import Float8Linear, convert_to_float8_training
+from f8tensor.convert import convert_to_float8_training
+from f8tensor.linear import Float8Linear
 
 __all__ = ["float8_state_dict", "from_pretrained_float8", "load_float8_state"]
 

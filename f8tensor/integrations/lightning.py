@@ -20,6 +20,8 @@ the FP8 matrix products, as the ``"bf16-mixed"`` precision does. Pass
 Works with ``lightning`` (``lightning.pytorch``) or, when only that is installed, the
 standalone ``pytorch_lightning`` package: the plugin subclasses whichever ``Precision``
 the Trainer checks against. Use it with one of them in a process, not both.
+
+Layer: ``integrations`` (the top); imports ``convert`` and ``config``.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import torch
 from torch import nn
 
 from f8tensor.config import Float8LinearConfig
-from f8tensor.linear import convert_to_float8_training
+from f8tensor.convert import convert_to_float8_training
 
 try:
     from lightning.pytorch.plugins.precision import Precision

@@ -34,6 +34,8 @@ With ``enable_fsdp_float8_all_gather=True``, call
 :func:`f8tensor.precompute_float8_scales_for_fsdp` after each ``optimizer.step()``
 (e.g. from ``ModelSpec.post_optimizer_build_fn``'s hook) to compute all weight scales
 with one all-reduce; it is optional.
+
+Layer: ``integrations`` (the top); imports ``linear``, ``config``, ``gemm.rules``.
 """
 
 from __future__ import annotations
@@ -48,13 +50,12 @@ from torchtitan.models.common.linear import Linear
 from torchtitan.protocols.module import Module
 
 from f8tensor.config import RECIPES, Float8LinearConfig
+from f8tensor.gemm.rules import ALIGN
 from f8tensor.linear import Float8Linear
 
 __all__ = ["F8TensorLinear", "F8TensorLinearConverter", "f8tensor_float8_linear"]
 
 logger = logging.getLogger("f8tensor")
-
-_ALIGN = 16
 
 
 class F8TensorLinear(Float8Linear, Module):
@@ -92,9 +93,9 @@ def _skip_reason(cfg: Linear.Config, float8: Float8LinearConfig) -> str | None:
     owner = type(cfg)._owner
     if owner is None or owner.forward is not nn.Linear.forward:
         return "overrides forward"
-    aligned = cfg.in_features % _ALIGN == 0 and cfg.out_features % _ALIGN == 0
+    aligned = cfg.in_features % ALIGN == 0 and cfg.out_features % ALIGN == 0
     if not (aligned or float8.pad_inner_dim):
-        return f"dims not multiples of {_ALIGN}"
+        return f"dims not multiples of {ALIGN}"
     return None
 
 

@@ -19,25 +19,31 @@ traffic, not the numerics.
 
 :func:`precompute_float8_scales_for_fsdp` moves the amax all-reduce out of the per-layer
 all-gathers: after ``optimizer.step()`` it reduces every weight's amax in one collective.
+
+The wrapper sits below the modules: ``Float8Linear`` chooses it as its weight's type when
+its config asks for FP8 all-gather; the model converter (``convert.py``) keeps tied
+weights tied.
+
+Layer: ``distributed.fsdp``, above ``weights``; imports ``weights``, ``tensor``, ``kernels``,
+``scaling``, ``config``, ``compat``.
 """
+
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._pytree import tree_map_only
 
-from f8tensor.config import CastConfig
-from f8tensor.formats import HP_DTYPES
+from f8tensor import kernels
+from f8tensor.compat import DISABLED_TORCH_FUNCTION, dtensor_local, preserve_version_counter
+from f8tensor.config import CastConfig, CastSpec
 from f8tensor.scaling import amax_to_scale, tensor_amax
-from f8tensor.tensor import Float8Tensor, cast_to_float8
+from f8tensor.tensor import Float8Tensor
+from f8tensor.weights import HighPrecisionWeight, WriteCount
 
 if dist.is_available():
     from torch.distributed.tensor import DTensor
@@ -48,88 +54,26 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-__all__ = ["Float8AllGatherWeight", "precompute_float8_scales_for_fsdp"]
+__all__ = ["DTensor", "Float8AllGatherWeight", "precompute_float8_scales_for_fsdp", "wrap_weight"]
 
 aten = torch.ops.aten
 logger = logging.getLogger("f8tensor")
 
-# Ops whose result is still "the weight", only stored differently, stay wrapped: the
-# views and copies FSDP uses to shard and pad a parameter, DTensor's local views, device
-# and dtype moves, and the buffers checkpoint loading allocates. Every other op
-# (arithmetic, reductions, the optimizer's math) sees and returns plain tensors, and an
-# in-place op returns its wrapped argument, whatever the op.
-#
-# Views share the write count of the wrapper they view; copies start their own.
-_VIEWS = frozenset(
-    {
-        aten.detach.default,
-        aten.alias.default,
-        aten.view.default,
-        aten._unsafe_view.default,
-        aten.as_strided.default,
-        aten.slice.Tensor,
-        aten.split.Tensor,
-        aten.split_with_sizes.default,
-    }
-)
-_COPIES = frozenset(
-    {
-        aten.clone.default,
-        aten._to_copy.default,
-        aten._pin_memory.default,
-        aten.new_zeros.default,
-        aten.new_empty.default,
-        aten.empty_like.default,
-    }
-)
 
-
-class _WriteCount:
-    """How often the data under a wrapper and its views has been written.
-
-    Not the autograd version counter: a view made inside another subclass's dispatch (a
-    DTensor's ``detach``, as in ``state_dict``) gets a fresh version counter, yet writes
-    through it (a checkpoint load) change the weight all the same.
-    """
-
-    __slots__ = ("n",)
-
-    def __init__(self) -> None:
-        self.n = 0
-
-
-# For each op: the positions and names of the arguments it writes (schema ``Tensor(a!)``).
-_WRITES: dict[Any, tuple[tuple[int, str], ...]] = {}
-
-
-def _written_args(func: Any, args: tuple, kwargs: dict) -> Iterator[Any]:
-    """The tensors ``func`` writes into, in-place and ``out=`` arguments alike."""
-    where = _WRITES.get(func)
-    if where is None:
-        where = tuple(
-            (i, arg.name)
-            for i, arg in enumerate(func._schema.arguments)
-            if arg.alias_info is not None and arg.alias_info.is_write
-        )
-        _WRITES[func] = where
-    for i, name in where:
-        value = args[i] if i < len(args) else kwargs.get(name)
-        yield from value if isinstance(value, (list, tuple)) else (value,)
-
-
-class Float8AllGatherWeight(torch.Tensor):
+class Float8AllGatherWeight(HighPrecisionWeight):
     """A high-precision weight whose FSDP2 all-gather moves FP8 bytes.
 
     For every op it behaves like the plain tensor it wraps (optimizer steps, ``copy_``,
-    ``zero_``, DTensor sharding, checkpoints); only FSDP's all-gather hooks differ.
-    Fields:
+    ``zero_``, DTensor sharding, checkpoints: see :class:`~f8tensor.weights.HighPrecisionWeight`);
+    only FSDP's all-gather hooks differ. Fields:
 
     - ``_hp``: the plain bf16/fp16/fp32 tensor (the whole weight, or a rank's shard).
     - ``_cast``: the weight's :class:`~f8tensor.config.CastConfig` (FP8 dtype, power-of-2
       rounding); dynamic and tensorwise, which ``Float8LinearConfig`` checks.
-    - ``_writes``: a :class:`_WriteCount` shared with every wrapper that views the same
-      data; each op that writes into any of them (optimizer steps, ``copy_``,
-      ``load_state_dict``, checkpoint loads) counts, whichever subclass dispatched it.
+    - ``_writes``: a :class:`~f8tensor.weights.WriteCount` shared with every wrapper that
+      views the same data; each op that writes into any of them (optimizer steps,
+      ``copy_``, ``load_state_dict``, checkpoint loads) counts, whichever subclass
+      dispatched it.
     - ``_precomputed``: ``None``, or ``(scale, writes)`` from
       :func:`precompute_float8_scales_for_fsdp`: a 0-dim fp32 scale and the write count
       it was computed at. A cache, not part of the tensor: used only while the count is
@@ -137,96 +81,58 @@ class Float8AllGatherWeight(torch.Tensor):
       starts without one and computes its scale afresh.
     """
 
-    _hp: torch.Tensor
     _cast: CastConfig
-    _writes: _WriteCount
     _precomputed: tuple[torch.Tensor, int] | None
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    # Ops whose result is still "the weight", only stored differently, stay wrapped: the
+    # views and copies FSDP uses to shard and pad a parameter, DTensor's local views, device
+    # and dtype moves, and the buffers checkpoint loading allocates. Every other op
+    # (arithmetic, reductions, the optimizer's math) sees and returns plain tensors.
+    VIEWS = frozenset(
+        {
+            aten.detach.default,
+            aten.alias.default,
+            aten.view.default,
+            aten._unsafe_view.default,
+            aten.as_strided.default,
+            aten.slice.Tensor,
+            aten.split.Tensor,
+            aten.split_with_sizes.default,
+        }
+    )
+    COPIES = frozenset(
+        {
+            aten.clone.default,
+            aten._to_copy.default,
+            aten._pin_memory.default,
+            aten.new_zeros.default,
+            aten.new_empty.default,
+            aten.empty_like.default,
+        }
+    )
+
+    __torch_function__ = DISABLED_TORCH_FUNCTION
 
     @staticmethod
-    def __new__(
-        cls, hp: torch.Tensor, cast: CastConfig, *, writes: _WriteCount | None = None
-    ) -> Float8AllGatherWeight:
-        if isinstance(hp, (Float8AllGatherWeight, Float8Tensor)):
-            raise TypeError(f"Float8AllGatherWeight wraps a high-precision tensor; got a {type(hp).__name__}")
-        if hp.dtype not in HP_DTYPES:
-            raise TypeError(f"Float8AllGatherWeight wraps a bf16, fp16 or fp32 tensor; got {hp.dtype}")
+    def __new__(cls, hp: torch.Tensor, cast: CastConfig, *, writes: WriteCount | None = None) -> Float8AllGatherWeight:
+        HighPrecisionWeight._check_hp(cls, hp)
         if not cast.tensorwise or cast.delayed:
             raise ValueError("FP8 all-gather needs a dynamic tensorwise weight cast (recipe 'tensorwise')")
-        self = torch.Tensor._make_wrapper_subclass(
-            cls,
-            hp.shape,
-            strides=hp.stride(),
-            storage_offset=hp.storage_offset(),
-            dtype=hp.dtype,
-            layout=hp.layout,
-            device=hp.device,
-            requires_grad=hp.requires_grad,
-        )
-        self._hp = hp
+        self = HighPrecisionWeight._wrap(cls, hp, writes)
         self._cast = cast
-        self._writes = writes if writes is not None else _WriteCount()
         self._precomputed = None
         return self
+
+    def _meta(self) -> tuple:
+        return (self._cast,)
 
     def __repr__(self) -> str:  # type: ignore[override]
         fp8 = str(self._cast.dtype).removeprefix("torch.")
         return f"Float8AllGatherWeight({fp8}, {self._hp!r})"
 
-    def __reduce_ex__(self, protocol):  # type: ignore[override]
-        # Serialized (torch.save, torch.distributed.checkpoint) as the plain tensor it
-        # wraps: checkpoints hold ordinary tensors, load with weights_only=True, and move
-        # freely between models with and without the FP8 all-gather. Loading into a
-        # wrapper goes through copy_ like any other write. A shard that views a larger
-        # (padded) buffer is copied first so that only its own elements are written.
-        hp = self._hp
-        if hp.untyped_storage().nbytes() != hp.nbytes:
-            hp = hp.clone()
-        if isinstance(self, nn.Parameter):
-            hp = nn.Parameter(hp, requires_grad=self.requires_grad)
-        return hp.__reduce_ex__(protocol)
-
-    # ----------------------------------------------------------------- compile support
-
-    def __tensor_flatten__(self) -> tuple[list[str], tuple]:
-        return ["_hp"], (self._cast,)
-
     @staticmethod
     def __tensor_unflatten__(inner: dict, meta: tuple, outer_size: Any, outer_stride: Any) -> Float8AllGatherWeight:
         return Float8AllGatherWeight(inner["_hp"], *meta)
-
-    # ----------------------------------------------------------------- dispatch
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
-        # Unwrap, run on the plain tensors, and map results back: an in-place result is
-        # the wrapped argument itself; a new result stays wrapped only for _VIEWS (sharing
-        # the argument's write count) and _COPIES.
-        wrapped: dict[int, Float8AllGatherWeight] = {}
-
-        def unwrap(w: Float8AllGatherWeight) -> torch.Tensor:
-            wrapped.setdefault(id(w._hp), w)
-            return w._hp
-
-        kwargs = kwargs or {}
-        out = func(*tree_map_only(cls, unwrap, args), **tree_map_only(cls, unwrap, kwargs))
-        for written in _written_args(func, args, kwargs):
-            if isinstance(written, cls):
-                written._writes.n += 1
-        first = next(iter(wrapped.values()))
-        keep = func in _VIEWS or func in _COPIES
-        writes = first._writes if func in _VIEWS else None
-
-        def rewrap(t: torch.Tensor) -> torch.Tensor:
-            same = wrapped.get(id(t))
-            if same is not None and same._hp is t:
-                return same
-            if keep and t.dtype in HP_DTYPES:
-                return cls(t, first._cast, writes=writes)
-            return t
-
-        return tree_map_only(torch.Tensor, rewrap, out)
 
     # ----------------------------------------------------------------- FSDP2 extension
 
@@ -245,7 +151,7 @@ class Float8AllGatherWeight(torch.Tensor):
         dtype the Float8Tensor stands for, in :meth:`fsdp_post_all_gather`.
         """
         scale = self._all_gather_scale(mesh)
-        data = cast_to_float8(self._hp, self._cast.dtype, scale=scale)._data.view(torch.uint8)
+        data = kernels.cast(self._hp, CastSpec(self._cast.dtype), scale)[0].view(torch.uint8)
         # FSDP pads every shard along dim 0 to the size of the first one (torch.chunk's
         # ceil(rows / world)): an uneven or empty shard is topped up with zero bytes (the
         # zero byte is +0.0 in every FP8 format). Unpadded shards (other shard dims, which
@@ -287,7 +193,7 @@ class Float8AllGatherWeight(torch.Tensor):
         # the weight is gathered again for backward, from the same unchanged shard, so the
         # value written here equals the saved one: hide the write from autograd's check,
         # exactly as FSDP does for the gathered bytes themselves.
-        with torch.autograd._unsafe_preserve_version_counter(out._scale):
+        with preserve_version_counter(out._scale):
             out._scale.copy_(scale)
         return None
 
@@ -324,54 +230,9 @@ def wrap_weight(weight: nn.Parameter, cast: CastConfig) -> nn.Parameter:
     return nn.Parameter(Float8AllGatherWeight(weight.detach(), cast), requires_grad=weight.requires_grad)
 
 
-def keep_tied_weights_tied(module: nn.Module) -> None:
-    """Undo the untying that wrapping weights for FP8 all-gather causes, in place.
-
-    ``wrap_weight`` gives a converted layer a new Parameter over the same storage; a weight
-    tied to another module (an embedding and its lm_head) would become two Parameters,
-    which an optimizer then updates twice per step. Tied only among FP8 layers: they share
-    one wrapped Parameter. Tied to anything else (an embedding looks rows up in high
-    precision, which an FP8 all-gathered weight cannot serve): every user gets the one plain
-    Parameter back, and those FP8 layers all-gather that weight in high precision (their
-    config says so; a warning names them).
-    """
-    from f8tensor.linear import Float8Linear  # linear sits below fsdp; imported at call time
-
-    users: dict[tuple, list[tuple[nn.Module, str, nn.Parameter]]] = {}
-    for mod in module.modules():
-        for name, param in mod._parameters.items():
-            if param is None:
-                continue
-            hp = param._hp if isinstance(param, Float8AllGatherWeight) else param
-            key = (StorageWeakRef(hp.untyped_storage()), hp.storage_offset(), tuple(hp.shape), hp.stride())
-            users.setdefault(key, []).append((mod, name, param))
-    for group in users.values():
-        if len({id(p) for _, _, p in group}) < 2:
-            continue
-        wrapped = [p for _, _, p in group if isinstance(p, Float8AllGatherWeight)]
-        if not wrapped:
-            continue
-        all_fp8 = all(isinstance(m, Float8Linear) and n == "weight" for m, n, _ in group)
-        if all_fp8:
-            shared = wrapped[0]
-        else:
-            plain = [p for _, _, p in group if not isinstance(p, Float8AllGatherWeight)]
-            shared = plain[0]
-            names = sorted({type(m).__name__ for m, _, _ in group})
-            logger.warning(
-                "f8tensor: a weight tied between %s stays one high-precision Parameter: FP8 all-gather is "
-                "off for it (only Float8Linear layers can use an FP8-gathered weight)", ", ".join(names),
-            )
-        for mod, name, param in group:
-            if param is not shared:
-                setattr(mod, name, shared)
-            if not all_fp8 and isinstance(mod, Float8Linear):
-                mod.config = dataclasses.replace(mod.config, enable_fsdp_float8_all_gather=False)
-
-
 def _local_of(t: Any) -> Any:
     """The local tensor of a DTensor, else ``None``."""
-    return t._local_tensor if isinstance(t, DTensor) else None
+    return dtensor_local(t) if isinstance(t, DTensor) else None
 
 
 @torch.no_grad()

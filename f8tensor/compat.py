@@ -1,0 +1,215 @@
+"""The one module that reaches into PyTorch's private APIs: thin, named wrappers.
+
+f8tensor supports torch 2.11-2.13. Everything it needs that PyTorch does not offer as a
+public API (the FP8 GEMM ops, the tensor-subclass machinery, a few autograd and
+distributed internals) is reached from here and nowhere else, so that a torch release
+that moves one of them is a change to one entry of this file. Each entry says what it is
+and since which torch release it exists. ``tests/test_private_api.py`` checks the rule:
+no other module of the package names a private torch attribute or module.
+
+Layer: the bottom. Imports torch only; every module of the package may import it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils import _pytree
+from torch.utils._python_dispatch import return_and_correct_aliasing as _return_and_correct_aliasing
+
+if torch.distributed.is_available():
+    import torch.distributed._functional_collectives as _funcol
+
+__all__ = [
+    "DISABLED_TORCH_FUNCTION",
+    "GROUPED_MM_FUNCTIONS",
+    "block_scaled_mm",
+    "current_graph_task_id",
+    "disable_torch_function_subclass",
+    "dtensor_local",
+    "functional_all_reduce_max",
+    "grouped_mm",
+    "has_block_scaled_mm",
+    "is_fake",
+    "is_op_of_namespace",
+    "make_wrapper_subclass",
+    "preserve_version_counter",
+    "return_and_correct_aliasing",
+    "scaled_grouped_mm",
+    "scaled_mm",
+    "set_scaled_mm",
+    "tree_map_only",
+    "view_base",
+    "written_arguments",
+]
+
+# ----------------------------------------------------------------------- FP8 GEMM ops
+#
+# The originals, captured when f8tensor is imported: ``install_rules_check`` may later
+# replace ``torch._scaled_mm`` / ``F.scaled_mm`` with checking wrappers for a user's own
+# calls, while f8tensor's products are checked where gemm makes them (exactly once).
+
+#: ``torch._scaled_mm`` (torch >= 2.1; the ``scale_a``/``scale_b`` signature since 2.4).
+_SCALED_MM = torch._scaled_mm
+#: ``torch.nn.functional.scaled_mm``: public, torch >= 2.10; block-scaled (1x128, 128x128,
+#: MX) kernels by named scaling recipes. ``None`` on a build without it.
+_F_SCALED_MM = getattr(torch.nn.functional, "scaled_mm", None)
+#: ``torch._scaled_grouped_mm`` (torch >= 2.8): grouped FP8 GEMMs (CUDA sm90/sm100).
+_SCALED_GROUPED_MM = torch._scaled_grouped_mm
+#: ``torch._grouped_mm`` (torch >= 2.8; CPU kernels from 2.9): grouped high-precision GEMMs.
+_GROUPED_MM = torch._grouped_mm
+
+
+def scaled_mm(
+    mat1: torch.Tensor, mat2: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, *,
+    bias: torch.Tensor | None = None, scale_result: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+    use_fast_accum: bool = False, **kwargs: Any,
+) -> torch.Tensor:
+    """``torch._scaled_mm`` (the original op). ``kwargs``: passed through (inductor's CPU
+    extern-kernel call adds ``out=``)."""
+    kwargs.update(bias=bias, scale_result=scale_result, out_dtype=out_dtype, use_fast_accum=use_fast_accum)
+    return _SCALED_MM(mat1, mat2, scale_a, scale_b, **kwargs)
+
+
+def set_scaled_mm(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """Make ``torch._scaled_mm`` ``fn`` (the rules check's wrapper for a user's own calls, or
+    the function it replaced); returns what it was."""
+    previous, torch._scaled_mm = torch._scaled_mm, fn
+    return previous
+
+
+def has_block_scaled_mm() -> bool:
+    """Whether this torch has ``torch.nn.functional.scaled_mm`` (torch >= 2.10)."""
+    return _F_SCALED_MM is not None
+
+
+def block_scaled_mm(*args: Any, **kwargs: Any) -> torch.Tensor:
+    """``torch.nn.functional.scaled_mm`` (the original function; public, torch >= 2.10)."""
+    return _F_SCALED_MM(*args, **kwargs)
+
+
+def scaled_grouped_mm(a, b, scale_a, scale_b, offs, out_dtype) -> torch.Tensor:
+    """``torch._scaled_grouped_mm`` (torch >= 2.8)."""
+    return _SCALED_GROUPED_MM(a, b, scale_a, scale_b, offs=offs, out_dtype=out_dtype)
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``torch._grouped_mm`` (torch >= 2.8; fp32 CPU kernels from 2.9)."""
+    return _GROUPED_MM(a, b, offs=offs)
+
+
+#: The functions a model calls for a grouped GEMM: ``torch._grouped_mm`` (torch >= 2.8) and
+#: the public ``torch.nn.functional.grouped_mm`` where it exists (torch >= 2.10).
+GROUPED_MM_FUNCTIONS: tuple[Callable[..., torch.Tensor], ...] = (_GROUPED_MM,) + (
+    (torch.nn.functional.grouped_mm,) if hasattr(torch.nn.functional, "grouped_mm") else ()
+)
+
+# ----------------------------------------------------------------------- tensor subclasses
+
+
+def make_wrapper_subclass(cls: type, like: torch.Tensor, *, dtype: torch.dtype, requires_grad: bool) -> Any:
+    """``torch.Tensor._make_wrapper_subclass`` (torch >= 1.12; the documented way to build a
+    wrapper subclass): an instance of ``cls`` with ``like``'s shape, strides, storage
+    offset, layout and device, and the outer ``dtype``."""
+    return torch.Tensor._make_wrapper_subclass(
+        cls,
+        like.shape,
+        strides=like.stride(),
+        storage_offset=like.storage_offset(),
+        dtype=dtype,
+        layout=like.layout,
+        device=like.device,
+        requires_grad=requires_grad,
+    )
+
+
+#: ``torch._C._disabled_torch_function_impl`` (torch >= 1.7): a subclass's
+#: ``__torch_function__`` that leaves every call to ``__torch_dispatch__``.
+DISABLED_TORCH_FUNCTION = torch._C._disabled_torch_function_impl
+
+
+def disable_torch_function_subclass():
+    """``torch._C.DisableTorchFunctionSubclass()`` (torch >= 2.0): a context in which
+    subclasses' ``__torch_function__`` is skipped (call the plain function)."""
+    return torch._C.DisableTorchFunctionSubclass()
+
+
+def return_and_correct_aliasing(func: Any, args: Any, kwargs: Any, out: Any) -> Any:
+    """``torch.utils._python_dispatch.return_and_correct_aliasing`` (torch >= 2.1): give a
+    view op's subclass result the aliasing its schema promises (autograd, functionalization)."""
+    return _return_and_correct_aliasing(func, args, kwargs, out)
+
+
+def tree_map_only(cls: type | tuple[type, ...], fn: Callable[[Any], Any], tree: Any) -> Any:
+    """``torch.utils._pytree.tree_map_only`` (torch >= 2.0): ``fn`` on the leaves of type ``cls``."""
+    return _pytree.tree_map_only(cls, fn, tree)
+
+
+def is_fake(t: torch.Tensor) -> bool:
+    """Whether ``t`` holds no values (a ``FakeTensor`` of torch.compile's tracing, from
+    ``torch._subclasses.fake_tensor``, torch >= 2.0; or a meta tensor)."""
+    return isinstance(t, FakeTensor) or t.device.type == "meta"
+
+
+def view_base(t: torch.Tensor) -> torch.Tensor | None:
+    """``Tensor._base`` (torch >= 1.0): the tensor ``t`` is a view of, or ``None``."""
+    return t._base
+
+
+def written_arguments(func: Any, args: tuple, kwargs: dict) -> Iterator[Any]:
+    """The arguments an aten op writes into (its schema's ``Tensor(a!)``: in-place and
+    ``out=`` arguments), read from ``OpOverload._schema`` (torch >= 1.13)."""
+    where = _WRITES.get(func)
+    if where is None:
+        where = tuple(
+            (i, arg.name)
+            for i, arg in enumerate(func._schema.arguments)
+            if arg.alias_info is not None and arg.alias_info.is_write
+        )
+        _WRITES[func] = where
+    for i, name in where:
+        value = args[i] if i < len(args) else kwargs.get(name)
+        yield from value if isinstance(value, (list, tuple)) else (value,)
+
+
+_WRITES: dict[Any, tuple[tuple[int, str], ...]] = {}
+
+
+def is_op_of_namespace(func: Any, namespace: str) -> bool:
+    """Whether ``func`` is a ``torch.ops.<namespace>`` op, overload packet or overload
+    (``torch._ops.OpOverloadPacket`` / ``OpOverload``, torch >= 1.13)."""
+    if isinstance(func, torch._ops.OpOverloadPacket):
+        return func._qualified_op_name.startswith(f"{namespace}::")
+    return isinstance(func, torch._ops.OpOverload) and func.namespace == namespace
+
+
+# ----------------------------------------------------------------------- autograd
+
+
+def current_graph_task_id() -> int:
+    """``torch._C._current_graph_task_id()`` (torch >= 2.0): -1 outside a backward pass."""
+    return torch._C._current_graph_task_id()
+
+
+def preserve_version_counter(t: torch.Tensor):
+    """``torch.autograd._unsafe_preserve_version_counter`` (torch >= 2.1): a context in which
+    writes to ``t`` leave its version counter (autograd's saved-tensor check) unchanged."""
+    return torch.autograd._unsafe_preserve_version_counter(t)
+
+
+# ----------------------------------------------------------------------- distributed
+
+
+def functional_all_reduce_max(t: torch.Tensor, group: Any) -> torch.Tensor:
+    """``torch.distributed._functional_collectives.all_reduce(t, "max", group)`` (torch >=
+    2.1): an all-reduce that returns a new tensor, traceable by torch.compile."""
+    return _funcol.all_reduce(t, "max", group)
+
+
+def dtensor_local(t: Any) -> torch.Tensor:
+    """``DTensor._local_tensor`` (torch >= 2.4): a DTensor's local shard itself (the object
+    FSDP2 keeps; ``to_local()`` would return a differentiable alias)."""
+    return t._local_tensor

@@ -1,0 +1,368 @@
+"""Autograd Functions shared by ``Float8Linear`` and the FP8 experts, and the per-operand casts.
+
+:class:`Float8LinearFn` is ``x @ W.t() + b`` with FP8 GEMMs in forward and both backward
+GEMMs, each operand cast per its :class:`~f8tensor.config.CastConfig` (dynamic or delayed,
+any granularity: :meth:`CastConfig.operand_spec` gives each GEMM operand its
+:class:`~f8tensor.config.CastSpec`). Its state is named: :class:`DelayedBuffers` (the
+delayed-scaling buffers of a layer) and :class:`StatsBuffers` (its telemetry), each
+``None`` when the config does not use it. :class:`NoDoubleBackward` refuses a second
+derivative with a message naming the layer.
+
+Layer: above ``ops``; imports ``gemm``, ``ops``, ``tensor``, ``scaling``, ``config``, ``compat``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from f8tensor.compat import current_graph_task_id, functional_all_reduce_max
+from f8tensor.config import CastConfig, CastSpec, Float8LinearConfig, GemmConfig
+from f8tensor.gemm import matmul
+from f8tensor.ops import transpose_2d
+from f8tensor.scaling import delayed_scale, materialized, push_amax, tensor_amax
+from f8tensor.tensor import Float8Tensor, to_float8, to_float8_with_stats
+
+__all__ = ["DelayedBuffers", "Float8LinearFn", "NoDoubleBackward", "StatsBuffers", "cast_operand"]
+
+
+class DelayedBuffers(NamedTuple):
+    """A layer's delayed-scaling state (fp32 buffers; the field names are the buffer names).
+
+    One amax history per operand role; the scales the current step used for input and
+    weight (re-used if activation checkpointing re-runs forward); and the scales of each of
+    the last calls of a step, keyed by the input's amax (see ``Float8Linear``)."""
+
+    amax_history_input: torch.Tensor
+    amax_history_weight: torch.Tensor
+    amax_history_grad_output: torch.Tensor
+    scale_input: torch.Tensor
+    scale_weight: torch.Tensor
+    delayed_call_keys: torch.Tensor
+    delayed_call_scales: torch.Tensor
+
+
+class StatsBuffers(NamedTuple):
+    """A layer's cast telemetry, one float64 vector per operand role (laid out as
+    ``CAST_STATS_FIELDS``; the field names are the buffer names)."""
+
+    float8_stats_input: torch.Tensor
+    float8_stats_weight: torch.Tensor
+    float8_stats_grad_output: torch.Tensor
+
+
+def _record_call(
+    keys: torch.Tensor, scales: torch.Tensor, key: torch.Tensor, scale_in: torch.Tensor, scale_w: torch.Tensor
+) -> None:
+    """Push this forward's (key, input scale, weight scale) as the newest recorded call."""
+    keys.copy_(torch.cat([key.reshape(1).to(keys.dtype), keys[:-1]]))
+    scales.copy_(torch.cat([torch.stack([scale_in, scale_w]).reshape(1, 2), scales[:-1]]))
+
+
+def _recorded_scales(keys: torch.Tensor, scales: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The input and weight scales of the newest recorded call with this key (no device
+    sync: an argmax on the device). No match (more than _CALLS calls since): the newest."""
+    index = (keys == key).to(torch.int32).argmax()
+    row = scales[index]
+    return row[0], row[1]
+
+
+def _sync_amax(amax: torch.Tensor) -> torch.Tensor:
+    """Make an amax agree across data-parallel ranks (a no-op without torch.distributed)."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return amax
+    return functional_all_reduce_max(amax, dist.group.WORLD)
+
+
+def _recomputing() -> bool:
+    """True while activation checkpointing re-runs a forward inside backward (eager).
+
+    Delayed scaling must cast with the scale the original forward used then. Under
+    torch.compile the partitioner recomputes from the traced graph and never replays
+    buffer updates.
+    """
+    if torch.compiler.is_compiling():
+        return False
+    return current_graph_task_id() != -1
+
+
+def cast_operand(
+    hp: torch.Tensor,
+    cast: CastConfig,
+    contracted_dim: int,
+    gemm: GemmConfig,
+    config: Float8LinearConfig,
+    history: torch.Tensor | None = None,
+    scale_buffer: torch.Tensor | None = None,
+    recompute: bool = False,
+    stats: torch.Tensor | None = None,
+) -> tuple[Float8Tensor, torch.Tensor | None]:
+    """Cast one GEMM operand per its CastConfig (dynamic or delayed); its GEMM contracts
+    over ``contracted_dim`` (see :meth:`CastConfig.operand_spec`).
+
+    Returns the FP8 tensor and, for a delayed cast, the current amax, which the caller
+    pushes into ``history`` (see :class:`Float8LinearFn`); for a dynamic cast ``None``.
+    Delayed: the scale comes from ``history`` and is also written to ``scale_buffer``;
+    with ``recompute`` (a checkpointed forward running again) the scale stored there by
+    the original forward is used instead. ``stats``: the role's telemetry buffer, which
+    this cast overwrites, or ``None`` (no telemetry).
+    """
+    spec = cast.operand_spec(contracted_dim)
+    if not cast.delayed:
+        return _cast(stats, hp, spec, gemm=gemm), None
+    # The scale comes from the history alone (unit scale while it is empty, see
+    # delayed_scale), so the cast does not wait for the current amax. That amax, pushed
+    # into the history in backward, is taken after the cast, which is stored first
+    # (`materialized`): under torch.compile inductor then computes it in the cast's own
+    # pass over `hp` (its CPU back end fuses a pointwise loop with a later reduction over
+    # the same outer loop, not with an earlier one). A scale decided in advance does not
+    # see an inf in `hp`, which the saturating cast would turn into the format's max:
+    # make it NaN, element by element, in the same pass (NaN stays NaN).
+    guarded = torch.where(torch.isinf(hp), torch.nan, hp)
+    if recompute:
+        scale = scale_buffer.clone()
+    else:
+        scale = delayed_scale(
+            history,
+            cast.dtype,
+            reduction=config.delayed.reduction,
+            margin=config.delayed.margin,
+            round_pow2=cast.power_of_2_scale,
+        )
+    amax_local = None if stats is None else _amax_by_rows(hp)
+    # The stats describe this rank's tensor: its own amax, not the all-reduced one.
+    fp8 = _cast(stats, guarded, spec, scale=scale, gemm=gemm, amax=amax_local)
+    fp8 = fp8._replace(data=materialized(fp8._data))
+    if amax_local is None:
+        amax_local = _amax_by_rows(hp)
+    if scale_buffer is not None and not recompute:
+        scale_buffer.copy_(scale)
+    return fp8, _sync_amax(amax_local)
+
+
+def _amax_by_rows(hp: torch.Tensor) -> torch.Tensor:
+    """``tensor_amax(hp)`` (the same value: min and max are exact), reduced row by row
+    first for a 2D ``hp``: a reduction over the cast's own loop nest, which inductor fuses
+    into the cast's pass (a flat reduction over all elements has other loops and stays a
+    pass of its own)."""
+    if hp.dim() != 2 or hp.numel() == 0:
+        return tensor_amax(hp)
+    return torch.maximum(hp.amax(-1), -hp.amin(-1)).amax().float()
+
+
+def _cast(
+    stats: torch.Tensor | None, hp: torch.Tensor, spec: CastSpec, *, amax: torch.Tensor | None = None, **kwargs
+) -> Float8Tensor:
+    """``to_float8``, or with ``stats`` its measuring twin, whose numbers overwrite ``stats``
+    (never accumulate: a checkpointed forward that runs again writes the same)."""
+    if stats is None:
+        return to_float8(hp, spec, **kwargs)
+    f8, measured = to_float8_with_stats(hp, spec, amax=amax, **kwargs)
+    stats.copy_(measured)
+    return f8
+
+
+def _column_major_copy(f8: Float8Tensor) -> Float8Tensor:
+    """``f8`` (2D) with its FP8 bytes laid out column-major: the layout the weight-gradient
+    GEMM takes for both operands (it contracts over the tokens, dim 0).
+
+    Written as a copy into a column-major buffer, which inductor fuses into the cast that
+    produced ``f8``: one pass over the high-precision tensor stores both layouts. (Left to
+    the GEMM's operand preparation (``gemm.operands.col_major``), the transposed copy becomes a pass of its own that
+    casts the high-precision tensor a second time.) In eager mode it is one copy of the
+    FP8 bytes, as before.
+    """
+    data = f8._data  # a fresh cast: row-major (no stride test, which dynamic shapes would trace)
+    out = torch.empty_strided(data.shape, (1, data.shape[0]), dtype=data.dtype, device=data.device)
+    out.copy_(data)
+    return f8._replace(data=materialized(out))
+
+
+class Float8LinearFn(torch.autograd.Function):
+    """``x @ W.t() + b`` with FP8 GEMMs in forward and backward.
+
+    Saved for backward: the FP8 input (1 byte/element) when the weight-gradient GEMM
+    takes it as is (tensorwise input), else the high-precision input; the weight itself
+    (a parameter, no extra memory) and, for a tensorwise weight, its 0-dim scale, so
+    backward re-casts it to the very same bytes instead of keeping an FP8 copy of every
+    weight alive. Delayed scaling also keeps the input's and weight's 0-dim amax. (This
+    is what eager mode keeps; under torch.compile the partitioner may save other tensors,
+    e.g. a rowwise input already cast along the other axis, in FP8.) The FP8 input is
+    saved column-major, the layout the weight-gradient GEMM takes (see _column_major_copy).
+
+    Delayed scaling pushes each amax into its history in backward, once per backward of
+    this node, never in forward. So every forward of one step (gradient accumulation:
+    several forwards, then their backwards) casts with the same scale, which is also
+    kept in a buffer; a forward that activation checkpointing re-runs in backward casts
+    with that stored scale and reproduces the original bytes. A forward without a
+    backward (evaluation) leaves the histories alone.
+
+    Telemetry (``stats``: ``None``, or the layer's three statistics buffers) records the
+    three primary casts: input and weight in forward, grad_output in backward. The
+    re-casts along the other axis that rowwise recipes make for the weight-gradient GEMM
+    (and the backward re-cast of a rowwise weight) are not recorded.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, config, delayed, stats):  # type: ignore[override]
+        # `delayed`: None, or the layer's DelayedBuffers; `stats`: None, or its StatsBuffers.
+        # They ride on ctx, not save_for_backward: they are updated in place by later steps,
+        # which is their purpose, not a hazard for this step's gradients.
+        d = delayed
+        hist_in, hist_w, hist_go = (d.amax_history_input, d.amax_history_weight, d.amax_history_grad_output) if d else (None,) * 3
+        scale_in, scale_w = (d.scale_input, d.scale_weight) if d else (None, None)
+        st_in, st_w, st_go = stats if stats is not None else (None,) * 3
+        recompute = config.any_delayed and _recomputing()
+        fwd = GemmConfig(use_fast_accum=config.use_fast_accum, pad_inner_dim=config.pad_inner_dim, emulate=config.emulate)
+        x2 = x.reshape(-1, x.shape[-1])
+        calls = (d.delayed_call_keys, d.delayed_call_scales) if d and (config.input.delayed or config.weight.delayed) else None
+        if calls is not None and recompute:
+            # This call's own scales, not the latest call's (see DelayedBuffers).
+            scale_in, scale_w = _recorded_scales(*calls, _sync_amax(tensor_amax(x2)))
+        x8, amax_x = cast_operand(x2, config.input, 1, fwd, config, hist_in, scale_in, recompute, st_in)
+        if isinstance(weight, Float8Tensor):  # FSDP2 float8 all-gather hands over an FP8 weight
+            w8, amax_w = weight._replace(gemm=fwd), None
+        else:
+            w8, amax_w = cast_operand(weight, config.weight, 1, fwd, config, hist_w, scale_w, recompute, st_w)
+        if calls is not None and not recompute:
+            key = amax_x if amax_x is not None else _sync_amax(tensor_amax(x2))
+            _record_call(*calls, key, scale_in, scale_w)
+        y = matmul(x8, transpose_2d(w8), bias=bias)  # built, not dispatched: torch.export traces it
+
+        # The weight-gradient GEMM contracts over tokens (dim 0 of x): a tensorwise x8 is
+        # reused there as is; a rowwise or block-scaled one would need the other axis (the
+        # tokens), so keep x in hp.
+        keep_fp8_input = config.input.tensorwise and not config.weight_grad_in_hp
+        # Backward re-casts a tensorwise high-precision weight with this very scale; a
+        # rowwise or block-scaled weight is cast along the other axis there (a 128x128 one
+        # to the same blocks), so its scale is not kept.
+        reuse_w_scale = not isinstance(weight, Float8Tensor) and config.weight.tensorwise
+        # The weight-gradient GEMM takes x8 with M innermost: lay the bytes out so now, while
+        # the cast writes them (see _column_major_copy).
+        ctx.save_for_backward(
+            _column_major_copy(x8) if keep_fp8_input else x2, weight, w8._scale if reuse_w_scale else None, amax_x, amax_w
+        )
+        ctx.config = config
+        ctx.histories = (hist_in, hist_w, hist_go)
+        ctx.stats_go = st_go
+        ctx.x_shape = x.shape
+        ctx.layer = f"Float8Linear(in_features={weight.shape[1]}, out_features={weight.shape[0]})"
+        # A fresh tensor, not a view of the 2D product (reshape returns a view even when
+        # the shape is unchanged), like nn.Linear's output: FSDP2 warns on every forward
+        # whose output is a view, as an in-place op on it would bypass the backward hook.
+        # _scaled_mm's result is contiguous, so _unsafe_view only relabels its shape.
+        return torch.ops.aten._unsafe_view(y, (*x.shape[:-1], y.shape[-1]))
+
+    @staticmethod
+    def backward(ctx, grad_y):  # type: ignore[override]
+        saved = ctx.saved_tensors  # unpacked once (a checkpointed forward allows no second unpack)
+        if not torch.is_grad_enabled():
+            return Float8LinearFn._backward(ctx, grad_y, saved)
+        # create_graph=True: FP8 GEMMs have no derivative (torch._scaled_mm has none), so
+        # compute the gradients without a graph and attach a node that refuses a second
+        # backward with a message naming the layer, instead of failing deep in autograd.
+        with torch.no_grad():
+            grads = Float8LinearFn._backward(ctx, grad_y, saved)
+        saved_x, weight = saved[:2]
+        present = [i for i, g in enumerate(grads[:3]) if g is not None]
+        outs = NoDoubleBackward.apply(ctx.layer, grad_y, weight, saved_x, *(grads[i] for i in present))
+        grads = list(grads)
+        for i, g in zip(present, outs):
+            grads[i] = g
+        return tuple(grads)
+
+    @staticmethod
+    def _backward(ctx, grad_y, saved):
+        saved_x, weight, w_scale, amax_x, amax_w = saved
+        hist_in, hist_w, hist_go = ctx.histories
+        need_grad_x, need_grad_w, need_grad_b = ctx.needs_input_grad[:3]
+        config: Float8LinearConfig = ctx.config
+        bwd = GemmConfig(pad_inner_dim=config.pad_inner_dim, emulate=config.emulate)
+        # grad_W contracts over the tokens, whose count (M) varies with the batch: always
+        # pad it to 16 (zero rows add nothing), never fail on an odd batch.
+        bwd_w = GemmConfig(pad_inner_dim=True, emulate=config.emulate)
+        g = grad_y.reshape(-1, grad_y.shape[-1])
+        go_cfg = config.grad_output
+
+        # g8: grad_output scaled along N (or per tensor), for grad_x and, per tensor, also
+        # for grad_W. A delayed cast measures every backward's grad_output, needed or not.
+        g8 = None
+        gw_uses_g8 = go_cfg.tensorwise and not config.weight_grad_in_hp
+        if need_grad_x or (need_grad_w and gw_uses_g8) or go_cfg.delayed:
+            g8, amax_g = cast_operand(g, go_cfg, 1, bwd, config, hist_go, stats=ctx.stats_go)
+            if amax_g is not None:
+                push_amax(hist_go, amax_g)
+        # The weight-gradient GEMM's copy of g8 (M innermost), taken right at the cast so
+        # that inductor writes both layouts from the cast's pass.
+        g8_cm = _column_major_copy(g8) if g8 is not None and need_grad_w and gw_uses_g8 else None
+
+        # grad_x = g @ W: contraction over N, so W's scale must be constant along dim 0.
+        grad_x = None
+        if need_grad_x:
+            if isinstance(weight, Float8Tensor):
+                w8 = weight._replace(gemm=bwd)
+            elif not config.weight.tensorwise:
+                w8 = to_float8(weight, config.weight.operand_spec(0), gemm=bwd)
+            else:
+                # Same scale as in forward: the same FP8 bytes, without keeping them alive.
+                w8 = to_float8(weight, CastSpec(config.weight.dtype), scale=w_scale, gemm=bwd)
+            grad_x = matmul(g8, w8).reshape(ctx.x_shape)
+
+        # grad_W = g.t() @ x: contraction over M.
+        grad_w = None
+        if need_grad_w:
+            if config.weight_grad_in_hp:
+                grad_w = g.t().to(saved_x.dtype) @ saved_x
+            else:
+                # Both operands with M innermost (column-major), written by their casts.
+                if gw_uses_g8:
+                    gt8 = g8_cm._replace(gemm=bwd_w)
+                else:
+                    # When grad_x was not needed this is the only cast of grad_output: it
+                    # then feeds the telemetry.
+                    gt8 = _column_major_copy(_cast(ctx.stats_go if g8 is None else None, g, go_cfg.operand_spec(0), gemm=bwd_w))
+                if isinstance(saved_x, Float8Tensor):
+                    x8 = saved_x._replace(gemm=bwd_w)
+                else:
+                    x8 = _column_major_copy(to_float8(saved_x, config.input.operand_spec(0), gemm=bwd_w))
+                # Written in the weight's dtype (fp32 for fp32 master weights), not bf16:
+                # autograd needs the fp32 .grad anyway, and a bf16 output adds a rounding
+                # and an upcast pass. Bytes per weight element in eager: tensorwise route
+                # 4 (fp32 written once) vs 4 + 2 + 4 (bf16 written, read, fp32 written);
+                # post-scale route (a rowwise product with an fp32 output, or any precise
+                # one when asked for: gemm.choose_route) fp32 either way until its last
+                # pass, then 12 bytes more for bf16. The
+                # accuracy is the same either way (grad_W SQNR vs fp64: 28.9 dB, rowwise
+                # e4m3, M=256 K=64 N=48 and M=2048 K=512 N=1792), so the bytes decide.
+                grad_w = matmul(gt8.t(), x8, out_dtype=weight.dtype)
+            grad_w = grad_w.to(weight.dtype)
+        grad_b = g.sum(0) if need_grad_b else None
+        # Pushed last: under torch.compile an amax the partitioner recomputes here (the
+        # weight's) is then read in the same pass as the weight's re-cast above.
+        if amax_x is not None:
+            push_amax(hist_in, amax_x)
+        if amax_w is not None:
+            push_amax(hist_w, amax_w)
+        return grad_x, grad_w, grad_b, None, None, None
+
+
+class NoDoubleBackward(torch.autograd.Function):
+    """Identity on first-order gradients whose own backward explains why there is none."""
+
+    @staticmethod
+    def forward(ctx, layer, grad_y, weight, x, *grads):  # type: ignore[override]
+        ctx.layer = layer
+        return tuple(g.clone() for g in grads)
+
+    @staticmethod
+    def backward(ctx, *unused):  # type: ignore[override]
+        raise RuntimeError(
+            f"{ctx.layer}: double backward (a gradient of a gradient, e.g. a gradient penalty or "
+            f"torch.autograd.grad(..., create_graph=True) followed by another backward) is not "
+            f"supported through FP8 GEMMs, which have no second derivative. Keep this layer in high "
+            f"precision (convert_to_float8_training(..., module_filter_fn=...) leaving it out)."
+        )
+
+

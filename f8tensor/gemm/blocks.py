@@ -1,0 +1,143 @@
+"""Block-scaled FP8 products (1x128, 128x128, MX 1x32): the kernels and the reference path.
+
+A product with a block-scaled operand (see Float8Tensor's ``_block``) comes here from the
+front door. On CPU, and on CUDA with ``GemmConfig(emulate=True)``, it is the reference
+computation: each operand dequantized per block in fp32, an fp32 matmul, the bias added in
+fp32, one cast (the numbers the GPU kernels compute up to accumulation order). On CUDA
+otherwise it is ``torch.nn.functional.scaled_mm`` with the scale layouts of
+:data:`~f8tensor.gemm.rules.BLOCK_SCALED_MM_RULES` (the MX scales swizzled), or a clear
+error where no supported build has the kernel. With the check mode on, the reference path
+checks the call the CUDA branch would make, built by the same code (:func:`_kernel_args`).
+
+Layer: above ``operands`` in ``f8tensor.gemm``; imports ``operands``, ``check``, ``rules``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from f8tensor.config import GemmConfig
+from f8tensor.gemm.check import block_scaled_mm, check_active, record_block_reference
+from f8tensor.gemm.operands import col_major, inverse_scale, row_major
+from f8tensor.gemm.rules import BLOCK_SCALED_MM_RULES, BlockScaledMMRule, CudaBuild, block_rule_for
+from f8tensor.tensor import Float8Tensor, dequantize
+
+__all__ = ["product"]
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def product(
+    a8: Float8Tensor, b8: Float8Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype, gemm: GemmConfig
+) -> torch.Tensor:
+    """``a8 (M, K) @ b8 (K, N)`` (+ ``bias``) where at least one operand is block-scaled."""
+    scale_dtype = a8._scale.dtype if a8._scale.dtype == b8._scale.dtype else None
+    rule = block_rule_for(a8._block, b8._block, scale_dtype) if scale_dtype is not None else None
+    if a8._data.device.type == "cuda" and not gemm.emulate:
+        return _kernel_mm(rule, a8, b8, bias, out_dtype, gemm)
+    if rule is not None and _takes_operands(rule, a8, b8) and check_active():
+        record_block_reference(rule.name, *_kernel_args(rule, a8, b8))
+    return _reference_mm(a8, b8, bias, out_dtype)
+
+
+def _reference_mm(a8: Float8Tensor, b8: Float8Tensor, bias, out_dtype: torch.dtype) -> torch.Tensor:
+    """The reference: dequantize per block in fp32, fp32 matmul, fp32 bias, one cast.
+
+    Deliberate fp32 throughout: it is what the block-scaled kernels accumulate in (they
+    apply each K-block's scales to its fp32 partial sum), so the results agree up to the
+    order of accumulation.
+    """
+    acc = dequantize(a8, torch.float32) @ dequantize(b8, torch.float32)
+    if bias is not None:
+        acc = acc + bias.to(torch.float32)
+    return acc.to(out_dtype)
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def _swizzle_32_4_4(scale: torch.Tensor) -> torch.Tensor:
+    """An (R, C) e8m0 scale in the tiled layout cuBLAS reads for 1x32 block scaling.
+
+    Padded to 128-row x 4-column tiles (tiles in row-major order); inside a tile, the
+    entry at (r, c) lands at offset ``(r % 32) * 16 + (r // 32) * 4 + c``.
+    """
+    rows, cols = scale.shape
+    pr, pc = _round_up(rows, 128), _round_up(cols, 4)
+    raw = scale.view(torch.uint8)
+    if (pr, pc) != (rows, cols):
+        # Pad bytes: 127 is 2**0 in e8m0, a harmless 1 for the padding's zero data.
+        raw = torch.nn.functional.pad(raw, (0, pc - cols, 0, pr - rows), value=127)
+    tiles = raw.reshape(pr // 128, 4, 32, pc // 4, 4).permute(0, 3, 2, 1, 4)
+    return tiles.contiguous().reshape(-1).view(torch.float8_e8m0fnu)
+
+
+def _block_kernel_scales(rule: BlockScaledMMRule, a8: Float8Tensor, b8: Float8Tensor):
+    """The two scale tensors in the layouts ``rule`` names (see its ``scale_a``/``scale_b``)."""
+    a_inv, b_inv = inverse_scale(a8), inverse_scale(b8)
+    if rule.recipe_a == "BlockWise1x32":
+        # a: (M, K/32) as is; b: its (K/32, N) scales read per column of b, i.e. (N, K/32).
+        return _swizzle_32_4_4(a_inv), _swizzle_32_4_4(b_inv.t().contiguous())
+    if rule.block_a == (1, 128):
+        sa = col_major(a_inv)  # (M, K/128), strides (1, M)
+    else:  # 128x128 a: (M/128, K/128) -> (round_up(K/128, 4), M/128), column-major
+        t = a_inv.t()
+        sa = col_major(torch.nn.functional.pad(t, (0, 0, 0, _round_up(t.shape[0], 4) - t.shape[0])))
+    if rule.block_b == (128, 1):
+        sb = b_inv.contiguous().t()  # (K/128, N) row-major, read as (N, K/128) with strides (1, N)
+    else:  # 128x128 b: (K/128, N/128) -> (round_up(K/128, 4), N/128), column-major
+        sb = col_major(torch.nn.functional.pad(b_inv, (0, 0, 0, _round_up(b_inv.shape[0], 4) - b_inv.shape[0])))
+    return sa, sb
+
+
+def _takes_operands(rule: BlockScaledMMRule, a8: Float8Tensor, b8: Float8Tensor) -> bool:
+    return a8._data.dtype in rule.operand_dtypes and b8._data.dtype in rule.operand_dtypes
+
+
+def _kernel_args(rule: BlockScaledMMRule, a8: Float8Tensor, b8: Float8Tensor):
+    """The operands and scales of ``rule``'s kernel call: A row-major, B column-major, the
+    scales in their layouts."""
+    return (row_major(a8._data), col_major(b8._data), *_block_kernel_scales(rule, a8, b8))
+
+
+def _kernel_mm(
+    rule: BlockScaledMMRule | None, a8: Float8Tensor, b8: Float8Tensor, bias, out_dtype: torch.dtype, gemm: GemmConfig
+) -> torch.Tensor:
+    """``torch.nn.functional.scaled_mm`` with block scales, or a clear error."""
+    allowed = "; ".join(
+        f"{r.name}: a block {r.block_a}, b block {r.block_b}, {_name(r.scale_dtype)} scales" for r in BLOCK_SCALED_MM_RULES
+    )
+    if rule is None:
+        raise NotImplementedError(
+            f"no CUDA kernel multiplies a block-{a8._block} ({_name(a8._scale.dtype)} scales) by a "
+            f"block-{b8._block} ({_name(b8._scale.dtype)} scales) operand. Kernels: {allowed}. "
+            f"Use GemmConfig(emulate=True) / Float8LinearConfig(emulate=True) for the reference path."
+        )
+    functional = torch.nn.functional
+    major, minor = torch.cuda.get_device_capability(a8._data.device)
+    cuda = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
+    here = CudaBuild((0, 0), cuda, (major, minor))
+    if not hasattr(functional, "scaled_mm") or here not in rule.builds:
+        raise NotImplementedError(
+            f"the {rule.name} kernel needs {rule.builds} and torch.nn.functional.scaled_mm; this is "
+            f"sm{major}{minor} with CUDA {torch.version.cuda}. Use emulate=True for the reference path."
+        )
+    if not _takes_operands(rule, a8, b8):
+        names = ", ".join(sorted(_name(d) for d in rule.operand_dtypes))
+        raise ValueError(
+            f"the {rule.name} kernel takes {names} operands; got {_name(a8._data.dtype)} x {_name(b8._data.dtype)}"
+        )
+    a_data, b_data, sa, sb = _kernel_args(rule, a8, b8)
+    kinds, swizzle = functional.ScalingType, functional.SwizzleType
+    swz = swizzle.SWIZZLE_32_4_4 if rule.recipe_a == "BlockWise1x32" else swizzle.NO_SWIZZLE
+    out = block_scaled_mm(
+        a_data, b_data, sa, getattr(kinds, rule.recipe_a), sb, getattr(kinds, rule.recipe_b),
+        swizzle_a=swz, swizzle_b=swz, output_dtype=out_dtype,
+        use_fast_accum=gemm.use_fast_accum and rule.fast_accum,
+    )
+    if bias is not None:
+        out = out + bias.to(out_dtype)
+    return out

@@ -1,0 +1,542 @@
+"""The CUDA-rules check: the checkers of the three kinds of FP8 GEMM, and the check mode.
+
+CPU kernels accept products that GPU kernels refuse. The checkers read the rows of
+``rules.py`` and say what a build would refuse in one call, as a list of messages
+(``[]``: legal), one function per kind: :func:`scaled_mm_violations` (and
+:func:`violations_on_supported_builds`, merged over every supported build),
+:func:`block_scaled_mm_violations`, :func:`grouped_mm_violations`.
+
+The check mode records (or raises at) every call f8tensor makes that a supported build
+would refuse. It is switched on explicitly, never by ``import f8tensor``:
+
+- :func:`install_rules_check` (``raise_on_violation=False`` records only; the test suite
+  does this), or the context manager :func:`rules_check`. These also wrap
+  ``torch._scaled_mm`` and ``torch.nn.functional.scaled_mm`` for calls a user makes
+  directly: the wrappers are :func:`checked_scaled_mm` and
+  :func:`checked_functional_scaled_mm`, names a traceback shows.
+- ``F8TENSOR_CHECK_CUDA_RULES=1|record|0`` (:data:`RULES_CHECK_ENV`), read by
+  :func:`install_from_env` at f8tensor's first FP8 product (not at import), so
+  ``F8TENSOR_CHECK_CUDA_RULES=1 python script.py`` checks every product the script makes
+  through f8tensor (torch's own functions stay as they are). An explicit
+  install/uninstall before that first product takes precedence over the variable.
+
+gemm sends every call through :func:`scaled_mm` and :func:`block_scaled_mm` (which check
+the exact arguments when the mode is on, then call ``compat``), and on the block reference
+path checks the arguments the CUDA branch would send (:func:`record_block_reference`).
+Under torch.compile the checks run while the graph is traced, without a graph break:
+the checked calls are ``torch.compiler.allow_in_graph`` functions, and whether the mode
+is on is read once per trace (:func:`check_active`).
+
+Layer: above ``rules`` in ``f8tensor.gemm``; imports ``rules``, ``formats``, ``compat``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from f8tensor import compat
+from f8tensor.formats import FLOAT8_DTYPES
+from f8tensor.gemm.rules import (
+    BLOCK_SCALED_MM_RULES,
+    GROUPED_RULES,
+    ROCM_BUILDS,
+    SCALED_MM_RULES,
+    SUPPORTED_BUILDS,
+    BlockScaledMMRule,
+    CudaBuild,
+    GroupedMMRule,
+    block_rule_by_recipes,
+    rule_for,
+)
+
+__all__ = [
+    "RULES_CHECK_ENV",
+    "CudaRuleViolation",
+    "block_scaled_mm",
+    "block_scaled_mm_violations",
+    "check_active",
+    "check_grouped_rules",
+    "checked_functional_scaled_mm",
+    "checked_scaled_mm",
+    "grouped_mm_violations",
+    "install_from_env",
+    "install_rules_check",
+    "is_col_major",
+    "is_row_major",
+    "record_block_reference",
+    "rules_check",
+    "rules_check_installed",
+    "scaled_mm",
+    "scaled_mm_violations",
+    "uninstall_rules_check",
+    "violations_on_supported_builds",
+]
+
+_FNUZ = (torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
+
+
+def _name(dtype: torch.dtype | None) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _names(dtypes: Iterable[torch.dtype]) -> str:
+    return ", ".join(sorted(_name(d) for d in dtypes)) or "none"
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+# ===================================================================== layouts
+
+
+def is_row_major(t: torch.Tensor) -> bool:
+    """The last two dims stored row-major (unit stride along the last; empty counts as any)."""
+    rows, cols = t.shape[-2], t.shape[-1]
+    return rows == 0 or cols == 0 or (t.stride(-1) == 1 and t.stride(-2) >= max(cols, 1))
+
+
+def is_col_major(t: torch.Tensor) -> bool:
+    """The last two dims stored column-major (unit stride along the first of them)."""
+    rows, cols = t.shape[-2], t.shape[-1]
+    return rows == 0 or cols == 0 or (t.stride(-2) == 1 and t.stride(-1) >= max(rows, 1))
+
+
+def _scale_and_layout_violations(
+    where: str, first: tuple, second: tuple, scale_a, scale_b, scale_dtype: torch.dtype, contiguous_scales: bool = False
+) -> list[str]:
+    """The checks every FP8 GEMM kernel makes: the scales' dtype (and contiguity), the
+    first operand row-major and the second column-major. ``first``/``second``: (name, tensor)."""
+    out = []
+    for label, s in (("scale_a", scale_a), ("scale_b", scale_b)):
+        if s.dtype != scale_dtype:
+            out.append(f"{where}: {label} dtype {_name(s.dtype)}, needs {_name(scale_dtype)}")
+        if contiguous_scales and not s.is_contiguous():
+            out.append(f"{where}: {label} must be contiguous; got stride {s.stride()}")
+    for (name, t), layout, ok in ((first, "row-major", is_row_major), (second, "column-major", is_col_major)):
+        if not ok(t):
+            out.append(f"{where}: {name} must be {layout}; got shape {tuple(t.shape)} stride {t.stride()}")
+    return out
+
+
+# ===================================================================== torch._scaled_mm
+
+
+def _scaling_kind(mat1: torch.Tensor, mat2: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor) -> str:
+    """How torch._scaled_mm reads the scales (its own order: tensorwise first, then rowwise)."""
+    if scale_a.numel() == 1 and scale_b.numel() == 1:
+        return "tensorwise"
+    m, n = mat1.shape[0], mat2.shape[1]
+    if scale_a.dim() == 2 and scale_b.dim() == 2 and tuple(scale_a.shape) == (m, 1) and tuple(scale_b.shape) == (1, n):
+        return "rowwise"
+    return "unknown"
+
+
+def scaled_mm_violations(
+    mat1: torch.Tensor,
+    mat2: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    scale_result: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    use_fast_accum: bool = False,
+    *,
+    build: CudaBuild,
+) -> list[str]:
+    """What ``build`` would refuse in this ``torch._scaled_mm`` call ([] when it is legal)."""
+    if mat1.dim() != 2 or mat2.dim() != 2:
+        return [f"operands must be 2D; got {tuple(mat1.shape)} and {tuple(mat2.shape)}"]
+    kind = _scaling_kind(mat1, mat2, scale_a, scale_b)
+    rule = rule_for(kind, build)
+    if rule is None:
+        m, n = mat1.shape[0], mat2.shape[1]
+        message = (
+            f"no kernel for these scales on {build.name}: scale_a {tuple(scale_a.shape)}, scale_b "
+            f"{tuple(scale_b.shape)} (tensorwise: 1 element each; rowwise: ({m}, 1) and (1, {n}))"
+        )
+        return [message]
+    out = []
+    a, b = mat1.dtype, mat2.dtype
+    out_dtype = out_dtype if out_dtype is not None else a
+    where = f"{kind} ({rule.kernel})"
+    if a not in rule.mat1_dtypes:
+        out.append(f"{where}: mat1 dtype {_name(a)} not in {{{_names(rule.mat1_dtypes)}}}")
+    if b not in rule.mat2_dtypes:
+        out.append(f"{where}: mat2 dtype {_name(b)} not in {{{_names(rule.mat2_dtypes)}}}")
+    if (a, b) in rule.refused_pairs:
+        out.append(f"{where}: {_name(a)} x {_name(b)} is refused")
+    if out_dtype not in rule.out_dtypes:
+        out.append(f"{where}: out_dtype {_name(out_dtype)} not in {{{_names(rule.out_dtypes)}}}")
+    out += _scale_and_layout_violations(
+        where, ("mat1", mat1), ("mat2", mat2), scale_a, scale_b, rule.scale_dtype, rule.scales_contiguous
+    )
+    m, k = mat1.shape
+    n = mat2.shape[1]
+    for dim, size, align in (("K", k, rule.align_k), ("N", n, rule.align_n), ("M", m, rule.align_m)):
+        if size % align:
+            out.append(f"{where}: {dim}={size} is not a multiple of {align}")
+    if bias is not None:
+        allowed = rule.bias_allowed(out_dtype)
+        if bias.dtype not in allowed:
+            out.append(
+                f"{where}: bias dtype {_name(bias.dtype)} with out_dtype {_name(out_dtype)}; "
+                f"allowed: {{{_names(allowed)}}}"
+            )
+        if bias.dim() != 1 or bias.numel() != n:
+            out.append(f"{where}: bias must be 1-D of size N={n}; got shape {tuple(bias.shape)}")
+    if scale_result is not None and out_dtype not in FLOAT8_DTYPES:
+        # PyTorch ignores it then; f8tensor never relies on an ignored argument.
+        out.append(f"{where}: scale_result is only applied to an FP8 output; out_dtype is {_name(out_dtype)}")
+    if use_fast_accum and not rule.fast_accum:
+        out.append(f"{where}: use_fast_accum is not supported")
+    return out
+
+
+_GROUPS: dict[tuple[CudaBuild, ...], list[tuple[CudaBuild, list[CudaBuild]]]] = {}
+
+
+def _build_groups(builds: tuple[CudaBuild, ...]) -> list[tuple[CudaBuild, list[CudaBuild]]]:
+    """``builds`` grouped by the rows that apply to them (one check per group), cached."""
+    if builds not in _GROUPS:
+        groups: dict[tuple[int, ...], list[CudaBuild]] = {}
+        kinds = sorted({r.kind for r in SCALED_MM_RULES})
+        for build in builds:
+            key = tuple(id(rule_for(kind, build)) for kind in kinds)
+            groups.setdefault(key, []).append(build)
+        _GROUPS[builds] = [(members[0], members) for members in groups.values()]
+    return _GROUPS[builds]
+
+
+def violations_on_supported_builds(mat1: torch.Tensor, mat2: torch.Tensor, *args: Any, **kwargs: Any) -> list[str]:
+    """:func:`scaled_mm_violations` on every supported build, merged: each message once,
+    with the builds that refuse it (``[]``: legal everywhere).
+
+    Products of fnuz operands are checked against :data:`ROCM_BUILDS` (the only GPUs
+    that have those formats), all others against :data:`SUPPORTED_BUILDS`.
+    """
+    builds = ROCM_BUILDS if mat1.dtype in _FNUZ or mat2.dtype in _FNUZ else SUPPORTED_BUILDS
+    found: dict[str, list[CudaBuild]] = {}
+    for representative, members in _build_groups(builds):
+        for message in scaled_mm_violations(mat1, mat2, *args, build=representative, **kwargs):
+            found.setdefault(message, []).extend(members)
+    return [f"{msg} [refused on {len(b)} of {len(builds)} builds, e.g. {b[0].name}]" for msg, b in found.items()]
+
+
+# ===================================================================== block-scaled F.scaled_mm
+
+
+def block_scaled_mm_violations(
+    mat_a: torch.Tensor, mat_b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, rule: BlockScaledMMRule
+) -> list[str]:
+    """What ``rule``'s kernel would refuse in this ``torch.nn.functional.scaled_mm`` call:
+    operand dtypes and layouts, scale dtypes, and the scale sizes of its row."""
+    out = []
+    where = f"block-scaled {rule.name}"
+    for label, t in (("mat_a", mat_a), ("mat_b", mat_b)):
+        if t.dtype not in rule.operand_dtypes:
+            out.append(f"{where}: {label} dtype {_name(t.dtype)} not in {{{_names(rule.operand_dtypes)}}}")
+    out += _scale_and_layout_violations(where, ("mat_a", mat_a), ("mat_b", mat_b), scale_a, scale_b, rule.scale_dtype)
+    m, k = mat_a.shape
+    n = mat_b.shape[1]
+    if rule.recipe_a == "BlockWise1x32":
+        want = (_round_up(m, 128) * _round_up(-(-k // 32), 4), _round_up(n, 128) * _round_up(-(-k // 32), 4))
+        got = (scale_a.numel(), scale_b.numel())
+        if got != want:
+            out.append(f"{where}: scale element counts {got}, needs {want}")
+        return out
+    kb = -(-k // 128)
+    shapes = {
+        (1, 128): ((m, kb), (1, m)),
+        (128, 128): ((_round_up(kb, 4), -(-m // 128)), (1, _round_up(kb, 4))),
+    }
+    want_a = shapes[rule.block_a]
+    want_b = ((n, kb), (1, n)) if rule.block_b == (128, 1) else ((_round_up(kb, 4), -(-n // 128)), (1, _round_up(kb, 4)))
+    for label, t, (shape, stride) in (("scale_a", scale_a, want_a), ("scale_b", scale_b, want_b)):
+        if tuple(t.shape) != shape:
+            out.append(f"{where}: {label} shape {tuple(t.shape)}, needs {shape}")
+        elif t.stride(0) != 1 or (shape[1] > 1 and t.stride(1) != stride[1]):
+            out.append(f"{where}: {label} strides {t.stride()}, needs {stride}")
+    return out
+
+
+# ===================================================================== torch._scaled_grouped_mm
+
+
+def grouped_mm_violations(
+    a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, offs: torch.Tensor | None,
+    out_dtype: torch.dtype, rule: GroupedMMRule = GROUPED_RULES[0],
+) -> list[str]:
+    """What ``rule``'s kernel would refuse in this ``torch._scaled_grouped_mm`` call ([] when
+    it is legal). Every row of :data:`GROUPED_RULES` has the same limits; the first is the default."""
+    out = []
+    allowed = tuple(sorted(rule.operand_dtypes, key=str))
+    if a.dtype not in rule.operand_dtypes or b.dtype not in rule.operand_dtypes:
+        out.append(f"torch._scaled_grouped_mm takes only {allowed} operands; got {a.dtype} x {b.dtype}")
+    if scale_a.dtype != rule.scale_dtype or scale_b.dtype != rule.scale_dtype:
+        out.append(f"scales must be {_name(rule.scale_dtype)}; got {scale_a.dtype} and {scale_b.dtype}")
+    if out_dtype not in rule.out_dtypes:
+        out.append(f"the output dtype must be one of {tuple(rule.out_dtypes)}; got {out_dtype}")
+    if a.dim() not in (2, 3) or b.dim() not in (2, 3):
+        return out + [f"operands must be 2D or 3D; got {a.dim()}D and {b.dim()}D"]
+    if not is_row_major(a) or not is_col_major(b):
+        out.append(
+            f"a must be {rule.a_layout} and b {rule.b_layout} in their last two dims; got strides "
+            f"{a.stride()} for {tuple(a.shape)} and {b.stride()} for {tuple(b.shape)}"
+        )
+    for name, t, lead in (("a", a, a.stride(-2)), ("b", b, b.stride(-1))):
+        if lead % rule.stride_bytes:
+            out.append(
+                f"the leading stride of {name} must be a multiple of {rule.stride_bytes} bytes; got {lead} "
+                f"for shape {tuple(t.shape)} (pad the contraction dim to a multiple of 16)"
+            )
+    if a.shape[-1] != b.shape[-2]:
+        out.append(f"contraction dims differ: {tuple(a.shape)} x {tuple(b.shape)}")
+    two_d = a.dim() == 2 or b.dim() == 2
+    if two_d != (offs is not None):
+        return out + ["offs is needed exactly when an operand is 2D"]
+    if offs is not None and (offs.dim() != 1 or offs.dtype != rule.offs_dtype):
+        out.append(f"offs must be a 1D {_name(rule.offs_dtype)} tensor; got {offs.dim()}D {offs.dtype}")
+    if a.dim() == 3 and b.dim() == 2:
+        return out + [f"the form {a.dim()}D x {b.dim()}D is not used by f8tensor"]
+    expected = _grouped_scale_shapes(a, b, offs)
+    if (tuple(scale_a.shape), tuple(scale_b.shape)) != expected:
+        out.append(
+            f"scales for {tuple(a.shape)} x {tuple(b.shape)} must have shapes {expected}; "
+            f"got {tuple(scale_a.shape)} and {tuple(scale_b.shape)}"
+        )
+    if not (scale_a.is_contiguous() and scale_b.is_contiguous()):
+        out.append("scales must be contiguous")
+    return out
+
+
+def _grouped_scale_shapes(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None) -> tuple[tuple, tuple]:
+    if a.dim() == 2 and b.dim() == 3:
+        return (a.shape[0],), (b.shape[0], b.shape[2])
+    if a.dim() == 2 and b.dim() == 2:
+        g = offs.shape[0]
+        return (g * a.shape[0],), (g * b.shape[1],)
+    return (a.shape[0], a.shape[1]), (b.shape[0], b.shape[2])
+
+
+def check_grouped_rules(a, b, scale_a, scale_b, offs, out_dtype) -> None:
+    """Raise ``ValueError`` naming the rules a call to ``torch._scaled_grouped_mm`` would
+    break. Grouped calls are refused up front, on every device and whether the check mode
+    is on or not: a model tested on CPU makes only grouped calls a GPU accepts."""
+    problems = grouped_mm_violations(a, b, scale_a, scale_b, offs, out_dtype)
+    if problems:
+        raise ValueError("FP8 grouped GEMM: " + "; ".join(problems))
+
+
+# ===================================================================== the check mode
+
+
+class CudaRuleViolation(AssertionError):
+    """A ``torch._scaled_mm`` call that a supported NVIDIA build would refuse."""
+
+
+class _RulesCheck:
+    """The state of the check mode: whether it is on, the wrapped torch functions, and what
+    it recorded."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.active = False
+        self.env_read = False
+        self.originals: dict[str, Any] = {}
+        self.raise_on_violation = True
+        self.calls = 0
+        self.violations: list[str] = []
+        self.call_log: list[dict[str, Any]] | None = None
+
+    def record(self, op: str, summary: dict[str, Any], problems: list[str]) -> None:
+        with self.lock:
+            self.calls += 1
+            if self.call_log is not None:
+                self.call_log.append(summary)
+            if problems:
+                self.violations.extend(f"{op}: {p}" for p in problems)
+        if problems and self.raise_on_violation:
+            raise CudaRuleViolation(f"{op} call a supported CUDA build would refuse:\n  " + "\n  ".join(problems))
+
+    def take(self) -> list[str]:
+        """The violations recorded so far, cleared."""
+        with self.lock:
+            out, self.violations = self.violations, []
+        return out
+
+
+_CHECK = _RulesCheck()
+
+
+@torch.compiler.assume_constant_result
+def check_active() -> bool:
+    """Whether the check mode is on: read by gemm at every product (the first one also reads
+    :data:`RULES_CHECK_ENV`, see :func:`install_from_env`). Under torch.compile it is read
+    once, when the graph is traced."""
+    if not _CHECK.env_read:
+        install_from_env()
+    return _CHECK.active
+
+
+def _summary(mat1, mat2, scale_a, scale_b, bias, out_dtype, use_fast_accum) -> dict[str, Any]:
+    return {
+        "kind": _scaling_kind(mat1, mat2, scale_a, scale_b),
+        "mat1": mat1.dtype,
+        "mat2": mat2.dtype,
+        "shape": (mat1.shape[0], mat1.shape[1], mat2.shape[1]),
+        "out_dtype": out_dtype if out_dtype is not None else mat1.dtype,
+        "bias": None if bias is None else bias.dtype,
+        "use_fast_accum": use_fast_accum,
+    }
+
+
+@torch.compiler.allow_in_graph
+def checked_scaled_mm(
+    mat1, mat2, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None, use_fast_accum=False, **kwargs
+):
+    """``torch._scaled_mm``, after checking the call against every supported build.
+
+    ``kwargs``: passed through (inductor's CPU extern-kernel call adds ``out=``)."""
+    problems = violations_on_supported_builds(
+        mat1, mat2, scale_a, scale_b, bias, scale_result, out_dtype, use_fast_accum
+    )
+    _CHECK.record("torch._scaled_mm", _summary(mat1, mat2, scale_a, scale_b, bias, out_dtype, use_fast_accum), problems)
+    kwargs.update(bias=bias, scale_result=scale_result, out_dtype=out_dtype, use_fast_accum=use_fast_accum)
+    return compat.scaled_mm(mat1, mat2, scale_a, scale_b, **kwargs)
+
+
+# Inductor registers the extern kernel it captures under the function's ``__name__`` and its
+# generated code calls ``extern_kernels._scaled_mm``: when inductor is first imported while
+# the wrapper is installed, the wrapper must answer to torch's name. A traceback still shows
+# ``checked_scaled_mm`` (it reads the code object's name, not ``__name__``).
+checked_scaled_mm.__name__ = "_scaled_mm"
+
+
+@torch.compiler.allow_in_graph
+def checked_functional_scaled_mm(mat_a, mat_b, scale_a, scale_recipe_a, scale_b, scale_recipe_b, *args, **kwargs):
+    """``torch.nn.functional.scaled_mm`` (torch >= 2.10), checked like ``_scaled_mm`` for
+    the recipes the tables have rows for; any other recipe is reported until a row covers it."""
+    recipes = {str(getattr(r, "name", r)).lower() for r in (scale_recipe_a, scale_recipe_b)}
+    single = not isinstance(scale_a, (list, tuple)) and not isinstance(scale_b, (list, tuple))
+    block_rule = block_rule_by_recipes(scale_recipe_a, scale_recipe_b) if single else None
+    if block_rule is not None:
+        # Block-scaled kernels exist on some builds only; gemm refuses the others up front
+        # (blocks.py), so a call is checked against its own row's layouts.
+        problems = block_scaled_mm_violations(mat_a, mat_b, scale_a, scale_b, block_rule)
+        summary = {"kind": block_rule.name, "mat1": mat_a.dtype, "mat2": mat_b.dtype}
+    elif single and len(recipes) == 1 and recipes <= {"tensorwise", "rowwise"}:
+        bias = kwargs.get("bias", args[2] if len(args) > 2 else None)
+        out_dtype = kwargs.get("output_dtype", args[3] if len(args) > 3 else torch.bfloat16)
+        fast = kwargs.get("use_fast_accum", args[5] if len(args) > 5 else False)
+        problems = violations_on_supported_builds(mat_a, mat_b, scale_a, scale_b, bias, None, out_dtype, fast)
+        summary = _summary(mat_a, mat_b, scale_a, scale_b, bias, out_dtype, fast)
+    else:
+        problems = [f"no rules row for scale recipes {sorted(recipes)}: add one to f8tensor.gemm.rules"]
+        summary = {"kind": "unknown", "recipes": sorted(recipes)}
+    _CHECK.record("torch.nn.functional.scaled_mm", summary, problems)
+    return compat.block_scaled_mm(mat_a, mat_b, scale_a, scale_recipe_a, scale_b, scale_recipe_b, *args, **kwargs)
+
+
+@torch.compiler.allow_in_graph
+def record_block_reference(rule_name: str, mat_a, mat_b, scale_a, scale_b) -> None:
+    """Check the ``torch.nn.functional.scaled_mm`` call the CUDA branch would make for a
+    block-scaled product that runs on the reference path (arguments built by the same code)."""
+    rule = next(r for r in BLOCK_SCALED_MM_RULES if r.name == rule_name)
+    problems = block_scaled_mm_violations(mat_a, mat_b, scale_a, scale_b, rule)
+    summary = {"kind": rule.name, "mat1": mat_a.dtype, "mat2": mat_b.dtype, "reference": True}
+    _CHECK.record("torch.nn.functional.scaled_mm (reference path)", summary, problems)
+
+
+def scaled_mm(mat1, mat2, scale_a, scale_b, *, bias=None, out_dtype=None, use_fast_accum=False) -> torch.Tensor:
+    """``torch._scaled_mm`` as gemm calls it: through ``compat``, checked first when the check
+    mode is on."""
+    if check_active():
+        return checked_scaled_mm(mat1, mat2, scale_a, scale_b, bias=bias, out_dtype=out_dtype, use_fast_accum=use_fast_accum)
+    return compat.scaled_mm(mat1, mat2, scale_a, scale_b, bias=bias, out_dtype=out_dtype, use_fast_accum=use_fast_accum)
+
+
+def block_scaled_mm(mat_a, mat_b, scale_a, recipe_a, scale_b, recipe_b, **kwargs: Any) -> torch.Tensor:
+    """``torch.nn.functional.scaled_mm`` as gemm calls it: through ``compat``, checked first
+    when the check mode is on."""
+    if check_active():
+        return checked_functional_scaled_mm(mat_a, mat_b, scale_a, recipe_a, scale_b, recipe_b, **kwargs)
+    return compat.block_scaled_mm(mat_a, mat_b, scale_a, recipe_a, scale_b, recipe_b, **kwargs)
+
+
+def install_rules_check(*, raise_on_violation: bool = True) -> _RulesCheck:
+    """Switch the check mode on: every FP8 GEMM f8tensor makes is checked against the
+    supported builds and recorded (``.calls``, ``.violations``; ``.take()`` drains them),
+    then runs. With ``raise_on_violation`` a violation raises :class:`CudaRuleViolation`
+    at the call. Also wraps ``torch._scaled_mm`` (and ``torch.nn.functional.scaled_mm``)
+    with :func:`checked_scaled_mm` / :func:`checked_functional_scaled_mm`, so a user's
+    direct calls are checked too. Idempotent; :func:`uninstall_rules_check` undoes it.
+    Under torch.compile the checked calls are opaque to dynamo (``allow_in_graph``): they
+    check the fake tensors the graph is traced with, without a graph break.
+    """
+    _CHECK.raise_on_violation = raise_on_violation
+    _CHECK.active = _CHECK.env_read = True
+    if _CHECK.originals:
+        return _CHECK
+    _CHECK.originals["_scaled_mm"] = compat.set_scaled_mm(checked_scaled_mm)
+    if compat.has_block_scaled_mm():
+        _CHECK.originals["F.scaled_mm"] = torch.nn.functional.scaled_mm
+        torch.nn.functional.scaled_mm = checked_functional_scaled_mm
+    return _CHECK
+
+
+def uninstall_rules_check() -> None:
+    """Switch the check mode off and put the original torch functions back."""
+    _CHECK.active = False
+    _CHECK.env_read = True
+    if "_scaled_mm" in _CHECK.originals:
+        compat.set_scaled_mm(_CHECK.originals.pop("_scaled_mm"))
+    if "F.scaled_mm" in _CHECK.originals:
+        torch.nn.functional.scaled_mm = _CHECK.originals.pop("F.scaled_mm")
+
+
+def rules_check_installed() -> _RulesCheck | None:
+    """The check mode's state (its counters and records) when it is on, else None."""
+    return _CHECK if _CHECK.active else None
+
+
+@contextlib.contextmanager
+def rules_check(*, raise_on_violation: bool = True) -> Iterator[_RulesCheck]:
+    """The check mode for a block of code: ``with rules_check() as check: ...``; the state
+    before (on or off, raising or recording) is restored after."""
+    was_on, was_raising = _CHECK.active, _CHECK.raise_on_violation
+    check = install_rules_check(raise_on_violation=raise_on_violation)
+    try:
+        yield check
+    finally:
+        if was_on:
+            _CHECK.raise_on_violation = was_raising
+        else:
+            uninstall_rules_check()
+
+
+#: The environment switch, read by :func:`install_from_env` at f8tensor's first FP8
+#: product: "1"/"raise" checks and raises at a violation; "record" only records; "0" or
+#: unset leaves the check off.
+RULES_CHECK_ENV = "F8TENSOR_CHECK_CUDA_RULES"
+
+
+def install_from_env() -> None:
+    """Switch the check mode on if :data:`RULES_CHECK_ENV` asks for it. gemm calls this once,
+    at f8tensor's first FP8 product; an explicit :func:`install_rules_check` or
+    :func:`uninstall_rules_check` before that wins over the variable. The env mode checks
+    f8tensor's own products; it does not wrap torch's functions."""
+    _CHECK.env_read = True
+    mode = os.environ.get(RULES_CHECK_ENV, "").strip().lower()
+    if mode in ("", "0", "off", "false", "no"):
+        return
+    if mode not in ("1", "on", "true", "yes", "raise", "record"):
+        raise ValueError(f"{RULES_CHECK_ENV}={mode!r}: use 1 (check and raise), record (check and record) or 0 (off)")
+    _CHECK.raise_on_violation = mode != "record"
+    _CHECK.active = True

@@ -1,0 +1,270 @@
+"""Dense FP8 products: tensorwise and rowwise scales on ``torch._scaled_mm``.
+
+:func:`choose_route` sends every such product, from the operands' dtypes and
+granularities, the output dtype and fast accumulation (never by catching an error), to a
+kernel that is legal on every supported build (:class:`Route`); :func:`product` makes the
+call: layouts, K/N padding, the inverse scales in the kernel's shape, a fused or a later
+bias. Which route precise-accumulation rowwise products take is a setting of the build
+(:func:`use_precise_rowwise_route`, :func:`set_precise_rowwise_route`).
+
+Layer: above ``operands`` in ``f8tensor.gemm``; imports ``operands``, ``check``, ``rules``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+from collections.abc import Iterator
+
+import torch
+
+from f8tensor.config import GemmConfig, is_tensorwise
+from f8tensor.gemm.check import scaled_mm
+from f8tensor.gemm.operands import col_major, inverse_scale, kernel_scale, row_major
+from f8tensor.gemm.rules import ALIGN
+from f8tensor.tensor import Float8Tensor
+
+__all__ = [
+    "Route",
+    "choose_route",
+    "precise_rowwise_route",
+    "product",
+    "set_precise_rowwise_route",
+    "use_precise_rowwise_route",
+]
+
+_BF16, _FP16 = torch.bfloat16, torch.float16
+_FNUZ = (torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
+
+
+class Route(str, enum.Enum):
+    """The kernel a product runs on (see :func:`choose_route`)."""
+
+    #: cuBLASLt with one scale per operand.
+    TENSORWISE = "tensorwise"
+    #: The rowwise kernel, outer scales applied in its epilogue.
+    ROWWISE = "rowwise"
+    #: The rowwise kernel on ``(B^T A^T)^T``: an e5m2 second operand becomes the first.
+    ROWWISE_SWAPPED = "rowwise_swapped"
+    #: cuBLASLt with the rowwise sides' scales set to 1 and an fp32 output, then one
+    #: elementwise ``acc * a_inv[:, None] * b_inv[None, :]`` (+ bias, cast). Legal on every
+    #: build: the route of the products the rowwise kernels refuse (an fp32 output on the
+    #: CUTLASS builds, an e5m2 ``b`` that cannot be swapped), and, when asked for with
+    #: :func:`set_precise_rowwise_route`, of precise-accumulation rowwise products.
+    TENSORWISE_POSTSCALE = "tensorwise_postscale"
+
+
+# The route of a rowwise product that accumulates precisely (use_fast_accum=False, as the
+# rowwise recipes' backward GEMMs do) and asks for a bf16/fp16 output. Both routes are
+# legal on every supported build. Default: the rowwise kernel. The post-scale route writes
+# the fp32 product and reads it back (+9 MiB per training step of Linear(512 -> 1024) on
+# 2048 tokens, benchmarks/bench_cast_traffic.py) and costs one more kernel per GEMM; it was
+# the usual remedy for the CUTLASS kernel's slow precise-accumulation schedule (cu126/cu128
+# wheels, sm89), while on cu130 sm90 the rowwise product runs on cuBLASLt with the same
+# accumulation as the tensorwise kernel. Which is faster on a given build and shape is a
+# GPU timing: benchmarks/bench_routes.py measures both.
+# It belongs to the build, not to a tensor (so it is not part of GemmConfig or of any
+# checkpoint): set it for a block of code with use_precise_rowwise_route(...), or with
+# set_precise_rowwise_route(...). Stored at module level, like torch.backends flags, not in a
+# thread-local: autograd runs backward (where the precise products are) on its own device
+# threads, and torch.compile guards on this value (a change recompiles).
+_PRECISE_ROWWISE = {"route": "kernel"}
+_PRECISE_ROWWISE_CHOICES = ("kernel", "postscale")
+
+
+def set_precise_rowwise_route(route: str) -> str:
+    """Choose how rowwise products with precise accumulation and a bf16/fp16 output run:
+    ``"kernel"`` (the rowwise kernel, default) or ``"postscale"`` (the tensorwise kernel
+    with an fp32 output and one scaling pass after). Returns the previous choice.
+
+    Products the rowwise kernels refuse take the post-scale route whatever is set here.
+    Read when a product is traced or run: set it before ``torch.compile`` traces a model
+    (a change afterwards recompiles).
+    """
+    previous, _PRECISE_ROWWISE["route"] = _PRECISE_ROWWISE["route"], _checked_precise_route(route)
+    return previous
+
+
+def _checked_precise_route(route: object) -> str:
+    if route not in _PRECISE_ROWWISE_CHOICES:
+        raise ValueError(f"precise rowwise route must be one of {_PRECISE_ROWWISE_CHOICES}; got {route!r}")
+    return route
+
+
+def precise_rowwise_route() -> str:
+    """The current choice (:func:`use_precise_rowwise_route`, :func:`set_precise_rowwise_route`)."""
+    return _PRECISE_ROWWISE["route"]
+
+
+@contextlib.contextmanager
+def use_precise_rowwise_route(route: str) -> Iterator[None]:
+    """Run rowwise products with precise accumulation on ``route`` (``"kernel"`` or
+    ``"postscale"``, see :func:`set_precise_rowwise_route`) inside the block; the choice
+    before is restored after. Products traced by torch.compile inside the block are
+    compiled for this route (a compiled function is guarded on it)."""
+    previous = set_precise_rowwise_route(route)
+    try:
+        yield
+    finally:
+        set_precise_rowwise_route(previous)
+
+
+def _is_e4m3(dtype: torch.dtype) -> bool:
+    return dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+
+
+def choose_route(
+    a_dtype: torch.dtype,
+    b_dtype: torch.dtype,
+    *,
+    rowwise: bool,
+    out_dtype: torch.dtype,
+    use_fast_accum: bool,
+    m: int,
+    precise_route: str | None = None,
+) -> Route:
+    """The kernel route for ``(M, K) @ (K, N)`` FP8 operands of these dtypes.
+
+    ``rowwise``: either operand has one scale per row/column. Decided from the arguments
+    (and :func:`precise_rowwise_route`) alone, so that the choice is the
+    same on every device and build:
+
+    - both tensorwise: :attr:`Route.TENSORWISE`;
+    - rowwise with a bf16/fp16 output (bf16 only for fnuz operands, the ROCm rule), fast
+      accumulation or precise (unless ``precise_route`` is ``"postscale"``): the rowwise
+      kernel, :attr:`Route.ROWWISE` when ``b`` is e4m3, else :attr:`Route.ROWWISE_SWAPPED`
+      when ``a`` is e4m3 and ``M`` is a multiple of 16 (``M`` becomes the swapped product's N);
+    - every other rowwise product (fp32 output, an e5m2 ``b`` that cannot be swapped,
+      precise accumulation with ``precise_route="postscale"``): :attr:`Route.TENSORWISE_POSTSCALE`.
+
+    ``precise_route``: ``"kernel"`` or ``"postscale"``; None reads
+    :func:`precise_rowwise_route`.
+    """
+    if not rowwise:
+        return Route.TENSORWISE
+    precise_route = _PRECISE_ROWWISE["route"] if precise_route is None else _checked_precise_route(precise_route)
+    fnuz = a_dtype in _FNUZ
+    kernel_outs = (_BF16,) if fnuz else (_BF16, _FP16)
+    if (use_fast_accum or precise_route == "kernel") and out_dtype in kernel_outs:
+        if _is_e4m3(b_dtype):
+            return Route.ROWWISE
+        if _is_e4m3(a_dtype) and m % ALIGN == 0:
+            return Route.ROWWISE_SWAPPED
+    return Route.TENSORWISE_POSTSCALE
+
+
+def product(
+    a8: Float8Tensor, b8: Float8Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype, gemm: GemmConfig
+) -> torch.Tensor:
+    """``a8 (M, K) @ b8 (K, N)`` (+ ``bias``) on the route :func:`choose_route` picks.
+
+    The operands come from ``operands.prepare(..., DENSE)``: scales constant along K."""
+    (m, k), n = a8.shape, b8.shape[1]
+    # Layouts the kernels take: A row-major, B column-major. FP8 copies are 1 byte/element.
+    a_data, b_data = row_major(a8._data), col_major(b8._data)
+
+    pad_k, pad_n = (-k) % ALIGN, (-n) % ALIGN
+    if pad_k or pad_n:
+        if not gemm.pad_inner_dim:
+            raise ValueError(
+                f"FP8 matmul needs the inner dimension K and the output dimension N to be multiples "
+                f"of {ALIGN} (torch._scaled_mm's rule); got ({m}x{k}) @ ({k}x{n}). Use such shapes, or "
+                f"ask for zero padding with GemmConfig(pad_inner_dim=True)."
+            )
+        a_data = _pad_bytes(a_data, 0, pad_k)
+        b_data = _pad_bytes(b_data.t(), pad_n, pad_k).t()
+
+    a_rowwise, b_rowwise = not is_tensorwise(a8._scale_block), not is_tensorwise(b8._scale_block)
+    route = choose_route(
+        a_data.dtype, b_data.dtype, rowwise=a_rowwise or b_rowwise, out_dtype=out_dtype,
+        use_fast_accum=gemm.use_fast_accum, m=m,
+    )
+    a_inv, b_inv = inverse_scale(a8), inverse_scale(b8)
+    if route is Route.TENSORWISE:
+        return _fused_bias_mm(a_data, b_data, a_inv, b_inv, bias, out_dtype, gemm.use_fast_accum, pad_n)
+    if route is Route.TENSORWISE_POSTSCALE:
+        return _postscaled_mm(
+            a_data, b_data, a_inv if a_rowwise else None, b_inv if b_rowwise else None, a_inv, b_inv, m, n, bias,
+            out_dtype, gemm.use_fast_accum,
+        )
+    a_vec, b_vec = kernel_scale(a_inv, (m, 1), (m, 1)), kernel_scale(b_inv, (1, n), (1, n))
+    if pad_n:
+        b_vec = torch.nn.functional.pad(b_vec, (0, pad_n), value=1.0)
+    if route is Route.ROWWISE:
+        return _fused_bias_mm(a_data, b_data, a_vec, b_vec, bias, out_dtype, gemm.use_fast_accum, pad_n)
+    # Route.ROWWISE_SWAPPED: (A B)^T = B^T A^T: B^T is (N, K) row-major and A^T is (K, M)
+    # column-major, both views of the bytes we have. The bias runs along the swapped
+    # product's rows, so it is added after the kernel.
+    out_t = scaled_mm(
+        b_data.t(),
+        a_data.t(),
+        b_vec.reshape(-1, 1),
+        a_vec.reshape(1, -1),
+        out_dtype=out_dtype,
+        use_fast_accum=gemm.use_fast_accum,
+    )
+    out = out_t[:n].t().contiguous()
+    if bias is not None:
+        out = out + bias.to(out_dtype)
+    return out
+
+
+def _fused_bias_mm(a_data, b_data, scale_a, scale_b, bias, out_dtype, use_fast_accum, pad_n):
+    """One ``_scaled_mm`` call; the bias is fused when the kernels take it (1-D, same
+    bf16/fp16 dtype as the output, no N padding), else added afterwards."""
+    fuse_bias = (
+        bias is not None and not pad_n and bias.dim() == 1 and bias.dtype == out_dtype and out_dtype in (_BF16, _FP16)
+    )
+    out = scaled_mm(
+        a_data,
+        b_data,
+        scale_a,
+        scale_b,
+        bias=bias if fuse_bias else None,
+        out_dtype=out_dtype,
+        use_fast_accum=use_fast_accum,
+    )
+    if pad_n:
+        out = out[:, : out.shape[1] - pad_n].contiguous()
+    if bias is not None and not fuse_bias:
+        out = out + bias.to(out_dtype)
+    return out
+
+
+def _postscaled_mm(a_data, b_data, a_rows, b_cols, a_inv, b_inv, m, n, bias, out_dtype, use_fast_accum):
+    """:attr:`Route.TENSORWISE_POSTSCALE`: the tensorwise kernel, fp32 out, outer scales after.
+
+    A tensorwise side passes its own scale to the kernel; a rowwise side (``a_rows`` /
+    ``b_cols``: its inverse scale, else None) passes 1 and is applied in fp32 afterwards,
+    in the order the rowwise kernel's epilogue uses (``acc * a_inv`` then ``* b_inv``),
+    then the bias in fp32, then one cast. Deliberate fp32 intermediate: the rowwise
+    kernel's epilogue is fp32 as well.
+    """
+    one = torch.ones((), dtype=torch.float32, device=a_data.device)
+    acc = scaled_mm(
+        a_data,
+        b_data,
+        one if a_rows is not None else a_inv,
+        one if b_cols is not None else b_inv,
+        out_dtype=torch.float32,
+        use_fast_accum=use_fast_accum,
+    )
+    out = acc if acc.shape[1] == n else acc[:, :n]
+    # The first product allocates (the kernel's output may be a padded view); the rest
+    # run in place on that fresh tensor: one fp32 M x N buffer besides the kernel's.
+    if a_rows is not None:
+        out = out * kernel_scale(a_rows, (m, 1), (m, 1))
+    if b_cols is not None:
+        b_vec = kernel_scale(b_cols, (1, n), (1, n))
+        out = out.mul_(b_vec) if a_rows is not None else out * b_vec
+    if bias is not None:
+        out = out.add_(bias.to(torch.float32))
+    return out.to(out_dtype)
+
+
+def _pad_bytes(x: torch.Tensor, pad_rows: int, pad_cols: int) -> torch.Tensor:
+    # Pad through uint8: constant_pad_nd has no FP8 kernels, and the zero byte is +0.0 in
+    # all four formats (0x80 would be NaN in the fnuz ones).
+    raw = torch.nn.functional.pad(x.contiguous().view(torch.uint8), (0, pad_cols, 0, pad_rows))
+    return raw.view(x.dtype)
+

@@ -1,0 +1,149 @@
+"""The front door of every 2D FP8 product: :func:`matmul` (library code) and :func:`float8_mm`
+(the public entry, with an explicit output dtype and an optional FP8 output).
+
+One way in: the operands are prepared once (``operands.prepare``), checked against the
+rules every GPU build enforces (:func:`_check_operand_dtypes`, on every device), their
+GemmConfigs merged, and the product handed to ``dense`` (tensorwise and rowwise scales)
+or ``blocks`` (any block-scaled operand). Grouped and batched products have theirs in
+``grouped.py``.
+
+Layer: the top of ``f8tensor.gemm``; imports ``dense``, ``blocks``, ``operands``, ``rules``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from f8tensor.config import DEFAULT_GEMM, CastSpec, GemmConfig
+from f8tensor.formats import FLOAT8_DTYPES, check_hp_dtype
+from f8tensor.gemm.blocks import product as block_product
+from f8tensor.gemm.dense import product as dense_product
+from f8tensor.gemm.operands import BLOCKS, DENSE, prepare
+from f8tensor.tensor import check_scale_values, is_float8, scale_from_number, to_float8
+
+__all__ = ["float8_mm", "matmul"]
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def float8_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    out_scale: torch.Tensor | float | None = None,
+) -> torch.Tensor:
+    """``a @ b`` (2D) on FP8 tensor cores, with an explicit output dtype.
+
+    At least one operand is a Float8Tensor; a plain one is cast on the fly (dynamic
+    scale, the other operand's granularity). ``out_dtype``: bf16, fp16 or fp32 are
+    written straight from the fp32 accumulator (default: ``a``'s original dtype). An FP8
+    ``out_dtype`` needs ``out_scale`` and returns a Float8Tensor with that scale; the
+    product is saturated into range, never overflowed; a non-finite one (an inf in
+    ``bias``) becomes NaN, never the format's max.
+    """
+    out_scale = _check_float8_mm_args(a, b, bias, out_dtype, out_scale)
+    if out_scale is not None:
+        orig = a._orig_dtype if is_float8(a) else a.dtype
+        # Accumulate and add the bias in fp32, then one saturating cast: the only rounding
+        # to FP8 is the one asked for (and no FP8 output is asked of the kernel, which the
+        # rowwise kernels refuse). The clamp would turn an inf into the format's max: keep
+        # it non-finite (NaN, the one non-finite value all four formats have).
+        acc = matmul(a, b, bias=bias, out_dtype=torch.float32)
+        acc = torch.where(torch.isinf(acc), torch.nan, acc)
+        return to_float8(acc, CastSpec(out_dtype), scale=out_scale, orig_dtype=orig)
+    return matmul(a, b, bias=bias, out_dtype=out_dtype)
+
+
+def _check_float8_mm_args(a, b, bias, out_dtype, out_scale) -> torch.Tensor | None:
+    """float8_mm's arguments, checked at its entry; returns the 0-dim fp32 out_scale (FP8 output) or None."""
+    for name, t in (("a", a), ("b", b)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"float8_mm: {name} must be a tensor; got {type(t).__name__}")
+    if not (is_float8(a) or is_float8(b)):
+        raise TypeError("float8_mm needs at least one Float8Tensor operand; use torch.mm for plain tensors")
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor) or is_float8(bias):
+            raise TypeError(f"float8_mm: bias must be None or a high-precision tensor; got {type(bias).__name__}")
+        check_hp_dtype(bias.dtype, "float8_mm bias")
+    if out_dtype is not None and out_dtype not in FLOAT8_DTYPES:
+        check_hp_dtype(out_dtype, "out_dtype")
+    if out_dtype not in FLOAT8_DTYPES:
+        if out_scale is not None:
+            raise ValueError("out_scale is only meaningful with an FP8 out_dtype")
+        return None
+    if out_scale is None:
+        raise ValueError(f"an FP8 out_dtype ({out_dtype}) needs out_scale (the scale of the output)")
+    device = (a if is_float8(a) else b).device
+    if not isinstance(out_scale, torch.Tensor):
+        return scale_from_number(out_scale, "float8_mm out_scale", device)
+    if out_scale.dtype != torch.float32:
+        raise TypeError(f"float8_mm out_scale must be a float or a float32 tensor; got dtype {out_scale.dtype}")
+    if out_scale.numel() != 1:
+        raise ValueError(
+            f"float8_mm out_scale must be one number (a tensor of 1 element); got shape {tuple(out_scale.shape)}"
+        )
+    if out_scale.device != device:
+        raise ValueError(f"float8_mm out_scale is on {out_scale.device}, the operands on {device}")
+    return check_scale_values(out_scale.reshape(()), "float8_mm out_scale")
+
+
+def matmul(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """``a (M, K) @ b (K, N)`` (+ ``bias``) in FP8: the way every 2D product goes (the op
+    table's ``mm``/``addmm``, Float8Linear's three GEMMs, :func:`float8_mm`).
+
+    ``out_dtype``: default the operands' GemmConfig's, else ``a``'s original dtype."""
+    blockwise = (is_float8(a) and a.is_blockwise) or (is_float8(b) and b.is_blockwise)
+    if a.dim() != 2 or b.dim() != 2:
+        raise RuntimeError(f"FP8 mm expects 2D operands; got {tuple(a.shape)} and {tuple(b.shape)}")
+    a8, b8 = prepare(a, b, BLOCKS if blockwise else DENSE, a_k=1, b_k=0)
+    _check_operand_dtypes(a8._data.dtype, b8._data.dtype, a8._data.device)
+    gemm = _merged_gemm(a8._gemm, b8._gemm)
+    (m, k), (k2, n) = a8.shape, b8.shape
+    if k != k2:
+        raise RuntimeError(f"mat1 and mat2 shapes cannot be multiplied ({m}x{k} and {k2}x{n})")
+    if out_dtype is None:
+        out_dtype = gemm.out_dtype or a8._orig_dtype
+    return (block_product if blockwise else dense_product)(a8, b8, bias, out_dtype, gemm)
+
+
+_FNUZ = (torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
+
+
+def _nvidia_cuda(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.version.hip is None
+
+
+def _check_operand_dtypes(a: torch.dtype, b: torch.dtype, device: torch.device | None = None) -> None:
+    # Rules of every GPU build, enforced on every device (CPU kernels would accept these),
+    # so a model that runs on CPU runs unchanged on a GPU.
+    if "e5m2" in str(a) and "e5m2" in str(b):
+        raise ValueError(
+            f"FP8 matmul of two e5m2 operands ({a} x {b}) is not supported by torch._scaled_mm on "
+            f"GPUs; cast one operand to e4m3"
+        )
+    if (a in _FNUZ) != (b in _FNUZ):
+        raise ValueError(f"FP8 matmul operands must both be fnuz formats or neither; got {a} x {b}")
+    if device is not None and _nvidia_cuda(device) and a in _FNUZ:
+        raise ValueError(
+            f"FP8 matmul of {_name(a)} x {_name(b)} on an NVIDIA CUDA device: the fnuz formats exist "
+            f"for AMD ROCm GPUs (MI300) only. This device multiplies {_name(torch.float8_e4m3fn)} and "
+            f"{_name(torch.float8_e5m2)} (not both e5m2); cast with one of those."
+        )
+
+
+def _merged_gemm(a: GemmConfig, b: GemmConfig) -> GemmConfig:
+    if a == b or b == DEFAULT_GEMM:
+        return a
+    if a == DEFAULT_GEMM:
+        return b
+    raise ValueError(f"the operands of an FP8 matmul carry different GemmConfigs: {a} and {b}")

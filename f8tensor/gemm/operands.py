@@ -1,0 +1,153 @@
+"""Operand preparation, once for every product kind (dense, block-scaled, grouped).
+
+A kernel takes FP8 operands whose scales it can read (:class:`Takes`): the dense kernels
+one scale per tensor or per row/column (constant along K), the block-scaled kernels blocks,
+the grouped kernel fp32 per-row scales of e4m3fn operands. :func:`prepare` turns any pair
+of operands (at least one a Float8Tensor) into such a pair:
+
+1. a plain operand is cast like the other one (its e4m3 format, its granularity along K);
+2. an operand whose scale varies along K is re-quantized along the other axis (one extra
+   rounding, and the product stays in FP8);
+3. an operand of another format is re-cast to e4m3fn where the kernel multiplies nothing else.
+
+And the layouts the kernels read: :func:`row_major`, :func:`col_major` (FP8 copies only
+where needed), :func:`inverse_scale` (the dequantization factor ``1 / scale``) and
+:func:`kernel_scale` (that factor broadcast and laid out as a kernel reads it).
+
+Layer: above ``check`` in ``f8tensor.gemm``; imports ``check``, ``tensor`` and below.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from f8tensor.config import CastSpec, axiswise_block, constant_along, is_tensorwise
+from f8tensor.formats import E8M0, check_hp_dtype, e4m3_like
+from f8tensor.gemm.check import is_col_major, is_row_major
+from f8tensor.tensor import Float8Tensor, dequantize, is_float8, to_float8
+
+__all__ = [
+    "BLOCKS",
+    "DENSE",
+    "GROUPED",
+    "Takes",
+    "col_major",
+    "inverse_scale",
+    "kernel_scale",
+    "prepare",
+    "requantize",
+    "row_major",
+]
+
+
+class Takes(NamedTuple):
+    """What a kind of kernel reads: ``blocks`` (block scales along K; otherwise only one
+    scale per tensor or per row/column, constant along K), ``fp32_scales`` (fp32 scales
+    only), ``e4m3fn`` (e4m3fn operands only)."""
+
+    blocks: bool = False
+    fp32_scales: bool = False
+    e4m3fn: bool = False
+
+
+#: ``torch._scaled_mm``: tensorwise and rowwise scales, e4m3/e5m2 operands (rules.py).
+DENSE = Takes()
+#: ``torch.nn.functional.scaled_mm``'s block-scaled kernels (and the reference path).
+BLOCKS = Takes(blocks=True)
+#: ``torch._scaled_grouped_mm``: fp32 scales per row/column, e4m3fn operands.
+GROUPED = Takes(fp32_scales=True, e4m3fn=True)
+
+
+def prepare(a: torch.Tensor, b: torch.Tensor, takes: Takes, *, a_k: int, b_k: int) -> tuple[Float8Tensor, Float8Tensor]:
+    """Both operands of ``a @ b`` as Float8Tensors a kernel of kind ``takes`` reads; ``a_k``
+    and ``b_k`` are the dims each contracts over. At least one must be a Float8Tensor."""
+    ref, ref_k = (a, a_k) if is_float8(a) else (b, b_k)
+    if not is_float8(ref):
+        raise TypeError("FP8 mm needs at least one Float8Tensor operand")
+    if not is_float8(a):
+        a = _cast_like(a, a_k, ref, ref_k, takes)
+    if not is_float8(b):
+        b = _cast_like(b, b_k, ref, ref_k, takes)
+    return _fit(a, a_k, takes), _fit(b, b_k, takes)
+
+
+def _cast_like(x: torch.Tensor, k: int, ref: Float8Tensor, ref_k: int, takes: Takes) -> Float8Tensor:
+    """A plain operand cast with a dynamic scale, in the e4m3 format of ``ref``'s family
+    (cuBLASLt refuses e5m2 x e5m2) and with ``ref``'s granularity along K: tensorwise, or one
+    scale per row/column constant along K, or (for block kernels) ``ref``'s K block."""
+    check_hp_dtype(x.dtype, "the plain operand of an FP8 matmul")
+    if is_tensorwise(ref._scale_block):
+        block = ()
+    else:
+        kb = ref._block[ref_k] if takes.blocks and ref.is_blockwise else 0
+        k = k % x.dim()
+        block = tuple(kb if d == k else 1 for d in range(x.dim()))
+    scale_dtype = ref._scale.dtype if takes.blocks else torch.float32
+    return to_float8(x, CastSpec(e4m3_like(ref._data.dtype), block, scale_dtype), gemm=ref._gemm)
+
+
+def _fit(x: Float8Tensor, k: int, takes: Takes) -> Float8Tensor:
+    """``x`` re-quantized where its scale varies along K (or its scales or format are ones
+    the kernel does not read)."""
+    fits = constant_along(x._scale_block, k) and (not takes.fp32_scales or x._scale.dtype == torch.float32)
+    if not takes.blocks and not fits:
+        x = requantize(x, k)
+    if takes.e4m3fn and x._data.dtype != torch.float8_e4m3fn:
+        # The grouped kernel multiplies e4m3fn only: one extra rounding.
+        # Deliberate upcast to fp32 between the two roundings, not to the original dtype.
+        x = to_float8(
+            dequantize(x, torch.float32),
+            CastSpec(torch.float8_e4m3fn, x._scale_block),
+            gemm=x._gemm,
+            orig_dtype=x._orig_dtype,
+        )
+    return x
+
+
+def requantize(x: Float8Tensor, k: int) -> Float8Tensor:
+    """``x`` cast again with one fp32 scale per index of its other dims, constant along ``k``.
+
+    Deliberate upcast to fp32 between the two roundings, not to the original dtype."""
+    spec = CastSpec(x._data.dtype, axiswise_block(k, x.dim()))
+    return to_float8(dequantize(x, torch.float32), spec, gemm=x._gemm, orig_dtype=x._orig_dtype)
+
+
+# ===================================================================== layouts and scales
+
+
+def row_major(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with its last two dims stored row-major as the kernels check it: an FP8 copy
+    only if they are not (in standard strides: ``.contiguous()`` alone would keep a size-1
+    dim's short stride, which the grouped kernel's stride rule refuses)."""
+    if torch.compiler.is_compiling():
+        # Dynamo cannot read the strides of a tensor made inside the graph when they are
+        # symbolic; inductor lays out such intermediates in standard strides anyway.
+        return t.contiguous()
+    return t if is_row_major(t) else t.clone(memory_format=torch.contiguous_format)
+
+
+def col_major(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with its last two dims stored column-major (an FP8 copy only if they are not):
+    the layout every kernel's second operand needs."""
+    if torch.compiler.is_compiling():
+        tt = t.transpose(-2, -1)  # see row_major
+        return t if tt.is_contiguous() else tt.contiguous().transpose(-2, -1)
+    if is_col_major(t):
+        return t
+    return t.transpose(-2, -1).clone(memory_format=torch.contiguous_format).transpose(-2, -1)
+
+
+def inverse_scale(x: Float8Tensor) -> torch.Tensor:
+    """``1 / x._scale``, the dequantization factor the kernels take, in the scale's dtype:
+    exact for e8m0 (powers of two; the reciprocal is taken in fp32)."""
+    if x._scale.dtype == torch.float32:
+        return x._scale.reciprocal()
+    return x._scale.to(torch.float32).reciprocal().to(E8M0)
+
+
+def kernel_scale(inverse: torch.Tensor, expand_to: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
+    """An inverse scale as a kernel reads it: broadcast over ``expand_to`` (a 0-dim one
+    to every entry), viewed as ``shape``, contiguous."""
+    return inverse.expand(expand_to).reshape(shape).contiguous()

@@ -1,0 +1,315 @@
+"""Validation of Float8Tensor fields that come from outside the library: checkpoints,
+given scales, scale values. No Float8Tensor is needed to check its fields.
+
+Layer: above ``config``; imports ``config``, ``formats``, ``compat``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from f8tensor.compat import is_fake
+from f8tensor.config import GemmConfig, axiswise_block, axiswise_dim, block_scale_shape
+from f8tensor.formats import E8M0, SCALE_DTYPES, check_float8_dtype, check_hp_dtype
+
+__all__ = [
+    "SERIAL_VERSION",
+    "block_from_axiswise_dim",
+    "check_block",
+    "check_given_scale",
+    "check_layout",
+    "check_scale_values",
+    "checkpoint_fields",
+    "extent",
+    "legacy_state_fields",
+    "no_overlap",
+    "scale_from_codes",
+    "scale_from_number",
+    "validate_fields",
+]
+
+# Version 2 stores the per-dim block, the scale's dtype (an e8m0 scale as uint8 codes) and
+# every GemmConfig field; version 1 stored the old ``axiswise_dim`` (tensorwise/axiswise
+# only) and a 3-field GemmConfig, and still loads.
+SERIAL_VERSION = 2
+_SERIAL_FIELDS = frozenset(
+    {"data", "float8_dtype", "scale", "scale_dtype", "orig_dtype", "block", "gemm", "requires_grad", "is_param"}
+)
+_SERIAL_FIELDS_V1 = _SERIAL_FIELDS - {"block", "scale_dtype"} | {"axiswise_dim"}
+_GEMM_FIELDS_V1 = 3  # (out_dtype, use_fast_accum, pad_inner_dim)
+
+# A scale must be a normal fp32 number: its inverse (the dequantization factor) is then
+# finite too. 2**-126 ~ 1.18e-38 up to the fp32 max ~ 3.4e38.
+_SCALE_MIN = torch.finfo(torch.float32).tiny
+_SCALE_MAX = torch.finfo(torch.float32).max
+
+
+def scale_from_number(value: object, what: str, device: torch.device | str | None = None) -> torch.Tensor:
+    """A Python number as a 0-dim fp32 scale, range-checked *in fp32* (``1e39`` would
+    round to inf there, ``1e-46`` to 0)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{what} must be a float or an fp32 tensor; got {type(value).__name__}")
+    scale = torch.tensor(float(value), dtype=torch.float32, device=device)
+    as_fp32 = float(torch.tensor(float(value), dtype=torch.float32))
+    if not _SCALE_MIN <= as_fp32 <= _SCALE_MAX:
+        raise ValueError(
+            f"{what} must be a positive finite fp32 number in [{_SCALE_MIN:.4g}, {_SCALE_MAX:.4g}] "
+            f"(so that it and its inverse are finite normal fp32 numbers); got {value!r} (in fp32: {as_fp32!r})"
+        )
+    return scale
+
+
+def check_scale_values(scale: torch.Tensor, what: str, *, allow_nan: bool = False) -> torch.Tensor:
+    """Every entry of ``scale`` a normal positive finite fp32 number (NaN too if ``allow_nan``);
+    an e8m0 scale: no NaN code unless ``allow_nan`` (its other codes are all valid).
+
+    Checked where that costs no device sync: on CPU, eagerly, a bad entry raises
+    ``ValueError``. Elsewhere (a GPU tensor, or under torch.compile) the values are not
+    read: bad entries become NaN, so the tensor reads back NaN rather than finite garbage
+    (PyTorch offers no way to raise from device code without a sync). Returns the scale.
+    """
+    if is_fake(scale):
+        return scale
+    if scale.dtype == E8M0:
+        # Every e8m0 code but 0xFF is a positive finite power of two, 2**-127 .. 2**127, exact
+        # in fp32 as is its inverse (the fp32 range check does not apply); 0xFF is NaN.
+        # A NaN code elsewhere than on eager CPU is left alone: it already reads back NaN.
+        on_cpu = scale.device.type == "cpu" and not torch.compiler.is_compiling()
+        if not allow_nan and on_cpu and bool((scale.view(torch.uint8) == 0xFF).any()):
+            raise ValueError(f"{what} must hold e8m0 powers of two; got NaN (0xFF)")
+        return scale
+    ok = (scale >= _SCALE_MIN) & (scale <= _SCALE_MAX)
+    if allow_nan:
+        ok = ok | torch.isnan(scale)
+    if scale.device.type == "cpu" and not torch.compiler.is_compiling():
+        if not bool(ok.all()):
+            bad = scale[~ok].flatten()[0].item()
+            nan = " or NaN" if allow_nan else ""
+            raise ValueError(
+                f"{what} must hold positive finite fp32 numbers in [{_SCALE_MIN:.4g}, {_SCALE_MAX:.4g}]{nan}; got {bad!r}"
+            )
+        return scale
+    return torch.where(ok, scale, torch.nan)
+
+
+def extent(size: tuple[int, ...], stride: tuple[int, ...]) -> int:
+    """Elements from the first to one past the last one a layout touches (0 when empty)."""
+    if any(n == 0 for n in size):
+        return 0
+    return 1 + sum((n - 1) * st for n, st in zip(size, stride))
+
+
+def no_overlap(size: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    """Whether no two indices of the layout share an element (no zero or overlapping strides)."""
+    if any(n == 0 for n in size):
+        return True
+    span = 1
+    for st, n in sorted((st, n) for n, st in zip(size, stride) if n > 1):
+        if st < span:
+            return False
+        span += (n - 1) * st
+    return True
+
+
+def check_layout(t: torch.Tensor, what: str) -> None:
+    """Every element of ``t`` has its own bytes in its real storage.
+
+    A zero or overlapping stride would let a 2 KB checkpoint stand for a 16 GiB tensor that
+    the first matmul or ``to_hp`` materializes; a view past its storage reads foreign memory.
+    """
+    if t.layout is not torch.strided:
+        raise ValueError(f"{what} must be a strided (dense) tensor; got layout {t.layout}")
+    size, stride = tuple(t.shape), t.stride()
+    if any(st < 0 for st in stride) or not no_overlap(size, stride):
+        raise ValueError(
+            f"{what} must not repeat elements through zero or overlapping strides; got shape {size}, strides {stride}"
+        )
+    if t.device.type == "meta":
+        return
+    end = (t.storage_offset() + extent(size, stride)) * t.element_size()
+    if end > t.untyped_storage().nbytes():
+        raise ValueError(f"{what} reaches byte {end} of a storage of {t.untyped_storage().nbytes()} bytes")
+
+
+def scale_from_codes(scale: object, scale_dtype: object) -> object:
+    """A version-2 checkpoint's scale: fp32 as is; e8m0 stored as its uint8 codes."""
+    if scale_dtype not in SCALE_DTYPES or not isinstance(scale_dtype, torch.dtype):
+        allowed = ", ".join(str(d) for d in SCALE_DTYPES)
+        raise TypeError(f"Float8Tensor checkpoint: 'scale_dtype' must be one of {allowed}; got {scale_dtype!r}")
+    stored = torch.uint8 if scale_dtype == E8M0 else scale_dtype
+    if type(scale) is torch.Tensor and scale.dtype != stored:
+        raise TypeError(
+            f"Float8Tensor checkpoint: a {scale_dtype} scale is stored as a {stored} tensor; got {scale.dtype}"
+        )
+    return scale.view(E8M0) if scale_dtype == E8M0 and type(scale) is torch.Tensor else scale
+
+
+def block_from_axiswise_dim(axiswise_dim: object, data: torch.Tensor) -> tuple[int, ...]:
+    """The block of a version-0/1 checkpoint's ``axiswise_dim`` (``None``: tensorwise)."""
+    if axiswise_dim is None:
+        return (0,) * data.dim()
+    if isinstance(axiswise_dim, bool) or not isinstance(axiswise_dim, int):
+        raise TypeError(f"Float8Tensor axiswise_dim must be None or an int; got {axiswise_dim!r}")
+    if not 0 <= axiswise_dim < data.dim():
+        raise ValueError(
+            f"Float8Tensor axiswise_dim must be in [0, {data.dim()}) for data of shape "
+            f"{tuple(data.shape)}; got {axiswise_dim}"
+        )
+    return axiswise_block(axiswise_dim, data.dim())
+
+
+def check_block(block: object, data: torch.Tensor, scale: torch.Tensor) -> None:
+    """The block against the data and the scale (see the :class:`Float8Tensor` table).
+
+    A tuple of ints >= 0, one per dim of the data. Tensorwise (all 0, 0-dim scale) takes an
+    fp32 scale; any other block a scale of :func:`block_scale_shape`, fp32 or e8m0 (the
+    rules of :class:`BlockGranularity`, which pairs e8m0 with any block).
+    """
+    if type(block) is not tuple or any(type(b) is not int for b in block):
+        raise TypeError(f"Float8Tensor block must be a tuple of ints >= 0 (0: the whole dim); got {block!r}")
+    if any(b < 0 for b in block):
+        raise ValueError(f"Float8Tensor block entries must be >= 0 (0: the whole dim); got {block!r}")
+    if len(block) != data.dim():
+        raise ValueError(
+            f"Float8Tensor block {block} must have one entry per dim of data of shape {tuple(data.shape)}"
+        )
+    if scale.dim() == 0:
+        if any(block):
+            raise ValueError(f"a 0-dim (tensorwise) scale needs an all-0 block; got block {block}")
+        if scale.dtype != torch.float32:
+            raise TypeError(f"a tensorwise Float8Tensor has a float32 scale; got {scale.dtype}")
+        return
+    expected = block_scale_shape(tuple(data.shape), block)
+    if tuple(scale.shape) != expected:
+        tensorwise = "" if any(block) else " or () (tensorwise)"
+        raise ValueError(
+            f"a block {block} scale for data of shape {tuple(data.shape)} must have shape {expected}{tensorwise}; "
+            f"got {tuple(scale.shape)}"
+        )
+
+
+def validate_fields(
+    data: object, scale: object, orig_dtype: object, block: object, gemm: GemmConfig
+) -> torch.Tensor:
+    """Check every field of a Float8Tensor coming from outside the library (a checkpoint).
+
+    The one validation of deserialized tensors (both checkpoint formats go through it):
+    extend it here when the granularity grows. Returns the scale
+    (invalid values turned into NaN where they cannot be read without a device sync).
+    """
+    if type(data) is not torch.Tensor:
+        raise TypeError(f"Float8Tensor data must be a plain torch.Tensor; got {type(data).__name__}")
+    check_float8_dtype(data.dtype, "Float8Tensor data dtype")
+    check_layout(data, "Float8Tensor data")
+    if type(scale) is not torch.Tensor:
+        raise TypeError(f"Float8Tensor scale must be a plain torch.Tensor; got {type(scale).__name__}")
+    if scale.dtype not in SCALE_DTYPES:
+        allowed = ", ".join(str(d) for d in SCALE_DTYPES)
+        raise TypeError(f"Float8Tensor scale dtype must be one of {allowed}; got {scale.dtype}")
+    check_layout(scale, "Float8Tensor scale")
+    if scale.device != data.device:
+        raise ValueError(f"Float8Tensor scale is on {scale.device}, its data on {data.device}: they must share a device")
+    check_hp_dtype(orig_dtype, "Float8Tensor orig_dtype")
+    check_block(block, data, scale)
+    if not isinstance(gemm, GemmConfig):
+        raise TypeError(f"Float8Tensor gemm must be a GemmConfig; got {type(gemm).__name__}")
+    if gemm.out_dtype is not None and not isinstance(gemm.out_dtype, torch.dtype):
+        raise TypeError(f"GemmConfig.out_dtype must be None or a torch.dtype; got {gemm.out_dtype!r}")
+    gemm.validated()
+    # A NaN scale is what a cast of a non-finite tensor legitimately produces (its data reads
+    # back NaN); zero, negative, infinite or subnormal scales never are.
+    return check_scale_values(scale, "Float8Tensor scale", allow_nan=True)
+
+
+def check_given_scale(
+    scale: torch.Tensor | float, hp: torch.Tensor, block: tuple[int, ...], scale_dtype: torch.dtype
+) -> torch.Tensor:
+    """A scale given to ``Float8Tensor.from_hp`` for ``hp`` cast with ``block`` (a
+    :class:`~f8tensor.config.CastSpec` block: ``()`` tensorwise) and ``scale_dtype``.
+    Returns it as the cast takes it (a tensorwise scale 0-dim)."""
+    if not isinstance(scale, torch.Tensor):
+        # A number is an fp32 scale (range-checked in fp32); an MX granularity then refuses
+        # it below, as it needs an e8m0 tensor.
+        scale = scale_from_number(scale, "scale", hp.device)
+    if scale.dtype != scale_dtype:
+        want = "float32" if scale_dtype == torch.float32 else f"{scale_dtype} (MX granularity)"
+        raise TypeError(f"scale must be {want}; got {scale.dtype}")
+    if scale.device != hp.device:
+        raise ValueError(f"scale is on {scale.device}, the tensor on {hp.device}: they must share a device")
+    scale = check_scale_values(scale, "scale")
+    if not block:
+        if scale.numel() != 1:
+            raise ValueError(f"a tensorwise scale has one element; got shape {tuple(scale.shape)}")
+        return scale.reshape(())
+    expected = block_scale_shape(tuple(hp.shape), block)
+    if tuple(scale.shape) != expected:
+        kind = "rowwise" if axiswise_dim(block) == len(block) - 1 else f"block {block}"
+        raise ValueError(f"a {kind} scale for shape {tuple(hp.shape)} must have shape {expected}; got {tuple(scale.shape)}")
+    return scale
+
+
+def checkpoint_fields(version: object, fields: object) -> tuple:
+    """The fields of a pickled Float8Tensor (format 1 or :data:`SERIAL_VERSION`), every one
+    checked: ``(data, scale, orig_dtype, block, gemm, requires_grad, is_param)``."""
+    if type(version) is not int or version not in (1, SERIAL_VERSION):
+        raise ValueError(
+            f"Float8Tensor checkpoint format {version!r} is not supported (this f8tensor reads 1 and {SERIAL_VERSION})"
+        )
+    names = _SERIAL_FIELDS if version == SERIAL_VERSION else _SERIAL_FIELDS_V1
+    if not isinstance(fields, dict) or set(fields) != names:
+        got = sorted(map(str, fields)) if isinstance(fields, dict) else type(fields).__name__
+        raise ValueError(f"Float8Tensor checkpoint (format {version}): fields must be exactly {sorted(names)}; got {got}")
+    raw = fields["data"]
+    if type(raw) is not torch.Tensor or raw.dtype != torch.uint8:
+        what = raw.dtype if isinstance(raw, torch.Tensor) else type(raw).__name__
+        raise TypeError(f"Float8Tensor checkpoint: 'data' must be a uint8 tensor (the FP8 bytes); got {what}")
+    float8_dtype = check_float8_dtype(fields["float8_dtype"], "Float8Tensor checkpoint 'float8_dtype'")
+    check_layout(raw, "Float8Tensor data")
+    data = raw.view(float8_dtype)
+    gemm_fields = fields["gemm"]
+    n_gemm = len(GemmConfig._fields) if version == SERIAL_VERSION else _GEMM_FIELDS_V1
+    if not isinstance(gemm_fields, tuple) or len(gemm_fields) != n_gemm:
+        raise ValueError(f"Float8Tensor checkpoint: 'gemm' must be a tuple {GemmConfig._fields[:n_gemm]}; got {gemm_fields!r}")
+    gemm = GemmConfig(*gemm_fields)
+    for name in ("requires_grad", "is_param"):
+        if not isinstance(fields[name], bool):
+            raise TypeError(f"Float8Tensor checkpoint: {name!r} must be a bool; got {fields[name]!r}")
+    if version == SERIAL_VERSION:
+        block, scale = fields["block"], scale_from_codes(fields["scale"], fields["scale_dtype"])
+    else:
+        block, scale = block_from_axiswise_dim(fields["axiswise_dim"], data), fields["scale"]
+    scale = validate_fields(data, scale, fields["orig_dtype"], block, gemm)
+    return data, scale, fields["orig_dtype"], block, gemm, fields["requires_grad"], fields["is_param"]
+
+
+def legacy_state_fields(state: object, outer: tuple) -> tuple:
+    """The fields of a checkpoint written before Float8Tensor pickled itself as plain fields:
+    an attribute dict (or ``(dict, slots)``) restored into a wrapper whose ``outer`` (dtype,
+    shape, strides, offset, device) is already set, every one checked:
+    ``(data, scale, orig_dtype, block, gemm, is_param)``."""
+    dict_state = state[0] if isinstance(state, tuple) and len(state) == 2 else state
+    if isinstance(state, tuple) and len(state) == 2 and state[1]:
+        raise ValueError(f"Float8Tensor checkpoint: unexpected slot state {sorted(state[1])!r}")
+    if not isinstance(dict_state, dict):
+        raise ValueError(f"Float8Tensor checkpoint: the state must be a dict of fields; got {type(dict_state).__name__}")
+    names = {"_data", "_scale", "_orig_dtype", "_axiswise_dim", "_gemm"}
+    missing, extra = names - dict_state.keys(), dict_state.keys() - names - {"_is_param"}
+    if missing or extra:
+        raise ValueError(
+            f"Float8Tensor checkpoint: fields must be exactly {sorted(names)} (plus '_is_param'); "
+            f"missing {sorted(missing)}, unexpected {sorted(map(str, extra))}"
+        )
+    if dict_state.get("_is_param", True) is not True:
+        raise ValueError(f"Float8Tensor checkpoint: '_is_param' must be True; got {dict_state['_is_param']!r}")
+    data, gemm = dict_state["_data"], dict_state["_gemm"]
+    if type(gemm) is not GemmConfig:
+        raise TypeError(f"Float8Tensor checkpoint: '_gemm' must be a GemmConfig; got {type(gemm).__name__}")
+    block = block_from_axiswise_dim(dict_state["_axiswise_dim"], data)
+    scale = validate_fields(data, dict_state["_scale"], dict_state["_orig_dtype"], block, gemm)
+    inner = (dict_state["_orig_dtype"], tuple(data.shape), data.stride(), data.storage_offset(), data.device)
+    if outer != inner:
+        raise ValueError(
+            f"Float8Tensor checkpoint: the wrapper (dtype, shape, strides, offset, device) {outer} "
+            f"does not match its data {inner}"
+        )
+    return data, scale, dict_state["_orig_dtype"], block, gemm, "_is_param" in dict_state

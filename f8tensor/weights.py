@@ -1,0 +1,128 @@
+"""The shared base of the high-precision weight wrappers (FSDP2 FP8 all-gather, FP8 experts).
+
+A :class:`HighPrecisionWeight` is a parameter that behaves like the plain bf16/fp16/fp32
+tensor it wraps for every op (optimizer steps, ``copy_``, ``zero_``, views, sharding,
+checkpoints) and differs only where its subclass says so: the FSDP2 all-gather hooks
+(``distributed/fsdp.py``) or the matrix products its ``__torch_function__`` routes to FP8
+(``moe.py``). What they share lives here:
+
+- dispatch: unwrap, run on the plain tensors, rewrap. An in-place op returns its wrapped
+  argument; a new result stays wrapped for the subclass's ``VIEWS`` (sharing the write
+  count of the wrapper they view) and ``COPIES`` (a count of their own), if it is still of
+  a high-precision dtype (so ``.to(bf16)`` follows the dtype); anything else is plain;
+- write tracking: every op that writes into a wrapper or any view of it counts
+  (:class:`WriteCount`), whichever subclass dispatched it;
+- pickling as the plain tensor (checkpoints hold ordinary tensors and load with
+  ``weights_only=True``), a view of a larger storage (a shard, a slice) cloned first so
+  that only its own elements are written;
+- flatten/unflatten for torch.compile (``_hp`` and the subclass's metadata).
+
+Layer: above ``ops`` (needs nothing from it); imports ``tensor``, ``formats``, ``compat``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from f8tensor.compat import make_wrapper_subclass, tree_map_only, written_arguments
+from f8tensor.formats import HP_DTYPES
+from f8tensor.tensor import Float8Tensor
+
+__all__ = ["HighPrecisionWeight", "WriteCount"]
+
+
+class WriteCount:
+    """How often the data under a wrapper and its views has been written.
+
+    Not the autograd version counter: a view made inside another subclass's dispatch (a
+    DTensor's ``detach``, as in ``state_dict``) gets a fresh version counter, yet writes
+    through it (a checkpoint load) change the weight all the same.
+    """
+
+    __slots__ = ("n",)
+
+    def __init__(self) -> None:
+        self.n = 0
+
+
+class HighPrecisionWeight(torch.Tensor):
+    """A plain high-precision tensor, wrapped (see the module docstring).
+
+    Fields: ``_hp``, the plain tensor (or a view/piece of it); ``_writes``, the
+    :class:`WriteCount` shared with every wrapper viewing the same data. A subclass adds its
+    metadata (what ``_meta`` returns, passed back to its constructor after ``_hp``), sets
+    ``VIEWS`` and ``COPIES``, and chooses its ``__torch_function__``.
+    """
+
+    _hp: torch.Tensor
+    _writes: WriteCount
+
+    #: Ops whose result is a view of the weight (stays wrapped, shares the write count).
+    VIEWS: ClassVar[frozenset[Any]] = frozenset()
+    #: Ops whose result is a new tensor still standing for the weight (stays wrapped).
+    COPIES: ClassVar[frozenset[Any]] = frozenset()
+
+    @staticmethod
+    def _check_hp(kind: type, hp: torch.Tensor) -> None:
+        """``hp`` is a plain bf16/fp16/fp32 tensor (the subclass's ``__new__`` checks first)."""
+        if isinstance(hp, (HighPrecisionWeight, Float8Tensor)):
+            raise TypeError(f"{kind.__name__} wraps a plain high-precision tensor; got a {type(hp).__name__}")
+        if hp.dtype not in HP_DTYPES:
+            raise TypeError(f"{kind.__name__} wraps a bf16, fp16 or fp32 tensor; got {hp.dtype}")
+
+    @staticmethod
+    def _wrap(kind: type, hp: torch.Tensor, writes: WriteCount | None) -> Any:
+        """A new ``kind`` over ``hp`` (the subclass's ``__new__`` calls it after its checks)."""
+        self = make_wrapper_subclass(kind, hp, dtype=hp.dtype, requires_grad=hp.requires_grad)
+        self._hp = hp
+        self._writes = writes if writes is not None else WriteCount()
+        return self
+
+    def _meta(self) -> tuple:
+        """The subclass's metadata: its constructor's arguments after ``_hp``."""
+        raise NotImplementedError
+
+    def __reduce_ex__(self, protocol):  # type: ignore[override]
+        # Serialized (torch.save, torch.distributed.checkpoint, pickle) as the plain tensor it
+        # wraps: checkpoints hold ordinary tensors, load with weights_only=True, and move
+        # freely between models with and without the wrapper. Loading into a wrapper goes
+        # through copy_ like any other write. A piece that views a larger (padded, sliced)
+        # buffer is copied first so that only its own elements are written.
+        hp = self._hp
+        if hp.untyped_storage().nbytes() != hp.nbytes:
+            hp = hp.clone()
+        if isinstance(self, nn.Parameter):
+            hp = nn.Parameter(hp, requires_grad=self.requires_grad)
+        return hp.__reduce_ex__(protocol)
+
+    def __tensor_flatten__(self) -> tuple[list[str], tuple]:
+        return ["_hp"], self._meta()
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
+        wrapped: dict[int, HighPrecisionWeight] = {}
+
+        def unwrap(w: HighPrecisionWeight) -> torch.Tensor:
+            wrapped.setdefault(id(w._hp), w)
+            return w._hp
+
+        kwargs = kwargs or {}
+        out = func(*tree_map_only(HighPrecisionWeight, unwrap, args), **tree_map_only(HighPrecisionWeight, unwrap, kwargs))
+        for written in written_arguments(func, args, kwargs):
+            if isinstance(written, HighPrecisionWeight):
+                written._writes.n += 1
+        first = next(iter(wrapped.values()))
+        view, copy = func in first.VIEWS, func in first.COPIES
+
+        def rewrap(t: torch.Tensor) -> torch.Tensor:
+            same = wrapped.get(id(t))
+            if same is not None and same._hp is t:
+                return same  # an in-place op returns its (wrapped) argument
+            if (view or copy) and t.dtype in HP_DTYPES:
+                return type(first)(t, *first._meta(), writes=first._writes if view else None)
+            return t
+
+        return tree_map_only(torch.Tensor, rewrap, out)
