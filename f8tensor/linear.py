@@ -199,9 +199,15 @@ class Float8Linear(nn.Linear):
         bias = self.bias
         device_type = x.device.type if isinstance(x, torch.Tensor) else None
         # Autocast exists for some device types only (not meta): ask only where it does.
+        # While compiling, the device is a real one; torch 2.11's dynamo cannot trace
+        # torch.amp.is_autocast_available (torch._C._is_autocast_available), so do not ask it.
+        if torch.compiler.is_compiling():
+            available = device_type != "meta"
+        else:
+            available = device_type is not None and torch.amp.is_autocast_available(device_type)
         autocast = (
             device_type is not None
-            and torch.amp.is_autocast_available(device_type)
+            and available
             and torch.is_autocast_enabled(device_type)
             and x.is_floating_point()
         )

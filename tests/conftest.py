@@ -1,11 +1,20 @@
-"""Test set-up: the CUDA rules check, the ``gpu`` marker, a fixed seed per test, a fresh
-dynamo per compile test.
+"""Test set-up: the CUDA rules check, the ``gpu`` marker, the ``device_param`` marker, a fixed
+seed per test, a fresh dynamo per compile test.
 
 CUDA rules check (on by default): every ``torch._scaled_mm`` call a test makes is checked
 against the rules of every supported NVIDIA build (``f8tensor.gemm.SCALED_MM_RULES``) and
 a test that made an illegal call fails. Subprocesses (tutorials, benchmarks, the demo,
 FSDP workers) inherit ``F8TENSOR_CHECK_CUDA_RULES=1`` and raise at such a call. Switch it
 off with ``F8TENSOR_CHECK_CUDA_RULES=0 pytest ...``.
+
+``device_param``: a CPU test marked with it also runs on ``cuda``. It is parametrized over
+the ``device`` fixture: the ``cpu`` variant is the test as written; the ``cuda`` variant is
+marked ``gpu`` (so skipped without an FP8 GPU, and selected by ``pytest -m gpu``) and runs
+the same body with ``torch.set_default_device("cuda")``, so every tensor and module the
+test creates without naming a device lives on the GPU. (Tensors a test creates on the CPU
+explicitly, and the package's own device handling, are covered by the tests written for
+CUDA: test_gpu.py and the GPU campaign's checks.) ``pytest -m "device_param and gpu"
+--collect-only -q`` lists the re-run set.
 """
 
 from __future__ import annotations
@@ -69,6 +78,41 @@ def _fp8_gpu_reason() -> str | None:
     return None
 
 
+def pytest_generate_tests(metafunc):
+    if metafunc.definition.get_closest_marker("device_param") is not None:
+        devices = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
+        metafunc.parametrize("device", devices, indirect=True)
+
+
+@pytest.fixture
+def device(request) -> str:
+    """The device a ``device_param`` test runs on ("cpu" for every other test)."""
+    return getattr(request, "param", "cpu")
+
+
+@pytest.fixture(autouse=True)
+def _default_device(device):
+    """``cuda`` variants of ``device_param`` tests create their tensors on the GPU."""
+    if device == "cpu":
+        yield
+        return
+    torch.set_default_device(device)
+    try:
+        yield
+    finally:
+        torch.set_default_device(None)
+
+
+def _cuda_variant_skip_reason(item) -> str | None:
+    """Why a ``cuda`` variant cannot run on this GPU although the test is right (None: it can)."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    if params.get("device") != "cuda":
+        return None
+    if "mxfp8" in params.values() and torch.cuda.get_device_capability() < (10, 0):
+        return "MXFP8 products need sm100 or newer (refused with a clear error here; the GPU campaign records it)"
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
     # Only tests marked `gpu` are skipped; the CPU tests always run.
     gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
@@ -76,6 +120,10 @@ def pytest_collection_modifyitems(config, items):
         return
     reason = _fp8_gpu_reason()
     if reason is None:
+        for item in gpu_items:
+            why = _cuda_variant_skip_reason(item)
+            if why is not None:
+                item.add_marker(pytest.mark.skip(reason=why))
         return
     skip = pytest.mark.skip(reason=reason)
     for item in gpu_items:

@@ -282,6 +282,7 @@ def test_block_matmul_plain_operand_cast_on_the_fly():
     assert torch.equal(out, a8.to_hp(torch.float32) @ w8.to_hp(torch.float32).t())
 
 
+@pytest.mark.device_param
 def test_block_matmul_3d_activation():
     x = torch.randn(2, 16, 256, dtype=torch.bfloat16)
     w = torch.randn(64, 256, dtype=torch.bfloat16)

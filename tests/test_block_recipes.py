@@ -82,6 +82,7 @@ def _sr_grad_output(recipe: str) -> Float8LinearConfig:
     return dataclasses.replace(cfg, grad_output=dataclasses.replace(cfg.grad_output, rounding="stochastic"))
 
 
+@pytest.mark.device_param
 @pytest.mark.parametrize("recipe", RECIPE_NAMES)
 def test_stochastic_grad_output_in_every_recipe(recipe):
     ref = torch.nn.Linear(128, 64)
@@ -109,6 +110,7 @@ def test_stochastic_grad_output_in_every_recipe(recipe):
 # ----------------------------------------------------------------------------- checkpoints, telemetry
 
 
+@pytest.mark.device_param
 @pytest.mark.parametrize("gran", [BLOCK_1x128, MX_1x32], ids=["1x128", "mx"])
 def test_block_float8tensor_save_load_weights_only(gran):
     x8 = Float8Tensor.from_hp(torch.randn(8, 300, dtype=torch.bfloat16), granularity=gran)

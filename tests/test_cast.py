@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-from expecttest import assert_expected_inline
 from helpers import (
     CAST_MIN_DB,
     GRANULARITIES,
@@ -19,9 +18,17 @@ from helpers import (
 
 from f8tensor import FLOAT8_DTYPES, FORMATS, Float8Tensor, GemmConfig, Granularity
 
+try:
+    from expecttest import assert_expected_inline
+except ImportError:  # expecttest absent (a GPU machine's stock Python): only the repr tests skip
+
+    def assert_expected_inline(*args, **kwargs):
+        pytest.skip("expecttest is not installed")
+
 # ----------------------------------------------------------------------------- numerics
 
 
+@pytest.mark.device_param
 @pytest.mark.parametrize("granularity", GRANULARITIES)
 @pytest.mark.parametrize("hp_dtype", HP_DTYPES, ids=dtype_name)
 @pytest.mark.parametrize("float8_dtype", FLOAT8_DTYPES, ids=dtype_name)
@@ -86,6 +93,7 @@ def test_all_zero_input(float8_dtype, hp_dtype, granularity):
     assert (back == 0).all() and not back.isnan().any()
 
 
+@pytest.mark.device_param
 @pytest.mark.parametrize("granularity", GRANULARITIES)
 @pytest.mark.parametrize("float8_dtype", FLOAT8_DTYPES, ids=dtype_name)
 def test_fp16_tiny_amax_gives_finite_scale(float8_dtype, granularity):
@@ -132,6 +140,7 @@ def test_non_finite_input_dynamic_tensorwise_is_all_nan(float8_dtype, bad):
     assert x8.to_hp().isnan().all()
 
 
+@pytest.mark.device_param
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 @pytest.mark.parametrize("float8_dtype", FLOAT8_DTYPES, ids=dtype_name)
 def test_non_finite_input_dynamic_rowwise_poisons_its_row(float8_dtype, bad):
@@ -164,6 +173,7 @@ def test_non_finite_input_explicit_scale_stays_nan(float8_dtype, bad, granularit
     assert torch.isfinite(back[finite]).all()
 
 
+@pytest.mark.device_param
 @pytest.mark.parametrize("granularity", GRANULARITIES)
 @pytest.mark.parametrize("hp_dtype", HP_DTYPES, ids=dtype_name)
 @pytest.mark.parametrize("float8_dtype", FLOAT8_DTYPES, ids=dtype_name)
@@ -274,6 +284,7 @@ def test_to_hp_bad_dtype_raises():
         x8.to_hp(torch.float64)
 
 
+@pytest.mark.device_param
 def test_explicit_scale_is_used_as_given():
     hp = torch.randn(4, 8)
     scale = torch.tensor(3.0)

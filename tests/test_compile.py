@@ -54,6 +54,7 @@ def test_linear_forward_one_graph(granularity, x_kind):
     assert counter.frame_count == 1
 
 
+@pytest.mark.device_param
 @pytest.mark.parametrize("x_kind", sorted(X_SHAPES))
 @pytest.mark.parametrize("granularity", GRANULARITIES)
 def test_linear_forward_backward_one_graph(granularity, x_kind):
@@ -143,6 +144,7 @@ def test_pad_inner_dim_one_graph():
 # ----------------------------------------------------------------------------- inductor (few compiles)
 
 
+@pytest.mark.device_param
 @pytest.mark.parametrize("hp_dtype", [torch.bfloat16, torch.float32], ids=dtype_name)
 @pytest.mark.parametrize("granularity", GRANULARITIES)
 def test_inductor_cast_bitwise_equals_eager(granularity, hp_dtype):

@@ -44,6 +44,7 @@ def _compare_to_reference(ref: nn.Module, fp8: nn.Module, x: torch.Tensor, what:
 # ----------------------------------------------------------------------------- numerics
 
 
+@pytest.mark.device_param
 @pytest.mark.parametrize("recipe", RECIPE_NAMES)
 def test_sqnr_against_bf16_linear_3d(recipe):
     ref = nn.Linear(256, 128, dtype=torch.bfloat16)
@@ -51,6 +52,7 @@ def test_sqnr_against_bf16_linear_3d(recipe):
     _compare_to_reference(ref, fp8_linear(ref, recipe), x, recipe)
 
 
+@pytest.mark.device_param
 @pytest.mark.parametrize("recipe", RECIPE_NAMES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
@@ -71,6 +73,7 @@ def test_input_ranks(recipe, shape):
     _compare_to_reference(ref, layer, x, f"{recipe} {len(shape)}d")
 
 
+@pytest.mark.device_param
 @pytest.mark.parametrize("recipe", RECIPE_NAMES)
 def test_odd_token_count_trains(recipe):
     # 3 x 5 = 15 tokens: the weight-gradient GEMM contracts over tokens, which backward pads.
@@ -182,6 +185,7 @@ def test_autocast_bf16_cuda_with_fp32_model(recipe):
 # ----------------------------------------------------------------------------- checkpointing
 
 
+@pytest.mark.device_param
 @pytest.mark.parametrize("recipe", RECIPE_NAMES)
 def test_activation_checkpointing_gives_the_same_gradients(recipe):
     base = MLP()

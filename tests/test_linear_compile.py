@@ -56,11 +56,13 @@ def _check_compiled_matches_eager(recipe: str, backend: str, dtype: torch.dtype,
             torch.testing.assert_close(b, a, rtol=1e-5, atol=0, msg=name)
 
 
+@pytest.mark.device_param
 @pytest.mark.parametrize("recipe", RECIPE_NAMES)
 def test_compile_fullgraph_aot_eager(recipe):
     _check_compiled_matches_eager(recipe, "aot_eager", torch.bfloat16)
 
 
+@pytest.mark.device_param
 @pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
 def test_compile_fullgraph_inductor(recipe):
     _check_compiled_matches_eager(recipe, "inductor", torch.float32)

@@ -34,6 +34,7 @@ def _offs(sizes):
 # ----------------------------------------------------------------------------- grouped GEMMs
 
 
+@pytest.mark.device_param
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_grouped_fp8_matches_reference_per_group(recipe):
     offs = _offs(SIZES)
@@ -162,6 +163,7 @@ def test_index_with_a_2d_tensor_raises():
         w8[torch.tensor([[0, 1]])]
 
 
+@pytest.mark.device_param
 @pytest.mark.parametrize("name", sorted(GRANULARITIES))
 def test_float8tensor_grouped_mm(name):
     offs = _offs([0, 7, 20, 5])
@@ -227,6 +229,7 @@ def test_converter_leaves_unaligned_experts_in_high_precision(caplog):
     assert "multiples of 16" in caplog.text and type(mod.down_proj) is nn.Parameter
 
 
+@pytest.mark.device_param
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_wrapper_routes_the_three_expert_paths_to_fp8(recipe):
     mod = _Experts()

@@ -43,6 +43,7 @@ class _OpLog(TorchDispatchMode):
 # ----------------------------------------------------------------------------- plain x FP8 weight
 
 
+@pytest.mark.device_param
 @pytest.mark.parametrize("granularity", GRANULARITIES)
 @pytest.mark.parametrize("x_shape", [(16, K), (4, 8, K), (2, 3, 8, K)], ids=["2d", "3d", "4d"])
 @pytest.mark.parametrize("hp_dtype", [torch.bfloat16, torch.float32], ids=dtype_name)
@@ -56,6 +57,7 @@ def test_matmul_plain_x_fp8_weight(x_shape, granularity, hp_dtype):
     assert_sqnr(_ref(x, w), y, MATMUL_MIN_DB)
 
 
+@pytest.mark.device_param
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "bias"])
 @pytest.mark.parametrize("granularity", GRANULARITIES)
 @pytest.mark.parametrize("x_shape", [(16, K), (4, 8, K)], ids=["2d", "3d"])
@@ -72,6 +74,7 @@ def test_linear(x_shape, granularity, with_bias):
         assert_sqnr(b.expand_as(y), y - F.linear(x, w8), MATMUL_MIN_DB)
 
 
+@pytest.mark.device_param
 @pytest.mark.parametrize("bias_dtype", [torch.bfloat16, torch.float32], ids=dtype_name)
 @pytest.mark.parametrize("granularity", GRANULARITIES)
 def test_addmm_both_fp8(granularity, bias_dtype):
@@ -102,6 +105,7 @@ def test_addmm_beta_zero_ignores_nan_input():
     assert_sqnr(_ref(x, w), y, MATMUL_MIN_DB)
 
 
+@pytest.mark.device_param
 @pytest.mark.parametrize("granularity", GRANULARITIES)
 @pytest.mark.parametrize("hp_dtype", HP_DTYPES, ids=dtype_name)
 def test_mm_both_fp8(granularity, hp_dtype):
@@ -121,6 +125,7 @@ def test_mixed_granularities(x_gran, w_gran):
     assert_sqnr(_ref(x, w), torch.mm(x8, w8.t()), MATMUL_MIN_DB)
 
 
+@pytest.mark.device_param
 @pytest.mark.parametrize("granularity", GRANULARITIES)
 @pytest.mark.parametrize("x_dtype, w_dtype", [(E4M3_DTYPES[0], E5M2_DTYPES[0]), (E5M2_DTYPES[0], E4M3_DTYPES[0])])
 def test_e4m3_times_e5m2(x_dtype, w_dtype, granularity):
@@ -188,6 +193,7 @@ def test_gemm_config_out_dtype_fp32(x_shape):
     assert F.linear(x, w8, torch.zeros(N, dtype=torch.bfloat16)).dtype == torch.float32
 
 
+@pytest.mark.device_param
 @pytest.mark.parametrize("granularity", GRANULARITIES)
 @pytest.mark.parametrize("out_dtype", HP_DTYPES, ids=dtype_name)
 def test_float8_mm_hp_out_dtype(out_dtype, granularity):
@@ -271,6 +277,7 @@ def test_unaligned_shapes_raise(k, n):
         x @ w8t
 
 
+@pytest.mark.device_param
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "bias"])
 @pytest.mark.parametrize("granularity", GRANULARITIES)
 @pytest.mark.parametrize("x_shape, n", [((8, 40), 24), ((2, 4, 40), 24), ((8, 7), 3), ((8, 64), 24), ((8, 40), 32)])
@@ -340,6 +347,7 @@ def test_addmm_with_fp8_bias_raises():
 # ----------------------------------------------------------------------------- autograd
 
 
+@pytest.mark.device_param
 @pytest.mark.parametrize("granularity", GRANULARITIES)
 @pytest.mark.parametrize("hp_dtype", [torch.bfloat16, torch.float32], ids=dtype_name)
 @pytest.mark.parametrize("contiguous", [True, False], ids=["contiguous", "transposed"])

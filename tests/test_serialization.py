@@ -53,6 +53,7 @@ def test_flatten_unflatten_of_a_view(granularity):
     assert y.stride() == x8.stride()
 
 
+@pytest.mark.device_param
 @pytest.mark.parametrize("granularity", GRANULARITIES)
 @pytest.mark.parametrize("float8_dtype", FLOAT8_DTYPES, ids=dtype_name)
 def test_save_load_weights_only(float8_dtype, granularity):
@@ -76,6 +77,7 @@ def test_save_load_inside_a_dict(float8_dtype, granularity):
     assert loaded["nested"][0].stride() == x8.t().stride()
 
 
+@pytest.mark.device_param
 @pytest.mark.parametrize("granularity", GRANULARITIES)
 def test_state_dict_round_trip(granularity):
     def fp8_linear(weight: torch.Tensor) -> torch.nn.Linear:
@@ -115,6 +117,7 @@ def _pickle_round_trip(obj):
 ROUND_TRIPS = {"torch_save_weights_only": _save_load, "pickle": _pickle_round_trip, "deepcopy": copy.deepcopy}
 
 
+@pytest.mark.device_param
 @pytest.mark.parametrize("how", list(ROUND_TRIPS))
 @pytest.mark.parametrize("case", list(BLOCK_CASES))
 def test_block_tensor_round_trips_bit_exact(case, how):
