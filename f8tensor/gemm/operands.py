@@ -123,7 +123,11 @@ def row_major(t: torch.Tensor) -> torch.Tensor:
     dim's short stride, which the grouped kernel's stride rule refuses)."""
     if torch.compiler.is_compiling():
         # Dynamo cannot read the strides of a tensor made inside the graph when they are
-        # symbolic; inductor lays out such intermediates in standard strides anyway.
+        # symbolic; inductor lays out such intermediates in standard strides anyway. A size-1
+        # dim (static under dynamo, which specializes 0 and 1) may keep its short stride
+        # through .contiguous(): copy to standard strides then.
+        if t.shape[-2] == 1:
+            return t.clone(memory_format=torch.contiguous_format)
         return t.contiguous()
     return t if is_row_major(t) else t.clone(memory_format=torch.contiguous_format)
 
@@ -133,6 +137,8 @@ def col_major(t: torch.Tensor) -> torch.Tensor:
     the layout every kernel's second operand needs."""
     if torch.compiler.is_compiling():
         tt = t.transpose(-2, -1)  # see row_major
+        if t.shape[-1] == 1:
+            return tt.clone(memory_format=torch.contiguous_format).transpose(-2, -1)
         return t if tt.is_contiguous() else tt.contiguous().transpose(-2, -1)
     if is_col_major(t):
         return t
