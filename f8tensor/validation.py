@@ -240,12 +240,19 @@ def check_given_scale(
     if not block:
         if scale.numel() != 1:
             raise ValueError(f"a tensorwise scale has one element; got shape {tuple(scale.shape)}")
-        return scale.reshape(())
+        return _own_copy(scale.reshape(()))
     expected = block_scale_shape(tuple(hp.shape), block)
     if tuple(scale.shape) != expected:
         kind = "rowwise" if axiswise_dim(block) == len(block) - 1 else f"block {block}"
         raise ValueError(f"a {kind} scale for shape {tuple(hp.shape)} must have shape {expected}; got {tuple(scale.shape)}")
-    return scale
+    return _own_copy(scale)
+
+
+def _own_copy(scale: torch.Tensor) -> torch.Tensor:
+    """A cast is a value: the tensor keeps its own dense copy of a given scale, so an in-place
+    update of the caller's tensor (or of the base it is a view of) changes nothing, and an
+    expanded scale is stored (and saved) one entry per block, not as a zero-stride view."""
+    return scale.clone(memory_format=torch.contiguous_format)
 
 
 def checkpoint_fields(version: object, fields: object) -> tuple:

@@ -102,6 +102,7 @@ def matmul(
     table's ``mm``/``addmm``, Float8Linear's three GEMMs, :func:`float8_mm`).
 
     ``out_dtype``: default the operands' GemmConfig's, else ``a``'s original dtype."""
+    _check_devices(a, b, bias)
     blockwise = (is_float8(a) and a.is_blockwise) or (is_float8(b) and b.is_blockwise)
     if a.dim() != 2 or b.dim() != 2:
         raise RuntimeError(f"FP8 mm expects 2D operands; got {tuple(a.shape)} and {tuple(b.shape)}")
@@ -114,6 +115,16 @@ def matmul(
     if out_dtype is None:
         out_dtype = gemm.out_dtype or a8._orig_dtype
     return (block_product if blockwise else dense_product)(a8, b8, bias, out_dtype, gemm)
+
+
+def _check_devices(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> None:
+    # Metadata only, no sync. Checked before anything runs: a CPU kernel handed a meta
+    # operand returns uninitialised memory, and a plain operand is cast on its own device.
+    if a.device != b.device or (bias is not None and bias.device != a.device):
+        on_bias = "" if bias is None else f", bias on {bias.device}"
+        raise ValueError(
+            f"FP8 matmul operands must be on one device; got a on {a.device}, b on {b.device}{on_bias}"
+        )
 
 
 _FNUZ = (torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
