@@ -48,7 +48,7 @@ from f8tensor.compat import grouped_mm as hp_grouped_mm
 from f8tensor.config import CastConfig, CastSpec, Float8LinearConfig, is_tensorwise
 from f8tensor.functions import Float8LinearFn as _Float8LinearFn  # the routes look it up here
 from f8tensor.gemm import batched_mm, grouped_mm, scaled_grouped_mm
-from f8tensor.gemm.grouped import KERNEL_OUT
+from f8tensor.gemm.grouped import KERNEL_OUT, validate_grouped_mm_args
 from f8tensor.gemm.operands import col_major, kernel_scale, row_major
 from f8tensor.gemm.rules import ALIGN
 from f8tensor.scaling import amax_to_scale, group_amax
@@ -228,6 +228,7 @@ class _ExpertBmmFn(torch.autograd.Function):
         ctx.save_for_backward(x, w)
         ctx.config = config
         _check_contraction(x.shape[2], "batched forward")
+        _check_contraction(w.shape[2], "batched input gradient, checked in forward")
         w_spec = _spec(config.weight, 1, ndim=3, per_expert=True)
         return _bmm_fp8(x, w, _spec(config.input, 2, ndim=3), w_spec).to(x.dtype)
 
@@ -446,21 +447,18 @@ def float8_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, conf
 
     ``x`` (M, K): tokens sorted by expert; ``w`` (G, K, N): a plain tensor or a
     :class:`Float8ExpertWeight` (then its config is used); ``offs`` (G,): cumulative token
-    counts (int32 or int64; groups may be empty or of any size). ``config``: the recipe
-    for a plain ``w`` (default: tensorwise).
+    counts (an integer tensor or a list of ints; groups may be empty or of any size).
+    ``config``: the recipe for a plain ``w`` (default: tensorwise). Validated like
+    ``Float8Linear``'s inputs (:func:`f8tensor.gemm.grouped.validate_grouped_mm_args`): K and
+    N multiples of 16 (checked here, in forward), bf16/fp16/fp32 operands.
     """
     if isinstance(w, Float8ExpertWeight):
         config = w._config if config is None else config
         w = _Unwrap.apply(w)
     elif config is None:
         config = Float8LinearConfig()
-    if x.dim() != 2 or w.dim() != 3 or offs.dim() != 1 or offs.shape[0] != w.shape[0] or x.shape[1] != w.shape[1]:
-        raise ValueError(
-            f"float8_grouped_mm: expected x (M, K), w (G, K, N), offs (G,); got {tuple(x.shape)}, {tuple(w.shape)}, {tuple(offs.shape)}"
-        )
-    if offs.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"float8_grouped_mm: offs must be int32 or int64; got {offs.dtype}")
-    return _GroupedMMFn.apply(x.to(w.dtype), w, offs.to(torch.int32), config)
+    offs = validate_grouped_mm_args(x, w, offs, config)
+    return _GroupedMMFn.apply(x.to(w.dtype), w, offs, config)
 
 
 # ===================================================================== the converter

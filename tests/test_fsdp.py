@@ -237,6 +237,11 @@ def test_precomputed_scale_is_used_until_the_weight_is_written():
 
 
 @contextlib.contextmanager
+# The collective FSDP2's all-gather calls: all_gather_single from torch 2.13,
+# all_gather_into_tensor before (same (output, input) arguments).
+_ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+
+
 def _recording(name: str, sink: list, what: Callable) -> Iterator[None]:
     """Wrap ``torch.distributed.<name>`` (FSDP and f8tensor look it up at call time)."""
     orig = getattr(dist, name)
@@ -349,7 +354,7 @@ def _scenario_bytes(rank, world, mesh, ctx) -> dict:
         )
         calls: list = []
         record = _recording(
-            "all_gather_single", calls, lambda o, i, *a, **k: (str(o.dtype), o.numel() * o.element_size())
+            _ALL_GATHER, calls, lambda o, i, *a, **k: (str(o.dtype), o.numel() * o.element_size())
         )
         with record, torch.no_grad():
             model(_rows(x, rank))

@@ -18,7 +18,13 @@ from f8tensor import Float8Linear, convert_to_float8_training, sqnr
 
 pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip install 'f8tensor[integrations]')")
 # torchtitan's model package imports triton and spmd_types at import time.
-llama3 = pytest.importorskip("torchtitan.models.llama3", reason="torchtitan's model code does not import here")
+# exc_type=ImportError: torchtitan 0.3.0 on torch < 2.12 fails with an ImportError that is
+# not ModuleNotFoundError (it imports DataParallelMeshDims from torch.distributed.fsdp).
+llama3 = pytest.importorskip(
+    "torchtitan.models.llama3",
+    reason=f"torchtitan's model code does not import with torch {torch.__version__}",
+    exc_type=ImportError,
+)
 
 from torchtitan.config.override import OverrideConfig, apply_overrides
 from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
