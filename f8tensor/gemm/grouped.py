@@ -144,7 +144,9 @@ def validate_grouped_mm_args(x: torch.Tensor, w: torch.Tensor, offs: object, con
     m = x.shape[0]
     if offs.numel():
         o = offs.to(torch.int64)
-        if offs.device.type == "cpu" and not torch.compiler.is_compiling() and not compat.is_fake(offs):
+        # Values on the host: a plain CPU tensor outside any tracing (a FakeTensor, or the
+        # FunctionalTensor of a custom op's trace, holds none).
+        if offs.device.type == "cpu" and type(offs) is torch.Tensor and not torch.compiler.is_compiling():
             if bool((o[1:] < o[:-1]).any()) or int(o[0]) < 0 or int(o[-1]) > m:
                 raise ValueError(
                     f"float8_grouped_mm: offs must be non-decreasing cumulative counts in [0, M={m}]; got {o.tolist()}"
