@@ -16,6 +16,7 @@ Layer: the bottom. Imports torch only; every module of the package may import it
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -172,6 +173,21 @@ GROUPED_MM_FUNCTIONS: tuple[Callable[..., torch.Tensor], ...] = (_GROUPED_MM,) +
 )
 
 # ----------------------------------------------------------------------- tensor subclasses
+
+try:  # torch >= 2.1: the unpickler of torch.load(weights_only=True)
+    from torch._weights_only_unpickler import Unpickler as _WeightsOnlyUnpickler
+
+    _WEIGHTS_ONLY_LOAD_CODE = _WeightsOnlyUnpickler.load.__code__
+except (ImportError, AttributeError):  # pragma: no cover - older torch
+    _WEIGHTS_ONLY_LOAD_CODE = None
+
+
+def called_by_weights_only_load() -> bool:
+    """Whether the caller's caller is ``torch.load(weights_only=True)``'s unpickler itself
+    (its NEWOBJ or REDUCE calling an allowlisted class with a checkpoint's arguments).
+    One frame lookup, no tensor op."""
+    return _WEIGHTS_ONLY_LOAD_CODE is not None and sys._getframe(2).f_code is _WEIGHTS_ONLY_LOAD_CODE
+
 
 
 def make_wrapper_subclass(cls: type, like: torch.Tensor, *, dtype: torch.dtype, requires_grad: bool) -> Any:

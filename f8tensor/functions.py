@@ -177,7 +177,7 @@ def _column_major_copy(f8: Float8Tensor) -> Float8Tensor:
     data = f8._data  # a fresh cast: row-major (no stride test, which dynamic shapes would trace)
     out = torch.empty_strided(data.shape, (1, data.shape[0]), dtype=data.dtype, device=data.device)
     out.copy_(data)
-    return f8._replace(data=materialized(out))
+    return f8._replace(data=materialized(out, (1, data.shape[0])))
 
 
 class Float8LinearFn(torch.autograd.Function):

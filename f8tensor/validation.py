@@ -92,6 +92,10 @@ def check_scale_values(scale: torch.Tensor, what: str, *, allow_nan: bool = Fals
     return torch.where(ok, scale, torch.nan)
 
 
+#: The largest block entry: a tensor size (int64). Larger ones are one partial block anyway.
+_MAX_BLOCK = 2**63 - 1
+
+
 def extent(size: tuple[int, ...], stride: tuple[int, ...]) -> int:
     """Elements from the first to one past the last one a layout touches (0 when empty)."""
     if any(n == 0 for n in size):
@@ -167,8 +171,11 @@ def check_block(block: object, data: torch.Tensor, scale: torch.Tensor) -> None:
     """
     if type(block) is not tuple or any(type(b) is not int for b in block):
         raise TypeError(f"Float8Tensor block must be a tuple of ints >= 0 (0: the whole dim); got {block!r}")
-    if any(b < 0 for b in block):
-        raise ValueError(f"Float8Tensor block entries must be >= 0 (0: the whole dim); got {block!r}")
+    if any(b < 0 or b > _MAX_BLOCK for b in block):
+        raise ValueError(
+            f"Float8Tensor block entries must be in [0, 2**63) (0: the whole dim; an entry larger than "
+            f"its dim is one partial block); got {block!r}"
+        )
     if len(block) != data.dim():
         raise ValueError(
             f"Float8Tensor block {block} must have one entry per dim of data of shape {tuple(data.shape)}"

@@ -167,7 +167,7 @@ NEW_V2 = [
     ("block_list", {"block": [0, 0]}, TypeError, r"block must be a tuple of ints"),
     ("block_bool", {"block": (True, 0)}, TypeError, r"block must be a tuple of ints"),
     ("block_float", {"block": (1.0, 0)}, TypeError, r"block must be a tuple of ints"),
-    ("block_negative", {"granularity": "rowwise", "block": (-1, 0)}, ValueError, r"block entries must be >= 0"),
+    ("block_negative", {"granularity": "rowwise", "block": (-1, 0)}, ValueError, r"block entries must be in \[0, 2\*\*63\)"),
     ("block_wrong_ndim", {"block": (0,)}, ValueError, r"one entry per dim of data of shape \(4, 16\)"),
     ("block_missing", {"block": None}, TypeError, r"block must be a tuple of ints"),
     ("block_scale_shape_mismatch", {"granularity": BLOCK_1x128, "block": (1, 8)}, ValueError,

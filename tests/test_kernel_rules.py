@@ -281,7 +281,7 @@ def test_grouped_weight_dtype_and_config_type_refused():
 def test_offs_values_on_a_device_are_asserted_without_a_sync(monkeypatch):
     seen = []
     monkeypatch.setattr(compat, "assert_async", lambda cond, msg: seen.append((bool(cond), msg)))
-    monkeypatch.setattr(compat, "is_fake", lambda t: True)  # as a traced (or device) tensor would be
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # as under torch.compile
     x, w = _xw()
     grouped.validate_grouped_mm_args(x, w, torch.tensor([4, 9]), Float8LinearConfig())
     assert seen and seen[0][0] is False and "offs" in seen[0][1]

@@ -8,19 +8,20 @@ from __future__ import annotations
 
 import copy
 import io
+import math
 
 import pytest
 import torch
 from torch import nn
 
 from f8tensor import (
-    MX_1x32,
-    MX_1x32_FLOOR,
     BlockGranularity,
     CastConfig,
     Float8Linear,
     Float8LinearConfig,
     Float8Tensor,
+    MX_1x32,
+    MX_1x32_FLOOR,
 )
 from tests.helpers import assert_sqnr, dtype_name
 from tests.linear_utils import RECIPE_NAMES, fp8_linear
@@ -75,13 +76,17 @@ def test_finite_values_near_the_dtype_max_never_dequantize_to_inf(hp_dtype, f8, 
 
 
 @pytest.mark.parametrize("hp_dtype", HP, ids=dtype_name)
-def test_to_hp_of_a_tiny_explicit_scale_saturates_instead_of_overflowing(hp_dtype):
-    # A user scale so small that data / scale exceeds the dtype's range: the value saturates
-    # to the dtype's max (as the cast saturates to the format's), never inf.
-    x = torch.full((4, 8), 2.0, dtype=hp_dtype)
-    x8 = Float8Tensor.from_hp(x, torch.float8_e4m3fn, scale=torch.finfo(torch.float32).tiny)
+def test_to_hp_with_an_explicit_scale_saturates_instead_of_overflowing(hp_dtype):
+    # A user scale (a power of two, the largest that keeps the dtype's max within e4m3's
+    # range) whose FP8 rounding lands above the dtype's max: data / scale saturates to the
+    # dtype's max (as the cast saturates to the format's), never inf.
+    top = torch.finfo(hp_dtype).max
+    scale = 2.0 ** math.floor(math.log2(448.0 / top))
+    x = torch.full((4, 8), top, dtype=hp_dtype)
+    x8 = Float8Tensor.from_hp(x, torch.float8_e4m3fn, scale=scale)
     back = x8.to_hp()
     assert torch.isfinite(back).all()
+    assert torch.all(back == top)
     # NaN stays NaN and inf becomes NaN: clamping must not turn them finite.
     y = x.clone()
     y[0, 0], y[1, 1] = float("nan"), float("inf")
@@ -214,7 +219,8 @@ def test_an_expanded_tensor_saves_and_loads_back(name, gran, weights_only):
 @pytest.mark.parametrize("name,gran", NON_TENSORWISE, ids=[g[0] for g in NON_TENSORWISE])
 def test_a_cast_with_an_expanded_scale_saves_and_loads_back(name, gran):
     x = torch.randn(4, 256)
-    s = Float8Tensor.from_hp(x[:1], granularity=gran)._scale.expand(4, -1)
+    full = Float8Tensor.from_hp(x, granularity=gran)._scale
+    s = full[:1].expand_as(full)  # every row the first row's scales, through a zero stride
     x8 = Float8Tensor.from_hp(x, granularity=gran, scale=s)
     back, _ = _roundtrip(x8, weights_only=True)
     torch.testing.assert_close(back.to_hp(), x8.to_hp(), rtol=0, atol=0)
@@ -374,30 +380,36 @@ def test_an_e8m0_granularity_is_refused_or_trains(block, mode):
 # ===================================================================== Also: safe globals
 
 
-def test_a_user_allowlisting_float8tensor_does_not_reopen_unchecked_construction():
-    import pickle
+class _CraftedFloat8:
+    """Pickles as a call of the Float8Tensor class with unchecked fields: a (3,) scale for a
+    tensorwise (4, 8) tensor; ``newobj`` through NEWOBJ (``cls.__new__(cls, *args)``),
+    otherwise through REDUCE (``cls(*args)``)."""
 
-    x8 = Float8Tensor.from_hp(torch.randn(4, 8))
-    with torch.serialization.safe_globals([Float8Tensor]):
-        back, _ = _roundtrip(x8, weights_only=True)  # the safe path still works
-        torch.testing.assert_close(back.to_hp(), x8.to_hp(), rtol=0, atol=0)
+    def __init__(self, newobj: bool) -> None:
+        self.newobj = newobj
 
-        # A crafted checkpoint that builds the class directly (NEWOBJ) with an unchecked
-        # scale: a (3,) scale for a tensorwise (4, 8) tensor.
-        buf = io.BytesIO()
-        pickle.Pickler(buf, protocol=2).dump(NewObjProxy())
-        buf.seek(0)
-        with pytest.raises(Exception, match="(?i)float8tensor|weights_only|unsupported"):
-            torch.load(buf, weights_only=True)
-
-
-class NewObjProxy:
-    """Pickles as NEWOBJ of Float8Tensor with unchecked fields (protocol 2's __newobj__)."""
+    @property
+    def __class__(self):  # the pickler checks NEWOBJ's class against the object's
+        return Float8Tensor if self.newobj else _CraftedFloat8
 
     def __reduce_ex__(self, protocol):
         import copyreg
 
-        return (copyreg.__newobj__, (Float8Tensor, torch.zeros(4, 8, dtype=torch.float8_e4m3fn), torch.ones(3), torch.float32))
+        args = (torch.zeros(4, 8, dtype=torch.float8_e4m3fn), torch.ones(3), torch.float32)
+        return (copyreg.__newobj__, (Float8Tensor, *args)) if self.newobj else (Float8Tensor, args)
+
+
+@pytest.mark.parametrize("opcode", ["NEWOBJ", "REDUCE"])
+def test_a_user_allowlisting_float8tensor_does_not_reopen_unchecked_construction(opcode):
+    x8 = Float8Tensor.from_hp(torch.randn(4, 8))
+    buf = io.BytesIO()
+    torch.save(_CraftedFloat8(opcode == "NEWOBJ"), buf)
+    with torch.serialization.safe_globals([Float8Tensor]):
+        back, _ = _roundtrip(x8, weights_only=True)  # the safe path still works
+        torch.testing.assert_close(back.to_hp(), x8.to_hp(), rtol=0, atol=0)
+        buf.seek(0)
+        with pytest.raises(Exception, match=r"scale|never constructed"):
+            torch.load(buf, weights_only=True)
 
 
 # ===================================================================== Also: recovery after a fault

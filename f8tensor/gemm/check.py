@@ -352,7 +352,7 @@ def _offs_value_violations(offs: torch.Tensor, grouped: int) -> list[str]:
     """The kernel's device-side asserts on ``offs`` (non-decreasing, >= 0, at most the
     grouped dim), checked where the values are on the host (CPU, not traced): no sync, no
     graph break. On CUDA the kernel asserts them on the device (see ``grouped.py``)."""
-    if torch.compiler.is_compiling() or offs.device.type != "cpu" or compat.is_fake(offs) or offs.numel() == 0:
+    if torch.compiler.is_compiling() or offs.device.type != "cpu" or type(offs) is not torch.Tensor or offs.numel() == 0:
         return []
     o = offs.to(torch.int64)
     out = []

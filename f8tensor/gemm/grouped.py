@@ -17,7 +17,15 @@ makes only calls a GPU accepts. On CUDA devices that have the kernel the call go
 an exact emulation (products of the FP8 values accumulated in fp32, then the two
 dequantization factors, then one rounding to ``out_dtype``: the kernel's epilogue order).
 It is a custom op, opaque to torch.compile, so token counts that change every step
-recompile nothing. On sm89 builds there is no grouped kernel: the reference op runs there.
+recompile nothing. On sm89 and sm100 there is no FP8 grouped kernel in torch 2.11-2.14
+(``GROUPED_RULES`` has an sm90 row only): the reference op runs there.
+
+Entry checks (:func:`validate_grouped_mm_args`, :func:`check_grouped_dims`): the dims every
+GEMM of the product and its gradients contracts over, checked when the product is called
+(so N fails in forward, not in backward), and ``float8_grouped_mm``'s arguments, as
+``Float8Linear`` checks its own. Offsets values: eager on a CPU tensor; on CUDA and under
+torch.compile through ``torch._assert_async`` (a device-side check: no host sync, no graph
+break; a bad value stops the device, as the kernel's own device asserts would).
 
 Layer: above ``operands`` in ``f8tensor.gemm``; imports ``operands``, ``check``, ``rules``.
 """
@@ -144,7 +152,9 @@ def validate_grouped_mm_args(x: torch.Tensor, w: torch.Tensor, offs: object, con
     m = x.shape[0]
     if offs.numel():
         o = offs.to(torch.int64)
-        if offs.device.type == "cpu" and not torch.compiler.is_compiling() and not compat.is_fake(offs):
+        # Values on the host: a plain CPU tensor outside any tracing (a FakeTensor, or the
+        # FunctionalTensor of a custom op's trace, holds none).
+        if offs.device.type == "cpu" and type(offs) is torch.Tensor and not torch.compiler.is_compiling():
             if bool((o[1:] < o[:-1]).any()) or int(o[0]) < 0 or int(o[-1]) > m:
                 raise ValueError(
                     f"float8_grouped_mm: offs must be non-decreasing cumulative counts in [0, M={m}]; got {o.tolist()}"

@@ -91,6 +91,10 @@ def _cast_like(x: torch.Tensor, k: int, ref: Float8Tensor, ref_k: int, takes: Ta
 def _fit(x: Float8Tensor, k: int, takes: Takes) -> Float8Tensor:
     """``x`` re-quantized where its scale varies along K (or its scales or format are ones
     the kernel does not read)."""
+    if not takes.blocks and x._scale.dtype == E8M0 and constant_along(x._scale_block, k):
+        # A tensorwise/axiswise e8m0 scale (a BlockGranularity with 0 entries): powers of two,
+        # exact in fp32, which the dense and grouped kernels read. No re-rounding of the data.
+        x = x._replace(scale=x._scale.to(torch.float32))
     fits = constant_along(x._scale_block, k) and (not takes.fp32_scales or x._scale.dtype == torch.float32)
     if not takes.blocks and not fits:
         x = requantize(x, k)
@@ -139,7 +143,9 @@ def col_major(t: torch.Tensor) -> torch.Tensor:
         tt = t.transpose(-2, -1)  # see row_major
         if t.shape[-1] == 1:
             return tt.clone(memory_format=torch.contiguous_format).transpose(-2, -1)
-        return t if tt.is_contiguous() else tt.contiguous().transpose(-2, -1)
+        # .contiguous() is a no-op on a contiguous tensor; no stride is read here (see
+        # scaling.materialized: dynamo cannot read them in a backward with dynamic shapes).
+        return tt.contiguous().transpose(-2, -1)
     if is_col_major(t):
         return t
     return t.transpose(-2, -1).clone(memory_format=torch.contiguous_format).transpose(-2, -1)

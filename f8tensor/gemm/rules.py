@@ -387,7 +387,8 @@ _DEEPSEEK = BlockScaledMMRule(
 )
 
 _MX_SCALES = "round_up({}, 128) * round_up(ceil(K/{}), 4) {}, SWIZZLE_32_4_4, contiguous"
-_MXFP8 = BlockScaledMMRule(
+_MXFP8 = dataclasses.replace(
+    _DEEPSEEK,
     name="MXFP8 1x32 x 1x32",
     recipe_a="BlockWise1x32",
     recipe_b="BlockWise1x32",
@@ -402,6 +403,8 @@ _MXFP8 = BlockScaledMMRule(
     # Blackwell (sm100) and later: no build in SUPPORTED_BUILDS (sm89, sm90) has it.
     builds=Builds(min_cuda=(12, 8), min_sm=(10, 0)),
     fast_accum=False,  # _scaled_mxfp8_mxfp8 passes use_fast_accum=false to the GEMM
+    compile_align=(),  # the meta's MX counts round up, as the kernel's do
+    compile_torch=(),
     sources=(
         (
             "aten/src/ATen/native/cuda/ScaledBlas.cpp: _scaled_mxfp8_mxfp8 (scale element counts, "
