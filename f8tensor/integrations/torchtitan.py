@@ -20,8 +20,15 @@ torchtitan's own registries under f8tensor's names:
        # with options: ('f8tensor.integrations.torchtitan.f8tensor_float8_linear',
        #                {"recipe": "delayed"})
 
-   It converts the linears of the transformer blocks (``layers.*``) and leaves the
-   embedding and the output projection in high precision.
+   It converts the linears of the transformer blocks' attention, feed-forward and shared
+   experts (:data:`OVERRIDE_FQNS`) and leaves the embedding, the output projection and the
+   MoE router gates in high precision.
+
+MoE router gates (``TokenChoiceTopKRouter``'s ``gate``) stay in high precision by default
+on both ways in: the router's scores pick each token's top-k experts, and FP8 scores flip
+those choices (f8tensor's own MoE path keeps routers in high precision too). The converter
+reports them as kept (``MoE router gate``); ``convert_router_gates=True`` converts them.
+
 
 Either way, each converted ``Linear.Config`` becomes a :class:`F8TensorLinear.Config`:
 the same fields (``param_init``, sharding, ...) plus f8tensor's ``Float8LinearConfig``,
@@ -47,13 +54,19 @@ from torch import nn
 from torchtitan.components.quantization import QuantizationConverter
 from torchtitan.config.override import derive, override
 from torchtitan.models.common.linear import Linear
+from torchtitan.models.common.moe import TokenChoiceTopKRouter
 from torchtitan.protocols.module import Module
 
 from f8tensor.config import RECIPES, Float8LinearConfig
 from f8tensor.gemm.rules import ALIGN
 from f8tensor.linear import Float8Linear
 
-__all__ = ["F8TensorLinear", "F8TensorLinearConverter", "f8tensor_float8_linear"]
+__all__ = ["OVERRIDE_FQNS", "F8TensorLinear", "F8TensorLinearConverter", "f8tensor_float8_linear"]
+
+#: The linears the config override converts: torchtitan's block linears by their names
+#: (attention, dense feed-forward, MoE shared experts), which leaves router gates
+#: (``layers.*.moe.router.gate``) out. fnmatch globs cannot exclude, hence a list.
+OVERRIDE_FQNS = ["layers.*.attention.*", "layers.*.feed_forward.*", "layers.*.shared_experts.*"]
 
 logger = logging.getLogger("f8tensor")
 
@@ -120,6 +133,10 @@ class F8TensorLinearConverter(QuantizationConverter):
         collect_stats: bool = False
         """Record saturation/underflow telemetry (see f8tensor.float8_stats)."""
 
+        convert_router_gates: bool = False
+        """Also convert MoE router gates (kept in high precision by default: FP8 router
+        scores flip the top-k expert choices)."""
+
     def __init__(self, config: Config) -> None:
         self.config = config
         self.float8_config = _float8_config(
@@ -131,6 +148,8 @@ class F8TensorLinearConverter(QuantizationConverter):
         converted, skipped = [], []
         for fqn, cfg, parent, attr in list(model_config.traverse(Linear.Config)):
             reason = _skip_reason(cfg, self.float8_config)
+            if reason is None and isinstance(parent, TokenChoiceTopKRouter.Config) and not self.config.convert_router_gates:
+                reason = "MoE router gate"
             if reason is None and any(f in fqn for f in self.config.filter_fqns):
                 reason = "filter_fqns"
             if reason is not None:
@@ -154,7 +173,7 @@ class F8TensorLinearConverter(QuantizationConverter):
 
 @override(
     target=Linear.Config,
-    fqns=["layers.*"],
+    fqns=OVERRIDE_FQNS,
     exact=True,
     description="f8tensor FP8 linears in the transformer blocks",
 )
