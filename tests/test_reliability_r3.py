@@ -26,6 +26,8 @@ from f8tensor import (
 from tests.helpers import assert_sqnr, dtype_name
 from tests.linear_utils import RECIPE_NAMES, fp8_linear
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny GEMMs: threads only add waiting
+
 F8 = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
 HP = (torch.float16, torch.bfloat16, torch.float32)
 E8M0 = torch.float8_e8m0fnu
