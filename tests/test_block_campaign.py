@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from f8tensor import MX_1x32, MX_1x32_FLOOR, Float8Tensor
+from f8tensor import Float8Tensor, MX_1x32, MX_1x32_FLOOR
 from tests.helpers import assert_sqnr, dtype_name
 
 GRANULARITIES = {
