@@ -136,11 +136,17 @@ def test_negative_indices_pick_the_scale_of_their_own_row(name, gran, device):
     torch.testing.assert_close(got.to_hp(), w8.to_hp()[pos], rtol=0, atol=0)
 
 
-def test_out_of_range_indices_are_refused_with_the_range():
-    w8 = Float8Tensor.from_hp(torch.randn(200, 256), torch.float8_e4m3fn, granularity=(128, 128))
-    for bad in ([200], [-201]):
+@pytest.mark.parametrize("name,gran", GRANULARITIES, ids=[g[0] for g in GRANULARITIES])
+def test_out_of_range_indices_are_refused_with_the_range(name, gran):
+    w8 = Float8Tensor.from_hp(torch.randn(200, 256), torch.float8_e4m3fn, granularity=gran)
+    for bad in ([200], [-201], [3, -400]):
         with pytest.raises(IndexError, match=r"\[-200, 200\)"):
             w8[torch.tensor(bad)]
+    # select (an int index) wrapped -300 around to row 100 before.
+    for dim, bad in ((0, -300), (0, 200), (1, 256), (1, -257)):
+        with pytest.raises(IndexError, match=rf"\[-{w8.shape[dim]}, {w8.shape[dim]}\)"):
+            w8.select(dim, bad)
+    torch.testing.assert_close(w8.select(1, -1).to_hp(), w8.to_hp()[:, 255], rtol=0, atol=0)
 
 
 # ===================================================================== item 5
