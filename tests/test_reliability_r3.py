@@ -186,6 +186,21 @@ def test_mixed_devices_in_a_product_are_refused_naming_both(name, gran, where):
         torch.mm(w8, other.t())
 
 
+@pytest.mark.parametrize("op", ["bmm", "matmul", "grouped_mm"])
+@pytest.mark.parametrize("gran", ["tensorwise", "rowwise"])
+def test_mixed_devices_in_batched_and_grouped_products_are_refused(op, gran):
+    w8 = Float8Tensor.from_hp(torch.randn(4, 32, 64).to("meta"), granularity=gran)
+    x3, x2 = torch.randn(4, 16, 32), torch.randn(16, 32)
+    offs = torch.tensor([4, 8, 12, 16], dtype=torch.int32)
+    call = {
+        "bmm": lambda: torch.bmm(x3, w8),
+        "matmul": lambda: x3 @ w8,
+        "grouped_mm": lambda: torch._grouped_mm(x2, w8, offs=offs),
+    }[op]
+    with pytest.raises(ValueError, match=r"(?s)cpu.*meta"):
+        call()
+
+
 # ===================================================================== item 7
 
 
