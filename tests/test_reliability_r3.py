@@ -26,6 +26,8 @@ from f8tensor import (
 from tests.helpers import assert_sqnr, dtype_name
 from tests.linear_utils import RECIPE_NAMES, fp8_linear
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny GEMMs: threads only add waiting
+
 F8 = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
 HP = (torch.float16, torch.bfloat16, torch.float32)
 E8M0 = torch.float8_e8m0fnu
@@ -134,11 +136,17 @@ def test_negative_indices_pick_the_scale_of_their_own_row(name, gran, device):
     torch.testing.assert_close(got.to_hp(), w8.to_hp()[pos], rtol=0, atol=0)
 
 
-def test_out_of_range_indices_are_refused_with_the_range():
-    w8 = Float8Tensor.from_hp(torch.randn(200, 256), torch.float8_e4m3fn, granularity=(128, 128))
-    for bad in ([200], [-201]):
+@pytest.mark.parametrize("name,gran", GRANULARITIES, ids=[g[0] for g in GRANULARITIES])
+def test_out_of_range_indices_are_refused_with_the_range(name, gran):
+    w8 = Float8Tensor.from_hp(torch.randn(200, 256), torch.float8_e4m3fn, granularity=gran)
+    for bad in ([200], [-201], [3, -400]):
         with pytest.raises(IndexError, match=r"\[-200, 200\)"):
             w8[torch.tensor(bad)]
+    # select (an int index) wrapped -300 around to row 100 before.
+    for dim, bad in ((0, -300), (0, 200), (1, 256), (1, -257)):
+        with pytest.raises(IndexError, match=rf"\[-{w8.shape[dim]}, {w8.shape[dim]}\)"):
+            w8.select(dim, bad)
+    torch.testing.assert_close(w8.select(1, -1).to_hp(), w8.to_hp()[:, 255], rtol=0, atol=0)
 
 
 # ===================================================================== item 5
@@ -176,6 +184,21 @@ def test_mixed_devices_in_a_product_are_refused_naming_both(name, gran, where):
         other @ w8.t()
     with pytest.raises((ValueError, RuntimeError), match=r"(?s)(cpu.*meta|meta.*cpu)"):
         torch.mm(w8, other.t())
+
+
+@pytest.mark.parametrize("op", ["bmm", "matmul", "grouped_mm"])
+@pytest.mark.parametrize("gran", ["tensorwise", "rowwise"])
+def test_mixed_devices_in_batched_and_grouped_products_are_refused(op, gran):
+    w8 = Float8Tensor.from_hp(torch.randn(4, 32, 64).to("meta"), granularity=gran)
+    x3, x2 = torch.randn(4, 16, 32), torch.randn(16, 32)
+    offs = torch.tensor([4, 8, 12, 16], dtype=torch.int32)
+    call = {
+        "bmm": lambda: torch.bmm(x3, w8),
+        "matmul": lambda: x3 @ w8,
+        "grouped_mm": lambda: torch._grouped_mm(x2, w8, offs=offs),
+    }[op]
+    with pytest.raises(ValueError, match=r"(?s)cpu.*meta"):
+        call()
 
 
 # ===================================================================== item 7

@@ -18,7 +18,7 @@ from f8tensor.config import DEFAULT_GEMM, CastSpec, GemmConfig
 from f8tensor.formats import FLOAT8_DTYPES, check_hp_dtype
 from f8tensor.gemm.blocks import product as block_product
 from f8tensor.gemm.dense import product as dense_product
-from f8tensor.gemm.operands import BLOCKS, DENSE, prepare
+from f8tensor.gemm.operands import BLOCKS, DENSE, check_devices, prepare
 from f8tensor.tensor import check_scale_values, is_float8, scale_from_number, to_float8
 
 __all__ = ["float8_mm", "matmul"]
@@ -118,13 +118,11 @@ def matmul(
 
 
 def _check_devices(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> None:
-    # Metadata only, no sync. Checked before anything runs: a CPU kernel handed a meta
-    # operand returns uninitialised memory, and a plain operand is cast on its own device.
-    if a.device != b.device or (bias is not None and bias.device != a.device):
-        on_bias = "" if bias is None else f", bias on {bias.device}"
-        raise ValueError(
-            f"FP8 matmul operands must be on one device; got a on {a.device}, b on {b.device}{on_bias}"
-        )
+    # Metadata only, no sync; the operands' devices are checked by operands.prepare, for
+    # every kind of product.
+    check_devices(a, b)
+    if bias is not None and bias.device != a.device:
+        raise ValueError(f"FP8 matmul bias is on {bias.device}, the operands on {a.device}: they must share a device")
 
 
 _FNUZ = (torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)

@@ -33,6 +33,7 @@ __all__ = [
     "DENSE",
     "GROUPED",
     "Takes",
+    "check_devices",
     "col_major",
     "inverse_scale",
     "kernel_scale",
@@ -63,6 +64,7 @@ GROUPED = Takes(fp32_scales=True, e4m3fn=True)
 def prepare(a: torch.Tensor, b: torch.Tensor, takes: Takes, *, a_k: int, b_k: int) -> tuple[Float8Tensor, Float8Tensor]:
     """Both operands of ``a @ b`` as Float8Tensors a kernel of kind ``takes`` reads; ``a_k``
     and ``b_k`` are the dims each contracts over. At least one must be a Float8Tensor."""
+    check_devices(a, b)
     ref, ref_k = (a, a_k) if is_float8(a) else (b, b_k)
     if not is_float8(ref):
         raise TypeError("FP8 mm needs at least one Float8Tensor operand")
@@ -71,6 +73,14 @@ def prepare(a: torch.Tensor, b: torch.Tensor, takes: Takes, *, a_k: int, b_k: in
     if not is_float8(b):
         b = _cast_like(b, b_k, ref, ref_k, takes)
     return _fit(a, a_k, takes), _fit(b, b_k, takes)
+
+
+def check_devices(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Both operands of a product on one device, else an error naming both. Metadata only
+    (no sync); checked before anything runs: a CPU kernel handed a meta operand returns
+    uninitialised memory, and a plain operand is cast on its own device."""
+    if a.device != b.device:
+        raise ValueError(f"FP8 matmul operands must be on one device; got a on {a.device}, b on {b.device}")
 
 
 def _cast_like(x: torch.Tensor, k: int, ref: Float8Tensor, ref_k: int, takes: Takes) -> Float8Tensor:
