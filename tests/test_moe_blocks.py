@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from f8tensor import Float8LinearConfig, Float8Linear, convert_to_float8_training
+from f8tensor import Float8Linear, Float8LinearConfig, convert_to_float8_training
 from f8tensor.config import CastConfig
 from f8tensor.moe import Float8ExpertWeight, expert_path, float8_grouped_mm, per_expert_loop
 from tests.helpers import assert_sqnr
