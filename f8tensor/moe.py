@@ -62,7 +62,7 @@ from f8tensor.gemm.operands import col_major, kernel_scale, row_major
 from f8tensor.gemm.rules import ALIGN, CudaBuild, block_rule_for
 from f8tensor.scaling import amax_to_scale, group_amax
 from f8tensor.tensor import to_float8
-from f8tensor.weights import HighPrecisionWeight, WriteCount
+from f8tensor.weights import HighPrecisionWeight, WriteCount, check_dtype_change
 
 __all__ = ["Float8ExpertWeight", "convert_experts_to_float8", "expert_path", "float8_grouped_mm", "per_expert_loop"]
 
@@ -315,7 +315,10 @@ class _Unwrap(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, w):  # type: ignore[override]
-        return w._hp.view_as(w._hp)
+        # Through dispatch (view.dtype is neither in VIEWS nor COPIES: the result is the plain
+        # alias of _hp), not through the attribute: torch.export traces above the subclass,
+        # where ``w._hp`` would be an untracked tensor (lifted as a constant).
+        return w.view(w.dtype)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
@@ -458,6 +461,18 @@ class Float8ExpertWeight(HighPrecisionWeight):
     def __repr__(self) -> str:  # type: ignore[override]
         return f"Float8ExpertWeight({self._hp!r})"
 
+    def __reduce_ex__(self, protocol):  # type: ignore[override]
+        # A parameter (whole-model pickle, torch.save(model), deepcopy) comes back wrapped,
+        # with its recipe: the copy trains its experts in FP8 as the original does. Anything
+        # else (a state_dict, which holds the plain tensors, an optimizer state) pickles as
+        # the plain tensor (see HighPrecisionWeight.__reduce_ex__).
+        if not isinstance(self, nn.Parameter):
+            return super().__reduce_ex__(protocol)
+        hp = self._hp
+        if hp.untyped_storage().nbytes() != hp.nbytes:
+            hp = hp.clone()
+        return (_rebuild_expert_parameter, (hp.detach(), self._config, self.requires_grad))
+
     @staticmethod
     def __tensor_unflatten__(inner: dict, meta: tuple, outer_size: Any, outer_stride: Any) -> Float8ExpertWeight:
         return Float8ExpertWeight(inner["_hp"], *meta)
@@ -491,6 +506,14 @@ class Float8ExpertWeight(HighPrecisionWeight):
             route = _ROUTES.get(func)
         if route is not None:
             return route(args, kwargs or {})
+        if _SET_DATA == func:  # a method-wrapper: a new object per access, equal by value
+            check_dtype_change(cls, args[1])
+        if torch.is_inference_mode_enabled():
+            # A view of a (normal) parameter made under inference_mode becomes an inference
+            # tensor whose version counter autograd cannot set: views and copies of the
+            # weight are made outside it (without grad), the product itself runs inside.
+            with torch.inference_mode(False), torch.no_grad(), disable_torch_function_subclass():
+                return func(*args, **(kwargs or {}))
         with disable_torch_function_subclass():
             return func(*args, **(kwargs or {}))
 
@@ -503,6 +526,38 @@ class Float8ExpertWeight(HighPrecisionWeight):
                 f"use w._hp for a high-precision product."
             )
         return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+_SET_DATA = torch.Tensor.data.__set__
+
+
+def _rebuild_expert_parameter(hp: torch.Tensor, config: Float8LinearConfig, requires_grad: bool) -> nn.Parameter:
+    """Unpickling a :class:`Float8ExpertWeight` parameter."""
+    return nn.Parameter(Float8ExpertWeight(hp, config), requires_grad=requires_grad)
+
+
+_EXPERT_CONFIGS = "_float8_expert_configs"  # experts module attribute: {param name: config}
+
+
+def _plain_expert_state(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    """state_dict post-hook of an experts module: its FP8 expert weights are saved as the
+    plain tensors they wrap (what transformers' ``save_pretrained`` and every checkpoint
+    writer expect: ordinary storages). ``keep_vars=True`` gives the parameters as they are."""
+    for name in getattr(module, _EXPERT_CONFIGS, {}):
+        value = state_dict.get(prefix + name)
+        if isinstance(value, Float8ExpertWeight) and not isinstance(value, nn.Parameter):
+            state_dict[prefix + name] = value._hp.detach()
+
+
+def _rewrap_after_load(module: nn.Module, incompatible_keys: Any) -> None:
+    """load_state_dict post-hook of an experts module: ``assign=True`` replaces parameters by
+    the loaded (plain) tensors; each expert weight that was FP8 is wrapped again, with its
+    recipe, so the model keeps training its experts in FP8 (``float8_converted_fqns`` stays
+    true)."""
+    for name, config in getattr(module, _EXPERT_CONFIGS, {}).items():
+        p = module._parameters.get(name)
+        if p is not None and not isinstance(p, Float8ExpertWeight):
+            module._parameters[name] = nn.Parameter(Float8ExpertWeight(p.data, config), requires_grad=p.requires_grad)
 
 
 def float8_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, config: Float8LinearConfig | None = None) -> torch.Tensor:
@@ -584,6 +639,11 @@ def wrap_experts(todo: list[tuple[nn.Module, str, str]], config: Float8LinearCon
     for mod, name, _ in todo:
         p = getattr(mod, name)
         setattr(mod, name, nn.Parameter(Float8ExpertWeight(p.data, config), requires_grad=p.requires_grad))
+        if not hasattr(mod, _EXPERT_CONFIGS):
+            setattr(mod, _EXPERT_CONFIGS, {})
+            mod.register_state_dict_post_hook(_plain_expert_state)
+            mod.register_load_state_dict_post_hook(_rewrap_after_load)
+        getattr(mod, _EXPERT_CONFIGS)[name] = config
     return [fqn for _, _, fqn in todo]
 
 

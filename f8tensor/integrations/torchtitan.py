@@ -28,7 +28,8 @@ the same fields (``param_init``, sharding, ...) plus f8tensor's ``Float8LinearCo
 and the built module is an f8tensor ``Float8Linear`` that satisfies torchtitan's
 ``Module`` protocol. Only configs whose module keeps ``nn.Linear.forward`` convert (as
 in :func:`f8tensor.convert_to_float8_training`); ``filter_fqns`` entries are matched as
-substrings of the module's dotted name, as torchtitan's float8 converter does.
+substrings of the module's dotted name, as torchtitan's float8 converter does. MoE
+router gates stay in high precision unless ``convert_routers=True`` (the log line says so).
 
 With ``enable_fsdp_float8_all_gather=True``, call
 :func:`f8tensor.precompute_float8_scales_for_fsdp` after each ``optimizer.step()``
@@ -120,6 +121,11 @@ class F8TensorLinearConverter(QuantizationConverter):
         collect_stats: bool = False
         """Record saturation/underflow telemetry (see f8tensor.float8_stats)."""
 
+        convert_routers: bool = False
+        """Also convert MoE router gates (linears inside a ``...Router.Config``). Off by
+        default: an FP8 router changes which experts the tokens pick (top-k choices flip),
+        and a router's GEMM is tiny; f8tensor's own converter keeps routers in high precision."""
+
     def __init__(self, config: Config) -> None:
         self.config = config
         self.float8_config = _float8_config(
@@ -133,6 +139,8 @@ class F8TensorLinearConverter(QuantizationConverter):
             reason = _skip_reason(cfg, self.float8_config)
             if reason is None and any(f in fqn for f in self.config.filter_fqns):
                 reason = "filter_fqns"
+            if reason is None and not self.config.convert_routers and "Router" in type(parent).__qualname__:
+                reason = "MoE router: top-k choices stay high precision (convert_routers=True converts it)"
             if reason is not None:
                 skipped.append(f"{fqn} ({reason})")
                 continue
