@@ -181,7 +181,7 @@ def test_router_gates_stay_high_precision_by_default():
         f"layers.{i}.attention.{n}" for i in range(2) for n in ("qkv_linear.wqkv", "wo")
     )
 
-    opted_in = F8TensorLinearConverter.Config(recipe="rowwise", convert_router_gates=True).build()
+    opted_in = F8TensorLinearConverter.Config(recipe="rowwise", convert_routers=True).build()
     opted_in.convert(_qwen3_moe_config())
     assert set(gates) <= set(opted_in.converted_fqns)
 

@@ -107,7 +107,7 @@ def test_hf_moe_trains_in_fp8_like_bf16(arch, impl, recipe, monkeypatch, caplog)
         convert_to_float8_training(model, config=Float8LinearConfig.from_recipe(recipe))
     experts = [n for n, p in model.named_parameters() if isinstance(p, Float8ExpertWeight)]
     assert len(experts) == 4 and all("experts" in n for n in experts)
-    assert "4 expert weights run in FP8" in caplog.text
+    assert "and 4 expert weights" in caplog.text
     routers = [p for n, p in model.named_parameters() if n.endswith("gate.weight")]
     assert routers and all(type(p) is torch.nn.Parameter for p in routers), "routers stay high precision"
     routes = _RouteCount(monkeypatch)
