@@ -20,8 +20,9 @@ torchtitan's own registries under f8tensor's names:
        # with options: ('f8tensor.integrations.torchtitan.f8tensor_float8_linear',
        #                {"recipe": "delayed"})
 
-   It converts the linears of the transformer blocks (``layers.*``) and leaves the
-   embedding and the output projection in high precision.
+   It converts the attention, feed-forward and shared-expert linears of the transformer
+   blocks (:data:`OVERRIDE_FQNS`) and leaves the embedding, the output projection and the
+   MoE router gates in high precision.
 
 Either way, each converted ``Linear.Config`` becomes a :class:`F8TensorLinear.Config`:
 the same fields (``param_init``, sharding, ...) plus f8tensor's ``Float8LinearConfig``,
