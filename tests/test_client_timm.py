@@ -14,8 +14,8 @@ from f8tensor import Float8Linear, Float8LinearConfig, convert_to_float8_trainin
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 MODELS = {
-    "convnext": dict(model_name="convnext_atto", num_classes=16),
-    "mixer": dict(model_name="mixer_s32_224", num_classes=16, img_size=64, embed_dim=64, num_blocks=2),
+    "convnext": {"model_name": "convnext_atto", "num_classes": 16},
+    "mixer": {"model_name": "mixer_s32_224", "num_classes": 16, "img_size": 64, "embed_dim": 64, "num_blocks": 2},
 }
 
 
