@@ -9,7 +9,8 @@ import torch
 
 timm = pytest.importorskip("timm", reason="pip install --no-deps timm==1.0.31 (see README.md)")
 
-from f8tensor import Float8Linear, Float8LinearConfig, convert_to_float8_training
+from f8tensor import Float8LinearConfig, convert_to_float8_training
+from tests.helpers import RanFP8
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -27,16 +28,8 @@ def test_timm_model_runs_its_fp8_layers_and_round_trips(name, monkeypatch):
     plain = timm.create_model(MODELS[name]["model_name"], pretrained=False, **kwargs)
     convert_to_float8_training(model, config=Float8LinearConfig.from_recipe("rowwise"))
     assert model.float8_converted_fqns
-    ran = set()
-    real = Float8Linear.forward
-
-    def counted(layer, x):
-        ran.add(id(layer))
-        return real(layer, x)
-
-    monkeypatch.setattr(Float8Linear, "forward", counted)
+    ran = RanFP8(monkeypatch)
     x = torch.randn(2, 3, 64, 64)
     model(x).float().pow(2).mean().backward()
-    mods = dict(model.named_modules())
-    assert [f for f in model.float8_converted_fqns if id(mods[f]) not in ran] == []
+    assert ran.missing(model) == []
     plain.load_state_dict(model.state_dict())

@@ -13,7 +13,8 @@ tv_models = pytest.importorskip(
     reason="pip install --no-deps torchvision==0.28.0 --index-url https://download.pytorch.org/whl/cpu",
 )
 
-from f8tensor import Float8Linear, convert_to_float8_training
+from f8tensor import convert_to_float8_training
+from tests.helpers import RanFP8
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -28,16 +29,8 @@ def test_vit_reports_only_layers_that_run_in_fp8(mode, monkeypatch, caplog):
         convert_to_float8_training(model)
     assert not any(f.endswith("out_proj") for f in model.float8_converted_fqns)
     assert "nn.MultiheadAttention out_proj" in caplog.text
-    ran = set()
-    real = Float8Linear.forward
-
-    def counted(layer, x):
-        ran.add(id(layer))
-        return real(layer, x)
-
-    monkeypatch.setattr(Float8Linear, "forward", counted)
+    ran = RanFP8(monkeypatch)
     model.train(mode == "train")
     with torch.set_grad_enabled(mode == "train"):
         model(torch.randn(2, 3, 32, 32))
-    mods = dict(model.named_modules())
-    assert [f for f in model.float8_converted_fqns if id(mods[f]) not in ran] == []
+    assert ran.missing(model) == []
