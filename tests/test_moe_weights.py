@@ -21,12 +21,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 class _Experts(nn.Module):
     """transformers' layout: (experts, out, in) weights, multiplied by torch._grouped_mm."""
 
-    SHAPES = {"gate_up_proj": (4, 32, 32), "down_proj": (4, 32, 16)}
+    SHAPES = (("gate_up_proj", (4, 32, 32)), ("down_proj", (4, 32, 16)))
 
     def __init__(self):
         super().__init__()
         self.num_experts = 4
-        for name, shape in self.SHAPES.items():
+        for name, shape in self.SHAPES:
             self.register_parameter(name, nn.Parameter(torch.randn(shape) * 0.1))
 
     def forward(self, x, offs):
