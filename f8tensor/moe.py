@@ -449,7 +449,7 @@ class Float8ExpertWeight(HighPrecisionWeight):
     )
 
     @staticmethod
-    def __new__(cls, hp: torch.Tensor, config: Float8LinearConfig, *, writes: WriteCount | None = None) -> Float8ExpertWeight:
+    def __new__(cls, hp: torch.Tensor, config: Float8LinearConfig, *, writes: WriteCount | None = None) -> Float8ExpertWeight:  # noqa: PYI034 (typing.Self needs Python 3.11)
         HighPrecisionWeight._check_hp(cls, hp)
         self = HighPrecisionWeight._wrap(cls, hp, writes)
         self._config = config
