@@ -424,11 +424,13 @@ class Float8ExpertWeight(HighPrecisionWeight):
     """A high-precision expert weight whose matrix products run in FP8.
 
     Fields: ``_hp``, the plain bf16/fp16/fp32 tensor (E, N, K), or a view/piece of it;
-    ``_config``, the :class:`Float8LinearConfig` its GEMMs follow (tensorwise or rowwise
-    granularities, dynamic scaling). Every op behaves as on ``_hp`` (see
-    :class:`~f8tensor.weights.HighPrecisionWeight`); views, expert selection and copies
-    stay wrapped so that the product they reach (``F.linear``, ``bmm``, ``grouped_mm``)
-    knows to run in FP8. Serialized as the plain tensor.
+    ``_config``, the :class:`Float8LinearConfig` its GEMMs follow (dynamic scaling, any
+    granularity: block recipes take the per-expert loop, see :func:`per_expert_loop`).
+    Every op behaves as on ``_hp`` (see :class:`~f8tensor.weights.HighPrecisionWeight`);
+    views, expert selection and copies stay wrapped so that the product they reach
+    (``F.linear``, ``bmm``, ``grouped_mm``) knows to run in FP8. A ``state_dict`` holds the
+    plain tensor; a parameter pickles wrapped (whole-model copies stay FP8); setting its
+    data to a plain tensor of another dtype (``model.double()``) is refused.
     """
 
     _config: Float8LinearConfig
@@ -450,7 +452,7 @@ class Float8ExpertWeight(HighPrecisionWeight):
     )
 
     @staticmethod
-    def __new__(cls, hp: torch.Tensor, config: Float8LinearConfig, *, writes: WriteCount | None = None) -> Float8ExpertWeight:
+    def __new__(cls, hp: torch.Tensor, config: Float8LinearConfig, *, writes: WriteCount | None = None) -> Float8ExpertWeight:  # noqa: PYI034 (typing.Self needs Python 3.11)
         HighPrecisionWeight._check_hp(cls, hp)
         self = HighPrecisionWeight._wrap(cls, hp, writes)
         self._config = config

@@ -20,26 +20,9 @@ from torch import nn
 
 from f8tensor import Float8Linear, Float8LinearConfig, convert_to_float8_training
 from f8tensor.moe import Float8ExpertWeight
+from tests.helpers import RanFP8
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-class _RanFP8:
-    """The converted layers whose forward ran (a class-level counter, no module hooks)."""
-
-    def __init__(self, monkeypatch):
-        self.ran: set[int] = set()
-        real = Float8Linear.forward
-
-        def counted(layer, *args, **kwargs):
-            self.ran.add(id(layer))
-            return real(layer, *args, **kwargs)
-
-        monkeypatch.setattr(Float8Linear, "forward", counted)
-
-    def missing(self, model: nn.Module) -> list[str]:
-        mods = dict(model.named_modules())
-        return [f for f in model.float8_converted_fqns if id(mods[f]) not in self.ran]
 
 
 class _ViTBlock(nn.Module):
@@ -70,7 +53,7 @@ def test_every_reported_layer_runs_in_fp8(mode, monkeypatch, caplog):
     assert "1.self_attn.out_proj" not in model.float8_converted_fqns
     assert "2 nn.MultiheadAttention out_proj" in caplog.text
     assert set(model.float8_converted_fqns) == {"0.mlp.0", "0.mlp.2", "1.linear1", "1.linear2"}
-    counter = _RanFP8(monkeypatch)
+    counter = RanFP8(monkeypatch)
     x = torch.randn(2, 8, 32)
     if mode == "train":
         out = model(x)

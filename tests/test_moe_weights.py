@@ -6,10 +6,7 @@ from __future__ import annotations
 
 import copy
 import io
-import os
 import pickle
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -22,11 +19,15 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class _Experts(nn.Module):
+    """transformers' layout: (experts, out, in) weights, multiplied by torch._grouped_mm."""
+
+    SHAPES = (("gate_up_proj", (4, 32, 32)), ("down_proj", (4, 32, 16)))
+
     def __init__(self):
         super().__init__()
         self.num_experts = 4
-        self.gate_up_proj = nn.Parameter(torch.randn(4, 32, 32) * 0.1)
-        self.down_proj = nn.Parameter(torch.randn(4, 32, 16) * 0.1)
+        for name, shape in self.SHAPES:
+            self.register_parameter(name, nn.Parameter(torch.randn(shape) * 0.1))
 
     def forward(self, x, offs):
         h = torch._grouped_mm(x, self.gate_up_proj.transpose(-2, -1), offs=offs)
@@ -106,24 +107,18 @@ def test_a_slice_pickles_only_its_own_elements():
     assert torch.equal(pickle.loads(pickle.dumps(piece)), piece._hp)
 
 
-_HASH = (
-    "import torch; from f8tensor import Float8LinearConfig; from f8tensor.moe import Float8ExpertWeight; "
-    "print(Float8ExpertWeight(torch.zeros(2, 16, 16), Float8LinearConfig.from_recipe('rowwise'))._stable_hash_for_caching())"
-)
-
-
 def test_stable_hash_for_compile_caching():
+    """What AOT autograd's cache asks a traceable subclass for. The key is a blake2b of
+    values only (shapes, strides, dtypes, the frozen config's repr), never id() or hash(),
+    so it is the same in every process."""
+
     def h(recipe, shape=(2, 16, 16)):
         return Float8ExpertWeight(torch.randn(shape), Float8LinearConfig.from_recipe(recipe))._stable_hash_for_caching()
 
     assert h("rowwise") == h("rowwise")
     assert h("rowwise") != h("tensorwise") and h("rowwise") != h("rowwise", (2, 16, 32))
-    env = dict(os.environ, PYTHONHASHSEED="123")
-    other = subprocess.run([sys.executable, "-c", _HASH], env=env, capture_output=True, text=True, timeout=120)
-    assert other.returncode == 0, other.stderr
-    assert other.stdout.strip() == Float8ExpertWeight(
-        torch.zeros(2, 16, 16), Float8LinearConfig.from_recipe("rowwise")
-    )._stable_hash_for_caching()
+    w = Float8ExpertWeight(torch.randn(2, 16, 16), Float8LinearConfig())
+    assert w.transpose(-2, -1)._stable_hash_for_caching() != w._stable_hash_for_caching()
 
 
 @pytest.mark.parametrize("recipe", ["rowwise", "blockwise"])
