@@ -13,7 +13,7 @@ from accelerate import Accelerator
 from f8tensor import Float8Linear, Float8LinearConfig, convert_to_float8_training
 from f8tensor.moe import Float8ExpertWeight
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "fresh_accelerate_state")
 
 
 class _Experts(nn.Module):
