@@ -115,26 +115,44 @@ def _check_not_sharded(module: nn.Module) -> None:
         )
 
 
-def _check_same_recipe(module: nn.Module, config: Float8LinearConfig) -> list[str]:
-    """The fqns already converted with ``config``; any layer or expert weight converted with
-    another recipe is refused, by name (nothing changes)."""
-    same, other = [], []
+def _check_same_recipe(
+    module: nn.Module,
+    config: Float8LinearConfig,
+    module_filter_fn: Callable[[nn.Module, str], bool] | None,
+    experts_filter_fn: Callable[[nn.Module, str], bool] | None,
+) -> tuple[list[str], list[str]]:
+    """``(same, kept)``: the fqns already FP8 with ``config``, and those FP8 with another
+    config that this call's filters do not select (left as they are: one model may hold
+    several recipes, a layer at a time). A layer or expert weight FP8 with another config
+    that the filters select is refused, by name (nothing changes)."""
+    same, kept, other = [], [], []
     for fqn, m in module.named_modules():
         found = _fp8_config(m)
         if found is not None:
-            (same if found == config else other).append(fqn)
+            if found == config:
+                same.append(fqn)
+            elif module_filter_fn is None or module_filter_fn(m, fqn):
+                other.append(fqn)
+            else:
+                kept.append(fqn)
         for name, p in m.named_parameters(recurse=False):
             if isinstance(p, Float8ExpertWeight):
                 pfqn = f"{fqn}.{name}" if fqn else name
-                (same if p._config == config else other).append(pfqn)
+                if p._config == config:
+                    same.append(pfqn)
+                elif experts_filter_fn is None or experts_filter_fn(m, pfqn):
+                    other.append(pfqn)
+                else:
+                    kept.append(pfqn)
     if other:
         names = ", ".join((n or "<root>") for n in other[:4]) + (f", ... ({len(other) - 4} more)" if len(other) > 4 else "")
         raise ValueError(
             f"convert_to_float8_training: {len(other)} layers or expert weights are already FP8 with another recipe "
-            f"[{names}]; converting again with a different config is refused (it would leave two recipes in one model). "
-            "Convert an unconverted model (load this one's state_dict into it), or pass the same config."
+            f"[{names}]; converting them again with a different config is refused. Convert an unconverted model "
+            "(load this one's state_dict into it), pass the same config, or leave those layers out with "
+            "module_filter_fn / experts_filter_fn (one recipe per layer is allowed)."
         )
-    return same
+    return same, kept
 
 
 def _disable_encoder_fast_path(module: nn.Module) -> None:
@@ -171,10 +189,12 @@ def convert_to_float8_training(
     ``module_filter_fn(mod, fqn) -> bool`` chooses among the candidates (``fqn`` is the
     dotted name, e.g. ``"layers.0.mlp.down_proj"``). Everything is checked, and every
     filter called, before the model changes. Refused: a model already sharded by FSDP2's
-    ``fully_shard`` (convert first), and a model already converted with another config
-    (layers named). Converting again with the same config counts the FP8 layers as
-    converted and changes nothing (Lightning calls its precision plugin's conversion in
-    every ``setup``).
+    ``fully_shard`` (convert first), and layers or expert weights already FP8 with another
+    config that the filters select (named). Converting again with the same config counts
+    the FP8 layers as converted and changes nothing (Lightning calls its precision
+    plugin's conversion in every ``setup``); FP8 layers with another config that the
+    filters leave out stay as they are, so a model can take one recipe per layer in
+    several calls.
 
     Logs one summary line on the ``"f8tensor"`` logger (converted N of M linear layers,
     skipped with reasons, the path the expert GEMMs take) and warns when no layer is FP8.
@@ -196,7 +216,7 @@ def convert_to_float8_training(
             raise TypeError(f"{fn_name} must be a callable (module, fqn) -> bool or None; got {fn!r}")
     config = check_config(config)
     _check_not_sharded(module)
-    already = _check_same_recipe(module, config)
+    already, kept = _check_same_recipe(module, config, module_filter_fn, experts_filter_fn)
     skipped: dict[str, list[str]] = {}
     candidates = 0
 
@@ -261,14 +281,15 @@ def convert_to_float8_training(
     _disable_encoder_fast_path(result)
     converted = [fqn for _, _, fqn, _ in swaps]
     path = expert_path(config, result.get_parameter(experts[0]).device) if experts else None
-    _report_conversion(converted, skipped, candidates, experts, already, path)
-    result.float8_converted_fqns = tuple(sorted(set(already + converted + experts), key=(already + converted + experts).index))
+    _report_conversion(converted, skipped, candidates, experts, already, path, kept)
+    fp8 = already + kept + converted + experts
+    result.float8_converted_fqns = tuple(sorted(set(fp8), key=fp8.index))
     return result
 
 
 def _report_conversion(
     converted: list[str], skipped: dict[str, list[str]], candidates: int, experts: list[str],
-    already: list[str], expert_path: str | None,
+    already: list[str], expert_path: str | None, kept: list[str],
 ) -> None:
     """One summary line; a warning (also through ``warnings``) when no layer is FP8."""
 
@@ -279,8 +300,9 @@ def _report_conversion(
     line = f"f8tensor: converted {len(converted)} of {candidates} linear layers to FP8"
     line += f" and {len(experts)} expert weights (expert GEMMs: {expert_path})" if experts else ""
     line += f"; {len(already)} layers or expert weights were already FP8 with this recipe" if already else ""
+    line += f"; {len(kept)} FP8 with another recipe left as they are [{names(kept)}]" if kept else ""
     line += f"; skipped {reasons}" if reasons else ""
-    if converted or experts or already:
+    if converted or experts or already or kept:
         logger.info(line)
         return
     if not candidates:

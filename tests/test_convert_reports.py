@@ -179,3 +179,20 @@ def test_report_logger_is_quiet_when_all_is_well(caplog):
     with caplog.at_level(logging.WARNING, logger="f8tensor"):
         convert_to_float8_training(nn.Sequential(nn.Linear(32, 32)))
     assert caplog.text == ""
+
+
+def test_one_recipe_per_layer_in_two_calls(caplog):
+    """A second call with another recipe converts what its filter selects and leaves the
+    layers FP8 with the first recipe alone (a tutorial runs delayed scaling everywhere but
+    one dynamic layer); selecting one of those layers is refused by name."""
+    rowwise, tensorwise = Float8LinearConfig.from_recipe("rowwise"), Float8LinearConfig.from_recipe("tensorwise")
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 16))
+    convert_to_float8_training(model, config=rowwise, module_filter_fn=lambda m, fqn: fqn != "1")
+    with caplog.at_level("INFO", logger="f8tensor"):
+        convert_to_float8_training(model, config=tensorwise, module_filter_fn=lambda m, fqn: fqn == "1")
+    assert [m.config for m in model] == [rowwise, tensorwise, rowwise]
+    assert model.float8_converted_fqns == ("0", "2", "1")
+    assert "2 FP8 with another recipe left as they are [0, 2]" in caplog.text
+    with pytest.raises(ValueError, match=r"already FP8 with another recipe \[2\]"):
+        convert_to_float8_training(model, config=tensorwise, module_filter_fn=lambda m, fqn: fqn == "2")
+    assert model[2].config == rowwise
