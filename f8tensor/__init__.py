@@ -29,6 +29,7 @@ from f8tensor.config import (
 )
 from f8tensor.convert import convert_to_float8_training
 from f8tensor.distributed.fsdp import Float8AllGatherWeight, precompute_float8_scales_for_fsdp
+from f8tensor.distributed.tp import Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
 from f8tensor.formats import FLOAT8_DTYPES, FORMATS, Float8Format, float8_max, saturation_bound
 from f8tensor.gemm import float8_mm
 from f8tensor.linear import Float8Linear
@@ -56,16 +57,19 @@ __all__ = [
     "CastConfig",
     "DelayedScalingConfig",
     "Float8AllGatherWeight",
+    "Float8ColwiseParallel",
     "Float8ExpertWeight",
     "Float8Format",
     "Float8Linear",
     "Float8LinearConfig",
+    "Float8RowwiseParallel",
     "Float8SaturationWarning",
     "Float8Tensor",
     "GemmConfig",
     "Granularity",
     "MX_1x32",
     "MX_1x32_FLOOR",
+    "PrepareFloat8ModuleInput",
     "ScalingType",
     "convert_experts_to_float8",
     "convert_to_float8_training",

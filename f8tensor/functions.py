@@ -22,7 +22,7 @@ from f8tensor.config import CastConfig, CastSpec, Float8LinearConfig, GemmConfig
 from f8tensor.gemm import matmul
 from f8tensor.ops import transpose_2d
 from f8tensor.scaling import delayed_scale, materialized, push_amax, tensor_amax
-from f8tensor.tensor import Float8Tensor, to_float8, to_float8_with_stats
+from f8tensor.tensor import Float8Tensor, dequantize, to_float8, to_float8_with_stats
 
 __all__ = ["DelayedBuffers", "Float8LinearFn", "NoDoubleBackward", "StatsBuffers", "cast_operand"]
 
@@ -164,6 +164,18 @@ def _cast(
     return f8
 
 
+def _token_rows(x: Float8Tensor, gemm: GemmConfig) -> Float8Tensor:
+    """An FP8 input of shape (..., K) as the (tokens, K) operand: its scales are per tensor
+    or per token (rowwise, 1xB blocks), so the leading dims flatten with them."""
+    k = x.shape[-1]
+    if x._scale.dim() == 0:
+        return x._replace(data=x._data.reshape(-1, k), block=(0, 0), gemm=gemm)
+    if any(b != 1 for b in x._block[:-1]):
+        raise ValueError(f"an FP8 input must be scaled per tensor or per token; got blocks {x._block}")
+    scale = x._scale.reshape(-1, x._scale.shape[-1])
+    return x._replace(data=x._data.reshape(-1, k), scale=scale, block=(1, x._block[-1]), gemm=gemm)
+
+
 def _column_major_copy(f8: Float8Tensor) -> Float8Tensor:
     """``f8`` (2D) with its FP8 bytes laid out column-major: the layout the weight-gradient
     GEMM takes for both operands (it contracts over the tokens, dim 0).
@@ -216,12 +228,18 @@ class Float8LinearFn(torch.autograd.Function):
         st_in, st_w, st_go = stats if stats is not None else (None,) * 3
         recompute = config.any_delayed and _recomputing()
         fwd = GemmConfig(use_fast_accum=config.use_fast_accum, pad_inner_dim=config.pad_inner_dim, emulate=config.emulate)
-        x2 = x.reshape(-1, x.shape[-1])
         calls = (d.delayed_call_keys, d.delayed_call_scales) if d and (config.input.delayed or config.weight.delayed) else None
+        keep_fp8_input = config.input.tensorwise and not config.weight_grad_in_hp
+        if isinstance(x, Float8Tensor):  # an input gathered in FP8 (distributed.tp): cast already
+            x8, amax_x = _token_rows(x, fwd), None
+            x2 = dequantize(x8) if calls is not None or not keep_fp8_input else None
+        else:
+            x2 = x.reshape(-1, x.shape[-1])
         if calls is not None and recompute:
             # This call's own scales, not the latest call's (see DelayedBuffers).
             scale_in, scale_w = _recorded_scales(*calls, _sync_amax(tensor_amax(x2)))
-        x8, amax_x = cast_operand(x2, config.input, 1, fwd, config, hist_in, scale_in, recompute, st_in)
+        if not isinstance(x, Float8Tensor):
+            x8, amax_x = cast_operand(x2, config.input, 1, fwd, config, hist_in, scale_in, recompute, st_in)
         if isinstance(weight, Float8Tensor):  # FSDP2 float8 all-gather hands over an FP8 weight
             w8, amax_w = weight._replace(gemm=fwd), None
         else:
@@ -232,9 +250,8 @@ class Float8LinearFn(torch.autograd.Function):
         y = matmul(x8, transpose_2d(w8), bias=bias)  # built, not dispatched: torch.export traces it
 
         # The weight-gradient GEMM contracts over tokens (dim 0 of x): a tensorwise x8 is
-        # reused there as is; a rowwise or block-scaled one would need the other axis (the
-        # tokens), so keep x in hp.
-        keep_fp8_input = config.input.tensorwise and not config.weight_grad_in_hp
+        # reused there as is (keep_fp8_input); a rowwise or block-scaled one would need the
+        # other axis (the tokens), so keep x in hp (an FP8-gathered one: its dequantized values).
         # Backward re-casts a tensorwise high-precision weight with this very scale; a
         # rowwise or block-scaled weight is cast along the other axis there (a 128x128 one
         # to the same blocks), so its scale is not kept.

@@ -19,9 +19,10 @@ import torch
 from torch import nn
 
 from f8tensor.config import Float8LinearConfig
+from f8tensor.distributed.dtensor import float8_linear
 from f8tensor.distributed.fsdp import DTensor, Float8AllGatherWeight, wrap_weight
 from f8tensor.formats import HP_DTYPES
-from f8tensor.functions import DelayedBuffers, Float8LinearFn, StatsBuffers
+from f8tensor.functions import DelayedBuffers, StatsBuffers
 from f8tensor.gemm.rules import ALIGN
 from f8tensor.kernels import CAST_STATS_FIELDS
 from f8tensor.tensor import Float8Tensor
@@ -65,6 +66,15 @@ def _fresh_state(name: str, like: torch.Tensor, device: torch.device | str | Non
     fill = 1.0 if name in _SCALE_BUFFERS or name == _CALL_SCALES else -1.0 if name == _CALL_KEYS else 0.0
     return torch.full_like(like, fill, dtype=torch.float32, device=device)
 
+
+
+def _is_own_input_cast(x: Float8Tensor, config: Float8LinearConfig) -> bool:
+    """``x`` carries the FP8 dtype and blocks of ``config``'s (dynamic) input cast."""
+    cast = config.input
+    if cast.delayed or x._data.dtype != cast.dtype or x.dim() == 0:
+        return False
+    block = cast.operand_spec(x.dim() - 1, ndim=x.dim()).block
+    return x._block == (block or (0,) * x.dim())
 
 
 class Float8Linear(nn.Linear):
@@ -176,7 +186,11 @@ class Float8Linear(nn.Linear):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"Float8Linear expects a tensor input; got {type(x).__name__}")
         if isinstance(x, Float8Tensor):
-            raise TypeError("Float8Linear casts its input itself: pass a high-precision tensor (call .to_hp() first)")
+            # Accepted only as this layer's own input cast would write it (an input gathered
+            # in FP8 by the sequence-parallel styles of distributed.tp).
+            if not _is_own_input_cast(x, self.config):
+                raise TypeError("Float8Linear casts its input itself: pass a high-precision tensor (call .to_hp() first)")
+            return
         if not x.is_floating_point() or x.dtype not in HP_DTYPES:
             allowed = ", ".join(str(d) for d in HP_DTYPES)
             hint = (
@@ -231,7 +245,7 @@ class Float8Linear(nn.Linear):
             return nn.functional.linear(x, weight.to(x.dtype), bias)
         delayed = DelayedBuffers(*(getattr(self, name) for name in _DELAYED_BUFFERS)) if self.config.any_delayed else None
         stats = StatsBuffers(*(getattr(self, name) for name in STATS_BUFFERS)) if self.config.collect_stats else None
-        return Float8LinearFn.apply(x, weight, bias, self.config, delayed, stats)
+        return float8_linear(x, weight, bias, self.config, delayed, stats)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         # A plain nn.Linear checkpoint has no delayed-scaling state: start those buffers

@@ -183,6 +183,8 @@ class Float8AllGatherWeight(HighPrecisionWeight):
         data = data.view(self._cast.dtype)
         if out is None:
             return Float8Tensor(data, scale.clone(), param_dtype), (data,)
+        if isinstance(out, DTensor):  # 2D (FSDP2 x TP): the unsharded parameter is a TP DTensor
+            out = dtensor_local(out)
         if not isinstance(out, Float8Tensor) or out._orig_dtype != param_dtype:
             raise RuntimeError(f"fsdp_post_all_gather: out must be the {param_dtype} Float8Tensor built the first time")
         if out._data.untyped_storage().data_ptr() != data.untyped_storage().data_ptr():
