@@ -46,6 +46,9 @@ ALL = tuple(RECIPES)
 # Every recipe under torch's styles with sequence parallel and under f8tensor's; torch's
 # plain column/row styles (no sequence parallel) for two.
 _TP_CASES = [(r, k) for r in ALL for k in ("torch_sp", "float8_sp")] + [("tensorwise", "torch"), ("rowwise", "torch")]
+_COMPILED = ("rowwise",)
+# 2D: (recipe, FP8 all-gather, compiled)
+_2D_CASES = (("tensorwise", True, False), ("rowwise", False, False), ("blockwise", False, False), ("tensorwise", True, True))
 
 
 class _Block(nn.Module):
@@ -62,8 +65,8 @@ class _Block(nn.Module):
         return x + self.w2(F.relu(self.w1(self.norm(x))))
 
 
-def _model(recipe: str, seed: int = 0) -> nn.Module:
-    m = nn.Sequential(_Block(seed), _Block(seed + 1))
+def _model(recipe: str, seed: int = 0, blocks: int = 2) -> nn.Module:
+    m = nn.Sequential(*(_Block(seed + i) for i in range(blocks)))
     return convert_to_float8_training(m, config=Float8LinearConfig.from_recipe(recipe))
 
 
@@ -71,12 +74,12 @@ def _input(seed: int = 7) -> torch.Tensor:
     return torch.randn(B, S, D, generator=torch.Generator().manual_seed(seed))
 
 
-def _plan(kind: str) -> dict:
+def _plan(kind: str, blocks: int = 2) -> dict:
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
     plan = {}
-    for i in range(2):
+    for i in range(blocks):
         if kind == "torch":
             plan[f"{i}.w1"] = ColwiseParallel()
             plan[f"{i}.w2"] = RowwiseParallel()
@@ -107,9 +110,10 @@ def _run_tp(mesh, recipe: str, kind: str, *, compile_: bool = False, steps: int 
     from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor.parallel import parallelize_module
 
-    model = _model(recipe)
-    parallelize_module(model, mesh, _plan(kind))
-    fwd = torch.compile(model, backend="aot_eager") if compile_ else model
+    blocks = 1 if compile_ else 2  # compiling costs seconds per block on CPU
+    model = _model(recipe, blocks=blocks)
+    parallelize_module(model, mesh, _plan(kind, blocks))
+    fwd = torch.compile(model, backend="aot_eager", dynamic=False) if compile_ else model
     x = _input().requires_grad_()
     sp = kind != "torch"
     out = {}
@@ -130,8 +134,8 @@ def _run_tp(mesh, recipe: str, kind: str, *, compile_: bool = False, steps: int 
     return out
 
 
-def _reference(recipe: str, steps: int = 1) -> dict:
-    model = _model(recipe)
+def _reference(recipe: str, steps: int = 1, blocks: int = 2) -> dict:
+    model = _model(recipe, blocks=blocks)
     x = _input().requires_grad_()
     out = {}
     for _ in range(steps):
@@ -149,9 +153,13 @@ def _scenario_tp_1d(rank, world, ctx) -> dict:
     mesh = init_device_mesh("cpu", (world,))
     res = {}
     for recipe, kind in _TP_CASES:
-        res[(recipe, kind)] = _try(lambda: _run_tp(mesh, recipe, kind, steps=2 if recipe == "delayed" else 1))
-    for recipe in ("tensorwise", "rowwise"):
-        res[(recipe, "float8_sp", "compile")] = _try(lambda: _run_tp(mesh, recipe, "float8_sp", compile_=True))
+        start = time.monotonic()
+        res[(recipe, kind)] = _try(lambda r=recipe, k=kind: _run_tp(mesh, r, k, steps=2 if r == "delayed" else 1))
+        res[("seconds", recipe, kind)] = time.monotonic() - start
+    for recipe in _COMPILED:
+        start = time.monotonic()
+        res[(recipe, "float8_sp", "compile")] = _try(lambda r=recipe: _run_tp(mesh, r, "float8_sp", compile_=True))
+        res[("seconds", recipe, "compile")] = time.monotonic() - start
     res["gather_bytes"] = _try(lambda: _gather_bytes(mesh))
     res["block_cut"] = _try(lambda: _block_cut(mesh))
     return res
@@ -213,9 +221,9 @@ def _scenario_2d(rank, world, ctx) -> dict:
     res = {}
     mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
     dp = mesh["dp"].get_local_rank()
-    for recipe, ag in (("tensorwise", True), ("tensorwise", False), ("rowwise", False), ("blockwise", False)):
+    for recipe, ag, compiled in _2D_CASES:
 
-        def run(recipe=recipe, ag=ag):
+        def run(recipe=recipe, ag=ag, compiled=compiled):
             cfg = Float8LinearConfig.from_recipe(recipe, enable_fsdp_float8_all_gather=ag)
             torch.manual_seed(0)
             model = convert_to_float8_training(nn.Sequential(_Block(0), _Block(1)), config=cfg)
@@ -223,12 +231,13 @@ def _scenario_2d(rank, world, ctx) -> dict:
             for blk in model:
                 fully_shard(blk, mesh=mesh["dp"])
             fully_shard(model, mesh=mesh["dp"])
+            fwd = torch.compile(model, backend="aot_eager", dynamic=False) if compiled else model
             opt = torch.optim.SGD(model.parameters(), lr=0.05)
             losses = []
             for step in range(2):
                 x = torch.randn(2 * B, S, D, generator=torch.Generator().manual_seed(step)).chunk(2)[dp]
                 xs = x.chunk(mesh["tp"].size(), 1)[mesh["tp"].get_local_rank()]
-                y = DTensor.from_local(model(xs), mesh["tp"], [Shard(1)], run_check=False).full_tensor()
+                y = DTensor.from_local(fwd(xs), mesh["tp"], [Shard(1)], run_check=False).full_tensor()
                 loss = y.float().pow(2).mean()
                 loss.backward()
                 opt.step()
@@ -238,8 +247,54 @@ def _scenario_2d(rank, world, ctx) -> dict:
                 losses.append(t.item() / world)
             return {"losses": losses}
 
-        res[(recipe, ag)] = _try(run)
+        start = time.monotonic()
+        res[(recipe, ag, compiled)] = _try(run)
+        res[("seconds", recipe, ag, compiled)] = time.monotonic() - start
+    res["dcp_1d_to_2d"] = _try(lambda: _dcp_1d_to_2d(mesh, ctx["dir"]))
     return res
+
+
+def _dcp_1d_to_2d(mesh, directory: str) -> dict:
+    """Train one step on a 1D FSDP2 mesh of every rank, save with torch.distributed.checkpoint,
+    load into the 2D (dp, tp) model: the full weights and the next step's loss."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    cfg = Float8LinearConfig.from_recipe("tensorwise", enable_fsdp_float8_all_gather=True)
+    x = torch.randn(B, S, D, generator=torch.Generator().manual_seed(5))
+
+    def build(seed):
+        torch.manual_seed(seed)
+        return convert_to_float8_training(nn.Sequential(_Block(seed), _Block(seed + 1)), config=cfg)
+
+    one_d = build(0)
+    fully_shard(one_d, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+    one_d(x).float().pow(2).mean().backward()
+    torch.optim.SGD(one_d.parameters(), lr=0.05).step()
+    dcp.save(get_model_state_dict(one_d), checkpoint_id=directory)
+    loss_1d = one_d(x).float().pow(2).mean().item()
+    full_1d = {k: _plain(_full(v)) for k, v in get_model_state_dict(one_d).items()}
+
+    two_d = build(3)  # other initial weights: the load must replace them
+    parallelize_module(two_d, mesh["tp"], _plan("float8_sp"))
+    fully_shard(two_d, mesh=mesh["dp"])
+    state = get_model_state_dict(two_d)
+    dcp.load(state, checkpoint_id=directory)
+    set_model_state_dict(two_d, state)
+    full_2d = {k: _plain(_full(v)) for k, v in get_model_state_dict(two_d).items()}
+    xs = x.chunk(mesh["tp"].size(), 1)[mesh["tp"].get_local_rank()]
+    y = DTensor.from_local(two_d(xs), mesh["tp"], [Shard(1)], run_check=False).full_tensor()
+    return {"same_weights": all(torch.equal(full_1d[k], full_2d[k]) for k in full_1d) and full_1d.keys() == full_2d.keys(),
+            "loss_1d": loss_1d, "loss_2d": y.float().pow(2).mean().item()}
+
+
+def _plain(t):
+    hp = getattr(t, "_hp", None)
+    return (hp if hp is not None else t).detach().clone()
 
 
 def _reference_2d(recipe: str) -> list:
@@ -276,9 +331,9 @@ def _worker(rank: int, world: int, port: int, jobs: list, ctx: dict, out_dir: st
     dist.destroy_process_group()
 
 
-def _launch(world: int, jobs: list, out_dir: Path, timeout: float = 300) -> list[dict]:
+def _launch(world: int, jobs: list, out_dir: Path, timeout: float = 300, ctx: dict | None = None) -> list[dict]:
     procs = mp.start_processes(
-        _worker, args=(world, free_port(), jobs, {}, str(out_dir)), nprocs=world, join=False, start_method="spawn"
+        _worker, args=(world, free_port(), jobs, ctx or {}, str(out_dir)), nprocs=world, join=False, start_method="spawn"
     )
     deadline = time.monotonic() + timeout
     while not procs.join(timeout=1):
@@ -299,7 +354,7 @@ def ranks2(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ranks4(tmp_path_factory):
-    return _launch(4, ["2d"], tmp_path_factory.mktemp("tp4"))
+    return _launch(4, ["2d"], tmp_path_factory.mktemp("tp4"), ctx={"dir": str(tmp_path_factory.mktemp("dcp"))})
 
 
 def _get(results: list[dict], scenario: str, key) -> dict:
@@ -324,9 +379,10 @@ def test_tensor_parallel_matches_one_process(ranks2, recipe, kind):
     _assert_parity(_get(ranks2, "tp_1d", (recipe, kind)), ref, f"{recipe}/{kind}")
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("recipe", _COMPILED)
 def test_float8_sequence_parallel_under_compile(ranks2, recipe):
-    _assert_parity(_get(ranks2, "tp_1d", (recipe, "float8_sp", "compile")), _reference(recipe), f"{recipe}/compile")
+    got = _get(ranks2, "tp_1d", (recipe, "float8_sp", "compile"))
+    _assert_parity(got, _reference(recipe, blocks=1), f"{recipe}/compile")
 
 
 def test_sequence_parallel_gather_moves_the_bytes_of_one_process_cast(ranks2):
@@ -350,9 +406,22 @@ def test_shards_that_cut_a_block_are_refused(ranks2):
     assert "cut its 128-element scaling blocks" in msg, msg
 
 
-@pytest.mark.parametrize(
-    "recipe, fp8_all_gather", [("tensorwise", True), ("tensorwise", False), ("rowwise", False), ("blockwise", False)]
-)
-def test_2d_fsdp2_x_tp_matches_one_process(ranks4, recipe, fp8_all_gather):
-    got = _get(ranks4, "2d", (recipe, fp8_all_gather))
+@pytest.mark.parametrize("recipe, fp8_all_gather, compiled", _2D_CASES)
+def test_2d_fsdp2_x_tp_matches_one_process(ranks4, recipe, fp8_all_gather, compiled):
+    got = _get(ranks4, "2d", (recipe, fp8_all_gather, compiled))
     torch.testing.assert_close(got["losses"], _reference_2d(recipe), rtol=2e-2, atol=0)
+
+
+def test_checkpoint_from_a_1d_mesh_loads_into_a_2d_mesh(ranks4):
+    got = _get(ranks4, "2d", "dcp_1d_to_2d")
+    assert got["same_weights"]
+    assert got["loss_2d"] == pytest.approx(got["loss_1d"], rel=2e-2)
+
+
+def test_timings(ranks2, ranks4):
+    """Not a check: the seconds each case took, printed for whoever trims this file."""
+    for results in (ranks2, ranks4):
+        for scenario in ("tp_1d", "2d"):
+            for key, value in results[0].get(scenario, {}).items():
+                if isinstance(key, tuple) and key[0] == "seconds":
+                    print(scenario, key[1:], f"{value:.1f} s")
