@@ -29,7 +29,6 @@ from f8tensor.config import (
 )
 from f8tensor.convert import convert_to_float8_training
 from f8tensor.distributed.fsdp import Float8AllGatherWeight, precompute_float8_scales_for_fsdp
-from f8tensor.distributed.tp import Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
 from f8tensor.formats import FLOAT8_DTYPES, FORMATS, Float8Format, float8_max, saturation_bound
 from f8tensor.gemm import float8_mm
 from f8tensor.linear import Float8Linear
@@ -43,6 +42,9 @@ from f8tensor.stats import (
     sqnr,
 )
 from f8tensor.tensor import Float8Tensor, _LegacyFloat8Tensor, _rebuild_float8_tensor
+
+if torch.distributed.is_available():  # the parallel styles subclass torch.distributed's
+    from f8tensor.distributed.tp import Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
 
 __version__ = "0.1.0"
 

@@ -49,7 +49,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 
-from f8tensor.compat import functional_all_reduce_max
+from f8tensor.compat import colwise_prepare_input, functional_all_reduce_max
 from f8tensor.config import CastConfig, Float8LinearConfig
 from f8tensor.linear import Float8Linear
 from f8tensor.scaling import amax_to_scale, tensor_amax
@@ -158,7 +158,7 @@ class Float8ColwiseParallel(ColwiseParallel):
         gathered = _fp8_gather_or_none(x, device_mesh, input_layouts[0], desired_input_layouts[0], mod.config.input)
         if gathered is not None:
             return gathered
-        return ColwiseParallel._prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh)
+        return colwise_prepare_input(input_layouts, desired_input_layouts, mod, inputs, device_mesh)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _check_float8_linear(self, module)
