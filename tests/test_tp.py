@@ -13,9 +13,6 @@ sequence-parallel styles equal one process's cast of the full input).
 
 from __future__ import annotations
 
-import datetime
-import os
-import sys
 import time
 import traceback
 from pathlib import Path
@@ -23,9 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
-from helpers import assert_sqnr, free_port
+from helpers import assert_sqnr, free_port, init_gloo, run_processes
 from torch import nn
 
 from f8tensor import (
@@ -320,11 +316,7 @@ _SCENARIOS = {"tp_1d": _scenario_tp_1d, "2d": _scenario_2d}
 
 
 def _worker(rank: int, world: int, port: int, jobs: list, ctx: dict, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if sys.platform == "linux":
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
+    init_gloo(rank, world, port)
     result = {}
     for job in jobs:
         start = time.monotonic()
@@ -336,15 +328,7 @@ def _worker(rank: int, world: int, port: int, jobs: list, ctx: dict, out_dir: st
 
 
 def _launch(world: int, jobs: list, out_dir: Path, timeout: float = 300, ctx: dict | None = None) -> list[dict]:
-    procs = mp.start_processes(
-        _worker, args=(world, free_port(), jobs, ctx or {}, str(out_dir)), nprocs=world, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + timeout
-    while not procs.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in procs.processes:
-                p.terminate()
-            pytest.fail(f"the {world}-rank run did not finish within {timeout} s")
+    run_processes(_worker, world, (world, free_port(), jobs, ctx or {}, str(out_dir)), timeout)
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
