@@ -400,10 +400,13 @@ def test_checkpoint_from_a_1d_mesh_loads_into_a_2d_mesh(ranks4):
     assert got["loss_2d"] == pytest.approx(got["loss_1d"], rel=2e-2)
 
 
-def test_timings(ranks2, ranks4):
-    """Not a check: the seconds each case took, printed for whoever trims this file."""
-    for results in (ranks2, ranks4):
-        for scenario in ("tp_1d", "2d"):
-            for key, value in results[0].get(scenario, {}).items():
-                if isinstance(key, tuple) and key[0] == "seconds":
-                    print(scenario, key[1:], f"{value:.1f} s")
+def test_float8_linear_takes_only_its_own_input_cast():
+    """A Float8Tensor input (what the FP8 sequence gather hands over) is multiplied as it is
+    when it carries the layer's input cast, and refused otherwise."""
+    layer = Float8Linear.from_float(nn.Linear(64, 32), Float8LinearConfig.from_recipe("rowwise"))
+    x = torch.randn(2, 8, 64)
+    own = to_float8(x, RECIPES["rowwise"].input.operand_spec(2, ndim=3))
+    torch.testing.assert_close(layer(own), layer(own.to_hp()), rtol=0, atol=0)
+    other = to_float8(x, RECIPES["tensorwise"].input.operand_spec(2, ndim=3))
+    with pytest.raises(TypeError, match="casts its input itself"):
+        layer(other)
