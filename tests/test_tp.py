@@ -46,7 +46,15 @@ _TP_CASES = [(r, k) for r in ALL for k in ("torch_sp", "float8_sp")] + [("tensor
 # compiled run adds a minute on a loaded 2-core machine and nothing the 2D one misses).
 _COMPILED: tuple[str, ...] = ()
 # 2D: (recipe, FP8 all-gather, compiled)
-_2D_CASES = (("tensorwise", True, False), ("rowwise", False, False), ("blockwise", False, False), ("tensorwise", True, True))
+_2D_CASES = (
+    ("tensorwise", True, False),
+    ("rowwise", False, False),
+    ("rowwise", True, False),
+    ("delayed", True, False),
+    ("blockwise", False, False),
+    ("mxfp8", True, False),
+    ("tensorwise", True, True),
+)
 
 
 class _Block(nn.Module):

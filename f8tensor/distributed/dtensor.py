@@ -58,15 +58,15 @@ else:  # a torch build without torch.distributed: nothing is ever a DTensor
 __all__ = ["check_blocks_unbroken", "float8_linear"]
 
 
-def float8_linear(x, weight, bias, config: Float8LinearConfig, delayed, stats) -> torch.Tensor:
-    """``Float8LinearFn.apply(x, weight, bias, config, delayed, stats)``, for plain tensors
-    and DTensors alike (see the module docstring)."""
+def float8_linear(x, weight, bias, config: Float8LinearConfig, delayed, stats, weight_amax=None) -> torch.Tensor:
+    """``Float8LinearFn.apply(x, weight, bias, config, delayed, stats, weight_amax)``, for
+    plain tensors and DTensors alike (see the module docstring)."""
     if not (isinstance(x, DTensor) or isinstance(weight, DTensor) or isinstance(bias, DTensor)):
-        return Float8LinearFn.apply(x, weight, bias, config, delayed, stats)
-    return _dtensor_linear(x, weight, bias, config, delayed, stats)
+        return Float8LinearFn.apply(x, weight, bias, config, delayed, stats, weight_amax)
+    return _dtensor_linear(x, weight, bias, config, delayed, stats, weight_amax)
 
 
-def _dtensor_linear(x, weight, bias, config, delayed, stats) -> torch.Tensor:
+def _dtensor_linear(x, weight, bias, config, delayed, stats, weight_amax=None) -> torch.Tensor:
     # parallelize_module replicates a layer's buffers as DTensors: the Function updates
     # the delayed-scaling and telemetry buffers in place, through their local tensors.
     if delayed is not None:
@@ -147,7 +147,7 @@ def _dtensor_linear(x, weight, bias, config, delayed, stats) -> torch.Tensor:
             b_local = bias.to_local(grad_placements=b_grad)
         else:
             b_local = bias
-    y_local = Float8LinearFn.apply(x_local, w_local, b_local, config, delayed, stats)
+    y_local = Float8LinearFn.apply(x_local, w_local, b_local, config, delayed, stats, weight_amax)
     out_shape = (*full_x_shape[:-1], full_w_shape[0])
     y = DTensor.from_local(y_local, mesh, out_pl, run_check=False, shape=torch.Size(out_shape), stride=_contiguous(out_shape))
     if bias is not None and bias_after:
