@@ -730,7 +730,9 @@ def ranks2(tmp_path_factory, checkpoints):
         ("compile", "compile", {}),
         ("dcp_save", "dcp_save", {}),
     ]
-    return _launch(2, jobs, tmp_path_factory.mktemp("ranks2"), checkpoints=checkpoints)
+    # A hang guard, not a speed limit: this run carries the most scenarios (about a minute
+    # on an idle 2-core machine, over three on a loaded one).
+    return _launch(2, jobs, tmp_path_factory.mktemp("ranks2"), checkpoints=checkpoints, timeout=420)
 
 
 @pytest.fixture(scope="module")
