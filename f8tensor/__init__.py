@@ -43,6 +43,9 @@ from f8tensor.stats import (
 )
 from f8tensor.tensor import Float8Tensor, _LegacyFloat8Tensor, _rebuild_float8_tensor
 
+if torch.distributed.is_available():  # the parallel styles subclass torch.distributed's
+    from f8tensor.distributed.tp import Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -56,16 +59,19 @@ __all__ = [
     "CastConfig",
     "DelayedScalingConfig",
     "Float8AllGatherWeight",
+    "Float8ColwiseParallel",
     "Float8ExpertWeight",
     "Float8Format",
     "Float8Linear",
     "Float8LinearConfig",
+    "Float8RowwiseParallel",
     "Float8SaturationWarning",
     "Float8Tensor",
     "GemmConfig",
     "Granularity",
     "MX_1x32",
     "MX_1x32_FLOOR",
+    "PrepareFloat8ModuleInput",
     "ScalingType",
     "convert_experts_to_float8",
     "convert_to_float8_training",

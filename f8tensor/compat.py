@@ -21,6 +21,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+
+if torch.distributed.is_available():
+    from torch.distributed.tensor.parallel import ColwiseParallel
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils import _pytree
 from torch.utils._python_dispatch import return_and_correct_aliasing as _return_and_correct_aliasing
@@ -38,6 +41,7 @@ __all__ = [
     "TORCH_VERSION",
     "assert_async",
     "block_scaled_mm",
+    "colwise_prepare_input",
     "current_graph_task_id",
     "disable_torch_function_subclass",
     "dtensor_local",
@@ -293,3 +297,10 @@ def dtensor_local(t: Any) -> torch.Tensor:
     """``DTensor._local_tensor`` (torch >= 2.4): a DTensor's local shard itself (the object
     FSDP2 keeps; ``to_local()`` would return a differentiable alias)."""
     return t._local_tensor
+
+
+def colwise_prepare_input(input_layouts: Any, desired_input_layouts: Any, mod: Any, inputs: Any, device_mesh: Any) -> Any:
+    """``ColwiseParallel._prepare_input_fn`` (torch >= 2.3): the input move torch's column
+    style hooks before the layer. f8tensor's ``Float8ColwiseParallel`` overrides that hook
+    (the name ``ColwiseParallel._apply`` registers) and falls back to torch's own here."""
+    return ColwiseParallel._prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh)

@@ -446,8 +446,8 @@ class Float8LinearConfig:
     - ``pad_inner_dim``: zero-pad K and N to multiples of 16 instead of refusing a layer.
     - ``use_fast_accum``: Hopper fast accumulation in the forward GEMM (backward GEMMs
       always accumulate precisely).
-    - ``enable_fsdp_float8_all_gather``: under FSDP2, all-gather weights in FP8
-      (tensorwise weight casts only).
+    - ``enable_fsdp_float8_all_gather``: under FSDP2, all-gather weights in FP8 (every
+      weight cast; see ``distributed/fsdp.py`` for what each gathers).
     - ``collect_stats``: record saturation/underflow telemetry per cast (see ``stats.py``).
     - ``emulate``: on CUDA, run block-scaled GEMMs on the reference path (see :class:`GemmConfig`).
     """
@@ -493,8 +493,6 @@ class Float8LinearConfig:
                     f"smallest normal {cast.dtype} number (flushing the tensor to zero); the most {cast.dtype} "
                     f"allows is {max_margin(cast.dtype)}"
                 )
-        if self.enable_fsdp_float8_all_gather and (not self.weight.tensorwise or self.weight.delayed):
-            raise ValueError("enable_fsdp_float8_all_gather needs dynamic tensorwise weight scaling (recipe 'tensorwise')")
 
     @property
     def any_delayed(self) -> bool:

@@ -22,7 +22,7 @@ from f8tensor.config import CastConfig, CastSpec, Float8LinearConfig, GemmConfig
 from f8tensor.gemm import matmul
 from f8tensor.ops import transpose_2d
 from f8tensor.scaling import delayed_scale, materialized, push_amax, tensor_amax
-from f8tensor.tensor import Float8Tensor, to_float8, to_float8_with_stats
+from f8tensor.tensor import Float8Tensor, dequantize, to_float8, to_float8_with_stats
 
 __all__ = ["DelayedBuffers", "Float8LinearFn", "NoDoubleBackward", "StatsBuffers", "cast_operand"]
 
@@ -164,6 +164,18 @@ def _cast(
     return f8
 
 
+def _token_rows(x: Float8Tensor, gemm: GemmConfig) -> Float8Tensor:
+    """An FP8 input of shape (..., K) as the (tokens, K) operand: its scales are per tensor
+    or per token (rowwise, 1xB blocks), so the leading dims flatten with them."""
+    k = x.shape[-1]
+    if x._scale.dim() == 0:
+        return x._replace(data=x._data.reshape(-1, k), block=(0, 0), gemm=gemm)
+    if any(b != 1 for b in x._block[:-1]):
+        raise ValueError(f"an FP8 input must be scaled per tensor or per token; got blocks {x._block}")
+    scale = x._scale.reshape(-1, x._scale.shape[-1])
+    return x._replace(data=x._data.reshape(-1, k), scale=scale, block=(1, x._block[-1]), gemm=gemm)
+
+
 def _column_major_copy(f8: Float8Tensor) -> Float8Tensor:
     """``f8`` (2D) with its FP8 bytes laid out column-major: the layout the weight-gradient
     GEMM takes for both operands (it contracts over the tokens, dim 0).
@@ -206,8 +218,10 @@ class Float8LinearFn(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, config, delayed, stats):  # type: ignore[override]
+    def forward(ctx, x, weight, bias, config, delayed, stats, weight_amax=None):  # type: ignore[override]
         # `delayed`: None, or the layer's DelayedBuffers; `stats`: None, or its StatsBuffers.
+        # `weight_amax`: for a delayed weight that FSDP2 gathered in FP8, the amax of this
+        # rank's shard, measured before the gather (distributed/fsdp.py).
         # They ride on ctx, not save_for_backward: they are updated in place by later steps,
         # which is their purpose, not a hazard for this step's gradients.
         d = delayed
@@ -216,14 +230,31 @@ class Float8LinearFn(torch.autograd.Function):
         st_in, st_w, st_go = stats if stats is not None else (None,) * 3
         recompute = config.any_delayed and _recomputing()
         fwd = GemmConfig(use_fast_accum=config.use_fast_accum, pad_inner_dim=config.pad_inner_dim, emulate=config.emulate)
-        x2 = x.reshape(-1, x.shape[-1])
         calls = (d.delayed_call_keys, d.delayed_call_scales) if d and (config.input.delayed or config.weight.delayed) else None
+        keep_fp8_input = config.input.tensorwise and not config.weight_grad_in_hp
+        if isinstance(x, Float8Tensor):  # an input gathered in FP8 (distributed.tp): cast already
+            x8, amax_x = _token_rows(x, fwd), None
+            x2 = dequantize(x8) if calls is not None or not keep_fp8_input else None
+        else:
+            x2 = x.reshape(-1, x.shape[-1])
         if calls is not None and recompute:
             # This call's own scales, not the latest call's (see DelayedBuffers).
             scale_in, scale_w = _recorded_scales(*calls, _sync_amax(tensor_amax(x2)))
-        x8, amax_x = cast_operand(x2, config.input, 1, fwd, config, hist_in, scale_in, recompute, st_in)
+        if not isinstance(x, Float8Tensor):
+            x8, amax_x = cast_operand(x2, config.input, 1, fwd, config, hist_in, scale_in, recompute, st_in)
         if isinstance(weight, Float8Tensor):  # FSDP2 float8 all-gather hands over an FP8 weight
             w8, amax_w = weight._replace(gemm=fwd), None
+            if config.weight.delayed:
+                # Cast by the gather with the history's scale: record that scale and the
+                # whole weight's amax (for the history, pushed in backward) as a cast here would.
+                if weight_amax is None:
+                    raise RuntimeError(
+                        "a delayed-scaled weight gathered in FP8 arrived without its amax; call the layer "
+                        "(Float8Linear), which hands it over, rather than Float8LinearFn directly"
+                    )
+                amax_w = _sync_amax(weight_amax)
+                if scale_w is not None and not recompute:
+                    scale_w.copy_(weight._scale)
         else:
             w8, amax_w = cast_operand(weight, config.weight, 1, fwd, config, hist_w, scale_w, recompute, st_w)
         if calls is not None and not recompute:
@@ -232,9 +263,8 @@ class Float8LinearFn(torch.autograd.Function):
         y = matmul(x8, transpose_2d(w8), bias=bias)  # built, not dispatched: torch.export traces it
 
         # The weight-gradient GEMM contracts over tokens (dim 0 of x): a tensorwise x8 is
-        # reused there as is; a rowwise or block-scaled one would need the other axis (the
-        # tokens), so keep x in hp.
-        keep_fp8_input = config.input.tensorwise and not config.weight_grad_in_hp
+        # reused there as is (keep_fp8_input); a rowwise or block-scaled one would need the
+        # other axis (the tokens), so keep x in hp (an FP8-gathered one: its dequantized values).
         # Backward re-casts a tensorwise high-precision weight with this very scale; a
         # rowwise or block-scaled weight is cast along the other axis there (a 128x128 one
         # to the same blocks), so its scale is not kept.
@@ -290,8 +320,16 @@ class Float8LinearFn(torch.autograd.Function):
         # for grad_W. A delayed cast measures every backward's grad_output, needed or not.
         g8 = None
         gw_uses_g8 = go_cfg.tensorwise and not config.weight_grad_in_hp
+        # An FP8-gathered rowwise weight W = W8 / s has one scale per row n, which grad_x's
+        # product contracts over: fold the row scales into grad_output, g @ W = (g / s) @ W8,
+        # and cast that per token, so the gathered bytes serve as they are (re-casting W8
+        # per column would cost ~3 dB of grad_x; see CHANGELOG). g8 is then only grad_x's.
+        fold = need_grad_x and isinstance(weight, Float8Tensor) and _row_scaled(weight) and go_cfg.rowwise
         if need_grad_x or (need_grad_w and gw_uses_g8) or go_cfg.delayed:
-            g8, amax_g = cast_operand(g, go_cfg, 1, bwd, config, hist_go, stats=ctx.stats_go)
+            g_x = g.float() / weight._scale.reshape(1, -1) if fold else g
+            g8, amax_g = cast_operand(g_x, go_cfg, 1, bwd, config, hist_go, stats=ctx.stats_go)
+            if fold:
+                g8 = g8._replace(orig_dtype=g.dtype)  # grad_x comes out in grad_output's dtype
             if amax_g is not None:
                 push_amax(hist_go, amax_g)
         # The weight-gradient GEMM's copy of g8 (M innermost), taken right at the cast so
@@ -301,7 +339,10 @@ class Float8LinearFn(torch.autograd.Function):
         # grad_x = g @ W: contraction over N, so W's scale must be constant along dim 0.
         grad_x = None
         if need_grad_x:
-            if isinstance(weight, Float8Tensor):
+            if fold:  # the row scales are in g8 already: W8 with a unit scale
+                unit = torch.ones((), dtype=torch.float32, device=weight._scale.device)
+                w8 = weight._replace(scale=unit, block=(0, 0), gemm=bwd)
+            elif isinstance(weight, Float8Tensor):
                 w8 = weight._replace(gemm=bwd)
             elif not config.weight.tensorwise:
                 w8 = to_float8(weight, config.weight.operand_spec(0), gemm=bwd)
@@ -349,7 +390,14 @@ class Float8LinearFn(torch.autograd.Function):
             push_amax(hist_in, amax_x)
         if amax_w is not None:
             push_amax(hist_w, amax_w)
-        return grad_x, grad_w, grad_b, None, None, None
+        # One None per non-tensor input; a trailing one for `weight_amax`, which autograd
+        # drops when the caller passed six inputs.
+        return grad_x, grad_w, grad_b, None, None, None, None
+
+
+def _row_scaled(w8: Float8Tensor) -> bool:
+    """``w8`` (N, K) has one scale per row (a rowwise weight cast for the forward)."""
+    return w8.dim() == 2 and w8._block == (1, 0)
 
 
 class NoDoubleBackward(torch.autograd.Function):

@@ -20,9 +20,10 @@ from torch import nn
 
 from f8tensor.compat import is_fake
 from f8tensor.config import Float8LinearConfig
-from f8tensor.distributed.fsdp import DTensor, Float8AllGatherWeight, wrap_weight
+from f8tensor.distributed.dtensor import float8_linear
+from f8tensor.distributed.fsdp import DelayedWeightSource, DTensor, Float8AllGatherWeight, wrap_weight
 from f8tensor.formats import HP_DTYPES
-from f8tensor.functions import DelayedBuffers, Float8LinearFn, StatsBuffers
+from f8tensor.functions import DelayedBuffers, StatsBuffers
 from f8tensor.gemm.rules import ALIGN
 from f8tensor.kernels import CAST_STATS_FIELDS
 from f8tensor.tensor import Float8Tensor
@@ -66,6 +67,15 @@ def _fresh_state(name: str, like: torch.Tensor, device: torch.device | str | Non
     fill = 1.0 if name in _SCALE_BUFFERS or name == _CALL_SCALES else -1.0 if name == _CALL_KEYS else 0.0
     return torch.full_like(like, fill, dtype=torch.float32, device=device)
 
+
+
+def _is_own_input_cast(x: Float8Tensor, config: Float8LinearConfig) -> bool:
+    """``x`` carries the FP8 dtype and blocks of ``config``'s (dynamic) input cast."""
+    cast = config.input
+    if cast.delayed or x._data.dtype != cast.dtype or x.dim() == 0:
+        return False
+    block = cast.operand_spec(x.dim() - 1, ndim=x.dim()).block
+    return x._block == (block or (0,) * x.dim())
 
 
 def _check_delayed_state(state_dict: dict, prefix: str) -> None:
@@ -131,7 +141,7 @@ class Float8Linear(nn.Linear):
         if self.config.collect_stats:
             self._register_stats_buffers(device)
         if self.config.enable_fsdp_float8_all_gather:
-            self.weight = wrap_weight(self.weight, self.config.weight)
+            self.weight = wrap_weight(self.weight, self.config.weight, self._delayed_source())
 
     def _register_stats_buffers(self, device: torch.device | str | None) -> None:
         for name in STATS_BUFFERS:
@@ -168,7 +178,7 @@ class Float8Linear(nn.Linear):
         with torch.device("meta"):
             new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, config=config)
         if new.config.enable_fsdp_float8_all_gather:
-            new.weight = wrap_weight(linear.weight, new.config.weight)
+            new.weight = wrap_weight(linear.weight, new.config.weight, new._delayed_source())
         else:
             new.weight = linear.weight
         new.bias = linear.bias
@@ -196,7 +206,11 @@ class Float8Linear(nn.Linear):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"Float8Linear expects a tensor input; got {type(x).__name__}")
         if isinstance(x, Float8Tensor):
-            raise TypeError("Float8Linear casts its input itself: pass a high-precision tensor (call .to_hp() first)")
+            # Accepted only as this layer's own input cast would write it (an input gathered
+            # in FP8 by the sequence-parallel styles of distributed.tp).
+            if not _is_own_input_cast(x, self.config):
+                raise TypeError("Float8Linear casts its input itself: pass a high-precision tensor (call .to_hp() first)")
+            return
         if not x.is_floating_point() or x.dtype not in HP_DTYPES:
             allowed = ", ".join(str(d) for d in HP_DTYPES)
             hint = (
@@ -251,7 +265,9 @@ class Float8Linear(nn.Linear):
             return nn.functional.linear(x, weight.to(x.dtype), bias)
         delayed = DelayedBuffers(*(getattr(self, name) for name in _DELAYED_BUFFERS)) if self.config.any_delayed else None
         stats = StatsBuffers(*(getattr(self, name) for name in STATS_BUFFERS)) if self.config.collect_stats else None
-        return Float8LinearFn.apply(x, weight, bias, self.config, delayed, stats)
+        # A delayed weight gathered in FP8 by FSDP2: its shard's amax, left here by the gather.
+        weight_amax = self.__dict__.get("fsdp_weight_amax") if delayed is not None and self.config.enable_fsdp_float8_all_gather else None
+        return float8_linear(x, weight, bias, self.config, delayed, stats, weight_amax)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         # The rule for the delayed-scaling state (PyTorch's for what is missing, plus one case;
@@ -288,7 +304,13 @@ class Float8Linear(nn.Linear):
         # A DTensor (after fully_shard) is FSDP's to manage.
         managed = isinstance(weight, (Float8AllGatherWeight, DTensor))
         if self.config.enable_fsdp_float8_all_gather and weight is not None and not managed:
-            self.weight = wrap_weight(weight, self.config.weight)
+            self.weight = wrap_weight(weight, self.config.weight, self._delayed_source())
+
+    def _delayed_source(self) -> DelayedWeightSource | None:
+        """What an FP8 all-gather of a delayed-scaled weight reads (this layer's history)."""
+        if not self.config.weight.delayed:
+            return None
+        return DelayedWeightSource(self, self.config.delayed.reduction, self.config.delayed.margin)
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)

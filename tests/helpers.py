@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import datetime
+import os
 import socket
+import sys
+import time
+from collections.abc import Callable
 
+import pytest
 import torch
 
 from f8tensor import FLOAT8_DTYPES, Float8Linear, Float8Tensor, sqnr
@@ -126,6 +132,28 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def init_gloo(rank: int, world: int, port: int, timeout_s: float = 120) -> None:
+    """In a spawned test process: one torch thread, a gloo process group on loopback."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if sys.platform == "linux":
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group(
+        "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s)
+    )
+
+
+def run_processes(fn: Callable, world: int, args: tuple, timeout_s: float) -> None:
+    """``fn(rank, *args)`` in ``world`` spawned processes; fail the test past ``timeout_s``."""
+    procs = torch.multiprocessing.start_processes(fn, args=args, nprocs=world, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    while not procs.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in procs.processes:
+                p.terminate()
+            pytest.fail(f"the {world}-rank run did not finish within {timeout_s} s")
 
 
 class RanFP8:

@@ -328,3 +328,14 @@ def test_bench_routes(tmp_path):
         # The same product either way: one extra bf16 rounding at most (~48 dB), exact on CPU.
         assert float(r["sqnr_vs_kernel_db"]) > 45.0, r
     assert "CPU (no FP8 matrix units" in stdout
+
+
+def test_bench_comm(tmp_path):
+    # FP8 all-gather halves FSDP2's bf16 weight all-gather (biases and norms stay bf16); the
+    # sequence-parallel input gather moves 1 byte per element instead of 2 (its backward
+    # all-gather of grad_output stays bf16: 3/4 of the bf16 bytes in all).
+    _, rows = run_script("bench_comm.py", "--recipes", "tensorwise", torchao=False, tmp_path=tmp_path)
+    got = {(r["parallelism"], r["recipe"], r["collective"]): r for r in rows}
+    assert 0.45 < float(got[("fsdp", "tensorwise", "all_gather")]["vs_bf16"]) < 0.6
+    assert float(got[("tp", "tensorwise", "all_gather")]["vs_bf16"]) == 0.75
+    assert got[("fsdp", "tensorwise", "reduce_scatter")]["bytes"] == got[("fsdp", "bf16", "reduce_scatter")]["bytes"]

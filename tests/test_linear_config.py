@@ -85,9 +85,10 @@ def test_dataclasses_replace_derives_a_variant():
 
 
 def test_dataclasses_replace_validates_again():
-    base = Float8LinearConfig.from_recipe("rowwise")
-    with pytest.raises(ValueError, match="enable_fsdp_float8_all_gather needs dynamic tensorwise weight scaling"):
-        dataclasses.replace(base, enable_fsdp_float8_all_gather=True)
+    base = Float8LinearConfig.from_recipe("delayed")
+    delayed = dataclasses.replace(base.delayed, margin=20)  # valid on its own; too large for e4m3
+    with pytest.raises(ValueError, match="would scale the input.s amax below the smallest normal"):
+        dataclasses.replace(base, delayed=delayed)
 
 
 def test_config_is_frozen():
@@ -171,10 +172,9 @@ def test_unknown_recipe_override():
         Float8LinearConfig.from_recipe("tensorwise", pad_inner=True)
 
 
-@pytest.mark.parametrize("recipe", ["rowwise", "rowwise_with_gw_hp", "delayed"])
-def test_fsdp_float8_all_gather_needs_tensorwise_dynamic_weights(recipe):
-    with pytest.raises(ValueError, match=r"enable_fsdp_float8_all_gather needs dynamic tensorwise weight scaling \(recipe 'tensorwise'\)"):
-        Float8LinearConfig.from_recipe(recipe, enable_fsdp_float8_all_gather=True)
+@pytest.mark.parametrize("recipe", ["rowwise", "rowwise_with_gw_hp", "delayed", "blockwise", "mxfp8"])
+def test_fsdp_float8_all_gather_for_every_recipe(recipe):
+    assert Float8LinearConfig.from_recipe(recipe, enable_fsdp_float8_all_gather=True).enable_fsdp_float8_all_gather
 
 
 def test_fsdp_float8_all_gather_with_tensorwise():

@@ -7,18 +7,13 @@ both, so the losses and the gathered weights agree to fp32 summation order.
 
 from __future__ import annotations
 
-import datetime
-import os
-import sys
-import time
 import traceback
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from helpers import free_port
+from helpers import free_port, init_gloo, run_processes
 from torch import nn
 
 from f8tensor import Float8ExpertWeight, Float8LinearConfig, convert_experts_to_float8
@@ -58,11 +53,7 @@ def _train(model, ranks):
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if sys.platform == "linux":
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=90))
+    init_gloo(rank, WORLD, port, timeout_s=90)
     result = {}
     try:
         from torch.distributed.device_mesh import init_device_mesh
@@ -96,13 +87,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 def test_fsdp2_shards_fp8_expert_weights(tmp_path):
-    procs = mp.start_processes(_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=False, start_method="spawn")
-    deadline = time.monotonic() + 240
-    while not procs.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in procs.processes:
-                p.terminate()
-            pytest.fail("the 2-rank run did not finish within 240 s")
+    run_processes(_worker, WORLD, (free_port(), str(tmp_path)), timeout_s=240)
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
     for r, res in enumerate(results):
         assert "error" not in res, f"rank {r}:\n{res['error']}"

@@ -38,6 +38,16 @@ With ``enable_fsdp_float8_all_gather=True``, call
 with one all-reduce; it is optional.
 
 Layer: ``integrations`` (the top); imports ``linear``, ``config``, ``gemm.rules``.
+
+Tensor parallel: torchtitan 0.3.0 shards through its own ``ShardingConfig`` tree
+(``torchtitan.models.common.decoder_sharding``), not through ``ParallelStyle`` objects, so
+there is no place in its parallelize path to put f8tensor's styles. Its TP runs converted
+layers as it is (``Float8Linear`` takes DTensors), with bf16 collectives. To all-gather the
+sequence-parallel inputs in FP8, apply f8tensor's styles on the TP mesh yourself::
+
+    from f8tensor import Float8ColwiseParallel, Float8RowwiseParallel
+    parallelize_module(model, tp_mesh, {"layers.*.feed_forward.w1": Float8ColwiseParallel(input_layouts=Shard(1)),
+                                        "layers.*.feed_forward.w2": Float8RowwiseParallel(output_layouts=Shard(1))})
 """
 
 from __future__ import annotations

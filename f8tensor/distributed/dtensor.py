@@ -1,0 +1,217 @@
+"""The FP8 linear product on DTensors: tensor and sequence parallel below the styles.
+
+Under ``parallelize_module`` a ``Float8Linear``'s weight and bias are DTensors and its
+input usually is one too (torch's ``ColwiseParallel`` makes a replicated DTensor of it,
+``RowwiseParallel`` a last-dim-sharded one). :func:`float8_linear` runs
+:class:`~f8tensor.functions.Float8LinearFn` on the local shards and wraps its result as
+a DTensor whose placements follow the product's algebra, mesh dim by mesh dim:
+
+==========================  ===================  ===================  ==================
+input ``x``                 weight ``W`` (N, K)  output ``y``         bias
+==========================  ===================  ===================  ==================
+``Replicate``               ``Shard(0)``         ``Shard(-1)``        ``Shard(0)``
+``Shard(-1)``               ``Shard(1)``         ``Partial``          added after, once
+``Shard(d)``, d < last      ``Replicate``        ``Shard(d)``         ``Replicate``
+``Replicate``               ``Replicate``        ``Replicate``        ``Replicate``
+==========================  ===================  ===================  ==================
+
+Any other input placement is first redistributed to the one the weight needs (a
+``Partial`` input is reduced; an input sharded on K meets a weight sharded on N as a
+replicated one), as DTensor's own ``linear`` would. The gradients come back with the
+placements of the math: the input's gradient is ``Partial`` where the weight is sharded
+on N, the weight's where the tokens are sharded.
+
+A plain tensor as the input of a layer whose weight is a DTensor stands for a replicated
+one (a ``Float8Tensor`` gathered in FP8 by :mod:`f8tensor.distributed.tp` is one); its
+gradient is handed back unreduced (a ``Partial`` sum where the weight is sharded on N),
+which the gather's backward reduces.
+
+Scales. Each rank casts its own shards: a tensorwise or rowwise scale then covers one
+shard of what it covers in one process (finer, never coarser). Delayed scaling reduces
+every amax over all ranks (``functions._sync_amax``), so the histories, hence the
+scales, agree across the tensor-parallel group as across data parallelism. A true block
+(1x128, 128x128, MX 1x32) is never cut by a shard: every shard boundary along a blocked
+dim must fall on a block boundary, so each rank's blocks are blocks of the full tensor and
+cast to the very bytes one process would write; shapes that make that impossible raise
+a ``ValueError`` naming the layer, the dim and the sizes.
+
+Layer: above ``functions``; imports ``functions``, ``config``, ``compat``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from f8tensor.compat import dtensor_local
+from f8tensor.config import CastConfig, Float8LinearConfig
+from f8tensor.functions import Float8LinearFn
+
+if dist.is_available():
+    from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+else:  # a torch build without torch.distributed: nothing is ever a DTensor
+    DTensor = ()  # isinstance(x, ()) is always False
+
+__all__ = ["check_blocks_unbroken", "float8_linear"]
+
+
+def float8_linear(x, weight, bias, config: Float8LinearConfig, delayed, stats, weight_amax=None) -> torch.Tensor:
+    """``Float8LinearFn.apply(x, weight, bias, config, delayed, stats, weight_amax)``, for
+    plain tensors and DTensors alike (see the module docstring)."""
+    if not (isinstance(x, DTensor) or isinstance(weight, DTensor) or isinstance(bias, DTensor)):
+        return Float8LinearFn.apply(x, weight, bias, config, delayed, stats, weight_amax)
+    return _dtensor_linear(x, weight, bias, config, delayed, stats, weight_amax)
+
+
+def _dtensor_linear(x, weight, bias, config, delayed, stats, weight_amax=None) -> torch.Tensor:
+    # parallelize_module replicates a layer's buffers as DTensors: the Function updates
+    # the delayed-scaling and telemetry buffers in place, through their local tensors.
+    if delayed is not None:
+        delayed = type(delayed)(*(_local_buffer(b) for b in delayed))
+    if stats is not None:
+        stats = type(stats)(*(_local_buffer(b) for b in stats))
+    mesh = next(t.device_mesh for t in (weight, x, bias) if isinstance(t, DTensor))
+    n_dims = mesh.ndim
+    x_ndim = x.dim()
+    last = x_ndim - 1
+    w_pl = _placements(weight, n_dims)
+    if any(p.is_partial() for p in w_pl):
+        weight = weight.redistribute(mesh, [Replicate() if p.is_partial() else p for p in w_pl])
+        w_pl = weight.placements
+    x_pl = _placements(x, n_dims)
+
+    want_x: list[Placement] = []
+    out_pl: list[Placement] = []
+    grad_x_pl: list[Placement] = []
+    grad_w_pl: list[Placement] = []
+    bias_pl: list[Placement] = []
+    bias_after = False
+    for wp, xp in zip(w_pl, x_pl):
+        x_shard = xp.dim % x_ndim if isinstance(xp, Shard) else None
+        if isinstance(wp, Shard) and wp.dim % 2 == 0:  # W sharded on N: column parallel
+            want_x.append(Replicate())
+            out_pl.append(Shard(last))
+            grad_x_pl.append(Partial())
+            grad_w_pl.append(wp)
+            bias_pl.append(Shard(0))
+        elif isinstance(wp, Shard):  # W sharded on K: row parallel, partial sums out
+            want_x.append(Shard(last))
+            out_pl.append(Partial())
+            grad_x_pl.append(Shard(last))
+            grad_w_pl.append(wp)
+            bias_pl.append(Replicate())
+            bias_after = True
+        elif x_shard is not None and x_shard != last:  # tokens sharded, W replicated
+            want_x.append(Shard(x_shard))
+            out_pl.append(Shard(x_shard))
+            grad_x_pl.append(Shard(x_shard))
+            grad_w_pl.append(Partial())
+            bias_pl.append(Replicate())
+        else:
+            want_x.append(Replicate())
+            out_pl.append(Replicate())
+            grad_x_pl.append(Replicate())
+            grad_w_pl.append(Replicate())
+            bias_pl.append(Replicate())
+
+    if isinstance(x, DTensor):
+        if tuple(x.placements) != tuple(want_x):
+            x = x.redistribute(mesh, want_x)
+        full_x_shape = x.shape
+        x_local = x.to_local(grad_placements=grad_x_pl)
+    elif all(isinstance(p, Replicate) for p in want_x):
+        full_x_shape = x.shape
+        x_local = x
+    else:  # a plain tensor stands for a replicated one
+        x = DTensor.from_local(x, mesh, [Replicate()] * n_dims, run_check=False).redistribute(mesh, want_x)
+        full_x_shape = x.shape
+        x_local = x.to_local(grad_placements=grad_x_pl)
+
+    if isinstance(weight, DTensor):
+        full_w_shape = weight.shape
+        w_local = weight.to_local(grad_placements=grad_w_pl)
+    else:
+        full_w_shape = weight.shape
+        w_local = weight
+    _check_operands(config, mesh, full_x_shape, want_x, full_w_shape, w_pl, out_pl)
+
+    b_local = None
+    if bias is not None and not bias_after:
+        if isinstance(bias, DTensor):
+            if tuple(bias.placements) != tuple(bias_pl):
+                bias = bias.redistribute(mesh, bias_pl)
+            b_grad = [Partial() if isinstance(g, Partial) and isinstance(b, Replicate) else b for g, b in zip(grad_w_pl, bias_pl)]
+            b_local = bias.to_local(grad_placements=b_grad)
+        else:
+            b_local = bias
+    y_local = Float8LinearFn.apply(x_local, w_local, b_local, config, delayed, stats, weight_amax)
+    out_shape = (*full_x_shape[:-1], full_w_shape[0])
+    y = DTensor.from_local(y_local, mesh, out_pl, run_check=False, shape=torch.Size(out_shape), stride=_contiguous(out_shape))
+    if bias is not None and bias_after:
+        if not isinstance(bias, DTensor):
+            bias = DTensor.from_local(bias, mesh, [Replicate()] * n_dims, run_check=False)
+        y = y + bias
+    return y
+
+
+def _local_buffer(t: torch.Tensor) -> torch.Tensor:
+    """A replicated buffer's local tensor (the storage itself), or the plain buffer."""
+    return dtensor_local(t) if isinstance(t, DTensor) else t
+
+
+def _placements(t: torch.Tensor, n_dims: int) -> Sequence[Placement]:
+    return tuple(t.placements) if isinstance(t, DTensor) else (Replicate(),) * n_dims
+
+
+def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for s in reversed(shape):
+        strides.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(strides))
+
+
+def _check_operands(config, mesh, x_shape, x_pl, w_shape, w_pl, y_pl) -> None:
+    """Every GEMM operand's shards keep its blocks whole (see :func:`check_blocks_unbroken`)."""
+    x2 = (math.prod(x_shape[:-1]), x_shape[-1])
+    layer = f"Float8Linear(in_features={w_shape[1]}, out_features={w_shape[0]})"
+    # Placements of the 2D views: a sharded leading dim of x (tokens) is the rows' dim 0.
+    def flat(pl):
+        return [Shard(0) if isinstance(p, Shard) and p.dim % len(x_shape) != len(x_shape) - 1 else (Shard(1) if isinstance(p, Shard) else p) for p in pl]
+
+    check_blocks_unbroken(f"{layer} input", config.input, x2, flat(x_pl), mesh)
+    check_blocks_unbroken(f"{layer} weight", config.weight, tuple(w_shape), list(w_pl), mesh)
+    check_blocks_unbroken(f"{layer} grad_output", config.grad_output, (x2[0], w_shape[0]), flat(y_pl), mesh)
+
+
+def check_blocks_unbroken(what: str, cast: CastConfig, shape: Sequence[int], placements, mesh) -> None:
+    """Raise ``ValueError`` unless every shard of a 2D operand (``shape``, sharded per
+    ``placements`` over ``mesh``, torch.chunk sizes) starts on a block boundary of each
+    block size this operand is cast with (both GEMM orientations). Tensorwise and rowwise
+    casts have no such boundary (their scale may cover a shard; see the module docstring)."""
+    blocks = {b for spec in (cast.operand_spec(1), cast.operand_spec(0)) for b in _true_blocks(spec.block)}
+    if not blocks:
+        return
+    sizes = list(shape)
+    for mesh_dim, p in enumerate(placements):
+        if not isinstance(p, Shard):
+            continue
+        dim = p.dim % len(sizes)
+        n = mesh.size(mesh_dim)
+        chunk = -(-sizes[dim] // n) if n else sizes[dim]
+        for b, along in blocks:
+            if along == dim and chunk % b and sizes[dim] > chunk:
+                raise ValueError(
+                    f"{what}: sharding dim {dim} (size {sizes[dim]}) over {n} ranks gives shards of {chunk}, "
+                    f"which cut its {b}-element scaling blocks; make the size a multiple of {b * n} (or shard fewer "
+                    f"ways) so that every shard holds whole blocks"
+                )
+        sizes[dim] = chunk
+
+
+def _true_blocks(block: tuple[int, ...]) -> list[tuple[int, int]]:
+    """(size, dim) of the entries of a block that group more than one element."""
+    return [(b, d) for d, b in enumerate(block) if b > 1]

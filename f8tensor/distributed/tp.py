@@ -1,0 +1,202 @@
+"""Tensor- and sequence-parallel styles where FP8 changes the communication.
+
+Converted models already run under ``parallelize_module`` with torch's own
+``ColwiseParallel``, ``RowwiseParallel`` and ``SequenceParallel``: ``Float8Linear`` takes
+DTensor weights and inputs (see :mod:`f8tensor.distributed.dtensor`), and every
+collective then moves high-precision values. The styles here move FP8 bytes where the
+communication allows it:
+
+- :class:`Float8ColwiseParallel`: ``ColwiseParallel`` whose sequence-parallel input
+  all-gather (``input_layouts=Shard(d)``) moves the input cast to FP8, 1 byte per element
+  (as ``torch.uint8``, which every backend moves), plus its scales; the gathered
+  :class:`~f8tensor.tensor.Float8Tensor` feeds the layer's GEMM as is. An input that is
+  already a ``Float8Tensor`` (from :class:`PrepareFloat8ModuleInput`) passes through.
+- :class:`PrepareFloat8ModuleInput`: ``PrepareModuleInput`` whose ``Shard(d) ->
+  Replicate()`` redistributions gather in FP8 the same way: gather once for a module
+  whose several FP8 layers take the same input (attention's q, k, v; an MLP's w1 and w3).
+- :class:`Float8RowwiseParallel`: ``RowwiseParallel`` for ``Float8Linear``. Its outputs
+  are partial sums, reduced (or reduce-scattered) in high precision: FP8 partial sums
+  would each be rounded before the sum. Its communication is torch's; it checks the module.
+
+What is gathered, per recipe. The gather casts the local shard with the layer's input
+cast (``config.input``): tensorwise with a scale agreed across the group (the amax
+all-reduced with MAX over the mesh, then the scale rule), so the gathered bytes and scale
+equal one process's cast of the full tensor, bit for bit. Rowwise, 1x128 and MX 1x32
+scale each token's row along K, which the sequence shard never cuts: each rank casts its
+rows with their own scales and the scales are gathered with the bytes (4 bytes, or 1 for
+e8m0, per row or block); the result again equals one process's cast. Gathering along K
+(the last dim) would cut those rows: refused with a ``ValueError``. Delayed input casts
+take their scale from the layer's history and push the amax in backward: they gather in
+high precision, as torch's styles do.
+
+Backward: the input's gradient (a partial sum per rank: the layer's weight is sharded on
+N) is reduce-scattered back to the input's shards in high precision. The weight-gradient
+GEMM reuses the gathered FP8 input when it is tensorwise (the same bytes one process
+keeps); the other recipes re-cast it along the tokens from its dequantized values (one
+rounding more than one process, which casts the high-precision input).
+
+Layer: the top, with ``convert``; imports ``linear``, ``tensor``, ``scaling``, ``config``,
+``compat``. Nothing below imports it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
+
+from f8tensor.compat import colwise_prepare_input, functional_all_reduce_max
+from f8tensor.config import CastConfig, Float8LinearConfig
+from f8tensor.linear import Float8Linear
+from f8tensor.scaling import amax_to_scale, tensor_amax
+from f8tensor.tensor import Float8Tensor, to_float8
+
+__all__ = ["Float8ColwiseParallel", "Float8RowwiseParallel", "PrepareFloat8ModuleInput", "float8_all_gather"]
+
+
+class _Float8AllGather(torch.autograd.Function):
+    """Forward: cast the local shard to FP8 and all-gather bytes and scales along ``dim``.
+    Backward: reduce-scatter the (partial) high-precision gradient back to the shards."""
+
+    @staticmethod
+    def forward(ctx, local, mesh, dim, full_shape, cast):  # type: ignore[override]
+        spec = cast.operand_spec(local.dim() - 1, ndim=local.dim())
+        scale = None
+        if not spec.block:  # tensorwise: one scale for the whole gathered tensor, agreed
+            amax = functional_all_reduce_max(tensor_amax(local), mesh.get_group())
+            scale = amax_to_scale(amax, cast.dtype, round_pow2=cast.power_of_2_scale)
+        f8 = to_float8(local, spec, scale=scale)
+        data = _gather(f8._data.view(torch.uint8), mesh, dim, full_shape).view(f8._data.dtype)
+        if spec.block:
+            scale_shape = list(full_shape)
+            scale_shape[-1] = f8._scale.shape[-1]
+            raw = f8._scale.view(torch.uint8) if f8._scale.dtype != torch.float32 else f8._scale
+            scale = _gather(raw, mesh, dim, scale_shape).view(f8._scale.dtype)
+        else:
+            scale = f8._scale
+        ctx.mesh, ctx.dim, ctx.full_shape = mesh, dim, full_shape
+        return Float8Tensor(data, scale, local.dtype, f8._block)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        shape = torch.Size(ctx.full_shape)
+        full = DTensor.from_local(grad.contiguous(), ctx.mesh, [Partial()], run_check=False, shape=shape, stride=_contiguous(shape))
+        return full.redistribute(ctx.mesh, [Shard(ctx.dim)]).to_local(), None, None, None, None
+
+
+def _gather(local: torch.Tensor, mesh: DeviceMesh, dim: int, full_shape) -> torch.Tensor:
+    """All-gather a ``Shard(dim)`` local tensor (torch.chunk sizes, uneven allowed) into the full one."""
+    stride = _contiguous(full_shape)
+    dt = DTensor.from_local(local.contiguous(), mesh, [Shard(dim)], run_check=False, shape=torch.Size(full_shape), stride=stride)
+    return dt.full_tensor()
+
+
+def _contiguous(shape) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for s in reversed(list(shape)):
+        strides.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(strides))
+
+
+def float8_all_gather(x: torch.Tensor, mesh: DeviceMesh, dim: int, cast: CastConfig) -> Float8Tensor:
+    """``x`` (a ``Shard(dim)`` DTensor over the 1D ``mesh``, or its local shard) all-gathered
+    as FP8 bytes with the scales of ``cast`` (see the module docstring): a plain
+    :class:`~f8tensor.tensor.Float8Tensor` of the full shape, differentiable (its gradient
+    is reduce-scattered back to the shards)."""
+    if mesh.ndim != 1:
+        raise ValueError(f"float8_all_gather gathers over a 1D mesh (the tensor-parallel one); got {mesh.ndim} dims")
+    if cast.delayed:
+        raise ValueError("float8_all_gather needs a dynamic cast (a delayed input cast gathers in high precision)")
+    ndim = x.dim()
+    dim = dim % ndim
+    if dim == ndim - 1 and cast.operand_spec(ndim - 1, ndim=ndim).block:
+        raise ValueError(
+            "float8_all_gather along the last dim (K) would cut the per-row scales of a "
+            f"{cast.granularity} cast; shard the tokens (Shard(0) or Shard(1)) instead"
+        )
+    if isinstance(x, DTensor):
+        full_shape = tuple(x.shape)
+        local = x.to_local()
+    else:
+        full_shape = list(x.shape)
+        full_shape[dim] = _full_length(x.shape[dim], mesh)
+        full_shape = tuple(full_shape)
+        local = x
+    return _Float8AllGather.apply(local, mesh, dim, full_shape, cast)
+
+
+def _full_length(local_len: int, mesh: DeviceMesh) -> int:
+    """The gathered length of a dim whose local length is ``local_len`` on every rank (even
+    shards: a plain local tensor does not say how an uneven one was cut)."""
+    return local_len * mesh.size()
+
+
+def _fp8_gather_or_none(x: Any, mesh: DeviceMesh, layout: Placement | None, desired: Placement | None, cast: CastConfig):
+    """The FP8-gathered input for a ``Shard(d) -> Replicate()`` move of a floating tensor
+    with a dynamic cast; ``None`` where the move is another one (torch's styles do it)."""
+    if not (isinstance(layout, Shard) and isinstance(desired, Replicate) and isinstance(x, torch.Tensor)):
+        return None
+    if isinstance(x, Float8Tensor) or not x.is_floating_point() or cast.delayed:
+        return None
+    return float8_all_gather(x, mesh, layout.dim, cast)
+
+
+class Float8ColwiseParallel(ColwiseParallel):
+    """``ColwiseParallel`` for a ``Float8Linear`` whose sequence-parallel input all-gather
+    moves FP8 bytes (see the module docstring). Arguments: those of ``ColwiseParallel``."""
+
+    @staticmethod
+    def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):
+        x = inputs[0]
+        if isinstance(x, Float8Tensor):  # gathered in FP8 already (PrepareFloat8ModuleInput)
+            return x
+        gathered = _fp8_gather_or_none(x, device_mesh, input_layouts[0], desired_input_layouts[0], mod.config.input)
+        if gathered is not None:
+            return gathered
+        return colwise_prepare_input(input_layouts, desired_input_layouts, mod, inputs, device_mesh)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        _check_float8_linear(self, module)
+        return super()._apply(module, device_mesh)
+
+
+class Float8RowwiseParallel(RowwiseParallel):
+    """``RowwiseParallel`` for a ``Float8Linear`` (see the module docstring: its partial sums
+    are reduced in high precision). Arguments: those of ``RowwiseParallel``."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        _check_float8_linear(self, module)
+        return super()._apply(module, device_mesh)
+
+
+class PrepareFloat8ModuleInput(PrepareModuleInput):
+    """``PrepareModuleInput`` whose ``Shard(d) -> Replicate()`` input moves gather FP8 bytes.
+
+    ``config``: the ``Float8LinearConfig`` of the FP8 layers that take the gathered input
+    (its ``input`` cast is the gather's; default: the ``"tensorwise"`` recipe). The module's
+    ``Float8Linear`` layers must use the same input cast: a ``Float8Tensor`` input is
+    multiplied as it is. Other arguments: those of ``PrepareModuleInput``.
+    """
+
+    def __init__(self, *, config: Float8LinearConfig | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.config = config if config is not None else Float8LinearConfig.from_recipe("tensorwise")
+
+    def _prepare_input_arg(self, input: Any, mesh: DeviceMesh, input_layout, desired_layout):  # type: ignore[override]
+        gathered = _fp8_gather_or_none(input, mesh, input_layout, desired_layout, self.config.input)
+        if gathered is not None:
+            return gathered
+        return super()._prepare_input_arg(input, mesh, input_layout, desired_layout)
+
+
+def _check_float8_linear(style: Any, module: nn.Module) -> None:
+    if not isinstance(module, Float8Linear):
+        raise TypeError(
+            f"{type(style).__name__} applies to a Float8Linear; got {type(module).__name__} "
+            f"(use torch's {type(style).__mro__[1].__name__} for other modules)"
+        )
