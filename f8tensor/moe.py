@@ -382,7 +382,7 @@ class Float8ExpertWeight(HighPrecisionWeight):
     )
 
     @staticmethod
-    def __new__(cls, hp: torch.Tensor, config: Float8LinearConfig, *, writes: WriteCount | None = None) -> Float8ExpertWeight:
+    def __new__(cls, hp: torch.Tensor, config: Float8LinearConfig, *, writes: WriteCount | None = None) -> Float8ExpertWeight:  # noqa: PYI034 (staticmethod: no Self)
         HighPrecisionWeight._check_hp(cls, hp)
         self = HighPrecisionWeight._wrap(cls, hp, writes)
         self._config = config

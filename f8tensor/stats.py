@@ -144,7 +144,7 @@ def float8_stats(model: nn.Module, *, history: bool = False) -> dict[str, float]
       (scaled magnitude above :func:`~f8tensor.formats.saturation_bound`; max itself is
       representable and does not count, nor does a value that rounds to max anyway).
     - ``underflow_frac`` / ``underflow_count``: non-zero in high precision, zero in FP8.
-    - ``amax``: max |value| of the high-precision operand. ``scale``: the scale used
+    - ``amax``: ``max |value|`` of the high-precision operand. ``scale``: the scale used
       (rowwise: the smallest of the row scales).
     - ``headroom_log2``: ``log2(float8_max / max|value * scale|)``: ~0 for dynamic
       scaling, > 0 for range left unused, < 0 when the amax itself was clipped.

@@ -130,7 +130,7 @@ class Float8Tensor(torch.Tensor):
     __torch_function__ = DISABLED_TORCH_FUNCTION
 
     @staticmethod
-    def __new__(
+    def __new__(  # noqa: PYI034 (staticmethod: no Self)
         cls,
         data: torch.Tensor,
         scale: torch.Tensor,

@@ -114,7 +114,7 @@ class Float8AllGatherWeight(HighPrecisionWeight):
     __torch_function__ = DISABLED_TORCH_FUNCTION
 
     @staticmethod
-    def __new__(cls, hp: torch.Tensor, cast: CastConfig, *, writes: WriteCount | None = None) -> Float8AllGatherWeight:
+    def __new__(cls, hp: torch.Tensor, cast: CastConfig, *, writes: WriteCount | None = None) -> Float8AllGatherWeight:  # noqa: PYI034 (staticmethod: no Self)
         HighPrecisionWeight._check_hp(cls, hp)
         if not cast.tensorwise or cast.delayed:
             raise ValueError("FP8 all-gather needs a dynamic tensorwise weight cast (recipe 'tensorwise')")
