@@ -13,11 +13,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent / "_ext"))
 
-import f8tensor  # noqa: E402
+import f8tensor
 
 project = "f8tensor"
 author = "f8tensor contributors"
-copyright = "f8tensor contributors"  # noqa: A001 (Sphinx's name)
+copyright = "f8tensor contributors"
 release = version = f8tensor.__version__
 
 extensions = [

@@ -503,6 +503,21 @@ class Float8LinearConfig:
         e8m0 scales with the RCEIL exponent).
 
         Keyword overrides replace top-level fields (e.g. ``pad_inner_dim=True``).
+        The :doc:`recipes` page tabulates every recipe.
+
+        Raises:
+            ValueError: an unknown recipe name, or an override the config refuses.
+            TypeError: an override that names no field of :class:`Float8LinearConfig`.
+
+        Example:
+            >>> from f8tensor import Float8LinearConfig
+            >>> config = Float8LinearConfig.from_recipe("rowwise", pad_inner_dim=True)
+            >>> config.input.granularity.value, config.pad_inner_dim
+            ('rowwise', True)
+            >>> Float8LinearConfig.from_recipe("fast")
+            Traceback (most recent call last):
+            ...
+            ValueError: unknown recipe 'fast'; choose one of [...]
         """
         if not isinstance(name, str) or name not in RECIPES:
             raise ValueError(f"unknown recipe {name!r}; choose one of {sorted(RECIPES)}")

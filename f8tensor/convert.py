@@ -91,6 +91,18 @@ def convert_to_float8_training(
     ``experts_filter_fn(experts_module, param_fqn) -> bool`` chooses which; return False
     for all to keep every expert in high precision. Their names join the summary and
     ``float8_converted_fqns``.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module``, a filter is not callable, or
+            ``config`` is not a :class:`~f8tensor.Float8LinearConfig`.
+
+    Example:
+        >>> from torch import nn
+        >>> from f8tensor import convert_to_float8_training
+        >>> model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16))
+        >>> model = convert_to_float8_training(model, module_filter_fn=lambda mod, fqn: fqn != "2")
+        >>> model.float8_converted_fqns, type(model[0]).__name__, model(torch.randn(8, 32)).shape
+        (('0',), 'Float8Linear', torch.Size([8, 16]))
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"convert_to_float8_training expects an nn.Module; got {type(module).__name__}")

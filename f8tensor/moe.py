@@ -448,6 +448,19 @@ def float8_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, conf
     :class:`Float8ExpertWeight` (then its config is used); ``offs`` (G,): cumulative token
     counts (int32 or int64; groups may be empty or of any size). ``config``: the recipe
     for a plain ``w`` (default: tensorwise).
+
+    Raises:
+        TypeError: ``offs`` is not int32 or int64.
+
+    Example:
+        >>> from f8tensor import float8_grouped_mm
+        >>> x = torch.randn(48, 32, dtype=torch.bfloat16, requires_grad=True)
+        >>> w = torch.randn(3, 32, 64, dtype=torch.bfloat16, requires_grad=True)
+        >>> offs = torch.tensor([16, 16, 48], dtype=torch.int32)  # expert 1 gets no token
+        >>> y = float8_grouped_mm(x, w, offs)
+        >>> y.sum().backward()
+        >>> y.shape, x.grad.shape, w.grad.shape
+        (torch.Size([48, 64]), torch.Size([48, 32]), torch.Size([3, 32, 64]))
     """
     if isinstance(w, Float8ExpertWeight):
         config = w._config if config is None else config

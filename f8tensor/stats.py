@@ -95,6 +95,19 @@ def enable_float8_stats(
     the statistics are read, never in forward, so it costs no sync and no graph break.
 
     Returns ``model``.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module`` or ``enabled`` is not a bool.
+        ValueError: ``warn_saturation_above`` is outside ``[0, 1)``.
+
+    Example:
+        >>> from torch import nn
+        >>> from f8tensor import convert_to_float8_training, enable_float8_stats, float8_stats
+        >>> model = enable_float8_stats(convert_to_float8_training(nn.Sequential(nn.Linear(32, 32))))
+        >>> model(torch.randn(16, 32)).sum().backward()
+        >>> stats = float8_stats(model)
+        >>> stats["0/input/saturated_frac"], stats["0/grad_output/underflow_frac"]
+        (0.0, 0.0)
     """
     _check_model(model, "enable_float8_stats")
     if not isinstance(enabled, bool):
@@ -304,6 +317,15 @@ def sqnr(reference: torch.Tensor, actual: torch.Tensor) -> float:
 
     ``10 * log10(sum(ref**2) / sum((ref - actual)**2))``, computed in float64. Equal
     tensors give ``inf``; a NaN anywhere gives NaN (so a threshold check fails loudly).
+
+    Raises:
+        ValueError: the shapes differ.
+
+    Example:
+        >>> from f8tensor import Float8Tensor, sqnr
+        >>> x = torch.randn(256, 256)
+        >>> 25 < sqnr(x, Float8Tensor.from_hp(x).to_hp()) < 40  # e4m3, one scale: about 31 dB
+        True
     """
     if reference.shape != actual.shape:
         raise ValueError(f"sqnr needs equal shapes; got {tuple(reference.shape)} and {tuple(actual.shape)}")

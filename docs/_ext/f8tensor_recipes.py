@@ -6,11 +6,10 @@ builds.
 
 from __future__ import annotations
 
+import torch
 from docutils import nodes
 from sphinx.application import Sphinx
 from sphinx.util.docutils import SphinxDirective
-
-import torch
 
 from f8tensor import RECIPES, CastConfig, Float8LinearConfig, Granularity
 

@@ -509,7 +509,17 @@ def rules_check_installed() -> _RulesCheck | None:
 @contextlib.contextmanager
 def rules_check(*, raise_on_violation: bool = True) -> Iterator[_RulesCheck]:
     """The check mode for a block of code: ``with rules_check() as check: ...``; the state
-    before (on or off, raising or recording) is restored after."""
+    before (on or off, raising or recording) is restored after.
+
+    Example:
+        >>> from f8tensor import Float8Tensor, float8_mm, gemm
+        >>> a = Float8Tensor.from_hp(torch.randn(16, 32, dtype=torch.bfloat16))
+        >>> b = Float8Tensor.from_hp(torch.randn(64, 32, dtype=torch.bfloat16)).t()
+        >>> with gemm.rules_check(raise_on_violation=False) as check:
+        ...     _ = float8_mm(a, b)
+        >>> check.take()  # what a supported CUDA build would refuse: nothing
+        []
+    """
     was_on, was_raising = _CHECK.active, _CHECK.raise_on_violation
     check = install_rules_check(raise_on_violation=raise_on_violation)
     try:

@@ -44,6 +44,18 @@ def float8_mm(
     ``out_dtype`` needs ``out_scale`` and returns a Float8Tensor with that scale; the
     product is saturated into range, never overflowed; a non-finite one (an inf in
     ``bias``) becomes NaN, never the format's max.
+
+    Raises:
+        TypeError: neither operand is a Float8Tensor, or a dtype is not allowed.
+        ValueError: an FP8 ``out_dtype`` without ``out_scale`` (or the reverse).
+        RuntimeError: the shapes cannot be multiplied.
+
+    Example:
+        >>> from f8tensor import Float8Tensor, float8_mm
+        >>> a = Float8Tensor.from_hp(torch.randn(16, 32, dtype=torch.bfloat16))
+        >>> w = Float8Tensor.from_hp(torch.randn(64, 32, dtype=torch.bfloat16))
+        >>> float8_mm(a, w.t()).dtype, float8_mm(a, w.t(), out_dtype=torch.float32).shape
+        (torch.bfloat16, torch.Size([16, 64]))
     """
     out_scale = _check_float8_mm_args(a, b, bias, out_dtype, out_scale)
     if out_scale is not None:
