@@ -88,6 +88,8 @@ def has_block_scaled_mm() -> bool:
 
 def block_scaled_mm(*args: Any, **kwargs: Any) -> torch.Tensor:
     """``torch.nn.functional.scaled_mm`` (the original function; public, torch >= 2.10)."""
+    if _F_SCALED_MM is None:
+        raise RuntimeError(f"torch.nn.functional.scaled_mm needs torch >= 2.10; this is torch {torch.__version__}")
     return _F_SCALED_MM(*args, **kwargs)
 
 
@@ -128,7 +130,7 @@ def make_wrapper_subclass(cls: type, like: torch.Tensor, *, dtype: torch.dtype, 
 
 #: ``torch._C._disabled_torch_function_impl`` (torch >= 1.7): a subclass's
 #: ``__torch_function__`` that leaves every call to ``__torch_dispatch__``.
-DISABLED_TORCH_FUNCTION = torch._C._disabled_torch_function_impl
+DISABLED_TORCH_FUNCTION: Any = torch._C._disabled_torch_function_impl
 
 
 def disable_torch_function_subclass():

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -43,7 +43,7 @@ __all__ = [
 ]
 
 
-def _parse_enum(cls: type[enum.Enum], value: object, what: str):
+def _parse_enum(cls: type[enum.Enum], value: object, what: str) -> Any:
     """``cls(value)`` for the strings users type, with an error listing what is allowed."""
     if isinstance(value, cls):
         return value
@@ -496,7 +496,7 @@ class Float8LinearConfig:
         return self.input.delayed or self.weight.delayed or self.grad_output.delayed
 
     @classmethod
-    def from_recipe(cls, name: str, **overrides: object) -> Float8LinearConfig:
+    def from_recipe(cls, name: str, **overrides: Any) -> Float8LinearConfig:
         """A named recipe: ``"tensorwise"``, ``"rowwise"``, ``"rowwise_with_gw_hp"``, ``"delayed"``,
         ``"blockwise"`` (DeepSeek-V3: 1x128 input and grad_output, 128x128 weight, e4m3, fp32
         scales) or ``"mxfp8"`` (every operand 1x32 along its GEMM's contracted dim, e4m3,

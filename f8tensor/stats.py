@@ -262,6 +262,7 @@ def format_float8_stats(stats: nn.Module | Mapping[str, float]) -> str:
     if not stats:
         return "(no FP8 statistics: call f8tensor.enable_float8_stats(model) and run a step)"
     rows: dict[tuple[str, str], dict[str, float]] = {}
+    value: float | None
     for key, value in stats.items():
         parts = key.split("/") if isinstance(key, str) else []
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -338,7 +339,7 @@ def sqnr(reference: torch.Tensor, actual: torch.Tensor) -> float:
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
     to_hp = getattr(type(t), "to_hp", None)
-    return t.to_hp() if to_hp is not None else t
+    return to_hp(t) if to_hp is not None else t
 
 
 # ===================================================================== memory

@@ -18,10 +18,11 @@ Layer: above ``validation`` and ``kernels``; imports them, ``scaling``, ``config
 from __future__ import annotations
 
 import types
-from collections.abc import Callable, Iterable
-from typing import Any, ClassVar
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, ClassVar, NoReturn
 
 import torch
+from typing_extensions import TypeIs
 
 from f8tensor import kernels
 from f8tensor.compat import DISABLED_TORCH_FUNCTION, is_fake, make_wrapper_subclass
@@ -68,10 +69,10 @@ __all__ = [
 # re-exported here: the dtypes a Float8Tensor's ``_scale`` may have. check_scale_values and
 # scale_from_number live in validation.py and are re-exported for the same reason.
 
-_NO_KWARGS = types.MappingProxyType({})
+_NO_KWARGS: types.MappingProxyType[str, Any] = types.MappingProxyType({})
 #: The checkpoint format :meth:`Float8Tensor.__reduce_ex__` writes (see ``validation.py``).
 _SERIAL_VERSION = SERIAL_VERSION
-OpHandler = Callable[[Any, Any, tuple, dict], Any]
+OpHandler = Callable[[Any, Any, tuple, Mapping[str, Any]], Any]
 
 
 class Float8Tensor(torch.Tensor):
@@ -302,7 +303,7 @@ class Float8Tensor(torch.Tensor):
 
     def _replace(self, **changes: Any) -> Float8Tensor:
         """The one way to rebuild: a new Float8Tensor with some fields changed."""
-        fields = {
+        fields: dict[str, Any] = {
             "data": self._data,
             "scale": self._scale,
             "orig_dtype": self._orig_dtype,
@@ -320,7 +321,7 @@ class Float8Tensor(torch.Tensor):
 
     # ----------------------------------------------------------------- serialization
 
-    def __reduce_ex__(self, protocol):  # type: ignore[override]
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:  # type: ignore[override]
         """Pickle (``torch.save``, ``pickle``, ``copy.deepcopy``) as plain fields rebuilt by
         :func:`_rebuild_float8_tensor`, the one validating way back.
 
@@ -352,7 +353,7 @@ class Float8Tensor(torch.Tensor):
             "is_param": bool(self.__dict__.get("_is_param", False)),
         }
 
-    def __deepcopy__(self, memo: dict) -> Float8Tensor:
+    def __deepcopy__(self, memo: dict) -> torch.Tensor:
         if id(self) in memo:
             return memo[id(self)]
         fields = self._serial_fields()
@@ -418,7 +419,9 @@ class Float8Tensor(torch.Tensor):
         return register
 
     @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
+    def __torch_dispatch__(  # type: ignore[override]
+        cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         handler = cls._OPS.get(func)
         if handler is not None:
             return handler(func, types, args, kwargs if kwargs is not None else _NO_KWARGS)
@@ -429,10 +432,11 @@ class Float8Tensor(torch.Tensor):
         )
 
 
-def _rebuild_float8_tensor(version: object, fields: object) -> Float8Tensor:
+def _rebuild_float8_tensor(version: object, fields: object) -> torch.Tensor:
     """Unpickle a Float8Tensor (``torch.load``, with ``weights_only=True`` too; ``pickle``;
     ``copy.deepcopy``): every field is validated (``validation.checkpoint_fields``) before
-    the tensor exists. Checkpoints name this function: it stays defined in this module."""
+    the tensor exists. Checkpoints name this function: it stays defined in this module.
+    Returns the Float8Tensor, or an ``nn.Parameter`` over it when one was saved."""
     data, scale, orig_dtype, block, gemm, requires_grad, is_param = checkpoint_fields(version, fields)
     out = Float8Tensor(data, scale, orig_dtype, block, gemm)
     if is_param:
@@ -450,16 +454,18 @@ class _LegacyFloat8Tensor(Float8Tensor):
     """
 
     @staticmethod
-    def __new__(cls, *args: Any, **kwargs: Any):  # type: ignore[override]
+    def __new__(cls, *args: Any, **kwargs: Any) -> NoReturn:  # type: ignore[override]
         raise TypeError("a Float8Tensor is loaded through its validating rebuild, never constructed from a checkpoint")
 
     @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
+    def __torch_dispatch__(  # type: ignore[override]
+        cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> NoReturn:
         raise RuntimeError("a Float8Tensor from a checkpoint was used before its fields were restored (a malformed checkpoint)")
 
 
-def is_float8(x: object) -> bool:
-    """Whether ``x`` is a Float8Tensor."""
+def is_float8(x: object) -> TypeIs[Float8Tensor]:
+    """Whether ``x`` is a Float8Tensor (a type check narrows ``x`` by it)."""
     return isinstance(x, Float8Tensor)
 
 
@@ -503,7 +509,16 @@ def _tensor_block(spec: CastSpec, hp: torch.Tensor) -> tuple[int, ...]:
     return spec.block or (0,) * hp.dim()
 
 
-def _keyword_spec(hp, float8_dtype, axiswise_dim, block, power_of_2_scale, scale_dtype, scale_mode, rounding) -> CastSpec:
+def _keyword_spec(
+    hp: torch.Tensor,
+    float8_dtype: torch.dtype,
+    axiswise_dim: int | None,
+    block: tuple[int, ...] | None,
+    power_of_2_scale: bool,
+    scale_dtype: torch.dtype,
+    scale_mode: str,
+    rounding: str,
+) -> CastSpec:
     """The :class:`CastSpec` of the keyword spellings: ``block`` (a full per-dim block), or
     ``axiswise_dim`` (``None`` with no block: tensorwise)."""
     if block is None:
@@ -568,7 +583,14 @@ def dequantize(f8: Float8Tensor, dtype: torch.dtype | None = None) -> torch.Tens
 
 class _FromHP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hp, spec, scale, gemm, generator):  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        hp: torch.Tensor,
+        spec: CastSpec,
+        scale: torch.Tensor | None,
+        gemm: GemmConfig,
+        generator: torch.Generator | None,
+    ) -> Float8Tensor:
         if scale is not None:
             # An explicit scale skips the amax pass that would otherwise catch inf inputs:
             # keep them non-finite (NaN) rather than saturating them to a finite max.
@@ -576,15 +598,15 @@ class _FromHP(torch.autograd.Function):
         return to_float8(hp, spec, scale=scale, gemm=gemm, generator=generator)
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:  # type: ignore[override]
         return grad, None, None, None, None
 
 
 class _ToHP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, f8, dtype):  # type: ignore[override]
+    def forward(ctx: Any, f8: Float8Tensor, dtype: torch.dtype | None) -> torch.Tensor:  # type: ignore[override]
         return dequantize(f8, dtype)
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
         return grad, None

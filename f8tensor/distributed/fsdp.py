@@ -48,7 +48,7 @@ from f8tensor.weights import HighPrecisionWeight, WriteCount
 if dist.is_available():
     from torch.distributed.tensor import DTensor
 else:  # a torch build without torch.distributed: no parameter is ever a DTensor
-    DTensor = ()  # isinstance(x, ()) is always False
+    DTensor = ()  # type: ignore[assignment, misc]  # isinstance(x, ()) is always False
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -261,7 +261,8 @@ def precompute_float8_scales_for_fsdp(module: nn.Module) -> None:
     for param in module.parameters():
         local = _local_of(param)
         if isinstance(local, Float8AllGatherWeight):
-            by_mesh.setdefault(param.device_mesh, []).append(local)
+            # A DTensor parameter (it has a local tensor); nn.Module.parameters() types it as Parameter.
+            by_mesh.setdefault(param.device_mesh, []).append(local)  # type: ignore[attr-defined]
     for mesh, weights in by_mesh.items():
         amaxes = torch.stack([tensor_amax(w._hp) for w in weights])
         _all_reduce_max(amaxes, mesh)

@@ -320,6 +320,7 @@ def _grouped_scale_shapes(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor |
     if a.dim() == 2 and b.dim() == 3:
         return (a.shape[0],), (b.shape[0], b.shape[2])
     if a.dim() == 2 and b.dim() == 2:
+        assert offs is not None  # grouped_mm_violations returned earlier without offs
         g = offs.shape[0]
         return (g * a.shape[0],), (g * b.shape[1],)
     return (a.shape[0], a.shape[1]), (b.shape[0], b.shape[2])

@@ -66,11 +66,18 @@ def float8_mm(
         # it non-finite (NaN, the one non-finite value all four formats have).
         acc = matmul(a, b, bias=bias, out_dtype=torch.float32)
         acc = torch.where(torch.isinf(acc), torch.nan, acc)
+        assert out_dtype is not None  # _check_float8_mm_args: an out_scale comes with an FP8 out_dtype
         return to_float8(acc, CastSpec(out_dtype), scale=out_scale, orig_dtype=orig)
     return matmul(a, b, bias=bias, out_dtype=out_dtype)
 
 
-def _check_float8_mm_args(a, b, bias, out_dtype, out_scale) -> torch.Tensor | None:
+def _check_float8_mm_args(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype | None,
+    out_scale: torch.Tensor | float | None,
+) -> torch.Tensor | None:
     """float8_mm's arguments, checked at its entry; returns the 0-dim fp32 out_scale (FP8 output) or None."""
     for name, t in (("a", a), ("b", b)):
         if not isinstance(t, torch.Tensor):

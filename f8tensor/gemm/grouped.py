@@ -24,6 +24,8 @@ Layer: above ``operands`` in ``f8tensor.gemm``; imports ``operands``, ``check``,
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
 from f8tensor import compat
@@ -66,7 +68,7 @@ def grouped_kernel_available(device: torch.device) -> bool:
     """Whether ``torch._scaled_grouped_mm`` runs on ``device`` (CUDA sm90 / sm100)."""
     if device.type != "cuda" or torch.version.hip is not None:
         return False
-    cuda = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
+    cuda = cast("tuple[int, int]", tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2]))
     return grouped_rule_for(CudaBuild((0, 0), cuda, torch.cuda.get_device_capability(device))) is not None
 
 

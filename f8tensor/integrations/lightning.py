@@ -38,7 +38,7 @@ from f8tensor.convert import convert_to_float8_training
 try:
     from lightning.pytorch.plugins.precision import Precision
 except ImportError:  # the standalone package
-    from pytorch_lightning.plugins.precision import Precision
+    from pytorch_lightning.plugins.precision import Precision  # type: ignore[assignment]  # same class, other package
 
 __all__ = ["Float8Precision"]
 
@@ -72,7 +72,7 @@ class Float8Precision(Precision):
         self.autocast_dtype = autocast_dtype
         self.device = device
         # What Lightning logs: the precision of everything around the FP8 GEMMs.
-        self.precision = {torch.bfloat16: "bf16-mixed", torch.float16: "16-mixed", None: "32-true"}[autocast_dtype]
+        self.precision = {torch.bfloat16: "bf16-mixed", torch.float16: "16-mixed", None: "32-true"}[autocast_dtype]  # type: ignore[assignment]  # Lightning's literals
 
     def convert_module(self, module: nn.Module) -> nn.Module:
         return convert_to_float8_training(module, config=self.config, module_filter_fn=self.module_filter_fn)
