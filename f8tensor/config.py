@@ -261,6 +261,10 @@ class GemmConfig(NamedTuple):
     handles plain named tuples (on every supported torch version) but neither dataclasses
     nor tuples with a custom ``__new__``. So it is checked where it enters the public
     API (:meth:`validated`). Derive variants with ``cfg._replace(...)``.
+
+    Raises:
+        ValueError: from :meth:`validated`, which the entry points call: an ``out_dtype``
+            the FP8 kernels cannot write (the message lists the allowed ones).
     """
 
     out_dtype: torch.dtype | None = None
@@ -314,6 +318,16 @@ class CastConfig:
     GEMM). ``rounding``: ``"nearest"`` (round to nearest even, the default) or
     ``"stochastic"`` (unbiased; draws from torch's global generator, so runs repeat under
     ``torch.manual_seed``), in any recipe, typically for ``grad_output``.
+
+    Raises:
+        TypeError: ``dtype`` is not an FP8 dtype, or a flag is not a bool.
+        ValueError: an unknown granularity, scaling or rounding, or delayed scaling with a
+            granularity other than tensorwise.
+
+    Example:
+        >>> from f8tensor import CastConfig
+        >>> CastConfig(torch.float8_e5m2, "rowwise").granularity
+        <Granularity.ROWWISE: 'rowwise'>
     """
 
     dtype: torch.dtype = torch.float8_e4m3fn
@@ -406,6 +420,9 @@ class DelayedScalingConfig:
     ``history_len`` in ``[1, MAX_HISTORY_LEN]``; ``margin``: headroom of ``2**margin``
     below the format's max, an int from 0 up to :func:`max_margin` of the formats that
     use it (checked by :class:`Float8LinearConfig`, which knows them).
+
+    Raises:
+        ValueError: a history length below 1, an unknown reduction or a negative margin.
     """
 
     history_len: int = 16
@@ -445,6 +462,11 @@ class Float8LinearConfig:
       (tensorwise weight casts only).
     - ``collect_stats``: record saturation/underflow telemetry per cast (see ``stats.py``).
     - ``emulate``: on CUDA, run block-scaled GEMMs on the reference path (see :class:`GemmConfig`).
+
+    Raises:
+        TypeError: a field of the wrong type (e.g. ``input`` not a :class:`CastConfig`).
+        ValueError: a combination the GEMMs cannot run (see the message), e.g. FP8 all-gather
+            with a weight cast other than dynamic tensorwise.
     """
 
     input: CastConfig = CastConfig(_E4M3)

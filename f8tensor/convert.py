@@ -130,8 +130,9 @@ def convert_to_float8_training(
         if module_filter_fn is not None and not module_filter_fn(mod, fqn):
             skipped.setdefault(_SKIP_FILTER, []).append(name)
             return None
-        in_features, out_features = mod.weight.shape if transposed else (mod.in_features, mod.out_features)
-        if not dims_ok(in_features, out_features, config):
+        # `mod` is an nn.Linear or a transformers Conv1D (checked above); nn.Module types neither.
+        in_features, out_features = mod.weight.shape if transposed else (mod.in_features, mod.out_features)  # type: ignore[misc]
+        if not dims_ok(in_features, out_features, config):  # type: ignore[arg-type]
             logger.warning(
                 "f8tensor: left %s (%d -> %d) in high precision: FP8 GEMMs need dimensions that are "
                 "multiples of %d (set pad_inner_dim=True to pad instead)",
@@ -143,7 +144,7 @@ def convert_to_float8_training(
             skipped.setdefault(_SKIP_FSDP, []).append(name)
             return None
         converted.append(fqn)
-        return Float8Conv1D.from_conv1d(mod, config) if transposed else _convert_linear(mod, config)
+        return Float8Conv1D.from_conv1d(mod, config) if transposed else _convert_linear(mod, config)  # type: ignore[arg-type]
 
     root = convert_one(module, "")
     if root is None:
@@ -159,7 +160,7 @@ def convert_to_float8_training(
         keep_tied_weights_tied(module)
     result = module if root is None else root
     _report_conversion(converted, skipped, candidates, len(experts))
-    result.float8_converted_fqns = tuple(converted)
+    result.float8_converted_fqns = tuple(converted)  # type: ignore[assignment]  # a plain attribute, not a submodule
     return result
 
 
@@ -208,6 +209,7 @@ def keep_tied_weights_tied(module: nn.Module) -> None:
         if not wrapped:
             continue
         all_fp8 = all(isinstance(m, Float8Linear) and n == "weight" for m, n, _ in group)
+        shared: nn.Parameter
         if all_fp8:
             shared = wrapped[0]
         else:

@@ -112,7 +112,7 @@ def cast_operand(
     spec = cast.operand_spec(contracted_dim)
     if not cast.delayed:
         return _cast(stats, hp, spec, gemm=gemm), None
-    assert history is not None and scale_buffer is not None  # a delayed cast comes with its buffers
+    assert history is not None  # a delayed cast comes with its amax history
     # The scale comes from the history alone (unit scale while it is empty, see
     # delayed_scale), so the cast does not wait for the current amax. That amax, pushed
     # into the history in backward, is taken after the cast, which is stored first
@@ -123,6 +123,7 @@ def cast_operand(
     # make it NaN, element by element, in the same pass (NaN stays NaN).
     guarded = torch.where(torch.isinf(hp), torch.nan, hp)
     if recompute:
+        assert scale_buffer is not None  # recomputed casts (input, weight) keep their scale
         scale = scale_buffer.clone()
     else:
         scale = delayed_scale(

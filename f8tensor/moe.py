@@ -36,7 +36,7 @@ Layer: above ``functions`` (beside ``linear``); imports ``functions``, ``weights
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -132,7 +132,13 @@ def _group_cast(t: torch.Tensor, offs: torch.Tensor, g: int, spec: CastSpec) -> 
     return data, scale[:g]
 
 
-def _grouped_wgrad(x, grad: torch.Tensor, offs: torch.Tensor, g: int, config: Float8LinearConfig) -> torch.Tensor:
+def _grouped_wgrad(
+    x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+    grad: torch.Tensor,
+    offs: torch.Tensor,
+    g: int,
+    config: Float8LinearConfig,
+) -> torch.Tensor:
     """FP8 ``x[group].t() @ grad[group]`` per group: (G, K, N), in bf16.
 
     ``x``: the high-precision input, or ``(x8, scale)`` saved by a tensorwise forward (the
@@ -162,7 +168,9 @@ class _GroupedMMFn(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, w, offs, config):  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        ctx: Any, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, config: Float8LinearConfig
+    ) -> torch.Tensor:
         _check_contraction(x.shape[1], "forward")
         x8 = to_float8(x, _spec(config.input, 1))
         # weights: per expert (tensorwise) or per expert and output feature (rowwise), constant along K
@@ -178,7 +186,7 @@ class _GroupedMMFn(torch.autograd.Function):
         return out.to(x.dtype)
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         x, x8, xs, w, offs, ws = ctx.saved_tensors
         x_dtype = ctx.x_dtype
         config: Float8LinearConfig = ctx.config
@@ -224,7 +232,7 @@ class _ExpertBmmFn(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, w, config):  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, config: Float8LinearConfig) -> torch.Tensor:  # type: ignore[override]
         ctx.save_for_backward(x, w)
         ctx.config = config
         _check_contraction(x.shape[2], "batched forward")
@@ -232,7 +240,7 @@ class _ExpertBmmFn(torch.autograd.Function):
         return _bmm_fp8(x, w, _spec(config.input, 2, ndim=3), w_spec).to(x.dtype)
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         x, w = ctx.saved_tensors
         c: Float8LinearConfig = ctx.config
         grad_x = grad_w = None
@@ -253,11 +261,11 @@ class _Unwrap(torch.autograd.Function):
     """The plain tensor inside a :class:`Float8ExpertWeight`, with the gradient passed through."""
 
     @staticmethod
-    def forward(ctx, w):  # type: ignore[override]
+    def forward(ctx: Any, w: Float8ExpertWeight) -> torch.Tensor:  # type: ignore[override]
         return w._hp.view_as(w._hp)
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         return grad
 
 
@@ -361,6 +369,10 @@ class Float8ExpertWeight(HighPrecisionWeight):
     :class:`~f8tensor.weights.HighPrecisionWeight`); views, expert selection and copies
     stay wrapped so that the product they reach (``F.linear``, ``bmm``, ``grouped_mm``)
     knows to run in FP8. Serialized as the plain tensor.
+
+    Raises:
+        NotImplementedError: a product this weight cannot run in FP8 (it names the op and the
+            ways an expert weight multiplies), instead of a silent high-precision product.
     """
 
     _config: Float8LinearConfig
@@ -403,7 +415,9 @@ class Float8ExpertWeight(HighPrecisionWeight):
     # again, so the unsharded experts still multiply in FP8. Here rather than in distributed/fsdp.py:
     # plain methods FSDP2 looks up on the parameter, needing nothing from torch.distributed.
 
-    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+    def fsdp_pre_all_gather(
+        self, mesh: Any, outer_size: torch.Size, outer_stride: tuple[int, ...], module: nn.Module, mp_policy: Any
+    ) -> tuple[tuple[torch.Tensor, ...], None]:
         hp = self._hp
         if mp_policy.param_dtype is not None and hp.dtype != mp_policy.param_dtype:
             hp = hp.to(mp_policy.param_dtype)
@@ -413,14 +427,21 @@ class Float8ExpertWeight(HighPrecisionWeight):
             hp = torch.nn.functional.pad(hp, [0, 0] * (hp.dim() - 1) + [0, rows - hp.shape[0]])
         return (hp.contiguous(),), None
 
-    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+    def fsdp_post_all_gather(
+        self,
+        all_gather_outputs: tuple[torch.Tensor, ...],
+        metadata: Any,
+        param_dtype: torch.dtype,
+        *,
+        out: torch.Tensor | None = None,
+    ) -> tuple[Float8ExpertWeight, tuple[torch.Tensor, ...]] | None:
         (data,) = all_gather_outputs
         if out is not None:  # the gathered values already sit in out's storage
             return None
         return Float8ExpertWeight(data, self._config), (data,)
 
     @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
+    def __torch_function__(cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:  # type: ignore[override]
         route = _ROUTES.get(func)
         if route is None and is_op_of_namespace(func, "transformers"):
             _register_hf_fallback()  # weights wrapped by hand, not by the converter
@@ -431,7 +452,7 @@ class Float8ExpertWeight(HighPrecisionWeight):
             return func(*args, **(kwargs or {}))
 
     @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:  # type: ignore[override]
         if func in _GEMMS or is_op_of_namespace(func, "transformers"):
             raise NotImplementedError(
                 f"{func} with an FP8 expert weight would run in high precision. Expert weights multiply "
@@ -479,7 +500,7 @@ def float8_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, conf
 # ===================================================================== the converter
 
 
-def _expert_params(module: nn.Module):
+def _expert_params(module: nn.Module) -> Iterator[tuple[nn.Module, str, str, nn.Parameter]]:
     """(module, fqn prefix, name, param) for every 3D parameter (num_experts, ., .) of an experts module."""
     for mod_fqn, mod in module.named_modules():
         n = getattr(mod, "num_experts", None)

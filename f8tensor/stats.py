@@ -171,6 +171,9 @@ def float8_stats(model: nn.Module, *, history: bool = False) -> dict[str, float]
     are absent; a model with none gives ``{}``. The values are gathered with a single
     device-to-host copy. Under data parallelism each rank reports its own tensors (the
     read runs no collective; reduce the dict yourself if you need a global view).
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
     """
     _check_model(model, "float8_stats")
     layers = _stats_layers(model)
@@ -254,6 +257,16 @@ def format_float8_stats(stats: nn.Module | Mapping[str, float]) -> str:
     One line per layer and role; fractions in percent, headroom in powers of two, ``-``
     for a value not measured yet (or a column the role does not have), ``nan``/``inf`` for
     a measured value that is not finite (a cast of an operand holding NaN or inf).
+
+    Raises:
+        TypeError: neither a module nor a mapping of ``float8_stats`` keys to numbers.
+        ValueError: a key that is not ``"{layer}/{role}/{field}"``.
+
+    Example:
+        >>> from f8tensor import format_float8_stats
+        >>> print(format_float8_stats({"up/input/saturated_frac": 0.0, "up/input/saturated_count": 0.0}))
+        layer  role    sat %  sat # ...
+        up     input  0.0000      0 ...
     """
     if isinstance(stats, nn.Module):
         stats = float8_stats(stats)

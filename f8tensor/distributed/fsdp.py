@@ -79,6 +79,9 @@ class Float8AllGatherWeight(HighPrecisionWeight):
       it was computed at. A cache, not part of the tensor: used only while the count is
       unchanged; a rebuilt wrapper (a view, or flatten and unflatten under compile)
       starts without one and computes its scale afresh.
+
+    Raises:
+        ValueError: a weight cast other than dynamic tensorwise (recipe ``"tensorwise"``).
     """
 
     _cast: CastConfig
@@ -219,14 +222,14 @@ def _all_reduce_max(t: torch.Tensor, mesh: DeviceMesh) -> None:
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
 
 
-def wrap_weight(weight: nn.Parameter, cast: CastConfig) -> nn.Parameter:
+def wrap_weight(weight: torch.Tensor, cast: CastConfig) -> nn.Parameter:
     """``weight`` as a Parameter over a :class:`Float8AllGatherWeight` sharing its storage.
 
     A new Parameter object: build the optimizer after the conversion (and after
     ``fully_shard``, which replaces every parameter anyway).
     """
     if isinstance(weight, Float8AllGatherWeight):
-        return weight
+        return weight  # type: ignore[return-value]  # already a Parameter over a Float8AllGatherWeight
     return nn.Parameter(Float8AllGatherWeight(weight.detach(), cast), requires_grad=weight.requires_grad)
 
 
@@ -254,6 +257,9 @@ def precompute_float8_scales_for_fsdp(module: nn.Module) -> None:
     ``torch.distributed.checkpoint.load`` writes in place only into shards that hold
     elements; follow it with ``model.load_state_dict`` (or ``set_state_dict``), as the
     checkpoint documentation does, which writes every shard, empty ones included.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module``.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"precompute_float8_scales_for_fsdp expects an nn.Module; got {type(module).__name__}")
