@@ -5,7 +5,7 @@ Build (offline, warnings are errors):  sphinx-build -W -b html docs docs/_build/
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import sys
 from pathlib import Path
 
@@ -39,12 +39,23 @@ autodoc_class_signature = "separated"
 autodoc_default_options = {"exclude-members": "__init__, __new__"}
 add_module_names = False
 
+
+
+def _importable(name: str) -> bool:
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        return False
+    return True
+
+
 # The optional integrations document their own frameworks' classes: where a framework is
-# not installed, its modules are stood in for so the reference still builds offline.
+# not installed (or does not import), its modules are stood in for so the reference still
+# builds offline.
 autodoc_mock_imports = [
     name
     for name in ("transformers", "accelerate", "lightning", "pytorch_lightning", "torchtitan")
-    if importlib.util.find_spec(name) is None
+    if not _importable(name)
 ]
 
 html_theme = "alabaster"
