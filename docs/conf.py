@@ -40,7 +40,6 @@ autodoc_default_options = {"exclude-members": "__init__, __new__"}
 add_module_names = False
 
 
-
 def _importable(name: str) -> bool:
     try:
         importlib.import_module(name)
