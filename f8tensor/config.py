@@ -100,8 +100,13 @@ class BlockGranularity(NamedTuple):
 
     def validated(self) -> BlockGranularity:
         block = self.block
-        if not isinstance(block, tuple) or not block or any(isinstance(b, bool) or not isinstance(b, int) or b < 0 for b in block):
-            raise ValueError(f"a block shape is a non-empty tuple of ints >= 0 (0: the whole dim); got {block!r}")
+        if not isinstance(block, tuple) or not block or any(
+            isinstance(b, bool) or not isinstance(b, int) or not 0 <= b < 2**63 for b in block
+        ):
+            raise ValueError(
+                f"a block shape is a non-empty tuple of ints in [0, 2**63) (0: the whole dim; an entry "
+                f"larger than its dim is one partial block); got {block!r}"
+            )
         if self.scale_dtype not in SCALE_DTYPES:
             raise ValueError(f"BlockGranularity.scale_dtype must be one of {SCALE_DTYPES}; got {self.scale_dtype!r}")
         if self.scale_mode not in E8M0_SCALE_MODES:

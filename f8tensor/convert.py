@@ -14,7 +14,9 @@ import dataclasses
 import logging
 import warnings
 from collections.abc import Callable
+from typing import cast
 
+import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -22,7 +24,15 @@ from f8tensor.config import Float8LinearConfig
 from f8tensor.distributed.fsdp import Float8AllGatherWeight
 from f8tensor.gemm.rules import ALIGN
 from f8tensor.linear import Float8Conv1D, Float8Linear, check_config, dims_ok, is_transposed_linear
-from f8tensor.moe import convert_experts_to_float8
+from f8tensor.moe import Float8ExpertWeight, expert_path, plan_experts, wrap_experts
+
+_FSDPModule: type | None
+if torch.distributed.is_available():
+    from torch.distributed.fsdp import FSDPModule
+
+    _FSDPModule = FSDPModule
+else:  # a build without torch.distributed: nothing can be sharded
+    _FSDPModule = None
 
 __all__ = ["convert_to_float8_training", "keep_tied_weights_tied"]
 
@@ -33,21 +43,43 @@ _SKIP_FILTER = "rejected by module_filter_fn"
 _SKIP_DIMS = f"dims not multiples of {ALIGN}"
 _SKIP_FORWARD = "nn.Linear subclass overriding forward"
 _SKIP_FSDP = "Conv1D with FP8 all-gather (needs an (out, in) weight)"
+_SKIP_MHA = "nn.MultiheadAttention out_proj (F.multi_head_attention_forward reads its weight; its forward never runs)"
 
-_FLOAT8_SUBCLASSES: dict[type, type] = {}
+_FLOAT8_SUBCLASSES: dict[type, type[Float8Linear]] = {}
 
 
-def _float8_subclass(cls: type) -> type:
+def _new_float8_subclass_instance(base: type) -> nn.Module:
+    """Unpickling a converted ``nn.Linear`` subclass: an empty instance of its FP8 class
+    (made again in this process), whose ``__dict__`` pickle then restores."""
+    cls = _float8_subclass(base)
+    return cls.__new__(cls)
+
+
+def _reduce_float8_subclass(self: nn.Module, protocol: int) -> tuple:
+    # The class is made at run time, so pickle cannot find it by name: pickle the base
+    # class (importable) and the state instead.
+    return (_new_float8_subclass_instance, (type(self)._float8_base,), self.__dict__.copy())  # type: ignore[attr-defined]  # set by _float8_subclass
+
+
+def _float8_subclass(cls: type) -> type[Float8Linear]:
     """``Float8Linear`` mixed into an ``nn.Linear`` subclass that keeps ``nn.Linear.forward``.
 
     The converted layer stays an instance of ``cls`` (methods such as a library's
     ``init_weights`` and ``isinstance`` checks keep working) while ``Float8Linear``'s
-    forward comes first in the MRO. One class per ``cls``, cached.
+    forward comes first in the MRO. One class per ``cls``, cached; its instances pickle
+    (``torch.save(model)``, ``copy.deepcopy``) through ``cls``.
     """
     if cls is nn.Linear:
         return Float8Linear
     if cls not in _FLOAT8_SUBCLASSES:
-        _FLOAT8_SUBCLASSES[cls] = type(f"Float8{cls.__name__}", (Float8Linear, cls), {"__module__": cls.__module__})
+        _FLOAT8_SUBCLASSES[cls] = cast(
+            "type[Float8Linear]",
+            type(
+                f"Float8{cls.__name__}",
+                (Float8Linear, cls),
+                {"__module__": cls.__module__, "_float8_base": cls, "__reduce_ex__": _reduce_float8_subclass},
+            ),
+        )
     return _FLOAT8_SUBCLASSES[cls]
 
 
@@ -58,7 +90,69 @@ def _convert_linear(mod: nn.Linear, config: Float8LinearConfig) -> Float8Linear:
         # The subclass's own attributes (set by its __init__ or its library), as they were.
         for key, value in vars(mod).items():
             vars(new).setdefault(key, value)
+    _keep_children(mod, new)
     return new
+
+
+def _keep_children(old: nn.Module, new: nn.Module) -> None:
+    """Child modules, and parameters and buffers other than weight and bias, move to ``new``
+    (a linear layer holding sub-modules keeps them)."""
+    for key, child in old._modules.items():
+        new._modules.setdefault(key, child)
+    for key, param in old._parameters.items():
+        new._parameters.setdefault(key, param)
+    for key, buf in old._buffers.items():
+        if key not in new._buffers:
+            new.register_buffer(key, buf, persistent=key not in old._non_persistent_buffers_set)
+
+
+def _fp8_config(mod: nn.Module) -> Float8LinearConfig | None:
+    """The recipe of an already converted layer, or None."""
+    return mod.config if isinstance(mod, (Float8Linear, Float8Conv1D)) else None
+
+
+def _check_not_sharded(module: nn.Module) -> None:
+    if _FSDPModule is None:
+        return
+    sharded = [fqn or "<root>" for fqn, m in module.named_modules() if isinstance(m, _FSDPModule)]
+    if sharded:
+        raise ValueError(
+            f"convert_to_float8_training: the model is already sharded by fully_shard ({', '.join(sharded[:4])}); "
+            "FP8 layers cannot be swapped into sharded modules. Convert first, then call fully_shard."
+        )
+
+
+def _check_same_recipe(module: nn.Module, config: Float8LinearConfig) -> list[str]:
+    """The fqns already converted with ``config``; any layer or expert weight converted with
+    another recipe is refused, by name (nothing changes)."""
+    same: list[str] = []
+    other: list[str] = []
+    for fqn, m in module.named_modules():
+        found = _fp8_config(m)
+        if found is not None:
+            (same if found == config else other).append(fqn)
+        for name, p in m.named_parameters(recurse=False):
+            if isinstance(p, Float8ExpertWeight):
+                pfqn = f"{fqn}.{name}" if fqn else name
+                (same if p._config == config else other).append(pfqn)
+    if other:
+        names = ", ".join((n or "<root>") for n in other[:4]) + (f", ... ({len(other) - 4} more)" if len(other) > 4 else "")
+        raise ValueError(
+            f"convert_to_float8_training: {len(other)} layers or expert weights are already FP8 with another recipe "
+            f"[{names}]; converting again with a different config is refused (it would leave two recipes in one model). "
+            "Convert an unconverted model (load this one's state_dict into it), or pass the same config."
+        )
+    return same
+
+
+def _disable_encoder_fast_path(module: nn.Module) -> None:
+    """``nn.TransformerEncoderLayer`` in eval under ``no_grad`` takes PyTorch's fused fast path,
+    which reads every weight directly (no FP8 GEMM runs). A layer holding FP8 linears is
+    sent down its standard path: ``activation_relu_or_gelu`` only chooses the fast path's
+    activation, and a false value is one of the fast path's own conditions to decline."""
+    for m in module.modules():
+        if isinstance(m, nn.TransformerEncoderLayer) and any(isinstance(c, Float8Linear) for c in m.children()):
+            m.activation_relu_or_gelu = 0
 
 
 def convert_to_float8_training(
@@ -72,29 +166,42 @@ def convert_to_float8_training(
 
     Converted: ``nn.Linear`` and its subclasses that keep ``nn.Linear.forward`` (e.g.
     torchtitan's ``Linear``; the new layer is a ``Float8Linear`` that is still an
-    instance of the subclass), and Hugging Face's ``Conv1D`` (as :class:`Float8Conv1D`,
-    weight layout kept; see ``TRANSPOSED_LINEAR_CLASSES``). Left alone, and reported:
-    ``nn.Linear`` subclasses that override ``forward`` (they may not compute
-    ``x @ W.t() + b``), layers ``module_filter_fn`` rejects, and layers whose dimensions
-    FP8 GEMMs cannot take (not multiples of 16) unless ``config.pad_inner_dim``.
+    instance of the subclass, and pickles), and Hugging Face's ``Conv1D`` (as
+    :class:`Float8Conv1D`, weight layout kept; see ``TRANSPOSED_LINEAR_CLASSES``). A linear
+    layer's child modules stay with it. Left alone, and reported: ``nn.Linear`` subclasses
+    that override ``forward`` (they may not compute ``x @ W.t() + b``), the ``out_proj`` of
+    ``nn.MultiheadAttention`` (its weight is read by ``F.multi_head_attention_forward``, its
+    forward never runs), layers ``module_filter_fn`` rejects, and layers whose dimensions
+    FP8 GEMMs cannot take (not multiples of 16) unless ``config.pad_inner_dim``. An
+    ``nn.TransformerEncoderLayer`` holding FP8 layers no longer takes PyTorch's fused
+    inference fast path (which would bypass them).
 
     ``module_filter_fn(mod, fqn) -> bool`` chooses among the candidates (``fqn`` is the
-    dotted name, e.g. ``"layers.0.mlp.down_proj"``). Logs one summary line on the
-    ``"f8tensor"`` logger (converted N of M linear layers, skipped with reasons) and
-    warns when nothing was converted. Returns ``module`` (or the new layer, when
-    ``module`` is itself a linear); the names of the converted layers are on the result
-    as ``float8_converted_fqns`` (a tuple; ``""`` for a bare layer).
+    dotted name, e.g. ``"layers.0.mlp.down_proj"``). Everything is checked, and every
+    filter called, before the model changes. Refused: a model already sharded by FSDP2's
+    ``fully_shard`` (convert first), and a model already converted with another config
+    (layers named). Converting again with the same config counts the FP8 layers as
+    converted and changes nothing (Lightning calls its precision plugin's conversion in
+    every ``setup``).
+
+    Logs one summary line on the ``"f8tensor"`` logger (converted N of M linear layers,
+    skipped with reasons, the path the expert GEMMs take) and warns when no layer is FP8.
+    Returns ``module`` (or the new layer, when ``module`` is itself a linear); the names of
+    the FP8 layers are on the result as ``float8_converted_fqns`` (a tuple; ``""`` for a
+    bare layer).
 
     Mixture-of-experts weights (3D parameters of an experts module, as transformers stores
     them) become :class:`~f8tensor.moe.Float8ExpertWeight`: their grouped, batched and
-    per-expert GEMMs run in FP8 (see :mod:`f8tensor.moe`; routers stay high precision).
-    ``experts_filter_fn(experts_module, param_fqn) -> bool`` chooses which; return False
-    for all to keep every expert in high precision. Their names join the summary and
-    ``float8_converted_fqns``.
+    per-expert GEMMs run in FP8 with the recipe's granularity (see :mod:`f8tensor.moe`;
+    routers stay high precision). ``experts_filter_fn(experts_module, param_fqn) -> bool``
+    chooses which; return False for all to keep every expert in high precision. Their names
+    join the summary and ``float8_converted_fqns``.
 
     Raises:
         TypeError: ``module`` is not an ``nn.Module``, a filter is not callable, or
             ``config`` is not a :class:`~f8tensor.Float8LinearConfig`.
+        ValueError: the model is already sharded by ``fully_shard``, or already holds FP8
+            layers or expert weights converted with another config (named).
 
     Example:
         >>> from torch import nn
@@ -106,30 +213,35 @@ def convert_to_float8_training(
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"convert_to_float8_training expects an nn.Module; got {type(module).__name__}")
-    if module_filter_fn is not None and not callable(module_filter_fn):
-        raise TypeError(f"module_filter_fn must be a callable (module, fqn) -> bool or None; got {module_filter_fn!r}")
+    for fn_name, fn in (("module_filter_fn", module_filter_fn), ("experts_filter_fn", experts_filter_fn)):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"{fn_name} must be a callable (module, fqn) -> bool or None; got {fn!r}")
     config = check_config(config)
-    # Every converter appends the names it converted here; the summary reports them all.
-    converted: list[str] = []
+    _check_not_sharded(module)
+    already = _check_same_recipe(module, config)
     skipped: dict[str, list[str]] = {}
     candidates = 0
 
-    def convert_one(mod: nn.Module, fqn: str) -> nn.Module | None:
-        """The FP8 replacement of ``mod``, or None (not a linear, or skipped)."""
+    def wants(mod: nn.Module, fqn: str, parent: nn.Module | None) -> bool:
+        """Whether ``mod`` becomes FP8 (counted and, when skipped, reported)."""
         nonlocal candidates
-        if isinstance(mod, Float8Linear):
-            return None
+        if _fp8_config(mod) is not None:
+            candidates += 1
+            return False
         transposed = is_transposed_linear(mod)
         if not (transposed or isinstance(mod, nn.Linear)):
-            return None
+            return False
         candidates += 1
         name = fqn or "<root>"
+        if isinstance(parent, nn.MultiheadAttention) and mod is parent.out_proj:
+            skipped.setdefault(_SKIP_MHA, []).append(name)
+            return False
         if not transposed and type(mod).forward is not nn.Linear.forward:
             skipped.setdefault(_SKIP_FORWARD, []).append(name)
-            return None
+            return False
         if module_filter_fn is not None and not module_filter_fn(mod, fqn):
             skipped.setdefault(_SKIP_FILTER, []).append(name)
-            return None
+            return False
         # `mod` is an nn.Linear or a transformers Conv1D (checked above); nn.Module types neither.
         in_features, out_features = mod.weight.shape if transposed else (mod.in_features, mod.out_features)  # type: ignore[misc]
         if not dims_ok(in_features, out_features, config):  # type: ignore[arg-type]
@@ -139,42 +251,59 @@ def convert_to_float8_training(
                 name, in_features, out_features, ALIGN,
             )
             skipped.setdefault(_SKIP_DIMS, []).append(name)
-            return None
+            return False
         if transposed and config.enable_fsdp_float8_all_gather:
             skipped.setdefault(_SKIP_FSDP, []).append(name)
-            return None
-        converted.append(fqn)
-        return Float8Conv1D.from_conv1d(mod, config) if transposed else _convert_linear(mod, config)  # type: ignore[arg-type]
+            return False
+        return True
 
-    root = convert_one(module, "")
-    if root is None:
-        for fqn, mod in list(module.named_modules()):
-            for name, child in list(mod.named_children()):
-                new = convert_one(child, f"{fqn}.{name}" if fqn else name)
-                if new is not None:
-                    setattr(mod, name, new)
-    # FP8 expert weights (3D parameters of MoE experts modules): their own converter.
-    experts = [] if root is not None else convert_experts_to_float8(module, config, experts_filter_fn)
-    converted.extend(experts)
-    if root is None and config.enable_fsdp_float8_all_gather:
-        keep_tied_weights_tied(module)
-    result = module if root is None else root
-    _report_conversion(converted, skipped, candidates, len(experts))
-    result.float8_converted_fqns = tuple(converted)  # type: ignore[assignment]  # a plain attribute, not a submodule
+    # Plan: every check and filter call, nothing changed yet.
+    swaps: list[tuple[nn.Module | None, str, str, nn.Module]] = []  # (parent, name, fqn, module), pre-order
+    if wants(module, "", None):
+        swaps.append((None, "", "", module))
+    for fqn, mod in module.named_modules():
+        for name, child in mod.named_children():
+            child_fqn = f"{fqn}.{name}" if fqn else name
+            if wants(child, child_fqn, mod):
+                swaps.append((mod, name, child_fqn, child))
+    expert_todo, expert_skipped = plan_experts(module, config, experts_filter_fn)
+    for reason, fqns in expert_skipped.items():
+        skipped.setdefault(reason, []).extend(fqns)
+
+    # Apply, children first: a converted layer takes its (already converted) children along.
+    result = module
+    for parent, name, _, mod in reversed(swaps):
+        new = Float8Conv1D.from_conv1d(mod, config) if is_transposed_linear(mod) else _convert_linear(mod, config)  # type: ignore[arg-type]  # wants(): an nn.Linear
+        if parent is None:
+            result = new
+        else:
+            setattr(parent, name, new)
+    experts = wrap_experts(expert_todo, config)
+    if config.enable_fsdp_float8_all_gather:
+        keep_tied_weights_tied(result)
+    _disable_encoder_fast_path(result)
+    converted = [fqn for _, _, fqn, _ in swaps]
+    path = expert_path(config, result.get_parameter(experts[0]).device) if experts else None
+    _report_conversion(converted, skipped, candidates, experts, already, path)
+    result.float8_converted_fqns = tuple(sorted(set(already + converted + experts), key=(already + converted + experts).index))  # type: ignore[assignment]  # a plain attribute, not a submodule
     return result
 
 
-def _report_conversion(converted: list[str], skipped: dict[str, list[str]], candidates: int, experts: int = 0) -> None:
-    """One summary line; a warning (also through ``warnings``) when nothing converted."""
+def _report_conversion(
+    converted: list[str], skipped: dict[str, list[str]], candidates: int, experts: list[str],
+    already: list[str], expert_path: str | None,
+) -> None:
+    """One summary line; a warning (also through ``warnings``) when no layer is FP8."""
 
     def names(fqns: list[str]) -> str:
         return ", ".join(fqns[:4]) + (f", ... ({len(fqns) - 4} more)" if len(fqns) > 4 else "")
 
     reasons = "; ".join(f"{len(fqns)} {reason} [{names(fqns)}]" for reason, fqns in skipped.items())
-    line = f"f8tensor: converted {len(converted) - experts} of {candidates} linear layers to FP8"
-    line += f" and {experts} expert weights" if experts else ""
+    line = f"f8tensor: converted {len(converted)} of {candidates} linear layers to FP8"
+    line += f" and {len(experts)} expert weights (expert GEMMs: {expert_path})" if experts else ""
+    line += f"; {len(already)} layers or expert weights were already FP8 with this recipe" if already else ""
     line += f"; skipped {reasons}" if reasons else ""
-    if converted:
+    if converted or experts or already:
         logger.info(line)
         return
     if not candidates:

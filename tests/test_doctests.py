@@ -24,6 +24,7 @@ PUBLIC_MODULES = (
     "f8tensor.gemm.check",
     "f8tensor.gemm.dense",
     "f8tensor.gemm.front",
+    "f8tensor.gemm.grouped",
     "f8tensor.linear",
     "f8tensor.moe",
     "f8tensor.stats",

@@ -18,7 +18,7 @@ from f8tensor.config import DEFAULT_GEMM, CastSpec, GemmConfig
 from f8tensor.formats import FLOAT8_DTYPES, check_hp_dtype
 from f8tensor.gemm.blocks import product as block_product
 from f8tensor.gemm.dense import product as dense_product
-from f8tensor.gemm.operands import BLOCKS, DENSE, prepare
+from f8tensor.gemm.operands import BLOCKS, DENSE, check_devices, prepare
 from f8tensor.tensor import check_scale_values, is_float8, scale_from_number, to_float8
 
 __all__ = ["float8_mm", "matmul"]
@@ -121,6 +121,7 @@ def matmul(
     table's ``mm``/``addmm``, Float8Linear's three GEMMs, :func:`float8_mm`).
 
     ``out_dtype``: default the operands' GemmConfig's, else ``a``'s original dtype."""
+    _check_devices(a, b, bias)
     blockwise = (is_float8(a) and a.is_blockwise) or (is_float8(b) and b.is_blockwise)
     if a.dim() != 2 or b.dim() != 2:
         raise RuntimeError(f"FP8 mm expects 2D operands; got {tuple(a.shape)} and {tuple(b.shape)}")
@@ -133,6 +134,14 @@ def matmul(
     if out_dtype is None:
         out_dtype = gemm.out_dtype or a8._orig_dtype
     return (block_product if blockwise else dense_product)(a8, b8, bias, out_dtype, gemm)
+
+
+def _check_devices(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> None:
+    # Metadata only, no sync; the operands' devices are checked by operands.prepare, for
+    # every kind of product.
+    check_devices(a, b)
+    if bias is not None and bias.device != a.device:
+        raise ValueError(f"FP8 matmul bias is on {bias.device}, the operands on {a.device}: they must share a device")
 
 
 _FNUZ = (torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)

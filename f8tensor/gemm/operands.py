@@ -33,6 +33,7 @@ __all__ = [
     "DENSE",
     "GROUPED",
     "Takes",
+    "check_devices",
     "col_major",
     "inverse_scale",
     "kernel_scale",
@@ -63,6 +64,7 @@ GROUPED = Takes(fp32_scales=True, e4m3fn=True)
 def prepare(a: torch.Tensor, b: torch.Tensor, takes: Takes, *, a_k: int, b_k: int) -> tuple[Float8Tensor, Float8Tensor]:
     """Both operands of ``a @ b`` as Float8Tensors a kernel of kind ``takes`` reads; ``a_k``
     and ``b_k`` are the dims each contracts over. At least one must be a Float8Tensor."""
+    check_devices(a, b)
     ref, ref_k = (a, a_k) if is_float8(a) else (b, b_k)
     if not is_float8(ref):
         raise TypeError("FP8 mm needs at least one Float8Tensor operand")
@@ -71,6 +73,14 @@ def prepare(a: torch.Tensor, b: torch.Tensor, takes: Takes, *, a_k: int, b_k: in
     if not is_float8(b):
         b = _cast_like(b, b_k, ref, ref_k, takes)
     return _fit(a, a_k, takes), _fit(b, b_k, takes)
+
+
+def check_devices(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Both operands of a product on one device, else an error naming both. Metadata only
+    (no sync); checked before anything runs: a CPU kernel handed a meta operand returns
+    uninitialised memory, and a plain operand is cast on its own device."""
+    if a.device != b.device:
+        raise ValueError(f"FP8 matmul operands must be on one device; got a on {a.device}, b on {b.device}")
 
 
 def _cast_like(x: torch.Tensor, k: int, ref: Float8Tensor, ref_k: int, takes: Takes) -> Float8Tensor:
@@ -92,6 +102,10 @@ def _cast_like(x: torch.Tensor, k: int, ref: Float8Tensor, ref_k: int, takes: Ta
 def _fit(x: Float8Tensor, k: int, takes: Takes) -> Float8Tensor:
     """``x`` re-quantized where its scale varies along K (or its scales or format are ones
     the kernel does not read)."""
+    if not takes.blocks and x._scale.dtype == E8M0 and constant_along(x._scale_block, k):
+        # A tensorwise/axiswise e8m0 scale (a BlockGranularity with 0 entries): powers of two,
+        # exact in fp32, which the dense and grouped kernels read. No re-rounding of the data.
+        x = x._replace(scale=x._scale.to(torch.float32))
     fits = constant_along(x._scale_block, k) and (not takes.fp32_scales or x._scale.dtype == torch.float32)
     if not takes.blocks and not fits:
         x = requantize(x, k)
@@ -140,7 +154,9 @@ def col_major(t: torch.Tensor) -> torch.Tensor:
         tt = t.transpose(-2, -1)  # see row_major
         if t.shape[-1] == 1:
             return tt.clone(memory_format=torch.contiguous_format).transpose(-2, -1)
-        return t if tt.is_contiguous() else tt.contiguous().transpose(-2, -1)
+        # .contiguous() is a no-op on a contiguous tensor; no stride is read here (see
+        # scaling.materialized: dynamo cannot read them in a backward with dynamic shapes).
+        return tt.contiguous().transpose(-2, -1)
     if is_col_major(t):
         return t
     return t.transpose(-2, -1).clone(memory_format=torch.contiguous_format).transpose(-2, -1)
