@@ -158,7 +158,11 @@ def has_block_scaled_mm() -> bool:
 
 
 def block_scaled_mm(*args: Any, **kwargs: Any) -> torch.Tensor:
-    """``torch.nn.functional.scaled_mm`` (the original function; public, torch >= 2.10)."""
+    """``torch.nn.functional.scaled_mm`` (the original function; public, torch >= 2.10).
+
+    Raises:
+        RuntimeError: this torch has no ``F.scaled_mm`` (the message names the version).
+    """
     if _F_SCALED_MM is None:
         raise RuntimeError(f"torch.nn.functional.scaled_mm needs torch >= 2.10; this is torch {torch.__version__}")
     return _F_SCALED_MM(*args, **kwargs)

@@ -92,6 +92,17 @@ class BlockGranularity(NamedTuple):
     Public spellings: :data:`BLOCK_1x128`, :data:`BLOCK_128x128`, :data:`MX_1x32`,
     :data:`MX_1x32_FLOOR`, or a plain tuple such as ``(1, 128)`` (fp32 scales).
     A NamedTuple, not a dataclass, for the reason given at :class:`GemmConfig`.
+
+    Raises:
+        ValueError: when a cast or a config uses it (:meth:`validated`): a ``block`` that is
+            not a non-empty tuple of ints in ``[0, 2**63)``, an unknown ``scale_dtype`` or
+            ``scale_mode``, or a tensor with fewer dims than ``block`` has entries.
+
+    Example:
+        >>> from f8tensor import BlockGranularity, Float8Tensor
+        >>> g = BlockGranularity((1, 32), torch.float8_e8m0fnu)
+        >>> Float8Tensor.from_hp(torch.randn(4, 64), granularity=g)._scale.shape
+        torch.Size([4, 2])
     """
 
     block: tuple[int, ...]

@@ -51,7 +51,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from f8tensor import kernels
+from f8tensor import compat, kernels
 from f8tensor.compat import GROUPED_MM_FUNCTIONS, disable_torch_function_subclass, is_op_of_namespace
 from f8tensor.compat import grouped_mm as hp_grouped_mm
 from f8tensor.config import CastConfig, CastSpec, Float8LinearConfig, is_tensorwise
@@ -135,7 +135,7 @@ def _block_kernel_here(config: Float8LinearConfig, device: torch.device) -> bool
     if rule is None:
         return False
     cuda = cast("tuple[int, int]", tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2]))
-    return CudaBuild((0, 0), cuda, torch.cuda.get_device_capability(device)) in rule.builds
+    return CudaBuild(compat.TORCH_VERSION, cuda, torch.cuda.get_device_capability(device)) in rule.builds
 
 
 def _expert_loop(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor | None, config: Float8LinearConfig) -> torch.Tensor:
@@ -722,6 +722,9 @@ def convert_experts_to_float8(
     convert. Weights whose last two dims are not multiples of 16 stay high precision
     (logged), and so does every expert weight under a delayed recipe (logged, only when
     the model has expert weights). Returns the converted parameter names.
+
+    Raises:
+        TypeError: ``experts_filter_fn`` is neither None nor callable.
     """
     if experts_filter_fn is not None and not callable(experts_filter_fn):
         raise TypeError(f"experts_filter_fn must be a callable (module, fqn) -> bool or None; got {experts_filter_fn!r}")

@@ -118,6 +118,19 @@ class Float8Tensor(torch.Tensor):
     Build one with :meth:`from_hp`; get the high-precision values back with :meth:`to_hp`.
     Metadata is immutable and compares by value, so ``__tensor_flatten__`` and
     ``__tensor_unflatten__`` are exact inverses (torch.compile relies on it).
+
+    Raises:
+        NotImplementedError: an op with no FP8 handler (it names the op; call :meth:`to_hp`
+            first for a high-precision result), instead of a silent dequantization.
+        IndexError: an index outside ``[-size, size)``.
+        ValueError: an FP8 matrix product of operands (or a bias) on different devices;
+            :attr:`axiswise_dim` of a block-scaled tensor.
+
+    Example:
+        >>> from f8tensor import Float8Tensor
+        >>> x8 = Float8Tensor.from_hp(torch.randn(8, 16), granularity="rowwise")
+        >>> x8[2:4].shape, x8[2:4]._scale.shape, x8.to_hp().dtype
+        (torch.Size([2, 16]), torch.Size([2, 1]), torch.float32)
     """
 
     _data: torch.Tensor

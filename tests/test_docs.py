@@ -42,3 +42,15 @@ def test_integrations_in_reference():
 def test_gemm_entry_points_documented():
     for name in ("rules_check", "install_rules_check", "CudaRuleViolation", "use_precise_rowwise_route"):
         assert name in DOCUMENTED and inspect.getdoc(getattr(gemm, name))
+
+
+def test_moe_and_version_names_documented():
+    from f8tensor import compat, moe
+
+    for name in moe.__all__:
+        assert name in DOCUMENTED or f"moe.{name}" in DOCUMENTED, f"f8tensor.moe.{name} is on no page of docs/"
+    for name in ("validate_grouped_mm_args", "check_grouped_dims"):
+        assert f"gemm.grouped.{name}" in DOCUMENTED
+    for name in ("TORCH_VERSION", "HAS_CPU_ROWWISE_SCALED_MM", "HAS_CPU_SCALED_MM_V2", "assert_async"):
+        assert f"compat.{name}" in DOCUMENTED, f"f8tensor.compat.{name} is on no page of docs/"
+    assert "Raises" in (inspect.getdoc(compat.assert_async) or "")

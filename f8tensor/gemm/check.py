@@ -378,7 +378,11 @@ def _grouped_scale_shapes(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor |
 def check_grouped_rules(a, b, scale_a, scale_b, offs, out_dtype) -> None:
     """Raise ``ValueError`` naming the rules a call to ``torch._scaled_grouped_mm`` would
     break. Grouped calls are refused up front, on every device and whether the check mode
-    is on or not: a model tested on CPU makes only grouped calls a GPU accepts."""
+    is on or not: a model tested on CPU makes only grouped calls a GPU accepts. Returns
+    None when the call obeys every row of :data:`~f8tensor.gemm.rules.GROUPED_RULES`.
+
+    Raises:
+        ValueError: every broken rule, in one message (see :func:`grouped_mm_violations`)."""
     problems = grouped_mm_violations(a, b, scale_a, scale_b, offs, out_dtype)
     if problems:
         raise ValueError("FP8 grouped GEMM: " + "; ".join(problems))
@@ -594,7 +598,11 @@ def install_from_env() -> None:
     """Switch the check mode on if :data:`RULES_CHECK_ENV` asks for it. gemm calls this once,
     at f8tensor's first FP8 product; an explicit :func:`install_rules_check` or
     :func:`uninstall_rules_check` before that wins over the variable. The env mode checks
-    f8tensor's own products; it does not wrap torch's functions."""
+    f8tensor's own products; it does not wrap torch's functions.
+
+    Raises:
+        ValueError: the variable holds something other than ``1``/``on``/``true``/``yes``/
+            ``raise``, ``record``, or ``0``/``off``/``false``/``no``/empty."""
     _CHECK.env_read = True
     mode = os.environ.get(RULES_CHECK_ENV, "").strip().lower()
     if mode in ("", "0", "off", "false", "no"):

@@ -120,7 +120,12 @@ def matmul(
     """``a (M, K) @ b (K, N)`` (+ ``bias``) in FP8: the way every 2D product goes (the op
     table's ``mm``/``addmm``, Float8Linear's three GEMMs, :func:`float8_mm`).
 
-    ``out_dtype``: default the operands' GemmConfig's, else ``a``'s original dtype."""
+    ``out_dtype``: default the operands' GemmConfig's, else ``a``'s original dtype.
+    Returns the ``(M, N)`` product in ``out_dtype``.
+
+    Raises:
+        RuntimeError: operands that are not 2D, or whose inner dims differ (torch's words).
+        ValueError: operands (or ``bias``) on different devices, both named."""
     _check_devices(a, b, bias)
     blockwise = (is_float8(a) and a.is_blockwise) or (is_float8(b) and b.is_blockwise)
     if a.dim() != 2 or b.dim() != 2:

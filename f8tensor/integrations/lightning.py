@@ -68,6 +68,12 @@ class Float8Precision(Precision):
     ``autocast_dtype``: bf16 (default), fp16, or ``None`` for no autocast. fp16 needs a
     gradient scaler, which this plugin does not run: prefer bf16.
     ``device``: the autocast device type (``"cuda"``, ``"cpu"``).
+
+    Raises:
+        TypeError: ``config`` is not a :class:`~f8tensor.Float8LinearConfig`.
+        ValueError: ``autocast_dtype`` is not bf16, fp16 or None.
+        RuntimeError: at resume, the checkpoint's FP8 state does not match the converted
+            model (another recipe or ``module_filter_fn``).
     """
 
     def __init__(
