@@ -54,3 +54,26 @@ def test_moe_and_version_names_documented():
     for name in ("TORCH_VERSION", "HAS_CPU_ROWWISE_SCALED_MM", "HAS_CPU_SCALED_MM_V2", "assert_async"):
         assert f"compat.{name}" in DOCUMENTED, f"f8tensor.compat.{name} is on no page of docs/"
     assert "Raises" in (inspect.getdoc(compat.assert_async) or "")
+
+
+def _public_modules() -> set[str]:
+    """The modules that define a class or function of ``f8tensor.__all__`` (plus the package)."""
+    found = {"f8tensor"}
+    for name in f8tensor.__all__:
+        obj = getattr(f8tensor, name)
+        if inspect.isclass(obj) or inspect.isfunction(obj):
+            found.add(obj.__module__)
+    return found
+
+
+def test_public_modules_are_strictly_typed_and_doctested():
+    # A module that starts defining a public name (a merge, a new feature) joins the
+    # modules mypy checks with disallow_untyped_defs and those whose examples run.
+    tomllib = pytest.importorskip("tomllib")
+    from tests.test_doctests import PUBLIC_MODULES
+
+    overrides = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["mypy"]["overrides"]
+    strict = {m for o in overrides if o.get("disallow_untyped_defs") for m in o["module"]}
+    public = _public_modules()
+    assert public <= strict, f"add to disallow_untyped_defs in pyproject.toml: {sorted(public - strict)}"
+    assert public <= set(PUBLIC_MODULES), f"add to PUBLIC_MODULES in tests/test_doctests.py: {sorted(public - set(PUBLIC_MODULES))}"
