@@ -17,6 +17,7 @@ Layer: the bottom. Imports torch only; every module of the package may import it
 from __future__ import annotations
 
 import sys
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -95,8 +96,13 @@ META_FLOORS_BLOCK_SCALES: bool = TORCH_VERSION < (2, 14)
 
 def assert_async(condition: torch.Tensor, message: str) -> None:
     """``torch._assert_async(condition, message)`` (torch >= 1.11; the message from 2.1): a
-    device-side check of a boolean tensor, no host sync; on CPU it raises at once. Traceable
-    by torch.compile."""
+    device-side check of a one-element boolean tensor, no host sync; on CPU it raises at
+    once. Traceable by torch.compile.
+
+    Raises:
+        RuntimeError: on CPU, ``condition`` is False (with ``message``); on CUDA a false
+            condition stops the device, and the error surfaces at the next synchronisation.
+    """
     torch._assert_async(condition, message)
 
 
@@ -156,7 +162,13 @@ def has_block_scaled_mm() -> bool:
 
 
 def block_scaled_mm(*args: Any, **kwargs: Any) -> torch.Tensor:
-    """``torch.nn.functional.scaled_mm`` (the original function; public, torch >= 2.10)."""
+    """``torch.nn.functional.scaled_mm`` (the original function; public, torch >= 2.10).
+
+    Raises:
+        RuntimeError: this torch has no ``F.scaled_mm`` (the message names the version).
+    """
+    if _F_SCALED_MM is None:
+        raise RuntimeError(f"torch.nn.functional.scaled_mm needs torch >= 2.10; this is torch {torch.__version__}")
     return _F_SCALED_MM(*args, **kwargs)
 
 
@@ -178,6 +190,7 @@ GROUPED_MM_FUNCTIONS: tuple[Callable[..., torch.Tensor], ...] = (_GROUPED_MM,) +
 
 # ----------------------------------------------------------------------- tensor subclasses
 
+_WEIGHTS_ONLY_LOAD_CODE: types.CodeType | None
 try:  # torch >= 2.1: the unpickler of torch.load(weights_only=True)
     from torch._weights_only_unpickler import Unpickler as _WeightsOnlyUnpickler
 
@@ -212,7 +225,7 @@ def make_wrapper_subclass(cls: type, like: torch.Tensor, *, dtype: torch.dtype, 
 
 #: ``torch._C._disabled_torch_function_impl`` (torch >= 1.7): a subclass's
 #: ``__torch_function__`` that leaves every call to ``__torch_dispatch__``.
-DISABLED_TORCH_FUNCTION = torch._C._disabled_torch_function_impl
+DISABLED_TORCH_FUNCTION: Any = torch._C._disabled_torch_function_impl
 
 
 def disable_torch_function_subclass():

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -43,7 +43,7 @@ __all__ = [
 ]
 
 
-def _parse_enum(cls: type[enum.Enum], value: object, what: str):
+def _parse_enum(cls: type[enum.Enum], value: object, what: str) -> Any:
     """``cls(value)`` for the strings users type, with an error listing what is allowed."""
     if isinstance(value, cls):
         return value
@@ -92,6 +92,17 @@ class BlockGranularity(NamedTuple):
     Public spellings: :data:`BLOCK_1x128`, :data:`BLOCK_128x128`, :data:`MX_1x32`,
     :data:`MX_1x32_FLOOR`, or a plain tuple such as ``(1, 128)`` (fp32 scales).
     A NamedTuple, not a dataclass, for the reason given at :class:`GemmConfig`.
+
+    Raises:
+        ValueError: when a cast or a config uses it (:meth:`validated`): a ``block`` that is
+            not a non-empty tuple of ints in ``[0, 2**63)``, an unknown ``scale_dtype`` or
+            ``scale_mode``, or a tensor with fewer dims than ``block`` has entries.
+
+    Example:
+        >>> from f8tensor import BlockGranularity, Float8Tensor
+        >>> g = BlockGranularity((1, 32), torch.float8_e8m0fnu)
+        >>> Float8Tensor.from_hp(torch.randn(4, 64), granularity=g)._scale.shape
+        torch.Size([4, 2])
     """
 
     block: tuple[int, ...]
@@ -266,6 +277,10 @@ class GemmConfig(NamedTuple):
     handles plain named tuples (on every supported torch version) but neither dataclasses
     nor tuples with a custom ``__new__``. So it is checked where it enters the public
     API (:meth:`validated`). Derive variants with ``cfg._replace(...)``.
+
+    Raises:
+        ValueError: from :meth:`validated`, which the entry points call: an ``out_dtype``
+            the FP8 kernels cannot write (the message lists the allowed ones).
     """
 
     out_dtype: torch.dtype | None = None
@@ -319,6 +334,16 @@ class CastConfig:
     GEMM). ``rounding``: ``"nearest"`` (round to nearest even, the default) or
     ``"stochastic"`` (unbiased; draws from torch's global generator, so runs repeat under
     ``torch.manual_seed``), in any recipe, typically for ``grad_output``.
+
+    Raises:
+        TypeError: ``dtype`` is not an FP8 dtype, or a flag is not a bool.
+        ValueError: an unknown granularity, scaling or rounding, or delayed scaling with a
+            granularity other than tensorwise.
+
+    Example:
+        >>> from f8tensor import CastConfig
+        >>> CastConfig(torch.float8_e5m2, "rowwise").granularity
+        <Granularity.ROWWISE: 'rowwise'>
     """
 
     dtype: torch.dtype = torch.float8_e4m3fn
@@ -411,6 +436,9 @@ class DelayedScalingConfig:
     ``history_len`` in ``[1, MAX_HISTORY_LEN]``; ``margin``: headroom of ``2**margin``
     below the format's max, an int from 0 up to :func:`max_margin` of the formats that
     use it (checked by :class:`Float8LinearConfig`, which knows them).
+
+    Raises:
+        ValueError: a history length below 1, an unknown reduction or a negative margin.
     """
 
     history_len: int = 16
@@ -450,6 +478,11 @@ class Float8LinearConfig:
       weight cast; see ``distributed/fsdp.py`` for what each gathers).
     - ``collect_stats``: record saturation/underflow telemetry per cast (see ``stats.py``).
     - ``emulate``: on CUDA, run block-scaled GEMMs on the reference path (see :class:`GemmConfig`).
+
+    Raises:
+        TypeError: a field of the wrong type (e.g. ``input`` not a :class:`CastConfig`).
+        ValueError: a combination the GEMMs cannot run (see the message), e.g. FP8 all-gather
+            with a weight cast other than dynamic tensorwise.
     """
 
     input: CastConfig = CastConfig(_E4M3)
@@ -499,13 +532,28 @@ class Float8LinearConfig:
         return self.input.delayed or self.weight.delayed or self.grad_output.delayed
 
     @classmethod
-    def from_recipe(cls, name: str, **overrides: object) -> Float8LinearConfig:
+    def from_recipe(cls, name: str, **overrides: Any) -> Float8LinearConfig:
         """A named recipe: ``"tensorwise"``, ``"rowwise"``, ``"rowwise_with_gw_hp"``, ``"delayed"``,
         ``"blockwise"`` (DeepSeek-V3: 1x128 input and grad_output, 128x128 weight, e4m3, fp32
         scales) or ``"mxfp8"`` (every operand 1x32 along its GEMM's contracted dim, e4m3,
         e8m0 scales with the RCEIL exponent).
 
         Keyword overrides replace top-level fields (e.g. ``pad_inner_dim=True``).
+        The :doc:`recipes` page tabulates every recipe.
+
+        Raises:
+            ValueError: an unknown recipe name, or an override the config refuses.
+            TypeError: an override that names no field of :class:`Float8LinearConfig`.
+
+        Example:
+            >>> from f8tensor import Float8LinearConfig
+            >>> config = Float8LinearConfig.from_recipe("rowwise", pad_inner_dim=True)
+            >>> config.input.granularity.value, config.pad_inner_dim
+            ('rowwise', True)
+            >>> Float8LinearConfig.from_recipe("fast")
+            Traceback (most recent call last):
+            ...
+            ValueError: unknown recipe 'fast'; choose one of [...]
         """
         if not isinstance(name, str) or name not in RECIPES:
             raise ValueError(f"unknown recipe {name!r}; choose one of {sorted(RECIPES)}")

@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import warnings
 from collections.abc import Callable
+from typing import cast
 
 import torch
 from torch import nn
@@ -25,8 +26,11 @@ from f8tensor.gemm.rules import ALIGN
 from f8tensor.linear import Float8Conv1D, Float8Linear, check_config, dims_ok, is_transposed_linear
 from f8tensor.moe import Float8ExpertWeight, expert_path, plan_experts, wrap_experts
 
+_FSDPModule: type | None
 if torch.distributed.is_available():
-    from torch.distributed.fsdp import FSDPModule as _FSDPModule
+    from torch.distributed.fsdp import FSDPModule
+
+    _FSDPModule = FSDPModule
 else:  # a build without torch.distributed: nothing can be sharded
     _FSDPModule = None
 
@@ -41,7 +45,7 @@ _SKIP_FORWARD = "nn.Linear subclass overriding forward"
 _SKIP_FSDP = "Conv1D with FP8 all-gather (needs an (out, in) weight)"
 _SKIP_MHA = "nn.MultiheadAttention out_proj (F.multi_head_attention_forward reads its weight; its forward never runs)"
 
-_FLOAT8_SUBCLASSES: dict[type, type] = {}
+_FLOAT8_SUBCLASSES: dict[type, type[Float8Linear]] = {}
 
 
 def _new_float8_subclass_instance(base: type) -> nn.Module:
@@ -54,10 +58,10 @@ def _new_float8_subclass_instance(base: type) -> nn.Module:
 def _reduce_float8_subclass(self: nn.Module, protocol: int) -> tuple:
     # The class is made at run time, so pickle cannot find it by name: pickle the base
     # class (importable) and the state instead.
-    return (_new_float8_subclass_instance, (type(self)._float8_base,), self.__dict__.copy())
+    return (_new_float8_subclass_instance, (type(self)._float8_base,), self.__dict__.copy())  # type: ignore[attr-defined]  # set by _float8_subclass
 
 
-def _float8_subclass(cls: type) -> type:
+def _float8_subclass(cls: type) -> type[Float8Linear]:
     """``Float8Linear`` mixed into an ``nn.Linear`` subclass that keeps ``nn.Linear.forward``.
 
     The converted layer stays an instance of ``cls`` (methods such as a library's
@@ -68,10 +72,13 @@ def _float8_subclass(cls: type) -> type:
     if cls is nn.Linear:
         return Float8Linear
     if cls not in _FLOAT8_SUBCLASSES:
-        _FLOAT8_SUBCLASSES[cls] = type(
-            f"Float8{cls.__name__}",
-            (Float8Linear, cls),
-            {"__module__": cls.__module__, "_float8_base": cls, "__reduce_ex__": _reduce_float8_subclass},
+        _FLOAT8_SUBCLASSES[cls] = cast(
+            "type[Float8Linear]",
+            type(
+                f"Float8{cls.__name__}",
+                (Float8Linear, cls),
+                {"__module__": cls.__module__, "_float8_base": cls, "__reduce_ex__": _reduce_float8_subclass},
+            ),
         )
     return _FLOAT8_SUBCLASSES[cls]
 
@@ -125,7 +132,9 @@ def _check_same_recipe(
     config that this call's filters do not select (left as they are: one model may hold
     several recipes, a layer at a time). A layer or expert weight FP8 with another config
     that the filters select is refused, by name (nothing changes)."""
-    same, kept, other = [], [], []
+    same: list[str] = []
+    kept: list[str] = []
+    other: list[str] = []
     for fqn, m in module.named_modules():
         found = _fp8_config(m)
         if found is not None:
@@ -208,6 +217,20 @@ def convert_to_float8_training(
     routers stay high precision). ``experts_filter_fn(experts_module, param_fqn) -> bool``
     chooses which; return False for all to keep every expert in high precision. Their names
     join the summary and ``float8_converted_fqns``.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module``, a filter is not callable, or
+            ``config`` is not a :class:`~f8tensor.Float8LinearConfig`.
+        ValueError: the model is already sharded by ``fully_shard``, or already holds FP8
+            layers or expert weights converted with another config (named).
+
+    Example:
+        >>> from torch import nn
+        >>> from f8tensor import convert_to_float8_training
+        >>> model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16))
+        >>> model = convert_to_float8_training(model, module_filter_fn=lambda mod, fqn: fqn != "2")
+        >>> model.float8_converted_fqns, type(model[0]).__name__, model(torch.randn(8, 32)).shape
+        (('0',), 'Float8Linear', torch.Size([8, 16]))
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"convert_to_float8_training expects an nn.Module; got {type(module).__name__}")
@@ -240,8 +263,9 @@ def convert_to_float8_training(
         if module_filter_fn is not None and not module_filter_fn(mod, fqn):
             skipped.setdefault(_SKIP_FILTER, []).append(name)
             return False
-        in_features, out_features = mod.weight.shape if transposed else (mod.in_features, mod.out_features)
-        if not dims_ok(in_features, out_features, config):
+        # `mod` is an nn.Linear or a transformers Conv1D (checked above); nn.Module types neither.
+        in_features, out_features = mod.weight.shape if transposed else (mod.in_features, mod.out_features)  # type: ignore[misc]
+        if not dims_ok(in_features, out_features, config):  # type: ignore[arg-type]
             logger.warning(
                 "f8tensor: left %s (%d -> %d) in high precision: FP8 GEMMs need dimensions that are "
                 "multiples of %d (set pad_inner_dim=True to pad instead)",
@@ -270,7 +294,7 @@ def convert_to_float8_training(
     # Apply, children first: a converted layer takes its (already converted) children along.
     result = module
     for parent, name, _, mod in reversed(swaps):
-        new = Float8Conv1D.from_conv1d(mod, config) if is_transposed_linear(mod) else _convert_linear(mod, config)
+        new = Float8Conv1D.from_conv1d(mod, config) if is_transposed_linear(mod) else _convert_linear(mod, config)  # type: ignore[arg-type]  # wants(): an nn.Linear
         if parent is None:
             result = new
         else:
@@ -283,7 +307,7 @@ def convert_to_float8_training(
     path = expert_path(config, result.get_parameter(experts[0]).device) if experts else None
     _report_conversion(converted, skipped, candidates, experts, already, path, kept)
     fp8 = already + kept + converted + experts
-    result.float8_converted_fqns = tuple(sorted(set(fp8), key=fp8.index))
+    result.float8_converted_fqns = tuple(sorted(set(fp8), key=fp8.index))  # type: ignore[assignment]  # a plain attribute, not a submodule
     return result
 
 
@@ -337,6 +361,7 @@ def keep_tied_weights_tied(module: nn.Module) -> None:
         if not wrapped:
             continue
         all_fp8 = all(isinstance(m, Float8Linear) and n == "weight" for m, n, _ in group)
+        shared: nn.Parameter
         if all_fp8:
             shared = wrapped[0]
         else:

@@ -118,7 +118,16 @@ _ALLOWED_HP = ", ".join(str(d) for d in HP_DTYPES)
 
 
 def float8_max(dtype: torch.dtype) -> float:
-    """Largest finite value of ``dtype`` (448, 57344, 240 or 57344)."""
+    """Largest finite value of ``dtype`` (448, 57344, 240 or 57344).
+
+    Raises:
+        TypeError: ``dtype`` is not one of the four FP8 dtypes.
+
+    Example:
+        >>> from f8tensor import float8_max
+        >>> float8_max(torch.float8_e4m3fn), float8_max(torch.float8_e5m2)
+        (448.0, 57344.0)
+    """
     return FORMATS[check_float8_dtype(dtype)].max
 
 

@@ -112,6 +112,7 @@ def cast_operand(
     spec = cast.operand_spec(contracted_dim)
     if not cast.delayed:
         return _cast(stats, hp, spec, gemm=gemm), None
+    assert history is not None  # a delayed cast comes with its amax history
     # The scale comes from the history alone (unit scale while it is empty, see
     # delayed_scale), so the cast does not wait for the current amax. That amax, pushed
     # into the history in backward, is taken after the cast, which is stored first
@@ -122,6 +123,7 @@ def cast_operand(
     # make it NaN, element by element, in the same pass (NaN stays NaN).
     guarded = torch.where(torch.isinf(hp), torch.nan, hp)
     if recompute:
+        assert scale_buffer is not None  # recomputed casts (input, weight) keep their scale
         scale = scale_buffer.clone()
     else:
         scale = delayed_scale(
@@ -259,7 +261,7 @@ class Float8LinearFn(torch.autograd.Function):
             w8, amax_w = cast_operand(weight, config.weight, 1, fwd, config, hist_w, scale_w, recompute, st_w)
         if calls is not None and not recompute:
             key = amax_x if amax_x is not None else _sync_amax(tensor_amax(x2))
-            _record_call(*calls, key, scale_in, scale_w)
+            _record_call(*calls, key, scale_in, scale_w)  # type: ignore[arg-type]  # calls: delayed buffers exist
         y = matmul(x8, transpose_2d(w8), bias=bias)  # built, not dispatched: torch.export traces it
 
         # The weight-gradient GEMM contracts over tokens (dim 0 of x): a tensorwise x8 is
@@ -353,7 +355,7 @@ class Float8LinearFn(torch.autograd.Function):
                 # format's max and grad_x finite. A dynamic scale is NaN then already.
                 hp_w = torch.where(torch.isinf(weight), torch.nan, weight) if config.weight.delayed else weight
                 w8 = to_float8(hp_w, CastSpec(config.weight.dtype), scale=w_scale, gemm=bwd)
-            grad_x = matmul(g8, w8).reshape(ctx.x_shape)
+            grad_x = matmul(g8, w8).reshape(ctx.x_shape)  # type: ignore[arg-type]  # need_grad_x: g8 was cast
 
         # grad_W = g.t() @ x: contraction over M.
         grad_w = None
@@ -363,7 +365,7 @@ class Float8LinearFn(torch.autograd.Function):
             else:
                 # Both operands with M innermost (column-major), written by their casts.
                 if gw_uses_g8:
-                    gt8 = g8_cm._replace(gemm=bwd_w)
+                    gt8 = g8_cm._replace(gemm=bwd_w)  # type: ignore[union-attr]  # need_grad_w and gw_uses_g8
                 else:
                     # When grad_x was not needed this is the only cast of grad_output: it
                     # then feeds the telemetry.

@@ -14,6 +14,8 @@ Layer: above ``functions`` and ``distributed.fsdp``; imports them, ``gemm``, ``t
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -112,6 +114,18 @@ class Float8Linear(nn.Linear):
     ``..._weight`` and ``..._grad_output``: non-persistent float64 vectors laid out as
     ``CAST_STATS_FIELDS``, overwritten by each cast, NaN until the first one. Read them
     through :func:`f8tensor.float8_stats`; switch them with :meth:`set_collect_stats`.
+
+    Raises:
+        TypeError: ``config`` is not a :class:`~f8tensor.Float8LinearConfig`, or the weight's
+            dtype is not bf16, fp16 or fp32 at forward.
+        ValueError: dimensions FP8 GEMMs cannot take (not multiples of 16) without
+            ``pad_inner_dim``.
+
+    Example:
+        >>> from f8tensor import Float8Linear, Float8LinearConfig
+        >>> layer = Float8Linear(32, 64, config=Float8LinearConfig.from_recipe("rowwise"))
+        >>> layer(torch.randn(8, 32)).shape
+        torch.Size([8, 64])
     """
 
     def __init__(
@@ -230,7 +244,7 @@ class Float8Linear(nn.Linear):
 
     def _forward_with(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """The forward with ``weight`` as the (out, in) matrix (Float8Conv1D passes a view)."""
-        bias = self.bias
+        bias: torch.Tensor | None = self.bias
         device_type = x.device.type if isinstance(x, torch.Tensor) else None
         # Autocast exists for some device types only (not meta): ask only where it does.
         # While compiling, the device is a real one; torch 2.11's dynamo cannot trace
@@ -269,7 +283,16 @@ class Float8Linear(nn.Linear):
         weight_amax = self.__dict__.get("fsdp_weight_amax") if delayed is not None and self.config.enable_fsdp_float8_all_gather else None
         return float8_linear(x, weight, bias, self.config, delayed, stats, weight_amax)
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+    def _load_from_state_dict(
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
         # The rule for the delayed-scaling state (PyTorch's for what is missing, plus one case;
         # a module never learns whether the load is strict: PyTorch passes strict=True here):
         # - the dict holds this layer's weight and none of its delayed state: a high-precision
@@ -291,9 +314,9 @@ class Float8Linear(nn.Linear):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
         if device is not None and local_metadata.get("assign_to_params_buffers", False):
             for name in self._non_persistent_buffers_set & set(self._buffers):
-                buf = self._buffers[name]
-                if buf is not None and buf.device != device:
-                    self._buffers[name] = _fresh_state(name, buf, device)
+                kept = self._buffers[name]
+                if kept is not None and kept.device != device:
+                    self._buffers[name] = _fresh_state(name, kept, device)
         self._keep_fsdp_weight()
 
     def _keep_fsdp_weight(self) -> None:
@@ -316,16 +339,16 @@ class Float8Linear(nn.Linear):
         super().__setstate__(state)
         self._keep_fsdp_weight()
 
-    def _apply(self, fn, recurse=True):
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Float8Linear:
         # model.to(dtype) / .bfloat16() / .half() cast every floating buffer, but the
         # delayed-scaling state is fp32 by the scale semantics (a bf16 history rounds the
         # amax, a bf16 scale is refused by _scaled_mm): it follows device moves and keeps
         # its dtype.
-        state = {name: self._buffers[name] for name in _DELAYED_BUFFERS if name in self._buffers}
+        state = {name: buf for name in _DELAYED_BUFFERS if (buf := self._buffers.get(name)) is not None}
         super()._apply(fn, recurse)
         for name, old in state.items():
             new = self._buffers[name]
-            if new.dtype != old.dtype:
+            if new is not None and new.dtype != old.dtype:
                 self._buffers[name] = old.to(device=new.device)
         return self
 
@@ -388,13 +411,14 @@ class Float8Conv1D(Float8Linear):
     def from_conv1d(cls, conv: nn.Module, config: Float8LinearConfig | None = None) -> Float8Conv1D:
         if not is_transposed_linear(conv):
             raise TypeError(f"from_conv1d expects a transformers Conv1D; got {type(conv).__name__}")
-        in_features, out_features = conv.weight.shape
+        weight, bias = cast(nn.Parameter, conv.weight), cast("nn.Parameter | None", conv.bias)
+        in_features, out_features = weight.shape
         with torch.device("meta"):
-            new = cls(in_features, out_features, bias=conv.bias is not None, config=config)
+            new = cls(in_features, out_features, bias=bias is not None, config=config)
         if new.config.enable_fsdp_float8_all_gather:
             raise ValueError("Float8Conv1D: FP8 all-gather needs an (out, in) weight; use enable_fsdp_float8_all_gather=False")
-        new.weight, new.bias = conv.weight, conv.bias
-        device = conv.weight.device
+        new.weight, new.bias = weight, bias  # type: ignore[assignment]  # nn.Linear's bias may be None
+        device = weight.device
         for name, buf in list(new.named_buffers(recurse=False)):
             fill = torch.full_like(buf, torch.nan, device=device) if name in STATS_BUFFERS else _fresh_state(name, buf, device)
             setattr(new, name, fill)

@@ -45,13 +45,13 @@ Layer: above ``functions`` (beside ``linear``); imports ``functions``, ``weights
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, cast
 
 import torch
 from torch import nn
 
-from f8tensor import kernels
+from f8tensor import compat, kernels
 from f8tensor.compat import GROUPED_MM_FUNCTIONS, disable_torch_function_subclass, is_op_of_namespace
 from f8tensor.compat import grouped_mm as hp_grouped_mm
 from f8tensor.config import CastConfig, CastSpec, Float8LinearConfig, is_tensorwise
@@ -87,12 +87,35 @@ def _spec(cast: CastConfig, contracted_dim: int, *, ndim: int = 2, per_expert: b
 def per_expert_loop(config: Float8LinearConfig) -> bool:
     """Whether ``config``'s expert GEMMs run as a per-expert loop of ``Float8Linear``'s GEMMs:
     block scales or stochastic rounding on any operand, which the grouped kernel's one fp32
-    scale per row / column cannot express (see the module docstring)."""
+    scale per row / column cannot express (see the module docstring). Otherwise they run
+    as one grouped (or batched) FP8 product.
+
+    Example:
+        >>> from f8tensor import Float8LinearConfig
+        >>> from f8tensor.moe import per_expert_loop
+        >>> per_expert_loop(Float8LinearConfig.from_recipe("rowwise"))
+        False
+        >>> per_expert_loop(Float8LinearConfig.from_recipe("blockwise"))
+        True
+    """
     return any(c.blockwise or c.rounding != "nearest" for c in (config.input, config.weight, config.grad_output))
 
 
 def expert_path(config: Float8LinearConfig, device: torch.device | str) -> str:
-    """The path ``config``'s expert GEMMs take on ``device``, in words (the conversion report)."""
+    """The path ``config``'s expert GEMMs take on ``device``, in words (the line
+    :func:`~f8tensor.convert_to_float8_training` logs): the grouped FP8 kernel, its emulation,
+    or a per-expert loop (see :func:`per_expert_loop`) with or without a block-scaled kernel.
+    ``device``: a ``torch.device`` or its name.
+
+    Raises:
+        RuntimeError: ``device`` is not a device name torch knows.
+
+    Example:
+        >>> from f8tensor import Float8LinearConfig
+        >>> from f8tensor.moe import expert_path
+        >>> expert_path(Float8LinearConfig.from_recipe("tensorwise"), "cpu")
+        'grouped FP8 product, emulated (no grouped kernel on this device)'
+    """
     device = torch.device(device)
     if not per_expert_loop(config):
         if grouped_kernel_available(device):
@@ -111,8 +134,8 @@ def _block_kernel_here(config: Float8LinearConfig, device: torch.device) -> bool
     rule = block_rule_for(a.block, b.block, a.scale_dtype) if a.scale_dtype == b.scale_dtype else None
     if rule is None:
         return False
-    cuda = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
-    return CudaBuild((0, 0), cuda, torch.cuda.get_device_capability(device)) in rule.builds
+    cuda = cast("tuple[int, int]", tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2]))
+    return CudaBuild(compat.TORCH_VERSION, cuda, torch.cuda.get_device_capability(device)) in rule.builds
 
 
 def _expert_loop(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor | None, config: Float8LinearConfig) -> torch.Tensor:
@@ -193,7 +216,13 @@ def _group_cast(t: torch.Tensor, offs: torch.Tensor, g: int, spec: CastSpec) -> 
     return data, scale[:g]
 
 
-def _grouped_wgrad(x, grad: torch.Tensor, offs: torch.Tensor, g: int, config: Float8LinearConfig) -> torch.Tensor:
+def _grouped_wgrad(
+    x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+    grad: torch.Tensor,
+    offs: torch.Tensor,
+    g: int,
+    config: Float8LinearConfig,
+) -> torch.Tensor:
     """FP8 ``x[group].t() @ grad[group]`` per group: (G, K, N), in bf16.
 
     ``x``: the high-precision input, or ``(x8, scale)`` saved by a tensorwise forward (the
@@ -223,7 +252,9 @@ class _GroupedMMFn(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, w, offs, config):  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        ctx: Any, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, config: Float8LinearConfig
+    ) -> torch.Tensor:
         _check_contraction(x.shape[1], "forward")
         x8 = to_float8(x, _spec(config.input, 1))
         # weights: per expert (tensorwise) or per expert and output feature (rowwise), constant along K
@@ -239,7 +270,7 @@ class _GroupedMMFn(torch.autograd.Function):
         return out.to(x.dtype)
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         x, x8, xs, w, offs, ws = ctx.saved_tensors
         x_dtype = ctx.x_dtype
         config: Float8LinearConfig = ctx.config
@@ -285,7 +316,7 @@ class _ExpertBmmFn(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, w, config):  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, config: Float8LinearConfig) -> torch.Tensor:  # type: ignore[override]
         ctx.save_for_backward(x, w)
         ctx.config = config
         _check_contraction(x.shape[2], "batched forward")
@@ -294,7 +325,7 @@ class _ExpertBmmFn(torch.autograd.Function):
         return _bmm_fp8(x, w, _spec(config.input, 2, ndim=3), w_spec).to(x.dtype)
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         x, w = ctx.saved_tensors
         c: Float8LinearConfig = ctx.config
         grad_x = grad_w = None
@@ -315,14 +346,14 @@ class _Unwrap(torch.autograd.Function):
     """The plain tensor inside a :class:`Float8ExpertWeight`, with the gradient passed through."""
 
     @staticmethod
-    def forward(ctx, w):  # type: ignore[override]
+    def forward(ctx: Any, w: Float8ExpertWeight) -> torch.Tensor:  # type: ignore[override]
         # Through dispatch (view.dtype is neither in VIEWS nor COPIES: the result is the plain
         # alias of _hp), not through the attribute: torch.export traces above the subclass,
         # where ``w._hp`` would be an untracked tensor (lifted as a constant).
         return w.view(w.dtype)
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         return grad
 
 
@@ -431,6 +462,11 @@ class Float8ExpertWeight(HighPrecisionWeight):
     (``F.linear``, ``bmm``, ``grouped_mm``) knows to run in FP8. A ``state_dict`` holds the
     plain tensor; a parameter pickles wrapped (whole-model copies stay FP8); setting its
     data to a plain tensor of another dtype (``model.double()``) is refused.
+
+    Raises:
+        NotImplementedError: a product this weight cannot run in FP8 (it names the op and the
+            ways an expert weight multiplies), instead of a silent high-precision product.
+        TypeError: its data set to a tensor of another dtype (``model.double()``).
     """
 
     _config: Float8LinearConfig
@@ -464,7 +500,7 @@ class Float8ExpertWeight(HighPrecisionWeight):
     def __repr__(self) -> str:  # type: ignore[override]
         return f"Float8ExpertWeight({self._hp!r})"
 
-    def __reduce_ex__(self, protocol):  # type: ignore[override]
+    def __reduce_ex__(self, protocol: Any) -> Any:  # type: ignore[override]
         # A parameter (whole-model pickle, torch.save(model), deepcopy) comes back wrapped,
         # with its recipe: the copy trains its experts in FP8 as the original does. Anything
         # else (a state_dict, which holds the plain tensors, an optimizer state) pickles as
@@ -485,7 +521,9 @@ class Float8ExpertWeight(HighPrecisionWeight):
     # again, so the unsharded experts still multiply in FP8. Here rather than in distributed/fsdp.py:
     # plain methods FSDP2 looks up on the parameter, needing nothing from torch.distributed.
 
-    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+    def fsdp_pre_all_gather(
+        self, mesh: Any, outer_size: torch.Size, outer_stride: tuple[int, ...], module: nn.Module, mp_policy: Any
+    ) -> tuple[tuple[torch.Tensor, ...], None]:
         hp = self._hp
         if mp_policy.param_dtype is not None and hp.dtype != mp_policy.param_dtype:
             hp = hp.to(mp_policy.param_dtype)
@@ -495,14 +533,21 @@ class Float8ExpertWeight(HighPrecisionWeight):
             hp = torch.nn.functional.pad(hp, [0, 0] * (hp.dim() - 1) + [0, rows - hp.shape[0]])
         return (hp.contiguous(),), None
 
-    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+    def fsdp_post_all_gather(
+        self,
+        all_gather_outputs: tuple[torch.Tensor, ...],
+        metadata: Any,
+        param_dtype: torch.dtype,
+        *,
+        out: torch.Tensor | None = None,
+    ) -> tuple[Float8ExpertWeight, tuple[torch.Tensor, ...]] | None:
         (data,) = all_gather_outputs
         if out is not None:  # the gathered values already sit in out's storage
             return None
         return Float8ExpertWeight(data, self._config), (data,)
 
     @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
+    def __torch_function__(cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:  # type: ignore[override]
         route = _ROUTES.get(func)
         if route is None and is_op_of_namespace(func, "transformers"):
             _register_hf_fallback()  # weights wrapped by hand, not by the converter
@@ -521,7 +566,7 @@ class Float8ExpertWeight(HighPrecisionWeight):
             return func(*args, **(kwargs or {}))
 
     @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:  # type: ignore[override]
         if func in _GEMMS or is_op_of_namespace(func, "transformers"):
             raise NotImplementedError(
                 f"{func} with an FP8 expert weight would run in high precision. Expert weights multiply "
@@ -531,7 +576,7 @@ class Float8ExpertWeight(HighPrecisionWeight):
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
-_SET_DATA = torch.Tensor.data.__set__
+_SET_DATA = torch.Tensor.data.__set__  # type: ignore[attr-defined]  # a getset descriptor at run time; the stubs declare a plain attribute
 
 
 def _rebuild_expert_parameter(hp: torch.Tensor, config: Float8LinearConfig, requires_grad: bool) -> nn.Parameter:
@@ -572,6 +617,23 @@ def float8_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, conf
     ``config``: the recipe for a plain ``w`` (default: tensorwise). Validated like
     ``Float8Linear``'s inputs (:func:`f8tensor.gemm.grouped.validate_grouped_mm_args`): K and
     N multiples of 16 (checked here, in forward), bf16/fp16/fp32 operands.
+
+    Raises:
+        TypeError: ``x`` or ``w`` not a bf16/fp16/fp32 tensor, ``offs`` neither an integer
+            tensor nor a list of ints, or ``config`` not a :class:`Float8LinearConfig`.
+        ValueError: shapes that are not ``(M, K)``, ``(G, K, N)``, ``(G,)``; K or N not a
+            multiple of 16; ``offs`` decreasing or outside [0, M] (on CPU at once; on CUDA
+            and under ``torch.compile`` by an asynchronous device assert).
+
+    Example:
+        >>> from f8tensor import float8_grouped_mm
+        >>> x = torch.randn(48, 32, dtype=torch.bfloat16, requires_grad=True)
+        >>> w = torch.randn(3, 32, 64, dtype=torch.bfloat16, requires_grad=True)
+        >>> offs = torch.tensor([16, 16, 48], dtype=torch.int32)  # expert 1 gets no token
+        >>> y = float8_grouped_mm(x, w, offs)
+        >>> y.sum().backward()
+        >>> y.shape, x.grad.shape, w.grad.shape
+        (torch.Size([48, 64]), torch.Size([48, 32]), torch.Size([3, 32, 64]))
     """
     if isinstance(w, Float8ExpertWeight):
         config = w._config if config is None else config
@@ -587,7 +649,7 @@ def float8_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, conf
 # ===================================================================== the converter
 
 
-def _expert_params(module: nn.Module):
+def _expert_params(module: nn.Module) -> Iterator[tuple[nn.Module, str, str, nn.Parameter]]:
     """(module, fqn prefix, name, param) for every 3D parameter (num_experts, ., .) of an experts module."""
     for mod_fqn, mod in module.named_modules():
         n = getattr(mod, "num_experts", None)
@@ -660,6 +722,9 @@ def convert_experts_to_float8(
     convert. Weights whose last two dims are not multiples of 16 stay high precision
     (logged), and so does every expert weight under a delayed recipe (logged, only when
     the model has expert weights). Returns the converted parameter names.
+
+    Raises:
+        TypeError: ``experts_filter_fn`` is neither None nor callable.
     """
     if experts_filter_fn is not None and not callable(experts_filter_fn):
         raise TypeError(f"experts_filter_fn must be a callable (module, fqn) -> bool or None; got {experts_filter_fn!r}")

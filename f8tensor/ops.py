@@ -547,7 +547,8 @@ def _copy_(func, types, args, kwargs):
         src = to_float8(src.to(dst._orig_dtype), CastSpec(dst._data.dtype, dst._scale_block, dst._scale.dtype))
     if src._scale is not dst._scale and _scale_shared_beyond(dst):
         raise NotImplementedError(
-            f"copy_ into a view of shape {tuple(dst.shape)} of a Float8Tensor of shape {tuple(view_base(dst).shape)} "
+            # _scale_shared_beyond is True only for a view: view_base is not None here.
+            f"copy_ into a view of shape {tuple(dst.shape)} of a Float8Tensor of shape {tuple(view_base(dst).shape)} "  # type: ignore[union-attr]
             f"would change the scale it shares with elements outside the view. Copy into the whole "
             f"tensor, or call .to_hp(), update, and cast again with Float8Tensor.from_hp."
         )

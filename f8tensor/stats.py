@@ -95,6 +95,19 @@ def enable_float8_stats(
     the statistics are read, never in forward, so it costs no sync and no graph break.
 
     Returns ``model``.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module`` or ``enabled`` is not a bool.
+        ValueError: ``warn_saturation_above`` is outside ``[0, 1)``.
+
+    Example:
+        >>> from torch import nn
+        >>> from f8tensor import convert_to_float8_training, enable_float8_stats, float8_stats
+        >>> model = enable_float8_stats(convert_to_float8_training(nn.Sequential(nn.Linear(32, 32))))
+        >>> model(torch.randn(16, 32)).sum().backward()
+        >>> stats = float8_stats(model)
+        >>> stats["0/input/saturated_frac"], stats["0/grad_output/underflow_frac"]
+        (0.0, 0.0)
     """
     _check_model(model, "enable_float8_stats")
     if not isinstance(enabled, bool):
@@ -144,7 +157,7 @@ def float8_stats(model: nn.Module, *, history: bool = False) -> dict[str, float]
       (scaled magnitude above :func:`~f8tensor.formats.saturation_bound`; max itself is
       representable and does not count, nor does a value that rounds to max anyway).
     - ``underflow_frac`` / ``underflow_count``: non-zero in high precision, zero in FP8.
-    - ``amax``: max |value| of the high-precision operand. ``scale``: the scale used
+    - ``amax``: ``max |value|`` of the high-precision operand. ``scale``: the scale used
       (rowwise: the smallest of the row scales).
     - ``headroom_log2``: ``log2(float8_max / max|value * scale|)``: ~0 for dynamic
       scaling, > 0 for range left unused, < 0 when the amax itself was clipped.
@@ -158,6 +171,9 @@ def float8_stats(model: nn.Module, *, history: bool = False) -> dict[str, float]
     are absent; a model with none gives ``{}``. The values are gathered with a single
     device-to-host copy. Under data parallelism each rank reports its own tensors (the
     read runs no collective; reduce the dict yourself if you need a global view).
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
     """
     _check_model(model, "float8_stats")
     layers = _stats_layers(model)
@@ -241,6 +257,16 @@ def format_float8_stats(stats: nn.Module | Mapping[str, float]) -> str:
     One line per layer and role; fractions in percent, headroom in powers of two, ``-``
     for a value not measured yet (or a column the role does not have), ``nan``/``inf`` for
     a measured value that is not finite (a cast of an operand holding NaN or inf).
+
+    Raises:
+        TypeError: neither a module nor a mapping of ``float8_stats`` keys to numbers.
+        ValueError: a key that is not ``"{layer}/{role}/{field}"``.
+
+    Example:
+        >>> from f8tensor import format_float8_stats
+        >>> print(format_float8_stats({"up/input/saturated_frac": 0.0, "up/input/saturated_count": 0.0}))
+        layer  role    sat %  sat # ...
+        up     input  0.0000      0 ...
     """
     if isinstance(stats, nn.Module):
         stats = float8_stats(stats)
@@ -249,6 +275,7 @@ def format_float8_stats(stats: nn.Module | Mapping[str, float]) -> str:
     if not stats:
         return "(no FP8 statistics: call f8tensor.enable_float8_stats(model) and run a step)"
     rows: dict[tuple[str, str], dict[str, float]] = {}
+    value: float | None
     for key, value in stats.items():
         parts = key.split("/") if isinstance(key, str) else []
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -304,6 +331,15 @@ def sqnr(reference: torch.Tensor, actual: torch.Tensor) -> float:
 
     ``10 * log10(sum(ref**2) / sum((ref - actual)**2))``, computed in float64. Equal
     tensors give ``inf``; a NaN anywhere gives NaN (so a threshold check fails loudly).
+
+    Raises:
+        ValueError: the shapes differ.
+
+    Example:
+        >>> from f8tensor import Float8Tensor, sqnr
+        >>> x = torch.randn(256, 256)
+        >>> 25 < sqnr(x, Float8Tensor.from_hp(x).to_hp()) < 40  # e4m3, one scale: about 31 dB
+        True
     """
     if reference.shape != actual.shape:
         raise ValueError(f"sqnr needs equal shapes; got {tuple(reference.shape)} and {tuple(actual.shape)}")
@@ -316,7 +352,7 @@ def sqnr(reference: torch.Tensor, actual: torch.Tensor) -> float:
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
     to_hp = getattr(type(t), "to_hp", None)
-    return t.to_hp() if to_hp is not None else t
+    return to_hp(t) if to_hp is not None else t
 
 
 # ===================================================================== memory

@@ -18,10 +18,11 @@ Layer: above ``validation`` and ``kernels``; imports them, ``scaling``, ``config
 from __future__ import annotations
 
 import types
-from collections.abc import Callable, Iterable
-from typing import Any, ClassVar
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, ClassVar, NoReturn
 
 import torch
+from typing_extensions import TypeIs
 
 from f8tensor import kernels
 from f8tensor.compat import DISABLED_TORCH_FUNCTION, called_by_weights_only_load, is_fake, make_wrapper_subclass
@@ -69,10 +70,10 @@ __all__ = [
 # re-exported here: the dtypes a Float8Tensor's ``_scale`` may have. check_scale_values and
 # scale_from_number live in validation.py and are re-exported for the same reason.
 
-_NO_KWARGS = types.MappingProxyType({})
+_NO_KWARGS: types.MappingProxyType[str, Any] = types.MappingProxyType({})
 #: The checkpoint format :meth:`Float8Tensor.__reduce_ex__` writes (see ``validation.py``).
 _SERIAL_VERSION = SERIAL_VERSION
-OpHandler = Callable[[Any, Any, tuple, dict], Any]
+OpHandler = Callable[[Any, Any, tuple, Mapping[str, Any]], Any]
 
 
 class Float8Tensor(torch.Tensor):
@@ -117,6 +118,19 @@ class Float8Tensor(torch.Tensor):
     Build one with :meth:`from_hp`; get the high-precision values back with :meth:`to_hp`.
     Metadata is immutable and compares by value, so ``__tensor_flatten__`` and
     ``__tensor_unflatten__`` are exact inverses (torch.compile relies on it).
+
+    Raises:
+        NotImplementedError: an op with no FP8 handler (it names the op; call :meth:`to_hp`
+            first for a high-precision result), instead of a silent dequantization.
+        IndexError: an index outside ``[-size, size)``.
+        ValueError: an FP8 matrix product of operands (or a bias) on different devices;
+            :attr:`axiswise_dim` of a block-scaled tensor.
+
+    Example:
+        >>> from f8tensor import Float8Tensor
+        >>> x8 = Float8Tensor.from_hp(torch.randn(8, 16), granularity="rowwise")
+        >>> x8[2:4].shape, x8[2:4]._scale.shape, x8.to_hp().dtype
+        (torch.Size([2, 16]), torch.Size([2, 1]), torch.float32)
     """
 
     _data: torch.Tensor
@@ -131,7 +145,7 @@ class Float8Tensor(torch.Tensor):
     __torch_function__ = DISABLED_TORCH_FUNCTION
 
     @staticmethod
-    def __new__(
+    def __new__(  # noqa: PYI034 (staticmethod: no Self)
         cls,
         data: torch.Tensor,
         scale: torch.Tensor,
@@ -184,6 +198,23 @@ class Float8Tensor(torch.Tensor):
         with this tensor run. ``power_of_2_scale``: round a computed fp32 scale down to a
         power of two. ``rounding``: ``"nearest"`` (round to nearest even) or ``"stochastic"``
         (unbiased; ``generator`` makes it reproducible). The gradient flows to ``hp`` unchanged.
+
+        Raises:
+            TypeError: ``hp`` is not bf16/fp16/fp32 (or is already a Float8Tensor), or
+                ``float8_dtype`` is not an FP8 dtype.
+            ValueError: an unknown granularity or rounding, or a ``scale`` of the wrong
+                shape or with non-finite or non-positive values.
+
+        Example:
+            >>> from f8tensor import Float8Tensor
+            >>> w = torch.randn(64, 32, dtype=torch.bfloat16)
+            >>> w8 = Float8Tensor.from_hp(w)
+            >>> w8.shape, w8.dtype, w8._data.dtype, w8._scale.shape
+            (torch.Size([64, 32]), torch.bfloat16, torch.float8_e4m3fn, torch.Size([]))
+            >>> Float8Tensor.from_hp(w, granularity="rowwise")._scale.shape
+            torch.Size([64, 1])
+            >>> (torch.randn(8, 32, dtype=torch.bfloat16) @ w8.t()).shape
+            torch.Size([8, 64])
         """
         if isinstance(hp, Float8Tensor):
             raise TypeError("from_hp expects a high-precision tensor; got a Float8Tensor (call .to_hp() first)")
@@ -214,7 +245,18 @@ class Float8Tensor(torch.Tensor):
         return _FromHP.apply(hp, spec, scale, gemm_config, generator)
 
     def to_hp(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Dequantize to a plain tensor in the original dtype (or ``dtype``), differentiably."""
+        """Dequantize to a plain tensor in the original dtype (or ``dtype``), differentiably.
+
+        Raises:
+            TypeError: ``dtype`` is not bf16, fp16 or fp32.
+
+        Example:
+            >>> from f8tensor import Float8Tensor, sqnr
+            >>> w = torch.randn(64, 32)
+            >>> back = Float8Tensor.from_hp(w).to_hp()
+            >>> back.dtype, type(back) is torch.Tensor, sqnr(w, back) > 25
+            (torch.float32, True, True)
+        """
         if dtype is not None:
             check_hp_dtype(dtype, "to_hp dtype")
         return _ToHP.apply(self, dtype)
@@ -284,7 +326,7 @@ class Float8Tensor(torch.Tensor):
 
     def _replace(self, **changes: Any) -> Float8Tensor:
         """The one way to rebuild: a new Float8Tensor with some fields changed."""
-        fields = {
+        fields: dict[str, Any] = {
             "data": self._data,
             "scale": self._scale,
             "orig_dtype": self._orig_dtype,
@@ -302,7 +344,7 @@ class Float8Tensor(torch.Tensor):
 
     # ----------------------------------------------------------------- serialization
 
-    def __reduce_ex__(self, protocol):  # type: ignore[override]
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:  # type: ignore[override]
         """Pickle (``torch.save``, ``pickle``, ``copy.deepcopy``) as plain fields rebuilt by
         :func:`_rebuild_float8_tensor`, the one validating way back.
 
@@ -330,7 +372,7 @@ class Float8Tensor(torch.Tensor):
             "is_param": bool(self.__dict__.get("_is_param", False)),
         }
 
-    def __deepcopy__(self, memo: dict) -> Float8Tensor:
+    def __deepcopy__(self, memo: dict) -> torch.Tensor:
         if id(self) in memo:
             return memo[id(self)]
         fields = self._serial_fields()
@@ -396,7 +438,9 @@ class Float8Tensor(torch.Tensor):
         return register
 
     @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
+    def __torch_dispatch__(  # type: ignore[override]
+        cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         handler = cls._OPS.get(func)
         if handler is not None:
             return handler(func, types, args, kwargs if kwargs is not None else _NO_KWARGS)
@@ -419,10 +463,11 @@ def _compact(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
-def _rebuild_float8_tensor(version: object, fields: object) -> Float8Tensor:
+def _rebuild_float8_tensor(version: object, fields: object) -> torch.Tensor:
     """Unpickle a Float8Tensor (``torch.load``, with ``weights_only=True`` too; ``pickle``;
     ``copy.deepcopy``): every field is validated (``validation.checkpoint_fields``) before
-    the tensor exists. Checkpoints name this function: it stays defined in this module."""
+    the tensor exists. Checkpoints name this function: it stays defined in this module.
+    Returns the Float8Tensor, or an ``nn.Parameter`` over it when one was saved."""
     data, scale, orig_dtype, block, gemm, requires_grad, is_param = checkpoint_fields(version, fields)
     out = Float8Tensor(data, scale, orig_dtype, block, gemm)
     if is_param:
@@ -440,16 +485,18 @@ class _LegacyFloat8Tensor(Float8Tensor):
     """
 
     @staticmethod
-    def __new__(cls, *args: Any, **kwargs: Any):  # type: ignore[override]
+    def __new__(cls, *args: Any, **kwargs: Any) -> NoReturn:  # type: ignore[override]
         raise TypeError("a Float8Tensor is loaded through its validating rebuild, never constructed from a checkpoint")
 
     @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
+    def __torch_dispatch__(  # type: ignore[override]
+        cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> NoReturn:
         raise RuntimeError("a Float8Tensor from a checkpoint was used before its fields were restored (a malformed checkpoint)")
 
 
-def is_float8(x: object) -> bool:
-    """Whether ``x`` is a Float8Tensor."""
+def is_float8(x: object) -> TypeIs[Float8Tensor]:
+    """Whether ``x`` is a Float8Tensor (a type check narrows ``x`` by it)."""
     return isinstance(x, Float8Tensor)
 
 
@@ -493,7 +540,16 @@ def _tensor_block(spec: CastSpec, hp: torch.Tensor) -> tuple[int, ...]:
     return spec.block or (0,) * hp.dim()
 
 
-def _keyword_spec(hp, float8_dtype, axiswise_dim, block, power_of_2_scale, scale_dtype, scale_mode, rounding) -> CastSpec:
+def _keyword_spec(
+    hp: torch.Tensor,
+    float8_dtype: torch.dtype,
+    axiswise_dim: int | None,
+    block: tuple[int, ...] | None,
+    power_of_2_scale: bool,
+    scale_dtype: torch.dtype,
+    scale_mode: str,
+    rounding: str,
+) -> CastSpec:
     """The :class:`CastSpec` of the keyword spellings: ``block`` (a full per-dim block), or
     ``axiswise_dim`` (``None`` with no block: tensorwise)."""
     if block is None:
@@ -558,7 +614,14 @@ def dequantize(f8: Float8Tensor, dtype: torch.dtype | None = None) -> torch.Tens
 
 class _FromHP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hp, spec, scale, gemm, generator):  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        hp: torch.Tensor,
+        spec: CastSpec,
+        scale: torch.Tensor | None,
+        gemm: GemmConfig,
+        generator: torch.Generator | None,
+    ) -> Float8Tensor:
         if scale is not None:
             # An explicit scale skips the amax pass that would otherwise catch inf inputs:
             # keep them non-finite (NaN) rather than saturating them to a finite max.
@@ -566,15 +629,15 @@ class _FromHP(torch.autograd.Function):
         return to_float8(hp, spec, scale=scale, gemm=gemm, generator=generator)
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:  # type: ignore[override]
         return grad, None, None, None, None
 
 
 class _ToHP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, f8, dtype):  # type: ignore[override]
+    def forward(ctx: Any, f8: Float8Tensor, dtype: torch.dtype | None) -> torch.Tensor:  # type: ignore[override]
         return dequantize(f8, dtype)
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
         return grad, None

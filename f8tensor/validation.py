@@ -305,7 +305,8 @@ def legacy_state_fields(state: object, outer: tuple) -> tuple:
     if isinstance(state, tuple) and len(state) == 2 and state[1]:
         raise ValueError(f"Float8Tensor checkpoint: unexpected slot state {sorted(state[1])!r}")
     if not isinstance(dict_state, dict):
-        raise ValueError(f"Float8Tensor checkpoint: the state must be a dict of fields; got {type(dict_state).__name__}")
+        # Every defect of a checkpoint is a ValueError, a wrong type included.
+        raise ValueError(f"Float8Tensor checkpoint: the state must be a dict of fields; got {type(dict_state).__name__}")  # noqa: TRY004
     names = {"_data", "_scale", "_orig_dtype", "_axiswise_dim", "_gemm"}
     missing, extra = names - dict_state.keys(), dict_state.keys() - names - {"_is_param"}
     if missing or extra:

@@ -148,7 +148,8 @@ class HighPrecisionWeight(torch.Tensor):
             if same is not None and same._hp is t:
                 return same  # an in-place op returns its (wrapped) argument
             if (view or copy) and t.dtype in HP_DTYPES:
-                return type(first)(t, *first._meta(), writes=first._writes if view else None)
+                # Each subclass's __new__ takes (hp, *meta, writes=); torch's stubs know Tensor's only.
+                return type(first)(t, *first._meta(), writes=first._writes if view else None)  # type: ignore[call-overload]
             return t
 
         return tree_map_only(torch.Tensor, rewrap, out)

@@ -74,7 +74,7 @@ from f8tensor.weights import HighPrecisionWeight, WriteCount
 if dist.is_available():
     from torch.distributed.tensor import DTensor
 else:  # a torch build without torch.distributed: no parameter is ever a DTensor
-    DTensor = ()  # isinstance(x, ()) is always False
+    DTensor = ()  # type: ignore[assignment, misc]  # isinstance(x, ()) is always False
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -369,7 +369,7 @@ def _all_reduce_max(t: torch.Tensor, mesh: DeviceMesh) -> None:
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
 
 
-def wrap_weight(weight: nn.Parameter, cast: CastConfig, source: DelayedWeightSource | None = None) -> nn.Parameter:
+def wrap_weight(weight: torch.Tensor, cast: CastConfig, source: DelayedWeightSource | None = None) -> nn.Parameter:
     """``weight`` as a Parameter over a :class:`Float8AllGatherWeight` sharing its storage
     (``source``: the layer's :class:`DelayedWeightSource`, for a delayed cast).
 
@@ -377,7 +377,7 @@ def wrap_weight(weight: nn.Parameter, cast: CastConfig, source: DelayedWeightSou
     ``fully_shard``, which replaces every parameter anyway).
     """
     if isinstance(weight, Float8AllGatherWeight):
-        return weight
+        return weight  # type: ignore[return-value]  # already a Parameter over a Float8AllGatherWeight
     return nn.Parameter(Float8AllGatherWeight(weight.detach(), cast, source), requires_grad=weight.requires_grad)
 
 
@@ -408,6 +408,9 @@ def precompute_float8_scales_for_fsdp(module: nn.Module) -> None:
     ``torch.distributed.checkpoint.load`` writes in place only into shards that hold
     elements; follow it with ``model.load_state_dict`` (or ``set_state_dict``), as the
     checkpoint documentation does, which writes every shard, empty ones included.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module``.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"precompute_float8_scales_for_fsdp expects an nn.Module; got {type(module).__name__}")
@@ -415,7 +418,8 @@ def precompute_float8_scales_for_fsdp(module: nn.Module) -> None:
     for param in module.parameters():
         local = _local_of(param)
         if isinstance(local, Float8AllGatherWeight) and local._cast.tensorwise and not local._cast.delayed:
-            by_mesh.setdefault(param.device_mesh, []).append(local)
+            # A DTensor parameter (it has a local tensor); nn.Module.parameters() types it as Parameter.
+            by_mesh.setdefault(param.device_mesh, []).append(local)  # type: ignore[attr-defined]
     for mesh, weights in by_mesh.items():
         amaxes = torch.stack([tensor_amax(w._hp) for w in weights])
         _all_reduce_max(amaxes, mesh)

@@ -23,6 +23,8 @@ Layer: above ``operands`` in ``f8tensor.gemm``; imports ``operands``, ``check``,
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
 from f8tensor import compat
@@ -185,7 +187,7 @@ def _kernel_mm(
         )
     functional = torch.nn.functional
     major, minor = torch.cuda.get_device_capability(a8._data.device)
-    cuda = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
+    cuda = cast("tuple[int, int]", tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2]))
     here = CudaBuild(compat.TORCH_VERSION, cuda, (major, minor))
     if not hasattr(functional, "scaled_mm") or here not in rule.builds:
         raise NotImplementedError(

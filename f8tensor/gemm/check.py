@@ -369,6 +369,7 @@ def _grouped_scale_shapes(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor |
     if a.dim() == 2 and b.dim() == 3:
         return (a.shape[0],), (b.shape[0], b.shape[2])
     if a.dim() == 2 and b.dim() == 2:
+        assert offs is not None  # grouped_mm_violations returned earlier without offs
         g = offs.shape[0]
         return (g * a.shape[0],), (g * b.shape[1],)
     return (a.shape[0], a.shape[1]), (b.shape[0], b.shape[2])
@@ -377,7 +378,11 @@ def _grouped_scale_shapes(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor |
 def check_grouped_rules(a, b, scale_a, scale_b, offs, out_dtype) -> None:
     """Raise ``ValueError`` naming the rules a call to ``torch._scaled_grouped_mm`` would
     break. Grouped calls are refused up front, on every device and whether the check mode
-    is on or not: a model tested on CPU makes only grouped calls a GPU accepts."""
+    is on or not: a model tested on CPU makes only grouped calls a GPU accepts. Returns
+    None when the call obeys every row of :data:`~f8tensor.gemm.rules.GROUPED_RULES`.
+
+    Raises:
+        ValueError: every broken rule, in one message (see :func:`grouped_mm_violations`)."""
     problems = grouped_mm_violations(a, b, scale_a, scale_b, offs, out_dtype)
     if problems:
         raise ValueError("FP8 grouped GEMM: " + "; ".join(problems))
@@ -561,7 +566,17 @@ def rules_check_installed() -> _RulesCheck | None:
 @contextlib.contextmanager
 def rules_check(*, raise_on_violation: bool = True) -> Iterator[_RulesCheck]:
     """The check mode for a block of code: ``with rules_check() as check: ...``; the state
-    before (on or off, raising or recording) is restored after."""
+    before (on or off, raising or recording) is restored after.
+
+    Example:
+        >>> from f8tensor import Float8Tensor, float8_mm, gemm
+        >>> a = Float8Tensor.from_hp(torch.randn(16, 32, dtype=torch.bfloat16))
+        >>> b = Float8Tensor.from_hp(torch.randn(64, 32, dtype=torch.bfloat16)).t()
+        >>> with gemm.rules_check(raise_on_violation=False) as check:
+        ...     _ = float8_mm(a, b)
+        >>> check.take()  # what a supported CUDA build would refuse: nothing
+        []
+    """
     was_on, was_raising = _CHECK.active, _CHECK.raise_on_violation
     check = install_rules_check(raise_on_violation=raise_on_violation)
     try:
@@ -583,7 +598,11 @@ def install_from_env() -> None:
     """Switch the check mode on if :data:`RULES_CHECK_ENV` asks for it. gemm calls this once,
     at f8tensor's first FP8 product; an explicit :func:`install_rules_check` or
     :func:`uninstall_rules_check` before that wins over the variable. The env mode checks
-    f8tensor's own products; it does not wrap torch's functions."""
+    f8tensor's own products; it does not wrap torch's functions.
+
+    Raises:
+        ValueError: the variable holds something other than ``1``/``on``/``true``/``yes``/
+            ``raise``, ``record``, or ``0``/``off``/``false``/``no``/empty."""
     _CHECK.env_read = True
     mode = os.environ.get(RULES_CHECK_ENV, "").strip().lower()
     if mode in ("", "0", "off", "false", "no"):

@@ -44,6 +44,18 @@ def float8_mm(
     ``out_dtype`` needs ``out_scale`` and returns a Float8Tensor with that scale; the
     product is saturated into range, never overflowed; a non-finite one (an inf in
     ``bias``) becomes NaN, never the format's max.
+
+    Raises:
+        TypeError: neither operand is a Float8Tensor, or a dtype is not allowed.
+        ValueError: an FP8 ``out_dtype`` without ``out_scale`` (or the reverse).
+        RuntimeError: the shapes cannot be multiplied.
+
+    Example:
+        >>> from f8tensor import Float8Tensor, float8_mm
+        >>> a = Float8Tensor.from_hp(torch.randn(16, 32, dtype=torch.bfloat16))
+        >>> w = Float8Tensor.from_hp(torch.randn(64, 32, dtype=torch.bfloat16))
+        >>> float8_mm(a, w.t()).dtype, float8_mm(a, w.t(), out_dtype=torch.float32).shape
+        (torch.bfloat16, torch.Size([16, 64]))
     """
     out_scale = _check_float8_mm_args(a, b, bias, out_dtype, out_scale)
     if out_scale is not None:
@@ -54,11 +66,18 @@ def float8_mm(
         # it non-finite (NaN, the one non-finite value all four formats have).
         acc = matmul(a, b, bias=bias, out_dtype=torch.float32)
         acc = torch.where(torch.isinf(acc), torch.nan, acc)
+        assert out_dtype is not None  # _check_float8_mm_args: an out_scale comes with an FP8 out_dtype
         return to_float8(acc, CastSpec(out_dtype), scale=out_scale, orig_dtype=orig)
     return matmul(a, b, bias=bias, out_dtype=out_dtype)
 
 
-def _check_float8_mm_args(a, b, bias, out_dtype, out_scale) -> torch.Tensor | None:
+def _check_float8_mm_args(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype | None,
+    out_scale: torch.Tensor | float | None,
+) -> torch.Tensor | None:
     """float8_mm's arguments, checked at its entry; returns the 0-dim fp32 out_scale (FP8 output) or None."""
     for name, t in (("a", a), ("b", b)):
         if not isinstance(t, torch.Tensor):
@@ -101,7 +120,12 @@ def matmul(
     """``a (M, K) @ b (K, N)`` (+ ``bias``) in FP8: the way every 2D product goes (the op
     table's ``mm``/``addmm``, Float8Linear's three GEMMs, :func:`float8_mm`).
 
-    ``out_dtype``: default the operands' GemmConfig's, else ``a``'s original dtype."""
+    ``out_dtype``: default the operands' GemmConfig's, else ``a``'s original dtype.
+    Returns the ``(M, N)`` product in ``out_dtype``.
+
+    Raises:
+        RuntimeError: operands that are not 2D, or whose inner dims differ (torch's words).
+        ValueError: operands (or ``bias``) on different devices, both named."""
     _check_devices(a, b, bias)
     blockwise = (is_float8(a) and a.is_blockwise) or (is_float8(b) and b.is_blockwise)
     if a.dim() != 2 or b.dim() != 2:

@@ -32,6 +32,8 @@ Layer: above ``operands`` in ``f8tensor.gemm``; imports ``operands``, ``check``,
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
 from f8tensor import compat
@@ -96,7 +98,19 @@ def check_grouped_dims(k: int, n: int, what: str) -> None:
     """Refuse a grouped product whose contraction dim ``k`` or output dim ``n`` is not a
     multiple of 16: the kernel checks both on the host (``mat_a.size(-1)``, ``mat_b``'s
     dims), and the input gradient contracts over ``n``. Called at the entry of a product, so
-    a bad N fails in forward, not in backward."""
+    a bad N fails in forward, not in backward. ``what`` names the product in the message.
+
+    Raises:
+        ValueError: ``k`` or ``n`` is not a multiple of 16 (each wrong dim named).
+
+    Example:
+        >>> from f8tensor.gemm.grouped import check_grouped_dims
+        >>> check_grouped_dims(64, 32, "expert GEMM")  # fine: returns None
+        >>> check_grouped_dims(64, 40, "expert GEMM")
+        Traceback (most recent call last):
+            ...
+        ValueError: FP8 expert GEMM: N (output)=40; each must be a multiple of 16 ...
+    """
     wrong = [f"{name}={size}" for name, size in (("K (contraction)", k), ("N (output)", n)) if size % ALIGN]
     if wrong:
         raise ValueError(
@@ -118,7 +132,27 @@ def validate_grouped_mm_args(x: torch.Tensor, w: torch.Tensor, offs: object, con
 
     Offsets values: on a CPU tensor outside torch.compile they are checked here (a clear
     ``ValueError``); on a CUDA tensor, and while compiling, by ``torch._assert_async`` (no host
-    sync, no graph break: a bad value stops the device with this message)."""
+    sync, no graph break: a bad value stops the device with this message).
+
+    Raises:
+        TypeError: ``config`` is not a :class:`~f8tensor.Float8LinearConfig`; ``x`` or ``w``
+            is not a tensor, or not bf16/fp16/fp32 (the wrong kind named); ``offs`` is
+            neither an integer tensor nor a list/tuple of ints.
+        ValueError: shapes other than ``x (M, K)``, ``w (G, K, N)``, ``offs (G,)``; ``offs``
+            on another device than ``x``; K or N not a multiple of 16; ``offs`` decreasing
+            or outside [0, M] (a CPU tensor; see above for CUDA).
+
+    Example:
+        >>> from f8tensor import Float8LinearConfig
+        >>> from f8tensor.gemm.grouped import validate_grouped_mm_args
+        >>> x, w = torch.randn(48, 32), torch.randn(3, 32, 64)
+        >>> validate_grouped_mm_args(x, w, [16, 16, 48], Float8LinearConfig())
+        tensor([16, 16, 48], dtype=torch.int32)
+        >>> validate_grouped_mm_args(x, w, [16, 8, 48], Float8LinearConfig())
+        Traceback (most recent call last):
+            ...
+        ValueError: float8_grouped_mm: offs must be non-decreasing cumulative counts in [0, M=48]; got [16, 8, 48]
+    """
     if not isinstance(config, Float8LinearConfig):
         raise TypeError(f"float8_grouped_mm: config must be a Float8LinearConfig; got {type(config).__name__}")
     for name, t in (("x", x), ("w", w)):
@@ -170,7 +204,7 @@ def grouped_kernel_available(device: torch.device) -> bool:
     :data:`~f8tensor.gemm.rules.GROUPED_RULES` covers: CUDA sm90)."""
     if device.type != "cuda" or torch.version.hip is not None:
         return False
-    cuda = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
+    cuda = cast("tuple[int, int]", tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2]))
     here = CudaBuild(compat.TORCH_VERSION, cuda, torch.cuda.get_device_capability(device))
     return grouped_rule_for(here) is not None
 
@@ -184,6 +218,7 @@ def scaled_grouped_mm(
     if grouped_kernel_available(a.device):
         out = compat.scaled_grouped_mm(a, b, scale_a, scale_b, offs, out_dtype)
         if b.dim() == 2:
+            assert offs is not None  # check_grouped_rules: the 2D-by-2D form takes offs
             # The weight-gradient form's output is allocated with empty_strided: a group with
             # no rows is not provably written by the kernel. Zero it (the reference does too).
             sizes = torch.diff(offs, prepend=offs.new_zeros(1))

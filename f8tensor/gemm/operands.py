@@ -88,6 +88,7 @@ def _cast_like(x: torch.Tensor, k: int, ref: Float8Tensor, ref_k: int, takes: Ta
     (cuBLASLt refuses e5m2 x e5m2) and with ``ref``'s granularity along K: tensorwise, or one
     scale per row/column constant along K, or (for block kernels) ``ref``'s K block."""
     check_hp_dtype(x.dtype, "the plain operand of an FP8 matmul")
+    block: tuple[int, ...]
     if is_tensorwise(ref._scale_block):
         block = ()
     else:

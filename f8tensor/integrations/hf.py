@@ -94,6 +94,11 @@ def load_float8_state(model: nn.Module, path: str | os.PathLike, *, strict: bool
     in the directory ``path``. ``strict``: every buffer must be in the files (a checkpoint
     saved from a model converted with the same recipe and filter); otherwise the missing
     ones keep their fresh state and are returned.
+
+    Raises:
+        KeyError: ``strict`` and some FP8 buffers of ``model`` are not in the files.
+        ValueError: a saved buffer's shape differs from the model's (another
+            ``delayed.history_len``).
     """
     wanted = float8_state_dict(model)
     found = _read_safetensors(path, set(wanted))

@@ -40,7 +40,7 @@ from f8tensor.linear import Float8Conv1D, Float8Linear
 try:
     from lightning.pytorch.plugins.precision import Precision
 except ImportError:  # the standalone package
-    from pytorch_lightning.plugins.precision import Precision
+    from pytorch_lightning.plugins.precision import Precision  # type: ignore[assignment]  # same class, other package
 
 __all__ = ["Float8Precision"]
 
@@ -50,7 +50,7 @@ _FP8_STATE = "f8tensor_fp8_state"  # the checkpoint key of the FP8 layers' own s
 def _fp8_state_keys(module: nn.Module) -> list[str]:
     """The state_dict keys that only FP8 layers have (persistent buffers of Float8Linear /
     Float8Conv1D: delayed scaling's histories and scales); an unconverted model has none."""
-    keys = []
+    keys: list[str] = []
     for fqn, mod in module.named_modules():
         if isinstance(mod, (Float8Linear, Float8Conv1D)):
             prefix = f"{fqn}." if fqn else ""
@@ -68,6 +68,12 @@ class Float8Precision(Precision):
     ``autocast_dtype``: bf16 (default), fp16, or ``None`` for no autocast. fp16 needs a
     gradient scaler, which this plugin does not run: prefer bf16.
     ``device``: the autocast device type (``"cuda"``, ``"cpu"``).
+
+    Raises:
+        TypeError: ``config`` is not a :class:`~f8tensor.Float8LinearConfig`.
+        ValueError: ``autocast_dtype`` is not bf16, fp16 or None.
+        RuntimeError: at resume, the checkpoint's FP8 state does not match the converted
+            model (another recipe or ``module_filter_fn``).
     """
 
     def __init__(
@@ -88,7 +94,7 @@ class Float8Precision(Precision):
         self.device = device
         self._module: nn.Module | None = None  # the model convert_module converted
         # What Lightning logs: the precision of everything around the FP8 GEMMs.
-        self.precision = {torch.bfloat16: "bf16-mixed", torch.float16: "16-mixed", None: "32-true"}[autocast_dtype]
+        self.precision = {torch.bfloat16: "bf16-mixed", torch.float16: "16-mixed", None: "32-true"}[autocast_dtype]  # type: ignore[assignment]  # Lightning's literals
 
     def convert_module(self, module: nn.Module) -> nn.Module:
         # Lightning calls this in every strategy.setup (fit, then validate, ...): converting

@@ -85,6 +85,8 @@ class F8TensorLinear(Float8Linear, Module):
 
     @dataclass(kw_only=True, slots=True)
     class Config(Linear.Config):
+        """torchtitan's ``Linear.Config`` plus the FP8 config (set by the converter)."""
+
         # Leading underscore: torchtitan's to_dict leaves it out of logged configs.
         _float8_config: Float8LinearConfig | None = None
 
@@ -122,6 +124,8 @@ class F8TensorLinearConverter(QuantizationConverter):
 
     @dataclass(kw_only=True, slots=True)
     class Config(QuantizationConverter.Config):
+        """What to convert, and with which recipe (a torchtitan model's ``converters=[...]`` entry)."""
+
         recipe: str = "tensorwise"
         """f8tensor recipe: tensorwise, rowwise, rowwise_with_gw_hp or delayed."""
 

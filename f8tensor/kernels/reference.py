@@ -107,6 +107,7 @@ def _cast(hp, spec: CastSpec, scale, generator, *, need_amax, amax=None):
         if scale is None or need_amax:
             group_amax = block_amax(hp, block)
         if scale is None:
+            assert group_amax is not None  # computed just above when no scale is given
             if spec.scale_dtype == E8M0:
                 scale = amax_to_e8m0_scale(group_amax, float8_dtype, spec.scale_mode)
             else:
