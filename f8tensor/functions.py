@@ -240,9 +240,11 @@ class Float8LinearFn(torch.autograd.Function):
         else:
             x2 = x.reshape(-1, x.shape[-1])
         if calls is not None and recompute:
+            assert x2 is not None  # delayed buffers: an FP8 input was dequantized above
             # This call's own scales, not the latest call's (see DelayedBuffers).
             scale_in, scale_w = _recorded_scales(*calls, _sync_amax(tensor_amax(x2)))
         if not isinstance(x, Float8Tensor):
+            assert x2 is not None  # a high-precision input: reshaped above
             x8, amax_x = cast_operand(x2, config.input, 1, fwd, config, hist_in, scale_in, recompute, st_in)
         if isinstance(weight, Float8Tensor):  # FSDP2 float8 all-gather hands over an FP8 weight
             w8, amax_w = weight._replace(gemm=fwd), None
@@ -260,7 +262,8 @@ class Float8LinearFn(torch.autograd.Function):
         else:
             w8, amax_w = cast_operand(weight, config.weight, 1, fwd, config, hist_w, scale_w, recompute, st_w)
         if calls is not None and not recompute:
-            key = amax_x if amax_x is not None else _sync_amax(tensor_amax(x2))
+            # x2 exists whenever amax_x is None (delayed buffers: an FP8 input was dequantized above).
+            key = amax_x if amax_x is not None else _sync_amax(tensor_amax(x2))  # type: ignore[arg-type]
             _record_call(*calls, key, scale_in, scale_w)  # type: ignore[arg-type]  # calls: delayed buffers exist
         y = matmul(x8, transpose_2d(w8), bias=bias)  # built, not dispatched: torch.export traces it
 

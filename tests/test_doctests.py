@@ -20,6 +20,7 @@ PUBLIC_MODULES = (
     "f8tensor.config",
     "f8tensor.convert",
     "f8tensor.distributed.fsdp",
+    "f8tensor.distributed.tp",
     "f8tensor.formats",
     "f8tensor.gemm.check",
     "f8tensor.gemm.dense",

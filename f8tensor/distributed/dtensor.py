@@ -53,7 +53,7 @@ from f8tensor.functions import Float8LinearFn
 if dist.is_available():
     from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 else:  # a torch build without torch.distributed: nothing is ever a DTensor
-    DTensor = ()  # isinstance(x, ()) is always False
+    DTensor = ()  # type: ignore[misc,assignment]  # isinstance(x, ()) is always False
 
 __all__ = ["check_blocks_unbroken", "float8_linear"]
 

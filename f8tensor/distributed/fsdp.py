@@ -290,6 +290,7 @@ class Float8AllGatherWeight(HighPrecisionWeight):
             # `rows` rows (a view: FSDP refills these buffers in place for later gathers).
             f8 = None if out is not None else Float8Tensor(data[:rows], scale, param_dtype, block)
         if out is None:
+            assert f8 is not None  # built above whenever out is None
             return f8, tuple(all_gather_outputs)
         if isinstance(out, DTensor):  # 2D (FSDP2 x TP): the unsharded parameter is a TP DTensor
             out = dtensor_local(out)
@@ -321,6 +322,7 @@ class Float8AllGatherWeight(HighPrecisionWeight):
             amax = self._reduced_amax(mesh)
             return amax_to_scale(amax, self._cast.dtype, round_pow2=self._cast.power_of_2_scale)
         source = self._source
+        assert source is not None  # a delayed cast always has its source (checked in __new__)
         layer = source.layer()
         amax = tensor_amax(self._hp)  # 0 for an empty shard
         held = layer.__dict__.get("fsdp_weight_amax")
@@ -329,6 +331,7 @@ class Float8AllGatherWeight(HighPrecisionWeight):
         else:
             layer.fsdp_weight_amax = amax
         history = layer.amax_history_weight
+        assert isinstance(history, torch.Tensor)  # a buffer of the layer
         if isinstance(history, DTensor):  # tensor parallel replicates the layer's buffers
             history = dtensor_local(history)
         return delayed_scale(

@@ -41,6 +41,7 @@ Layer: the top, with ``convert``; imports ``linear``, ``tensor``, ``scaling``, `
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -63,7 +64,9 @@ class _Float8AllGather(torch.autograd.Function):
     Backward: reduce-scatter the (partial) high-precision gradient back to the shards."""
 
     @staticmethod
-    def forward(ctx, local, mesh, dim, full_shape, cast):  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        ctx: Any, local: torch.Tensor, mesh: DeviceMesh, dim: int, full_shape: tuple[int, ...], cast: CastConfig
+    ) -> Float8Tensor:
         spec = cast.operand_spec(local.dim() - 1, ndim=local.dim())
         scale = None
         if not spec.block:  # tensorwise: one scale for the whole gathered tensor, agreed
@@ -82,21 +85,22 @@ class _Float8AllGather(torch.autograd.Function):
         return Float8Tensor(data, scale, local.dtype, f8._block)
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:  # type: ignore[override]
         shape = torch.Size(ctx.full_shape)
         full = DTensor.from_local(grad.contiguous(), ctx.mesh, [Partial()], run_check=False, shape=shape, stride=_contiguous(shape))
         return full.redistribute(ctx.mesh, [Shard(ctx.dim)]).to_local(), None, None, None, None
 
 
-def _gather(local: torch.Tensor, mesh: DeviceMesh, dim: int, full_shape) -> torch.Tensor:
+def _gather(local: torch.Tensor, mesh: DeviceMesh, dim: int, full_shape: Sequence[int]) -> torch.Tensor:
     """All-gather a ``Shard(dim)`` local tensor (torch.chunk sizes, uneven allowed) into the full one."""
     stride = _contiguous(full_shape)
     dt = DTensor.from_local(local.contiguous(), mesh, [Shard(dim)], run_check=False, shape=torch.Size(full_shape), stride=stride)
     return dt.full_tensor()
 
 
-def _contiguous(shape) -> tuple[int, ...]:
-    strides, acc = [], 1
+def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:
+    strides: list[int] = []
+    acc = 1
     for s in reversed(list(shape)):
         strides.append(acc)
         acc *= max(s, 1)
@@ -123,9 +127,9 @@ def float8_all_gather(x: torch.Tensor, mesh: DeviceMesh, dim: int, cast: CastCon
         full_shape = tuple(x.shape)
         local = x.to_local()
     else:
-        full_shape = list(x.shape)
-        full_shape[dim] = _full_length(x.shape[dim], mesh)
-        full_shape = tuple(full_shape)
+        sizes = list(x.shape)
+        sizes[dim] = _full_length(x.shape[dim], mesh)
+        full_shape = tuple(sizes)
         local = x
     return _Float8AllGather.apply(local, mesh, dim, full_shape, cast)
 
@@ -136,7 +140,9 @@ def _full_length(local_len: int, mesh: DeviceMesh) -> int:
     return local_len * mesh.size()
 
 
-def _fp8_gather_or_none(x: Any, mesh: DeviceMesh, layout: Placement | None, desired: Placement | None, cast: CastConfig):
+def _fp8_gather_or_none(
+    x: Any, mesh: DeviceMesh, layout: Placement | None, desired: Placement | None, cast: CastConfig
+) -> Float8Tensor | None:
     """The FP8-gathered input for a ``Shard(d) -> Replicate()`` move of a floating tensor
     with a dynamic cast; ``None`` where the move is another one (torch's styles do it)."""
     if not (isinstance(layout, Shard) and isinstance(desired, Replicate) and isinstance(x, torch.Tensor)):
@@ -151,7 +157,9 @@ class Float8ColwiseParallel(ColwiseParallel):
     moves FP8 bytes (see the module docstring). Arguments: those of ``ColwiseParallel``."""
 
     @staticmethod
-    def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):
+    def _prepare_input_fn(  # type: ignore[override]
+        input_layouts: Any, desired_input_layouts: Any, mod: Float8Linear, inputs: Any, device_mesh: DeviceMesh
+    ) -> Any:
         x = inputs[0]
         if isinstance(x, Float8Tensor):  # gathered in FP8 already (PrepareFloat8ModuleInput)
             return x
@@ -187,7 +195,9 @@ class PrepareFloat8ModuleInput(PrepareModuleInput):
         super().__init__(**kwargs)
         self.config = config if config is not None else Float8LinearConfig.from_recipe("tensorwise")
 
-    def _prepare_input_arg(self, input: Any, mesh: DeviceMesh, input_layout, desired_layout):  # type: ignore[override]
+    def _prepare_input_arg(  # type: ignore[override]
+        self, input: Any, mesh: DeviceMesh, input_layout: Placement | None, desired_layout: Placement | None
+    ) -> Any:
         gathered = _fp8_gather_or_none(input, mesh, input_layout, desired_layout, self.config.input)
         if gathered is not None:
             return gathered
