@@ -8,7 +8,10 @@ row applies, ``sources`` citing the PyTorch code it was read from):
   layouts, alignment, bias, fast accumulation;
 - :data:`BLOCK_SCALED_MM_RULES`: the block-scaled kernels of ``torch.nn.functional.scaled_mm``
   (1x128, 128x128, MX), with the scale layouts each reads;
-- :data:`GROUPED_RULES`: ``torch._scaled_grouped_mm`` (MoE grouped and batched products).
+- :data:`GROUPED_RULES`: ``torch._scaled_grouped_mm`` (MoE grouped and batched products);
+- :data:`FP4_SCALED_MM_RULES`: the FP4 kernels of ``torch.nn.functional.scaled_mm`` (NVFP4,
+  MXFP4; sm100), rows in :class:`BlockScaledMMRule`'s style, kept apart so that the FP8
+  lookups (whose MX row has the same 1x32 blocks as MXFP4) never match them.
 
 The supported NVIDIA builds are :data:`SUPPORTED_BUILDS` (torch 2.11-2.13; cu126, cu128,
 cu130 wheels; sm89, sm90); fnuz products are checked against :data:`ROCM_BUILDS`. A new
@@ -31,6 +34,7 @@ __all__ = [
     "ALIGN",
     "ALL_BUILDS",
     "BLOCK_SCALED_MM_RULES",
+    "FP4_SCALED_MM_RULES",
     "GROUPED_RULES",
     "ROCM_BUILDS",
     "ROCM_ROWWISE_NOTE",
@@ -44,6 +48,7 @@ __all__ = [
     "ScaledMMRule",
     "block_rule_by_recipes",
     "block_rule_for",
+    "fp4_rule_for",
     "grouped_rule_for",
     "rule_for",
 ]
@@ -391,6 +396,69 @@ def block_rule_by_recipes(recipe_a: Any, recipe_b: Any) -> BlockScaledMMRule | N
         if (rule.recipe_a, rule.recipe_b) == names:
             return rule
     return None
+
+
+# ===================================================================== FP4 F.scaled_mm (sm100)
+#
+# Unverified on hardware (no sm100 machine was available): the rows are read from the
+# sources cited; the scale layout they name is unit-tested on CPU (tests/test_fp4_gemm.py).
+# Operands: ``torch.float4_e2m1fn_x2``, two E2M1 values per byte along K (element 2i in the
+# low nibble: ``common_quantized.py : pack_uint4``), ``mat_a`` (M, K/2) row-major, ``mat_b``
+# (K/2, N) column-major; every K below is the unpacked K.
+
+_FP4 = getattr(torch, "float4_e2m1fn_x2", torch.uint8)
+_FP4_SOURCES = (
+    "aten/src/ATen/native/cuda/ScaledBlas.cpp: _scaled_mm_cuda_v2_out (K_multiplier = 2 for "
+    "Float4_e2m1fn_x2; 'Expected trailing dimension of mat1 to be divisible by 16'; '`use_fast_accum` is "
+    "not supported when `mat_a` or `mat_b` tensors have the `Float4_e2m1fn_x2` dtype.')",
+    "aten/src/ATen/native/ScaledBlasUtils.h (2.12/2.13; CUDAScaledBlas.h in 2.11): check_nvfp4_recipe, "
+    "check_nvfp4_recipe_single_scale, check_mxfp4_recipe (both operands Float4_e2m1fn_x2)",
+    "torch/testing/_internal/common_quantized.py: to_blocked (the SWIZZLE_32_4_4 layout), pack_uint4",
+)
+
+FP4_SCALED_MM_RULES: tuple[BlockScaledMMRule, ...] = (
+    BlockScaledMMRule(
+        name="NVFP4 1x16 x 1x16",
+        recipe_a="BlockWise1x16",  # with a second, TensorWise, fp32 global scale per operand
+        recipe_b="BlockWise1x16",
+        block_a=(1, 16),
+        block_b=(16, 1),
+        operand_dtypes=frozenset({_FP4}),
+        scale_dtype=_E4M3,
+        scale_a=(
+            "[round_up(M, 128) * round_up(ceil(K/16), 4) e4m3fn SWIZZLE_32_4_4 contiguous, fp32 global (1 element) "
+            "NO_SWIZZLE]; alpha = global_a * global_b"
+        ),
+        scale_b="[round_up(N, 128) * round_up(ceil(K/16), 4) e4m3fn SWIZZLE_32_4_4 contiguous, fp32 global]",
+        # CUDABlas.cpp get_scale_mode: BlockWise1x16 needs CUDA >= 12.8; sm100 in hardware.
+        builds=Builds(min_cuda=(12, 8), min_sm=(10, 0)),
+        fast_accum=False,
+        sources=_FP4_SOURCES + ("aten/src/ATen/native/cuda/ScaledBlas.cpp: _scaled_nvfp4_nvfp4 (two-level scales, "
+                                "check_swizzle_lengths: 2 entries per side)",),
+    ),
+    BlockScaledMMRule(
+        name="MXFP4 1x32 x 1x32",
+        recipe_a="BlockWise1x32",
+        recipe_b="BlockWise1x32",
+        block_a=(1, 32),
+        block_b=(32, 1),
+        operand_dtypes=frozenset({_FP4}),
+        scale_dtype=torch.float8_e8m0fnu,
+        scale_a="round_up(M, 128) * round_up(ceil(K/32), 4) e8m0, SWIZZLE_32_4_4, contiguous; bf16 output",
+        scale_b="round_up(N, 128) * round_up(ceil(K/32), 4) e8m0, SWIZZLE_32_4_4, contiguous",
+        # _check_mxfp4_support: dprops->major == 10 ("MXFP4 scaling only supported in CUDA for
+        # B200/B300"), so not sm120; a USE_MSLK build; the MSLK kernel writes bf16 and takes no bias.
+        builds=Builds(min_cuda=(12, 8), min_sm=(10, 0), max_sm=(10, 3)),
+        fast_accum=False,
+        sources=_FP4_SOURCES + ("aten/src/ATen/native/cuda/ScaledBlas.cpp: _scaled_mxfp4_mxfp4, "
+                                "_check_mxfp4_support (mslk::gemm::f4f4bf16: bf16 out, bias not passed)",),
+    ),
+)
+
+
+def fp4_rule_for(kind: str) -> BlockScaledMMRule:
+    """The FP4 row of ``kind`` (``"nvfp4"`` or ``"mxfp4"``)."""
+    return FP4_SCALED_MM_RULES[0 if kind == "nvfp4" else 1]
 
 
 # ===================================================================== torch._scaled_grouped_mm
