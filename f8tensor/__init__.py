@@ -19,17 +19,30 @@ from f8tensor.config import (
     BLOCK_128x128,
     BlockGranularity,
     CastConfig,
+    FP4_CAST_DTYPE,
     DelayedScalingConfig,
     Float8LinearConfig,
     GemmConfig,
+    GemmOverride,
     Granularity,
     MX_1x32,
     MX_1x32_FLOOR,
+    MXFP4_1x32,
+    NVFP4_1x16,
+    NVFP4_16x16,
     ScalingType,
 )
-from f8tensor.convert import convert_to_float8_training
+from f8tensor.convert import (
+    block_policy,
+    convert_to_float8_training,
+    convert_with_policy,
+    keep_last_blocks_in_hp,
+    set_forward_in_high_precision,
+    set_gemm_formats,
+)
 from f8tensor.distributed.fsdp import Float8AllGatherWeight, precompute_float8_scales_for_fsdp
 from f8tensor.formats import FLOAT8_DTYPES, FORMATS, Float8Format, float8_max, saturation_bound
+from f8tensor.fp4 import Float4Tensor
 from f8tensor.gemm import float8_mm
 from f8tensor.linear import Float8Linear
 from f8tensor.moe import Float8ExpertWeight, convert_experts_to_float8, float8_grouped_mm
@@ -55,6 +68,8 @@ __all__ = [
     "BlockGranularity",
     "CastConfig",
     "DelayedScalingConfig",
+    "FP4_CAST_DTYPE",
+    "Float4Tensor",
     "Float8AllGatherWeight",
     "Float8ExpertWeight",
     "Float8Format",
@@ -63,12 +78,21 @@ __all__ = [
     "Float8SaturationWarning",
     "Float8Tensor",
     "GemmConfig",
+    "GemmOverride",
     "Granularity",
+    "MXFP4_1x32",
     "MX_1x32",
     "MX_1x32_FLOOR",
+    "NVFP4_16x16",
+    "NVFP4_1x16",
     "ScalingType",
+    "block_policy",
     "convert_experts_to_float8",
     "convert_to_float8_training",
+    "convert_with_policy",
+    "keep_last_blocks_in_hp",
+    "set_forward_in_high_precision",
+    "set_gemm_formats",
     "enable_float8_stats",
     "float8_grouped_mm",
     "float8_max",

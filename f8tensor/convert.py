@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import warnings
 from collections.abc import Callable
 
@@ -24,7 +25,15 @@ from f8tensor.gemm.rules import ALIGN
 from f8tensor.linear import Float8Conv1D, Float8Linear, check_config, dims_ok, is_transposed_linear
 from f8tensor.moe import convert_experts_to_float8
 
-__all__ = ["convert_to_float8_training", "keep_tied_weights_tied"]
+__all__ = [
+    "block_policy",
+    "convert_to_float8_training",
+    "convert_with_policy",
+    "keep_last_blocks_in_hp",
+    "keep_tied_weights_tied",
+    "set_forward_in_high_precision",
+    "set_gemm_formats",
+]
 
 logger = logging.getLogger("f8tensor")
 
@@ -141,7 +150,9 @@ def convert_to_float8_training(
                 if new is not None:
                     setattr(mod, name, new)
     # FP8 expert weights (3D parameters of MoE experts modules): their own converter.
-    experts = [] if root is not None else convert_experts_to_float8(module, config, experts_filter_fn)
+    # Experts take FP8 casts only: under FP4 or per-GEMM formats they stay in high precision.
+    skip_experts = root is not None or config.uses_gemm_formats
+    experts = [] if skip_experts else convert_experts_to_float8(module, config, experts_filter_fn)
     converted.extend(experts)
     if root is None and config.enable_fsdp_float8_all_gather:
         keep_tied_weights_tied(module)
@@ -211,3 +222,89 @@ def keep_tied_weights_tied(module: nn.Module) -> None:
                 setattr(mod, name, shared)
             if not all_fp8 and isinstance(mod, Float8Linear):
                 mod.config = dataclasses.replace(mod.config, enable_fsdp_float8_all_gather=False)
+
+
+# ===================================================================== layer policies
+
+#: The dotted-name pattern of a transformer block index: ``layers.3``, ``h.3``, ``blocks.3``.
+BLOCK_PATTERN = r"(?:^|\.)(?:layers|h|blocks)\.(\d+)(?:\.|$)"
+
+
+def _block_index(fqn: str, pattern: str) -> int | None:
+    match = re.search(pattern, fqn)
+    return int(match.group(1)) if match else None
+
+
+def keep_last_blocks_in_hp(model: nn.Module, n: int, *, block_pattern: str = BLOCK_PATTERN) -> Callable[[nn.Module, str], bool]:
+    """A ``module_filter_fn`` that leaves the layers of the last ``n`` blocks in high precision
+    (the NVFP4 recipe's ~15% of blocks kept in bf16). Blocks are found by ``block_pattern``
+    (default: ``layers.<i>``, ``h.<i>``, ``blocks.<i>``); layers outside any block are converted."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"n must be an int >= 0; got {n!r}")
+    indices = {i for name, _ in model.named_modules() if (i := _block_index(name, block_pattern)) is not None}
+    cutoff = (max(indices) - n + 1) if indices and n else None
+
+    def module_filter_fn(mod: nn.Module, fqn: str) -> bool:
+        index = _block_index(fqn, block_pattern)
+        return cutoff is None or index is None or index < cutoff
+
+    return module_filter_fn
+
+
+def block_policy(
+    model: nn.Module,
+    config: Float8LinearConfig,
+    *,
+    hp_last_blocks: int = 0,
+    edge_config: Float8LinearConfig | None = None,
+    block_pattern: str = BLOCK_PATTERN,
+) -> Callable[[nn.Module, str], Float8LinearConfig | None]:
+    """A layer policy for :func:`convert_with_policy`: ``config`` for every linear layer,
+    except the layers of the last ``hp_last_blocks`` blocks (high precision: ``None``) and,
+    with ``edge_config``, the first and the last linear layer of the model (e.g. an FP8
+    recipe around an FP4 body)."""
+    keep = keep_last_blocks_in_hp(model, hp_last_blocks, block_pattern=block_pattern)
+    linears = [name for name, mod in model.named_modules() if isinstance(mod, nn.Linear) or is_transposed_linear(mod)]
+    edges = {linears[0], linears[-1]} if linears and edge_config is not None else set()
+
+    def policy(mod: nn.Module, fqn: str) -> Float8LinearConfig | None:
+        if fqn in edges:
+            return edge_config
+        return config if keep(mod, fqn) else None
+
+    return policy
+
+
+def convert_with_policy(
+    module: nn.Module, policy: Callable[[nn.Module, str], Float8LinearConfig | None], **kwargs: object
+) -> nn.Module:
+    """:func:`convert_to_float8_training` with a config per layer: ``policy(mod, fqn)`` returns
+    the layer's config, or ``None`` to keep it in high precision. One conversion per distinct
+    config (each converts the layers the policy gives it)."""
+    choices = {fqn: policy(mod, fqn) for fqn, mod in module.named_modules()
+               if isinstance(mod, nn.Linear) or is_transposed_linear(mod)}
+    configs = list(dict.fromkeys(c for c in choices.values() if c is not None))
+    for config in configs:
+        convert_to_float8_training(
+            module, config=config, module_filter_fn=lambda mod, fqn, c=config: choices.get(fqn) == c, **kwargs
+        )
+    return module
+
+
+def set_gemm_formats(model: nn.Module, overrides: dict) -> int:
+    """Merge per-GEMM format ``overrides`` (see ``Float8LinearConfig.gemm_overrides``) into
+    the config of every Float8Linear of a running model. Parameters, buffers and the
+    optimizer are untouched (the layers stay the same objects). Returns how many layers changed."""
+    count = 0
+    for mod in model.modules():
+        if isinstance(mod, Float8Linear):
+            mod.config = mod.config.with_gemm_formats(overrides)
+            count += 1
+    return count
+
+
+def set_forward_in_high_precision(model: nn.Module) -> int:
+    """Run the forward GEMM of every Float8Linear in high precision from now on (the NVFP4
+    recipe's late-training switch: the last stretch of tokens with a bf16 forward); the
+    backward GEMMs keep their formats. Returns how many layers changed."""
+    return set_gemm_formats(model, {("forward", "input"): None, ("forward", "weight"): None})

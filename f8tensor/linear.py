@@ -21,7 +21,7 @@ from torch import nn
 from f8tensor.config import Float8LinearConfig
 from f8tensor.distributed.fsdp import DTensor, Float8AllGatherWeight, wrap_weight
 from f8tensor.formats import HP_DTYPES
-from f8tensor.functions import DelayedBuffers, Float8LinearFn, StatsBuffers
+from f8tensor.functions import DelayedBuffers, Float8LinearFn, GemmFormatsLinearFn, StatsBuffers
 from f8tensor.gemm.rules import ALIGN
 from f8tensor.kernels import CAST_STATS_FIELDS
 from f8tensor.tensor import Float8Tensor
@@ -231,6 +231,8 @@ class Float8Linear(nn.Linear):
             return nn.functional.linear(x, weight.to(x.dtype), bias)
         delayed = DelayedBuffers(*(getattr(self, name) for name in _DELAYED_BUFFERS)) if self.config.any_delayed else None
         stats = StatsBuffers(*(getattr(self, name) for name in STATS_BUFFERS)) if self.config.collect_stats else None
+        if self.config.uses_gemm_formats:
+            return GemmFormatsLinearFn.apply(x, weight, bias, self.config, stats)
         return Float8LinearFn.apply(x, weight, bias, self.config, delayed, stats)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
@@ -301,11 +303,23 @@ def check_config(config: Float8LinearConfig | None) -> Float8LinearConfig:
 
 
 def dims_ok(in_features: int, out_features: int, config: Float8LinearConfig) -> bool:
+    if config.any_fp4:
+        # FP4 blocks tile the dims exactly (no padding of packed blocks): 32 covers MXFP4's
+        # blocks and NVFP4's 16 (and 16x16).
+        return in_features % _FP4_ALIGN == 0 and out_features % _FP4_ALIGN == 0
     return config.pad_inner_dim or (in_features % ALIGN == 0 and out_features % ALIGN == 0)
+
+
+_FP4_ALIGN = 32
 
 
 def _check_dims(in_features: int, out_features: int, config: Float8LinearConfig) -> None:
     if not dims_ok(in_features, out_features, config):
+        if config.any_fp4:
+            raise ValueError(
+                f"Float8Linear({in_features}, {out_features}): FP4 casts need in_features and out_features "
+                f"to be multiples of {_FP4_ALIGN} (whole NVFP4/MXFP4 blocks); keep this layer out of the conversion"
+            )
         raise ValueError(
             f"Float8Linear({in_features}, {out_features}): FP8 GEMMs need in_features and out_features "
             f"to be multiples of {ALIGN}; pass a config with pad_inner_dim=True to pad them with zeros"
