@@ -346,8 +346,12 @@ class CastConfig:
     rounding: str = "nearest"
 
     def __post_init__(self) -> None:
-        if self.dtype != FP4_CAST_DTYPE:
-            check_float8_dtype(self.dtype, "CastConfig.dtype (or f8tensor.FP4_CAST_DTYPE)")
+        if self.dtype != FP4_CAST_DTYPE and not (isinstance(self.dtype, torch.dtype) and self.dtype in FORMATS):
+            allowed = ", ".join(str(d) for d in FLOAT8_DTYPES)
+            raise TypeError(
+                f"CastConfig.dtype must be one of {allowed} (or {FP4_CAST_DTYPE}, FP4_CAST_DTYPE, with an NVFP4/MXFP4 "
+                f"granularity); got {self.dtype!r}"
+            )
         # Accept the strings users type; store the enums.
         object.__setattr__(self, "granularity", parse_granularity(self.granularity))
         self._check_fp4()
@@ -584,7 +588,7 @@ class Float8LinearConfig:
             a, b = self.cast_for(name, ra), self.cast_for(name, rb)
             if a is not None and b is not None and _is_e5m2(a.dtype) and _is_e5m2(b.dtype):
                 raise ValueError(
-                    f"the {name} GEMM ({ra} x {rb}) would multiply two e5m2 tensors, which torch._scaled_mm "
+                    f"the {name} ({ra} x {rb}) GEMM would multiply two e5m2 tensors, which torch._scaled_mm "
                     f"refuses; use e4m3 for one of them"
                 )
         roles = tuple(r for r in ("input", "weight", "grad_output") if not getattr(self, r).fp4)
