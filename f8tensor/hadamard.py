@@ -55,7 +55,9 @@ def apply_rht(x: torch.Tensor, seed: int, dim: int = 0) -> torch.Tensor:
         raise ValueError(f"the Hadamard transform runs in blocks of {RHT_SIZE} along dim {dim}; got size {size}")
     dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     q = rht_matrix(seed, device=x.device).to(dtype) if dtype == torch.float32 else _rht64(seed, x.device)
-    moved = x.to(dtype).movedim(dim, -1)
-    blocks = moved.reshape(*moved.shape[:-1], size // RHT_SIZE, RHT_SIZE)
-    out = blocks @ q.t()  # each 16-block b -> Q b
-    return out.reshape(moved.shape).movedim(-1, dim)
+    # Blocks along dim 0, contiguous: (n, 16, rest) so that Q multiplies from the left in one
+    # batched matmul over contiguous 16 x rest slabs.
+    moved = x.to(dtype).movedim(dim, 0).contiguous()
+    blocks = moved.reshape(size // RHT_SIZE, RHT_SIZE, -1)
+    out = torch.matmul(q, blocks)  # each 16-block b -> Q b
+    return out.reshape(moved.shape).movedim(0, dim)
