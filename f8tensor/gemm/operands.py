@@ -96,12 +96,15 @@ def prepare_fp4(a: torch.Tensor, b: torch.Tensor, *, a_k: int, b_k: int, kernel:
     if not kernel:
         return a, b
     if not (is_float4(a) and is_float4(b)) or a._kind != b._kind:
-        what = lambda x: x._kind if is_float4(x) else f"FP8 {x._data.dtype}"  # noqa: E731
         raise ValueError(
-            f"the sm100 FP4 kernels multiply two operands of one FP4 kind; got {what(a)} x {what(b)}. "
-            f"Use emulate=True for the reference path."
+            f"the sm100 FP4 kernels multiply two operands of one FP4 kind; got {_format_name(a)} x "
+            f"{_format_name(b)}. Use emulate=True for the reference path."
         )
     return _fp4_rows(a, a_k), _fp4_rows(b, b_k)
+
+
+def _format_name(x: torch.Tensor) -> str:
+    return x._kind if is_float4(x) else f"FP8 {x._data.dtype}"
 
 
 def _cast_like_fp4(x: torch.Tensor, k: int, ref: Float4Tensor, ref_k: int) -> Float4Tensor:
