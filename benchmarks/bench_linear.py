@@ -43,6 +43,8 @@ import _common as C
 import torch
 from torch import nn
 
+from f8tensor import compat
+
 SHAPE_PRESETS: dict[str, list[tuple[int, int, int]]] = {
     "llama": [
         (m, k, n)
@@ -117,12 +119,12 @@ def gemm_steps(m: int, k: int, n: int, device: torch.device) -> dict[tuple[str, 
             return torch.ones(rows, 1, device=device), torch.ones(1, cols, device=device)
 
         s_fwd, s_gx, s_gw = scales(m, n), scales(m, k), scales(n, k)
-        out[kind, "forward"] = lambda a=x8_a, b=w8_t, s=s_fwd: torch._scaled_mm(
-            a, b, scale_a=s[0], scale_b=s[1], out_dtype=bf16, use_fast_accum=True)
-        out[kind, "grad_input"] = lambda a=g8_a, b=w8_b, s=s_gx: torch._scaled_mm(
-            a, b, scale_a=s[0], scale_b=s[1], out_dtype=bf16)
-        out[kind, "grad_weight"] = lambda a=gt8_a, b=x8_b, s=s_gw: torch._scaled_mm(
-            a, b, scale_a=s[0], scale_b=s[1], out_dtype=bf16)
+        # Through f8tensor's compat: torch._scaled_mm, and on a CPU without a rowwise kernel
+        # (torch 2.11) its per-tensor kernel with the scales after.
+        out[kind, "forward"] = lambda a=x8_a, b=w8_t, s=s_fwd: compat.scaled_mm(
+            a, b, s[0], s[1], out_dtype=bf16, use_fast_accum=True)
+        out[kind, "grad_input"] = lambda a=g8_a, b=w8_b, s=s_gx: compat.scaled_mm(a, b, s[0], s[1], out_dtype=bf16)
+        out[kind, "grad_weight"] = lambda a=gt8_a, b=x8_b, s=s_gw: compat.scaled_mm(a, b, s[0], s[1], out_dtype=bf16)
     # bf16 on the layouts nn.Linear's forward and backward use.
     out["bf16", "forward"] = lambda: torch.mm(x, w.t())
     out["bf16", "grad_input"] = lambda: torch.mm(g, w)

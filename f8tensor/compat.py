@@ -1,17 +1,22 @@
 """The one module that reaches into PyTorch's private APIs: thin, named wrappers.
 
-f8tensor supports torch 2.11-2.13. Everything it needs that PyTorch does not offer as a
+f8tensor supports torch 2.11-2.14. Everything it needs that PyTorch does not offer as a
 public API (the FP8 GEMM ops, the tensor-subclass machinery, a few autograd and
 distributed internals) is reached from here and nowhere else, so that a torch release
 that moves one of them is a change to one entry of this file. Each entry says what it is
 and since which torch release it exists. ``tests/test_private_api.py`` checks the rule:
 no other module of the package names a private torch attribute or module.
 
+It also knows what each supported release has (``TORCH_VERSION`` and the ``HAS_*`` flags
+below, each measured on that release's CPU build or read from its sources; README.md,
+"Version matrix"), so that the package decides from data, never by catching an error.
+
 Layer: the bottom. Imports torch only; every module of the package may import it.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -26,6 +31,12 @@ if torch.distributed.is_available():
 __all__ = [
     "DISABLED_TORCH_FUNCTION",
     "GROUPED_MM_FUNCTIONS",
+    "HAS_CPU_ROWWISE_SCALED_MM",
+    "HAS_CPU_SCALED_MM_V2",
+    "HAS_GROUPED_MM_FP32_META",
+    "META_FLOORS_BLOCK_SCALES",
+    "TORCH_VERSION",
+    "assert_async",
     "block_scaled_mm",
     "current_graph_task_id",
     "disable_torch_function_subclass",
@@ -46,6 +57,45 @@ __all__ = [
     "view_base",
     "written_arguments",
 ]
+
+# ----------------------------------------------------------------------- what each release has
+
+
+def _release(version: str) -> tuple[int, int]:
+    major, minor = version.split("+")[0].split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+#: (major, minor) of the installed torch.
+TORCH_VERSION: tuple[int, int] = _release(torch.__version__)
+
+#: Whether the CPU ``torch._scaled_mm`` takes rowwise (outer-vector) scales: from 2.12. On
+#: 2.11 it is per-tensor only (``Blas.cpp``: "Now _scaled_mm only supports per-tensor
+#: scaling for CPU backend", an internal assert); :func:`scaled_mm` then computes a rowwise
+#: call with the per-tensor kernel and the outer scales after (the rowwise epilogue's order).
+HAS_CPU_ROWWISE_SCALED_MM: bool = TORCH_VERSION >= (2, 12)
+
+#: Whether ``torch._scaled_mm_v2`` (``F.scaled_mm``) has a CPU kernel: from 2.12 (tensorwise
+#: and rowwise only; no release has block-scaled CPU kernels, so f8tensor's block products
+#: take the reference path on CPU in every release).
+HAS_CPU_SCALED_MM_V2: bool = TORCH_VERSION >= (2, 12)
+
+#: Whether ``torch._grouped_mm``'s meta registration (what torch.compile traces) takes fp32
+#: operands: no release 2.11-2.14 does ("Expected inputs of BF16 type"); eager CPU does.
+HAS_GROUPED_MM_FP32_META: bool = False
+
+#: Whether the meta registration of ``F.scaled_mm`` (torch.compile's tracing of a CUDA call)
+#: floor-divides K, M, N by 128 for the DeepSeek scales, refusing dims that are not multiples
+#: of 128 (``_check_scaled_mm_sizes_v2``, 2.11-2.13); 2.14's meta is shape-only.
+META_FLOORS_BLOCK_SCALES: bool = TORCH_VERSION < (2, 14)
+
+
+def assert_async(condition: torch.Tensor, message: str) -> None:
+    """``torch._assert_async(condition, message)`` (torch >= 1.11; the message from 2.1): a
+    device-side check of a boolean tensor, no host sync; on CPU it raises at once. Traceable
+    by torch.compile."""
+    torch._assert_async(condition, message)
+
 
 # ----------------------------------------------------------------------- FP8 GEMM ops
 #
@@ -70,7 +120,22 @@ def scaled_mm(
     use_fast_accum: bool = False, **kwargs: Any,
 ) -> torch.Tensor:
     """``torch._scaled_mm`` (the original op). ``kwargs``: passed through (inductor's CPU
-    extern-kernel call adds ``out=``)."""
+    extern-kernel call adds ``out=``).
+
+    On a CPU without a rowwise kernel (:data:`HAS_CPU_ROWWISE_SCALED_MM` False) a call with
+    outer-vector scales runs as the per-tensor kernel (scales 1, fp32 output), then
+    ``* scale_a * scale_b`` in fp32, the bias in fp32, one cast: the rowwise kernel's
+    epilogue order, and the numbers of f8tensor's post-scale route."""
+    if not HAS_CPU_ROWWISE_SCALED_MM and mat1.device.type == "cpu" and (scale_a.numel() != 1 or scale_b.numel() != 1):
+        one = torch.ones((), dtype=torch.float32, device=mat1.device)
+        acc = _SCALED_MM(mat1, mat2, one, one, out_dtype=torch.float32, use_fast_accum=use_fast_accum)
+        acc = acc * scale_a.float() * scale_b.float()  # (M, 1) and (1, N), deliberate fp32 epilogue
+        if bias is not None:
+            acc = acc + bias.float()
+        result = acc.to(out_dtype if out_dtype is not None else mat1.dtype)
+        if kwargs.get("out") is not None:
+            return kwargs["out"].copy_(result)
+        return result
     kwargs.update(bias=bias, scale_result=scale_result, out_dtype=out_dtype, use_fast_accum=use_fast_accum)
     return _SCALED_MM(mat1, mat2, scale_a, scale_b, **kwargs)
 
@@ -109,6 +174,21 @@ GROUPED_MM_FUNCTIONS: tuple[Callable[..., torch.Tensor], ...] = (_GROUPED_MM,) +
 )
 
 # ----------------------------------------------------------------------- tensor subclasses
+
+try:  # torch >= 2.1: the unpickler of torch.load(weights_only=True)
+    from torch._weights_only_unpickler import Unpickler as _WeightsOnlyUnpickler
+
+    _WEIGHTS_ONLY_LOAD_CODE = _WeightsOnlyUnpickler.load.__code__
+except (ImportError, AttributeError):  # pragma: no cover - older torch
+    _WEIGHTS_ONLY_LOAD_CODE = None
+
+
+def called_by_weights_only_load() -> bool:
+    """Whether the caller's caller is ``torch.load(weights_only=True)``'s unpickler itself
+    (its NEWOBJ or REDUCE calling an allowlisted class with a checkpoint's arguments).
+    One frame lookup, no tensor op."""
+    return _WEIGHTS_ONLY_LOAD_CODE is not None and sys._getframe(2).f_code is _WEIGHTS_ONLY_LOAD_CODE
+
 
 
 def make_wrapper_subclass(cls: type, like: torch.Tensor, *, dtype: torch.dtype, requires_grad: bool) -> Any:

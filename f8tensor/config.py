@@ -24,9 +24,11 @@ from typing import NamedTuple
 
 import torch
 
-from f8tensor.formats import E8M0, FLOAT4_X2, FLOAT8_DTYPES, FORMATS, HP_DTYPES, SCALE_DTYPES, check_float8_dtype
+from f8tensor.formats import E8M0, FLOAT4_X2, FLOAT8_DTYPES, FORMATS, HP_DTYPES, SCALE_DTYPES
 
 __all__ = [
+    "FP4_CAST_DTYPE",
+    "GEMMS",
     "RECIPES",
     "BLOCK_1x128",
     "BLOCK_128x128",
@@ -34,17 +36,15 @@ __all__ = [
     "CastConfig",
     "CastSpec",
     "DelayedScalingConfig",
-    "FP4_CAST_DTYPE",
     "Float8LinearConfig",
-    "GEMMS",
     "GemmConfig",
     "GemmOverride",
-    "MXFP4_1x32",
-    "NVFP4_16x16",
-    "NVFP4_1x16",
     "Granularity",
+    "MXFP4_1x32",
     "MX_1x32",
     "MX_1x32_FLOOR",
+    "NVFP4_1x16",
+    "NVFP4_16x16",
     "ScalingType",
 ]
 
@@ -106,8 +106,13 @@ class BlockGranularity(NamedTuple):
 
     def validated(self) -> BlockGranularity:
         block = self.block
-        if not isinstance(block, tuple) or not block or any(isinstance(b, bool) or not isinstance(b, int) or b < 0 for b in block):
-            raise ValueError(f"a block shape is a non-empty tuple of ints >= 0 (0: the whole dim); got {block!r}")
+        if not isinstance(block, tuple) or not block or any(
+            isinstance(b, bool) or not isinstance(b, int) or not 0 <= b < 2**63 for b in block
+        ):
+            raise ValueError(
+                f"a block shape is a non-empty tuple of ints in [0, 2**63) (0: the whole dim; an entry "
+                f"larger than its dim is one partial block); got {block!r}"
+            )
         if self.scale_dtype not in SCALE_DTYPES + (_NVFP4_SCALE,):
             raise ValueError(
                 f"BlockGranularity.scale_dtype must be one of {SCALE_DTYPES} (or float8_e4m3fn for NVFP4 "

@@ -16,14 +16,21 @@ import re
 import warnings
 from collections.abc import Callable
 
+import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from f8tensor.config import Float8LinearConfig
+from f8tensor.config import GEMMS, Float8LinearConfig
 from f8tensor.distributed.fsdp import Float8AllGatherWeight
+from f8tensor.gemm.blocks import fp4_path
 from f8tensor.gemm.rules import ALIGN
-from f8tensor.linear import Float8Conv1D, Float8Linear, check_config, dims_ok, is_transposed_linear
-from f8tensor.moe import convert_experts_to_float8
+from f8tensor.linear import FP4_ALIGN, Float8Conv1D, Float8Linear, check_config, dims_ok, is_transposed_linear
+from f8tensor.moe import Float8ExpertWeight, expert_path, plan_experts, wrap_experts
+
+if torch.distributed.is_available():
+    from torch.distributed.fsdp import FSDPModule as _FSDPModule
+else:  # a build without torch.distributed: nothing can be sharded
+    _FSDPModule = None
 
 __all__ = [
     "block_policy",
@@ -42,8 +49,26 @@ _SKIP_FILTER = "rejected by module_filter_fn"
 _SKIP_DIMS = f"dims not multiples of {ALIGN}"
 _SKIP_FORWARD = "nn.Linear subclass overriding forward"
 _SKIP_FSDP = "Conv1D with FP8 all-gather (needs an (out, in) weight)"
+_SKIP_FP4_DIMS = f"dims not multiples of {FP4_ALIGN} (whole FP4 blocks)"
+_SKIP_POLICY = "kept in high precision by the layer policy"
+_SKIP_EXPERTS_FP4 = "expert weights (FP4 and per-GEMM formats run on linear layers only)"
+_SKIP_EXPERTS_NO_CONFIG = "expert weights (convert_with_policy without experts_config)"
+_SKIP_MHA = "nn.MultiheadAttention out_proj (F.multi_head_attention_forward reads its weight; its forward never runs)"
 
 _FLOAT8_SUBCLASSES: dict[type, type] = {}
+
+
+def _new_float8_subclass_instance(base: type) -> nn.Module:
+    """Unpickling a converted ``nn.Linear`` subclass: an empty instance of its FP8 class
+    (made again in this process), whose ``__dict__`` pickle then restores."""
+    cls = _float8_subclass(base)
+    return cls.__new__(cls)
+
+
+def _reduce_float8_subclass(self: nn.Module, protocol: int) -> tuple:
+    # The class is made at run time, so pickle cannot find it by name: pickle the base
+    # class (importable) and the state instead.
+    return (_new_float8_subclass_instance, (type(self)._float8_base,), self.__dict__.copy())
 
 
 def _float8_subclass(cls: type) -> type:
@@ -51,12 +76,17 @@ def _float8_subclass(cls: type) -> type:
 
     The converted layer stays an instance of ``cls`` (methods such as a library's
     ``init_weights`` and ``isinstance`` checks keep working) while ``Float8Linear``'s
-    forward comes first in the MRO. One class per ``cls``, cached.
+    forward comes first in the MRO. One class per ``cls``, cached; its instances pickle
+    (``torch.save(model)``, ``copy.deepcopy``) through ``cls``.
     """
     if cls is nn.Linear:
         return Float8Linear
     if cls not in _FLOAT8_SUBCLASSES:
-        _FLOAT8_SUBCLASSES[cls] = type(f"Float8{cls.__name__}", (Float8Linear, cls), {"__module__": cls.__module__})
+        _FLOAT8_SUBCLASSES[cls] = type(
+            f"Float8{cls.__name__}",
+            (Float8Linear, cls),
+            {"__module__": cls.__module__, "_float8_base": cls, "__reduce_ex__": _reduce_float8_subclass},
+        )
     return _FLOAT8_SUBCLASSES[cls]
 
 
@@ -67,7 +97,74 @@ def _convert_linear(mod: nn.Linear, config: Float8LinearConfig) -> Float8Linear:
         # The subclass's own attributes (set by its __init__ or its library), as they were.
         for key, value in vars(mod).items():
             vars(new).setdefault(key, value)
+    _keep_children(mod, new)
     return new
+
+
+def _keep_children(old: nn.Module, new: nn.Module) -> None:
+    """Child modules, and parameters and buffers other than weight and bias, move to ``new``
+    (a linear layer holding sub-modules keeps them)."""
+    for key, child in old._modules.items():
+        new._modules.setdefault(key, child)
+    for key, param in old._parameters.items():
+        new._parameters.setdefault(key, param)
+    for key, buf in old._buffers.items():
+        if key not in new._buffers:
+            new.register_buffer(key, buf, persistent=key not in old._non_persistent_buffers_set)
+
+
+def _fp8_config(mod: nn.Module) -> Float8LinearConfig | None:
+    """The recipe of an already converted layer, or None."""
+    return mod.config if isinstance(mod, (Float8Linear, Float8Conv1D)) else None
+
+
+def _check_not_sharded(module: nn.Module) -> None:
+    if _FSDPModule is None:
+        return
+    sharded = [fqn or "<root>" for fqn, m in module.named_modules() if isinstance(m, _FSDPModule)]
+    if sharded:
+        raise ValueError(
+            f"convert_to_float8_training: the model is already sharded by fully_shard ({', '.join(sharded[:4])}); "
+            "FP8 layers cannot be swapped into sharded modules. Convert first, then call fully_shard."
+        )
+
+
+LayerConfig = Callable[[nn.Module, str], "Float8LinearConfig | None"]
+
+
+def _check_same_recipe(
+    module: nn.Module, layer_config: LayerConfig, experts_config: Float8LinearConfig | None
+) -> list[str]:
+    """The fqns already converted with the config they would get now (``layer_config(mod,
+    fqn)`` for layers, ``experts_config`` for expert weights); any layer or expert weight
+    converted with another recipe is refused, by name (nothing changes)."""
+    same, other = [], []
+    for fqn, m in module.named_modules():
+        found = _fp8_config(m)
+        if found is not None:
+            (same if found == layer_config(m, fqn) else other).append(fqn)
+        for name, p in m.named_parameters(recurse=False):
+            if isinstance(p, Float8ExpertWeight):
+                pfqn = f"{fqn}.{name}" if fqn else name
+                (same if p._config == experts_config else other).append(pfqn)
+    if other:
+        names = ", ".join((n or "<root>") for n in other[:4]) + (f", ... ({len(other) - 4} more)" if len(other) > 4 else "")
+        raise ValueError(
+            f"convert_to_float8_training: {len(other)} layers or expert weights are already FP8 with another recipe "
+            f"[{names}]; converting again with a different config is refused (it would leave two recipes in one model). "
+            "Convert an unconverted model (load this one's state_dict into it), or pass the same config."
+        )
+    return same
+
+
+def _disable_encoder_fast_path(module: nn.Module) -> None:
+    """``nn.TransformerEncoderLayer`` in eval under ``no_grad`` takes PyTorch's fused fast path,
+    which reads every weight directly (no FP8 GEMM runs). A layer holding FP8 linears is
+    sent down its standard path: ``activation_relu_or_gelu`` only chooses the fast path's
+    activation, and a false value is one of the fast path's own conditions to decline."""
+    for m in module.modules():
+        if isinstance(m, nn.TransformerEncoderLayer) and any(isinstance(c, Float8Linear) for c in m.children()):
+            m.activation_relu_or_gelu = 0
 
 
 def convert_to_float8_training(
@@ -81,99 +178,188 @@ def convert_to_float8_training(
 
     Converted: ``nn.Linear`` and its subclasses that keep ``nn.Linear.forward`` (e.g.
     torchtitan's ``Linear``; the new layer is a ``Float8Linear`` that is still an
-    instance of the subclass), and Hugging Face's ``Conv1D`` (as :class:`Float8Conv1D`,
-    weight layout kept; see ``TRANSPOSED_LINEAR_CLASSES``). Left alone, and reported:
-    ``nn.Linear`` subclasses that override ``forward`` (they may not compute
-    ``x @ W.t() + b``), layers ``module_filter_fn`` rejects, and layers whose dimensions
-    FP8 GEMMs cannot take (not multiples of 16) unless ``config.pad_inner_dim``.
+    instance of the subclass, and pickles), and Hugging Face's ``Conv1D`` (as
+    :class:`Float8Conv1D`, weight layout kept; see ``TRANSPOSED_LINEAR_CLASSES``). A linear
+    layer's child modules stay with it. Left alone, and reported: ``nn.Linear`` subclasses
+    that override ``forward`` (they may not compute ``x @ W.t() + b``), the ``out_proj`` of
+    ``nn.MultiheadAttention`` (its weight is read by ``F.multi_head_attention_forward``, its
+    forward never runs), layers ``module_filter_fn`` rejects, and layers whose dimensions
+    FP8 GEMMs cannot take (not multiples of 16) unless ``config.pad_inner_dim``. An
+    ``nn.TransformerEncoderLayer`` holding FP8 layers no longer takes PyTorch's fused
+    inference fast path (which would bypass them).
 
     ``module_filter_fn(mod, fqn) -> bool`` chooses among the candidates (``fqn`` is the
-    dotted name, e.g. ``"layers.0.mlp.down_proj"``). Logs one summary line on the
-    ``"f8tensor"`` logger (converted N of M linear layers, skipped with reasons) and
-    warns when nothing was converted. Returns ``module`` (or the new layer, when
-    ``module`` is itself a linear); the names of the converted layers are on the result
-    as ``float8_converted_fqns`` (a tuple; ``""`` for a bare layer).
+    dotted name, e.g. ``"layers.0.mlp.down_proj"``). Everything is checked, and every
+    filter called, before the model changes. Refused: a model already sharded by FSDP2's
+    ``fully_shard`` (convert first), and a model already converted with another config
+    (layers named). Converting again with the same config counts the FP8 layers as
+    converted and changes nothing (Lightning calls its precision plugin's conversion in
+    every ``setup``).
+
+    Logs one summary line on the ``"f8tensor"`` logger (converted N of M linear layers,
+    skipped with reasons, the path the expert GEMMs take) and warns when no layer is FP8.
+    Returns ``module`` (or the new layer, when ``module`` is itself a linear); the names of
+    the FP8 layers are on the result as ``float8_converted_fqns`` (a tuple; ``""`` for a
+    bare layer).
 
     Mixture-of-experts weights (3D parameters of an experts module, as transformers stores
     them) become :class:`~f8tensor.moe.Float8ExpertWeight`: their grouped, batched and
-    per-expert GEMMs run in FP8 (see :mod:`f8tensor.moe`; routers stay high precision).
-    ``experts_filter_fn(experts_module, param_fqn) -> bool`` chooses which; return False
-    for all to keep every expert in high precision. Their names join the summary and
-    ``float8_converted_fqns``.
+    per-expert GEMMs run in FP8 with the recipe's granularity (see :mod:`f8tensor.moe`;
+    routers stay high precision). ``experts_filter_fn(experts_module, param_fqn) -> bool``
+    chooses which; return False for all to keep every expert in high precision. Their names
+    join the summary and ``float8_converted_fqns``.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"convert_to_float8_training expects an nn.Module; got {type(module).__name__}")
-    if module_filter_fn is not None and not callable(module_filter_fn):
-        raise TypeError(f"module_filter_fn must be a callable (module, fqn) -> bool or None; got {module_filter_fn!r}")
+    for fn_name, fn in (("module_filter_fn", module_filter_fn), ("experts_filter_fn", experts_filter_fn)):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"{fn_name} must be a callable (module, fqn) -> bool or None; got {fn!r}")
     config = check_config(config)
-    # Every converter appends the names it converted here; the summary reports them all.
-    converted: list[str] = []
+    return _convert(module, lambda mod, fqn: config, config, module_filter_fn, experts_filter_fn)
+
+
+def _convert(
+    module: nn.Module,
+    layer_config: LayerConfig,
+    experts_config: Float8LinearConfig | None,
+    module_filter_fn: Callable[[nn.Module, str], bool] | None,
+    experts_filter_fn: Callable[[nn.Module, str], bool] | None,
+) -> nn.Module:
+    """The converter: plan (every check, filter and policy call; nothing changed), then apply.
+    ``layer_config(mod, fqn)`` is a candidate layer's config (``None``: high precision);
+    expert weights take ``experts_config`` (``None``: none converted)."""
+    _check_not_sharded(module)
+    already = _check_same_recipe(module, layer_config, experts_config)
     skipped: dict[str, list[str]] = {}
     candidates = 0
 
-    def convert_one(mod: nn.Module, fqn: str) -> nn.Module | None:
-        """The FP8 replacement of ``mod``, or None (not a linear, or skipped)."""
+    def wants(mod: nn.Module, fqn: str, parent: nn.Module | None) -> Float8LinearConfig | None:
+        """The config ``mod`` is converted with, or None (counted and, when skipped, reported)."""
         nonlocal candidates
-        if isinstance(mod, Float8Linear):
+        if _fp8_config(mod) is not None:
+            candidates += 1
             return None
         transposed = is_transposed_linear(mod)
         if not (transposed or isinstance(mod, nn.Linear)):
             return None
         candidates += 1
         name = fqn or "<root>"
+        if isinstance(parent, nn.MultiheadAttention) and mod is parent.out_proj:
+            skipped.setdefault(_SKIP_MHA, []).append(name)
+            return None
         if not transposed and type(mod).forward is not nn.Linear.forward:
             skipped.setdefault(_SKIP_FORWARD, []).append(name)
             return None
         if module_filter_fn is not None and not module_filter_fn(mod, fqn):
             skipped.setdefault(_SKIP_FILTER, []).append(name)
             return None
+        config = layer_config(mod, fqn)
+        if config is None:
+            skipped.setdefault(_SKIP_POLICY, []).append(name)
+            return None
+        config = check_config(config)
         in_features, out_features = mod.weight.shape if transposed else (mod.in_features, mod.out_features)
         if not dims_ok(in_features, out_features, config):
+            multiple = FP4_ALIGN if config.any_fp4 else ALIGN
             logger.warning(
-                "f8tensor: left %s (%d -> %d) in high precision: FP8 GEMMs need dimensions that are "
-                "multiples of %d (set pad_inner_dim=True to pad instead)",
-                name, in_features, out_features, ALIGN,
+                "f8tensor: left %s (%d -> %d) in high precision: %s GEMMs need dimensions that are "
+                "multiples of %d%s",
+                name, in_features, out_features, "FP4" if config.any_fp4 else "FP8", multiple,
+                "" if config.any_fp4 else " (set pad_inner_dim=True to pad instead)",
             )
-            skipped.setdefault(_SKIP_DIMS, []).append(name)
+            skipped.setdefault(_SKIP_FP4_DIMS if config.any_fp4 else _SKIP_DIMS, []).append(name)
             return None
         if transposed and config.enable_fsdp_float8_all_gather:
             skipped.setdefault(_SKIP_FSDP, []).append(name)
             return None
-        converted.append(fqn)
-        return Float8Conv1D.from_conv1d(mod, config) if transposed else _convert_linear(mod, config)
+        return config
 
-    root = convert_one(module, "")
-    if root is None:
-        for fqn, mod in list(module.named_modules()):
-            for name, child in list(mod.named_children()):
-                new = convert_one(child, f"{fqn}.{name}" if fqn else name)
-                if new is not None:
-                    setattr(mod, name, new)
-    # FP8 expert weights (3D parameters of MoE experts modules): their own converter.
-    # Experts take FP8 casts only: under FP4 or per-GEMM formats they stay in high precision.
-    skip_experts = root is not None or config.uses_gemm_formats
-    experts = [] if skip_experts else convert_experts_to_float8(module, config, experts_filter_fn)
-    converted.extend(experts)
-    if root is None and config.enable_fsdp_float8_all_gather:
-        keep_tied_weights_tied(module)
-    result = module if root is None else root
-    _report_conversion(converted, skipped, candidates, len(experts))
-    result.float8_converted_fqns = tuple(converted)
+    # Plan: every check, filter and policy call, nothing changed yet.
+    swaps: list[tuple[nn.Module | None, str, str, nn.Module, Float8LinearConfig]] = []  # pre-order
+    if (config := wants(module, "", None)) is not None:
+        swaps.append((None, "", "", module, config))
+    for fqn, mod in module.named_modules():
+        for name, child in mod.named_children():
+            child_fqn = f"{fqn}.{name}" if fqn else name
+            if (config := wants(child, child_fqn, mod)) is not None:
+                swaps.append((mod, name, child_fqn, child, config))
+    expert_todo, expert_skipped = _plan_experts(module, experts_config, experts_filter_fn)
+    for reason, fqns in expert_skipped.items():
+        skipped.setdefault(reason, []).extend(fqns)
+
+    # Apply, children first: a converted layer takes its (already converted) children along.
+    result = module
+    paths: dict[str, list[str]] = {}
+    for parent, name, fqn, mod, config in reversed(swaps):
+        new = Float8Conv1D.from_conv1d(mod, config) if is_transposed_linear(mod) else _convert_linear(mod, config)
+        if parent is None:
+            result = new
+        else:
+            setattr(parent, name, new)
+        for path in _fp4_gemm_paths(config, new.weight.device):
+            paths.setdefault(path, []).insert(0, fqn or "<root>")
+    experts = wrap_experts(expert_todo, experts_config) if expert_todo else []
+    if any(config.enable_fsdp_float8_all_gather for *_, config in swaps) or (
+        experts and experts_config.enable_fsdp_float8_all_gather
+    ):
+        keep_tied_weights_tied(result)
+    _disable_encoder_fast_path(result)
+    converted = [fqn for _, _, fqn, _, _ in swaps]
+    path = expert_path(experts_config, result.get_parameter(experts[0]).device) if experts else None
+    _report_conversion(converted, skipped, candidates, experts, already, path, paths)
+    result.float8_converted_fqns = tuple(sorted(set(already + converted + experts), key=(already + converted + experts).index))
     return result
 
 
-def _report_conversion(converted: list[str], skipped: dict[str, list[str]], candidates: int, experts: int = 0) -> None:
-    """One summary line; a warning (also through ``warnings``) when nothing converted."""
+def _plan_experts(
+    module: nn.Module, config: Float8LinearConfig | None, experts_filter_fn: Callable[[nn.Module, str], bool] | None
+) -> tuple[list, dict[str, list[str]]]:
+    """:func:`~f8tensor.moe.plan_experts`, except that expert weights take FP8 casts only:
+    under an FP4 or per-GEMM config, or none (a layer policy without ``experts_config``), they
+    stay in high precision and are reported."""
+    if config is not None and not config.uses_gemm_formats:
+        return plan_experts(module, config, experts_filter_fn)
+    todo, _ = plan_experts(module, Float8LinearConfig(), None)
+    reason = _SKIP_EXPERTS_NO_CONFIG if config is None else _SKIP_EXPERTS_FP4
+    return [], ({reason: [fqn for _, _, fqn in todo]} if todo else {})
+
+
+def _fp4_gemm_paths(config: Float8LinearConfig, device: torch.device) -> list[str]:
+    """``"<gemm>: <path>"`` for each GEMM of ``config`` with an FP4 operand (the path
+    ``blocks.fp4_product`` takes on ``device``); FP8 GEMMs are not listed."""
+    out = []
+    for gemm, (ra, rb) in GEMMS.items():
+        a, b = config.cast_for(gemm, ra), config.cast_for(gemm, rb)
+        if a is None or b is None or not (a.fp4 or b.fp4):
+            continue
+        out.append(f"{gemm} {fp4_path(a.fp4_kind, b.fp4_kind, device, config.emulate)}")
+    return out
+
+
+def _report_conversion(
+    converted: list[str], skipped: dict[str, list[str]], candidates: int, experts: list[str],
+    already: list[str], expert_path: str | None, fp4_paths: dict[str, list[str]] | None = None,
+) -> None:
+    """One summary line; a warning (also through ``warnings``) when no layer is FP8.
+    ``fp4_paths``: the layers whose GEMMs take each FP4 product path; a path with no kernel
+    behind it (CUDA without one, emulate off) is also a warning."""
 
     def names(fqns: list[str]) -> str:
         return ", ".join(fqns[:4]) + (f", ... ({len(fqns) - 4} more)" if len(fqns) > 4 else "")
 
     reasons = "; ".join(f"{len(fqns)} {reason} [{names(fqns)}]" for reason, fqns in skipped.items())
-    line = f"f8tensor: converted {len(converted) - experts} of {candidates} linear layers to FP8"
-    line += f" and {experts} expert weights" if experts else ""
+    line = f"f8tensor: converted {len(converted)} of {candidates} linear layers to FP8"
+    line += f" and {len(experts)} expert weights (expert GEMMs: {expert_path})" if experts else ""
+    line += f"; {len(already)} layers or expert weights were already FP8 with this recipe" if already else ""
+    for path, fqns in (fp4_paths or {}).items():
+        line += f"; FP4 {path}: {len(fqns)} layers [{names(fqns)}]"
     line += f"; skipped {reasons}" if reasons else ""
-    if converted:
-        logger.info(line)
+    if converted or experts or already:
+        if any(" none:" in path for path in (fp4_paths or {})):
+            logger.warning(line)
+            warnings.warn(line, UserWarning, stacklevel=3)
+        else:
+            logger.info(line)
         return
     if not candidates:
         line += ": the model has no nn.Linear (or Hugging Face Conv1D) layer"
@@ -276,19 +462,29 @@ def block_policy(
 
 
 def convert_with_policy(
-    module: nn.Module, policy: Callable[[nn.Module, str], Float8LinearConfig | None], **kwargs: object
+    module: nn.Module,
+    policy: LayerConfig,
+    *,
+    experts_config: Float8LinearConfig | None = None,
+    module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
+    experts_filter_fn: Callable[[nn.Module, str], bool] | None = None,
 ) -> nn.Module:
     """:func:`convert_to_float8_training` with a config per layer: ``policy(mod, fqn)`` returns
-    the layer's config, or ``None`` to keep it in high precision. One conversion per distinct
-    config (each converts the layers the policy gives it)."""
-    choices = {fqn: policy(mod, fqn) for fqn, mod in module.named_modules()
-               if isinstance(mod, nn.Linear) or is_transposed_linear(mod)}
-    configs = list(dict.fromkeys(c for c in choices.values() if c is not None))
-    for config in configs:
-        convert_to_float8_training(
-            module, config=config, module_filter_fn=lambda mod, fqn, c=config: choices.get(fqn) == c, **kwargs
-        )
-    return module
+    the layer's config, or ``None`` to keep it in high precision (reported as skipped by the
+    layer policy). One plan for the whole model, checked before it changes (every policy
+    and filter call, every config), then applied; a layer already FP8 with a config other
+    than its policy's is refused. Expert weights take ``experts_config`` (an FP8 recipe;
+    ``None``: they stay in high precision, reported)."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"convert_with_policy expects an nn.Module; got {type(module).__name__}")
+    for fn_name, fn in (("policy", policy), ("module_filter_fn", module_filter_fn), ("experts_filter_fn", experts_filter_fn)):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"{fn_name} must be a callable (module, fqn) -> ... or None; got {fn!r}")
+    if policy is None:
+        raise TypeError("convert_with_policy needs a policy: a callable (module, fqn) -> Float8LinearConfig | None")
+    if experts_config is not None:
+        experts_config = check_config(experts_config)
+    return _convert(module, policy, experts_config, module_filter_fn, experts_filter_fn)
 
 
 def set_gemm_formats(model: nn.Module, overrides: dict) -> int:

@@ -61,7 +61,7 @@ from torch import nn
 
 import f8tensor
 import f8tensor.stats
-from f8tensor import FP4_CAST_DTYPE, NVFP4_1x16, CastConfig, Float8LinearConfig, convert_to_float8_training
+from f8tensor import FP4_CAST_DTYPE, CastConfig, Float8LinearConfig, NVFP4_1x16, convert_to_float8_training
 
 __all__ = ["GPT", "SIZES", "RunResult", "keep_lm_head_in_high_precision", "main"]
 
@@ -452,8 +452,11 @@ def plot_losses(results: Sequence[RunResult], path: Path, title: str) -> bool:
     steps = len(results[0].losses)
     window = max(1, steps // 25)
     curves = {r.name: _smooth(r.losses, window) for r in results}
+    # One colour per recipe, the same in both panels (the gap panel has no bf16 line, so
+    # matplotlib's own colour cycle would shift every recipe by one there).
+    colours = {name: f"C{i}" for i, name in enumerate(curves)}
     for name, curve in curves.items():
-        axes[0].plot(range(1, steps + 1), curve, label=name, linewidth=1.3)
+        axes[0].plot(range(1, steps + 1), curve, label=name, linewidth=1.3, color=colours[name])
     # The first steps fall steeply from ln(256) = 5.5; show the part where the runs differ.
     lowest = min(min(c) for c in curves.values())
     top = max(c[min(steps - 1, steps // 10)] for c in curves.values())
@@ -465,7 +468,7 @@ def plot_losses(results: Sequence[RunResult], path: Path, title: str) -> bool:
         for r in results:
             if r is not base:
                 gap = [100.0 * (a - b) / b for a, b in zip(r.losses, base.losses)]
-                axes[1].plot(range(1, steps + 1), _smooth(gap, window), label=r.name, linewidth=1.3)
+                axes[1].plot(range(1, steps + 1), _smooth(gap, window), label=r.name, linewidth=1.3, color=colours[r.name])
         axes[1].axhline(0.0, color="black", linewidth=0.8)
         axes[1].set(xlabel="step", ylabel="loss vs bf16, % (same batches)", title="gap to bf16")
         if len(results) > 1:

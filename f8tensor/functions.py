@@ -196,7 +196,7 @@ def _column_major_copy(f8: Float8Tensor) -> Float8Tensor:
     data = f8._data  # a fresh cast: row-major (no stride test, which dynamic shapes would trace)
     out = torch.empty_strided(data.shape, (1, data.shape[0]), dtype=data.dtype, device=data.device)
     out.copy_(data)
-    return f8._replace(data=materialized(out))
+    return f8._replace(data=materialized(out, (1, data.shape[0])))
 
 
 class Float8LinearFn(torch.autograd.Function):
@@ -326,7 +326,11 @@ class Float8LinearFn(torch.autograd.Function):
                 w8 = to_float8(weight, config.weight.operand_spec(0), gemm=bwd)
             else:
                 # Same scale as in forward: the same FP8 bytes, without keeping them alive.
-                w8 = to_float8(weight, CastSpec(config.weight.dtype), scale=w_scale, gemm=bwd)
+                # A delayed scale was decided without this weight's amax: guard an inf in it
+                # as the forward cast did (cast_operand), or the clamp would make it the
+                # format's max and grad_x finite. A dynamic scale is NaN then already.
+                hp_w = torch.where(torch.isinf(weight), torch.nan, weight) if config.weight.delayed else weight
+                w8 = to_float8(hp_w, CastSpec(config.weight.dtype), scale=w_scale, gemm=bwd)
             grad_x = matmul(g8, w8).reshape(ctx.x_shape)
 
         # grad_W = g.t() @ x: contraction over M.

@@ -18,6 +18,7 @@ import dataclasses
 import torch
 from torch import nn
 
+from f8tensor.compat import is_fake
 from f8tensor.config import Float8LinearConfig
 from f8tensor.distributed.fsdp import DTensor, Float8AllGatherWeight, wrap_weight
 from f8tensor.formats import HP_DTYPES
@@ -65,6 +66,25 @@ def _fresh_state(name: str, like: torch.Tensor, device: torch.device | str | Non
     fill = 1.0 if name in _SCALE_BUFFERS or name == _CALL_SCALES else -1.0 if name == _CALL_KEYS else 0.0
     return torch.full_like(like, fill, dtype=torch.float32, device=device)
 
+
+
+def _check_delayed_state(state_dict: dict, prefix: str) -> None:
+    """Refuse a delayed-scaling state that would poison training: an amax history holds
+    finite amaxes >= 0 only (0: an empty entry), a scale buffer a positive finite fp32
+    number. Every later delayed cast would otherwise get a NaN (or negative) scale and the
+    first optimizer step destroy the weights. Read on the host: loading is not a hot path
+    (one sync per buffer); meta and fake tensors (no values) are not read."""
+    for name in (*_HISTORY_BUFFERS, *_SCALE_BUFFERS):
+        value = state_dict.get(prefix + name)
+        if not isinstance(value, torch.Tensor) or value.device.type == "meta" or is_fake(value):
+            continue
+        # A sharded (DTensor) buffer: each rank checks its own shard.
+        v = (value.to_local() if isinstance(value, DTensor) else value).detach().float()
+        ok = torch.isfinite(v) & ((v >= 0) if name in _HISTORY_BUFFERS else (v >= torch.finfo(torch.float32).tiny))
+        if not bool(ok.all()):
+            bad = v[~ok].flatten()[0].item()
+            allowed = "finite amaxes >= 0" if name in _HISTORY_BUFFERS else "a positive finite fp32 scale"
+            raise ValueError(f"load_state_dict: {prefix + name} must hold {allowed}; got {bad!r}")
 
 
 class Float8Linear(nn.Linear):
@@ -236,17 +256,24 @@ class Float8Linear(nn.Linear):
         return Float8LinearFn.apply(x, weight, bias, self.config, delayed, stats)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-        # A plain nn.Linear checkpoint has no delayed-scaling state: start those buffers
-        # fresh (the history of the weights being replaced says nothing about the loaded
-        # ones) instead of failing a strict load. `state_dict` is load_state_dict's own copy.
-        # (Non-persistent buffers, the telemetry, are never loaded.) The fresh buffers go
-        # where the loaded weight is: load_state_dict(assign=True) into a model built on
-        # meta would otherwise keep them there.
+        # The rule for the delayed-scaling state (PyTorch's for what is missing, plus one case;
+        # a module never learns whether the load is strict: PyTorch passes strict=True here):
+        # - the dict holds this layer's weight and none of its delayed state: a high-precision
+        #   weight (a plain nn.Linear checkpoint) replaces the one the state described. Those
+        #   buffers start fresh and are not missing, so a strict load of it works.
+        # - otherwise (the dict does not name the weight, or holds some delayed state) what
+        #   it lacks is left untouched and reported missing, as for any module: a partial
+        #   load never touches a layer it does not name.
+        # `state_dict` is load_state_dict's own copy. (Non-persistent buffers, the telemetry,
+        # are never loaded.) The fresh buffers go where the loaded weight is:
+        # load_state_dict(assign=True) into a model built on meta would otherwise keep them there.
         loaded = state_dict.get(prefix + "weight")
         device = loaded.device if isinstance(loaded, torch.Tensor) else None
-        for name, buf in self.named_buffers(recurse=False):
-            if name not in self._non_persistent_buffers_set:
-                state_dict.setdefault(prefix + name, _fresh_state(name, buf, device))
+        persistent = [(n, b) for n, b in self.named_buffers(recurse=False) if n not in self._non_persistent_buffers_set]
+        if prefix + "weight" in state_dict and not any(prefix + n in state_dict for n, _ in persistent):
+            for name, buf in persistent:
+                state_dict[prefix + name] = _fresh_state(name, buf, device)
+        _check_delayed_state(state_dict, prefix)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
         if device is not None and local_metadata.get("assign_to_params_buffers", False):
             for name in self._non_persistent_buffers_set & set(self._buffers):
@@ -306,11 +333,11 @@ def dims_ok(in_features: int, out_features: int, config: Float8LinearConfig) -> 
     if config.any_fp4:
         # FP4 blocks tile the dims exactly (no padding of packed blocks): 32 covers MXFP4's
         # blocks and NVFP4's 16 (and 16x16).
-        return in_features % _FP4_ALIGN == 0 and out_features % _FP4_ALIGN == 0
+        return in_features % FP4_ALIGN == 0 and out_features % FP4_ALIGN == 0
     return config.pad_inner_dim or (in_features % ALIGN == 0 and out_features % ALIGN == 0)
 
 
-_FP4_ALIGN = 32
+FP4_ALIGN = 32
 
 
 def _check_dims(in_features: int, out_features: int, config: Float8LinearConfig) -> None:
@@ -318,7 +345,7 @@ def _check_dims(in_features: int, out_features: int, config: Float8LinearConfig)
         if config.any_fp4:
             raise ValueError(
                 f"Float8Linear({in_features}, {out_features}): FP4 casts need in_features and out_features "
-                f"to be multiples of {_FP4_ALIGN} (whole NVFP4/MXFP4 blocks); keep this layer out of the conversion"
+                f"to be multiples of {FP4_ALIGN} (whole NVFP4/MXFP4 blocks); keep this layer out of the conversion"
             )
         raise ValueError(
             f"Float8Linear({in_features}, {out_features}): FP8 GEMMs need in_features and out_features "

@@ -25,9 +25,18 @@ Scaling, per :class:`~f8tensor.config.Float8LinearConfig` (``input``, ``weight``
   apply to the loop path, which runs through ``Float8Linear``'s GEMMs).
 
 Every cast is the library's one cast (``tensor.to_float8`` / ``kernels.cast``) with a
-:class:`~f8tensor.config.CastSpec` from :meth:`CastConfig.operand_spec` (:func:`_spec`):
-block granularities (``blockwise``, ``mxfp8``) still run per tensor on experts; block-scaled
-experts are a matter of passing the config's block through there.
+:class:`~f8tensor.config.CastSpec` from :meth:`CastConfig.operand_spec` (:func:`_spec`).
+
+Block granularities (``blockwise``: 1x128 activations and gradients, 128x128 weights;
+``mxfp8``: 1x32 e8m0) and stochastic rounding: the grouped kernel takes one fp32 scale per
+row of ``a`` and per column of ``b`` (:class:`~f8tensor.gemm.rules.GroupedMMRule`, torch
+2.11-2.14), so no grouped or batched kernel takes these scales. Such a recipe runs its
+experts as a per-expert loop of ``Float8Linear``'s own three GEMMs (:func:`_expert_loop`):
+the same casts, bytes and block-scaled products as a dense ``Float8Linear`` with that
+recipe, legal ``F.scaled_mm`` calls where the block rules allow them (sm90, 1x128 by
+128x128) and the emulated reference product elsewhere, decided by the block rules
+(:func:`expert_path` names the path; the converter reports it). The grouped loop reads the
+group sizes on the host (one sync per product; under ``torch.compile`` a graph break).
 
 Layer: above ``functions`` (beside ``linear``); imports ``functions``, ``weights``, ``gemm``,
 ``tensor``, ``kernels``, ``scaling``, ``config``, ``compat``.
@@ -48,14 +57,14 @@ from f8tensor.compat import grouped_mm as hp_grouped_mm
 from f8tensor.config import CastConfig, CastSpec, Float8LinearConfig, is_tensorwise
 from f8tensor.functions import Float8LinearFn as _Float8LinearFn  # the routes look it up here
 from f8tensor.gemm import batched_mm, grouped_mm, scaled_grouped_mm
-from f8tensor.gemm.grouped import KERNEL_OUT
+from f8tensor.gemm.grouped import KERNEL_OUT, grouped_kernel_available, validate_grouped_mm_args
 from f8tensor.gemm.operands import col_major, kernel_scale, row_major
-from f8tensor.gemm.rules import ALIGN
+from f8tensor.gemm.rules import ALIGN, CudaBuild, block_rule_for
 from f8tensor.scaling import amax_to_scale, group_amax
 from f8tensor.tensor import to_float8
-from f8tensor.weights import HighPrecisionWeight, WriteCount
+from f8tensor.weights import HighPrecisionWeight, WriteCount, check_dtype_change
 
-__all__ = ["Float8ExpertWeight", "convert_experts_to_float8", "float8_grouped_mm"]
+__all__ = ["Float8ExpertWeight", "convert_experts_to_float8", "expert_path", "float8_grouped_mm", "per_expert_loop"]
 
 logger = logging.getLogger("f8tensor")
 aten = torch.ops.aten
@@ -65,14 +74,66 @@ aten = torch.ops.aten
 
 
 def _spec(cast: CastConfig, contracted_dim: int, *, ndim: int = 2, per_expert: bool = False) -> CastSpec:
-    """The cast of one expert-GEMM operand contracted over ``contracted_dim``: e4m3 (what
-    the grouped kernel multiplies, grad_output included), round-to-nearest, the scales of
-    :meth:`CastConfig.operand_spec` (``per_expert``: a weight, one scale set per expert). A
-    block granularity runs per tensor here, as it always has."""
+    """The cast of one operand of a grouped/batched expert GEMM contracted over
+    ``contracted_dim``: e4m3 (what the grouped kernel multiplies, grad_output included),
+    round-to-nearest, the scales of :meth:`CastConfig.operand_spec` (``per_expert``: a
+    weight, one scale set per expert). Block recipes never get here (:func:`per_expert_loop`)."""
     if cast.blockwise:
-        cast = CastConfig(cast.dtype, power_of_2_scale=cast.power_of_2_scale)
+        raise ValueError(f"block-scaled expert GEMMs run per expert (per_expert_loop); got {cast}")
     spec = cast.operand_spec(contracted_dim, ndim=ndim, per_expert=per_expert)
     return spec._replace(float8_dtype=torch.float8_e4m3fn, rounding="nearest")
+
+
+def per_expert_loop(config: Float8LinearConfig) -> bool:
+    """Whether ``config``'s expert GEMMs run as a per-expert loop of ``Float8Linear``'s GEMMs:
+    block scales or stochastic rounding on any operand, which the grouped kernel's one fp32
+    scale per row / column cannot express (see the module docstring)."""
+    return any(c.blockwise or c.rounding != "nearest" for c in (config.input, config.weight, config.grad_output))
+
+
+def expert_path(config: Float8LinearConfig, device: torch.device | str) -> str:
+    """The path ``config``'s expert GEMMs take on ``device``, in words (the conversion report)."""
+    device = torch.device(device)
+    if not per_expert_loop(config):
+        if grouped_kernel_available(device):
+            return "grouped FP8 kernel (torch._scaled_grouped_mm)"
+        return "grouped FP8 product, emulated (no grouped kernel on this device)"
+    reason = "no grouped kernel takes block scales or stochastic rounding"
+    if device.type == "cuda" and not config.emulate and _block_kernel_here(config, device):
+        return f"per-expert loop of block-scaled F.scaled_mm ({reason})"
+    return f"per-expert loop of the emulated block-scaled product ({reason}; no block-scaled kernel here)"
+
+
+def _block_kernel_here(config: Float8LinearConfig, device: torch.device) -> bool:
+    """Whether the forward's block-scaled product has a kernel on ``device`` (the block rules)."""
+    a = config.input.operand_spec(1)
+    b = config.weight.operand_spec(1)
+    rule = block_rule_for(a.block, b.block, a.scale_dtype) if a.scale_dtype == b.scale_dtype else None
+    if rule is None:
+        return False
+    cuda = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
+    return CudaBuild((0, 0), cuda, torch.cuda.get_device_capability(device)) in rule.builds
+
+
+def _expert_loop(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor | None, config: Float8LinearConfig) -> torch.Tensor:
+    """The per-expert loop: ``x[rows of g] @ w[g]`` through ``Float8Linear``'s Function.
+
+    ``offs`` given: ``x`` (M, K) sorted by group, ``w`` (G, K, N) (rows past ``offs[-1]``
+    give zeros, as the grouped kernel leaves them); ``offs`` None: a batched product, ``x``
+    (B, M, K) and ``w`` (B, K, N). Autograd runs each piece's backward: its two FP8 GEMMs.
+    """
+    if offs is None:
+        pieces = [_Float8LinearFn.apply(x[b], w[b].transpose(0, 1), None, config, None, None) for b in range(x.shape[0])]
+        return torch.stack(pieces) if pieces else x.new_zeros(0, x.shape[1], w.shape[2])
+    ends = offs.tolist()  # the host sync of this path (see the module docstring)
+    pieces, start = [], 0
+    for g, end in enumerate(ends):
+        if end > start:
+            pieces.append(_Float8LinearFn.apply(x[start:end], w[g].transpose(0, 1), None, config, None, None))
+        start = max(start, end)
+    if start < x.shape[0] or not pieces:
+        pieces.append(x.new_zeros(x.shape[0] - start, w.shape[2]))
+    return torch.cat(pieces)
 
 
 def _check_contraction(k: int, what: str) -> None:
@@ -228,6 +289,7 @@ class _ExpertBmmFn(torch.autograd.Function):
         ctx.save_for_backward(x, w)
         ctx.config = config
         _check_contraction(x.shape[2], "batched forward")
+        _check_contraction(w.shape[2], "batched input gradient, checked in forward")
         w_spec = _spec(config.weight, 1, ndim=3, per_expert=True)
         return _bmm_fp8(x, w, _spec(config.input, 2, ndim=3), w_spec).to(x.dtype)
 
@@ -254,7 +316,10 @@ class _Unwrap(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, w):  # type: ignore[override]
-        return w._hp.view_as(w._hp)
+        # Through dispatch (view.dtype is neither in VIEWS nor COPIES: the result is the plain
+        # alias of _hp), not through the attribute: torch.export traces above the subclass,
+        # where ``w._hp`` would be an untracked tensor (lifted as a constant).
+        return w.view(w.dtype)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
@@ -293,10 +358,13 @@ def _route_bmm(args: tuple, kwargs: dict) -> torch.Tensor:
     config = (b if isinstance(b, Float8ExpertWeight) else a)._config
     if isinstance(a, Float8ExpertWeight) and isinstance(b, Float8ExpertWeight):
         raise NotImplementedError("bmm of two FP8 expert weights is not an expert GEMM")
+    bmm = (lambda x, w: _expert_loop(x, w, None, config)) if per_expert_loop(config) else (
+        lambda x, w: _ExpertBmmFn.apply(x, w, config)
+    )
     if isinstance(b, Float8ExpertWeight):
-        return _ExpertBmmFn.apply(a, _Unwrap.apply(b), config)
+        return bmm(a, _Unwrap.apply(b))
     # weight on the left (HF's default layout: w (B, N, K) @ x (B, K, 1)): transpose the product
-    return _ExpertBmmFn.apply(b.transpose(1, 2), _Unwrap.apply(a).transpose(1, 2), config).transpose(1, 2)
+    return bmm(b.transpose(1, 2), _Unwrap.apply(a).transpose(1, 2)).transpose(1, 2)
 
 
 def _route_linear(args: tuple, kwargs: dict) -> torch.Tensor:
@@ -356,11 +424,13 @@ class Float8ExpertWeight(HighPrecisionWeight):
     """A high-precision expert weight whose matrix products run in FP8.
 
     Fields: ``_hp``, the plain bf16/fp16/fp32 tensor (E, N, K), or a view/piece of it;
-    ``_config``, the :class:`Float8LinearConfig` its GEMMs follow (tensorwise or rowwise
-    granularities, dynamic scaling). Every op behaves as on ``_hp`` (see
-    :class:`~f8tensor.weights.HighPrecisionWeight`); views, expert selection and copies
-    stay wrapped so that the product they reach (``F.linear``, ``bmm``, ``grouped_mm``)
-    knows to run in FP8. Serialized as the plain tensor.
+    ``_config``, the :class:`Float8LinearConfig` its GEMMs follow (dynamic scaling, any
+    granularity: block recipes take the per-expert loop, see :func:`per_expert_loop`).
+    Every op behaves as on ``_hp`` (see :class:`~f8tensor.weights.HighPrecisionWeight`);
+    views, expert selection and copies stay wrapped so that the product they reach
+    (``F.linear``, ``bmm``, ``grouped_mm``) knows to run in FP8. A ``state_dict`` holds the
+    plain tensor; a parameter pickles wrapped (whole-model copies stay FP8); setting its
+    data to a plain tensor of another dtype (``model.double()``) is refused.
     """
 
     _config: Float8LinearConfig
@@ -382,7 +452,7 @@ class Float8ExpertWeight(HighPrecisionWeight):
     )
 
     @staticmethod
-    def __new__(cls, hp: torch.Tensor, config: Float8LinearConfig, *, writes: WriteCount | None = None) -> Float8ExpertWeight:
+    def __new__(cls, hp: torch.Tensor, config: Float8LinearConfig, *, writes: WriteCount | None = None) -> Float8ExpertWeight:  # noqa: PYI034 (typing.Self needs Python 3.11)
         HighPrecisionWeight._check_hp(cls, hp)
         self = HighPrecisionWeight._wrap(cls, hp, writes)
         self._config = config
@@ -393,6 +463,18 @@ class Float8ExpertWeight(HighPrecisionWeight):
 
     def __repr__(self) -> str:  # type: ignore[override]
         return f"Float8ExpertWeight({self._hp!r})"
+
+    def __reduce_ex__(self, protocol):  # type: ignore[override]
+        # A parameter (whole-model pickle, torch.save(model), deepcopy) comes back wrapped,
+        # with its recipe: the copy trains its experts in FP8 as the original does. Anything
+        # else (a state_dict, which holds the plain tensors, an optimizer state) pickles as
+        # the plain tensor (see HighPrecisionWeight.__reduce_ex__).
+        if not isinstance(self, nn.Parameter):
+            return super().__reduce_ex__(protocol)
+        hp = self._hp
+        if hp.untyped_storage().nbytes() != hp.nbytes:
+            hp = hp.clone()
+        return (_rebuild_expert_parameter, (hp.detach(), self._config, self.requires_grad))
 
     @staticmethod
     def __tensor_unflatten__(inner: dict, meta: tuple, outer_size: Any, outer_stride: Any) -> Float8ExpertWeight:
@@ -427,6 +509,14 @@ class Float8ExpertWeight(HighPrecisionWeight):
             route = _ROUTES.get(func)
         if route is not None:
             return route(args, kwargs or {})
+        if _SET_DATA == func:  # a method-wrapper: a new object per access, equal by value
+            check_dtype_change(cls, args[1])
+        if torch.is_inference_mode_enabled():
+            # A view of a (normal) parameter made under inference_mode becomes an inference
+            # tensor whose version counter autograd cannot set: views and copies of the
+            # weight are made outside it (without grad), the product itself runs inside.
+            with torch.inference_mode(False), torch.no_grad(), disable_torch_function_subclass():
+                return func(*args, **(kwargs or {}))
         with disable_torch_function_subclass():
             return func(*args, **(kwargs or {}))
 
@@ -441,26 +531,57 @@ class Float8ExpertWeight(HighPrecisionWeight):
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
+_SET_DATA = torch.Tensor.data.__set__
+
+
+def _rebuild_expert_parameter(hp: torch.Tensor, config: Float8LinearConfig, requires_grad: bool) -> nn.Parameter:
+    """Unpickling a :class:`Float8ExpertWeight` parameter."""
+    return nn.Parameter(Float8ExpertWeight(hp, config), requires_grad=requires_grad)
+
+
+_EXPERT_CONFIGS = "_float8_expert_configs"  # experts module attribute: {param name: config}
+
+
+def _plain_expert_state(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    """state_dict post-hook of an experts module: its FP8 expert weights are saved as the
+    plain tensors they wrap (what transformers' ``save_pretrained`` and every checkpoint
+    writer expect: ordinary storages). ``keep_vars=True`` gives the parameters as they are."""
+    for name in getattr(module, _EXPERT_CONFIGS, {}):
+        value = state_dict.get(prefix + name)
+        if isinstance(value, Float8ExpertWeight) and not isinstance(value, nn.Parameter):
+            state_dict[prefix + name] = value._hp.detach()
+
+
+def _rewrap_after_load(module: nn.Module, incompatible_keys: Any) -> None:
+    """load_state_dict post-hook of an experts module: ``assign=True`` replaces parameters by
+    the loaded (plain) tensors; each expert weight that was FP8 is wrapped again, with its
+    recipe, so the model keeps training its experts in FP8 (``float8_converted_fqns`` stays
+    true)."""
+    for name, config in getattr(module, _EXPERT_CONFIGS, {}).items():
+        p = module._parameters.get(name)
+        if p is not None and not isinstance(p, Float8ExpertWeight):
+            module._parameters[name] = nn.Parameter(Float8ExpertWeight(p.data, config), requires_grad=p.requires_grad)
+
+
 def float8_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, config: Float8LinearConfig | None = None) -> torch.Tensor:
     """``torch._grouped_mm(x, w, offs=offs)`` in FP8, differentiable in ``x`` and ``w``.
 
     ``x`` (M, K): tokens sorted by expert; ``w`` (G, K, N): a plain tensor or a
     :class:`Float8ExpertWeight` (then its config is used); ``offs`` (G,): cumulative token
-    counts (int32 or int64; groups may be empty or of any size). ``config``: the recipe
-    for a plain ``w`` (default: tensorwise).
+    counts (an integer tensor or a list of ints; groups may be empty or of any size).
+    ``config``: the recipe for a plain ``w`` (default: tensorwise). Validated like
+    ``Float8Linear``'s inputs (:func:`f8tensor.gemm.grouped.validate_grouped_mm_args`): K and
+    N multiples of 16 (checked here, in forward), bf16/fp16/fp32 operands.
     """
     if isinstance(w, Float8ExpertWeight):
         config = w._config if config is None else config
         w = _Unwrap.apply(w)
     elif config is None:
         config = Float8LinearConfig()
-    if x.dim() != 2 or w.dim() != 3 or offs.dim() != 1 or offs.shape[0] != w.shape[0] or x.shape[1] != w.shape[1]:
-        raise ValueError(
-            f"float8_grouped_mm: expected x (M, K), w (G, K, N), offs (G,); got {tuple(x.shape)}, {tuple(w.shape)}, {tuple(offs.shape)}"
-        )
-    if offs.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"float8_grouped_mm: offs must be int32 or int64; got {offs.dtype}")
-    return _GroupedMMFn.apply(x.to(w.dtype), w, offs.to(torch.int32), config)
+    offs = validate_grouped_mm_args(x, w, offs, config)
+    if per_expert_loop(config):
+        return _expert_loop(x.to(w.dtype), w, offs, config)
+    return _GroupedMMFn.apply(x.to(w.dtype), w, offs, config)
 
 
 # ===================================================================== the converter
@@ -477,6 +598,55 @@ def _expert_params(module: nn.Module):
                 yield mod, mod_fqn, name, p
 
 
+def plan_experts(
+    module: nn.Module,
+    config: Float8LinearConfig,
+    experts_filter_fn: Callable[[nn.Module, str], bool] | None = None,
+) -> tuple[list[tuple[nn.Module, str, str]], dict[str, list[str]]]:
+    """What :func:`convert_experts_to_float8` would do, without changing ``module``.
+
+    Returns the ``(experts module, parameter name, fqn)`` to wrap and the skipped fqns by
+    reason. Every ``experts_filter_fn`` call happens here, so a filter that raises leaves
+    the model untouched. Already wrapped weights are neither (the converter counts them).
+    """
+    todo: list[tuple[nn.Module, str, str]] = []
+    skipped: dict[str, list[str]] = {}
+    for mod, mod_fqn, name, p in list(_expert_params(module)):
+        fqn = f"{mod_fqn}.{name}" if mod_fqn else name
+        if isinstance(p, Float8ExpertWeight):
+            continue
+        if config.any_delayed:
+            skipped.setdefault("expert weights (delayed scaling is not supported for experts)", []).append(fqn)
+            continue
+        if experts_filter_fn is not None and not experts_filter_fn(mod, fqn):
+            skipped.setdefault("rejected by experts_filter_fn", []).append(fqn)
+            continue
+        if p.shape[1] % ALIGN or p.shape[2] % ALIGN:
+            logger.warning(
+                "f8tensor: left %s %s in high precision: FP8 expert GEMMs need its last two dims to be multiples of %d",
+                fqn, tuple(p.shape), ALIGN,
+            )
+            skipped.setdefault(f"expert weights with dims not multiples of {ALIGN}", []).append(fqn)
+            continue
+        todo.append((mod, name, fqn))
+    return todo, skipped
+
+
+def wrap_experts(todo: list[tuple[nn.Module, str, str]], config: Float8LinearConfig) -> list[str]:
+    """Wrap the weights :func:`plan_experts` chose, in place; returns their fqns."""
+    if todo:
+        _register_hf_fallback()
+    for mod, name, _ in todo:
+        p = getattr(mod, name)
+        setattr(mod, name, nn.Parameter(Float8ExpertWeight(p.data, config), requires_grad=p.requires_grad))
+        if not hasattr(mod, _EXPERT_CONFIGS):
+            setattr(mod, _EXPERT_CONFIGS, {})
+            mod.register_state_dict_post_hook(_plain_expert_state)
+            mod.register_load_state_dict_post_hook(_rewrap_after_load)
+        getattr(mod, _EXPERT_CONFIGS)[name] = config
+    return [fqn for _, _, fqn in todo]
+
+
 def convert_experts_to_float8(
     module: nn.Module,
     config: Float8LinearConfig,
@@ -488,27 +658,19 @@ def convert_experts_to_float8(
     (how transformers' experts modules store them). Routers and gates (2D) are never
     touched. ``experts_filter_fn(experts_module, param_fqn) -> bool`` chooses which
     convert. Weights whose last two dims are not multiples of 16 stay high precision
-    (logged). Returns the converted parameter names.
+    (logged), and so does every expert weight under a delayed recipe (logged, only when
+    the model has expert weights). Returns the converted parameter names.
     """
-    if config.any_delayed:
-        logger.warning("f8tensor: expert weights left in high precision: delayed scaling is not supported for experts")
-        return []
-    _register_hf_fallback()
-    converted: list[str] = []
-    for mod, mod_fqn, name, p in list(_expert_params(module)):
-        fqn = f"{mod_fqn}.{name}" if mod_fqn else name
-        if isinstance(p, Float8ExpertWeight):
-            continue
-        if experts_filter_fn is not None and not experts_filter_fn(mod, fqn):
-            continue
-        if p.shape[1] % ALIGN or p.shape[2] % ALIGN:
-            logger.warning(
-                "f8tensor: left %s %s in high precision: FP8 expert GEMMs need its last two dims to be multiples of %d",
-                fqn, tuple(p.shape), ALIGN,
-            )
-            continue
-        setattr(mod, name, nn.Parameter(Float8ExpertWeight(p.data, config), requires_grad=p.requires_grad))
-        converted.append(fqn)
+    if experts_filter_fn is not None and not callable(experts_filter_fn):
+        raise TypeError(f"experts_filter_fn must be a callable (module, fqn) -> bool or None; got {experts_filter_fn!r}")
+    todo, skipped = plan_experts(module, config, experts_filter_fn)
+    for reason, fqns in skipped.items():
+        if reason.startswith("expert weights (delayed"):
+            logger.warning("f8tensor: %d expert weights left in high precision: delayed scaling is not supported for experts", len(fqns))
+    converted = wrap_experts(todo, config)
     if converted:
-        logger.info("f8tensor: %d expert weights run in FP8: %s", len(converted), ", ".join(converted))
+        logger.info(
+            "f8tensor: %d expert weights run in FP8: %s; path: %s",
+            len(converted), ", ".join(converted), expert_path(config, module.get_parameter(converted[0]).device),
+        )
     return converted

@@ -421,7 +421,7 @@ def _slice(func, types, args, kwargs):
 def _selected(x: Float8Tensor, dim: int, index: int) -> Float8Tensor:
     """``x`` indexed at ``index`` along ``dim`` (the dim drops out of data, block and scale)."""
     dim = dim % x.dim()
-    index = index % x.shape[dim]
+    index = _normalized_index(index, x.shape[dim], dim)
     data = x._data.select(dim, index)
     block = x._block[:dim] + x._block[dim + 1 :]
     if _tensorwise(x):
@@ -445,6 +445,7 @@ def _index(func, types, args, kwargs):
             "Float8Tensor supports indexing with one 1D integer tensor along dim 0 (w8[ids]); call .to_hp() first"
         )
     (ids,) = indices
+    ids = _normalized_ids(ids, x.shape[0])
     data = x._data.view(torch.uint8)[ids].view(x._data.dtype)  # gather through bytes: no FP8 index kernel needed
     b = x._block[0] if x._block else 0
     if _tensorwise(x) or b == 0:
@@ -452,6 +453,36 @@ def _index(func, types, args, kwargs):
     # Each gathered row keeps its own scale row: blocks of b rows become blocks of one.
     block = (1,) + tuple(x._block[1:])
     return x._replace(data=data, scale=x._scale[ids // b], block=block)
+
+
+# Index normalization, once for every index op: a negative index counts from the end
+# (-1 is the last), anything outside [-size, size) is refused. The data and every scale
+# lookup then read the same non-negative positions (a block index is ``i // b``, which
+# floors a negative ``i`` into the wrong block).
+
+
+def _normalized_index(index: int, size: int, dim: int) -> int:
+    if not -size <= index < size:
+        raise IndexError(f"index {index} is out of range for dim {dim} of size {size}: allowed [-{size}, {size})")
+    return index + size if index < 0 else index
+
+
+def _normalized_ids(ids: torch.Tensor, size: int) -> torch.Tensor:
+    """``ids`` (a 1D integer tensor) with negative entries counted from the end.
+
+    The range is checked eagerly on CPU; elsewhere (a GPU, or under torch.compile) not
+    read on the host: no sync on the hot path. There the gather of the data with the
+    normalized ids still asserts in device code on an index out of [0, size); an index
+    below ``-size`` is sent to ``size`` first (aten's gather would wrap it once more).
+    """
+    if ids.device.type == "cpu" and not torch.compiler.is_compiling():
+        if ids.numel():
+            lo, hi = int(ids.min()), int(ids.max())
+            if lo < -size or hi >= size:
+                bad = lo if lo < -size else hi
+                raise IndexError(f"index {bad} is out of range for dim 0 of size {size}: allowed [-{size}, {size})")
+        return torch.where(ids < 0, ids + size, ids)
+    return torch.where(ids < 0, torch.where(ids < -size, size, ids + size), ids)
 
 
 @implements([aten.cat.default])

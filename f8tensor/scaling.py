@@ -102,7 +102,7 @@ def amax_to_scale(
     return materialized(torch.where(torch.isfinite(amax64), scale, torch.nan))
 
 
-def materialized(t: torch.Tensor) -> torch.Tensor:
+def materialized(t: torch.Tensor, stride: tuple | None = None) -> torch.Tensor:
     """``t`` itself; under torch.compile, a result inductor stores to memory where computed.
 
     Inductor inlines a cheap elementwise result into each loop that reads it (recomputing
@@ -111,10 +111,27 @@ def materialized(t: torch.Tensor) -> torch.Tensor:
     column-major FP8 copy must be written by the cast's own pass. ``as_strided`` is a view
     whose inductor lowering needs a real buffer, so ``t`` is stored in its own layout by
     the loop that computes it, and readers load it. Eager: returned as is.
+
+    The strides are never read from ``t``: inside an autograd Function's backward traced
+    with dynamic shapes (``torch.compile(dynamic=True)``) dynamo cannot read the strides
+    of a tensor computed from the incoming gradient. ``stride``: the layout ``t`` is known
+    to have (a buffer the caller allocated); default: ``t`` is made contiguous (a no-op
+    for the fresh elementwise results passed here) and gets contiguous strides.
     """
     if not torch.compiler.is_compiling() or type(t) is not torch.Tensor:
         return t
-    return t.as_strided(t.shape, t.stride())
+    if stride is None:
+        t = t.contiguous()
+        stride = _contiguous_strides(t.shape)
+    return t.as_strided(t.shape, stride)
+
+
+def _contiguous_strides(shape) -> tuple:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step = step * size
+    return tuple(reversed(strides))
 
 
 def _round_down_pow2(scale: torch.Tensor) -> torch.Tensor:
@@ -193,12 +210,13 @@ def _blocked(x: torch.Tensor, block: tuple[int, ...]) -> torch.Tensor:
     """``x`` zero-padded to whole blocks and viewed as ``(n0, b0, n1, b1, ...)``.
 
     ``n_d`` is the number of blocks along dim ``d`` (1 for block 0) and ``b_d`` the block's
-    extent (the whole dim for block 0). Zero padding leaves every block's amax unchanged.
+    extent (the whole dim for block 0, and for a block larger than the dim: one partial
+    block, never padded to the block's size). Zero padding leaves every block's amax unchanged.
     """
     pads: list[int] = []
     shape: list[int] = []
     for size, b in zip(x.shape, block):
-        extent = size if b == 0 else b
+        extent = size if b == 0 or b > size else b
         count = 1 if b == 0 else -(-size // b)
         pads.append(count * extent - size)
         shape += [count, extent]
@@ -280,6 +298,9 @@ def expand_block_scale(scale: torch.Tensor, block: tuple[int, ...], shape: tuple
     if scale.dtype != torch.float32:
         scale = scale.to(torch.float32)
     for d, b in enumerate(block):
+        # A block larger than the dim is one partial block: repeat its entry over the dim
+        # only (expanding to the block's size would materialize it).
+        b = min(b, shape[d])
         if b > 1:
             n = scale.shape[d]
             sizes = list(scale.shape)

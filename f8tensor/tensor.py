@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 import torch
 
 from f8tensor import kernels
-from f8tensor.compat import DISABLED_TORCH_FUNCTION, is_fake, make_wrapper_subclass
+from f8tensor.compat import DISABLED_TORCH_FUNCTION, called_by_weights_only_load, is_fake, make_wrapper_subclass
 from f8tensor.config import (
     DEFAULT_GEMM,
     ROUNDING_MODES,
@@ -48,6 +48,7 @@ from f8tensor.validation import (
     legacy_state_fields,
     no_overlap,
     scale_from_number,
+    validate_fields,
 )
 
 __all__ = [
@@ -138,6 +139,15 @@ class Float8Tensor(torch.Tensor):
         block: tuple[int, ...] | None = None,
         gemm: GemmConfig = DEFAULT_GEMM,
     ) -> Float8Tensor:
+        # The library builds through here with fields that are right by construction:
+        # unchecked (the eager hot path). Only torch.load(weights_only=True) calling the class
+        # itself (possible once a user allowlists it: add_safe_globals([Float8Tensor])) would
+        # build one from a checkpoint's fields: those are checked like the safe path's. Never
+        # under compile (the frame test is skipped there, so it does not graph-break).
+        if not torch.compiler.is_compiling() and called_by_weights_only_load():
+            if block is None and isinstance(data, torch.Tensor):
+                block = (0,) * data.dim()
+            scale = validate_fields(data, scale, orig_dtype, block, gemm)
         self = make_wrapper_subclass(cls, data, dtype=orig_dtype, requires_grad=False)
         self._data = data
         self._scale = scale
@@ -309,18 +319,14 @@ class Float8Tensor(torch.Tensor):
         return (_rebuild_float8_tensor, (_SERIAL_VERSION, self._serial_fields()))
 
     def _serial_fields(self) -> dict[str, Any]:
-        raw = self._data.view(torch.uint8)
-        size, stride = tuple(raw.shape), raw.stride()
-        own = raw.storage_offset() == 0 and raw.untyped_storage().nbytes() == extent(size, stride)
-        if not (own and no_overlap(size, stride)):
-            raw = raw.clone(memory_format=torch.contiguous_format)
         gemm = self._gemm
+        scale = self._scale.view(torch.uint8) if self._scale.dtype == E8M0 else self._scale
         return {
-            "data": raw,
+            "data": _compact(self._data.view(torch.uint8)),
             "float8_dtype": self._data.dtype,
             # e8m0 scales travel as their uint8 codes: torch storages of that dtype do not
             # survive a plain pickle (torch 2.13), uint8 does everywhere.
-            "scale": self._scale.view(torch.uint8) if self._scale.dtype == E8M0 else self._scale,
+            "scale": _compact(scale),
             "scale_dtype": self._scale.dtype,
             "orig_dtype": self._orig_dtype,
             "block": self._block,
@@ -404,6 +410,18 @@ class Float8Tensor(torch.Tensor):
             f"products (mm, addmm, matmul, linear) and layout ops; call .to_hp() first to "
             f"compute in high precision."
         )
+
+
+def _compact(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a checkpoint stores it: exactly its own elements, each once. A view that
+    does not own its whole storage (a slice: pickling would write the base's storage) or
+    that repeats elements (an ``expand``: the checkpoint check refuses zero strides) is
+    copied out, dense; a tensor that owns its storage keeps its strides."""
+    size, stride = tuple(t.shape), t.stride()
+    own = t.storage_offset() == 0 and t.untyped_storage().nbytes() == extent(size, stride) * t.element_size()
+    if own and no_overlap(size, stride):
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 def _rebuild_float8_tensor(version: object, fields: object) -> Float8Tensor:

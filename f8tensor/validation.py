@@ -92,6 +92,10 @@ def check_scale_values(scale: torch.Tensor, what: str, *, allow_nan: bool = Fals
     return torch.where(ok, scale, torch.nan)
 
 
+#: The largest block entry: a tensor size (int64). Larger ones are one partial block anyway.
+_MAX_BLOCK = 2**63 - 1
+
+
 def extent(size: tuple[int, ...], stride: tuple[int, ...]) -> int:
     """Elements from the first to one past the last one a layout touches (0 when empty)."""
     if any(n == 0 for n in size):
@@ -167,8 +171,11 @@ def check_block(block: object, data: torch.Tensor, scale: torch.Tensor) -> None:
     """
     if type(block) is not tuple or any(type(b) is not int for b in block):
         raise TypeError(f"Float8Tensor block must be a tuple of ints >= 0 (0: the whole dim); got {block!r}")
-    if any(b < 0 for b in block):
-        raise ValueError(f"Float8Tensor block entries must be >= 0 (0: the whole dim); got {block!r}")
+    if any(b < 0 or b > _MAX_BLOCK for b in block):
+        raise ValueError(
+            f"Float8Tensor block entries must be in [0, 2**63) (0: the whole dim; an entry larger than "
+            f"its dim is one partial block); got {block!r}"
+        )
     if len(block) != data.dim():
         raise ValueError(
             f"Float8Tensor block {block} must have one entry per dim of data of shape {tuple(data.shape)}"
@@ -240,12 +247,19 @@ def check_given_scale(
     if not block:
         if scale.numel() != 1:
             raise ValueError(f"a tensorwise scale has one element; got shape {tuple(scale.shape)}")
-        return scale.reshape(())
+        return _own_copy(scale.reshape(()))
     expected = block_scale_shape(tuple(hp.shape), block)
     if tuple(scale.shape) != expected:
         kind = "rowwise" if axiswise_dim(block) == len(block) - 1 else f"block {block}"
         raise ValueError(f"a {kind} scale for shape {tuple(hp.shape)} must have shape {expected}; got {tuple(scale.shape)}")
-    return scale
+    return _own_copy(scale)
+
+
+def _own_copy(scale: torch.Tensor) -> torch.Tensor:
+    """A cast is a value: the tensor keeps its own dense copy of a given scale, so an in-place
+    update of the caller's tensor (or of the base it is a view of) changes nothing, and an
+    expanded scale is stored (and saved) one entry per block, not as a zero-stride view."""
+    return scale.clone(memory_format=torch.contiguous_format)
 
 
 def checkpoint_fields(version: object, fields: object) -> tuple:

@@ -22,6 +22,7 @@ Layer: above ``ops`` (needs nothing from it); imports ``tensor``, ``formats``, `
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, ClassVar
 
 import torch
@@ -31,7 +32,20 @@ from f8tensor.compat import make_wrapper_subclass, tree_map_only, written_argume
 from f8tensor.formats import HP_DTYPES
 from f8tensor.tensor import Float8Tensor
 
-__all__ = ["HighPrecisionWeight", "WriteCount"]
+__all__ = ["HighPrecisionWeight", "WriteCount", "check_dtype_change"]
+
+
+def check_dtype_change(kind: type, new: Any) -> None:
+    """Refuse ``param.data = new`` when ``new`` would make a ``kind`` wrapper lie about its
+    dtype (``model.double()`` sets ``.data`` to a plain float64 tensor: the wrapper would
+    claim float64 and keep its old ``_hp``). bf16/fp16/fp32 conversions rebuild the wrapper
+    (``Module._apply`` swaps a wrapper result in) and never get here with a plain tensor."""
+    if isinstance(new, torch.Tensor) and not isinstance(new, HighPrecisionWeight):
+        raise TypeError(
+            f"{kind.__name__} holds a bf16, fp16 or fp32 weight (what FP8 casts start from); cannot set its data to a "
+            f"plain {new.dtype} tensor (e.g. model.double()). Change the dtype before converting to FP8, or use "
+            "model.to(torch.bfloat16 / torch.float16 / torch.float32)."
+        )
 
 
 class WriteCount:
@@ -97,6 +111,18 @@ class HighPrecisionWeight(torch.Tensor):
         if isinstance(self, nn.Parameter):
             hp = nn.Parameter(hp, requires_grad=self.requires_grad)
         return hp.__reduce_ex__(protocol)
+
+    def _stable_hash_for_caching(self) -> str:
+        """A process-independent key of this weight for torch.compile's caches (AOT autograd
+        asks traceable subclasses for one): the wrapper's type, shape, strides and dtype,
+        the plain tensor's layout and the subclass's metadata (frozen configs, whose repr
+        is their value)."""
+        hp = self._hp
+        key = (
+            type(self).__qualname__, tuple(self.shape), self.stride(), str(self.dtype), self.requires_grad,
+            tuple(hp.shape), hp.stride(), hp.storage_offset(), str(hp.dtype), hp.device.type, repr(self._meta()),
+        )
+        return hashlib.blake2b(repr(key).encode(), digest_size=16).hexdigest()
 
     def __tensor_flatten__(self) -> tuple[list[str], tuple]:
         return ["_hp"], self._meta()

@@ -157,3 +157,13 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def fresh_accelerate_state():
+    """accelerate keeps one process-wide ``AcceleratorState``: an ``Accelerator`` made with
+    other options than an earlier test's refuses to start. Reset it around the test."""
+    state = pytest.importorskip("accelerate.state")
+    state.AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    state.AcceleratorState._reset_state(reset_partial_state=True)

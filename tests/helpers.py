@@ -6,7 +6,7 @@ import socket
 
 import torch
 
-from f8tensor import FLOAT8_DTYPES, Float8Tensor, sqnr
+from f8tensor import FLOAT8_DTYPES, Float8Linear, Float8Tensor, sqnr
 
 HP_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 E4M3_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
@@ -126,3 +126,25 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class RanFP8:
+    """Which converted layers ran an FP8 forward: a counter on ``Float8Linear.forward``
+    (patched on the class through ``monkeypatch``; no module hooks, which would change the
+    path some models take, e.g. ``nn.TransformerEncoderLayer``'s fast path)."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.ran: set[int] = set()
+        real = Float8Linear.forward
+
+        def counted(layer, *args, **kwargs):
+            self.ran.add(id(layer))
+            return real(layer, *args, **kwargs)
+
+        monkeypatch.setattr(Float8Linear, "forward", counted)
+
+    def missing(self, model) -> list[str]:
+        """The names in ``model.float8_converted_fqns`` whose layer did not run."""
+        mods = dict(model.named_modules())
+        return [f for f in model.float8_converted_fqns if id(mods[f]) not in self.ran]
+

@@ -161,3 +161,18 @@ def test_saturation_rate_averages_the_saturated_fractions_of_one_probe_step(monk
     rate = demo._saturation_rate(torch.nn.Linear(16, 16), lambda: events.append("step"))
     assert rate == pytest.approx(0.1)
     assert events == ["on", "step", "read"]
+
+
+def test_each_recipe_has_one_colour_in_both_panels(tmp_path, monkeypatch):
+    figure = pytest.importorskip("matplotlib.figure")
+    saved = []
+    monkeypatch.setattr(figure.Figure, "savefig", lambda fig, *a, **k: saved.append(fig))
+    results = [
+        demo.RunResult(name, [5.0 - 0.1 * i - 0.01 * k for i in range(10)], 1.0, 0, None, 1.0)
+        for k, name in enumerate(["bf16", "tensorwise", "rowwise"])
+    ]
+    assert demo.plot_losses(results, tmp_path / "x.png", "t")
+    left, right = saved[0].axes[:2]
+    colours = [{line.get_label(): line.get_color() for line in ax.get_lines() if not line.get_label().startswith("_")} for ax in (left, right)]
+    assert set(colours[1]) == {"tensorwise", "rowwise"}
+    assert all(colours[0][name] == colour for name, colour in colours[1].items())

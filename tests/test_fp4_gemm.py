@@ -13,7 +13,7 @@ from f8tensor.fp4 import Float4Tensor
 from f8tensor.gemm import matmul
 from f8tensor.gemm.blocks import _fp4_kernel_args, _swizzle_32_4_4
 from f8tensor.gemm.operands import prepare_fp4
-from f8tensor.gemm.rules import FP4_SCALED_MM_RULES, fp4_rule_for
+from f8tensor.gemm.rules import BLOCK_SCALED_MM_RULES, FP4_SCALED_MM_RULES, fp4_rule_for
 
 
 def sqnr(ref: torch.Tensor, approx: torch.Tensor) -> float:
@@ -121,8 +121,10 @@ def test_kernel_operands_layout_and_scale_counts(kind):
 def test_fp4_rule_rows_cite_sources():
     assert [r.name for r in FP4_SCALED_MM_RULES] == ["NVFP4 1x16 x 1x16", "MXFP4 1x32 x 1x32"]
     for rule in FP4_SCALED_MM_RULES:
-        assert rule.sources and all("ScaledBlas" in s or "common_quantized" in s for s in rule.sources)
-        assert not rule.fast_accum and rule.builds.min_sm == (10, 0)
+        assert rule in BLOCK_SCALED_MM_RULES and rule.operand_dtypes == {torch.float4_e2m1fn_x2}
+        assert "ScaledBlas.cpp" in rule.sources[0] and any("common_quantized" in s for s in rule.sources)
+        assert all(s.startswith(("aten/", "torch/", "check_")) for s in rule.sources)
+        assert not rule.fast_accum and rule.builds.min_sm == (10, 0) and rule.k_per_element == 2
 
 
 @pytest.mark.skipif(

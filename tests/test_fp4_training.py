@@ -13,13 +13,13 @@ from torch import nn
 import f8tensor
 from f8tensor import (
     FP4_CAST_DTYPE,
-    MX_1x32,
-    MXFP4_1x32,
-    NVFP4_1x16,
     CastConfig,
     Float4Tensor,
     Float8Linear,
     Float8LinearConfig,
+    MX_1x32,
+    MXFP4_1x32,
+    NVFP4_1x16,
     block_policy,
     convert_to_float8_training,
     convert_with_policy,

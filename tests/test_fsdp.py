@@ -41,6 +41,7 @@ from f8tensor import (
     Float8Linear,
     Float8LinearConfig,
     Float8Tensor,
+    compat,
     precompute_float8_scales_for_fsdp,
 )
 from f8tensor.scaling import tensor_amax
@@ -236,6 +237,11 @@ def test_precomputed_scale_is_used_until_the_weight_is_written():
 # ======================================================================= worker side
 
 
+# The collective FSDP2's all-gather calls: all_gather_single from torch 2.13,
+# all_gather_into_tensor before (same (output, input) arguments).
+_ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+
+
 @contextlib.contextmanager
 def _recording(name: str, sink: list, what: Callable) -> Iterator[None]:
     """Wrap ``torch.distributed.<name>`` (FSDP and f8tensor look it up at call time)."""
@@ -349,7 +355,7 @@ def _scenario_bytes(rank, world, mesh, ctx) -> dict:
         )
         calls: list = []
         record = _recording(
-            "all_gather_single", calls, lambda o, i, *a, **k: (str(o.dtype), o.numel() * o.element_size())
+            _ALL_GATHER, calls, lambda o, i, *a, **k: (str(o.dtype), o.numel() * o.element_size())
         )
         with record, torch.no_grad():
             model(_rows(x, rank))
@@ -740,6 +746,11 @@ def test_mixed_precision_bf16_params(run):
 
 
 @pytest.mark.distributed
+@pytest.mark.skipif(
+    compat.TORCH_VERSION < (2, 12),
+    reason="torch 2.11's dynamo asserts (overwrite_tensor_vt_proxy) while it traces Float8LinearFn.apply on an "
+    "FSDP2-sharded layer; 2.12+ compiles it (README.md, Version matrix)",
+)
 def test_compiled_layers_under_fsdp2(ranks2):
     res = _results(ranks2, "compile")
     reference = _results(ranks2, "parity")[0]["reference"]

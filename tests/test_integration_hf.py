@@ -102,6 +102,7 @@ def test_load_float8_state_says_what_is_missing(tmp_path):
         load_float8_state(model, tmp_path / "nowhere")
 
 
+@pytest.mark.usefixtures("fresh_accelerate_state")
 def test_accelerate_recipe_convert_then_prepare():
     accelerate = pytest.importorskip("accelerate", reason="accelerate is not installed")
     model = convert_to_float8_training(

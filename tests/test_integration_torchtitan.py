@@ -18,7 +18,13 @@ from f8tensor import Float8Linear, convert_to_float8_training, sqnr
 
 pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip install 'f8tensor[integrations]')")
 # torchtitan's model package imports triton and spmd_types at import time.
-llama3 = pytest.importorskip("torchtitan.models.llama3", reason="torchtitan's model code does not import here")
+# exc_type=ImportError: torchtitan 0.3.0 on torch < 2.12 fails with an ImportError that is
+# not ModuleNotFoundError (it imports DataParallelMeshDims from torch.distributed.fsdp).
+llama3 = pytest.importorskip(
+    "torchtitan.models.llama3",
+    reason=f"torchtitan's model code does not import with torch {torch.__version__}",
+    exc_type=ImportError,
+)
 
 from torchtitan.config.override import OverrideConfig, apply_overrides
 from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
@@ -148,3 +154,41 @@ def test_convert_to_float8_training_on_a_built_torchtitan_model(reference):
     model.load_state_dict(state)
     tokens = _tokens(2)
     assert sqnr(_bf16(ref, tokens), _bf16(model, tokens)) >= LOGITS_MIN_DB
+
+
+def _qwen3_moe_config():
+    from torchtitan.models import qwen3
+
+    config = qwen3.model_registry("debugmodel_moe").model
+    config.layers = config.layers[:2]
+    return config
+
+
+def _linear_kinds(config) -> dict[str, str]:
+    return {fqn: type(cfg).__name__ for fqn, cfg, _, _ in config.traverse(Linear.Config)}
+
+
+def test_router_gates_stay_high_precision_by_default():
+    """An FP8 router flips top-k expert choices: neither way in converts router gates unless asked."""
+    gates = ["layers.0.moe.router.gate", "layers.1.moe.router.gate"]
+    converter = F8TensorLinearConverter.Config(recipe="rowwise").build()
+    config = converter.convert(_qwen3_moe_config())
+    kinds = _linear_kinds(config)
+    assert [kinds[g] for g in gates] == ["Config", "Config"]
+    assert type(config.layers[0].moe.router.gate) is Linear.Config
+    assert not any("router" in fqn for fqn in converter.converted_fqns)
+    assert sorted(converter.converted_fqns) == sorted(
+        f"layers.{i}.attention.{n}" for i in range(2) for n in ("qkv_linear.wqkv", "wo")
+    )
+
+    opted_in = F8TensorLinearConverter.Config(recipe="rowwise", convert_routers=True).build()
+    opted_in.convert(_qwen3_moe_config())
+    assert set(gates) <= set(opted_in.converted_fqns)
+
+    config = _qwen3_moe_config()
+    lines = apply_overrides(
+        OverrideConfig(imports=[("f8tensor.integrations.torchtitan.f8tensor_float8_linear", {"recipe": "rowwise"})]),
+        config,
+    )
+    assert len(lines) == 4 and not any("router" in line for line in lines), lines
+    assert type(config.layers[1].moe.router.gate) is Linear.Config

@@ -62,18 +62,20 @@ def build(fp8_all_gather: bool, mesh) -> nn.Module:
 
 @contextlib.contextmanager
 def count_all_gather_bytes(sink: list[int]):
-    """FSDP2 calls torch.distributed.all_gather_single: wrap it to see what it receives."""
-    orig = dist.all_gather_single
+    """FSDP2 calls torch.distributed.all_gather_single (all_gather_into_tensor before torch
+    2.13): wrap it to see what it receives."""
+    name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+    orig = getattr(dist, name)
 
     def counting(output, input, *args, **kwargs):
         sink.append(output.numel() * output.element_size())
         return orig(output, input, *args, **kwargs)
 
-    dist.all_gather_single = counting
+    setattr(dist, name, counting)
     try:
         yield
     finally:
-        dist.all_gather_single = orig
+        setattr(dist, name, orig)
 
 
 def train(fp8_all_gather: bool, rank: int, mesh) -> tuple[list[float], int]:

@@ -9,6 +9,15 @@ otherwise it is ``torch.nn.functional.scaled_mm`` with the scale layouts of
 error where no supported build has the kernel. With the check mode on, the reference path
 checks the call the CUDA branch would make, built by the same code (:func:`_kernel_args`).
 
+Sizes (:func:`_padding`, one decision for both paths): K and N must be multiples of the
+row's ``align_k``/``align_n`` (16) in every kernel call; a CUDA call traced by
+torch.compile on a torch whose meta floor-divides the DeepSeek scales (2.11-2.13) also
+needs the row's ``compile_align`` (K, and M or N of a 128x128 operand, multiples of 128).
+With ``GemmConfig(pad_inner_dim=True)`` the operands are zero-padded (the scales padded with
+1, the result sliced back), else the product is refused with the dim and the multiple, on
+CPU as on CUDA (``emulate=True`` asks for no kernel, so for no size rule). The DeepSeek
+kernels take no fast accumulation (cuBLASLt refuses it); the rows say so.
+
 Layer: above ``operands`` in ``f8tensor.gemm``; imports ``operands``, ``check``, ``rules``.
 """
 
@@ -16,14 +25,15 @@ from __future__ import annotations
 
 import torch
 
+from f8tensor import compat
 from f8tensor.config import GemmConfig
-from f8tensor.gemm.check import block_scaled_mm, check_active, record_block_reference
 from f8tensor.fp4 import Float4Tensor, is_float4
+from f8tensor.gemm.check import block_scaled_mm, check_active, record_block_reference
 from f8tensor.gemm.operands import col_major, inverse_scale, prepare_fp4, row_major
 from f8tensor.gemm.rules import BLOCK_SCALED_MM_RULES, BlockScaledMMRule, CudaBuild, block_rule_for, fp4_rule_for
 from f8tensor.tensor import Float8Tensor, dequantize
 
-__all__ = ["fp4_product", "product"]
+__all__ = ["fp4_path", "fp4_product", "product"]
 
 
 def _name(dtype: torch.dtype) -> str:
@@ -36,11 +46,40 @@ def product(
     """``a8 (M, K) @ b8 (K, N)`` (+ ``bias``) where at least one operand is block-scaled."""
     scale_dtype = a8._scale.dtype if a8._scale.dtype == b8._scale.dtype else None
     rule = block_rule_for(a8._block, b8._block, scale_dtype) if scale_dtype is not None else None
-    if a8._data.device.type == "cuda" and not gemm.emulate:
+    on_cuda = a8._data.device.type == "cuda"
+    if on_cuda and not gemm.emulate:
         return _kernel_mm(rule, a8, b8, bias, out_dtype, gemm)
-    if rule is not None and _takes_operands(rule, a8, b8) and check_active():
-        record_block_reference(rule.name, *_kernel_args(rule, a8, b8))
+    if rule is not None and _takes_operands(rule, a8, b8) and not gemm.emulate:
+        pads = _padding(rule, a8, b8, gemm, traced=False)
+        if check_active():
+            fast = gemm.use_fast_accum and rule.fast_accum
+            record_block_reference(rule.name, *_kernel_args(rule, a8, b8, pads), fast)
     return _reference_mm(a8, b8, bias, out_dtype)
+
+
+def _padding(
+    rule: BlockScaledMMRule, a8: Float8Tensor, b8: Float8Tensor, gemm: GemmConfig, *, traced: bool
+) -> tuple[int, int, int]:
+    """Zeros to add to (M, K, N) for ``rule``'s kernel: none when the sizes are legal; when
+    they are not, the padding if ``gemm.pad_inner_dim`` asks for it, else a ``ValueError``
+    naming each dim and its multiple. ``traced``: a CUDA call traced by torch.compile (the
+    meta registration's own multiples apply on torch 2.11-2.13)."""
+    (m, k), n = a8.shape, b8.shape[1]
+    sizes = {"M": m, "K": k, "N": n}
+    multiples = {"M": 1, "K": rule.align_k, "N": rule.align_n}
+    if traced and compat.META_FLOORS_BLOCK_SCALES:
+        for dim, multiple in rule.compile_align:
+            multiples[dim] = max(multiples[dim], multiple)
+    pads = {dim: (-sizes[dim]) % multiples[dim] for dim in sizes}
+    wrong = [f"{dim}={sizes[dim]} (a multiple of {multiples[dim]})" for dim in sizes if pads[dim]]
+    if wrong and not gemm.pad_inner_dim:
+        why = "" if not traced else " under torch.compile on this torch (its meta registration floor-divides by 128)"
+        raise ValueError(
+            f"FP8 block-scaled matmul ({rule.name} kernel) of ({m}x{k}) @ ({k}x{n}) needs {', '.join(wrong)}{why}. "
+            f"Use such shapes, or ask for zero padding with GemmConfig(pad_inner_dim=True) / "
+            f"Float8LinearConfig(pad_inner_dim=True)."
+        )
+    return pads["M"], pads["K"], pads["N"]
 
 
 def _reference_mm(a8: Float8Tensor, b8: Float8Tensor, bias, out_dtype: torch.dtype) -> torch.Tensor:
@@ -79,9 +118,25 @@ def _swizzle_32_4_4(scale: torch.Tensor) -> torch.Tensor:
     return tiles.contiguous().reshape(-1).view(scale.dtype)
 
 
-def _block_kernel_scales(rule: BlockScaledMMRule, a8: Float8Tensor, b8: Float8Tensor):
-    """The two scale tensors in the layouts ``rule`` names (see its ``scale_a``/``scale_b``)."""
-    a_inv, b_inv = inverse_scale(a8), inverse_scale(b8)
+def _pad_scale(inv: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """A 2-D inverse scale grown to (rows, cols) with 1 (the padding's data is zero)."""
+    pr, pc = rows - inv.shape[0], cols - inv.shape[1]
+    if not (pr or pc):
+        return inv
+    if inv.dtype == torch.float32:
+        return torch.nn.functional.pad(inv, (0, pc, 0, pr), value=1.0)
+    # e8m0 has no fill kernel: through its bytes, 127 is 2**0.
+    return torch.nn.functional.pad(inv.view(torch.uint8), (0, pc, 0, pr), value=127).view(inv.dtype)
+
+
+def _block_kernel_scales(rule: BlockScaledMMRule, a8: Float8Tensor, b8: Float8Tensor, pads=(0, 0, 0)):
+    """The two scale tensors in the layouts ``rule`` names (see its ``scale_a``/``scale_b``),
+    for the operands padded by ``pads`` (M, K, N)."""
+    (m, k), n = a8.shape, b8.shape[1]
+    m, k, n = m + pads[0], k + pads[1], n + pads[2]
+    (ba_m, ba_k), (bb_k, bb_n) = rule.block_a, rule.block_b
+    a_inv = _pad_scale(inverse_scale(a8), -(-m // ba_m), -(-k // ba_k))
+    b_inv = _pad_scale(inverse_scale(b8), -(-k // bb_k), -(-n // bb_n))
     if rule.recipe_a == "BlockWise1x32":
         # a: (M, K/32) as is; b: its (K/32, N) scales read per column of b, i.e. (N, K/32).
         return _swizzle_32_4_4(a_inv), _swizzle_32_4_4(b_inv.t().contiguous())
@@ -101,10 +156,22 @@ def _takes_operands(rule: BlockScaledMMRule, a8: Float8Tensor, b8: Float8Tensor)
     return a8._data.dtype in rule.operand_dtypes and b8._data.dtype in rule.operand_dtypes
 
 
-def _kernel_args(rule: BlockScaledMMRule, a8: Float8Tensor, b8: Float8Tensor):
+def _kernel_args(rule: BlockScaledMMRule, a8: Float8Tensor, b8: Float8Tensor, pads=(0, 0, 0)):
     """The operands and scales of ``rule``'s kernel call: A row-major, B column-major, the
-    scales in their layouts."""
-    return (row_major(a8._data), col_major(b8._data), *_block_kernel_scales(rule, a8, b8))
+    scales in their layouts; ``pads`` (M, K, N) zeros added (see :func:`_padding`)."""
+    pm, pk, pn = pads
+    a_data, b_data = row_major(a8._data), col_major(b8._data)
+    if pm or pk:
+        a_data = _pad_bytes(a_data, pm, pk)
+    if pk or pn:
+        b_data = _pad_bytes(b_data.t(), pn, pk).t()
+    return (a_data, b_data, *_block_kernel_scales(rule, a8, b8, pads))
+
+
+def _pad_bytes(x: torch.Tensor, pad_rows: int, pad_cols: int) -> torch.Tensor:
+    # Through uint8: constant_pad_nd has no FP8 kernels; the zero byte is +0.0 in e4m3fn.
+    raw = torch.nn.functional.pad(x.contiguous().view(torch.uint8), (0, pad_cols, 0, pad_rows))
+    return raw.view(x.dtype)
 
 
 def _kernel_mm(
@@ -123,7 +190,7 @@ def _kernel_mm(
     functional = torch.nn.functional
     major, minor = torch.cuda.get_device_capability(a8._data.device)
     cuda = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
-    here = CudaBuild((0, 0), cuda, (major, minor))
+    here = CudaBuild(compat.TORCH_VERSION, cuda, (major, minor))
     if not hasattr(functional, "scaled_mm") or here not in rule.builds:
         raise NotImplementedError(
             f"the {rule.name} kernel needs {rule.builds} and torch.nn.functional.scaled_mm; this is "
@@ -134,7 +201,8 @@ def _kernel_mm(
         raise ValueError(
             f"the {rule.name} kernel takes {names} operands; got {_name(a8._data.dtype)} x {_name(b8._data.dtype)}"
         )
-    a_data, b_data, sa, sb = _kernel_args(rule, a8, b8)
+    pads = _padding(rule, a8, b8, gemm, traced=torch.compiler.is_compiling())
+    a_data, b_data, sa, sb = _kernel_args(rule, a8, b8, pads)
     kinds, swizzle = functional.ScalingType, functional.SwizzleType
     swz = swizzle.SWIZZLE_32_4_4 if rule.recipe_a == "BlockWise1x32" else swizzle.NO_SWIZZLE
     out = block_scaled_mm(
@@ -142,6 +210,8 @@ def _kernel_mm(
         swizzle_a=swz, swizzle_b=swz, output_dtype=out_dtype,
         use_fast_accum=gemm.use_fast_accum and rule.fast_accum,
     )
+    if pads[0] or pads[2]:
+        out = out[: a8.shape[0], : b8.shape[1]]
     if bias is not None:
         out = out + bias.to(out_dtype)
     return out
@@ -168,6 +238,30 @@ def fp4_product(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out
     return acc.to(out_dtype)
 
 
+def fp4_path(kind_a: str | None, kind_b: str | None, device: torch.device | str, emulate: bool) -> str:
+    """The path :func:`fp4_product` takes on ``device`` for operands of these FP4 kinds
+    (``"nvfp4"``, ``"mxfp4"``; ``None``: an FP8 or plain operand), in words: the conversion
+    report's. The same decision as :func:`fp4_product` and :func:`_fp4_kernel_mm`."""
+    device = torch.device(device)
+    if device.type != "cuda" or emulate:
+        why = "emulate=True" if device.type == "cuda" else f"no FP4 kernel on {device.type}"
+        return f"reference (emulated: dequantized per block, fp32 matmul; {why})"
+    if kind_a is None or kind_a != kind_b:
+        return (
+            f"none: no kernel multiplies {kind_a or 'FP8/plain'} x {kind_b or 'FP8/plain'}; the first product "
+            "raises (emulate=True runs the reference)"
+        )
+    rule = fp4_rule_for(kind_a)
+    major, minor = torch.cuda.get_device_capability(device)
+    cuda = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
+    if not hasattr(torch.nn.functional, "scaled_mm") or CudaBuild(compat.TORCH_VERSION, cuda, (major, minor)) not in rule.builds:
+        return (
+            f"none: the {rule.name} kernel needs {rule.builds}, this is sm{major}{minor}; the first product raises "
+            "(emulate=True runs the reference)"
+        )
+    return f"sm100 F.scaled_mm, {rule.name} (unverified)"
+
+
 def _dequantized(x: torch.Tensor) -> torch.Tensor:
     return x.dequantize(torch.float32) if is_float4(x) else dequantize(x, torch.float32)
 
@@ -186,7 +280,7 @@ def _fp4_kernel_mm(a4: Float4Tensor, b4: Float4Tensor, bias, out_dtype: torch.dt
     functional = torch.nn.functional
     major, minor = torch.cuda.get_device_capability(a4.device)
     cuda = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
-    if not hasattr(functional, "scaled_mm") or CudaBuild((0, 0), cuda, (major, minor)) not in rule.builds:
+    if not hasattr(functional, "scaled_mm") or CudaBuild(compat.TORCH_VERSION, cuda, (major, minor)) not in rule.builds:
         raise NotImplementedError(
             f"the {rule.name} kernel needs {rule.builds} and torch.nn.functional.scaled_mm; this is "
             f"sm{major}{minor} with CUDA {torch.version.cuda}. Use emulate=True for the reference path."

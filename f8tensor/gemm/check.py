@@ -233,20 +233,44 @@ def violations_on_supported_builds(mat1: torch.Tensor, mat2: torch.Tensor, *args
 
 
 def block_scaled_mm_violations(
-    mat_a: torch.Tensor, mat_b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, rule: BlockScaledMMRule
+    mat_a: torch.Tensor, mat_b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, rule: BlockScaledMMRule,
+    *, use_fast_accum: bool = False, traced: bool | None = None,
 ) -> list[str]:
     """What ``rule``'s kernel would refuse in this ``torch.nn.functional.scaled_mm`` call:
-    operand dtypes and layouts, scale dtypes, and the scale sizes of its row."""
+    operand dtypes and layouts, K and N multiples, fast accumulation, scale dtypes and the
+    scale sizes of its row.
+
+    ``traced``: the call is traced by torch.compile on a CUDA build, so the meta
+    registration's own rules apply too (the row's ``compile_align`` on the releases of its
+    ``compile_torch``: a build of any of them would refuse). ``None``: traced when the
+    operands are fake CUDA tensors (what a CUDA compile traces)."""
     out = []
     where = f"block-scaled {rule.name}"
     for label, t in (("mat_a", mat_a), ("mat_b", mat_b)):
         if t.dtype not in rule.operand_dtypes:
             out.append(f"{where}: {label} dtype {_name(t.dtype)} not in {{{_names(rule.operand_dtypes)}}}")
     out += _scale_and_layout_violations(where, ("mat_a", mat_a), ("mat_b", mat_b), scale_a, scale_b, rule.scale_dtype)
-    m, k = mat_a.shape
+    m, k = mat_a.shape[0], mat_a.shape[1] * rule.k_per_element
     n = mat_b.shape[1]
-    if rule.recipe_a == "BlockWise1x32":
-        want = (_round_up(m, 128) * _round_up(-(-k // 32), 4), _round_up(n, 128) * _round_up(-(-k // 32), 4))
+    sizes = {"M": m, "K": k, "N": n}
+    for dim, align in (("K", rule.align_k), ("N", rule.align_n)):
+        if sizes[dim] % align:
+            out.append(f"{where}: {dim}={sizes[dim]} is not a multiple of {align} (mat_a (M, K), mat_b (K, N))")
+    if use_fast_accum and not rule.fast_accum:
+        out.append(f"{where}: use_fast_accum is not supported")
+    if traced is None:
+        traced = compat.is_fake(mat_a) and mat_a.device.type == "cuda"
+    if traced and rule.compile_torch:
+        releases = ", ".join(f"{t[0]}.{t[1]}" for t in rule.compile_torch)
+        for dim, multiple in rule.compile_align:
+            if sizes[dim] % multiple:
+                out.append(
+                    f"{where}: {dim}={sizes[dim]} is not a multiple of {multiple}, which torch.compile on "
+                    f"torch {releases} asks for (the meta registration floor-divides by {multiple})"
+                )
+    if rule.recipe_a in ("BlockWise1x32", "BlockWise1x16"):
+        kb = _round_up(-(-k // rule.block_a[1]), 4)
+        want = (_round_up(m, 128) * kb, _round_up(n, 128) * kb)
         got = (scale_a.numel(), scale_b.numel())
         if got != want:
             out.append(f"{where}: scale element counts {got}, needs {want}")
@@ -298,6 +322,9 @@ def grouped_mm_violations(
             )
     if a.shape[-1] != b.shape[-2]:
         out.append(f"contraction dims differ: {tuple(a.shape)} x {tuple(b.shape)}")
+    for what, size in (("K (a.size(-1))", a.shape[-1]), ("b.size(-2)", b.shape[-2]), ("N (b.size(-1))", b.shape[-1])):
+        if size % rule.align:
+            out.append(f"{what}={size} is not a multiple of {rule.align}")
     two_d = a.dim() == 2 or b.dim() == 2
     if two_d != (offs is not None):
         return out + ["offs is needed exactly when an operand is 2D"]
@@ -305,6 +332,11 @@ def grouped_mm_violations(
         out.append(f"offs must be a 1D {_name(rule.offs_dtype)} tensor; got {offs.dim()}D {offs.dtype}")
     if a.dim() == 3 and b.dim() == 2:
         return out + [f"the form {a.dim()}D x {b.dim()}D is not used by f8tensor"]
+    groups = offs.shape[0] if offs is not None and offs.dim() == 1 else (b.shape[0] if b.dim() == 3 else a.shape[0])
+    if groups > rule.max_groups:
+        out.append(f"{groups} groups: one call takes at most {rule.max_groups}")
+    if offs is not None and offs.dim() == 1:
+        out += _offs_value_violations(offs, a.shape[0] if b.dim() == 3 else a.shape[-1])
     expected = _grouped_scale_shapes(a, b, offs)
     if (tuple(scale_a.shape), tuple(scale_b.shape)) != expected:
         out.append(
@@ -313,6 +345,23 @@ def grouped_mm_violations(
         )
     if not (scale_a.is_contiguous() and scale_b.is_contiguous()):
         out.append("scales must be contiguous")
+    return out
+
+
+def _offs_value_violations(offs: torch.Tensor, grouped: int) -> list[str]:
+    """The kernel's device-side asserts on ``offs`` (non-decreasing, >= 0, at most the
+    grouped dim), checked where the values are on the host (CPU, not traced): no sync, no
+    graph break. On CUDA the kernel asserts them on the device (see ``grouped.py``)."""
+    if torch.compiler.is_compiling() or offs.device.type != "cpu" or type(offs) is not torch.Tensor or offs.numel() == 0:
+        return []
+    o = offs.to(torch.int64)
+    out = []
+    if bool((o < 0).any()):
+        out.append(f"offs must be >= 0; got {o.tolist()}")
+    if bool((o[1:] < o[:-1]).any()):
+        out.append(f"offs must be non-decreasing; got {o.tolist()}")
+    if int(o.max()) > grouped:
+        out.append(f"offs must be at most the grouped dim {grouped}; got {o.tolist()}")
     return out
 
 
@@ -425,11 +474,12 @@ def checked_functional_scaled_mm(mat_a, mat_b, scale_a, scale_recipe_a, scale_b,
     the recipes the tables have rows for; any other recipe is reported until a row covers it."""
     recipes = {str(getattr(r, "name", r)).lower() for r in (scale_recipe_a, scale_recipe_b)}
     single = not isinstance(scale_a, (list, tuple)) and not isinstance(scale_b, (list, tuple))
-    block_rule = block_rule_by_recipes(scale_recipe_a, scale_recipe_b) if single else None
+    block_rule = block_rule_by_recipes(scale_recipe_a, scale_recipe_b, mat_a.dtype) if single else None
     if block_rule is not None:
         # Block-scaled kernels exist on some builds only; gemm refuses the others up front
         # (blocks.py), so a call is checked against its own row's layouts.
-        problems = block_scaled_mm_violations(mat_a, mat_b, scale_a, scale_b, block_rule)
+        fast = kwargs.get("use_fast_accum", args[5] if len(args) > 5 else False)
+        problems = block_scaled_mm_violations(mat_a, mat_b, scale_a, scale_b, block_rule, use_fast_accum=fast)
         summary = {"kind": block_rule.name, "mat1": mat_a.dtype, "mat2": mat_b.dtype}
     elif single and len(recipes) == 1 and recipes <= {"tensorwise", "rowwise"}:
         bias = kwargs.get("bias", args[2] if len(args) > 2 else None)
@@ -445,11 +495,13 @@ def checked_functional_scaled_mm(mat_a, mat_b, scale_a, scale_recipe_a, scale_b,
 
 
 @torch.compiler.allow_in_graph
-def record_block_reference(rule_name: str, mat_a, mat_b, scale_a, scale_b) -> None:
+def record_block_reference(rule_name: str, mat_a, mat_b, scale_a, scale_b, use_fast_accum: bool = False) -> None:
     """Check the ``torch.nn.functional.scaled_mm`` call the CUDA branch would make for a
-    block-scaled product that runs on the reference path (arguments built by the same code)."""
+    block-scaled product that runs on the reference path (arguments built by the same code).
+    The operands are real CPU tensors or fake ones, never CUDA: the compile-time rules of a
+    CUDA trace are enforced where the CUDA branch decides its padding (``blocks.py``)."""
     rule = next(r for r in BLOCK_SCALED_MM_RULES if r.name == rule_name)
-    problems = block_scaled_mm_violations(mat_a, mat_b, scale_a, scale_b, rule)
+    problems = block_scaled_mm_violations(mat_a, mat_b, scale_a, scale_b, rule, use_fast_accum=use_fast_accum)
     summary = {"kind": rule.name, "mat1": mat_a.dtype, "mat2": mat_b.dtype, "reference": True}
     _CHECK.record("torch.nn.functional.scaled_mm (reference path)", summary, problems)
 

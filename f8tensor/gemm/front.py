@@ -20,7 +20,7 @@ from f8tensor.fp4 import is_float4
 from f8tensor.gemm.blocks import fp4_product
 from f8tensor.gemm.blocks import product as block_product
 from f8tensor.gemm.dense import product as dense_product
-from f8tensor.gemm.operands import BLOCKS, DENSE, prepare
+from f8tensor.gemm.operands import BLOCKS, DENSE, check_devices, prepare
 from f8tensor.tensor import check_scale_values, is_float8, scale_from_number, to_float8
 
 __all__ = ["float8_mm", "matmul"]
@@ -105,6 +105,7 @@ def matmul(
 
     ``out_dtype``: default the operands' GemmConfig's, else ``a``'s original dtype. An FP4
     operand (Float4Tensor) takes ``blocks.fp4_product``, whose operands ``prepare_fp4`` prepares."""
+    _check_devices(a, b, bias)
     if is_float4(a) or is_float4(b):
         return _fp4_matmul(a, b, bias, out_dtype)
     blockwise = (is_float8(a) and a.is_blockwise) or (is_float8(b) and b.is_blockwise)
@@ -132,6 +133,14 @@ def _fp4_matmul(a, b, bias, out_dtype):
         ref = a if (is_float4(a) or is_float8(a)) else b
         out_dtype = gemm.out_dtype or ref._orig_dtype
     return fp4_product(a, b, bias, out_dtype, gemm)
+
+
+def _check_devices(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> None:
+    # Metadata only, no sync; the operands' devices are checked by operands.prepare, for
+    # every kind of product.
+    check_devices(a, b)
+    if bias is not None and bias.device != a.device:
+        raise ValueError(f"FP8 matmul bias is on {bias.device}, the operands on {a.device}: they must share a device")
 
 
 _FNUZ = (torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)

@@ -40,6 +40,7 @@ __all__ = [
     "DENSE",
     "GROUPED",
     "Takes",
+    "check_devices",
     "col_major",
     "inverse_scale",
     "kernel_scale",
@@ -71,6 +72,7 @@ GROUPED = Takes(fp32_scales=True, e4m3fn=True)
 def prepare(a: torch.Tensor, b: torch.Tensor, takes: Takes, *, a_k: int, b_k: int) -> tuple[Float8Tensor, Float8Tensor]:
     """Both operands of ``a @ b`` as Float8Tensors a kernel of kind ``takes`` reads; ``a_k``
     and ``b_k`` are the dims each contracts over. At least one must be a Float8Tensor."""
+    check_devices(a, b)
     ref, ref_k = (a, a_k) if is_float8(a) else (b, b_k)
     if not is_float8(ref):
         raise TypeError("FP8 mm needs at least one Float8Tensor operand")
@@ -86,6 +88,7 @@ def prepare_fp4(a: torch.Tensor, b: torch.Tensor, *, a_k: int, b_k: int, kernel:
     operand's kind with its block along K (packed along K); a Float8Tensor kept (the
     reference path dequantizes each operand per block). With ``kernel``: both FP4 of one
     kind, packed along K, one scale per row and K-block (what the sm100 kernels read)."""
+    check_devices(a, b)
     ref, ref_k = (a, a_k) if is_float4(a) else (b, b_k)
     if not is_float4(ref):
         raise TypeError("prepare_fp4 needs at least one Float4Tensor operand")
@@ -127,6 +130,14 @@ def _fp4_rows(x: Float4Tensor, k: int) -> Float4Tensor:
     return x._replace(scale=scale, block=block)
 
 
+def check_devices(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Both operands of a product on one device, else an error naming both. Metadata only
+    (no sync); checked before anything runs: a CPU kernel handed a meta operand returns
+    uninitialised memory, and a plain operand is cast on its own device."""
+    if a.device != b.device:
+        raise ValueError(f"FP8 matmul operands must be on one device; got a on {a.device}, b on {b.device}")
+
+
 def _cast_like(x: torch.Tensor, k: int, ref: Float8Tensor, ref_k: int, takes: Takes) -> Float8Tensor:
     """A plain operand cast with a dynamic scale, in the e4m3 format of ``ref``'s family
     (cuBLASLt refuses e5m2 x e5m2) and with ``ref``'s granularity along K: tensorwise, or one
@@ -145,6 +156,10 @@ def _cast_like(x: torch.Tensor, k: int, ref: Float8Tensor, ref_k: int, takes: Ta
 def _fit(x: Float8Tensor, k: int, takes: Takes) -> Float8Tensor:
     """``x`` re-quantized where its scale varies along K (or its scales or format are ones
     the kernel does not read)."""
+    if not takes.blocks and x._scale.dtype == E8M0 and constant_along(x._scale_block, k):
+        # A tensorwise/axiswise e8m0 scale (a BlockGranularity with 0 entries): powers of two,
+        # exact in fp32, which the dense and grouped kernels read. No re-rounding of the data.
+        x = x._replace(scale=x._scale.to(torch.float32))
     fits = constant_along(x._scale_block, k) and (not takes.fp32_scales or x._scale.dtype == torch.float32)
     if not takes.blocks and not fits:
         x = requantize(x, k)
@@ -193,7 +208,9 @@ def col_major(t: torch.Tensor) -> torch.Tensor:
         tt = t.transpose(-2, -1)  # see row_major
         if t.shape[-1] == 1:
             return tt.clone(memory_format=torch.contiguous_format).transpose(-2, -1)
-        return t if tt.is_contiguous() else tt.contiguous().transpose(-2, -1)
+        # .contiguous() is a no-op on a contiguous tensor; no stride is read here (see
+        # scaling.materialized: dynamo cannot read them in a backward with dynamic shapes).
+        return tt.contiguous().transpose(-2, -1)
     if is_col_major(t):
         return t
     return t.transpose(-2, -1).clone(memory_format=torch.contiguous_format).transpose(-2, -1)

@@ -21,19 +21,21 @@ Works with ``lightning`` (``lightning.pytorch``) or, when only that is installed
 standalone ``pytorch_lightning`` package: the plugin subclasses whichever ``Precision``
 the Trainer checks against. Use it with one of them in a process, not both.
 
-Layer: ``integrations`` (the top); imports ``convert`` and ``config``.
+Layer: ``integrations`` (the top); imports ``convert``, ``linear`` and ``config``.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Generator
+from typing import Any
 
 import torch
 from torch import nn
 
 from f8tensor.config import Float8LinearConfig
 from f8tensor.convert import convert_to_float8_training
+from f8tensor.linear import Float8Conv1D, Float8Linear
 
 try:
     from lightning.pytorch.plugins.precision import Precision
@@ -41,6 +43,19 @@ except ImportError:  # the standalone package
     from pytorch_lightning.plugins.precision import Precision
 
 __all__ = ["Float8Precision"]
+
+_FP8_STATE = "f8tensor_fp8_state"  # the checkpoint key of the FP8 layers' own state
+
+
+def _fp8_state_keys(module: nn.Module) -> list[str]:
+    """The state_dict keys that only FP8 layers have (persistent buffers of Float8Linear /
+    Float8Conv1D: delayed scaling's histories and scales); an unconverted model has none."""
+    keys = []
+    for fqn, mod in module.named_modules():
+        if isinstance(mod, (Float8Linear, Float8Conv1D)):
+            prefix = f"{fqn}." if fqn else ""
+            keys.extend(prefix + name for name in mod._buffers if name not in mod._non_persistent_buffers_set)
+    return keys
 
 _AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -71,11 +86,40 @@ class Float8Precision(Precision):
         self.module_filter_fn = module_filter_fn
         self.autocast_dtype = autocast_dtype
         self.device = device
+        self._module: nn.Module | None = None  # the model convert_module converted
         # What Lightning logs: the precision of everything around the FP8 GEMMs.
         self.precision = {torch.bfloat16: "bf16-mixed", torch.float16: "16-mixed", None: "32-true"}[autocast_dtype]
 
     def convert_module(self, module: nn.Module) -> nn.Module:
-        return convert_to_float8_training(module, config=self.config, module_filter_fn=self.module_filter_fn)
+        # Lightning calls this in every strategy.setup (fit, then validate, ...): converting
+        # again with the same config counts the FP8 layers and changes nothing.
+        self._module = convert_to_float8_training(module, config=self.config, module_filter_fn=self.module_filter_fn)
+        return self._module
+
+    # Resuming (``fit(ckpt_path=...)``): Lightning loads the model's state_dict before it calls
+    # convert_module, into the still unconverted model, which has no FP8 state (delayed
+    # scaling's amax histories and scales). So a checkpoint keeps that state under the
+    # plugin's key, not in ``state_dict``, and the plugin loads it once the model is converted
+    # (Lightning restores the precision plugin's state after setup, before the first step).
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        state = checkpoint.get("state_dict")
+        if state is None or self._module is None:
+            return
+        checkpoint[_FP8_STATE] = {key: state.pop(key) for key in _fp8_state_keys(self._module) if key in state}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        saved = checkpoint.get(_FP8_STATE)
+        if not saved or self._module is None:
+            return
+        missing = [key for key in _fp8_state_keys(self._module) if key not in saved]
+        unexpected = sorted(set(saved) - set(_fp8_state_keys(self._module)))
+        if missing or unexpected:
+            raise RuntimeError(
+                f"Float8Precision: the checkpoint's FP8 state does not match the converted model (missing "
+                f"{missing[:4]}, unexpected {unexpected[:4]}): resume with the recipe and module_filter_fn it was saved with"
+            )
+        self._module.load_state_dict(saved, strict=False)
 
     @contextlib.contextmanager
     def forward_context(self) -> Generator[None, None, None]:

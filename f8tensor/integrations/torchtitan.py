@@ -20,15 +20,17 @@ torchtitan's own registries under f8tensor's names:
        # with options: ('f8tensor.integrations.torchtitan.f8tensor_float8_linear',
        #                {"recipe": "delayed"})
 
-   It converts the linears of the transformer blocks (``layers.*``) and leaves the
-   embedding and the output projection in high precision.
+   It converts the attention, feed-forward and shared-expert linears of the transformer
+   blocks (:data:`OVERRIDE_FQNS`) and leaves the embedding, the output projection and the
+   MoE router gates in high precision.
 
 Either way, each converted ``Linear.Config`` becomes a :class:`F8TensorLinear.Config`:
 the same fields (``param_init``, sharding, ...) plus f8tensor's ``Float8LinearConfig``,
 and the built module is an f8tensor ``Float8Linear`` that satisfies torchtitan's
 ``Module`` protocol. Only configs whose module keeps ``nn.Linear.forward`` convert (as
 in :func:`f8tensor.convert_to_float8_training`); ``filter_fqns`` entries are matched as
-substrings of the module's dotted name, as torchtitan's float8 converter does.
+substrings of the module's dotted name, as torchtitan's float8 converter does. MoE
+router gates stay in high precision unless ``convert_routers=True`` (the log line says so).
 
 With ``enable_fsdp_float8_all_gather=True``, call
 :func:`f8tensor.precompute_float8_scales_for_fsdp` after each ``optimizer.step()``
@@ -53,7 +55,13 @@ from f8tensor.config import RECIPES, Float8LinearConfig
 from f8tensor.gemm.rules import ALIGN
 from f8tensor.linear import Float8Linear
 
-__all__ = ["F8TensorLinear", "F8TensorLinearConverter", "f8tensor_float8_linear"]
+__all__ = ["OVERRIDE_FQNS", "F8TensorLinear", "F8TensorLinearConverter", "f8tensor_float8_linear"]
+
+#: The linears the config override converts: torchtitan's block linears by their names
+#: (attention, dense feed-forward, MoE shared experts), which leaves the MoE router gates
+#: (``layers.*.moe.router.gate``) in high precision, as the converter does by default.
+#: fnmatch globs cannot exclude a name, hence a list.
+OVERRIDE_FQNS = ["layers.*.attention.*", "layers.*.feed_forward.*", "layers.*.shared_experts.*"]
 
 logger = logging.getLogger("f8tensor")
 
@@ -120,6 +128,11 @@ class F8TensorLinearConverter(QuantizationConverter):
         collect_stats: bool = False
         """Record saturation/underflow telemetry (see f8tensor.float8_stats)."""
 
+        convert_routers: bool = False
+        """Also convert MoE router gates (linears inside a ``...Router.Config``). Off by
+        default: an FP8 router changes which experts the tokens pick (top-k choices flip),
+        and a router's GEMM is tiny; f8tensor's own converter keeps routers in high precision."""
+
     def __init__(self, config: Config) -> None:
         self.config = config
         self.float8_config = _float8_config(
@@ -133,6 +146,8 @@ class F8TensorLinearConverter(QuantizationConverter):
             reason = _skip_reason(cfg, self.float8_config)
             if reason is None and any(f in fqn for f in self.config.filter_fqns):
                 reason = "filter_fqns"
+            if reason is None and not self.config.convert_routers and "Router" in type(parent).__qualname__:
+                reason = "MoE router: top-k choices stay high precision (convert_routers=True converts it)"
             if reason is not None:
                 skipped.append(f"{fqn} ({reason})")
                 continue
@@ -154,7 +169,7 @@ class F8TensorLinearConverter(QuantizationConverter):
 
 @override(
     target=Linear.Config,
-    fqns=["layers.*"],
+    fqns=OVERRIDE_FQNS,
     exact=True,
     description="f8tensor FP8 linears in the transformer blocks",
 )

@@ -175,6 +175,19 @@ def dequantize(data: torch.Tensor, scale: torch.Tensor, block: tuple[int, ...], 
         scale = expand_block_scale(scale, block, tuple(data.shape))
     elif scale.dtype != torch.float32:
         scale = scale.to(torch.float32)  # e8m0: powers of two, exact in fp32
-    hp = data.to(torch.float32) / scale
+    data32 = data.to(torch.float32)
+    hp = data32 / scale
+    # Saturate to ``dtype``'s finite range, as the cast saturates to the format's. With a
+    # power-of-two scale (``power_of_2_scale``, e8m0) the FP8 rounding of ``hp * scale`` is
+    # the rounding of ``hp``'s mantissa to the format's bits, whatever the exponent: a
+    # value within half an FP8 ulp (3-6 %) of the dtype's max rounds up into the next
+    # binade (fp16 65504 -> 65536) for every power-of-two scale, so no scale choice can
+    # leave room for it; the way back clamps instead. A tiny given scale overflows the
+    # same way. NaN stays NaN (clamp keeps it); an FP8 infinity (e5m2 data written by
+    # hand: the casts never store one) stays infinite. One elementwise op, no host sync.
+    limit = torch.finfo(dtype).max
+    hp = hp.clamp(-limit, limit)
+    if data.dtype == torch.float8_e5m2:
+        hp = torch.where(torch.isinf(data32), data32, hp)
     return hp.to(dtype)
 
