@@ -197,7 +197,11 @@ def convert_to_float8_training(
     every ``setup``).
 
     Logs one summary line on the ``"f8tensor"`` logger (converted N of M linear layers,
-    skipped with reasons, the path the expert GEMMs take) and warns when no layer is FP8.
+    skipped with reasons, the path the expert GEMMs take, the path each FP4 GEMM takes on
+    the layer's device: the reference product, sm100 ``F.scaled_mm``, or none) and warns
+    when no layer is FP8, or when an FP4 GEMM has no path (CUDA without the kernel and
+    ``emulate`` off: the first product would raise). FP4 recipes convert layers whose dims
+    are multiples of 32 (whole blocks); expert weights stay in high precision under them.
     Returns ``module`` (or the new layer, when ``module`` is itself a linear); the names of
     the FP8 layers are on the result as ``float8_converted_fqns`` (a tuple; ``""`` for a
     bare layer).
@@ -325,15 +329,16 @@ def _plan_experts(
 
 
 def _fp4_gemm_paths(config: Float8LinearConfig, device: torch.device) -> list[str]:
-    """``"<gemm>: <path>"`` for each GEMM of ``config`` with an FP4 operand (the path
-    ``blocks.fp4_product`` takes on ``device``); FP8 GEMMs are not listed."""
-    out = []
+    """``"<gemms> <path>"`` for the GEMMs of ``config`` with an FP4 operand, grouped by the
+    path ``blocks.fp4_product`` takes on ``device`` (``"forward/grad_input reference
+    (...)"``); FP8 and high-precision GEMMs are not listed."""
+    by_path: dict[str, list[str]] = {}
     for gemm, (ra, rb) in GEMMS.items():
         a, b = config.cast_for(gemm, ra), config.cast_for(gemm, rb)
         if a is None or b is None or not (a.fp4 or b.fp4):
             continue
-        out.append(f"{gemm} {fp4_path(a.fp4_kind, b.fp4_kind, device, config.emulate)}")
-    return out
+        by_path.setdefault(fp4_path(a.fp4_kind, b.fp4_kind, device, config.emulate), []).append(gemm)
+    return [f"{'/'.join(gemms)} {path}" for path, gemms in by_path.items()]
 
 
 def _report_conversion(
