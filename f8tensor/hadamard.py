@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["RHT_SIZE", "apply_rht", "hadamard_matrix", "rht_matrix"]
+__all__ = ["RHT_SIZE", "apply_rht", "hadamard_matrix", "rht_matrix", "rht_signs"]
 
 #: The transform's block along the tokens: NVFP4's block.
 RHT_SIZE = 16
@@ -32,15 +32,22 @@ def hadamard_matrix(n: int = RHT_SIZE, dtype: torch.dtype = torch.float32) -> to
     return (h / n**0.5).to(dtype)
 
 
-def rht_matrix(seed: int, n: int = RHT_SIZE, device: torch.device | str | None = None) -> torch.Tensor:
-    """``H @ diag(signs)`` in fp32 (orthogonal), the signs drawn from ``torch.Generator().manual_seed(seed)``."""
-    signs = torch.randint(0, 2, (n,), generator=torch.Generator().manual_seed(seed)).to(torch.float64) * 2 - 1
-    return (hadamard_matrix(n, torch.float64) * signs).to(torch.float32).to(device)
+@torch.compiler.assume_constant_result
+def rht_signs(seed: int, n: int = RHT_SIZE) -> tuple[float, ...]:
+    """The transform's ``n`` random signs, drawn from ``torch.Generator().manual_seed(seed)``.
+
+    A tuple of Python floats, a constant for ``torch.compile`` (the seed is a config field,
+    so a compile guard): a generator cannot be made inside a compiled graph."""
+    bits = torch.randint(0, 2, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return tuple(2.0 * b - 1.0 for b in bits)
 
 
-def _rht64(seed: int, device) -> torch.Tensor:
-    signs = torch.randint(0, 2, (RHT_SIZE,), generator=torch.Generator().manual_seed(seed)).to(torch.float64) * 2 - 1
-    return (hadamard_matrix(RHT_SIZE, torch.float64) * signs).to(device)
+def rht_matrix(
+    seed: int, n: int = RHT_SIZE, device: torch.device | str | None = None, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """``H @ diag(signs)`` (orthogonal), built in fp64 and rounded once to ``dtype``."""
+    signs = torch.tensor(rht_signs(seed, n), dtype=torch.float64)
+    return (hadamard_matrix(n, torch.float64) * signs).to(dtype).to(device)
 
 
 def apply_rht(x: torch.Tensor, seed: int, dim: int = 0) -> torch.Tensor:
@@ -54,7 +61,7 @@ def apply_rht(x: torch.Tensor, seed: int, dim: int = 0) -> torch.Tensor:
     if size % RHT_SIZE:
         raise ValueError(f"the Hadamard transform runs in blocks of {RHT_SIZE} along dim {dim}; got size {size}")
     dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    q = rht_matrix(seed, device=x.device).to(dtype) if dtype == torch.float32 else _rht64(seed, x.device)
+    q = rht_matrix(seed, device=x.device, dtype=dtype)
     # Blocks along dim 0, contiguous: (n, 16, rest) so that Q multiplies from the left in one
     # batched matmul over contiguous 16 x rest slabs.
     moved = x.to(dtype).movedim(dim, 0).contiguous()

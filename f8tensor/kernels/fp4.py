@@ -185,21 +185,22 @@ def _expand(scale: torch.Tensor, ndim: int) -> torch.Tensor:
 
 
 def _e8m0_decode_scale(amax: torch.Tensor, mode: str) -> torch.Tensor:
-    """MXFP4's ``X = 2**e`` per block, as fp32, NaN for a non-finite amax."""
-    # Deliberate upcast: float64 holds amax / 6 exactly enough that frexp gives the true
-    # binade (6 = 1.5 * 4: amax / 6 is not a power-of-two division in fp32).
-    a = amax.to(torch.float64)
+    """MXFP4's ``X = 2**e`` per block, as fp32, NaN for a non-finite amax.
+
+    From ``amax = m * 2**p`` (frexp, ``m`` in [0.5, 1)), exactly, with no division by 6:
+    ``"floor"``: ``floor(log2 amax) - emax_elem = p - 1 - 2``; ``"rceil"``: the smallest ``e``
+    with ``amax / 2**e <= 6``, ``ceil(log2(amax / 6)) = p - 3`` when ``m <= 0.75`` (``amax <=
+    6 * 2**(p-3)``), else ``p - 2``. (A float division by 6 would round, and frexp of the
+    quotient could then pick the wrong binade; an int32 -> float64 conversion has no
+    vectorized form in inductor's CPU code, so the exponent stays in float32, exact.)"""
+    a = amax if amax.dtype in (torch.float32, torch.float64) else amax.to(torch.float32)
     finite = torch.isfinite(a)
     a = torch.where(finite & (a > 0), a, 1.0)
-    if mode == "floor":
-        _, exp = torch.frexp(a)  # a = m * 2**exp, m in [0.5, 1): floor(log2 a) = exp - 1
-        e = exp.to(torch.float64) - 1 - 2  # emax_elem of E2M1 is 2
-    else:
-        mant, exp = torch.frexp(a / E2M1_MAX)
-        # ceil(log2(r)) for r = m * 2**exp: exp, or exp - 1 when r is a power of two (m = 0.5).
-        e = exp.to(torch.float64) - (mant == 0.5).to(torch.float64)
-    e = torch.where(amax.to(torch.float64) > 0, e, -127.0).clamp(-127, 127)
-    scale = torch.exp2(e)
+    mant, exp = torch.frexp(a)
+    p = exp.to(a.dtype)
+    e = p - 3.0 if mode == "floor" else p - 2.0 - (mant <= 0.75).to(a.dtype)
+    e = torch.where(amax > 0, e, -127.0).clamp(-127, 127)
+    scale = torch.exp2(e.to(torch.float64))  # 2**-127 is an fp32 subnormal: exact
     return torch.where(finite, scale, torch.nan).to(torch.float32)
 
 
