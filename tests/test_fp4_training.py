@@ -103,37 +103,119 @@ def test_rht_leaves_the_product_unchanged_in_fp64():
         assert sqnr(exact, out) >= 280.0  # fp64 round-off only (measured ~300 dB)
 
 
-def _wgrad_sqnr(g, x, rht: bool) -> float:
+def test_layer_transforms_both_wgrad_operands_with_one_rotation(monkeypatch):
+    """The layer's weight-gradient GEMM casts ``Q g`` and ``Q x`` (one 16x16 block rotation
+    along the tokens, the contraction dim, for both): their product is ``g.t() @ x`` up to
+    fp32 rounding, and without ``hadamard_wgrad`` the operands are ``g`` and ``x`` as they are."""
+    seen = []
+    real = f8tensor.functions.cast_gemm_operand
+
+    def recording(hp, cast, contracted_dim, *args, **kwargs):
+        seen.append((hp.detach().clone(), contracted_dim))
+        return real(hp, cast, contracted_dim, *args, **kwargs)
+
+    monkeypatch.setattr(f8tensor.functions, "cast_gemm_operand", recording)
+    torch.manual_seed(0)
+    x = torch.randn(64, 128)
+    x[torch.arange(5, 64, 16)] *= 20  # token outliers: a transform that skipped one operand would show
+    for rht in (True, False):
+        layer = Float8Linear.from_float(nn.Linear(128, 96), Float8LinearConfig.from_recipe("nvfp4", hadamard_wgrad=rht))
+        seen.clear()
+        xr = x.clone().requires_grad_()
+        y = layer(xr)
+        g = torch.randn_like(y)
+        y.backward(g)
+        (gq, gdim), (xq, xdim) = seen[-2:]  # grad_weight's operands, cast last
+        assert gdim == xdim == 0 and gq.shape == (64, 96) and xq.shape == (64, 128)
+        assert sqnr(g.double().t() @ x.double(), gq.double().t() @ xq.double()) >= 120.0  # fp32 round-off
+        assert torch.equal(xq, x) is (not rht) and torch.equal(gq, g) is (not rht)
+
+
+def _wgrad_sqnr(g, x, rht: bool, g_rounding: str = "nearest") -> float:
+    exact = g.double().t() @ x.double()
     if rht:
         g, x = apply_rht(g, 0), apply_rht(x, 0)
-    gq = Float4Tensor.from_hp(g, "nvfp4", block=(16, 1), pack_dim=0)
+    gq = Float4Tensor.from_hp(g, "nvfp4", block=(16, 1), pack_dim=0, rounding=g_rounding)
     xq = Float4Tensor.from_hp(x, "nvfp4", block=(16, 1), pack_dim=0)
-    return gq.to_hp().double().t() @ xq.to_hp().double()
+    return sqnr(exact, gq.to_hp().double().t() @ xq.to_hp().double())
 
 
-def test_rht_wgrad_sqnr_measured_on_token_outliers():
-    """The issue's target (RHT >= 3 dB better on inputs with token outliers inside 16-blocks)
-    is NOT met by this quantizer; this test records what RHT does instead.
+def _token_outliers(k, every, where, seed=0):
+    """1024 tokens x 64, N(0, 1); 1 token in ``every`` made ``k`` times larger: in x only, in g
+    and x at independent tokens, or in g and x at the same tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    g, x = torch.randn(1024, 64, generator=gen), torch.randn(1024, 64, generator=gen)
+    idx = torch.randperm(1024, generator=gen)[: 1024 // every]
+    x[idx] *= k
+    if where == "independent":
+        g[torch.randperm(1024, generator=gen)[: 1024 // every]] *= k
+    elif where == "same":
+        g[idx] *= k
+    return g, x
 
-    Inputs: 512 tokens, one token in every 16-block 16x larger in x (and, in the second
-    case, another token 16x larger in grad_output). An outlier that sets its block's scale
-    is encoded exactly (it maps to 6), and its neighbours lose at most their own size; the
-    transform spreads the outlier's energy over all 16 tokens, whose rounding error then
-    grows with it. Measured (seed 0): x outliers 17.8 -> 17.1 dB, crossed outliers
-    8.5 -> 6.4 dB; Student-t(1.5) values 22.1 -> 19.9 dB. The transform stays a switch
-    (``hadamard_wgrad``), on in the recipe as the NVFP4 paper runs it; the demo measures
-    what it does to training loss.
-    """
-    g0 = torch.Generator().manual_seed(0)
-    g, x = torch.randn(512, 64, generator=g0), torch.randn(512, 64, generator=g0)
-    x[torch.arange(3, 512, 16)] *= 16
-    exact = g.double().t() @ x.double()
-    plain, rht = sqnr(exact, _wgrad_sqnr(g, x, False)), sqnr(exact, _wgrad_sqnr(g, x, True))
-    assert plain == pytest.approx(17.8, abs=0.3) and rht == pytest.approx(17.1, abs=0.3)
-    g[torch.arange(7, 512, 16)] *= 16
-    exact = g.double().t() @ x.double()
-    plain, rht = sqnr(exact, _wgrad_sqnr(g, x, False)), sqnr(exact, _wgrad_sqnr(g, x, True))
-    assert plain - rht == pytest.approx(2.1, abs=0.4)
+
+def _crossed(k):
+    gen = torch.Generator().manual_seed(0)
+    g, x = torch.randn(1024, 64, generator=gen), torch.randn(1024, 64, generator=gen)
+    x[torch.arange(3, 1024, 16)] *= k
+    g[torch.arange(7, 1024, 16)] *= k
+    return g, x
+
+
+def _student_t(dof):
+    gen = torch.Generator().manual_seed(0)
+    z = torch.randn(2, 1024, 64, generator=gen)
+    t = z / (torch.randn(2, 1024, 64, dof, generator=gen).square().sum(-1) / dof).sqrt()
+    return t[0], t[1]
+
+
+# (input class, measured gain in dB of RHT over no RHT in the NVFP4 wgrad product's SQNR,
+# both operands rounded to nearest, seed 0; benchmarks/bench_rht.py has means over seeds,
+# more classes and the demo GPT's layers).
+RHT_CLASSES = {
+    "gaussian": (lambda: _token_outliers(1, 16, "x"), -0.04),
+    "x token outliers 10x, 1 in 16": (lambda: _token_outliers(10, 16, "x"), -0.59),
+    "x token outliers 20x, 1 in 64": (lambda: _token_outliers(20, 64, "x"), -1.24),
+    "g and x token outliers 20x, 1 in 64, independent": (lambda: _token_outliers(20, 64, "independent"), -2.54),
+    "g and x token outliers 10x, 1 in 16, same tokens": (lambda: _token_outliers(10, 16, "same"), 1.94),
+    "crossed 20x in every block": (lambda: _crossed(20), -2.59),
+    "student-t 3 dof": (lambda: _student_t(3), -0.66),
+}
+
+
+@pytest.mark.parametrize("name", list(RHT_CLASSES))
+def test_rht_wgrad_gain_measured_round_to_nearest(name):
+    """With both operands rounded to nearest, RHT never reaches the issue's +3 dB: at best
+    +1.9 dB (outlier tokens shared by g and x), and it loses up to 2.6 dB where one value
+    dominates a block in one operand only. Why: without the transform that value sets its
+    block's scale and is encoded exactly; the transform spreads it into 16 values of about
+    its size / 4, which land in E2M1's coarsest step (4 to 6) with the other tokens' signal
+    as small differences on top. Measured gains (seed 0) held to +-0.5 dB."""
+    make, measured = RHT_CLASSES[name]
+    g, x = make()
+    gain = _wgrad_sqnr(g, x, True) - _wgrad_sqnr(g, x, False)
+    assert gain == pytest.approx(measured, abs=0.5), f"{name}: {gain:+.2f} dB"
+    assert gain < 3.0
+
+
+def test_rht_wgrad_gain_with_stochastic_gradients_on_shared_outlier_tokens():
+    """The issue's target, as the nvfp4 recipe casts (grad_output stochastically rounded, the
+    input to nearest): on a few tokens 10x larger than the rest in both operands (1 in 16,
+    the same tokens), RHT improves the wgrad product's SQNR by 3.33 dB on average over 4
+    inputs x 4 rounding draws (measured; single draws 2.4 to 4.3 dB). Met narrowly, for this
+    class only: on the demo GPT's layers the same setting measures -0.9 to +0.7 dB, on
+    independent or crossed outliers -1.1 to -3.4 dB (benchmarks/bench_rht.py)."""
+    gains = []
+    for seed in range(4):
+        g, x = _token_outliers(10, 16, "same", seed)
+        for draw in range(4):
+            torch.manual_seed(draw)
+            plain = _wgrad_sqnr(g, x, False, "stochastic")
+            torch.manual_seed(draw)
+            gains.append(_wgrad_sqnr(g, x, True, "stochastic") - plain)
+    mean = sum(gains) / len(gains)
+    assert mean == pytest.approx(3.33, abs=0.05) and mean >= 3.0
+    assert min(gains) > 2.0
 
 
 def test_2d_weight_blocks_same_codes_in_forward_and_grad_input():
