@@ -14,6 +14,7 @@ import torch
 
 from f8tensor import ops as _ops  # noqa: F401  (fills Float8Tensor's op table)
 from f8tensor.config import (
+    FP4_CAST_DTYPE,
     RECIPES,
     BLOCK_1x128,
     BLOCK_128x128,
@@ -22,14 +23,26 @@ from f8tensor.config import (
     DelayedScalingConfig,
     Float8LinearConfig,
     GemmConfig,
+    GemmOverride,
     Granularity,
     MX_1x32,
     MX_1x32_FLOOR,
+    MXFP4_1x32,
+    NVFP4_1x16,
+    NVFP4_16x16,
     ScalingType,
 )
-from f8tensor.convert import convert_to_float8_training
+from f8tensor.convert import (
+    block_policy,
+    convert_to_float8_training,
+    convert_with_policy,
+    keep_last_blocks_in_hp,
+    set_forward_in_high_precision,
+    set_gemm_formats,
+)
 from f8tensor.distributed.fsdp import Float8AllGatherWeight, precompute_float8_scales_for_fsdp
 from f8tensor.formats import FLOAT8_DTYPES, FORMATS, Float8Format, float8_max, saturation_bound
+from f8tensor.fp4 import Float4Tensor
 from f8tensor.gemm import float8_mm
 from f8tensor.linear import Float8Linear
 from f8tensor.moe import Float8ExpertWeight, convert_experts_to_float8, float8_grouped_mm
@@ -51,6 +64,7 @@ __version__ = "0.1.0"
 __all__ = [
     "FLOAT8_DTYPES",
     "FORMATS",
+    "FP4_CAST_DTYPE",
     "RECIPES",
     "STATS_FIELDS",
     "BLOCK_1x128",
@@ -58,6 +72,7 @@ __all__ = [
     "BlockGranularity",
     "CastConfig",
     "DelayedScalingConfig",
+    "Float4Tensor",
     "Float8AllGatherWeight",
     "Float8ColwiseParallel",
     "Float8ExpertWeight",
@@ -68,21 +83,30 @@ __all__ = [
     "Float8SaturationWarning",
     "Float8Tensor",
     "GemmConfig",
+    "GemmOverride",
     "Granularity",
+    "MXFP4_1x32",
     "MX_1x32",
     "MX_1x32_FLOOR",
+    "NVFP4_1x16",
+    "NVFP4_16x16",
     "PrepareFloat8ModuleInput",
     "ScalingType",
+    "block_policy",
     "convert_experts_to_float8",
     "convert_to_float8_training",
+    "convert_with_policy",
     "enable_float8_stats",
     "float8_grouped_mm",
     "float8_max",
     "float8_mm",
     "float8_stats",
     "format_float8_stats",
+    "keep_last_blocks_in_hp",
     "precompute_float8_scales_for_fsdp",
     "saturation_bound",
+    "set_forward_in_high_precision",
+    "set_gemm_formats",
     "sqnr",
 ]
 

@@ -52,6 +52,7 @@ __all__ = [
     "is_fake",
     "is_op_of_namespace",
     "make_wrapper_subclass",
+    "make_wrapper_subclass_shaped",
     "preserve_version_counter",
     "return_and_correct_aliasing",
     "scaled_grouped_mm",
@@ -220,6 +221,16 @@ def make_wrapper_subclass(cls: type, like: torch.Tensor, *, dtype: torch.dtype, 
         layout=like.layout,
         device=like.device,
         requires_grad=requires_grad,
+    )
+
+
+def make_wrapper_subclass_shaped(
+    cls: type, shape: tuple[int, ...], strides: tuple[int, ...], *, device: torch.device, dtype: torch.dtype
+) -> Any:
+    """:func:`make_wrapper_subclass` with an outer shape and strides of its own (packed FP4
+    data holds two elements per byte, so its shape is not the outer one)."""
+    return torch.Tensor._make_wrapper_subclass(
+        cls, shape, strides=strides, dtype=dtype, layout=torch.strided, device=device, requires_grad=False
     )
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import warnings
 from collections.abc import Callable
 from typing import cast
@@ -20,10 +21,11 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from f8tensor.config import Float8LinearConfig
+from f8tensor.config import GEMMS, Float8LinearConfig
 from f8tensor.distributed.fsdp import Float8AllGatherWeight
+from f8tensor.gemm.blocks import fp4_path
 from f8tensor.gemm.rules import ALIGN
-from f8tensor.linear import Float8Conv1D, Float8Linear, check_config, dims_ok, is_transposed_linear
+from f8tensor.linear import FP4_ALIGN, Float8Conv1D, Float8Linear, check_config, dims_ok, is_transposed_linear
 from f8tensor.moe import Float8ExpertWeight, expert_path, plan_experts, wrap_experts
 
 _FSDPModule: type | None
@@ -34,7 +36,15 @@ if torch.distributed.is_available():
 else:  # a build without torch.distributed: nothing can be sharded
     _FSDPModule = None
 
-__all__ = ["convert_to_float8_training", "keep_tied_weights_tied"]
+__all__ = [
+    "block_policy",
+    "convert_to_float8_training",
+    "convert_with_policy",
+    "keep_last_blocks_in_hp",
+    "keep_tied_weights_tied",
+    "set_forward_in_high_precision",
+    "set_gemm_formats",
+]
 
 logger = logging.getLogger("f8tensor")
 
@@ -43,6 +53,10 @@ _SKIP_FILTER = "rejected by module_filter_fn"
 _SKIP_DIMS = f"dims not multiples of {ALIGN}"
 _SKIP_FORWARD = "nn.Linear subclass overriding forward"
 _SKIP_FSDP = "Conv1D with FP8 all-gather (needs an (out, in) weight)"
+_SKIP_FP4_DIMS = f"dims not multiples of {FP4_ALIGN} (whole FP4 blocks)"
+_SKIP_POLICY = "kept in high precision by the layer policy"
+_SKIP_EXPERTS_FP4 = "expert weights (FP4 and per-GEMM formats run on linear layers only)"
+_SKIP_EXPERTS_NO_CONFIG = "expert weights (convert_with_policy without experts_config)"
 _SKIP_MHA = "nn.MultiheadAttention out_proj (F.multi_head_attention_forward reads its weight; its forward never runs)"
 
 _FLOAT8_SUBCLASSES: dict[type, type[Float8Linear]] = {}
@@ -122,37 +136,40 @@ def _check_not_sharded(module: nn.Module) -> None:
         )
 
 
+LayerConfig = Callable[[nn.Module, str], "Float8LinearConfig | None"]
+
+
 def _check_same_recipe(
     module: nn.Module,
-    config: Float8LinearConfig,
+    layer_config: LayerConfig,
+    experts_config: Float8LinearConfig | None,
     module_filter_fn: Callable[[nn.Module, str], bool] | None,
     experts_filter_fn: Callable[[nn.Module, str], bool] | None,
 ) -> tuple[list[str], list[str]]:
-    """``(same, kept)``: the fqns already FP8 with ``config``, and those FP8 with another
-    config that this call's filters do not select (left as they are: one model may hold
-    several recipes, a layer at a time). A layer or expert weight FP8 with another config
-    that the filters select is refused, by name (nothing changes)."""
+    """``(same, kept)``: the fqns already converted with the config they would get now
+    (``layer_config(mod, fqn)`` for layers, ``experts_config`` for expert weights), and those
+    FP8 with another config that this call's filters do not select (left as they are: one
+    model may hold several recipes, a layer at a time). A layer or expert weight FP8 with
+    another config that the filters select is refused, by name (nothing changes)."""
     same: list[str] = []
     kept: list[str] = []
     other: list[str] = []
     for fqn, m in module.named_modules():
         found = _fp8_config(m)
         if found is not None:
-            if found == config:
-                same.append(fqn)
-            elif module_filter_fn is None or module_filter_fn(m, fqn):
-                other.append(fqn)
-            else:
+            if module_filter_fn is not None and not module_filter_fn(m, fqn):
                 kept.append(fqn)
+            else:
+                (same if found == layer_config(m, fqn) else other).append(fqn)
         for name, p in m.named_parameters(recurse=False):
             if isinstance(p, Float8ExpertWeight):
                 pfqn = f"{fqn}.{name}" if fqn else name
-                if p._config == config:
+                if p._config == experts_config:
                     same.append(pfqn)
-                elif experts_filter_fn is None or experts_filter_fn(m, pfqn):
-                    other.append(pfqn)
-                else:
+                elif experts_filter_fn is not None and not experts_filter_fn(m, pfqn):
                     kept.append(pfqn)
+                else:
+                    other.append(pfqn)
     if other:
         names = ", ".join((n or "<root>") for n in other[:4]) + (f", ... ({len(other) - 4} more)" if len(other) > 4 else "")
         raise ValueError(
@@ -206,7 +223,11 @@ def convert_to_float8_training(
     several calls.
 
     Logs one summary line on the ``"f8tensor"`` logger (converted N of M linear layers,
-    skipped with reasons, the path the expert GEMMs take) and warns when no layer is FP8.
+    skipped with reasons, the path the expert GEMMs take, the path each FP4 GEMM takes on
+    the layer's device: the reference product, sm100 ``F.scaled_mm``, or none) and warns
+    when no layer is FP8, or when an FP4 GEMM has no path (CUDA without the kernel and
+    ``emulate`` off: the first product would raise). FP4 recipes convert layers whose dims
+    are multiples of 32 (whole blocks); expert weights stay in high precision under them.
     Returns ``module`` (or the new layer, when ``module`` is itself a linear); the names of
     the FP8 layers are on the result as ``float8_converted_fqns`` (a tuple; ``""`` for a
     bare layer).
@@ -238,84 +259,137 @@ def convert_to_float8_training(
         if fn is not None and not callable(fn):
             raise TypeError(f"{fn_name} must be a callable (module, fqn) -> bool or None; got {fn!r}")
     config = check_config(config)
+    return _convert(module, lambda mod, fqn: config, config, module_filter_fn, experts_filter_fn)
+
+
+def _convert(
+    module: nn.Module,
+    layer_config: LayerConfig,
+    experts_config: Float8LinearConfig | None,
+    module_filter_fn: Callable[[nn.Module, str], bool] | None,
+    experts_filter_fn: Callable[[nn.Module, str], bool] | None,
+) -> nn.Module:
+    """The converter: plan (every check, filter and policy call; nothing changed), then apply.
+    ``layer_config(mod, fqn)`` is a candidate layer's config (``None``: high precision);
+    expert weights take ``experts_config`` (``None``: none converted)."""
     _check_not_sharded(module)
-    already, kept = _check_same_recipe(module, config, module_filter_fn, experts_filter_fn)
+    already, kept = _check_same_recipe(module, layer_config, experts_config, module_filter_fn, experts_filter_fn)
     skipped: dict[str, list[str]] = {}
     candidates = 0
 
-    def wants(mod: nn.Module, fqn: str, parent: nn.Module | None) -> bool:
-        """Whether ``mod`` becomes FP8 (counted and, when skipped, reported)."""
+    def wants(mod: nn.Module, fqn: str, parent: nn.Module | None) -> Float8LinearConfig | None:
+        """The config ``mod`` is converted with, or None (counted and, when skipped, reported)."""
         nonlocal candidates
         if _fp8_config(mod) is not None:
             candidates += 1
-            return False
+            return None
         transposed = is_transposed_linear(mod)
         if not (transposed or isinstance(mod, nn.Linear)):
-            return False
+            return None
         candidates += 1
         name = fqn or "<root>"
         if isinstance(parent, nn.MultiheadAttention) and mod is parent.out_proj:
             skipped.setdefault(_SKIP_MHA, []).append(name)
-            return False
+            return None
         if not transposed and type(mod).forward is not nn.Linear.forward:
             skipped.setdefault(_SKIP_FORWARD, []).append(name)
-            return False
+            return None
         if module_filter_fn is not None and not module_filter_fn(mod, fqn):
             skipped.setdefault(_SKIP_FILTER, []).append(name)
-            return False
+            return None
+        config = layer_config(mod, fqn)
+        if config is None:
+            skipped.setdefault(_SKIP_POLICY, []).append(name)
+            return None
+        config = check_config(config)
         # `mod` is an nn.Linear or a transformers Conv1D (checked above); nn.Module types neither.
         in_features, out_features = mod.weight.shape if transposed else (mod.in_features, mod.out_features)  # type: ignore[misc]
         if not dims_ok(in_features, out_features, config):  # type: ignore[arg-type]
+            multiple = FP4_ALIGN if config.any_fp4 else ALIGN
             logger.warning(
-                "f8tensor: left %s (%d -> %d) in high precision: FP8 GEMMs need dimensions that are "
-                "multiples of %d (set pad_inner_dim=True to pad instead)",
-                name, in_features, out_features, ALIGN,
+                "f8tensor: left %s (%d -> %d) in high precision: %s GEMMs need dimensions that are "
+                "multiples of %d%s",
+                name, in_features, out_features, "FP4" if config.any_fp4 else "FP8", multiple,
+                "" if config.any_fp4 else " (set pad_inner_dim=True to pad instead)",
             )
-            skipped.setdefault(_SKIP_DIMS, []).append(name)
-            return False
+            skipped.setdefault(_SKIP_FP4_DIMS if config.any_fp4 else _SKIP_DIMS, []).append(name)
+            return None
         if transposed and config.enable_fsdp_float8_all_gather:
             skipped.setdefault(_SKIP_FSDP, []).append(name)
-            return False
-        return True
+            return None
+        return config
 
-    # Plan: every check and filter call, nothing changed yet.
-    swaps: list[tuple[nn.Module | None, str, str, nn.Module]] = []  # (parent, name, fqn, module), pre-order
-    if wants(module, "", None):
-        swaps.append((None, "", "", module))
+    # Plan: every check, filter and policy call, nothing changed yet.
+    swaps: list[tuple[nn.Module | None, str, str, nn.Module, Float8LinearConfig]] = []  # pre-order
+    if (config := wants(module, "", None)) is not None:
+        swaps.append((None, "", "", module, config))
     for fqn, mod in module.named_modules():
         for name, child in mod.named_children():
             child_fqn = f"{fqn}.{name}" if fqn else name
-            if wants(child, child_fqn, mod):
-                swaps.append((mod, name, child_fqn, child))
-    expert_todo, expert_skipped = plan_experts(module, config, experts_filter_fn)
+            if (config := wants(child, child_fqn, mod)) is not None:
+                swaps.append((mod, name, child_fqn, child, config))
+    expert_todo, expert_skipped = _plan_experts(module, experts_config, experts_filter_fn)
     for reason, fqns in expert_skipped.items():
         skipped.setdefault(reason, []).extend(fqns)
 
     # Apply, children first: a converted layer takes its (already converted) children along.
     result = module
-    for parent, name, _, mod in reversed(swaps):
+    paths: dict[str, list[str]] = {}
+    for parent, name, fqn, mod, config in reversed(swaps):
         new = Float8Conv1D.from_conv1d(mod, config) if is_transposed_linear(mod) else _convert_linear(mod, config)  # type: ignore[arg-type]  # wants(): an nn.Linear
         if parent is None:
             result = new
         else:
             setattr(parent, name, new)
-    experts = wrap_experts(expert_todo, config)
-    if config.enable_fsdp_float8_all_gather:
+        for path in _fp4_gemm_paths(config, new.weight.device):
+            paths.setdefault(path, []).insert(0, fqn or "<root>")
+    experts = wrap_experts(expert_todo, experts_config) if expert_todo else []
+    if any(config.enable_fsdp_float8_all_gather for *_, config in swaps) or (
+        experts and experts_config.enable_fsdp_float8_all_gather
+    ):
         keep_tied_weights_tied(result)
     _disable_encoder_fast_path(result)
-    converted = [fqn for _, _, fqn, _ in swaps]
-    path = expert_path(config, result.get_parameter(experts[0]).device) if experts else None
-    _report_conversion(converted, skipped, candidates, experts, already, path, kept)
+    converted = [fqn for _, _, fqn, _, _ in swaps]
+    path = expert_path(experts_config, result.get_parameter(experts[0]).device) if experts else None
+    _report_conversion(converted, skipped, candidates, experts, already, path, kept, paths)
     fp8 = already + kept + converted + experts
     result.float8_converted_fqns = tuple(sorted(set(fp8), key=fp8.index))  # type: ignore[assignment]  # a plain attribute, not a submodule
     return result
 
 
+def _plan_experts(
+    module: nn.Module, config: Float8LinearConfig | None, experts_filter_fn: Callable[[nn.Module, str], bool] | None
+) -> tuple[list, dict[str, list[str]]]:
+    """:func:`~f8tensor.moe.plan_experts`, except that expert weights take FP8 casts only:
+    under an FP4 or per-GEMM config, or none (a layer policy without ``experts_config``), they
+    stay in high precision and are reported."""
+    if config is not None and not config.uses_gemm_formats:
+        return plan_experts(module, config, experts_filter_fn)
+    todo, _ = plan_experts(module, Float8LinearConfig(), None)
+    reason = _SKIP_EXPERTS_NO_CONFIG if config is None else _SKIP_EXPERTS_FP4
+    return [], ({reason: [fqn for _, _, fqn in todo]} if todo else {})
+
+
+def _fp4_gemm_paths(config: Float8LinearConfig, device: torch.device) -> list[str]:
+    """``"<gemms> <path>"`` for the GEMMs of ``config`` with an FP4 operand, grouped by the
+    path ``blocks.fp4_product`` takes on ``device`` (``"forward/grad_input reference
+    (...)"``); FP8 and high-precision GEMMs are not listed."""
+    by_path: dict[str, list[str]] = {}
+    for gemm, (ra, rb) in GEMMS.items():
+        a, b = config.cast_for(gemm, ra), config.cast_for(gemm, rb)
+        if a is None or b is None or not (a.fp4 or b.fp4):
+            continue
+        by_path.setdefault(fp4_path(a.fp4_kind, b.fp4_kind, device, config.emulate), []).append(gemm)
+    return [f"{'/'.join(gemms)} {path}" for path, gemms in by_path.items()]
+
+
 def _report_conversion(
     converted: list[str], skipped: dict[str, list[str]], candidates: int, experts: list[str],
-    already: list[str], expert_path: str | None, kept: list[str],
+    already: list[str], expert_path: str | None, kept: list[str], fp4_paths: dict[str, list[str]] | None = None,
 ) -> None:
-    """One summary line; a warning (also through ``warnings``) when no layer is FP8."""
+    """One summary line; a warning (also through ``warnings``) when no layer is FP8.
+    ``fp4_paths``: the layers whose GEMMs take each FP4 product path; a path with no kernel
+    behind it (CUDA without one, emulate off) is also a warning."""
 
     def names(fqns: list[str]) -> str:
         return ", ".join(fqns[:4]) + (f", ... ({len(fqns) - 4} more)" if len(fqns) > 4 else "")
@@ -325,9 +399,15 @@ def _report_conversion(
     line += f" and {len(experts)} expert weights (expert GEMMs: {expert_path})" if experts else ""
     line += f"; {len(already)} layers or expert weights were already FP8 with this recipe" if already else ""
     line += f"; {len(kept)} FP8 with another recipe left as they are [{names(kept)}]" if kept else ""
+    for path, fqns in (fp4_paths or {}).items():
+        line += f"; FP4 {path}: {len(fqns)} layers [{names(fqns)}]"
     line += f"; skipped {reasons}" if reasons else ""
     if converted or experts or already or kept:
-        logger.info(line)
+        if any(" none:" in path for path in (fp4_paths or {})):
+            logger.warning(line)
+            warnings.warn(line, UserWarning, stacklevel=3)
+        else:
+            logger.info(line)
         return
     if not candidates:
         line += ": the model has no nn.Linear (or Hugging Face Conv1D) layer"
@@ -377,3 +457,99 @@ def keep_tied_weights_tied(module: nn.Module) -> None:
                 setattr(mod, name, shared)
             if not all_fp8 and isinstance(mod, Float8Linear):
                 mod.config = dataclasses.replace(mod.config, enable_fsdp_float8_all_gather=False)
+
+
+# ===================================================================== layer policies
+
+#: The dotted-name pattern of a transformer block index: ``layers.3``, ``h.3``, ``blocks.3``.
+BLOCK_PATTERN = r"(?:^|\.)(?:layers|h|blocks)\.(\d+)(?:\.|$)"
+
+
+def _block_index(fqn: str, pattern: str) -> int | None:
+    match = re.search(pattern, fqn)
+    return int(match.group(1)) if match else None
+
+
+def keep_last_blocks_in_hp(model: nn.Module, n: int, *, block_pattern: str = BLOCK_PATTERN) -> Callable[[nn.Module, str], bool]:
+    """A ``module_filter_fn`` that leaves the layers of the last ``n`` blocks in high precision
+    (the NVFP4 recipe's ~15% of blocks kept in bf16). Blocks are found by ``block_pattern``
+    (default: ``layers.<i>``, ``h.<i>``, ``blocks.<i>``); layers outside any block are converted."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"n must be an int >= 0; got {n!r}")
+    indices = {i for name, _ in model.named_modules() if (i := _block_index(name, block_pattern)) is not None}
+    cutoff = (max(indices) - n + 1) if indices and n else None
+
+    def module_filter_fn(mod: nn.Module, fqn: str) -> bool:
+        index = _block_index(fqn, block_pattern)
+        return cutoff is None or index is None or index < cutoff
+
+    return module_filter_fn
+
+
+def block_policy(
+    model: nn.Module,
+    config: Float8LinearConfig,
+    *,
+    hp_last_blocks: int = 0,
+    edge_config: Float8LinearConfig | None = None,
+    block_pattern: str = BLOCK_PATTERN,
+) -> Callable[[nn.Module, str], Float8LinearConfig | None]:
+    """A layer policy for :func:`convert_with_policy`: ``config`` for every linear layer,
+    except the layers of the last ``hp_last_blocks`` blocks (high precision: ``None``) and,
+    with ``edge_config``, the first and the last linear layer of the model (e.g. an FP8
+    recipe around an FP4 body)."""
+    keep = keep_last_blocks_in_hp(model, hp_last_blocks, block_pattern=block_pattern)
+    linears = [name for name, mod in model.named_modules() if isinstance(mod, nn.Linear) or is_transposed_linear(mod)]
+    edges = {linears[0], linears[-1]} if linears and edge_config is not None else set()
+
+    def policy(mod: nn.Module, fqn: str) -> Float8LinearConfig | None:
+        if fqn in edges:
+            return edge_config
+        return config if keep(mod, fqn) else None
+
+    return policy
+
+
+def convert_with_policy(
+    module: nn.Module,
+    policy: LayerConfig,
+    *,
+    experts_config: Float8LinearConfig | None = None,
+    module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
+    experts_filter_fn: Callable[[nn.Module, str], bool] | None = None,
+) -> nn.Module:
+    """:func:`convert_to_float8_training` with a config per layer: ``policy(mod, fqn)`` returns
+    the layer's config, or ``None`` to keep it in high precision (reported as skipped by the
+    layer policy). One plan for the whole model, checked before it changes (every policy
+    and filter call, every config), then applied; a layer already FP8 with a config other
+    than its policy's is refused. Expert weights take ``experts_config`` (an FP8 recipe;
+    ``None``: they stay in high precision, reported)."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"convert_with_policy expects an nn.Module; got {type(module).__name__}")
+    for fn_name, fn in (("policy", policy), ("module_filter_fn", module_filter_fn), ("experts_filter_fn", experts_filter_fn)):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"{fn_name} must be a callable (module, fqn) -> ... or None; got {fn!r}")
+    if policy is None:
+        raise TypeError("convert_with_policy needs a policy: a callable (module, fqn) -> Float8LinearConfig | None")
+    if experts_config is not None:
+        experts_config = check_config(experts_config)
+    return _convert(module, policy, experts_config, module_filter_fn, experts_filter_fn)
+
+
+def set_gemm_formats(model: nn.Module, overrides: dict) -> int:
+    """Merge per-GEMM format ``overrides`` (see ``Float8LinearConfig.gemm_overrides``) into
+    the config of every Float8Linear of a running model. Parameters, buffers and the
+    optimizer are untouched (the layers stay the same objects). Returns how many layers changed."""
+    count = 0
+    for mod in model.modules():
+        if isinstance(mod, Float8Linear):
+            mod.config = mod.config.with_gemm_formats(overrides)
+            count += 1
+    return count
+
+
+def set_forward_in_high_precision(model: nn.Module) -> int:
+    """Run the forward GEMM of every Float8Linear in high precision from now on (the NVFP4
+    recipe's late-training switch: the last stretch of tokens with a bf16 forward); the
+    backward GEMMs keep their formats. Returns how many layers changed."""
+    return set_gemm_formats(model, {("forward", "input"): None, ("forward", "weight"): None})

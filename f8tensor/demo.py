@@ -61,7 +61,7 @@ from torch import nn
 
 import f8tensor
 import f8tensor.stats
-from f8tensor import Float8LinearConfig, convert_to_float8_training
+from f8tensor import FP4_CAST_DTYPE, CastConfig, Float8LinearConfig, NVFP4_1x16, convert_to_float8_training
 
 __all__ = ["GPT", "SIZES", "RunResult", "keep_lm_head_in_high_precision", "main"]
 
@@ -69,6 +69,21 @@ BASELINE = "bf16"
 CORPUS = Path(__file__).resolve().parent / "data" / "corpus.txt"
 DEFAULT_OUT = Path("out") / "f8tensor_demo_loss.png"
 VOCAB = 256  # byte-level: every byte is a token, no tokenizer to ship
+
+
+#: NVFP4 with one of its tricks switched off each (``--recipes nvfp4,nvfp4_no_rht,...``):
+#: what each trick buys. Not in the default run list.
+_NVFP4 = Float8LinearConfig.from_recipe("nvfp4")
+ABLATIONS: dict[str, Float8LinearConfig] = {
+    "nvfp4_no_rht": dataclasses.replace(_NVFP4, hadamard_wgrad=False),
+    "nvfp4_no_2d": dataclasses.replace(_NVFP4, weight=CastConfig(FP4_CAST_DTYPE, NVFP4_1x16)),
+    "nvfp4_no_sr": dataclasses.replace(_NVFP4, grad_output=CastConfig(FP4_CAST_DTYPE, NVFP4_1x16)),
+}
+
+
+def run_config(name: str) -> Float8LinearConfig:
+    """The config of a run: a recipe or one of :data:`ABLATIONS`."""
+    return ABLATIONS[name] if name in ABLATIONS else Float8LinearConfig.from_recipe(name)
 
 
 # ===================================================================== the model
@@ -319,9 +334,7 @@ def train_run(
     """
     model = copy.deepcopy(base_model)
     if name != BASELINE:
-        convert_to_float8_training(
-            model, config=Float8LinearConfig.from_recipe(name), module_filter_fn=keep_lm_head_in_high_precision
-        )
+        convert_to_float8_training(model, config=run_config(name), module_filter_fn=keep_lm_head_in_high_precision)
     opt = torch.optim.AdamW(model.parameters(), lr=size.lr, betas=(0.9, 0.95), weight_decay=0.1)
     steps = len(starts) - 1
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_schedule(steps))
@@ -510,7 +523,9 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"training steps per run (default: {DEFAULT_STEPS['cpu']} on CPU, {DEFAULT_STEPS['cuda']} on GPU)",
     )
     parser.add_argument(
-        "--recipes", default=",".join(_allowed_runs()), help=f"comma-separated runs, from: {allowed} (default: all)"
+        "--recipes",
+        default=",".join(_allowed_runs()),
+        help=f"comma-separated runs, from: {allowed} (default: all), and the NVFP4 ablations {', '.join(ABLATIONS)}",
     )
     parser.add_argument(
         "--size",
@@ -540,7 +555,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _parse_runs(parser: argparse.ArgumentParser, text: str) -> list[str]:
     names = [n.strip() for n in text.split(",") if n.strip()]
-    allowed = _allowed_runs()
+    allowed = _allowed_runs() + list(ABLATIONS)
     if not names:
         parser.error(f"--recipes is empty; choose from: {', '.join(allowed)}")
     for n in names:

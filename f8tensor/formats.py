@@ -18,6 +18,7 @@ __all__ = [
     "E8M0",
     "E8M0_MAX_EXP",
     "E8M0_MIN_EXP",
+    "FLOAT4_X2",
     "FLOAT8_DTYPES",
     "FORMATS",
     "HP_DTYPES",
@@ -110,6 +111,11 @@ E8M0: torch.dtype = torch.float8_e8m0fnu
 #: Smallest and largest exponent an e8m0 byte holds: 2**-127 and 2**127.
 E8M0_MIN_EXP: int = -127
 E8M0_MAX_EXP: int = 127
+#: The dtype FP4 data is stored in: ``torch.float4_e2m1fn_x2`` (two E2M1 values per byte,
+#: what PyTorch's FP4 kernels take; every supported torch has it, with no conversion
+#: kernels, so f8tensor packs and unpacks through ``uint8`` views), or ``uint8`` on a torch
+#: without it.
+FLOAT4_X2: torch.dtype = getattr(torch, "float4_e2m1fn_x2", torch.uint8)
 #: Scale dtypes a Float8Tensor may carry: fp32 (any granularity) or e8m0 (block scales).
 SCALE_DTYPES: tuple[torch.dtype, ...] = (torch.float32, E8M0)
 

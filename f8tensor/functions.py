@@ -8,7 +8,14 @@ delayed-scaling buffers of a layer) and :class:`StatsBuffers` (its telemetry), e
 ``None`` when the config does not use it. :class:`NoDoubleBackward` refuses a second
 derivative with a message naming the layer.
 
-Layer: above ``ops``; imports ``gemm``, ``ops``, ``tensor``, ``scaling``, ``config``, ``compat``.
+:class:`GemmFormatsLinearFn` is the same product for configs that name a format per GEMM
+(``Float8LinearConfig.gemm_overrides``) or use FP4 (NVFP4, MXFP4): each operand of each
+GEMM is cast per :meth:`Float8LinearConfig.cast_for` (dynamic scaling), a GEMM with a
+high-precision operand runs in high precision, and the weight-gradient GEMM's FP4 operands
+get the random Hadamard transform when the config asks for it.
+
+Layer: above ``ops``; imports ``gemm``, ``ops``, ``tensor``, ``fp4``, ``hadamard``,
+``scaling``, ``config``, ``compat``.
 """
 
 from __future__ import annotations
@@ -19,12 +26,24 @@ import torch
 
 from f8tensor.compat import current_graph_task_id, functional_all_reduce_max
 from f8tensor.config import CastConfig, CastSpec, Float8LinearConfig, GemmConfig
+from f8tensor.fp4 import is_float4, to_float4, to_float4_with_stats
+from f8tensor.fp4 import transpose_2d as transpose_2d_fp4
 from f8tensor.gemm import matmul
+from f8tensor.hadamard import RHT_SIZE, apply_rht
+from f8tensor.kernels.fp4 import FP4Spec
 from f8tensor.ops import transpose_2d
 from f8tensor.scaling import delayed_scale, materialized, push_amax, tensor_amax
 from f8tensor.tensor import Float8Tensor, dequantize, to_float8, to_float8_with_stats
 
-__all__ = ["DelayedBuffers", "Float8LinearFn", "NoDoubleBackward", "StatsBuffers", "cast_operand"]
+__all__ = [
+    "DelayedBuffers",
+    "Float8LinearFn",
+    "GemmFormatsLinearFn",
+    "NoDoubleBackward",
+    "StatsBuffers",
+    "cast_gemm_operand",
+    "cast_operand",
+]
 
 
 class DelayedBuffers(NamedTuple):
@@ -403,6 +422,130 @@ class Float8LinearFn(torch.autograd.Function):
 def _row_scaled(w8: Float8Tensor) -> bool:
     """``w8`` (N, K) has one scale per row (a rowwise weight cast for the forward)."""
     return w8.dim() == 2 and w8._block == (1, 0)
+
+
+# ===================================================================== per-GEMM formats, FP4
+
+
+def cast_gemm_operand(
+    hp: torch.Tensor,
+    cast: CastConfig,
+    contracted_dim: int,
+    gemm: GemmConfig,
+    config: Float8LinearConfig,
+    stats: torch.Tensor | None = None,
+):
+    """One GEMM operand cast per ``cast`` (FP8 or FP4, dynamic scaling), contracted over
+    ``contracted_dim``: a Float8Tensor or a Float4Tensor (packed along that dim).
+    ``stats``: the role's telemetry buffer, overwritten, or ``None``."""
+    spec = cast.operand_spec(contracted_dim)
+    if not cast.fp4:
+        return _cast(stats, hp, spec, gemm=gemm)
+    kind = cast.fp4_kind
+    fspec = FP4Spec(kind, spec.block, contracted_dim % hp.dim(), spec.scale_mode, spec.rounding,
+                    config.four_over_six and kind == "nvfp4")
+    if stats is None:
+        return to_float4(hp, fspec, gemm=gemm)
+    f4, measured = to_float4_with_stats(hp, fspec, gemm=gemm)
+    stats.copy_(measured)
+    return f4
+
+
+def _t(q: torch.Tensor) -> torch.Tensor:
+    return transpose_2d_fp4(q) if is_float4(q) else transpose_2d(q)
+
+
+def _pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
+    """``t`` with zero rows appended up to a multiple of ``multiple`` (zero tokens add
+    nothing to the weight gradient)."""
+    extra = -t.shape[0] % multiple
+    return torch.nn.functional.pad(t, (0, 0, 0, extra)) if extra else t
+
+
+class GemmFormatsLinearFn(torch.autograd.Function):
+    """``x @ W.t() + b`` with each operand of each GEMM in its own format.
+
+    ``cast_for(gemm, role)`` of the config decides every cast: an FP8 CastConfig (any
+    granularity), NVFP4, MXFP4, or ``None`` (that GEMM in high precision). Saved for
+    backward: the high-precision input and the weight (a parameter, no copy): the
+    backward GEMMs re-cast them along their own contraction dims (for FP4 with the Hadamard
+    transform along the tokens first; for 16x16 weight blocks to the same codes as in
+    forward). Telemetry records the first cast of each role.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, config, stats):  # type: ignore[override]
+        st_in, st_w, st_go = stats if stats is not None else (None,) * 3
+        fwd = GemmConfig(use_fast_accum=config.use_fast_accum, pad_inner_dim=config.pad_inner_dim, emulate=config.emulate)
+        x2 = x.reshape(-1, x.shape[-1])
+        ci, cw = config.cast_for("forward", "input"), config.cast_for("forward", "weight")
+        if ci is None or cw is None:
+            y = torch.nn.functional.linear(x2, weight.to(x2.dtype), bias)
+        else:
+            x_q = cast_gemm_operand(x2, ci, 1, fwd, config, st_in)
+            w_q = cast_gemm_operand(weight, cw, 1, fwd, config, st_w)
+            y = matmul(x_q, _t(w_q), bias=bias)
+        ctx.save_for_backward(x2, weight)
+        ctx.config = config
+        ctx.stats_go = st_go
+        ctx.x_shape = x.shape
+        ctx.layer = f"Float8Linear(in_features={weight.shape[1]}, out_features={weight.shape[0]})"
+        return torch.ops.aten._unsafe_view(y, (*x.shape[:-1], y.shape[-1]))
+
+    @staticmethod
+    def backward(ctx, grad_y):  # type: ignore[override]
+        saved = ctx.saved_tensors
+        if not torch.is_grad_enabled():
+            return GemmFormatsLinearFn._backward(ctx, grad_y, saved)
+        with torch.no_grad():
+            grads = GemmFormatsLinearFn._backward(ctx, grad_y, saved)
+        x2, weight = saved
+        present = [i for i, g in enumerate(grads[:3]) if g is not None]
+        outs = NoDoubleBackward.apply(ctx.layer, grad_y, weight, x2, *(grads[i] for i in present))
+        grads = list(grads)
+        for i, g in zip(present, outs):
+            grads[i] = g
+        return tuple(grads)
+
+    @staticmethod
+    def _backward(ctx, grad_y, saved):
+        x2, weight = saved
+        config: Float8LinearConfig = ctx.config
+        need_grad_x, need_grad_w, need_grad_b = ctx.needs_input_grad[:3]
+        bwd = GemmConfig(pad_inner_dim=config.pad_inner_dim, emulate=config.emulate)
+        bwd_w = GemmConfig(pad_inner_dim=True, emulate=config.emulate)
+        g = grad_y.reshape(-1, grad_y.shape[-1])
+        st_go = ctx.stats_go
+
+        grad_x = None
+        if need_grad_x:
+            cg, cw = config.cast_for("grad_input", "grad_output"), config.cast_for("grad_input", "weight")
+            if cg is None or cw is None:
+                grad_x = g @ weight.to(g.dtype)
+            else:
+                g_q = cast_gemm_operand(g, cg, 1, bwd, config, st_go)
+                st_go = None  # recorded once per backward
+                grad_x = matmul(g_q, cast_gemm_operand(weight, cw, 0, bwd, config))
+            grad_x = grad_x.reshape(ctx.x_shape)
+
+        grad_w = None
+        if need_grad_w:
+            cg, cx = config.cast_for("grad_weight", "grad_output"), config.cast_for("grad_weight", "input")
+            if cg is None or cx is None:
+                grad_w = g.t().to(x2.dtype) @ x2
+            else:
+                gg, xx = g, x2
+                if cg.fp4 or cx.fp4:
+                    # FP4 blocks run along the tokens here: pad them to whole blocks (and RHT blocks).
+                    gg, xx = _pad_rows(gg, 2 * RHT_SIZE), _pad_rows(xx, 2 * RHT_SIZE)
+                    if config.hadamard_wgrad:
+                        gg, xx = apply_rht(gg, config.hadamard_seed), apply_rht(xx, config.hadamard_seed)
+                g_q = cast_gemm_operand(gg, cg, 0, bwd_w, config, st_go)
+                x_q = cast_gemm_operand(xx, cx, 0, bwd_w, config)
+                grad_w = matmul(_t(g_q), x_q, out_dtype=weight.dtype)
+            grad_w = grad_w.to(weight.dtype)
+        grad_b = g.sum(0) if need_grad_b else None
+        return grad_x, grad_w, grad_b, None, None
 
 
 class NoDoubleBackward(torch.autograd.Function):

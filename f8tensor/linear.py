@@ -25,7 +25,7 @@ from f8tensor.config import Float8LinearConfig
 from f8tensor.distributed.dtensor import float8_linear
 from f8tensor.distributed.fsdp import DelayedWeightSource, DTensor, Float8AllGatherWeight, wrap_weight
 from f8tensor.formats import HP_DTYPES
-from f8tensor.functions import DelayedBuffers, StatsBuffers
+from f8tensor.functions import DelayedBuffers, GemmFormatsLinearFn, StatsBuffers
 from f8tensor.gemm.rules import ALIGN
 from f8tensor.kernels import CAST_STATS_FIELDS
 from f8tensor.tensor import Float8Tensor
@@ -279,6 +279,8 @@ class Float8Linear(nn.Linear):
             return nn.functional.linear(x, weight.to(x.dtype), bias)
         delayed = DelayedBuffers(*(getattr(self, name) for name in _DELAYED_BUFFERS)) if self.config.any_delayed else None
         stats = StatsBuffers(*(getattr(self, name) for name in STATS_BUFFERS)) if self.config.collect_stats else None
+        if self.config.uses_gemm_formats:
+            return GemmFormatsLinearFn.apply(x, weight, bias, self.config, stats)
         # A delayed weight gathered in FP8 by FSDP2: its shard's amax, left here by the gather.
         weight_amax = self.__dict__.get("fsdp_weight_amax") if delayed is not None and self.config.enable_fsdp_float8_all_gather else None
         return float8_linear(x, weight, bias, self.config, delayed, stats, weight_amax)
@@ -373,11 +375,23 @@ def check_config(config: Float8LinearConfig | None) -> Float8LinearConfig:
 
 
 def dims_ok(in_features: int, out_features: int, config: Float8LinearConfig) -> bool:
+    if config.any_fp4:
+        # FP4 blocks tile the dims exactly (no padding of packed blocks): 32 covers MXFP4's
+        # blocks and NVFP4's 16 (and 16x16).
+        return in_features % FP4_ALIGN == 0 and out_features % FP4_ALIGN == 0
     return config.pad_inner_dim or (in_features % ALIGN == 0 and out_features % ALIGN == 0)
+
+
+FP4_ALIGN = 32
 
 
 def _check_dims(in_features: int, out_features: int, config: Float8LinearConfig) -> None:
     if not dims_ok(in_features, out_features, config):
+        if config.any_fp4:
+            raise ValueError(
+                f"Float8Linear({in_features}, {out_features}): FP4 casts need in_features and out_features "
+                f"to be multiples of {FP4_ALIGN} (whole NVFP4/MXFP4 blocks); keep this layer out of the conversion"
+            )
         raise ValueError(
             f"Float8Linear({in_features}, {out_features}): FP8 GEMMs need in_features and out_features "
             f"to be multiples of {ALIGN}; pass a config with pad_inner_dim=True to pad them with zeros"

@@ -19,6 +19,7 @@ import torch
 from f8tensor.compat import return_and_correct_aliasing, view_base
 from f8tensor.config import CastSpec, axiswise_dim, is_tensorwise, varies_along
 from f8tensor.formats import FLOAT8_DTYPES, check_hp_dtype
+from f8tensor.fp4 import Float4Tensor, is_float4
 from f8tensor.gemm import GROUPED_RULES, batched_mm, grouped_mm, matmul
 from f8tensor.gemm.operands import requantize
 from f8tensor.gemm.rules import ALIGN
@@ -48,7 +49,7 @@ def _mm(func, types, args, kwargs):
 def _addmm(func, types, args, kwargs):
     bias, a, b = args
     beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
-    if _is_f8(bias):
+    if _is_f8(bias) or is_float4(bias):
         raise NotImplementedError("addmm with a Float8Tensor bias/input is not supported; pass it in high precision")
     if beta == 1 and alpha == 1:
         return matmul(a, b, bias=bias)
@@ -70,6 +71,12 @@ def _composite_product(func, types, args, kwargs):
     the semantics (broadcasting, 1D operands, bias) of its high-precision twin.
     """
     return func.decompose(*args, **kwargs)
+
+
+# Float4Tensor's products take the same handlers (its layout ops live in fp4.py).
+for _op, _handler in ((aten.mm.default, _mm), (aten.addmm.default, _addmm)):
+    Float4Tensor.implements([_op])(_handler)
+Float4Tensor.implements([aten.matmul.default, aten.linear.default])(_composite_product)
 
 
 def transpose_2d(x: Float8Tensor) -> Float8Tensor:

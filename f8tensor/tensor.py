@@ -229,6 +229,11 @@ class Float8Tensor(torch.Tensor):
             raise ValueError("rowwise scaling needs at least one dimension; got a 0-dim tensor")
         if rounding not in ROUNDING_MODES:
             raise ValueError(f"rounding must be one of {ROUNDING_MODES}; got {rounding!r}")
+        if isinstance(gran, BlockGranularity) and gran.scale_dtype not in SCALE_DTYPES:
+            raise ValueError(
+                f"a Float8Tensor's block scales are fp32 or e8m0; {gran.scale_dtype} block scales are NVFP4's "
+                f"(f8tensor.Float4Tensor.from_hp(hp, 'nvfp4'))"
+            )
         if isinstance(gran, BlockGranularity):
             spec = CastSpec(float8_dtype, gran.full_block(hp.dim()), gran.scale_dtype, gran.scale_mode)
         else:

@@ -163,7 +163,7 @@ def test_bad_margin(margin):
 
 
 def test_unknown_recipe():
-    with pytest.raises(ValueError, match=r"unknown recipe 'fp8'; choose one of \['blockwise', 'delayed', 'mxfp8', 'rowwise', 'rowwise_with_gw_hp', 'tensorwise'\]"):
+    with pytest.raises(ValueError, match=r"unknown recipe 'fp8'; choose one of \['blockwise', 'delayed', 'mxfp4', 'mxfp8', 'nvfp4', 'rowwise', 'rowwise_with_gw_hp', 'tensorwise'\]"):
         Float8LinearConfig.from_recipe("fp8")
 
 

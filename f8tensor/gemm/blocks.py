@@ -29,12 +29,13 @@ import torch
 
 from f8tensor import compat
 from f8tensor.config import GemmConfig
+from f8tensor.fp4 import Float4Tensor, is_float4
 from f8tensor.gemm.check import block_scaled_mm, check_active, record_block_reference
-from f8tensor.gemm.operands import col_major, inverse_scale, row_major
-from f8tensor.gemm.rules import BLOCK_SCALED_MM_RULES, BlockScaledMMRule, CudaBuild, block_rule_for
+from f8tensor.gemm.operands import col_major, inverse_scale, prepare_fp4, row_major
+from f8tensor.gemm.rules import BLOCK_SCALED_MM_RULES, BlockScaledMMRule, CudaBuild, block_rule_for, fp4_rule_for
 from f8tensor.tensor import Float8Tensor, dequantize
 
-__all__ = ["product"]
+__all__ = ["fp4_path", "fp4_product", "product"]
 
 
 def _name(dtype: torch.dtype) -> str:
@@ -101,7 +102,8 @@ def _round_up(x: int, m: int) -> int:
 
 
 def _swizzle_32_4_4(scale: torch.Tensor) -> torch.Tensor:
-    """An (R, C) e8m0 scale in the tiled layout cuBLAS reads for 1x32 block scaling.
+    """An (R, C) one-byte scale (e8m0 for 1x32, e4m3fn for NVFP4's 1x16) in the tiled layout
+    cuBLAS reads for block scaling.
 
     Padded to 128-row x 4-column tiles (tiles in row-major order); inside a tile, the
     entry at (r, c) lands at offset ``(r % 32) * 16 + (r // 32) * 4 + c``.
@@ -110,10 +112,12 @@ def _swizzle_32_4_4(scale: torch.Tensor) -> torch.Tensor:
     pr, pc = _round_up(rows, 128), _round_up(cols, 4)
     raw = scale.view(torch.uint8)
     if (pr, pc) != (rows, cols):
-        # Pad bytes: 127 is 2**0 in e8m0, a harmless 1 for the padding's zero data.
-        raw = torch.nn.functional.pad(raw, (0, pc - cols, 0, pr - rows), value=127)
+        # Pad bytes: 127 is 2**0 in e8m0, a harmless 1 for the padding's zero data (in
+        # e4m3fn 127 is NaN: pad with 0 there).
+        pad = 127 if scale.dtype == torch.float8_e8m0fnu else 0
+        raw = torch.nn.functional.pad(raw, (0, pc - cols, 0, pr - rows), value=pad)
     tiles = raw.reshape(pr // 128, 4, 32, pc // 4, 4).permute(0, 3, 2, 1, 4)
-    return tiles.contiguous().reshape(-1).view(torch.float8_e8m0fnu)
+    return tiles.contiguous().reshape(-1).view(scale.dtype)
 
 
 def _pad_scale(inv: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
@@ -210,6 +214,91 @@ def _kernel_mm(
     )
     if pads[0] or pads[2]:
         out = out[: a8.shape[0], : b8.shape[1]]
+    if bias is not None:
+        out = out + bias.to(out_dtype)
+    return out
+
+
+# ===================================================================== FP4 (NVFP4, MXFP4)
+
+
+def fp4_product(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype, gemm: GemmConfig) -> torch.Tensor:
+    """``a (M, K) @ b (K, N)`` (+ ``bias``) where at least one operand is a Float4Tensor.
+
+    On CPU, and on CUDA with ``emulate``, the reference: each operand dequantized per block
+    in fp32 (a plain one cast to the FP4 operand's format first), an fp32 matmul, the bias
+    in fp32, one cast. On CUDA otherwise the sm100 kernel of
+    :data:`~f8tensor.gemm.rules.FP4_SCALED_MM_RULES` (unverified: no sm100 machine)."""
+    kernel = a.device.type == "cuda" and not gemm.emulate
+    a4, b4 = prepare_fp4(a, b, a_k=1, b_k=0, kernel=kernel)
+    if kernel:
+        return _fp4_kernel_mm(a4, b4, bias, out_dtype)
+    # Deliberate fp32 throughout, as in _reference_mm.
+    acc = _dequantized(a4) @ _dequantized(b4)
+    if bias is not None:
+        acc = acc + bias.to(torch.float32)
+    return acc.to(out_dtype)
+
+
+def fp4_path(kind_a: str | None, kind_b: str | None, device: torch.device | str, emulate: bool) -> str:
+    """The path :func:`fp4_product` takes on ``device`` for operands of these FP4 kinds
+    (``"nvfp4"``, ``"mxfp4"``; ``None``: an FP8 or plain operand), in words: the conversion
+    report's. The same decision as :func:`fp4_product` and :func:`_fp4_kernel_mm`."""
+    device = torch.device(device)
+    if device.type != "cuda" or emulate:
+        why = "emulate=True" if device.type == "cuda" else f"no FP4 kernel on {device.type}"
+        return f"reference (emulated: dequantized per block, fp32 matmul; {why})"
+    if kind_a is None or kind_a != kind_b:
+        return (
+            f"none: no kernel multiplies {kind_a or 'FP8/plain'} x {kind_b or 'FP8/plain'}; the first product "
+            "raises (emulate=True runs the reference)"
+        )
+    rule = fp4_rule_for(kind_a)
+    major, minor = torch.cuda.get_device_capability(device)
+    cuda = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
+    if not hasattr(torch.nn.functional, "scaled_mm") or CudaBuild(compat.TORCH_VERSION, cuda, (major, minor)) not in rule.builds:
+        return (
+            f"none: the {rule.name} kernel needs {rule.builds}, this is sm{major}{minor}; the first product raises "
+            "(emulate=True runs the reference)"
+        )
+    return f"sm100 F.scaled_mm, {rule.name} (unverified)"
+
+
+def _dequantized(x: torch.Tensor) -> torch.Tensor:
+    return x.dequantize(torch.float32) if is_float4(x) else dequantize(x, torch.float32)
+
+
+def _fp4_kernel_args(a4: Float4Tensor, b4: Float4Tensor):
+    """The FP4 kernel's operands and scale lists: A (M, K/2) row-major, B (K/2, N) column-major,
+    block scales swizzled (b's read per column: (N, K/block)), NVFP4's global scales beside them."""
+    sa, sb = _swizzle_32_4_4(a4._scale.contiguous()), _swizzle_32_4_4(b4._scale.t().contiguous())
+    if a4._kind == "nvfp4":
+        return row_major(a4._data), col_major(b4._data), [sa, a4._global_scale.reshape(1)], [sb, b4._global_scale.reshape(1)]
+    return row_major(a4._data), col_major(b4._data), sa, sb
+
+
+def _fp4_kernel_mm(a4: Float4Tensor, b4: Float4Tensor, bias, out_dtype: torch.dtype) -> torch.Tensor:
+    rule = fp4_rule_for(a4._kind)
+    functional = torch.nn.functional
+    major, minor = torch.cuda.get_device_capability(a4.device)
+    cuda = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
+    if not hasattr(functional, "scaled_mm") or CudaBuild(compat.TORCH_VERSION, cuda, (major, minor)) not in rule.builds:
+        raise NotImplementedError(
+            f"the {rule.name} kernel needs {rule.builds} and torch.nn.functional.scaled_mm; this is "
+            f"sm{major}{minor} with CUDA {torch.version.cuda}. Use emulate=True for the reference path."
+        )
+    a_data, b_data, sa, sb = _fp4_kernel_args(a4, b4)
+    kinds, swizzle = functional.ScalingType, functional.SwizzleType
+    if a4._kind == "nvfp4":
+        recipe = [kinds.BlockWise1x16, kinds.TensorWise]
+        swz = [swizzle.SWIZZLE_32_4_4, swizzle.NO_SWIZZLE]
+    else:
+        recipe, swz = kinds.BlockWise1x32, swizzle.SWIZZLE_32_4_4
+    # MXFP4's kernel writes bf16 only; NVFP4's output dtype other than bf16 is unverified.
+    out = block_scaled_mm(
+        a_data, b_data, sa, recipe, sb, recipe, swizzle_a=swz, swizzle_b=swz, output_dtype=torch.bfloat16,
+        use_fast_accum=False,
+    ).to(out_dtype)
     if bias is not None:
         out = out + bias.to(out_dtype)
     return out

@@ -16,6 +16,8 @@ import torch
 
 from f8tensor.config import DEFAULT_GEMM, CastSpec, GemmConfig
 from f8tensor.formats import FLOAT8_DTYPES, check_hp_dtype
+from f8tensor.fp4 import is_float4
+from f8tensor.gemm.blocks import fp4_product
 from f8tensor.gemm.blocks import product as block_product
 from f8tensor.gemm.dense import product as dense_product
 from f8tensor.gemm.operands import BLOCKS, DENSE, check_devices, prepare
@@ -120,13 +122,16 @@ def matmul(
     """``a (M, K) @ b (K, N)`` (+ ``bias``) in FP8: the way every 2D product goes (the op
     table's ``mm``/``addmm``, Float8Linear's three GEMMs, :func:`float8_mm`).
 
-    ``out_dtype``: default the operands' GemmConfig's, else ``a``'s original dtype.
+    ``out_dtype``: default the operands' GemmConfig's, else ``a``'s original dtype. An FP4
+    operand (Float4Tensor) takes ``blocks.fp4_product``, whose operands ``prepare_fp4`` prepares.
     Returns the ``(M, N)`` product in ``out_dtype``.
 
     Raises:
         RuntimeError: operands that are not 2D, or whose inner dims differ (torch's words).
         ValueError: operands (or ``bias``) on different devices, both named."""
     _check_devices(a, b, bias)
+    if is_float4(a) or is_float4(b):
+        return _fp4_matmul(a, b, bias, out_dtype)
     blockwise = (is_float8(a) and a.is_blockwise) or (is_float8(b) and b.is_blockwise)
     if a.dim() != 2 or b.dim() != 2:
         raise RuntimeError(f"FP8 mm expects 2D operands; got {tuple(a.shape)} and {tuple(b.shape)}")
@@ -139,6 +144,19 @@ def matmul(
     if out_dtype is None:
         out_dtype = gemm.out_dtype or a8._orig_dtype
     return (block_product if blockwise else dense_product)(a8, b8, bias, out_dtype, gemm)
+
+
+def _fp4_matmul(a, b, bias, out_dtype):
+    if a.dim() != 2 or b.dim() != 2:
+        raise RuntimeError(f"FP4 mm expects 2D operands; got {tuple(a.shape)} and {tuple(b.shape)}")
+    (m, k), (k2, n) = a.shape, b.shape
+    if k != k2:
+        raise RuntimeError(f"mat1 and mat2 shapes cannot be multiplied ({m}x{k} and {k2}x{n})")
+    gemm = _merged_gemm(*(x._gemm if (is_float4(x) or is_float8(x)) else DEFAULT_GEMM for x in (a, b)))
+    if out_dtype is None:
+        ref = a if (is_float4(a) or is_float8(a)) else b
+        out_dtype = gemm.out_dtype or ref._orig_dtype
+    return fp4_product(a, b, bias, out_dtype, gemm)
 
 
 def _check_devices(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> None:

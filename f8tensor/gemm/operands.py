@@ -10,6 +10,11 @@ of operands (at least one a Float8Tensor) into such a pair:
    rounding, and the product stays in FP8);
 3. an operand of another format is re-cast to e4m3fn where the kernel multiplies nothing else.
 
+Products with an FP4 operand (:class:`~f8tensor.fp4.Float4Tensor`) are prepared by
+:func:`prepare_fp4`: a plain operand is cast to the FP4 operand's format with its K block;
+for the sm100 kernels both operands are FP4 of one kind, packed along K, with per-row
+(1x16 / 1x32) scales: 2D weight blocks are expanded to rows, which is lossless.
+
 And the layouts the kernels read: :func:`row_major`, :func:`col_major` (FP8 copies only
 where needed), :func:`inverse_scale` (the dequantization factor ``1 / scale``) and
 :func:`kernel_scale` (that factor broadcast and laid out as a kernel reads it).
@@ -25,7 +30,9 @@ import torch
 
 from f8tensor.config import CastSpec, axiswise_block, constant_along, is_tensorwise
 from f8tensor.formats import E8M0, check_hp_dtype, e4m3_like
+from f8tensor.fp4 import Float4Tensor, is_float4, to_float4
 from f8tensor.gemm.check import is_col_major, is_row_major
+from f8tensor.kernels.fp4 import FP4Spec
 from f8tensor.tensor import Float8Tensor, dequantize, is_float8, to_float8
 
 __all__ = [
@@ -38,6 +45,7 @@ __all__ = [
     "inverse_scale",
     "kernel_scale",
     "prepare",
+    "prepare_fp4",
     "requantize",
     "row_major",
 ]
@@ -73,6 +81,53 @@ def prepare(a: torch.Tensor, b: torch.Tensor, takes: Takes, *, a_k: int, b_k: in
     if not is_float8(b):
         b = _cast_like(b, b_k, ref, ref_k, takes)
     return _fit(a, a_k, takes), _fit(b, b_k, takes)
+
+
+def prepare_fp4(a: torch.Tensor, b: torch.Tensor, *, a_k: int, b_k: int, kernel: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both operands of ``a @ b`` (at least one a Float4Tensor): a plain one cast to the FP4
+    operand's kind with its block along K (packed along K); a Float8Tensor kept (the
+    reference path dequantizes each operand per block). With ``kernel``: both FP4 of one
+    kind, packed along K, one scale per row and K-block (what the sm100 kernels read)."""
+    check_devices(a, b)
+    ref, ref_k = (a, a_k) if is_float4(a) else (b, b_k)
+    if not is_float4(ref):
+        raise TypeError("prepare_fp4 needs at least one Float4Tensor operand")
+    if not isinstance(a, (Float4Tensor, Float8Tensor)):
+        a = _cast_like_fp4(a, a_k, ref, ref_k)
+    if not isinstance(b, (Float4Tensor, Float8Tensor)):
+        b = _cast_like_fp4(b, b_k, ref, ref_k)
+    if not kernel:
+        return a, b
+    if not (is_float4(a) and is_float4(b)) or a._kind != b._kind:
+        raise ValueError(
+            f"the sm100 FP4 kernels multiply two operands of one FP4 kind; got {_format_name(a)} x "
+            f"{_format_name(b)}. Use emulate=True for the reference path."
+        )
+    return _fp4_rows(a, a_k), _fp4_rows(b, b_k)
+
+
+def _format_name(x: torch.Tensor) -> str:
+    return x._kind if is_float4(x) else f"FP8 {x._data.dtype}"
+
+
+def _cast_like_fp4(x: torch.Tensor, k: int, ref: Float4Tensor, ref_k: int) -> Float4Tensor:
+    check_hp_dtype(x.dtype, "the plain operand of an FP4 matmul")
+    k = k % x.dim()
+    block = tuple(ref._block[ref_k] if d == k else 1 for d in range(x.dim()))
+    return to_float4(x, FP4Spec(ref._kind, block, k), gemm=ref._gemm)
+
+
+def _fp4_rows(x: Float4Tensor, k: int) -> Float4Tensor:
+    """``x`` packed along ``k`` with one scale per row and K-block (a 16x16 block's scale
+    repeated over its 16 rows: the same values, as the kernels read them)."""
+    x = x.repacked(k)
+    other = 1 - k % 2
+    rows = x._block[other]
+    if rows == 1:
+        return x
+    scale = x._scale.repeat_interleave(rows, dim=other)
+    block = tuple(1 if d == other else b for d, b in enumerate(x._block))
+    return x._replace(scale=scale, block=block)
 
 
 def check_devices(a: torch.Tensor, b: torch.Tensor) -> None:

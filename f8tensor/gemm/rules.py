@@ -8,7 +8,10 @@ row applies, ``sources`` citing the PyTorch code it was read from):
   layouts, alignment, bias, fast accumulation;
 - :data:`BLOCK_SCALED_MM_RULES`: the block-scaled kernels of ``torch.nn.functional.scaled_mm``
   (1x128, 128x128, MX), with the scale layouts each reads;
-- :data:`GROUPED_RULES`: ``torch._scaled_grouped_mm`` (MoE grouped and batched products).
+- :data:`GROUPED_RULES`: ``torch._scaled_grouped_mm`` (MoE grouped and batched products);
+- :data:`FP4_SCALED_MM_RULES`: the FP4 kernels of ``torch.nn.functional.scaled_mm`` (NVFP4,
+  MXFP4; sm100), rows in :class:`BlockScaledMMRule`'s style, kept apart so that the FP8
+  lookups (whose MX row has the same 1x32 blocks as MXFP4) never match them.
 
 The supported NVIDIA builds are :data:`SUPPORTED_BUILDS` (torch 2.11-2.14; cu126, cu128,
 cu130 wheels; sm89, sm90); fnuz products are checked against :data:`ROCM_BUILDS`. A new
@@ -31,6 +34,7 @@ __all__ = [
     "ALIGN",
     "ALL_BUILDS",
     "BLOCK_SCALED_MM_RULES",
+    "FP4_SCALED_MM_RULES",
     "GROUPED_RULES",
     "ROCM_BUILDS",
     "ROCM_ROWWISE_NOTE",
@@ -45,6 +49,7 @@ __all__ = [
     "ScaledMMRule",
     "block_rule_by_recipes",
     "block_rule_for",
+    "fp4_rule_for",
     "grouped_rule_for",
     "rule_for",
 ]
@@ -433,8 +438,8 @@ _FP4_SOURCES = (
     ),
 )
 
-#: The table. Rows for the FP4 recipes are data for a later FP4 product (f8tensor makes no
-#: FP4 call yet); :func:`block_rule_for` finds a row by blocks, scale dtype and operand dtype.
+#: The table. The FP4 rows are the kernels of FP4 products (:data:`FP4_SCALED_MM_RULES`,
+#: unverified); :func:`block_rule_for` finds a row by blocks, scale dtype and operand dtype.
 BLOCK_SCALED_MM_RULES: tuple[BlockScaledMMRule, ...] = (
     _DEEPSEEK,
     dataclasses.replace(
@@ -514,6 +519,27 @@ def block_rule_by_recipes(recipe_a: Any, recipe_b: Any, operand_dtype: torch.dty
         if operand_dtype is None or operand_dtype in rule.operand_dtypes:
             return rule
     return matches[0] if matches else None
+
+
+# ===================================================================== FP4 F.scaled_mm (sm100)
+#
+# Unverified on hardware (no sm100 machine was available): the FP4 rows of
+# BLOCK_SCALED_MM_RULES are read from the sources they cite; the scale layout they name is
+# unit-tested on CPU (tests/test_fp4_gemm.py). Operands: ``torch.float4_e2m1fn_x2``, two E2M1
+# values per byte along K (element 2i in the low nibble: ``common_quantized.py : pack_uint4``),
+# ``mat_a`` (M, K/2) row-major, ``mat_b`` (K/2, N) column-major; K is counted unpacked.
+# NVFP4 passes a second, TensorWise, fp32 global scale per operand (two swizzle entries).
+
+#: The FP4 rows of :data:`BLOCK_SCALED_MM_RULES` (NVFP4, then MXFP4): the products of
+#: ``Float4Tensor`` operands on CUDA without ``emulate``.
+FP4_SCALED_MM_RULES: tuple[BlockScaledMMRule, ...] = tuple(
+    next(r for r in BLOCK_SCALED_MM_RULES if r.name == name) for name in ("NVFP4 1x16 x 1x16", "MXFP4 1x32 x 1x32")
+)
+
+
+def fp4_rule_for(kind: str) -> BlockScaledMMRule:
+    """The FP4 row of ``kind`` (``"nvfp4"`` or ``"mxfp4"``)."""
+    return FP4_SCALED_MM_RULES[0 if kind == "nvfp4" else 1]
 
 
 # ===================================================================== torch._scaled_grouped_mm
