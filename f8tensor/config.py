@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 import torch
@@ -419,7 +420,9 @@ class CastConfig:
         """``"nvfp4"``, ``"mxfp4"``, or ``None`` for an FP8 cast."""
         if not self.fp4:
             return None
-        return "nvfp4" if self.granularity.scale_dtype == _NVFP4_SCALE else "mxfp4"
+        gran = self.granularity
+        assert isinstance(gran, BlockGranularity)  # an FP4 cast's granularity is a block one (_check_fp4)
+        return "nvfp4" if gran.scale_dtype == _NVFP4_SCALE else "mxfp4"
 
     def operand_spec(self, contracted_dim: int, *, ndim: int = 2, per_expert: bool = False) -> CastSpec:
         """The :class:`CastSpec` of a GEMM operand with ``ndim`` dims whose product contracts
@@ -541,9 +544,9 @@ class GemmOverride(NamedTuple):
     cast: CastConfig | None
 
 
-def _parse_overrides(value: object) -> tuple[GemmOverride, ...]:
+def _parse_overrides(value: dict[Any, Any] | Iterable[Any]) -> tuple[GemmOverride, ...]:
     """``{(gemm, operand): cast}`` or an iterable of :class:`GemmOverride` -> a sorted tuple."""
-    items = value.items() if isinstance(value, dict) else [(tuple(o[:2]), o[2]) for o in value]  # type: ignore[union-attr]
+    items = value.items() if isinstance(value, dict) else [(tuple(o[:2]), o[2]) for o in value]
     out = {}
     for key, cast in items:
         if not (isinstance(key, tuple) and len(key) == 2):
@@ -584,6 +587,7 @@ class Float8LinearConfig:
       unchanged in exact arithmetic. On in recipe ``"nvfp4"``.
     - ``four_over_six``: NVFP4 casts also try each block with 4 as its largest value and
       keep the encoding with the lower error.
+
     Configs with an FP4 cast or a GEMM override run :class:`~f8tensor.functions.GemmFormatsLinearFn`
     (dynamic scaling only).
 
@@ -677,13 +681,14 @@ class Float8LinearConfig:
             return None
         return getattr(self, operand)
 
-    def with_gemm_formats(self, overrides: dict | tuple = (), **fields: object) -> Float8LinearConfig:
+    def with_gemm_formats(self, overrides: dict | tuple = (), **fields: Any) -> Float8LinearConfig:
         """A copy with ``overrides`` merged into :attr:`gemm_overrides` (and top-level
         ``fields`` replaced): ``config.with_gemm_formats({("forward", "input"): None,
         ("forward", "weight"): None})`` runs the forward GEMM in high precision."""
         merged = {(o.gemm, o.operand): o.cast for o in self.gemm_overrides}
         merged.update({(o[0], o[1]): o[2] for o in _parse_overrides(overrides)})
-        return dataclasses.replace(self, gemm_overrides=merged, **fields)
+        # The field's own form (a sorted tuple), as __post_init__ would parse the dict.
+        return dataclasses.replace(self, gemm_overrides=_parse_overrides(merged), **fields)
 
     @classmethod
     def from_recipe(cls, name: str, **overrides: Any) -> Float8LinearConfig:

@@ -343,15 +343,23 @@ def _convert(
             setattr(parent, name, new)
         for path in _fp4_gemm_paths(config, new.weight.device):
             paths.setdefault(path, []).insert(0, fqn or "<root>")
-    experts = wrap_experts(expert_todo, experts_config) if expert_todo else []
-    if any(config.enable_fsdp_float8_all_gather for *_, config in swaps) or (
-        experts and experts_config.enable_fsdp_float8_all_gather
-    ):
+    # _plan_experts plans expert weights only under an experts_config (without one it plans
+    # none), so where there are expert weights to wrap there is a config for them.
+    experts: list[str] = []
+    experts_gathered = False
+    if expert_todo:
+        assert experts_config is not None
+        experts = wrap_experts(expert_todo, experts_config)
+        experts_gathered = bool(experts) and experts_config.enable_fsdp_float8_all_gather
+    if any(config.enable_fsdp_float8_all_gather for *_, config in swaps) or experts_gathered:
         keep_tied_weights_tied(result)
     _disable_encoder_fast_path(result)
     converted = [fqn for _, _, fqn, _, _ in swaps]
-    path = expert_path(experts_config, result.get_parameter(experts[0]).device) if experts else None
-    _report_conversion(converted, skipped, candidates, experts, already, path, kept, paths)
+    experts_path = None
+    if experts:
+        assert experts_config is not None  # expert weights are wrapped only under one (above)
+        experts_path = expert_path(experts_config, result.get_parameter(experts[0]).device)
+    _report_conversion(converted, skipped, candidates, experts, already, experts_path, kept, paths)
     fp8 = already + kept + converted + experts
     result.float8_converted_fqns = tuple(sorted(set(fp8), key=fp8.index))  # type: ignore[assignment]  # a plain attribute, not a submodule
     return result

@@ -41,10 +41,11 @@ Layer: the tensor layer, beside ``tensor``; imports ``kernels``, ``config``, ``f
 from __future__ import annotations
 
 import types
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ClassVar
 
 import torch
+from typing_extensions import TypeIs
 
 from f8tensor.compat import DISABLED_TORCH_FUNCTION, make_wrapper_subclass_shaped, return_and_correct_aliasing
 from f8tensor.config import DEFAULT_GEMM, GemmConfig
@@ -54,8 +55,8 @@ from f8tensor.kernels.fp4 import FP4Spec, cast_fp4, dequantize_fp4, pack_e2m1, u
 __all__ = ["Float4Tensor", "from_hp_fp4", "is_float4", "to_float4", "to_float4_with_stats"]
 
 aten = torch.ops.aten
-_NO_KWARGS = types.MappingProxyType({})
-OpHandler = Callable[[Any, Any, tuple, dict], Any]
+_NO_KWARGS: types.MappingProxyType[str, Any] = types.MappingProxyType({})
+OpHandler = Callable[[Any, Any, tuple, Mapping[str, Any]], Any]
 
 
 def _outer_strides(data: torch.Tensor, pack_dim: int) -> tuple[int, ...]:
@@ -80,7 +81,17 @@ class Float4Tensor(torch.Tensor):
     __torch_function__ = DISABLED_TORCH_FUNCTION
 
     @staticmethod
-    def __new__(cls, data, scale, global_scale, orig_dtype, block, pack_dim, kind, gemm=DEFAULT_GEMM):
+    def __new__(  # noqa: PYI034 (staticmethod: no Self)
+        cls,
+        data: torch.Tensor,
+        scale: torch.Tensor,
+        global_scale: torch.Tensor,
+        orig_dtype: torch.dtype,
+        block: tuple[int, ...],
+        pack_dim: int,
+        kind: str,
+        gemm: GemmConfig = DEFAULT_GEMM,
+    ) -> Float4Tensor:
         shape = tuple(2 * s if d == pack_dim else s for d, s in enumerate(data.shape))
         self = make_wrapper_subclass_shaped(
             cls, shape, _outer_strides(data, pack_dim), device=data.device, dtype=orig_dtype
@@ -91,7 +102,7 @@ class Float4Tensor(torch.Tensor):
 
     def _replace(self, **changes: Any) -> Float4Tensor:
         """The one way to rebuild: a new Float4Tensor with some fields changed."""
-        fields = {
+        fields: dict[str, Any] = {
             "data": self._data, "scale": self._scale, "global_scale": self._global_scale,
             "orig_dtype": self._orig_dtype, "block": self._block, "pack_dim": self._pack_dim,
             "kind": self._kind, "gemm": self._gemm,
@@ -177,7 +188,9 @@ class Float4Tensor(torch.Tensor):
         return register
 
     @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
+    def __torch_dispatch__(  # type: ignore[override]
+        cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         handler = cls._OPS.get(func)
         if handler is not None:
             return handler(func, types, args, kwargs if kwargs is not None else _NO_KWARGS)
@@ -187,8 +200,8 @@ class Float4Tensor(torch.Tensor):
         )
 
 
-def is_float4(x: object) -> bool:
-    """Whether ``x`` is a Float4Tensor."""
+def is_float4(x: object) -> TypeIs[Float4Tensor]:
+    """Whether ``x`` is a Float4Tensor (a type check narrows ``x`` by it)."""
     return isinstance(x, Float4Tensor)
 
 
@@ -209,7 +222,14 @@ def to_float4(
                         spec.kind, gemm)
 
 
-def to_float4_with_stats(hp, spec: FP4Spec, *, gemm=DEFAULT_GEMM, orig_dtype=None, generator=None):
+def to_float4_with_stats(
+    hp: torch.Tensor,
+    spec: FP4Spec,
+    *,
+    gemm: GemmConfig = DEFAULT_GEMM,
+    orig_dtype: torch.dtype | None = None,
+    generator: torch.Generator | None = None,
+) -> tuple[Float4Tensor, torch.Tensor]:
     """:func:`to_float4` and the cast's telemetry vector (``CAST_STATS_FIELDS`` layout)."""
     data, scale, global_scale, stats = cast_fp4(hp, spec, generator=generator, stats=True)
     out = Float4Tensor(data, scale, global_scale, orig_dtype or hp.dtype, spec.block, spec.pack_dim % hp.dim(),
@@ -220,8 +240,17 @@ def to_float4_with_stats(hp, spec: FP4Spec, *, gemm=DEFAULT_GEMM, orig_dtype=Non
 _DEFAULT_BLOCK = {"nvfp4": 16, "mxfp4": 32}
 
 
-def from_hp_fp4(hp, kind="nvfp4", *, block=None, pack_dim=-1, scale_mode="rceil", rounding="nearest",
-                four_over_six=False, generator=None) -> Float4Tensor:
+def from_hp_fp4(
+    hp: torch.Tensor,
+    kind: str = "nvfp4",
+    *,
+    block: tuple[int, ...] | None = None,
+    pack_dim: int = -1,
+    scale_mode: str = "rceil",
+    rounding: str = "nearest",
+    four_over_six: bool = False,
+    generator: torch.Generator | None = None,
+) -> Float4Tensor:
     """The checked, differentiable cast behind :meth:`Float4Tensor.from_hp`."""
     if not isinstance(hp, torch.Tensor) or is_float4(hp):
         raise TypeError(f"from_hp expects a high-precision torch.Tensor; got {type(hp).__name__}")
@@ -244,21 +273,23 @@ def from_hp_fp4(hp, kind="nvfp4", *, block=None, pack_dim=-1, scale_mode="rceil"
 
 class _FromHP4(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hp, spec, generator):  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        ctx: Any, hp: torch.Tensor, spec: FP4Spec, generator: torch.Generator | None
+    ) -> Float4Tensor:
         return to_float4(hp, spec, generator=generator)
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
         return grad, None, None
 
 
 class _ToHP4(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, f4, dtype):  # type: ignore[override]
+    def forward(ctx: Any, f4: Float4Tensor, dtype: torch.dtype | None) -> torch.Tensor:  # type: ignore[override]
         return f4.dequantize(dtype)
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
         return grad, None
 
 
@@ -281,7 +312,7 @@ def transpose_2d(x: Float4Tensor) -> Float4Tensor:
 
 
 @Float4Tensor.implements([aten.t.default])
-def _t(func, types, args, kwargs):
+def _t(func: Any, types: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
     x = args[0]
     if x.dim() != 2:
         raise ValueError(f"t() expects a 2D tensor; got {x.dim()}D")
@@ -289,26 +320,26 @@ def _t(func, types, args, kwargs):
 
 
 @Float4Tensor.implements([aten.transpose.int])
-def _transpose(func, types, args, kwargs):
+def _transpose(func: Any, types: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
     x, d0, d1 = args
     return return_and_correct_aliasing(func, args, kwargs, _transposed(x, d0, d1))
 
 
 @Float4Tensor.implements([aten.detach.default, aten.alias.default])
-def _detach(func, types, args, kwargs):
+def _detach(func: Any, types: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
     x = args[0]
     out = x._replace(data=func(x._data), scale=func(x._scale), global_scale=func(x._global_scale))
     return return_and_correct_aliasing(func, args, kwargs, out)
 
 
 @Float4Tensor.implements([aten.clone.default])
-def _clone(func, types, args, kwargs):
+def _clone(func: Any, types: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
     x = args[0]
     return x._replace(data=x._data.clone(), scale=x._scale.clone(), global_scale=x._global_scale.clone())
 
 
 @Float4Tensor.implements([aten.slice.Tensor])
-def _slice(func, types, args, kwargs):
+def _slice(func: Any, types: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
     x = args[0]
     dim = (args[1] if len(args) > 1 else kwargs.get("dim", 0)) % x.dim()
     start = args[2] if len(args) > 2 else kwargs.get("start", None)
@@ -335,17 +366,17 @@ def _slice(func, types, args, kwargs):
 
 
 @Float4Tensor.implements([aten.view.default, aten._unsafe_view.default])
-def _view(func, types, args, kwargs):
+def _view(func: Any, types: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
     """Merges and splits of unblocked leading dims (block 1) in front of the packed last dim."""
-    x, shape = args[0], list(args[1])
+    x, dims = args[0], list(args[1])
     n = x.dim()
-    if -1 in shape:
+    if -1 in dims:
         known = 1
-        for s in shape:
+        for s in dims:
             if s != -1:
                 known *= s
-        shape[shape.index(-1)] = x.numel() // max(known, 1)
-    shape = tuple(shape)
+        dims[dims.index(-1)] = x.numel() // max(known, 1)
+    shape = tuple(dims)
     if shape == tuple(x.shape):
         out = x._replace(data=func(x._data, list(x._data.shape)), scale=func(x._scale, list(x._scale.shape)))
         return return_and_correct_aliasing(func, args, kwargs, out)

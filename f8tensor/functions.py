@@ -26,7 +26,7 @@ import torch
 
 from f8tensor.compat import current_graph_task_id, functional_all_reduce_max
 from f8tensor.config import CastConfig, CastSpec, Float8LinearConfig, GemmConfig
-from f8tensor.fp4 import is_float4, to_float4, to_float4_with_stats
+from f8tensor.fp4 import Float4Tensor, is_float4, to_float4, to_float4_with_stats
 from f8tensor.fp4 import transpose_2d as transpose_2d_fp4
 from f8tensor.gemm import matmul
 from f8tensor.hadamard import RHT_SIZE, apply_rht
@@ -442,6 +442,7 @@ def cast_gemm_operand(
     if not cast.fp4:
         return _cast(stats, hp, spec, gemm=gemm)
     kind = cast.fp4_kind
+    assert kind is not None  # an FP4 cast (cast.fp4) names its kind
     fspec = FP4Spec(kind, spec.block, contracted_dim % hp.dim(), spec.scale_mode, spec.rounding,
                     config.four_over_six and kind == "nvfp4")
     if stats is None:
@@ -451,7 +452,7 @@ def cast_gemm_operand(
     return f4
 
 
-def _t(q: torch.Tensor) -> torch.Tensor:
+def _t(q: Float4Tensor | Float8Tensor) -> torch.Tensor:
     return transpose_2d_fp4(q) if is_float4(q) else transpose_2d(q)
 
 

@@ -22,6 +22,7 @@ PUBLIC_MODULES = (
     "f8tensor.distributed.fsdp",
     "f8tensor.distributed.tp",
     "f8tensor.formats",
+    "f8tensor.fp4",
     "f8tensor.gemm.check",
     "f8tensor.gemm.dense",
     "f8tensor.gemm.front",

@@ -232,6 +232,8 @@ def fp4_product(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out
     kernel = a.device.type == "cuda" and not gemm.emulate
     a4, b4 = prepare_fp4(a, b, a_k=1, b_k=0, kernel=kernel)
     if kernel:
+        # prepare_fp4 with kernel=True returns two Float4Tensors (it raises otherwise).
+        assert is_float4(a4) and is_float4(b4)
         return _fp4_kernel_mm(a4, b4, bias, out_dtype)
     # Deliberate fp32 throughout, as in _reference_mm.
     acc = _dequantized(a4) @ _dequantized(b4)
@@ -255,7 +257,7 @@ def fp4_path(kind_a: str | None, kind_b: str | None, device: torch.device | str,
         )
     rule = fp4_rule_for(kind_a)
     major, minor = torch.cuda.get_device_capability(device)
-    cuda = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
+    cuda = cast("tuple[int, int]", tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2]))
     if not hasattr(torch.nn.functional, "scaled_mm") or CudaBuild(compat.TORCH_VERSION, cuda, (major, minor)) not in rule.builds:
         return (
             f"none: the {rule.name} kernel needs {rule.builds}, this is sm{major}{minor}; the first product raises "
@@ -264,7 +266,7 @@ def fp4_path(kind_a: str | None, kind_b: str | None, device: torch.device | str,
     return f"sm100 F.scaled_mm, {rule.name} (unverified)"
 
 
-def _dequantized(x: torch.Tensor) -> torch.Tensor:
+def _dequantized(x: Float4Tensor | Float8Tensor) -> torch.Tensor:
     return x.dequantize(torch.float32) if is_float4(x) else dequantize(x, torch.float32)
 
 
@@ -281,7 +283,7 @@ def _fp4_kernel_mm(a4: Float4Tensor, b4: Float4Tensor, bias, out_dtype: torch.dt
     rule = fp4_rule_for(a4._kind)
     functional = torch.nn.functional
     major, minor = torch.cuda.get_device_capability(a4.device)
-    cuda = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
+    cuda = cast("tuple[int, int]", tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2]))
     if not hasattr(functional, "scaled_mm") or CudaBuild(compat.TORCH_VERSION, cuda, (major, minor)) not in rule.builds:
         raise NotImplementedError(
             f"the {rule.name} kernel needs {rule.builds} and torch.nn.functional.scaled_mm; this is "
@@ -289,6 +291,8 @@ def _fp4_kernel_mm(a4: Float4Tensor, b4: Float4Tensor, bias, out_dtype: torch.dt
         )
     a_data, b_data, sa, sb = _fp4_kernel_args(a4, b4)
     kinds, swizzle = functional.ScalingType, functional.SwizzleType
+    recipe: torch.nn.functional.ScalingType | list[torch.nn.functional.ScalingType]
+    swz: torch.nn.functional.SwizzleType | list[torch.nn.functional.SwizzleType]
     if a4._kind == "nvfp4":
         recipe = [kinds.BlockWise1x16, kinds.TensorWise]
         swz = [swizzle.SWIZZLE_32_4_4, swizzle.NO_SWIZZLE]

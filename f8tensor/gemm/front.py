@@ -146,7 +146,7 @@ def matmul(
     return (block_product if blockwise else dense_product)(a8, b8, bias, out_dtype, gemm)
 
 
-def _fp4_matmul(a, b, bias, out_dtype):
+def _fp4_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None) -> torch.Tensor:
     if a.dim() != 2 or b.dim() != 2:
         raise RuntimeError(f"FP4 mm expects 2D operands; got {tuple(a.shape)} and {tuple(b.shape)}")
     (m, k), (k2, n) = a.shape, b.shape
@@ -155,6 +155,8 @@ def _fp4_matmul(a, b, bias, out_dtype):
     gemm = _merged_gemm(*(x._gemm if (is_float4(x) or is_float8(x)) else DEFAULT_GEMM for x in (a, b)))
     if out_dtype is None:
         ref = a if (is_float4(a) or is_float8(a)) else b
+        # matmul calls this with at least one Float4Tensor operand: a plain ``a`` leaves ``b`` one.
+        assert is_float4(ref) or is_float8(ref)
         out_dtype = gemm.out_dtype or ref._orig_dtype
     return fp4_product(a, b, bias, out_dtype, gemm)
 

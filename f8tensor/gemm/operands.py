@@ -83,7 +83,9 @@ def prepare(a: torch.Tensor, b: torch.Tensor, takes: Takes, *, a_k: int, b_k: in
     return _fit(a, a_k, takes), _fit(b, b_k, takes)
 
 
-def prepare_fp4(a: torch.Tensor, b: torch.Tensor, *, a_k: int, b_k: int, kernel: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def prepare_fp4(
+    a: torch.Tensor, b: torch.Tensor, *, a_k: int, b_k: int, kernel: bool
+) -> tuple[Float4Tensor | Float8Tensor, Float4Tensor | Float8Tensor]:
     """Both operands of ``a @ b`` (at least one a Float4Tensor): a plain one cast to the FP4
     operand's kind with its block along K (packed along K); a Float8Tensor kept (the
     reference path dequantizes each operand per block). With ``kernel``: both FP4 of one
@@ -106,7 +108,7 @@ def prepare_fp4(a: torch.Tensor, b: torch.Tensor, *, a_k: int, b_k: int, kernel:
     return _fp4_rows(a, a_k), _fp4_rows(b, b_k)
 
 
-def _format_name(x: torch.Tensor) -> str:
+def _format_name(x: Float4Tensor | Float8Tensor) -> str:
     return x._kind if is_float4(x) else f"FP8 {x._data.dtype}"
 
 
