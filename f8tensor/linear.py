@@ -280,6 +280,11 @@ class Float8Linear(nn.Linear):
         delayed = DelayedBuffers(*(getattr(self, name) for name in _DELAYED_BUFFERS)) if self.config.any_delayed else None
         stats = StatsBuffers(*(getattr(self, name) for name in STATS_BUFFERS)) if self.config.collect_stats else None
         if self.config.uses_gemm_formats:
+            if any(isinstance(t, DTensor) for t in (x, weight, bias)):
+                raise NotImplementedError(
+                    "Float8Linear: FP4 and per-GEMM-format configs do not run on DTensors (tensor or sequence "
+                    "parallel) yet; use an FP8 recipe for the parallelized layers, or leave them unparallelized"
+                )
             return GemmFormatsLinearFn.apply(x, weight, bias, self.config, stats)
         # A delayed weight gathered in FP8 by FSDP2: its shard's amax, left here by the gather.
         weight_amax = self.__dict__.get("fsdp_weight_amax") if delayed is not None and self.config.enable_fsdp_float8_all_gather else None

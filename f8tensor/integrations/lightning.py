@@ -45,6 +45,7 @@ except ImportError:  # the standalone package
 __all__ = ["Float8Precision"]
 
 _FP8_STATE = "f8tensor_fp8_state"  # the checkpoint key of the FP8 layers' own state
+_RNG_STATE = "f8tensor_rng_state"  # torch's global CPU generator, for stochastic rounding
 
 
 def _fp8_state_keys(module: nn.Module) -> list[str]:
@@ -113,8 +114,20 @@ class Float8Precision(Precision):
         if state is None or self._module is None:
             return
         checkpoint[_FP8_STATE] = {key: state.pop(key) for key in _fp8_state_keys(self._module) if key in state}
+        if self._stochastic():
+            # Stochastic rounding draws from torch's global generator: a resume that should
+            # repeat the uninterrupted run needs it where the checkpoint was taken.
+            checkpoint[_RNG_STATE] = torch.get_rng_state()
+
+    def _stochastic(self) -> bool:
+        casts = [self.config.input, self.config.weight, self.config.grad_output]
+        casts += [o.cast for o in self.config.gemm_overrides if o.cast is not None]
+        return any(c.rounding == "stochastic" for c in casts)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        rng = checkpoint.get(_RNG_STATE)
+        if rng is not None:
+            torch.set_rng_state(rng)
         saved = checkpoint.get(_FP8_STATE)
         if not saved or self._module is None:
             return
