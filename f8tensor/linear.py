@@ -235,6 +235,13 @@ class Float8Linear(nn.Linear):
             raise TypeError(f"Float8Linear input must be a floating tensor of dtype {allowed}; got {x.dtype}{hint}")
         if x.dim() == 0:
             raise ValueError("Float8Linear input must have at least one dimension (..., in_features); got a 0-dim tensor")
+        # Also what fixes in_features under torch.compile(dynamic=True): the GEMMs' alignment
+        # rules read it, and torch 2.11's dynamo asserts when the first such read (a guard
+        # that makes it a constant) happens inside the autograd Function rather than here.
+        if x.shape[-1] != self.in_features:
+            raise ValueError(
+                f"Float8Linear input must have in_features={self.in_features} as its last dimension; got shape {tuple(x.shape)}"
+            )
         if self.weight.dtype not in HP_DTYPES:  # e.g. after model.double()
             allowed = ", ".join(str(d) for d in HP_DTYPES)
             raise TypeError(f"Float8Linear weight must have dtype {allowed}; got {self.weight.dtype}")

@@ -29,7 +29,9 @@ def _run_demo(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        # A hang guard, not a speed check: the run takes ~20 s alone, several minutes on a
+        # loaded 2-core machine with a CUDA wheel's torch (the version matrix).
+        timeout=900,
         check=False,
     )
 

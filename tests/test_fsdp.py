@@ -308,6 +308,16 @@ def _recording(name: str, sink: list, what: Callable) -> Iterator[None]:
         setattr(dist, name, orig)
 
 
+@contextlib.contextmanager
+def _recording_scale_gather(sink: list, what: Callable) -> Iterator[None]:
+    """Record ``all_gather_into_tensor`` too where FSDP's own gather is another function."""
+    if _ALL_GATHER == "all_gather_into_tensor":
+        yield
+    else:
+        with _recording("all_gather_into_tensor", sink, what):
+            yield
+
+
 def _shard(model: nn.Sequential, mesh, **kwargs) -> nn.Sequential:
     from torch.distributed.fsdp import fully_shard
 
@@ -533,9 +543,11 @@ def _scenario_fp8_all_gather_recipes(rank, world, mesh, ctx) -> dict:
         model = _shard(_mlp(_config(recipe, enable_fsdp_float8_all_gather=True), device=device, dims=dims), mesh)
         res = {"wrapped": all(isinstance(layer.weight._local_tensor, Float8AllGatherWeight) for layer in _fp8_layers(model))}
         calls: list = []
-        record = _recording(_ALL_GATHER, calls, lambda o, i, *a, **k: (str(o.dtype), o.numel() * o.element_size()))
+        size = lambda o, i, *a, **k: (str(o.dtype), o.numel() * o.element_size())
         x, y = _batch(0, world, device, dims)
-        with record:
+        # FSDP's own all-gather (all_gather_single from torch 2.13) and the scales' gather of
+        # an uneven shard (all_gather_into_tensor, which FSDP itself uses before 2.13).
+        with _recording(_ALL_GATHER, calls, size), _recording_scale_gather(calls, size):
             loss = _loss(model, _rows(x, rank), _rows(y, rank))
         res["gathered"] = calls
         res["gathered_bytes"] = sum(b for _, b in calls)
@@ -891,13 +903,12 @@ def _fp8_all_gather_bytes(recipe: str, dims: tuple[int, ...], world: int) -> int
     total = 0
     for d_in, d_out in itertools.pairwise(dims):
         rows = _padded_rows(d_out, world)
-        scales = 0
-        if d_out % world == 0:
-            scales = {"rowwise": rows * 4, "rowwise_with_gw_hp": rows * 4, "delayed": 0}.get(recipe)
-            if recipe == "blockwise":
-                scales = rows // 128 * -(-d_in // 128) * 4
-            elif recipe == "mxfp8":
-                scales = rows * -(-d_in // 32)
+        # Per rank: in FSDP's all-gather when the shards are even, else in one of their own.
+        scales = {"rowwise": rows * 4, "rowwise_with_gw_hp": rows * 4, "delayed": 0}.get(recipe, 0)
+        if recipe == "blockwise":
+            scales = rows // 128 * -(-d_in // 128) * 4
+        elif recipe == "mxfp8":
+            scales = rows * -(-d_in // 32)
         total += world * (rows * d_in + rows * 4 + scales)  # FP8 weight, fp32 bias, scales
     return total
 

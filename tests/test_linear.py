@@ -73,6 +73,14 @@ def test_input_ranks(recipe, shape):
     _compare_to_reference(ref, layer, x, f"{recipe} {len(shape)}d")
 
 
+@pytest.mark.parametrize("recipe", RECIPE_NAMES)
+@pytest.mark.parametrize("in_dim", [32, 65])
+def test_an_input_of_the_wrong_width_is_refused_at_the_entry(recipe, in_dim):
+    layer = fp8_linear(nn.Linear(64, 48, dtype=torch.bfloat16), recipe)
+    with pytest.raises(ValueError, match=rf"in_features=64 as its last dimension; got shape \(4, {in_dim}\)"):
+        layer(torch.randn(4, in_dim, dtype=torch.bfloat16))
+
+
 @pytest.mark.device_param
 @pytest.mark.parametrize("recipe", RECIPE_NAMES)
 def test_odd_token_count_trains(recipe):
