@@ -69,8 +69,9 @@ print(f"E2M1 magnitudes: {E2M1_VALUES}; steps between them: {(grid[1:] - grid[:-
 codes = Float4Tensor.from_hp(torch.cat([grid, -grid]).reshape(1, 16), "nvfp4").codes()
 print(f"their codes (bit 3 is the sign): {codes.flatten().tolist()}")
 print(
-    "The relative step is 1/2 to 1/3 of a value (e4m3: 1/8 to 1/16): a block scale that"
-    "\nmaps the block's largest magnitude to 6 keeps about one significant bit below it."
+    "From one value to the next the step is a third to a half of the value (e4m3: 1/16 to 1/8):"
+    "\none significant bit. All the rest is in choosing the scales: where a block's largest"
+    "\nvalue lands on the grid, and how small its neighbours may be before they become 0."
 )
 
 x = torch.randn(64, 128)
