@@ -11,12 +11,13 @@ GEMMs run), after a warm-up step, and measures:
   reaching the backend from outside any tensor subclass (ops that a Float8Tensor's
   ``__torch_dispatch__`` handler runs on its inner tensors count once per handled op, as
   the handled op). Other harnesses differ by a constant per recipe.
-- **leaf ops** and **compute leaves**: what the backend executes, from ``torch.profiler``
+- **leaf ops** and **kernels**: what the backend executes, from ``torch.profiler``
   (:func:`count_leaf_kernels`). CPU: leaf ops are the operator events with no operator
   below them (an op built from other ops, a ``custom_op`` too, counts its children, never
-  itself); compute leaves leave out views, allocations and metadata (:data:`NO_KERNEL_OPS`).
-  These are CPU counts (a CPU kernel may call sub-kernels a GPU kernel would not have).
-  CUDA: the profiler's kernel events, for both.
+  itself); kernels are the innermost operators that compute (views, allocations and
+  metadata, :data:`NO_KERNEL_OPS`, are neither counted nor hide the op above them). These
+  are CPU counts (a CPU kernel may call sub-kernels a GPU kernel would not have). CUDA:
+  the profiler's kernel events, for both.
 - **host time**: wall time per step, the median over interleaved rounds (every variant runs
   ``--steps`` steps, then the next, round after round). On CPU it includes the (tiny)
   arithmetic; it is labelled CPU.
@@ -117,14 +118,16 @@ def _is_operator(name: str) -> bool:
 
 
 def count_leaf_kernels(step: Callable[[], None], device: torch.device) -> tuple[int, int, collections.Counter[str]]:
-    """``(leaf ops, compute leaves, compute leaves by name)`` of one step.
+    """``(leaf ops, kernels, kernels by name)`` of one step.
 
-    CPU: leaf ops are the operator events with no operator below them (an op made of
-    other ops, a ``custom_op`` too, counts its children, never itself); compute leaves are
-    the leaf ops that are not views, allocations or metadata (:data:`NO_KERNEL_OPS`). CPU
-    kernels call sub-kernels where a GPU kernel would not (``aminmax`` fills its outputs
-    first; ``_scaled_mm`` widens both operands and multiplies in software), so these are
-    CPU counts, not GPU kernel counts. CUDA: the profiler's kernel events, for both."""
+    CPU: *leaf ops* are the operator events with no operator below them (an op made of other
+    ops, a ``custom_op`` too, counts its children, never itself). *Kernels* are the innermost
+    operators that compute: not a view, allocation or metadata op (:data:`NO_KERNEL_OPS`), and
+    with no computing operator below them (``mm`` counts, although it calls ``resolve_conj``;
+    ``clone`` does not, its ``copy_`` does, although that allocates). CPU kernels call
+    sub-kernels where a GPU kernel would not (``aminmax`` fills its outputs first;
+    ``_scaled_mm`` widens both operands and multiplies in software), so these are CPU
+    counts, not GPU kernel counts. CUDA: the profiler's kernel events, for both."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -137,13 +140,16 @@ def count_leaf_kernels(step: Callable[[], None], device: torch.device) -> tuple[
         kernels = collections.Counter(e.name for e in events if e.device_type == DeviceType.CUDA)
         total = sum(kernels.values())
         return total, total, kernels
-    leaves = collections.Counter(
-        e.name for e in events
-        if e.device_type == DeviceType.CPU and _is_operator(e.name)
-        and not any(_is_operator(c.name) for c in e.cpu_children)
-    )
-    compute = collections.Counter({name: n for name, n in leaves.items() if name not in NO_KERNEL_OPS})
-    return sum(leaves.values()), sum(compute.values()), compute
+
+    def computes_below(e) -> bool:
+        return any(
+            _is_operator(c.name) and (c.name not in NO_KERNEL_OPS or computes_below(c)) for c in e.cpu_children
+        )
+
+    ops = [e for e in events if e.device_type == DeviceType.CPU and _is_operator(e.name)]
+    leaves = sum(1 for e in ops if not any(_is_operator(c.name) for c in e.cpu_children))
+    kernels = collections.Counter(e.name for e in ops if e.name not in NO_KERNEL_OPS and not computes_below(e))
+    return leaves, sum(kernels.values()), kernels
 
 
 def main(argv=None) -> None:
@@ -192,7 +198,7 @@ def main(argv=None) -> None:
         })
 
     where = "CUDA" if device.type == "cuda" else "CPU"
-    leaf_label, kernel_label = ("CUDA kernels", "CUDA kernels") if device.type == "cuda" else ("leaf ops", "compute leaves")
+    leaf_label, kernel_label = ("CUDA kernels", "CUDA kernels") if device.type == "cuda" else ("leaf ops", "kernels")
     print(f"### {where}: Linear(K -> K, bias=False) bf16, x ({TOKENS}, K), forward + .sum() + backward; host time: "
           f"median of {rounds} x {steps} steps (interleaved rounds)")
     print()
@@ -221,7 +227,7 @@ def main(argv=None) -> None:
             ops, _, _, kernel_names = counts[key]
             print(f"#### {' '.join(str(p) for p in key)}: dispatch ops {ops.total}")
             print(", ".join(f"{n} {c}" for n, c in ops.ops.most_common()))
-            print(f"compute leaves {sum(kernel_names.values())}: " + ", ".join(f"{n} {c}" for n, c in kernel_names.most_common()))
+            print(f"kernels {sum(kernel_names.values())}: " + ", ".join(f"{n} {c}" for n, c in kernel_names.most_common()))
             print()
     spread = [r["spread"] for r in rows if r["spread"] == r["spread"]]
     if spread:
