@@ -398,7 +398,8 @@ class Float8LinearFn(torch.autograd.Function):
             else:
                 # Both operands with M innermost (column-major), written by their casts.
                 if gw_uses_g8:
-                    gt8 = g8_cm  # need_grad_w and gw_uses_g8: copied with bwd_w above
+                    assert g8_cm is not None  # need_grad_w and gw_uses_g8: copied with bwd_w above
+                    gt8 = g8_cm
                 else:
                     # When grad_x was not needed this is the only cast of grad_output: it
                     # then feeds the telemetry.
@@ -416,7 +417,7 @@ class Float8LinearFn(torch.autograd.Function):
                 # pass, then 12 bytes more for bf16. The
                 # accuracy is the same either way (grad_W SQNR vs fp64: 28.9 dB, rowwise
                 # e4m3, M=256 K=64 N=48 and M=2048 K=512 N=1792), so the bytes decide.
-                grad_w = matmul(transpose_2d(gt8), x8, out_dtype=weight.dtype)  # type: ignore[arg-type]
+                grad_w = matmul(transpose_2d(gt8), x8, out_dtype=weight.dtype)
             grad_w = grad_w.to(weight.dtype)
         grad_b = g.sum(0) if need_grad_b else None
         # Pushed last: under torch.compile an amax the partitioner recomputes here (the
