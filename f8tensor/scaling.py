@@ -321,9 +321,9 @@ def amax_to_e8m0_scale(amax: torch.Tensor, float8_dtype: torch.dtype, mode: str 
     # the scale's bits alone) and NaN for inf or NaN, which the exponent masking above
     # would have turned into a finite scale. e8m0 has one NaN (0xFF) whatever its sign.
     scale = scale + (amax64 - amax64)
-    # Exact: every value is a power of two in e8m0's range, or NaN (the same bytes as
-    # through fp32, which holds 2**-127 as a subnormal).
-    return scale.to(E8M0)
+    # Exact: every value is a power of two in e8m0's range (fp32 holds 2**-127 as a
+    # subnormal), or NaN. Through fp32: the conversion to e8m0 every back end has.
+    return scale.to(torch.float32).to(E8M0)
 
 
 def expand_block_scale(scale: torch.Tensor, block: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
