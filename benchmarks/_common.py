@@ -54,14 +54,15 @@ REPO = Path(__file__).resolve().parents[1]
 class BenchArgumentParser(argparse.ArgumentParser):
     """argparse with the flags every script takes; errors name the flag and what is allowed."""
 
-    def __init__(self, description: str | None, **kwargs: Any) -> None:
+    def __init__(self, description: str | None, recipes: Sequence[str] = F8_RECIPES, **kwargs: Any) -> None:
         super().__init__(description=description, formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
+        self.f8_recipes = tuple(recipes)  # what --recipes accepts (and its default)
         self.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                           help="auto: cuda when available, else cpu")
         self.add_argument("--csv", metavar="PATH", help="also write the rows to this CSV file")
         self.add_argument("--quick", action="store_true", help="tiny sizes, few steps: a smoke run in seconds")
-        self.add_argument("--recipes", default=",".join(F8_RECIPES),
-                          help=f"f8tensor recipes, comma-separated, or 'none' (default: all of {', '.join(F8_RECIPES)})")
+        self.add_argument("--recipes", default=",".join(recipes),
+                          help=f"f8tensor recipes, comma-separated, or 'none' (default: all of {', '.join(recipes)})")
         self.add_argument("--torchao-recipes", default=",".join(TORCHAO_RECIPES),
                           help=f"torchao.float8 recipes, comma-separated, or 'none' (default: {', '.join(TORCHAO_RECIPES)})")
         self.add_argument("--no-torchao", action="store_true",
@@ -77,7 +78,7 @@ class BenchArgumentParser(argparse.ArgumentParser):
     def parse_args(self, argv: Sequence[str] | None = None) -> argparse.Namespace:  # type: ignore[override]
         args = super().parse_args(argv)
         args.device = resolve_device(args.device, self)
-        args.recipes = parse_list(args.recipes, F8_RECIPES, "--recipes", self)
+        args.recipes = parse_list(args.recipes, self.f8_recipes, "--recipes", self)
         args.torchao_recipes = parse_list(args.torchao_recipes, TORCHAO_RECIPES, "--torchao-recipes", self)
         if hasattr(args, "modes"):
             args.modes = ["eager"] if args.no_compile else parse_list(args.modes, MODES, "--modes", self)

@@ -33,7 +33,7 @@ from f8tensor.hadamard import RHT_SIZE, apply_rht
 from f8tensor.kernels.fp4 import FP4Spec
 from f8tensor.ops import transpose_2d
 from f8tensor.scaling import delayed_scale, materialized, push_amax, tensor_amax
-from f8tensor.tensor import Float8Tensor, dequantize, to_float8, to_float8_with_stats
+from f8tensor.tensor import Float8Tensor, dequantize, to_float8, to_float8_with_stats, with_inverse_scale
 
 __all__ = [
     "DelayedBuffers",
@@ -179,10 +179,21 @@ def _cast(
     """``to_float8``, or with ``stats`` its measuring twin, whose numbers overwrite ``stats``
     (never accumulate: a checkpointed forward that runs again writes the same)."""
     if stats is None:
-        return to_float8(hp, spec, **kwargs)
+        return with_inverse_scale(to_float8(hp, spec, **kwargs))
     f8, measured = to_float8_with_stats(hp, spec, amax=amax, **kwargs)
     stats.copy_(measured)
-    return f8
+    return with_inverse_scale(f8)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (..., features) as the (tokens, features) matrix: ``t`` itself when it is one
+    already (a reshape to the same shape is still a view op, which eager mode pays for)."""
+    return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
+
+
+def _unrows(t: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """The (tokens, features) product ``t`` in the caller's ``shape`` (``t`` itself if it has it)."""
+    return t if t.shape == shape else t.reshape(shape)
 
 
 def _token_rows(x: Float8Tensor, gemm: GemmConfig) -> Float8Tensor:
@@ -197,7 +208,7 @@ def _token_rows(x: Float8Tensor, gemm: GemmConfig) -> Float8Tensor:
     return x._replace(data=x._data.reshape(-1, k), scale=scale, block=(1, x._block[-1]), gemm=gemm)
 
 
-def _column_major_copy(f8: Float8Tensor) -> Float8Tensor:
+def _column_major_copy(f8: Float8Tensor, gemm: GemmConfig | None = None) -> Float8Tensor:
     """``f8`` (2D) with its FP8 bytes laid out column-major: the layout the weight-gradient
     GEMM takes for both operands (it contracts over the tokens, dim 0).
 
@@ -205,12 +216,12 @@ def _column_major_copy(f8: Float8Tensor) -> Float8Tensor:
     produced ``f8``: one pass over the high-precision tensor stores both layouts. (Left to
     the GEMM's operand preparation (``gemm.operands.col_major``), the transposed copy becomes a pass of its own that
     casts the high-precision tensor a second time.) In eager mode it is one copy of the
-    FP8 bytes, as before.
+    FP8 bytes, as before. ``gemm``: the copy's GemmConfig (default: ``f8``'s).
     """
     data = f8._data  # a fresh cast: row-major (no stride test, which dynamic shapes would trace)
     out = torch.empty_strided(data.shape, (1, data.shape[0]), dtype=data.dtype, device=data.device)
     out.copy_(data)
-    return f8._replace(data=materialized(out, (1, data.shape[0])))
+    return f8._replace(data=materialized(out, (1, data.shape[0])), gemm=f8._gemm if gemm is None else gemm)
 
 
 class Float8LinearFn(torch.autograd.Function):
@@ -257,7 +268,7 @@ class Float8LinearFn(torch.autograd.Function):
             x8, amax_x = _token_rows(x, fwd), None
             x2 = dequantize(x8) if calls is not None or not keep_fp8_input else None
         else:
-            x2 = x.reshape(-1, x.shape[-1])
+            x2 = _rows(x)
         if calls is not None and recompute:
             assert x2 is not None  # delayed buffers: an FP8 input was dequantized above
             # This call's own scales, not the latest call's (see DelayedBuffers).
@@ -337,7 +348,7 @@ class Float8LinearFn(torch.autograd.Function):
         # grad_W contracts over the tokens, whose count (M) varies with the batch: always
         # pad it to 16 (zero rows add nothing), never fail on an odd batch.
         bwd_w = GemmConfig(pad_inner_dim=True, emulate=config.emulate)
-        g = grad_y.reshape(-1, grad_y.shape[-1])
+        g = _rows(grad_y)
         go_cfg = config.grad_output
 
         # g8: grad_output scaled along N (or per tensor), for grad_x and, per tensor, also
@@ -358,7 +369,7 @@ class Float8LinearFn(torch.autograd.Function):
                 push_amax(hist_go, amax_g)
         # The weight-gradient GEMM's copy of g8 (M innermost), taken right at the cast so
         # that inductor writes both layouts from the cast's pass.
-        g8_cm = _column_major_copy(g8) if g8 is not None and need_grad_w and gw_uses_g8 else None
+        g8_cm = _column_major_copy(g8, bwd_w) if g8 is not None and need_grad_w and gw_uses_g8 else None
 
         # grad_x = g @ W: contraction over N, so W's scale must be constant along dim 0.
         grad_x = None
@@ -369,15 +380,15 @@ class Float8LinearFn(torch.autograd.Function):
             elif isinstance(weight, Float8Tensor):
                 w8 = weight._replace(gemm=bwd)
             elif not config.weight.tensorwise:
-                w8 = to_float8(weight, config.weight.operand_spec(0), gemm=bwd)
+                w8 = with_inverse_scale(to_float8(weight, config.weight.operand_spec(0), gemm=bwd))
             else:
                 # Same scale as in forward: the same FP8 bytes, without keeping them alive.
                 # A delayed scale was decided without this weight's amax: guard an inf in it
                 # as the forward cast did (cast_operand), or the clamp would make it the
                 # format's max and grad_x finite. A dynamic scale is NaN then already.
                 hp_w = torch.where(torch.isinf(weight), torch.nan, weight) if config.weight.delayed else weight
-                w8 = to_float8(hp_w, CastSpec(config.weight.dtype), scale=w_scale, gemm=bwd)
-            grad_x = matmul(g8, w8).reshape(ctx.x_shape)  # type: ignore[arg-type]  # need_grad_x: g8 was cast
+                w8 = with_inverse_scale(to_float8(hp_w, CastSpec(config.weight.dtype), scale=w_scale, gemm=bwd))
+            grad_x = _unrows(matmul(g8, w8), ctx.x_shape)  # type: ignore[arg-type]  # need_grad_x: g8 was cast
 
         # grad_W = g.t() @ x: contraction over M.
         grad_w = None
@@ -387,7 +398,8 @@ class Float8LinearFn(torch.autograd.Function):
             else:
                 # Both operands with M innermost (column-major), written by their casts.
                 if gw_uses_g8:
-                    gt8 = g8_cm._replace(gemm=bwd_w)  # type: ignore[union-attr]  # need_grad_w and gw_uses_g8
+                    assert g8_cm is not None  # need_grad_w and gw_uses_g8: copied with bwd_w above
+                    gt8 = g8_cm
                 else:
                     # When grad_x was not needed this is the only cast of grad_output: it
                     # then feeds the telemetry.
@@ -395,7 +407,7 @@ class Float8LinearFn(torch.autograd.Function):
                 if isinstance(saved_x, Float8Tensor):
                     x8 = saved_x._replace(gemm=bwd_w)
                 else:
-                    x8 = _column_major_copy(to_float8(saved_x, config.input.operand_spec(0), gemm=bwd_w))
+                    x8 = _column_major_copy(with_inverse_scale(to_float8(saved_x, config.input.operand_spec(0), gemm=bwd_w)))
                 # Written in the weight's dtype (fp32 for fp32 master weights), not bf16:
                 # autograd needs the fp32 .grad anyway, and a bf16 output adds a rounding
                 # and an upcast pass. Bytes per weight element in eager: tensorwise route
@@ -405,7 +417,7 @@ class Float8LinearFn(torch.autograd.Function):
                 # pass, then 12 bytes more for bf16. The
                 # accuracy is the same either way (grad_W SQNR vs fp64: 28.9 dB, rowwise
                 # e4m3, M=256 K=64 N=48 and M=2048 K=512 N=1792), so the bytes decide.
-                grad_w = matmul(gt8.t(), x8, out_dtype=weight.dtype)
+                grad_w = matmul(transpose_2d(gt8), x8, out_dtype=weight.dtype)
             grad_w = grad_w.to(weight.dtype)
         grad_b = g.sum(0) if need_grad_b else None
         # Pushed last: under torch.compile an amax the partitioner recomputes here (the

@@ -31,13 +31,16 @@ from f8tensor.formats import E8M0, E8M0_MAX_EXP, E8M0_MIN_EXP, FORMATS
 __all__ = [
     "EPS",
     "HISTORY_REDUCTIONS",
+    "abs_max",
     "amax_to_e8m0_scale",
     "amax_to_scale",
+    "block_abs_max",
     "block_amax",
     "delayed_scale",
     "dynamic_scale",
     "expand_block_scale",
     "group_amax",
+    "inverse_scale_of",
     "materialized",
     "push_amax",
     "stochastic_round",
@@ -59,6 +62,13 @@ def tensor_amax(x: torch.Tensor, axiswise_dim: int | None = None) -> torch.Tenso
     for an axiswise amax, see below). NaN in ``x`` gives a NaN amax, inf or -inf gives
     inf; an empty tensor (an empty FSDP shard) gives 0.
     """
+    return abs_max(x, axiswise_dim).to(torch.float32)
+
+
+def abs_max(x: torch.Tensor, axiswise_dim: int | None = None) -> torch.Tensor:
+    """:func:`tensor_amax` in ``x``'s own dtype (exact: min and max are), for callers that
+    widen it further anyway (:func:`dynamic_scale` goes straight to float64: one conversion
+    instead of two). An empty ``x`` gives fp32 zeros."""
     if x.numel() == 0:
         shape = () if axiswise_dim is None else _keepdim_shape(x.shape, axiswise_dim)
         return torch.zeros(shape, dtype=torch.float32, device=x.device)
@@ -72,7 +82,7 @@ def tensor_amax(x: torch.Tensor, axiswise_dim: int | None = None) -> torch.Tenso
         lo, hi = torch.amin(x, dim=axiswise_dim, keepdim=True), torch.amax(x, dim=axiswise_dim, keepdim=True)
     else:
         lo, hi = torch.aminmax(x, dim=axiswise_dim, keepdim=axiswise_dim is not None)
-    return torch.maximum(hi, lo.neg()).to(torch.float32)
+    return torch.maximum(hi, lo.neg())
 
 
 def _keepdim_shape(shape: torch.Size, dim: int) -> tuple[int, ...]:
@@ -92,14 +102,31 @@ def amax_to_scale(
     """
     # Deliberate upcast: float64 division is correctly rounded on every backend, while
     # fp32 division in generated GPU kernels may not be; the fp32 result is then bitwise
-    # identical in eager and under torch.compile.
+    # identical in eager and under torch.compile. (``max / t`` is ``t.reciprocal() * max``
+    # in torch: that is the rounding every scale of the library has, kept as is.)
     amax64 = amax.to(torch.float64)
-    scale = (FORMATS[float8_dtype].max / amax64.clamp(min=EPS)).to(torch.float32)
+    fmax = FORMATS[float8_dtype].max
     if round_pow2:
-        scale = _round_down_pow2(scale)
+        scale = _round_down_pow2((fmax / amax64.clamp(min=EPS)).to(torch.float32))
+        # After the rounding, which would turn a NaN scale into inf.
+        return materialized(torch.where(torch.isfinite(amax64), scale, torch.nan))
+    # The non-finite guard in one op (the eager hot path counts ops): inf, -inf and NaN
+    # amax become the canonical NaN before the division, which carries it to the scale
+    # (clamp, reciprocal, multiplication and the fp32 conversion keep a NaN and its sign).
+    # Finite amax pass unchanged: the same bits as a `where(isfinite(amax), scale, nan)`.
+    amax64 = torch.nan_to_num(amax64, nan=math.nan, posinf=math.nan, neginf=math.nan)
+    scale = (fmax / amax64.clamp(min=EPS)).to(torch.float32)
     # Stored once: inductor would otherwise inline the float64 division into every loop
     # that reads the scale, a double conversion and division per element of the cast.
-    return materialized(torch.where(torch.isfinite(amax64), scale, torch.nan))
+    return materialized(scale)
+
+
+def inverse_scale_of(scale: torch.Tensor) -> torch.Tensor:
+    """``1 / scale``, the dequantization factor the GEMM kernels take, in the scale's dtype:
+    exact for e8m0 (powers of two; the reciprocal is taken in fp32)."""
+    if scale.dtype == torch.float32:
+        return scale.reciprocal()
+    return scale.to(torch.float32).reciprocal().to(E8M0)
 
 
 def materialized(t: torch.Tensor, stride: tuple | None = None) -> torch.Tensor:
@@ -149,7 +176,7 @@ def dynamic_scale(
     round_pow2: bool = False,
 ) -> torch.Tensor:
     """The current ("dynamic") scale of ``x``: one extra read of ``x`` for the amax."""
-    return amax_to_scale(tensor_amax(x, axiswise_dim), float8_dtype, round_pow2=round_pow2)
+    return amax_to_scale(abs_max(x, axiswise_dim), float8_dtype, round_pow2=round_pow2)
 
 
 def delayed_scale(
@@ -232,6 +259,12 @@ def block_amax(x: torch.Tensor, block: tuple[int, ...]) -> torch.Tensor:
 
     NaN in a block gives that block a NaN amax, inf gives inf; other blocks are unaffected.
     """
+    return block_abs_max(x, block).to(torch.float32)
+
+
+def block_abs_max(x: torch.Tensor, block: tuple[int, ...]) -> torch.Tensor:
+    """:func:`block_amax` in ``x``'s own dtype (exact), for a caller that widens it to float64
+    next (the scale: one conversion instead of two). An empty ``x`` gives fp32 zeros."""
     if len(block) != x.dim():
         raise ValueError(f"block {block} has {len(block)} entries for a {x.dim()}-dim tensor")
     out_shape = tuple(1 if b == 0 else -(-s // b) for s, b in zip(x.shape, block))
@@ -240,7 +273,7 @@ def block_amax(x: torch.Tensor, block: tuple[int, ...]) -> torch.Tensor:
     xb = _blocked(x, block)
     inner = tuple(range(1, 2 * x.dim(), 2))
     lo, hi = torch.amin(xb, dim=inner), torch.amax(xb, dim=inner)
-    return torch.maximum(hi, lo.neg()).to(torch.float32).reshape(out_shape)
+    return torch.maximum(hi, lo.neg()).reshape(out_shape)
 
 
 def group_amax(x: torch.Tensor, group: torch.Tensor, groups: int) -> torch.Tensor:
@@ -284,8 +317,12 @@ def amax_to_e8m0_scale(amax: torch.Tensor, float8_dtype: torch.dtype, mode: str 
     else:
         scale = (2.0**fmt.emax) / _floor_pow2_f64(amax64)
     scale = scale.clamp(min=2.0**E8M0_MIN_EXP, max=2.0**E8M0_MAX_EXP)
-    scale = torch.where(torch.isfinite(amax.to(torch.float64)), scale, torch.nan)
-    # Exact: every value is a power of two in e8m0's range (fp32 holds 2**-127 as a subnormal).
+    # The non-finite guard in two ops: amax - amax is 0 for a finite amax (adding it leaves
+    # the scale's bits alone) and NaN for inf or NaN, which the exponent masking above
+    # would have turned into a finite scale. e8m0 has one NaN (0xFF) whatever its sign.
+    scale = scale + (amax64 - amax64)
+    # Exact: every value is a power of two in e8m0's range (fp32 holds 2**-127 as a
+    # subnormal), or NaN. Through fp32: the conversion to e8m0 every back end has.
     return scale.to(torch.float32).to(E8M0)
 
 
@@ -301,7 +338,8 @@ def expand_block_scale(scale: torch.Tensor, block: tuple[int, ...], shape: tuple
         # A block larger than the dim is one partial block: repeat its entry over the dim
         # only (expanding to the block's size would materialize it).
         b = min(b, shape[d])
-        if b > 1:
+        # One block spanning the whole dim: its single entry broadcasts as it is.
+        if b > 1 and scale.shape[d] != 1:
             n = scale.shape[d]
             sizes = list(scale.shape)
             scale = scale.unsqueeze(d + 1).expand(*sizes[: d + 1], b, *sizes[d + 1 :])

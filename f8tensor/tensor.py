@@ -40,6 +40,7 @@ from f8tensor.config import (
 )
 from f8tensor.formats import E8M0, SCALE_DTYPES, check_float8_dtype, check_hp_dtype
 from f8tensor.kernels import CAST_STATS_FIELDS
+from f8tensor.scaling import inverse_scale_of
 from f8tensor.validation import (
     SERIAL_VERSION,
     check_given_scale,
@@ -64,6 +65,7 @@ __all__ = [
     "scale_from_number",
     "to_float8",
     "to_float8_with_stats",
+    "with_inverse_scale",
 ]
 
 # SCALE_DTYPES (fp32, e8m0fnu for MX) is defined in formats.py, next to E8M0, and
@@ -141,6 +143,14 @@ class Float8Tensor(torch.Tensor):
 
     # The op table: aten overload -> handler(func, types, args, kwargs). Filled by ops.py.
     _OPS: ClassVar[dict[Any, OpHandler]] = {}
+
+    #: ``1 / _scale`` as the GEMMs read it, when the library's own cast computed it once
+    #: for every product of the tensor (:func:`with_inverse_scale`; eager only, else None).
+    #: A cache, not a field: never flattened, pickled or compared, and carried by
+    #: :meth:`_replace` only while ``_scale`` stays the very same tensor. Only fresh
+    #: temporaries of a training step carry one (never a tensor whose scale may later be
+    #: written in place, such as an FSDP2 gather's output).
+    _inv_scale: torch.Tensor | None = None
 
     __torch_function__ = DISABLED_TORCH_FUNCTION
 
@@ -345,7 +355,10 @@ class Float8Tensor(torch.Tensor):
         elif "data" in changes and "block" not in changes and changes["data"].dim() != self._data.dim():
             raise ValueError("Float8Tensor._replace: new data of another ndim needs its block")
         fields.update(changes)
-        return Float8Tensor(**fields)
+        new = Float8Tensor(**fields)
+        if fields["scale"] is self._scale and not torch.compiler.is_compiling():
+            new._inv_scale = self._inv_scale
+        return new
 
     # ----------------------------------------------------------------- serialization
 
@@ -523,6 +536,17 @@ def to_float8(
     ``hp``'s dtype)."""
     data, scale = kernels.cast(hp, spec, scale, generator=generator)
     return Float8Tensor(data, scale, orig_dtype or hp.dtype, _tensor_block(spec, hp), gemm)
+
+
+def with_inverse_scale(f8: Float8Tensor) -> Float8Tensor:
+    """``f8`` (a fresh cast of the library's own) carrying ``1 / f8._scale``, computed once
+    here for every product that reads it instead of once per product, when its scale is
+    per tensor (a tensor that two GEMMs of a step read, transposed or not; an axiswise or
+    block scale serves one GEMM, whose operand preparation computes its inverse). Eager
+    only: under torch.compile it returns ``f8`` as is (inductor places the reciprocal)."""
+    if f8._scale.dim() == 0 and not torch.compiler.is_compiling():
+        f8._inv_scale = inverse_scale_of(f8._scale)
+    return f8
 
 
 def to_float8_with_stats(

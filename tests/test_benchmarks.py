@@ -128,6 +128,24 @@ def test_bench_e2e(torchao, tmp_path):
     assert first[0] == pytest.approx(math.log(256), abs=0.1)
 
 
+@with_and_without_torchao
+def test_bench_eager_overhead(torchao, tmp_path):
+    stdout, rows = run_script("bench_eager_overhead.py", torchao=torchao, tmp_path=tmp_path)
+    recipes = ["tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed", "blockwise", "mxfp8"]
+    expected = [("bf16", "-", "64"), ("bf16", "-", "128")] + [
+        ("f8tensor", r, "128" if r in ("blockwise", "mxfp8") else "64") for r in recipes
+    ] + ([("torchao", r, "64") for r in AO_RECIPES] if torchao else [])
+    assert [(r["library"], r["recipe"], r["K"]) for r in rows] == expected
+    for r in rows:
+        finite(r, "dispatch_ops", "leaf_ops", "kernels", "host_us", "vs_bf16")
+        assert int(r["kernels"]) <= int(r["leaf_ops"])
+    by = {(r["library"], r["recipe"]): r for r in rows}
+    # An FP8 step runs more than nn.Linear's (casts and scales around the same three GEMMs).
+    assert int(by["f8tensor", "tensorwise"]["dispatch_ops"]) > int(by["bf16", "-"]["dispatch_ops"])
+    assert "| tensorwise |" in stdout
+    assert ("| tensorwise | " + by["f8tensor", "tensorwise"]["dispatch_ops"] + " | n/a |" in stdout) != torchao
+
+
 def _load(name: str):
     spec = importlib.util.spec_from_file_location(name.removesuffix(".py"), BENCH / name)
     module = importlib.util.module_from_spec(spec)

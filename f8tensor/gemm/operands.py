@@ -33,6 +33,7 @@ from f8tensor.formats import E8M0, check_hp_dtype, e4m3_like
 from f8tensor.fp4 import Float4Tensor, is_float4, to_float4
 from f8tensor.gemm.check import is_col_major, is_row_major
 from f8tensor.kernels.fp4 import FP4Spec
+from f8tensor.scaling import inverse_scale_of
 from f8tensor.tensor import Float8Tensor, dequantize, is_float8, to_float8
 
 __all__ = [
@@ -216,15 +217,22 @@ def col_major(t: torch.Tensor) -> torch.Tensor:
         return tt.contiguous().transpose(-2, -1)
     if is_col_major(t):
         return t
-    return t.transpose(-2, -1).clone(memory_format=torch.contiguous_format).transpose(-2, -1)
+    # One copy into a column-major buffer: two ops where transpose, clone, transpose are three.
+    rows, cols = t.shape[-2], t.shape[-1]
+    batch = [1]
+    for size in reversed(t.shape[:-2]):
+        batch.insert(0, batch[0] * size)
+    strides = tuple(rows * cols * b for b in batch[1:]) + (1, rows)
+    out = torch.empty_strided(t.shape, strides, dtype=t.dtype, device=t.device)
+    return out.copy_(t)
 
 
 def inverse_scale(x: Float8Tensor) -> torch.Tensor:
     """``1 / x._scale``, the dequantization factor the kernels take, in the scale's dtype:
-    exact for e8m0 (powers of two; the reciprocal is taken in fp32)."""
-    if x._scale.dtype == torch.float32:
-        return x._scale.reciprocal()
-    return x._scale.to(torch.float32).reciprocal().to(E8M0)
+    exact for e8m0 (powers of two; the reciprocal is taken in fp32). The one its cast
+    computed when there is one (eager: ``tensor.with_inverse_scale``), else computed here."""
+    inv = None if torch.compiler.is_compiling() else x._inv_scale
+    return inverse_scale_of(x._scale) if inv is None else inv
 
 
 def kernel_scale(inverse: torch.Tensor, expand_to: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:

@@ -19,7 +19,9 @@ from f8tensor.formats import E8M0, FORMATS, saturated_cast, saturation_bound
 from f8tensor.scaling import (
     amax_to_e8m0_scale,
     amax_to_scale,
+    block_abs_max,
     block_amax,
+    dynamic_scale,
     expand_block_scale,
     stochastic_round,
     tensor_amax,
@@ -96,7 +98,9 @@ def _cast(hp, spec: CastSpec, scale, generator, *, need_amax, amax=None):
     if not is_tensorwise(block) and spec.scale_dtype == torch.float32 and block.count(0) == 1 and is_axiswise(block):
         axis = block.index(0)
     if is_tensorwise(block) or axis is not None:
-        if scale is None:
+        if scale is None and not need_amax:
+            scale = dynamic_scale(hp, float8_dtype, axiswise_dim=axis, round_pow2=spec.power_of_2)
+        elif scale is None:
             group_amax = tensor_amax(hp, axis)
             scale = amax_to_scale(group_amax, float8_dtype, round_pow2=spec.power_of_2)
         elif need_amax:
@@ -104,14 +108,15 @@ def _cast(hp, spec: CastSpec, scale, generator, *, need_amax, amax=None):
         scale32 = scale
         expanded = scale
     else:
-        if scale is None or need_amax:
+        if need_amax:
             group_amax = block_amax(hp, block)
         if scale is None:
-            assert group_amax is not None  # computed just above when no scale is given
+            # Without stats the amax goes from hp's dtype straight to the scale's float64.
+            amax = group_amax if group_amax is not None else block_abs_max(hp, block)
             if spec.scale_dtype == E8M0:
-                scale = amax_to_e8m0_scale(group_amax, float8_dtype, spec.scale_mode)
+                scale = amax_to_e8m0_scale(amax, float8_dtype, spec.scale_mode)
             else:
-                scale = amax_to_scale(group_amax, float8_dtype, round_pow2=spec.power_of_2)
+                scale = amax_to_scale(amax, float8_dtype, round_pow2=spec.power_of_2)
         # Deliberate upcast of e8m0 scales: powers of two, exact in fp32.
         scale32 = scale if scale.dtype == torch.float32 else scale.to(torch.float32)
         expanded = expand_block_scale(scale32, block, tuple(hp.shape))
