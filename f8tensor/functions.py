@@ -380,14 +380,14 @@ class Float8LinearFn(torch.autograd.Function):
             elif isinstance(weight, Float8Tensor):
                 w8 = weight._replace(gemm=bwd)
             elif not config.weight.tensorwise:
-                w8 = with_inverse_scale(to_float8(weight, config.weight.operand_spec(0), gemm=bwd))
+                w8 = _cast(None, weight, config.weight.operand_spec(0), gemm=bwd)
             else:
                 # Same scale as in forward: the same FP8 bytes, without keeping them alive.
                 # A delayed scale was decided without this weight's amax: guard an inf in it
                 # as the forward cast did (cast_operand), or the clamp would make it the
                 # format's max and grad_x finite. A dynamic scale is NaN then already.
                 hp_w = torch.where(torch.isinf(weight), torch.nan, weight) if config.weight.delayed else weight
-                w8 = with_inverse_scale(to_float8(hp_w, CastSpec(config.weight.dtype), scale=w_scale, gemm=bwd))
+                w8 = _cast(None, hp_w, CastSpec(config.weight.dtype), scale=w_scale, gemm=bwd)
             grad_x = _unrows(matmul(g8, w8), ctx.x_shape)  # type: ignore[arg-type]  # need_grad_x: g8 was cast
 
         # grad_W = g.t() @ x: contraction over M.
@@ -407,7 +407,7 @@ class Float8LinearFn(torch.autograd.Function):
                 if isinstance(saved_x, Float8Tensor):
                     x8 = saved_x._replace(gemm=bwd_w)
                 else:
-                    x8 = _column_major_copy(with_inverse_scale(to_float8(saved_x, config.input.operand_spec(0), gemm=bwd_w)))
+                    x8 = _column_major_copy(_cast(None, saved_x, config.input.operand_spec(0), gemm=bwd_w))
                 # Written in the weight's dtype (fp32 for fp32 master weights), not bf16:
                 # autograd needs the fp32 .grad anyway, and a bf16 output adds a rounding
                 # and an upcast pass. Bytes per weight element in eager: tensorwise route

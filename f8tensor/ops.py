@@ -561,8 +561,7 @@ def _copy_(func, types, args, kwargs):
         )
     dst._data.copy_(src._data)
     dst._scale.copy_(src._scale)
-    if dst._inv_scale is not None:
-        dst._inv_scale = None  # a new scale, in place: no cached inverse describes it
+    dst._inv_scale = None  # a new scale, in place: no cached inverse describes it
     return dst
 
 

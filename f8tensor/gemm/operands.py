@@ -24,6 +24,7 @@ Layer: above ``check`` in ``f8tensor.gemm``; imports ``check``, ``tensor`` and b
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -219,10 +220,8 @@ def col_major(t: torch.Tensor) -> torch.Tensor:
         return t
     # One copy into a column-major buffer: two ops where transpose, clone, transpose are three.
     rows, cols = t.shape[-2], t.shape[-1]
-    batch = [1]
-    for size in reversed(t.shape[:-2]):
-        batch.insert(0, batch[0] * size)
-    strides = tuple(rows * cols * b for b in batch[1:]) + (1, rows)
+    # Batch dims contiguous over the (rows, cols) matrices, each matrix column-major.
+    strides = tuple(rows * cols * math.prod(t.shape[d + 1 : -2]) for d in range(t.dim() - 2)) + (1, rows)
     out = torch.empty_strided(t.shape, strides, dtype=t.dtype, device=t.device)
     return out.copy_(t)
 
