@@ -22,6 +22,10 @@ GEMMs run), after a warm-up step, and measures:
   ``--steps`` steps, then the next, round after round). On CPU it includes the (tiny)
   arithmetic; it is labelled CPU.
 
+**reuse** rows: the same step as a later micro-batch of gradient accumulation inside
+``f8tensor.reuse_weight_casts`` (the weight's casts are served from the first micro-batch;
+recipes whose weight cast is not reusable, delayed, run as before).
+
 Shapes: K = 64 for tensorwise, rowwise, rowwise_with_gw_hp, delayed and bf16; K = 128 for
 blockwise and mxfp8 (1x128 / 128x128 blocks; bf16 is also measured at 128 for their ratio).
 
@@ -34,6 +38,7 @@ Prints Markdown tables (with the command, versions and CPU) for BENCHMARKS.md.
 from __future__ import annotations
 
 import collections
+import contextlib
 import statistics
 import sys
 from collections.abc import Callable
@@ -83,7 +88,7 @@ class DispatchOpCounter(TorchDispatchMode):
 def build(library: str, recipe: str, k: int, device: torch.device, float8=None) -> nn.Module:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(k, k, bias=False)).to(device, torch.bfloat16)
-    if library == "f8tensor":
+    if library in ("f8tensor", "f8tensor+reuse"):
         C.f8tensor_convert(model, recipe)
     elif library == "torchao":
         C.torchao_convert(float8, model, recipe)
@@ -172,10 +177,18 @@ def main(argv=None) -> None:
     widths = sorted({k for _, _, k in variants} | {64})
     variants = [("bf16", "-", k) for k in widths] + variants
 
+    variants += [("f8tensor+reuse", r, 128 if r in WIDE else 64) for r in args.recipes if r != "delayed"]
+
     steps_by_variant = {}
     counts = {}
+    scopes = contextlib.ExitStack()  # the reuse variants' scopes stay open while they are measured
     for library, recipe, k in variants:
-        step = make_step(build(library, recipe, k, device, args.torchao), k, device)
+        model = build(library, recipe, k, device, args.torchao)
+        if library == "f8tensor+reuse":
+            from f8tensor import reuse_weight_casts
+
+            scopes.enter_context(reuse_weight_casts(model))
+        step = make_step(model, k, device)
         step()  # warm-up: first-call work (lazy init, caches) is not what a step costs
         step()
         ops = count_dispatch_ops(step)
@@ -184,6 +197,7 @@ def main(argv=None) -> None:
         steps_by_variant[library, recipe, k] = step
 
     timings = C.interleaved(steps_by_variant, rounds, steps, device)
+    scopes.close()
     bf16_us = {k: 1e3 * timings["bf16", "-", k].median for k in widths}
     rows = []
     for key in variants:
@@ -207,6 +221,8 @@ def main(argv=None) -> None:
     table = []
     for r in rows:
         name = "bf16 nn.Linear" if r["library"] == "bf16" else f"{r['library']} {r['recipe']}"
+        if r["library"] == "f8tensor+reuse":
+            name = f"f8tensor {r['recipe']}, reuse_weight_casts (later micro-batch)"
         table.append([name, r["K"], r["dispatch_ops"], r["leaf_ops"], r["kernels"],
                       C.fmt(r["host_us"], 1), "-" if r["spread"] != r["spread"] else C.fmt(100 * r["spread"], 1) + "%",
                       C.fmt(r["vs_bf16"], 2) + "x"])

@@ -55,6 +55,7 @@ from f8tensor.stats import (
     sqnr,
 )
 from f8tensor.tensor import Float8Tensor, _LegacyFloat8Tensor, _rebuild_float8_tensor
+from f8tensor.weight_cache import reuse_weight_casts
 
 if torch.distributed.is_available():  # the parallel styles subclass torch.distributed's
     from f8tensor.distributed.tp import Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
@@ -104,6 +105,7 @@ __all__ = [
     "format_float8_stats",
     "keep_last_blocks_in_hp",
     "precompute_float8_scales_for_fsdp",
+    "reuse_weight_casts",
     "saturation_bound",
     "set_forward_in_high_precision",
     "set_gemm_formats",

@@ -50,6 +50,7 @@ __all__ = [
     "grouped_mm",
     "has_block_scaled_mm",
     "is_fake",
+    "is_functorch_wrapped",
     "is_op_of_namespace",
     "make_wrapper_subclass",
     "make_wrapper_subclass_shaped",
@@ -59,6 +60,7 @@ __all__ = [
     "scaled_mm",
     "set_scaled_mm",
     "tree_map_only",
+    "version_counter",
     "view_base",
     "written_arguments",
 ]
@@ -306,6 +308,18 @@ def preserve_version_counter(t: torch.Tensor):
     """``torch.autograd._unsafe_preserve_version_counter`` (torch >= 2.1): a context in which
     writes to ``t`` leave its version counter (autograd's saved-tensor check) unchanged."""
     return torch.autograd._unsafe_preserve_version_counter(t)
+
+
+def version_counter(t: torch.Tensor) -> int:
+    """``Tensor._version`` (torch >= 1.0): the count of in-place writes to ``t`` autograd has
+    seen (writes through ``t.data`` and under ``preserve_version_counter`` are not counted)."""
+    return t._version
+
+
+def is_functorch_wrapped(t: torch.Tensor) -> bool:
+    """``torch._C._functorch.is_functorch_wrapped_tensor`` (torch >= 2.0): ``t`` is a
+    ``torch.func`` transform's wrapper (``grad``, ``vmap``), valid inside that transform only."""
+    return torch._C._functorch.is_functorch_wrapped_tensor(t)
 
 
 # ----------------------------------------------------------------------- distributed

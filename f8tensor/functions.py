@@ -250,10 +250,13 @@ class Float8LinearFn(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, config, delayed, stats, weight_amax=None):  # type: ignore[override]
+    def forward(ctx, x, weight, bias, config, delayed, stats, weight_amax=None, weight_casts=None):  # type: ignore[override]
         # `delayed`: None, or the layer's DelayedBuffers; `stats`: None, or its StatsBuffers.
         # `weight_amax`: for a delayed weight that FSDP2 gathered in FP8, the amax of this
         # rank's shard, measured before the gather (distributed/fsdp.py).
+        # `weight_casts`: None, or (the layer's WeightCasts, the parameter they are keyed on)
+        # inside a reuse_weight_casts scope (weight_cache.py): the weight's casts are served
+        # from there while the parameter is unchanged (dynamic, round-to-nearest weights only).
         # They ride on ctx, not save_for_backward: they are updated in place by later steps,
         # which is their purpose, not a hazard for this step's gradients.
         d = delayed
@@ -289,6 +292,10 @@ class Float8LinearFn(torch.autograd.Function):
                 amax_w = _sync_amax(weight_amax)
                 if scale_w is not None and not recompute:
                     scale_w.copy_(weight._scale)
+        elif weight_casts is not None:
+            casts, param = weight_casts
+            w8 = casts.get("forward", param, config, lambda: cast_operand(weight, config.weight, 1, fwd, config, stats=st_w)[0])
+            amax_w = None
         else:
             w8, amax_w = cast_operand(weight, config.weight, 1, fwd, config, hist_w, scale_w, recompute, st_w)
         if calls is not None and not recompute:
@@ -310,6 +317,7 @@ class Float8LinearFn(torch.autograd.Function):
             _column_major_copy(x8) if keep_fp8_input else x2, weight, w8._scale if reuse_w_scale else None, amax_x, amax_w
         )
         ctx.config = config
+        ctx.weight_casts = weight_casts
         ctx.histories = (hist_in, hist_w, hist_go)
         ctx.stats_go = st_go
         ctx.x_shape = x.shape
@@ -379,6 +387,16 @@ class Float8LinearFn(torch.autograd.Function):
                 w8 = weight._replace(scale=unit, block=(0, 0), gemm=bwd)
             elif isinstance(weight, Float8Tensor):
                 w8 = weight._replace(gemm=bwd)
+            elif ctx.weight_casts is not None:
+                # The cached casts (weight_cache.py): forward's bytes serve grad_x as they
+                # are for a tensorwise weight (the same scale); other granularities keep
+                # the cast along the other axis under its own layout.
+                casts, param = ctx.weight_casts
+                if config.weight.tensorwise:
+                    w8 = casts.get("forward", param, config, lambda: _cast(None, weight, CastSpec(config.weight.dtype), scale=w_scale))
+                else:
+                    w8 = casts.get("backward", param, config, lambda: _cast(None, weight, config.weight.operand_spec(0)))
+                w8 = w8._replace(gemm=bwd)
             elif not config.weight.tensorwise:
                 w8 = _cast(None, weight, config.weight.operand_spec(0), gemm=bwd)
             else:
@@ -426,9 +444,9 @@ class Float8LinearFn(torch.autograd.Function):
             push_amax(hist_in, amax_x)
         if amax_w is not None:
             push_amax(hist_w, amax_w)
-        # One None per non-tensor input; a trailing one for `weight_amax`, which autograd
-        # drops when the caller passed six inputs.
-        return grad_x, grad_w, grad_b, None, None, None, None
+        # One None per non-tensor input; trailing ones for `weight_amax` and `weight_casts`,
+        # which autograd drops when the caller passed fewer inputs.
+        return grad_x, grad_w, grad_b, None, None, None, None, None
 
 
 def _row_scaled(w8: Float8Tensor) -> bool:

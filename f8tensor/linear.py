@@ -29,6 +29,7 @@ from f8tensor.functions import DelayedBuffers, GemmFormatsLinearFn, StatsBuffers
 from f8tensor.gemm.rules import ALIGN
 from f8tensor.kernels import CAST_STATS_FIELDS
 from f8tensor.tensor import Float8Tensor
+from f8tensor.weight_cache import WeightCasts, drop_weight_casts, weight_casts_of
 
 __all__ = [
     "STATS_BUFFERS",
@@ -295,7 +296,22 @@ class Float8Linear(nn.Linear):
             return GemmFormatsLinearFn.apply(x, weight, bias, self.config, stats)
         # A delayed weight gathered in FP8 by FSDP2: its shard's amax, left here by the gather.
         weight_amax = self.__dict__.get("fsdp_weight_amax") if delayed is not None and self.config.enable_fsdp_float8_all_gather else None
-        return float8_linear(x, weight, bias, self.config, delayed, stats, weight_amax)
+        return float8_linear(x, weight, bias, self.config, delayed, stats, weight_amax, self._weight_casts())
+
+    #: Inside f8tensor.reuse_weight_casts, this layer keeps its weight's casts (weight_cache.py).
+    reuses_weight_casts = True
+
+    def _weight_casts(self) -> tuple[WeightCasts, torch.Tensor] | None:
+        """(the cache, the parameter it is keyed on) inside a reuse_weight_casts scope, for a
+        weight cast that gives the same bytes every time (dynamic, round-to-nearest); else None."""
+        casts = weight_casts_of(self)
+        if casts is None:
+            return None
+        cast = self.config.weight
+        param = self.weight
+        if cast.delayed or cast.rounding != "nearest" or not WeightCasts.cacheable(param):
+            return None
+        return casts, param
 
     def _load_from_state_dict(
         self,
@@ -332,6 +348,7 @@ class Float8Linear(nn.Linear):
                 if kept is not None and kept.device != device:
                     self._buffers[name] = _fresh_state(name, kept, device)
         self._keep_fsdp_weight()
+        drop_weight_casts(self)
 
     def _keep_fsdp_weight(self) -> None:
         """Re-wrap a weight that was replaced by a plain tensor (load_state_dict(assign=True),
@@ -359,6 +376,7 @@ class Float8Linear(nn.Linear):
         # amax, a bf16 scale is refused by _scaled_mm): it follows device moves and keeps
         # its dtype.
         state = {name: buf for name in _DELAYED_BUFFERS if (buf := self._buffers.get(name)) is not None}
+        drop_weight_casts(self)
         super()._apply(fn, recurse)
         for name, old in state.items():
             new = self._buffers[name]

@@ -134,7 +134,9 @@ def test_bench_eager_overhead(torchao, tmp_path):
     recipes = ["tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed", "blockwise", "mxfp8"]
     expected = [("bf16", "-", "64"), ("bf16", "-", "128")] + [
         ("f8tensor", r, "128" if r in ("blockwise", "mxfp8") else "64") for r in recipes
-    ] + ([("torchao", r, "64") for r in AO_RECIPES] if torchao else [])
+    ] + ([("torchao", r, "64") for r in AO_RECIPES] if torchao else []) + [
+        ("f8tensor+reuse", r, "128" if r in ("blockwise", "mxfp8") else "64") for r in recipes if r != "delayed"
+    ]
     assert [(r["library"], r["recipe"], r["K"]) for r in rows] == expected
     for r in rows:
         finite(r, "dispatch_ops", "leaf_ops", "kernels", "host_us", "vs_bf16")
@@ -142,6 +144,10 @@ def test_bench_eager_overhead(torchao, tmp_path):
     by = {(r["library"], r["recipe"]): r for r in rows}
     # An FP8 step runs more than nn.Linear's (casts and scales around the same three GEMMs).
     assert int(by["f8tensor", "tensorwise"]["dispatch_ops"]) > int(by["bf16", "-"]["dispatch_ops"])
+    # A later micro-batch inside reuse_weight_casts skips the weight's casts.
+    for r in recipes:
+        if r != "delayed":
+            assert int(by["f8tensor+reuse", r]["dispatch_ops"]) < int(by["f8tensor", r]["dispatch_ops"]), r
     assert "| tensorwise |" in stdout
     assert ("| tensorwise | " + by["f8tensor", "tensorwise"]["dispatch_ops"] + " | n/a |" in stdout) != torchao
 

@@ -31,6 +31,7 @@ PUBLIC_MODULES = (
     "f8tensor.moe",
     "f8tensor.stats",
     "f8tensor.tensor",
+    "f8tensor.weight_cache",
 )
 
 _FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE

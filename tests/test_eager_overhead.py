@@ -159,3 +159,57 @@ def test_e8m0_scale_bytes_unchanged(mode):
     new = amax_to_e8m0_scale(amax, torch.float8_e4m3fn, mode)
     assert torch.equal(new.view(torch.uint8), ref.view(torch.uint8))
     assert (new.view(torch.uint8)[torch.tensor([not math.isfinite(a) for a in amax.tolist()])] == 0xFF).all()
+
+
+#: Ops that wait for the device (a value read on the host). One in a step stalls the CPU
+#: until the GPU catches up, and makes the step impossible to capture in a CUDA graph.
+HOST_SYNC_OPS = frozenset({"_local_scalar_dense", "item", "is_nonzero", "equal", "nonzero", "allclose", "tolist"})
+
+
+@pytest.mark.parametrize("recipe", list(CEILINGS))
+def test_an_eager_step_reads_nothing_back(recipe, no_rules_check):
+    # What CUDA-graph capture (torch.compile(mode="reduce-overhead")) and an asynchronous
+    # eager step need: no value of the device reaches the host between forward and backward.
+    bench = _bench()
+    device = torch.device("cpu")
+    k = 128 if recipe in bench.WIDE else 64
+    step = bench.make_step(bench.build("f8tensor", recipe, k, device), k, device)
+    step()
+    ops = bench.count_dispatch_ops(step)
+    synced = {name: n for name, n in ops.ops.items() if name in HOST_SYNC_OPS}
+    assert not synced, f"{recipe}: host syncs in one step: {synced}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "delayed"])
+def test_reduce_overhead_training_matches_eager(recipe):
+    # Static shapes: the step captured in CUDA graphs gives eager's numbers, step after step
+    # (delayed scaling mutates its buffers in place, which the graphs must replay).
+    import copy
+
+    from f8tensor import Float8LinearConfig, convert_to_float8_training
+    from f8tensor.stats import sqnr
+
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256)).cuda().bfloat16()
+    model = convert_to_float8_training(mlp, config=Float8LinearConfig.from_recipe(recipe))
+    graphed = copy.deepcopy(model)
+    counters.clear()
+    compiled = torch.compile(graphed, mode="reduce-overhead")
+    opts = [torch.optim.SGD(m.parameters(), lr=1e-2) for m in (model, graphed)]
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+    for _ in range(4):
+        outs = []
+        for run, opt in ((model, opts[0]), (compiled, opts[1])):
+            y = run(x)
+            y.float().pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+            outs.append(y.detach().clone())
+        assert sqnr(outs[0].float(), outs[1].float()) >= 40.0
+    for a, b in zip(model.parameters(), graphed.parameters()):
+        assert sqnr(a.float(), b.float()) >= 40.0
+    # The graphs ran: inductor records each reason it fell back to plain launches.
+    assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])

@@ -58,11 +58,12 @@ else:  # a torch build without torch.distributed: nothing is ever a DTensor
 __all__ = ["check_blocks_unbroken", "float8_linear"]
 
 
-def float8_linear(x, weight, bias, config: Float8LinearConfig, delayed, stats, weight_amax=None) -> torch.Tensor:
-    """``Float8LinearFn.apply(x, weight, bias, config, delayed, stats, weight_amax)``, for
-    plain tensors and DTensors alike (see the module docstring)."""
+def float8_linear(x, weight, bias, config: Float8LinearConfig, delayed, stats, weight_amax=None, weight_casts=None) -> torch.Tensor:
+    """``Float8LinearFn.apply(x, weight, bias, config, delayed, stats, weight_amax, weight_casts)``,
+    for plain tensors and DTensors alike (see the module docstring; a DTensor weight is
+    never cached, so ``weight_casts`` only reaches the plain-tensor path)."""
     if not (isinstance(x, DTensor) or isinstance(weight, DTensor) or isinstance(bias, DTensor)):
-        return Float8LinearFn.apply(x, weight, bias, config, delayed, stats, weight_amax)
+        return Float8LinearFn.apply(x, weight, bias, config, delayed, stats, weight_amax, weight_casts)
     return _dtensor_linear(x, weight, bias, config, delayed, stats, weight_amax)
 
 

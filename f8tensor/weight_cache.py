@@ -1,0 +1,142 @@
+"""Weight casts reused across the micro-batches of one optimizer step.
+
+With gradient accumulation every micro-batch casts every weight to FP8 again, although the
+weights change only at ``optimizer.step()``. Inside :func:`reuse_weight_casts` a layer casts
+its weight once (per layout: the forward's and, where it differs, the backward's) and serves
+those bytes to the later micro-batches: bitwise the same numbers, one cast fewer per
+micro-batch and layout.
+
+A cast is never served stale. An entry is valid only for the weight it was made from: the
+same tensor object, the same version counter (every in-place update made through autograd's
+view of the tensor bumps it: ``optimizer.step()``'s foreach kernels, ``copy_`` in
+``load_state_dict``, any ``with torch.no_grad(): w.mul_(...)``), the same storage address,
+dtype and layer config. On top of that, every ``torch.optim.Optimizer.step()`` taken inside
+the scope drops all entries (fused optimizers write the parameters without bumping their
+version counters), as do ``load_state_dict`` and ``module.to(...)`` of a layer. What no
+check can see is a write through ``weight.data`` (autograd does not track it either): do
+not write weights that way inside the scope. Leaving the scope drops every entry, so the
+FP8 copies live no longer than the micro-batch loop.
+
+Why a scope and not always on: outside one, ``weight.data`` writes are common (manual
+update loops, adapter merges that add a delta to ``weight.data``), and a cast served after
+one would silently compute with the old weights. The scope is the caller's statement that
+the weights stay put between its forwards, the one fact this module cannot observe.
+
+Layer: with ``weights``; imports ``compat`` only (a layer opts in by defining
+``reuses_weight_casts = True`` and reading its slot with :func:`weight_casts_of`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from f8tensor.compat import is_functorch_wrapped, version_counter
+
+__all__ = ["WeightCasts", "reuse_weight_casts", "weight_casts_of"]
+
+#: Where a layer's entries live, in its ``__dict__`` (not a module attribute: no
+#: ``nn.Module.__setattr__`` on the hot path, nothing in ``state_dict``).
+_SLOT = "_f8tensor_weight_casts"
+
+
+class WeightCasts:
+    """One layer's cached weight casts, keyed by layout (``"forward"``, ``"backward"``)."""
+
+    __slots__ = ("_entries", "hits", "misses")
+
+    def __init__(self) -> None:
+        self._entries: dict[str, tuple[torch.Tensor, object, tuple, Any]] = {}
+        self.hits = 0
+        self.misses = 0
+
+    @staticmethod
+    def cacheable(weight: torch.Tensor) -> bool:
+        """Whether casts of ``weight`` may be kept: a plain tensor or Parameter (not a tensor
+        subclass, a ``torch.func`` wrapper or an inference tensor, which has no version counter)."""
+        return type(weight) in (torch.Tensor, nn.Parameter) and not weight.is_inference() and not is_functorch_wrapped(weight)
+
+    def get(self, layout: str, weight: torch.Tensor, config: object, make: Callable[[], Any]) -> Any:
+        """The cast for ``layout`` of ``weight`` under ``config``: served when the entry
+        was made from this very tensor object (``is``: ids are reused after a tensor dies),
+        at its current version, storage and dtype, under this config object; else made by
+        ``make()`` and kept (``weight`` must be :meth:`cacheable`)."""
+        state = (version_counter(weight), weight.data_ptr(), weight.dtype)
+        entry = self._entries.get(layout)
+        if entry is not None and entry[0] is weight and entry[1] is config and entry[2] == state:
+            self.hits += 1
+            return entry[3]
+        self.misses += 1
+        value = make()
+        self._entries[layout] = (weight, config, state, value)
+        return value
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+def weight_casts_of(module: nn.Module) -> WeightCasts | None:
+    """``module``'s cache while a :func:`reuse_weight_casts` scope covers it (never while
+    compiling: a compiled graph casts inside its own kernels), else ``None``."""
+    if torch.compiler.is_compiling():  # first: dynamo then never reads (and guards on) the slot
+        return None
+    return module.__dict__.get(_SLOT)
+
+
+def drop_weight_casts(module: nn.Module) -> None:
+    """Forget ``module``'s cached casts (its weight was replaced or reloaded)."""
+    casts = module.__dict__.get(_SLOT)
+    if casts is not None:
+        casts.clear()
+
+
+@contextlib.contextmanager
+def reuse_weight_casts(model: nn.Module) -> Iterator[None]:
+    """Cast each FP8 layer's weight once for all the forwards and backwards inside.
+
+    For a gradient-accumulation loop: the micro-batches of one optimizer step share each
+    weight's FP8 bytes (bitwise the same results as casting every time).
+
+    Example:
+        >>> import f8tensor
+        >>> model = f8tensor.convert_to_float8_training(torch.nn.Sequential(torch.nn.Linear(64, 64)))
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> with f8tensor.reuse_weight_casts(model):
+        ...     for micro_batch in torch.randn(4, 8, 64):
+        ...         model(micro_batch).sum().backward()
+        >>> opt.step()
+
+    An ``optimizer.step()`` inside the scope drops every cast, as does any tracked in-place
+    update of a weight, so a scope around a whole training loop is correct too (it then
+    saves nothing across steps). Writes through ``weight.data`` are not seen: none inside.
+    Layers covered: :class:`~f8tensor.Float8Linear` and its subclasses with an FP8 recipe
+    whose weight cast is dynamic and rounds to nearest (delayed weights record an amax per
+    forward, stochastic ones draw fresh noise per forward, FP4 and per-GEMM-format configs,
+    FP8-gathered FSDP2 weights and DTensor weights cast as before). Nested scopes share the
+    outer scope's entries. Under ``torch.compile`` the scope has no effect.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"reuse_weight_casts expects an nn.Module; got {type(model).__name__}")
+    opened = [m for m in model.modules() if getattr(type(m), "reuses_weight_casts", False) and _SLOT not in m.__dict__]
+    for m in opened:
+        m.__dict__[_SLOT] = WeightCasts()
+
+    def drop_all(*_: object) -> None:
+        for m in opened:
+            m.__dict__[_SLOT].clear()
+
+    handle = register_optimizer_step_post_hook(drop_all)
+    try:
+        yield
+    finally:
+        handle.remove()
+        for m in opened:
+            m.__dict__.pop(_SLOT, None)
