@@ -290,6 +290,8 @@ def test_maybe_cast_declines(monkeypatch):
     assert triton_cast.maybe_cast(hp.requires_grad_(), CastSpec(E4M3)) is None
     hp = hp.detach()
     assert triton_cast.maybe_cast(hp, CastSpec(E4M3)) is not None
+    with torch.no_grad():  # a weight, cast inside an autograd Function's forward
+        assert triton_cast.maybe_cast(torch.nn.Parameter(hp), CastSpec(E4M3)) is not None
     monkeypatch.setenv(triton_cast.ENV_VAR, "0")
     assert not triton_cast.enabled()
     assert triton_cast.maybe_cast(hp, CastSpec(E4M3)) is None

@@ -182,7 +182,8 @@ def _scale_shape(shape: tuple[int, ...], spec_block: tuple[int, ...]) -> tuple[i
 
 def _data_like(hp: torch.Tensor, float8_dtype: torch.dtype) -> torch.Tensor:
     """The FP8 output in the layout the reference's elementwise ops give it: column-major
-    for a 2D input whose dim 0 is the inner one, else contiguous."""
+    for a 2D input whose dim 0 is the inner one, else contiguous. (The strides of a size-1
+    dim, which address nothing, may differ from the reference's.)"""
     if hp.dim() == 2 and hp.shape[0] > 1 and hp.shape[1] > 1 and hp.stride(0) < hp.stride(1):
         return torch.empty_strided(hp.shape, (1, hp.shape[0]), dtype=float8_dtype, device=hp.device)
     return torch.empty(hp.shape, dtype=float8_dtype, device=hp.device)
@@ -268,6 +269,11 @@ def _launch(
     second: torch.Tensor | None,
     out_scale: torch.Tensor,
 ) -> None:
+    if hp.device.type == "cuda" and hp.device.index != torch.cuda.current_device():
+        # Triton launches on the current device.
+        with torch.cuda.device(hp.device):
+            _launch(how, hp, scale, spec, data, second, out_scale)
+        return
     k = _kernels(hp.device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
     f = _format(spec.float8_dtype)
     fmt = {"FMAX": f.fmax, "BIAS": f.bias, "MBITS": f.mbits, "FNUZ": f.fnuz, "EPS": EPS}
@@ -350,12 +356,17 @@ def _given_scale_fits(hp: torch.Tensor, spec: CastSpec, scale: torch.Tensor) -> 
     return tuple(scale.shape) == expected and scale.dtype == spec.scale_dtype
 
 
+# Tensors the kernels take as they are (a weight is an nn.Parameter); subclasses with
+# dispatch of their own (DTensor, fake tensors, the package's wrappers) take the reference.
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def maybe_cast(
     hp: torch.Tensor, spec: CastSpec, scale: torch.Tensor | None = None, *, column_major: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """``(data, column-major data (or an empty placeholder), scale)`` by the fused kernels,
     or None where the reference must run (see the module docstring for when)."""
-    if torch.compiler.is_compiling() or type(hp) is not torch.Tensor or not enabled():
+    if torch.compiler.is_compiling() or type(hp) not in _PLAIN or not enabled():
         return None
     if hp.requires_grad and torch.is_grad_enabled():
         return None
