@@ -16,10 +16,10 @@ import torch
 
 pytest.importorskip("triton", reason="the fused casts need triton (it ships with CUDA builds of torch)")
 
-from f8tensor import kernels  # noqa: E402
-from f8tensor.config import CastSpec  # noqa: E402
-from f8tensor.formats import E8M0, FLOAT8_DTYPES, FORMATS  # noqa: E402
-from f8tensor.kernels import reference, triton_cast  # noqa: E402
+from f8tensor import kernels
+from f8tensor.config import CastSpec
+from f8tensor.formats import E8M0, FLOAT8_DTYPES, FORMATS
+from f8tensor.kernels import reference, triton_cast
 
 E4M3 = torch.float8_e4m3fn
 HP_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -330,6 +330,66 @@ def test_custom_op_registration():
         for r, f in zip(real, fake):
             assert (r.shape, r.stride(), r.dtype) == (f.shape, f.stride(), f.dtype)
     torch.library.opcheck(op, args[0], test_utils=("test_schema", "test_faketensor"))
+
+
+# --------------------------------------------------------- compiled for GPUs, without one
+
+
+def _compile_for(arch: int, kernel, pointers: dict, constants: dict, num_warps: int = 4):
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+
+    signature = {
+        name: "constexpr" if name in constants else pointers.get(name, "i32") for name in kernel.arg_names
+    }
+    source = triton.compiler.ASTSource(kernel, signature, constexprs=constants)
+    options = {"num_warps": num_warps, **triton_cast._OPTIONS}
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+
+
+@pytest.mark.parametrize("arch", [89, 90])
+def test_kernels_compile_for_cuda(arch):
+    """Every kernel compiles to a cubin for sm89 and sm90 with triton's own ptxas (what the
+    interpreter cannot show: the kernels are valid Triton for the GPU compiler), and its PTX
+    does the scale math as the reference does: a correctly rounded float64 division, a
+    round-to-nearest float64 -> fp32 conversion, no flush-to-zero multiply."""
+    import re
+
+    try:
+        from triton.backends.nvidia import compiler  # noqa: F401
+    except ImportError:
+        pytest.skip("triton's NVIDIA backend is not installed")
+    k = triton_cast._kernels(False)
+    fmt = {"FMAX": 448.0, "BIAS": 7, "MBITS": 3, "FNUZ": False, "EPS": 2.0**-100}
+    bf16, f32, u8 = "*bf16", "*fp32", "*u8"
+    io = {"x_ptr": bf16, "out_ptr": u8, "out2_ptr": u8}
+    built = [
+        _compile_for(arch, k.amax_partials_kernel, {"x_ptr": bf16, "part_ptr": f32}, {"BR": 32, "BC": 128}),
+        _compile_for(
+            arch, k.cast_tensor_kernel, {**io, "part_ptr": f32, "scale_in_ptr": f32, "scale_ptr": f32},
+            {"HAS_SCALE": False, "WRITE2": True, "POW2": False, **fmt, "BR": 32, "BC": 128, "BP": 512},
+        ),
+        _compile_for(
+            arch, k.cast_rows_kernel, {**io, "scale_in_ptr": f32, "scale_ptr": f32},
+            {"HAS_SCALE": False, "POW2": True, **fmt, "BR": 32, "BC": 128},
+        ),
+        _compile_for(
+            arch, k.cast_groups_kernel, {**io, "scale_in_ptr": u8, "scale_ptr": u8},
+            {"HAS_SCALE": False, "E8M0": True, "FLOOR": False, "POW2": False, "EMAX": 8, **fmt,
+             "BR": 32, "G": 4, "B": 32},
+        ),
+        _compile_for(
+            arch, k.cast_tiles_kernel, {**io, "scale_in_ptr": f32, "scale_ptr": f32},
+            {"HAS_SCALE": False, "WRITE2": True, "E8M0": False, "FLOOR": False, "POW2": False, "EMAX": 8, **fmt,
+             "SUB": 32, "BC": 128},
+            num_warps=8,
+        ),
+    ]  # fmt: skip
+    for kernel in built:
+        assert kernel.asm["cubin"], kernel.name
+    ptx = built[1].asm["ptx"]
+    assert "div.rn.f64" in ptx and "cvt.rn.f32.f64" in ptx
+    assert not re.search(r"\b(?:mul|fma)\.\w*ftz", ptx) and "div.full" not in ptx and "div.approx" not in ptx
 
 
 # ------------------------------------------------------------------------------ on CUDA
