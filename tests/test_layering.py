@@ -46,8 +46,8 @@ def _deferred_imports(path: Path) -> list[tuple[int, str]]:
 
 
 # Optional third-party packages, imported where they are used so that `import f8tensor`
-# (and each integration) needs torch alone.
-OPTIONAL = ("matplotlib", "safetensors")
+# (and each integration) needs torch alone. (triton: the fused casts, kernels/triton_cast.py.)
+OPTIONAL = ("matplotlib", "safetensors", "triton")
 
 
 def test_no_deferred_imports_of_the_package():

@@ -1,0 +1,312 @@
+"""The Triton kernels of the fused casts (imported on demand by ``triton_cast.py``).
+
+Every kernel sees a 2D problem ``(R, C)`` with arbitrary element strides for its input and
+each output (a column-wise cast is a row cast of the transposed views), and writes FP8 data
+as ``uint8`` into a byte view of the FP8 output: the bits are computed here with integer
+arithmetic (:func:`_fp8_bits`), not by the backend's float -> FP8 conversion. Scale math
+follows ``scaling.py`` bit for bit: the amax widened to float64, clamped to ``EPS``, its
+float64 reciprocal times the format's max (``fmax / t`` is ``reciprocal(t) * fmax`` in
+torch), rounded once to fp32; power-of-two scales keep the exponent bits; a non-finite
+amax gives the positive NaN (``0x7FC00000``); e8m0 exponents from the float64 bits.
+
+NaN in the input is read as an infinite magnitude by the amax (both give a NaN scale, which
+is all the scale needs to know), so every max is an ordinary max and no NaN-propagation
+rule of a backend matters. No atomics: the tensorwise amax goes through a partials buffer
+that the cast kernel reduces itself, in the same order every time.
+
+This file is loaded twice at most: once compiled, once under the Triton interpreter
+(``TRITON_INTERPRET=1``, which ``triton.jit`` reads when it decorates), for CPU tensors.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+#: The canonical positive NaN of fp32, the non-finite scale of ``amax_to_scale``.
+NAN_BITS = tl.constexpr(0x7FC00000)
+
+
+@triton.jit
+def _fp8_bits(p, FMAX: tl.constexpr, BIAS: tl.constexpr, MBITS: tl.constexpr, FNUZ: tl.constexpr):
+    """``saturate(p)`` as FP8 bytes (int32 in 0..255), round to nearest even.
+
+    ``p``: fp32 products. Clamped to ``[-FMAX, FMAX]`` first (NaN kept, as ``clamp`` keeps
+    it); then, on the magnitude's bits: normal FP8 values by re-biasing the exponent and
+    rounding the dropped mantissa bits half-to-even (a carry into the exponent is the
+    next binade, as it should be); subnormal FP8 values by shifting the full fp32
+    significand right to units of the smallest subnormal, rounded the same way (a carry to
+    ``2**MBITS`` is the smallest normal's code). NaN: ``0x7F`` with the sign (e4m3fn,
+    e5m2), ``0x80`` (fnuz); ``-0`` and negative values that round to 0 are ``0x80`` where
+    the format has a negative zero, ``0x00`` in fnuz formats: what torch's conversion gives.
+    """
+    p = tl.where(p > FMAX, FMAX, p)
+    p = tl.where(p < -FMAX, -FMAX, p)
+    bits = p.to(tl.int32, bitcast=True)
+    neg = bits < 0
+    a = bits & 0x7FFFFFFF
+    is_nan = a > 0x7F800000
+    exp = a >> 23
+    SHIFT: tl.constexpr = 23 - MBITS
+    # Normal FP8: rebias the exponent, round the low SHIFT bits half to even.
+    t = a - ((127 - BIAS) << 23)
+    normal = (t + ((1 << (SHIFT - 1)) - 1) + ((t >> SHIFT) & 1)) >> SHIFT
+    # Subnormal FP8: value / 2**(1 - BIAS - MBITS) = significand >> s, half to even. For
+    # |p| below half the smallest subnormal s >= 25 gives 0 (clamped to 31: no shift past
+    # the word; fp32 zeros and subnormals land there too).
+    sig = (a & 0x7FFFFF) | 0x800000
+    s = (1 - BIAS) - (exp - 127) + SHIFT
+    s = tl.minimum(tl.maximum(s, 1), 31)
+    sub = (sig + ((1 << (s - 1)) - 1) + ((sig >> s) & 1)) >> s
+    code = tl.where(exp >= 128 - BIAS, normal, sub)
+    if FNUZ:
+        code = tl.where(neg & (code != 0), code | 0x80, code)
+        code = tl.where(is_nan, 0x80, code)
+    else:
+        code = tl.where(neg, code | 0x80, code)
+        code = tl.where(is_nan, tl.where(neg, 0xFF, 0x7F), code)
+    return code
+
+
+@triton.jit
+def _scaled(x, s):
+    """``x * s`` in fp32 (``x`` already fp32). A NaN scale's NaN is the result, as torch's
+    CPU multiply gives it whatever ``x`` is (on GPUs every NaN product is the canonical,
+    positive NaN, and so is the scale's)."""
+    p = x * s
+    return tl.where(s != s, s, p)  # noqa: PLR0124 (the NaN test in triton)
+
+
+@triton.jit
+def _magnitude(x):
+    """``|x|`` in fp32, NaN read as +inf (see the module docstring)."""
+    return tl.where(x == x, tl.abs(x), float("inf"))  # noqa: PLR0124 (the NaN test in triton)
+
+
+@triton.jit
+def _amax(x, axis):
+    """The max of magnitudes (no NaN) over ``axis`` (None: all). ``tl.reduce`` (a builtin)
+    rather than ``tl.max``: the jit functions of triton's standard library are bound to the
+    interpreter setting of their own import, and this file is loaded under both. The
+    combine function is the standard library's own, which the interpreter recognizes and
+    runs as one numpy reduction (any other runs element by element)."""
+    return tl.reduce(x, axis, tl.standard._elementwise_max)
+
+
+@triton.jit
+def _fp32_scale(amax, FMAX: tl.constexpr, POW2: tl.constexpr, EPS: tl.constexpr):
+    """``amax_to_scale``: fp32 scale of an fp32 amax (``+inf`` for a non-finite one)."""
+    # Deliberate upcast: float64 division is correctly rounded on every backend (PTX
+    # div.rn.f64, numpy in the interpreter); the fp32 result is the reference's bits.
+    a64 = tl.maximum(amax.to(tl.float64), EPS)
+    s = ((1.0 / a64) * FMAX).to(tl.float32)
+    if POW2:
+        s = (s.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+    nan = tl.full(s.shape, NAN_BITS, tl.int32).to(tl.float32, bitcast=True)
+    return tl.where(amax < float("inf"), s, nan)
+
+
+@triton.jit
+def _e8m0_byte(amax, FMAX: tl.constexpr, EMAX: tl.constexpr, FLOOR: tl.constexpr, EPS: tl.constexpr):
+    """``amax_to_e8m0_scale`` as the e8m0 byte (int32): ``exponent + 127``, 255 for NaN."""
+    a64 = tl.maximum(amax.to(tl.float64), EPS)
+    if FLOOR:
+        # 2**emax / 2**floor(log2(amax)): exact, so only the exponent matters.
+        e = EMAX - (((a64.to(tl.int64, bitcast=True) >> 52) & 0x7FF).to(tl.int32) - 1023)
+    else:
+        r = (1.0 / a64) * FMAX
+        e = ((r.to(tl.int64, bitcast=True) >> 52) & 0x7FF).to(tl.int32) - 1023
+    e = tl.minimum(tl.maximum(e, -127), 127)
+    return tl.where(amax < float("inf"), e + 127, 255)
+
+
+@triton.jit
+def _e8m0_to_fp32(byte):
+    """The fp32 value of an e8m0 byte: ``2**(byte - 127)``; 0 is fp32's subnormal 2**-127;
+    255 is NaN."""
+    bits = tl.where(byte == 0, 0x400000, byte << 23)
+    bits = tl.where(byte == 255, NAN_BITS, bits)
+    return bits.to(tl.float32, bitcast=True)
+
+
+# ------------------------------------------------------------------------ tensorwise
+
+
+@triton.jit
+def amax_partials_kernel(
+    x_ptr, part_ptr, R, C, sxr, sxc, tiles_c, tiles, tiles_per_prog,
+    BR: tl.constexpr, BC: tl.constexpr,
+):  # fmt: skip
+    """Program ``p``: max |x| over tiles ``p * tiles_per_prog ...`` into ``part[p]``."""
+    pid = tl.program_id(0)
+    acc = tl.full([BR, BC], 0.0, tl.float32)
+    for i in range(tiles_per_prog):
+        t = pid * tiles_per_prog + i
+        rows = (t // tiles_c) * BR + tl.arange(0, BR)
+        cols = (t % tiles_c) * BC + tl.arange(0, BC)
+        # Past the last tile (a program's share rounded up): nothing to read.
+        rows = tl.where(t < tiles, rows, R)
+        m = (rows < R)[:, None] & (cols < C)[None, :]
+        ptrs = x_ptr + rows.to(tl.int64)[:, None] * sxr + cols.to(tl.int64)[None, :] * sxc
+        x = tl.load(ptrs, mask=m, other=0.0).to(tl.float32)
+        acc = tl.maximum(acc, _magnitude(x))
+    tl.store(part_ptr + pid, _amax(acc, None))
+
+
+@triton.jit
+def cast_tensor_kernel(
+    x_ptr, part_ptr, n_part, scale_in_ptr, out_ptr, out2_ptr, scale_ptr,
+    R, C, sxr, sxc, sor, soc, s2r, s2c, tiles_c,
+    HAS_SCALE: tl.constexpr, WRITE2: tl.constexpr, POW2: tl.constexpr,
+    FMAX: tl.constexpr, BIAS: tl.constexpr, MBITS: tl.constexpr, FNUZ: tl.constexpr, EPS: tl.constexpr,
+    BR: tl.constexpr, BC: tl.constexpr, BP: tl.constexpr,
+):  # fmt: skip
+    """One tile per program: reduce the partials (or read the given scale), scale, cast,
+    store the data (and its second layout); program 0 stores the scale."""
+    pid = tl.program_id(0)
+    if HAS_SCALE:
+        s = tl.load(scale_in_ptr)
+    else:
+        offs = tl.arange(0, BP)
+        amax = _amax(tl.load(part_ptr + offs, mask=offs < n_part, other=0.0), None)
+        s = _fp32_scale(amax, FMAX, POW2, EPS)
+        tl.store(scale_ptr, s, mask=pid == 0)
+    rows = (pid // tiles_c) * BR + tl.arange(0, BR)
+    cols = (pid % tiles_c) * BC + tl.arange(0, BC)
+    m = (rows < R)[:, None] & (cols < C)[None, :]
+    r64 = rows.to(tl.int64)[:, None]
+    c64 = cols.to(tl.int64)[None, :]
+    x = tl.load(x_ptr + r64 * sxr + c64 * sxc, mask=m, other=0.0).to(tl.float32)
+    code = _fp8_bits(_scaled(x, s), FMAX, BIAS, MBITS, FNUZ).to(tl.uint8)
+    tl.store(out_ptr + r64 * sor + c64 * soc, code, mask=m)
+    if WRITE2:
+        tl.store(out2_ptr + r64 * s2r + c64 * s2c, code, mask=m)
+
+
+# ------------------------------------------------------------------- axiswise (rows)
+
+
+@triton.jit
+def cast_rows_kernel(
+    x_ptr, scale_in_ptr, out_ptr, scale_ptr, R, C, sxr, sxc, sor, soc, ss,
+    HAS_SCALE: tl.constexpr, POW2: tl.constexpr,
+    FMAX: tl.constexpr, BIAS: tl.constexpr, MBITS: tl.constexpr, FNUZ: tl.constexpr, EPS: tl.constexpr,
+    BR: tl.constexpr, BC: tl.constexpr,
+):  # fmt: skip
+    """BR whole rows per program, one fp32 scale per row: an amax pass over the row in BC
+    chunks, then the cast pass (the second read of the rows hits the cache)."""
+    pid = tl.program_id(0)
+    rows = pid * BR + tl.arange(0, BR)
+    rm = rows < R
+    r64 = rows.to(tl.int64)[:, None]
+    if HAS_SCALE:
+        s = tl.load(scale_in_ptr + rows.to(tl.int64) * ss, mask=rm, other=1.0)
+    else:
+        acc = tl.full([BR, BC], 0.0, tl.float32)
+        for c0 in range(0, C, BC):
+            cols = c0 + tl.arange(0, BC)
+            m = rm[:, None] & (cols < C)[None, :]
+            x = tl.load(x_ptr + r64 * sxr + cols.to(tl.int64)[None, :] * sxc, mask=m, other=0.0)
+            acc = tl.maximum(acc, _magnitude(x.to(tl.float32)))
+        s = _fp32_scale(_amax(acc, 1), FMAX, POW2, EPS)
+        tl.store(scale_ptr + rows.to(tl.int64) * ss, s, mask=rm)
+    for c0 in range(0, C, BC):
+        cols = c0 + tl.arange(0, BC)
+        m = rm[:, None] & (cols < C)[None, :]
+        c64 = cols.to(tl.int64)[None, :]
+        x = tl.load(x_ptr + r64 * sxr + c64 * sxc, mask=m, other=0.0).to(tl.float32)
+        code = _fp8_bits(_scaled(x, s[:, None]), FMAX, BIAS, MBITS, FNUZ).to(tl.uint8)
+        tl.store(out_ptr + r64 * sor + c64 * soc, code, mask=m)
+
+
+# ------------------------------------------------------------ 1 x b blocks (groups)
+
+
+@triton.jit
+def cast_groups_kernel(
+    x_ptr, scale_in_ptr, out_ptr, scale_ptr, R, C, NB, BLK, sxr, sxc, sor, soc, ssr, ssc,
+    HAS_SCALE: tl.constexpr, E8M0: tl.constexpr, FLOOR: tl.constexpr, POW2: tl.constexpr,
+    FMAX: tl.constexpr, EMAX: tl.constexpr, BIAS: tl.constexpr, MBITS: tl.constexpr, FNUZ: tl.constexpr,
+    EPS: tl.constexpr, BR: tl.constexpr, G: tl.constexpr, B: tl.constexpr,
+):  # fmt: skip
+    """BR rows x G blocks of BLK consecutive elements per program (``B``: BLK rounded up to a
+    power of two), one read: the per-block amax, scale (fp32, or e8m0 bytes), the cast."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    grp = tl.program_id(1) * G + tl.arange(0, G)
+    j = tl.arange(0, B)
+    cols = grp[None, :, None] * BLK + j[None, None, :]
+    m = (rows < R)[:, None, None] & (j < BLK)[None, None, :] & (cols < C)
+    r64 = rows.to(tl.int64)[:, None, None]
+    c64 = cols.to(tl.int64)
+    x = tl.load(x_ptr + r64 * sxr + c64 * sxc, mask=m, other=0.0).to(tl.float32)
+    sm = (rows < R)[:, None] & (grp < NB)[None, :]
+    sptr = rows.to(tl.int64)[:, None] * ssr + grp.to(tl.int64)[None, :] * ssc
+    if HAS_SCALE:
+        if E8M0:
+            s = _e8m0_to_fp32(tl.load(scale_in_ptr + sptr, mask=sm, other=127).to(tl.int32))
+        else:
+            s = tl.load(scale_in_ptr + sptr, mask=sm, other=1.0)
+    else:
+        amax = _amax(_magnitude(x), 2)
+        if E8M0:
+            byte = _e8m0_byte(amax, FMAX, EMAX, FLOOR, EPS)
+            tl.store(scale_ptr + sptr, byte.to(tl.uint8), mask=sm)
+            s = _e8m0_to_fp32(byte)
+        else:
+            s = _fp32_scale(amax, FMAX, POW2, EPS)
+            tl.store(scale_ptr + sptr, s, mask=sm)
+    code = _fp8_bits(_scaled(x, s[:, :, None]), FMAX, BIAS, MBITS, FNUZ).to(tl.uint8)
+    tl.store(out_ptr + r64 * sor + c64 * soc, code, mask=m)
+
+
+# -------------------------------------------------------------- br x bc blocks (tiles)
+
+
+@triton.jit
+def cast_tiles_kernel(
+    x_ptr, scale_in_ptr, out_ptr, out2_ptr, scale_ptr, R, C, BLK_R, BLK_C,
+    sxr, sxc, sor, soc, s2r, s2c, ssr, ssc,
+    HAS_SCALE: tl.constexpr, WRITE2: tl.constexpr, E8M0: tl.constexpr, FLOOR: tl.constexpr, POW2: tl.constexpr,
+    FMAX: tl.constexpr, EMAX: tl.constexpr, BIAS: tl.constexpr, MBITS: tl.constexpr, FNUZ: tl.constexpr,
+    EPS: tl.constexpr, SUB: tl.constexpr, BC: tl.constexpr,
+):  # fmt: skip
+    """One BLK_R x BLK_C block per program, in SUB-row slabs (``BC``: BLK_C rounded up to a
+    power of two): an amax pass, then the cast pass writing the data (and a second
+    layout); the block's scale stored once."""
+    tr = tl.program_id(0)
+    tc = tl.program_id(1)
+    jc = tl.arange(0, BC)
+    cols = tc * BLK_C + jc
+    cm = (jc < BLK_C) & (cols < C)
+    c64 = cols.to(tl.int64)[None, :]
+    if HAS_SCALE:
+        if E8M0:
+            s = _e8m0_to_fp32(tl.load(scale_in_ptr + tr * ssr + tc * ssc).to(tl.int32))
+        else:
+            s = tl.load(scale_in_ptr + tr * ssr + tc * ssc)
+    else:
+        acc = tl.full([SUB, BC], 0.0, tl.float32)
+        for r0 in range(0, BLK_R, SUB):
+            jr = r0 + tl.arange(0, SUB)
+            rows = tr * BLK_R + jr
+            m = ((jr < BLK_R) & (rows < R))[:, None] & cm[None, :]
+            x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * sxr + c64 * sxc, mask=m, other=0.0)
+            acc = tl.maximum(acc, _magnitude(x.to(tl.float32)))
+        amax = _amax(acc, None)
+        if E8M0:
+            byte = _e8m0_byte(amax, FMAX, EMAX, FLOOR, EPS)
+            tl.store(scale_ptr + tr * ssr + tc * ssc, byte.to(tl.uint8))
+            s = _e8m0_to_fp32(byte)
+        else:
+            s = _fp32_scale(amax, FMAX, POW2, EPS)
+            tl.store(scale_ptr + tr * ssr + tc * ssc, s)
+    for r0 in range(0, BLK_R, SUB):
+        jr = r0 + tl.arange(0, SUB)
+        rows = tr * BLK_R + jr
+        m = ((jr < BLK_R) & (rows < R))[:, None] & cm[None, :]
+        r64 = rows.to(tl.int64)[:, None]
+        x = tl.load(x_ptr + r64 * sxr + c64 * sxc, mask=m, other=0.0).to(tl.float32)
+        code = _fp8_bits(_scaled(x, s), FMAX, BIAS, MBITS, FNUZ).to(tl.uint8)
+        tl.store(out_ptr + r64 * sor + c64 * soc, code, mask=m)
+        if WRITE2:
+            tl.store(out2_ptr + r64 * s2r + c64 * s2c, code, mask=m)

@@ -1,0 +1,382 @@
+"""Fused FP8 casts: Triton kernels behind one ``torch.library.custom_op``.
+
+A cast in torch ops is an amax reduction, a handful of scalar ops for the scale, a
+multiply, a clamp and a conversion: about eight kernels in eager CUDA (inductor fuses them
+under torch.compile, which is why compiled code keeps :mod:`~f8tensor.kernels.reference`).
+Here a cast is, by construction:
+
+- tensorwise: two kernels. A partial-amax kernel writes one max per program into a
+  partials buffer; the cast kernel reduces the partials itself (every program, the same
+  order: deterministic, no atomics), computes the scale, writes the scale, the FP8 data
+  and, on request, the column-major copy the weight-gradient GEMM takes, in one pass. A
+  given (delayed) scale: the cast kernel alone.
+- rowwise (axiswise along the last dim, or along dim 0 of a 2D tensor), 1 x b blocks
+  (1x128, MX 1x32 with e8m0 scales, also b x 1 on the transposed view) and br x bc blocks
+  (128x128, with the column-major copy on request): one kernel each, which measures each
+  row's or block's amax, computes and stores its scale and writes the data.
+
+Why this mechanism:
+
+- ``torch.library.custom_op`` (``f8tensor::fused_cast``, with a fake implementation):
+  dispatch, torch.compile and export see one op with known output shapes and strides,
+  not Python that launches kernels.
+- Triton: it ships with every CUDA build of torch, so there is nothing to build or install.
+- The Triton interpreter (``TRITON_INTERPRET=1``) runs the same kernels on CPU tensors, so
+  the CPU test suite checks them bit for bit against the reference. The interpreter's own
+  float -> FP8 conversion is wrong, which is one reason for the next point.
+- FP8 rounding in integer arithmetic on the fp32 bits (``_triton_kernels._fp8_bits``):
+  exact and backend-independent (no fp8 conversion instruction, no float rounding trick a
+  compiler could contract into an FMA), for all four formats with their bias, range, NaN
+  and negative-zero rules. Scale math in float64, as ``scaling.py`` does it.
+
+The fused path is taken by :func:`f8tensor.kernels.cast` only when all hold: the input is
+a plain CUDA tensor, triton imports, not compiling, round-to-nearest, a granularity the
+kernels cover (:func:`plan`) on an input they can view as 2D, and ``F8TENSOR_FUSED_CASTS``
+is not ``0``. Everything else, the CPU above all, stays on the reference.
+``cast_with_stats`` and ``dequantize`` stay on the reference.
+
+Layer: ``kernels``; imports ``config``, ``formats``, ``scaling``; triton only when a fused
+cast runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import sys
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from f8tensor.config import CastSpec
+from f8tensor.formats import E8M0, FORMATS
+from f8tensor.scaling import EPS
+
+__all__ = ["ENV_VAR", "Plan", "available", "enabled", "fused_cast", "maybe_cast", "plan"]
+
+#: Set to ``0`` (or ``off``, ``false``, ``no``) to keep every cast on the reference.
+ENV_VAR = "F8TENSOR_FUSED_CASTS"
+
+# Tile shapes (elements per program: 4096 for the streaming kernels).
+_TENSOR_TILE = (32, 128)
+_ROWS_TILE = (32, 128)
+_GROUP_ELEMENTS = 128  # G * B per row of a groups program
+_GROUP_ROWS = 32
+_MAX_PARTIALS = 512
+_MAX_BLOCK = 1024  # the widest block (padded to a power of two) one program holds per row
+# No floating-point contraction: a product rounded on its own is the reference's product.
+_OPTIONS = {"enable_fp_fusion": False}
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+@functools.cache
+def available() -> bool:
+    """Whether triton imports."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def enabled() -> bool:
+    """Triton imports and ``F8TENSOR_FUSED_CASTS`` does not switch the fused path off."""
+    flag = os.environ.get(ENV_VAR, "1").strip().lower()
+    return flag not in ("0", "off", "false", "no") and available()
+
+
+@functools.cache
+def _kernels(interpret: bool):
+    """``_triton_kernels.py``, compiled or interpreted: ``triton.jit`` reads
+    ``TRITON_INTERPRET`` when it decorates, so each variant is its own module object."""
+    name = f"{__package__}._triton_kernels" + ("_interpreted" if interpret else "")
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("_triton_kernels.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    before = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
+    try:
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    finally:
+        if before is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = before
+    return module
+
+
+class _Format(NamedTuple):
+    fmax: float
+    bias: int
+    mbits: int
+    fnuz: bool
+    emax: int
+
+
+@functools.cache
+def _format(float8_dtype: torch.dtype) -> _Format:
+    fmt = FORMATS[float8_dtype]
+    fnuz = not fmt.has_negative_zero
+    bias = 2 ** (fmt.exponent_bits - 1) - 1 + int(fnuz)
+    return _Format(fmt.max, bias, fmt.mantissa_bits, fnuz, fmt.emax)
+
+
+class Plan(NamedTuple):
+    """How a cast maps onto the kernels: ``kind`` is ``"tensor"``, ``"rows"`` (one scale per
+    row), ``"groups"`` (1 x ``block`` blocks along rows) or ``"tiles"`` (``block`` = (br, bc));
+    ``transpose``: the kernel runs on the 2D transposed views (column-wise casts)."""
+
+    kind: str
+    transpose: bool = False
+    block: tuple[int, int] = (1, 1)
+
+
+def plan(hp: torch.Tensor, spec: CastSpec) -> Plan | None:
+    """The kernels' plan for casting ``hp`` per ``spec``, or None where the reference runs
+    (stochastic rounding, 0-dim inputs, blocks the kernels do not cover, inputs of more
+    than 2 dims that are not contiguous, zero (broadcast) strides)."""
+    if spec.rounding != "nearest" or hp.dim() == 0 or spec.float8_dtype not in FORMATS:
+        return None
+    if hp.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return None
+    if hp.dim() > 2 and not hp.is_contiguous():
+        return None
+    if 0 in hp.stride() and hp.numel() > 1:
+        return None
+    block = spec.block
+    e8m0 = spec.scale_dtype == E8M0
+    if not block:
+        return None if e8m0 else Plan("tensor")
+    if len(block) != hp.dim() or any(b < 0 for b in block):
+        return None
+    lead, last = block[:-1], block[-1]
+    if all(b == 1 for b in lead):
+        if last == 0:
+            return None if e8m0 else Plan("rows")
+        if 1 < last and _next_pow2(last) <= _MAX_BLOCK:
+            return Plan("groups", False, (1, last))
+        return None
+    if hp.dim() != 2:
+        return None
+    first = block[0]
+    if last == 1:  # column-wise: the row kernels on the transposed views
+        if first == 0:
+            return None if e8m0 else Plan("rows", True)
+        if 1 < first and _next_pow2(first) <= _MAX_BLOCK:
+            return Plan("groups", True, (1, first))
+        return None
+    if first > 1 and last > 1 and _next_pow2(last) <= _MAX_BLOCK:
+        return Plan("tiles", False, (first, last))
+    return None
+
+
+def _scale_shape(shape: tuple[int, ...], spec_block: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(1 if b == 0 else -(-s // b) for s, b in zip(shape, spec_block))
+
+
+def _data_like(hp: torch.Tensor, float8_dtype: torch.dtype) -> torch.Tensor:
+    """The FP8 output in the layout the reference's elementwise ops give it: column-major
+    for a 2D input whose dim 0 is the inner one, else contiguous. (The strides of a size-1
+    dim, which address nothing, may differ from the reference's.)"""
+    if hp.dim() == 2 and hp.shape[0] > 1 and hp.shape[1] > 1 and hp.stride(0) < hp.stride(1):
+        return torch.empty_strided(hp.shape, (1, hp.shape[0]), dtype=float8_dtype, device=hp.device)
+    return torch.empty(hp.shape, dtype=float8_dtype, device=hp.device)
+
+
+def _column_major(shape: tuple[int, ...], float8_dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.empty_strided(shape, (1, shape[0]), dtype=float8_dtype, device=device)
+
+
+def _as_2d(t: torch.Tensor) -> torch.Tensor:
+    if t.dim() == 1:
+        return t.unsqueeze(0)
+    if t.dim() > 2:
+        return t.view(-1, t.shape[-1])
+    return t
+
+
+def _allocate(
+    hp: torch.Tensor, float8_dtype: torch.dtype, block: list[int], e8m0: bool, has_scale: bool, column_major: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The op's outputs: data, the column-major copy (or an empty placeholder), the scale (an
+    empty placeholder when a scale was given)."""
+    device = hp.device
+    data = _data_like(hp, float8_dtype)
+    second = (
+        _column_major(tuple(hp.shape), float8_dtype, device)
+        if column_major
+        else torch.empty(0, dtype=float8_dtype, device=device)
+    )
+    if has_scale:
+        scale = torch.empty(0, dtype=torch.float32, device=device)
+    else:
+        shape = _scale_shape(tuple(hp.shape), tuple(block)) if block else ()
+        scale = torch.empty(shape, dtype=E8M0 if e8m0 else torch.float32, device=device)
+    return data, second, scale
+
+
+_SCHEMA = (
+    "(Tensor hp, Tensor? scale, ScalarType float8_dtype, int[] block, bool e8m0, str scale_mode, "
+    "bool power_of_2, bool column_major) -> (Tensor, Tensor, Tensor)"
+)
+
+
+@torch.library.custom_op("f8tensor::fused_cast", mutates_args=(), schema=_SCHEMA)
+def fused_cast(
+    hp: torch.Tensor,
+    scale: torch.Tensor | None,
+    float8_dtype: torch.dtype,
+    block: list[int],
+    e8m0: bool,
+    scale_mode: str,
+    power_of_2: bool,
+    column_major: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(data, column-major data or empty, scale or empty)``: the cast of ``hp`` per the
+    CastSpec fields given, by the Triton kernels (interpreted for CPU tensors)."""
+    spec = CastSpec(float8_dtype, tuple(block), E8M0 if e8m0 else torch.float32, scale_mode, power_of_2)
+    how = plan(hp, spec)
+    if how is None:
+        raise ValueError(f"fused_cast: no kernel for a {tuple(hp.shape)} {hp.dtype} input with {spec}")
+    if column_major and (hp.dim() != 2 or how.kind not in ("tensor", "tiles")):
+        raise ValueError(f"fused_cast: the column-major copy needs a 2D tensorwise or block cast; got {spec}")
+    data, second, out_scale = _allocate(hp, float8_dtype, block, e8m0, scale is not None, column_major)
+    _launch(how, hp, scale, spec, data, second if column_major else None, out_scale)
+    return data, second, out_scale
+
+
+@fused_cast.register_fake
+def _(hp, scale, float8_dtype, block, e8m0, scale_mode, power_of_2, column_major):
+    return _allocate(hp, float8_dtype, block, e8m0, scale is not None, column_major)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8)
+
+
+def _launch(
+    how: Plan,
+    hp: torch.Tensor,
+    scale: torch.Tensor | None,
+    spec: CastSpec,
+    data: torch.Tensor,
+    second: torch.Tensor | None,
+    out_scale: torch.Tensor,
+) -> None:
+    if hp.device.type == "cuda" and hp.device.index != torch.cuda.current_device():
+        # Triton launches on the current device.
+        with torch.cuda.device(hp.device):
+            _launch(how, hp, scale, spec, data, second, out_scale)
+        return
+    k = _kernels(hp.device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
+    f = _format(spec.float8_dtype)
+    fmt = {"FMAX": f.fmax, "BIAS": f.bias, "MBITS": f.mbits, "FNUZ": f.fnuz, "EPS": EPS}
+    has_scale = scale is not None
+    x, out = _as_2d(hp), _bytes(_as_2d(data))
+    out2 = _bytes(second) if second is not None else out
+    if how.kind == "tensor":
+        if x.stride(0) < x.stride(1) and x.shape[0] > 1 and x.shape[1] > 1:
+            # Layout-agnostic: read along the inner dim.
+            x, out, out2 = x.t(), out.t(), out2.t()
+        R, C = x.shape
+        br, bc = _TENSOR_TILE
+        tiles_c = max(1, -(-C // bc))  # a divisor in the kernels, also for C = 0
+        tiles = -(-R // br) * tiles_c
+        parts = max(1, min(tiles, _MAX_PARTIALS))
+        partials = torch.empty(parts, dtype=torch.float32, device=hp.device)
+        if not has_scale:
+            per = max(1, -(-tiles // parts))
+            k.amax_partials_kernel[(parts,)](x, partials, R, C, x.stride(0), x.stride(1), tiles_c, tiles, per, BR=br, BC=bc,
+                **_OPTIONS)
+        k.cast_tensor_kernel[(max(tiles, 1),)](
+            x, partials, parts, scale if has_scale else partials, out, out2, out_scale,
+            R, C, x.stride(0), x.stride(1), out.stride(0), out.stride(1), out2.stride(0), out2.stride(1), tiles_c,
+            HAS_SCALE=has_scale, WRITE2=second is not None, POW2=spec.power_of_2, **fmt,
+            BR=br, BC=bc, BP=_next_pow2(parts), **_OPTIONS,
+        )  # fmt: skip
+        return
+    # The scale read (given) or written (computed): e8m0 bytes through a uint8 view.
+    s = scale if scale is not None else out_scale
+    s2 = _as_2d(s.view(torch.uint8) if s.dtype == E8M0 else s)
+    e8m0 = spec.scale_dtype == E8M0
+    floor = spec.scale_mode == "floor"
+    if how.transpose:
+        x, out, s2 = x.t(), out.t(), s2.t()
+    R, C = x.shape
+    if how.kind == "rows":
+        br, bc = _ROWS_TILE
+        if R:
+            k.cast_rows_kernel[(-(-R // br),)](
+                x, s2, out, s2, R, C, x.stride(0), x.stride(1), out.stride(0), out.stride(1), s2.stride(0),
+                HAS_SCALE=has_scale, POW2=spec.power_of_2, **fmt, BR=br, BC=bc, **_OPTIONS,
+            )  # fmt: skip
+        return
+    if how.kind == "groups":
+        blk = how.block[1]
+        b = _next_pow2(blk)
+        g = max(1, _GROUP_ELEMENTS // b)
+        nb = -(-C // blk)
+        grid = (-(-R // _GROUP_ROWS), -(-nb // g))
+        if R and nb:
+            k.cast_groups_kernel[grid](
+                x, s2, out, s2, R, C, nb, blk, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
+                s2.stride(0), s2.stride(1),
+                HAS_SCALE=has_scale, E8M0=e8m0, FLOOR=floor, POW2=spec.power_of_2, EMAX=f.emax, **fmt,
+                BR=_GROUP_ROWS, G=g, B=b, **_OPTIONS,
+            )  # fmt: skip
+        return
+    blk_r, blk_c = how.block
+    grid = (-(-R // blk_r), -(-C // blk_c))
+    if not (R and C):
+        return
+    k.cast_tiles_kernel[grid](
+        x, s2, out, out2, s2, R, C, blk_r, blk_c,
+        x.stride(0), x.stride(1), out.stride(0), out.stride(1), out2.stride(0), out2.stride(1),
+        s2.stride(0), s2.stride(1),
+        HAS_SCALE=has_scale, WRITE2=second is not None, E8M0=e8m0, FLOOR=floor, POW2=spec.power_of_2,
+        EMAX=f.emax, **fmt, SUB=min(32, _next_pow2(blk_r)), BC=_next_pow2(blk_c),
+        num_warps=8, **_OPTIONS,
+    )  # fmt: skip
+
+
+def _given_scale_fits(hp: torch.Tensor, spec: CastSpec, scale: torch.Tensor) -> bool:
+    if type(scale) is not torch.Tensor or scale.device != hp.device:
+        return False
+    if not spec.block:
+        return scale.dim() == 0 and scale.dtype == torch.float32
+    if scale.dim() > 2 and not scale.is_contiguous():
+        return False
+    expected = _scale_shape(tuple(hp.shape), spec.block)
+    return tuple(scale.shape) == expected and scale.dtype == spec.scale_dtype
+
+
+# Tensors the kernels take as they are (a weight is an nn.Parameter); subclasses with
+# dispatch of their own (DTensor, fake tensors, the package's wrappers) take the reference.
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def maybe_cast(
+    hp: torch.Tensor, spec: CastSpec, scale: torch.Tensor | None = None, *, column_major: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``(data, column-major data (or an empty placeholder), scale)`` by the fused kernels,
+    or None where the reference must run (see the module docstring for when)."""
+    if torch.compiler.is_compiling() or type(hp) not in _PLAIN or not enabled():
+        return None
+    if hp.requires_grad and torch.is_grad_enabled():
+        return None
+    how = plan(hp, spec)
+    if how is None or (column_major and (hp.dim() != 2 or how.kind not in ("tensor", "tiles"))):
+        return None
+    if scale is not None and not _given_scale_fits(hp, spec, scale):
+        return None
+    data, second, out_scale = torch.ops.f8tensor.fused_cast(
+        hp, scale, spec.float8_dtype, list(spec.block), spec.scale_dtype == E8M0, spec.scale_mode,
+        spec.power_of_2, column_major,
+    )  # fmt: skip
+    return data, second, scale if scale is not None else out_scale
