@@ -31,6 +31,12 @@ blockwise and mxfp8 (1x128 / 128x128 blocks; bf16 is also measured at 128 for th
 
     python benchmarks/bench_eager_overhead.py                       # CPU, about a minute
     python benchmarks/bench_eager_overhead.py --breakdown           # also each recipe's ops by name
+    python benchmarks/bench_eager_overhead.py --cast-region         # also: one cast, eager vs a compiled region
+
+``--cast-region`` times one tensorwise cast of ``x (16, 64)`` (scale, data, inverse scale)
+three ways: the eager reference ops, the same function compiled once with
+``torch.compile(dynamic=True, fullgraph=True)`` and called from eager code (the
+"compiled regions" mechanism), and, on CUDA, the fused kernels (``kernels.cast_for_gemm``).
 
 Prints Markdown tables (with the command, versions and CPU) for BENCHMARKS.md.
 """
@@ -162,6 +168,8 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds (default 9, --quick 1)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per round (default 30, --quick 2)")
     parser.add_argument("--breakdown", action="store_true", help="also print each variant's ops and leaf kernels by name")
+    parser.add_argument("--cast-region", action="store_true",
+                        help="also time one cast: eager ops vs a compiled region (and the fused kernels on CUDA)")
     args = parser.parse_args(argv)
     rounds = args.rounds or (1 if args.quick else 9)
     steps = args.steps or (2 if args.quick else 30)
@@ -245,11 +253,48 @@ def main(argv=None) -> None:
             print(", ".join(f"{n} {c}" for n, c in ops.ops.most_common()))
             print(f"kernels {sum(kernel_names.values())}: " + ", ".join(f"{n} {c}" for n, c in kernel_names.most_common()))
             print()
+    if args.cast_region:
+        cast_region(device, rounds, steps)
     spread = [r["spread"] for r in rows if r["spread"] == r["spread"]]
     if spread:
         print(f"largest spread of per-round medians: +-{100 * max(spread):.1f}% "
               f"(median {100 * statistics.median(spread):.1f}%)")
     C.write_csv(args.csv, rows, env)
+
+
+def cast_region(device: torch.device, rounds: int, steps: int) -> None:
+    """One tensorwise cast at the tiny shape: eager reference ops vs a compiled region (vs
+    the fused kernels on CUDA), host time per call in interleaved rounds."""
+    from f8tensor import kernels
+    from f8tensor.config import CastSpec
+    from f8tensor.kernels import reference
+    from f8tensor.scaling import inverse_scale_of
+
+    spec = CastSpec(torch.float8_e4m3fn)
+    x = torch.randn(TOKENS, 64, device=device, dtype=torch.bfloat16)
+
+    def eager_cast():
+        data, scale = reference.cast(x, spec)
+        return data, scale, inverse_scale_of(scale)
+
+    region = torch.compile(eager_cast, dynamic=True, fullgraph=True)
+    calls = {"eager ops": eager_cast, "compiled region": region}
+    if device.type == "cuda":
+        calls["fused kernels"] = lambda: kernels.cast_for_gemm(x, spec)
+    for call in calls.values():
+        for _ in range(3):
+            call()  # compile, warm up
+    a, b = eager_cast()[0], region()[0]
+    same = torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    timings = C.interleaved(calls, rounds, steps, device)
+    print(f"### One tensorwise cast of x ({TOKENS}, 64) bf16 (data, scale, inverse): host time per call")
+    print()
+    print(C.markdown_table(["mechanism", "us/call", "+-"],
+                           [[name, C.fmt(1e3 * t.median, 1), C.fmt(100 * t.spread, 1) + "%"] for name, t in timings.items()],
+                           numeric=[False, True, True]))
+    print()
+    print(f"compiled region bitwise equal to the eager ops: {same}")
+    print()
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 
 from f8tensor.compat import current_graph_task_id, functional_all_reduce_max
-from f8tensor.config import CastConfig, CastSpec, Float8LinearConfig, GemmConfig
+from f8tensor.config import CastConfig, CastSpec, Float8LinearConfig, GemmConfig, is_tensorwise
 from f8tensor.fp4 import Float4Tensor, is_float4, to_float4, to_float4_with_stats
 from f8tensor.fp4 import transpose_2d as transpose_2d_fp4
 from f8tensor.gemm import matmul
@@ -33,7 +33,7 @@ from f8tensor.hadamard import RHT_SIZE, apply_rht
 from f8tensor.kernels.fp4 import FP4Spec
 from f8tensor.ops import transpose_2d
 from f8tensor.scaling import delayed_scale, materialized, push_amax, tensor_amax
-from f8tensor.tensor import Float8Tensor, dequantize, to_float8, to_float8_with_stats, with_inverse_scale
+from f8tensor.tensor import Float8Tensor, dequantize, to_float8_for_gemm, to_float8_with_stats, with_inverse_scale
 
 __all__ = [
     "DelayedBuffers",
@@ -117,12 +117,15 @@ def cast_operand(
     scale_buffer: torch.Tensor | None = None,
     recompute: bool = False,
     stats: torch.Tensor | None = None,
-) -> tuple[Float8Tensor, torch.Tensor | None]:
+    column_major: GemmConfig | None = None,
+) -> tuple[Float8Tensor, torch.Tensor | None, Float8Tensor | None]:
     """Cast one GEMM operand per its CastConfig (dynamic or delayed); its GEMM contracts
     over ``contracted_dim`` (see :meth:`CastConfig.operand_spec`).
 
-    Returns the FP8 tensor and, for a delayed cast, the current amax, which the caller
-    pushes into ``history`` (see :class:`Float8LinearFn`); for a dynamic cast ``None``.
+    Returns the FP8 tensor; for a delayed cast the current amax, which the caller pushes
+    into ``history`` (see :class:`Float8LinearFn`), for a dynamic cast ``None``; and with
+    ``column_major`` (the weight-gradient GEMM's config) the tensor's column-major twin,
+    written by the same cast where the cast is fused (else None).
     Delayed: the scale comes from ``history`` and is also written to ``scale_buffer``;
     with ``recompute`` (a checkpointed forward running again) the scale stored there by
     the original forward is used instead. ``stats``: the role's telemetry buffer, which
@@ -130,7 +133,10 @@ def cast_operand(
     """
     spec = cast.operand_spec(contracted_dim)
     if not cast.delayed:
-        return _cast(stats, hp, spec, gemm=gemm), None
+        if column_major is not None:
+            f8, twin = _cast_both(stats, hp, spec, gemm, column_major)
+            return f8, None, twin
+        return _cast(stats, hp, spec, gemm=gemm), None, None
     assert history is not None  # a delayed cast comes with its amax history
     # The scale comes from the history alone (unit scale while it is empty, see
     # delayed_scale), so the cast does not wait for the current amax. That amax, pushed
@@ -160,7 +166,7 @@ def cast_operand(
         amax_local = _amax_by_rows(hp)
     if scale_buffer is not None and not recompute:
         scale_buffer.copy_(scale)
-    return fp8, _sync_amax(amax_local)
+    return fp8, _sync_amax(amax_local), None if column_major is None else _column_major_copy(fp8, column_major)
 
 
 def _amax_by_rows(hp: torch.Tensor) -> torch.Tensor:
@@ -179,10 +185,49 @@ def _cast(
     """``to_float8``, or with ``stats`` its measuring twin, whose numbers overwrite ``stats``
     (never accumulate: a checkpointed forward that runs again writes the same)."""
     if stats is None:
-        return with_inverse_scale(to_float8(hp, spec, **kwargs))
+        return to_float8_for_gemm(hp, spec, **kwargs)[0]
     f8, measured = to_float8_with_stats(hp, spec, amax=amax, **kwargs)
     stats.copy_(measured)
     return with_inverse_scale(f8)
+
+
+def _cast_both(
+    stats: torch.Tensor | None, hp: torch.Tensor, spec: CastSpec, gemm: GemmConfig, column_major: GemmConfig
+) -> tuple[Float8Tensor, Float8Tensor]:
+    """:func:`_cast` of a 2D ``hp`` and its column-major twin (config ``column_major``), from
+    one pass where the cast is fused (with telemetry: the measuring cast, then a copy)."""
+    if stats is None:
+        f8, twin = to_float8_for_gemm(hp, spec, gemm=gemm, layouts="both", column_major_gemm=column_major)
+        if twin is not None:
+            return f8, twin
+    else:
+        f8 = _cast(stats, hp, spec, gemm=gemm)
+    return f8, _column_major_copy(f8, column_major)
+
+
+def _cast_second_operand(hp: torch.Tensor, spec: CastSpec, gemm: GemmConfig, scale: torch.Tensor | None = None) -> Float8Tensor:
+    """The weight cast for grad_x's product, whose second operand it is: on CUDA written
+    column-major, the layout every FP8 kernel reads its second operand in (the GEMM's
+    operand preparation would copy it otherwise); on CPU, where only the per-tensor
+    product needs that layout, as the cast lays it out for block scales (their reference
+    product reads any layout). Under torch.compile the layout is inductor's to place (a
+    column-major cast there would have the partitioner keep a transposed copy of the
+    weight for backward)."""
+    if not torch.compiler.is_compiling() and (hp.is_cuda or is_tensorwise(spec.block)):
+        return _cast_column_major(None, hp, spec, gemm, scale)
+    return _cast(None, hp, spec, scale=scale, gemm=gemm)
+
+
+def _cast_column_major(
+    stats: torch.Tensor | None, hp: torch.Tensor, spec: CastSpec, gemm: GemmConfig, scale: torch.Tensor | None = None
+) -> Float8Tensor:
+    """:func:`_cast` of a 2D ``hp`` with its bytes column-major: an operand only one GEMM
+    reads, as its second operand or as an operand of the weight-gradient GEMM (M
+    innermost), written so by the cast where it is fused (else copied, as the GEMM's
+    operand preparation would copy it)."""
+    if stats is None:
+        return to_float8_for_gemm(hp, spec, scale=scale, gemm=gemm, layouts="column_major")[0]
+    return _column_major_copy(_cast(stats, hp, spec, scale=scale, gemm=gemm))
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -276,9 +321,13 @@ class Float8LinearFn(torch.autograd.Function):
             assert x2 is not None  # delayed buffers: an FP8 input was dequantized above
             # This call's own scales, not the latest call's (see DelayedBuffers).
             scale_in, scale_w = _recorded_scales(*calls, _sync_amax(tensor_amax(x2)))
+        x8_cm = None
         if not isinstance(x, Float8Tensor):
             assert x2 is not None  # a high-precision input: reshaped above
-            x8, amax_x = cast_operand(x2, config.input, 1, fwd, config, hist_in, scale_in, recompute, st_in)
+            # The weight-gradient GEMM takes x8 with M innermost: written so by the cast.
+            x8, amax_x, x8_cm = cast_operand(
+                x2, config.input, 1, fwd, config, hist_in, scale_in, recompute, st_in, column_major=fwd if keep_fp8_input else None
+            )
         if isinstance(weight, Float8Tensor):  # FSDP2 float8 all-gather hands over an FP8 weight
             w8, amax_w = weight._replace(gemm=fwd), None
             if config.weight.delayed:
@@ -297,7 +346,7 @@ class Float8LinearFn(torch.autograd.Function):
             w8 = casts.get("forward", param, config, lambda: cast_operand(weight, config.weight, 1, fwd, config, stats=st_w)[0])
             amax_w = None
         else:
-            w8, amax_w = cast_operand(weight, config.weight, 1, fwd, config, hist_w, scale_w, recompute, st_w)
+            w8, amax_w, _ = cast_operand(weight, config.weight, 1, fwd, config, hist_w, scale_w, recompute, st_w)
         if calls is not None and not recompute:
             # x2 exists whenever amax_x is None (delayed buffers: an FP8 input was dequantized above).
             key = amax_x if amax_x is not None else _sync_amax(tensor_amax(x2))  # type: ignore[arg-type]
@@ -312,9 +361,11 @@ class Float8LinearFn(torch.autograd.Function):
         # to the same blocks), so its scale is not kept.
         reuse_w_scale = not isinstance(weight, Float8Tensor) and config.weight.tensorwise
         # The weight-gradient GEMM takes x8 with M innermost: lay the bytes out so now, while
-        # the cast writes them (see _column_major_copy).
+        # the cast writes them (see _column_major_copy; an FP8-gathered input is copied).
+        if keep_fp8_input and x8_cm is None:
+            x8_cm = _column_major_copy(x8)
         ctx.save_for_backward(
-            _column_major_copy(x8) if keep_fp8_input else x2, weight, w8._scale if reuse_w_scale else None, amax_x, amax_w
+            x8_cm if keep_fp8_input else x2, weight, w8._scale if reuse_w_scale else None, amax_x, amax_w
         )
         ctx.config = config
         ctx.weight_casts = weight_casts
@@ -368,16 +419,18 @@ class Float8LinearFn(torch.autograd.Function):
         # and cast that per token, so the gathered bytes serve as they are (re-casting W8
         # per column would cost ~3 dB of grad_x; see CHANGELOG). g8 is then only grad_x's.
         fold = need_grad_x and isinstance(weight, Float8Tensor) and _row_scaled(weight) and go_cfg.rowwise
+        # g8_cm: the weight-gradient GEMM's copy of g8 (M innermost), written by the cast's
+        # own pass (fused, or under torch.compile by inductor).
+        g8_cm = None
         if need_grad_x or (need_grad_w and gw_uses_g8) or go_cfg.delayed:
             g_x = g.float() / weight._scale.reshape(1, -1) if fold else g
-            g8, amax_g = cast_operand(g_x, go_cfg, 1, bwd, config, hist_go, stats=ctx.stats_go)
+            g8, amax_g, g8_cm = cast_operand(
+                g_x, go_cfg, 1, bwd, config, hist_go, stats=ctx.stats_go, column_major=bwd_w if need_grad_w and gw_uses_g8 else None
+            )
             if fold:
                 g8 = g8._replace(orig_dtype=g.dtype)  # grad_x comes out in grad_output's dtype
             if amax_g is not None:
                 push_amax(hist_go, amax_g)
-        # The weight-gradient GEMM's copy of g8 (M innermost), taken right at the cast so
-        # that inductor writes both layouts from the cast's pass.
-        g8_cm = _column_major_copy(g8, bwd_w) if g8 is not None and need_grad_w and gw_uses_g8 else None
 
         # grad_x = g @ W: contraction over N, so W's scale must be constant along dim 0.
         grad_x = None
@@ -395,17 +448,17 @@ class Float8LinearFn(torch.autograd.Function):
                 if config.weight.tensorwise:
                     w8 = casts.get("forward", param, config, lambda: _cast(None, weight, CastSpec(config.weight.dtype), scale=w_scale))
                 else:
-                    w8 = casts.get("backward", param, config, lambda: _cast(None, weight, config.weight.operand_spec(0)))
+                    w8 = casts.get("backward", param, config, lambda: _cast_second_operand(weight, config.weight.operand_spec(0), bwd))
                 w8 = w8._replace(gemm=bwd)
             elif not config.weight.tensorwise:
-                w8 = _cast(None, weight, config.weight.operand_spec(0), gemm=bwd)
+                w8 = _cast_second_operand(weight, config.weight.operand_spec(0), bwd)
             else:
                 # Same scale as in forward: the same FP8 bytes, without keeping them alive.
                 # A delayed scale was decided without this weight's amax: guard an inf in it
                 # as the forward cast did (cast_operand), or the clamp would make it the
                 # format's max and grad_x finite. A dynamic scale is NaN then already.
                 hp_w = torch.where(torch.isinf(weight), torch.nan, weight) if config.weight.delayed else weight
-                w8 = _cast(None, hp_w, CastSpec(config.weight.dtype), scale=w_scale, gemm=bwd)
+                w8 = _cast_second_operand(hp_w, CastSpec(config.weight.dtype), bwd, scale=w_scale)
             grad_x = _unrows(matmul(g8, w8), ctx.x_shape)  # type: ignore[arg-type]  # need_grad_x: g8 was cast
 
         # grad_W = g.t() @ x: contraction over M.
@@ -421,11 +474,11 @@ class Float8LinearFn(torch.autograd.Function):
                 else:
                     # When grad_x was not needed this is the only cast of grad_output: it
                     # then feeds the telemetry.
-                    gt8 = _column_major_copy(_cast(ctx.stats_go if g8 is None else None, g, go_cfg.operand_spec(0), gemm=bwd_w))
+                    gt8 = _cast_column_major(ctx.stats_go if g8 is None else None, g, go_cfg.operand_spec(0), bwd_w)
                 if isinstance(saved_x, Float8Tensor):
                     x8 = saved_x._replace(gemm=bwd_w)
                 else:
-                    x8 = _column_major_copy(_cast(None, saved_x, config.input.operand_spec(0), gemm=bwd_w))
+                    x8 = _cast_column_major(None, saved_x, config.input.operand_spec(0), bwd_w)
                 # Written in the weight's dtype (fp32 for fp32 master weights), not bf16:
                 # autograd needs the fp32 .grad anyway, and a bf16 output adds a rounding
                 # and an upcast pass. Bytes per weight element in eager: tensorwise route

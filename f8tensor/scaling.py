@@ -368,5 +368,11 @@ def stochastic_round(x: torch.Tensor, float8_dtype: torch.dtype, generator: torc
     ulp = ((e - fmt.mantissa_bits + 127) << 23).view(torch.float32)
     q = x / ulp
     lo = torch.floor(q)
-    u = torch.rand(x.shape, dtype=torch.float32, device=x.device, generator=generator)
+    # rand_like for the default generator: under torch.compile(dynamic=True) `rand` of a
+    # symbolic shape fails to trace once a generator argument (even None) is passed;
+    # rand_like draws the same numbers from the same generator state.
+    if generator is None:
+        u = torch.rand_like(x, dtype=torch.float32, memory_format=torch.contiguous_format)
+    else:
+        u = torch.rand(x.shape, dtype=torch.float32, device=x.device, generator=generator)
     return (lo + (u < q - lo).to(torch.float32)) * ulp

@@ -64,6 +64,7 @@ __all__ = [
     "is_float8",
     "scale_from_number",
     "to_float8",
+    "to_float8_for_gemm",
     "to_float8_with_stats",
     "with_inverse_scale",
 ]
@@ -144,8 +145,9 @@ class Float8Tensor(torch.Tensor):
     # The op table: aten overload -> handler(func, types, args, kwargs). Filled by ops.py.
     _OPS: ClassVar[dict[Any, OpHandler]] = {}
 
-    #: ``1 / _scale`` as the GEMMs read it, when the library's own cast computed it once
-    #: for every product of the tensor (:func:`with_inverse_scale`; eager only, else None).
+    #: ``1 / _scale`` as the GEMMs read it, when the library's own cast computed it (once
+    #: for every product of the tensor: :func:`with_inverse_scale`; or in the fused cast
+    #: kernel's pass: :func:`to_float8_for_gemm`; eager only, else None).
     #: A cache, not a field: never flattened, pickled or compared, and carried by
     #: :meth:`_replace` only while ``_scale`` stays the very same tensor. Only fresh
     #: temporaries of a training step carry one (never a tensor whose scale may later be
@@ -536,6 +538,33 @@ def to_float8(
     ``hp``'s dtype)."""
     data, scale = kernels.cast(hp, spec, scale, generator=generator)
     return Float8Tensor(data, scale, orig_dtype or hp.dtype, _tensor_block(spec, hp), gemm)
+
+
+def to_float8_for_gemm(
+    hp: torch.Tensor,
+    spec: CastSpec,
+    *,
+    scale: torch.Tensor | None = None,
+    gemm: GemmConfig = DEFAULT_GEMM,
+    layouts: str = "natural",
+    column_major_gemm: GemmConfig | None = None,
+) -> tuple[Float8Tensor, Float8Tensor | None]:
+    """:func:`to_float8` through ``kernels.cast_for_gemm``: the FP8 tensor and, with
+    ``layouts="both"``, its column-major twin (config ``column_major_gemm``, default
+    ``gemm``), else None. ``layouts="column_major"``: the tensor's own bytes column-major.
+    Both carry the scale's inverse where the cast computed it (``kernels.cast_for_gemm``;
+    see :func:`with_inverse_scale`)."""
+    out = kernels.cast_for_gemm(hp, spec, scale, layouts=layouts)
+    block = _tensor_block(spec, hp)
+    f8 = Float8Tensor(out.data, out.scale, hp.dtype, block, gemm)
+    twin = None
+    if out.column_major is not None:
+        twin = Float8Tensor(out.column_major, out.scale, hp.dtype, block, gemm if column_major_gemm is None else column_major_gemm)
+    if out.inverse is not None:
+        f8._inv_scale = out.inverse
+        if twin is not None:
+            twin._inv_scale = out.inverse
+    return f8, twin
 
 
 def with_inverse_scale(f8: Float8Tensor) -> Float8Tensor:

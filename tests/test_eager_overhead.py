@@ -213,3 +213,32 @@ def test_reduce_overhead_training_matches_eager(recipe):
         assert sqnr(a.float(), b.float()) >= 40.0
     # The graphs ran: inductor records each reason it fell back to plain launches.
     assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+
+
+#: Issue 26's targets, CUDA kernels per forward + ``.sum()`` + backward in this harness: the
+#: three GEMMs and the fused casts (two kernels for a per-tensor cast, one per row or block
+#: cast, each writing its scale's inverse and the layouts its GEMMs read), the loss and its
+#: gradient's fill.
+CUDA_KERNEL_TARGETS = {"tensorwise": 12, "rowwise": 14, "blockwise": 16, "mxfp8": 16}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", list(CUDA_KERNEL_TARGETS))
+def test_cuda_kernels_per_step(recipe, no_rules_check):
+    from f8tensor.kernels import triton_cast
+
+    if not triton_cast.enabled():
+        pytest.skip("the fused casts are off (triton missing or F8TENSOR_FUSED_CASTS=0)")
+    major = torch.cuda.get_device_capability()[0]
+    if recipe == "mxfp8" and major < 10:
+        pytest.skip("MXFP8 products need sm100 (below it they take the reference path)")
+    if recipe == "blockwise" and not compat.has_block_scaled_mm():
+        pytest.skip("no block-scaled F.scaled_mm in this torch (the reference path runs)")
+    bench = _bench()
+    device = torch.device("cuda")
+    k = 128 if recipe in bench.WIDE else 64
+    step = bench.make_step(bench.build("f8tensor", recipe, k, device), k, device)
+    step()
+    step()
+    _, kernels, names = bench.count_leaf_kernels(step, device)
+    assert kernels <= CUDA_KERNEL_TARGETS[recipe], f"{recipe}: {kernels} CUDA kernels: {dict(names)}"

@@ -60,3 +60,17 @@ def test_fp4_linear_compiles_fullgraph_and_matches_eager(recipe):
             assert torch.equal(a, b), f"{recipe} {dtype} step {step}: {name} differs ({sqnr(a, b):.1f} dB)"
     # One frame: forward and backward traced without a break, no recompile.
     assert counter.frame_count == 1 and counter.op_count > 0
+
+
+@pytest.mark.parametrize("recipe", ["nvfp4", "mxfp4"])
+def test_fp4_stochastic_gradients_compile_with_dynamic_shapes(recipe):
+    # Both recipes round gradients stochastically: the uniform draw of a symbolic shape must
+    # trace (a `rand` given generator=None did not), for every batch size.
+    layer = Float8Linear.from_float(nn.Linear(128, 64), Float8LinearConfig.from_recipe(recipe))
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True, dynamic=True)
+    for tokens in (32, 64):
+        x = torch.randn(tokens, 128, requires_grad=True)
+        y = compiled(x)
+        assert torch.equal(y, layer(x))  # forward rounds to nearest: the eager bits
+        y.sum().backward()
+        assert torch.isfinite(x.grad).all() and torch.isfinite(layer.weight.grad).all()

@@ -20,6 +20,7 @@ from f8tensor import kernels
 from f8tensor.config import CastSpec
 from f8tensor.formats import E8M0, FLOAT8_DTYPES, FORMATS
 from f8tensor.kernels import reference, triton_cast
+from f8tensor.scaling import inverse_scale_of
 
 E4M3 = torch.float8_e4m3fn
 HP_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -65,10 +66,23 @@ def assert_same(got, want, *, what: str = "") -> None:
     assert torch.equal(_bits(scale), _bits(ref_scale)), f"{what}: scales differ"
 
 
-def fused(hp, spec, scale=None, *, column_major=False):
-    out = triton_cast.maybe_cast(hp, spec, scale, column_major=column_major)
+def fused(hp, spec, scale=None, *, layouts=triton_cast.NATURAL):
+    out = triton_cast.maybe_cast(hp, spec, scale, layouts=layouts)
     assert out is not None, f"no fused kernel for {spec} on {tuple(hp.shape)}"
-    return out
+    data, second, s, inverse = out
+    check_inverse(inverse, s, what=str(spec))
+    return data, second, s
+
+
+def check_inverse(inverse, scale, *, what=""):
+    """The kernel's inverse scale is ``inverse_scale_of(scale)`` (torch's fp32 reciprocal;
+    e8m0: exact), bit for bit; a NaN's payload aside (what a NaN factor multiplies is NaN
+    whatever its bits)."""
+    want = inverse_scale_of(scale)
+    assert inverse.dtype == want.dtype and inverse.shape == want.shape, what
+    nan = torch.isnan(want.float())
+    assert torch.equal(nan, torch.isnan(inverse.float())), f"{what}: NaN inverses differ"
+    assert torch.equal(_bits(inverse)[~nan], _bits(want)[~nan]), f"{what}: inverse scales differ"
 
 
 def check(hp, spec, scale=None, *, what=""):
@@ -109,6 +123,19 @@ def test_given_scales(name):
     _, scale = reference.cast(hp * 0.25, spec)  # some other tensor's scale: saturation happens
     data, _, s = fused(hp, spec, scale)
     assert s is scale
+    assert_same((data, s), reference.cast(hp, spec, scale), what=name)
+
+
+@pytest.mark.parametrize("name", ["1x128", "128x128", "mx_rceil"])
+def test_given_scales_of_another_layout(name):
+    """A given block scale laid out column-major: read through its strides, and its inverse
+    written with the same layout."""
+    spec = spec_of(name)
+    hp = sample((260, 300), torch.bfloat16, seed=18)
+    scale = reference.cast(hp * 0.5, spec)[1]
+    strided = scale.t().contiguous().t()
+    assert strided.stride() != scale.stride() and torch.equal(_bits(strided), _bits(scale))
+    data, _, s = fused(hp, spec, strided)
     assert_same((data, s), reference.cast(hp, spec, scale), what=name)
 
 
@@ -240,23 +267,48 @@ def test_column_major_copy(name, given, shape):
     spec = spec_of(name)
     hp = sample(shape, torch.bfloat16, seed=9)
     scale = reference.cast(hp * 3, spec)[1] if given else None
-    data, cm, s = fused(hp, spec, scale, column_major=True)
-    ref_data, ref_cm, ref_scale = kernels.cast_with_column_major(hp, spec, scale)  # CPU: the reference
-    assert_same((data, s), (ref_data, ref_scale), what=name)
-    assert cm.stride() == ref_cm.stride() == (1, shape[0])
-    assert torch.equal(_bits(cm), _bits(ref_cm)) and torch.equal(_bits(cm), _bits(data))
+    data, cm, s = fused(hp, spec, scale, layouts=triton_cast.BOTH)
+    ref = kernels.cast_for_gemm(hp, spec, scale, layouts="both")  # CPU: the reference
+    assert_same((data, s), (ref.data, ref.scale), what=name)
+    assert cm.stride() == ref.column_major.stride() == (1, shape[0])
+    assert torch.equal(_bits(cm), _bits(ref.column_major)) and torch.equal(_bits(cm), _bits(data))
 
 
-def test_cast_with_column_major_reference():
-    """The reference: the cast's bytes in a (1, rows)-strided buffer."""
+@pytest.mark.parametrize("given", [False, True])
+@pytest.mark.parametrize("name", list(GRANULARITIES))
+def test_column_major_data(name, given):
+    """``layouts=COLUMN_MAJOR``: the cast writes its bytes column-major, every granularity
+    (the weight-gradient GEMM's operands, which nothing else reads)."""
+    spec = spec_of(name)
+    hp = sample((130, 200), torch.bfloat16, seed=17)
+    scale = reference.cast(hp * 3, spec)[1] if given else None
+    data, second, s = fused(hp, spec, scale, layouts=triton_cast.COLUMN_MAJOR)
+    ref = kernels.cast_for_gemm(hp, spec, scale, layouts="column_major")
+    assert second is None and data.stride() == ref.data.stride() == (1, 130)
+    assert_same((data, s), (ref.data, ref.scale), what=name)
+    assert torch.equal(_bits(data), _bits(reference.cast(hp, spec, scale)[0]))
+
+
+def test_cast_for_gemm_reference():
+    """The reference: the cast's bytes (in a (1, rows)-strided buffer where asked), and a
+    per-tensor scale's inverse."""
     hp = sample((40, 24), seed=10)
-    data, cm, scale = kernels.cast_with_column_major(hp, CastSpec(E4M3))
     ref_data, ref_scale = reference.cast(hp, CastSpec(E4M3))
-    assert cm.stride() == (1, 40)
-    assert torch.equal(_bits(cm), _bits(ref_data)) and torch.equal(_bits(data), _bits(ref_data))
-    assert torch.equal(_bits(scale), _bits(ref_scale))
+    natural = kernels.cast_for_gemm(hp, CastSpec(E4M3))
+    both = kernels.cast_for_gemm(hp, CastSpec(E4M3), layouts="both")
+    cm = kernels.cast_for_gemm(hp, CastSpec(E4M3), layouts="column_major")
+    assert natural.column_major is None and cm.column_major is None
+    assert both.column_major.stride() == cm.data.stride() == (1, 40) and natural.data.stride() == (24, 1)
+    for data in (natural.data, both.data, both.column_major, cm.data):
+        assert torch.equal(_bits(data), _bits(ref_data))
+    for out in (natural, both, cm):
+        assert torch.equal(_bits(out.scale), _bits(ref_scale))
+        assert torch.equal(_bits(out.inverse), _bits(ref_scale.reciprocal()))
+    assert kernels.cast_for_gemm(hp, CastSpec(E4M3, (1, 0))).inverse is None  # row scales: per GEMM
     with pytest.raises(ValueError, match="takes a 2D tensor; got shape"):
-        kernels.cast_with_column_major(hp.reshape(2, 20, 24), CastSpec(E4M3))
+        kernels.cast_for_gemm(hp.reshape(2, 20, 24), CastSpec(E4M3), layouts="both")
+    with pytest.raises(ValueError, match="layouts must be one of"):
+        kernels.cast_for_gemm(hp, CastSpec(E4M3), layouts="transposed")
 
 
 # ------------------------------------------------------------------------------ routing
@@ -308,7 +360,8 @@ def test_cpu_casts_stay_on_the_reference(monkeypatch):
     hp = sample((64, 64), seed=11)
     for name in GRANULARITIES:
         assert_same(kernels.cast(hp, spec_of(name)), reference.cast(hp, spec_of(name)), what=name)
-    kernels.cast_with_column_major(hp, spec_of("tensorwise"))
+    for layouts in ("natural", "both", "column_major"):
+        kernels.cast_for_gemm(hp, spec_of("tensorwise"), layouts=layouts)
 
 
 def test_custom_op_registration():
@@ -318,10 +371,10 @@ def test_custom_op_registration():
     op = torch.ops.f8tensor.fused_cast.default
     hp = sample((130, 200), torch.bfloat16, seed=12)
     args = [
-        (hp, None, E4M3, [], False, "rceil", False, True),
-        (hp.t(), None, E4M3, [1, 0], False, "rceil", False, False),
-        (hp, None, E4M3, [1, 32], True, "floor", False, False),
-        (hp, None, E4M3, [128, 128], False, "rceil", True, True),
+        (hp, None, E4M3, [], False, "rceil", False, triton_cast.BOTH),
+        (hp.t(), None, E4M3, [1, 0], False, "rceil", False, triton_cast.NATURAL),
+        (hp, None, E4M3, [1, 32], True, "floor", False, triton_cast.COLUMN_MAJOR),
+        (hp, None, E4M3, [128, 128], False, "rceil", True, triton_cast.BOTH),
     ]
     for a in args:
         real = op(*a)
@@ -366,20 +419,20 @@ def test_kernels_compile_for_cuda(arch):
     built = [
         _compile_for(arch, k.amax_partials_kernel, {"x_ptr": bf16, "part_ptr": f32}, {"BR": 32, "BC": 128}),
         _compile_for(
-            arch, k.cast_tensor_kernel, {**io, "part_ptr": f32, "scale_in_ptr": f32, "scale_ptr": f32},
+            arch, k.cast_tensor_kernel, {**io, "part_ptr": f32, "scale_in_ptr": f32, "scale_ptr": f32, "inv_ptr": f32},
             {"HAS_SCALE": False, "WRITE2": True, "POW2": False, **fmt, "BR": 32, "BC": 128, "BP": 512},
         ),
         _compile_for(
-            arch, k.cast_rows_kernel, {**io, "scale_in_ptr": f32, "scale_ptr": f32},
+            arch, k.cast_rows_kernel, {**io, "scale_in_ptr": f32, "scale_ptr": f32, "inv_ptr": f32},
             {"HAS_SCALE": False, "POW2": True, **fmt, "BR": 32, "BC": 128},
         ),
         _compile_for(
-            arch, k.cast_groups_kernel, {**io, "scale_in_ptr": u8, "scale_ptr": u8},
+            arch, k.cast_groups_kernel, {**io, "scale_in_ptr": u8, "scale_ptr": u8, "inv_ptr": u8},
             {"HAS_SCALE": False, "E8M0": True, "FLOOR": False, "POW2": False, "EMAX": 8, **fmt,
              "BR": 32, "G": 4, "B": 32},
         ),
         _compile_for(
-            arch, k.cast_tiles_kernel, {**io, "scale_in_ptr": f32, "scale_ptr": f32},
+            arch, k.cast_tiles_kernel, {**io, "scale_in_ptr": f32, "scale_ptr": f32, "inv_ptr": f32},
             {"HAS_SCALE": False, "WRITE2": True, "E8M0": False, "FLOOR": False, "POW2": False, "EMAX": 8, **fmt,
              "SUB": 32, "BC": 128},
             num_warps=8,
@@ -434,10 +487,12 @@ def test_cuda_rounding_at_every_code_boundary(float8_dtype):
 @pytest.mark.parametrize("name", ["tensorwise", "128x128"])
 def test_cuda_column_major_copy(name):
     hp = sample((1030, 700), torch.bfloat16, seed=15).cuda()
-    data, cm, scale = kernels.cast_with_column_major(hp, spec_of(name))
+    data, cm, scale, _ = kernels.cast_for_gemm(hp, spec_of(name), layouts="both")
     ref_data, ref_scale = reference.cast(hp, spec_of(name))
     assert_same((data, scale), (ref_data, ref_scale), what=name)
     assert cm.stride() == (1, 1030) and torch.equal(_bits(cm), _bits(ref_data))
+    only = kernels.cast_for_gemm(hp, spec_of(name), layouts="column_major").data
+    assert only.stride() == (1, 1030) and torch.equal(_bits(only), _bits(ref_data))
 
 
 @pytest.mark.gpu
@@ -461,7 +516,7 @@ def test_cuda_kernels_per_cast(name, given, column_major, expected):
     spec = spec_of(name)
     scale = reference.cast(hp, spec)[1] if given else None
     if column_major:
-        launched = _cuda_kernels(lambda: kernels.cast_with_column_major(hp, spec, scale))
+        launched = _cuda_kernels(lambda: kernels.cast_for_gemm(hp, spec, scale, layouts="both"))
     else:
         launched = _cuda_kernels(lambda: kernels.cast(hp, spec, scale))
     assert len(launched) == expected, launched

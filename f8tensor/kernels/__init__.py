@@ -5,8 +5,9 @@ Below the tensor (``f8tensor.tensor`` wraps what these return in a Float8Tensor)
 product use the same casts. Four functions, each the one place its kind of call goes:
 
 - :func:`cast`: ``(hp, spec, scale=None) -> (data, scale)``;
-- :func:`cast_with_column_major`: the same, plus the data laid out column-major (the
-  layout the weight-gradient GEMM takes), written by the same cast;
+- :func:`cast_for_gemm`: the same, with what a step's GEMMs read written by the same
+  cast: the data column-major, or a column-major copy too (the layout the
+  weight-gradient GEMM takes), and a per-tensor scale's inverse;
 - :func:`cast_with_stats`: the same, plus the telemetry vector (:data:`CAST_STATS_FIELDS`);
 - :func:`dequantize`: ``(data, scale, block, dtype) -> hp``.
 
@@ -24,14 +25,16 @@ Layer: above ``scaling``; imports ``scaling``, ``config``, ``formats``, ``compat
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from f8tensor.config import CastSpec
 from f8tensor.kernels import reference, triton_cast
 from f8tensor.kernels.reference import CAST_STATS_FIELDS, cast_with_stats, dequantize
-from f8tensor.scaling import materialized
+from f8tensor.scaling import inverse_scale_of, materialized
 
-__all__ = ["CAST_STATS_FIELDS", "cast", "cast_with_column_major", "cast_with_stats", "dequantize"]
+__all__ = ["CAST_STATS_FIELDS", "GemmCast", "cast", "cast_for_gemm", "cast_with_stats", "dequantize"]
 
 
 def cast(
@@ -50,25 +53,58 @@ def cast(
     return reference.cast(hp, spec, scale, generator=generator)
 
 
-def cast_with_column_major(
-    hp: torch.Tensor, spec: CastSpec, scale: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`cast` of a 2D ``hp``, also returning the data laid out column-major (strides
-    ``(1, rows)``): ``(data, data_column_major, scale)``.
+class GemmCast(NamedTuple):
+    """What :func:`cast_for_gemm` returns: the FP8 data (column-major with
+    ``layouts="column_major"``), its column-major copy (``layouts="both"``, else None), the
+    scale, and its inverse where the cast computed it (the fused kernels: every scale; the
+    reference in eager mode: a per-tensor scale; else None)."""
 
-    Fused (a tensorwise or br x bc block cast of an eager CUDA tensor): the cast kernel
-    writes both layouts in its one pass. Otherwise the reference cast and a copy of its
-    bytes into a column-major buffer (under torch.compile, inductor writes the copy from
-    the cast's own loop).
+    data: torch.Tensor
+    column_major: torch.Tensor | None
+    scale: torch.Tensor
+    inverse: torch.Tensor | None
+
+
+#: ``layouts`` of :func:`cast_for_gemm`, as the fused op numbers them.
+_LAYOUTS = {"natural": triton_cast.NATURAL, "both": triton_cast.BOTH, "column_major": triton_cast.COLUMN_MAJOR}
+
+
+def cast_for_gemm(
+    hp: torch.Tensor, spec: CastSpec, scale: torch.Tensor | None = None, *, layouts: str = "natural"
+) -> GemmCast:
+    """:func:`cast` with what the GEMMs of a training step read, from the same pass.
+
+    ``layouts``: ``"natural"`` (the data as :func:`cast` lays it out), ``"both"`` (also a
+    column-major copy, strides ``(1, rows)``: the layout the weight-gradient GEMM takes) or
+    ``"column_major"`` (the data itself column-major: a cast only that GEMM reads); the
+    last two for 2D tensors. The scale's inverse, the factor the GEMMs read, comes with it
+    where computing it here saves work: from the fused kernels for every scale, from the
+    reference for a per-tensor scale (which two GEMMs read) in eager mode (under
+    torch.compile inductor places the reciprocal); else ``inverse`` is None.
+
+    Fused (eager CUDA, see :mod:`~f8tensor.kernels.triton_cast`): the cast kernel writes
+    every layout asked for and the inverse in its one pass (``"both"`` for tensorwise and
+    tile casts; ``"column_major"`` for every granularity) and the inverse in its one pass.
+    Otherwise the reference cast, a copy of its bytes into a column-major buffer (under
+    torch.compile, inductor writes the copy from the cast's own loop) and a reciprocal.
     """
-    if hp.dim() != 2:
-        raise ValueError(f"cast_with_column_major takes a 2D tensor; got shape {tuple(hp.shape)}")
+    code = _LAYOUTS.get(layouts)
+    if code is None:
+        raise ValueError(f"layouts must be one of {sorted(_LAYOUTS)}; got {layouts!r}")
+    if layouts != "natural" and hp.dim() != 2:
+        raise ValueError(f"cast_for_gemm(layouts={layouts!r}) takes a 2D tensor; got shape {tuple(hp.shape)}")
     if hp.is_cuda:
-        fused = triton_cast.maybe_cast(hp, spec, scale, column_major=True)
+        fused = triton_cast.maybe_cast(hp, spec, scale, layouts=code)
         if fused is not None:
-            return fused
+            return GemmCast(*fused)
     data, scale = reference.cast(hp, spec, scale)
+    inverse = inverse_scale_of(scale) if scale.dim() == 0 and not torch.compiler.is_compiling() else None
+    if layouts == "natural":
+        return GemmCast(data, None, scale, inverse)
     rows = data.shape[0]
-    column_major = torch.empty_strided(data.shape, (1, rows), dtype=data.dtype, device=data.device)
-    column_major.copy_(data)
-    return data, materialized(column_major, (1, rows)), scale
+    copy = torch.empty_strided(data.shape, (1, rows), dtype=data.dtype, device=data.device)
+    copy.copy_(data)
+    copy = materialized(copy, (1, rows))
+    if layouts == "both":
+        return GemmCast(data, copy, scale, inverse)
+    return GemmCast(copy, None, scale, inverse)

@@ -129,6 +129,21 @@ def _e8m0_to_fp32(byte):
     return bits.to(tl.float32, bitcast=True)
 
 
+@triton.jit
+def _fp32_inverse(s):
+    """torch's fp32 reciprocal of ``s``, correctly rounded: the float64 quotient rounded once
+    to fp32 is the correctly rounded fp32 quotient (53 >= 2 * 24 + 2 bits: no double
+    rounding). The dequantization factor the GEMMs read."""
+    return (1.0 / s.to(tl.float64)).to(tl.float32)
+
+
+@triton.jit
+def _e8m0_inverse(byte):
+    """The e8m0 byte of ``1 / 2**(byte - 127)``: ``2**(127 - (byte - 127))``, i.e. ``254 -
+    byte`` (exact: powers of two); NaN (255) stays NaN."""
+    return tl.where(byte == 255, 255, 254 - byte)
+
+
 # ------------------------------------------------------------------------ tensorwise
 
 
@@ -155,14 +170,15 @@ def amax_partials_kernel(
 
 @triton.jit
 def cast_tensor_kernel(
-    x_ptr, part_ptr, n_part, scale_in_ptr, out_ptr, out2_ptr, scale_ptr,
+    x_ptr, part_ptr, n_part, scale_in_ptr, out_ptr, out2_ptr, scale_ptr, inv_ptr,
     R, C, sxr, sxc, sor, soc, s2r, s2c, tiles_c,
     HAS_SCALE: tl.constexpr, WRITE2: tl.constexpr, POW2: tl.constexpr,
     FMAX: tl.constexpr, BIAS: tl.constexpr, MBITS: tl.constexpr, FNUZ: tl.constexpr, EPS: tl.constexpr,
     BR: tl.constexpr, BC: tl.constexpr, BP: tl.constexpr,
 ):  # fmt: skip
     """One tile per program: reduce the partials (or read the given scale), scale, cast,
-    store the data (and its second layout); program 0 stores the scale."""
+    store the data (and its second layout); program 0 stores the scale (when computed)
+    and its inverse, the dequantization factor the GEMMs read."""
     pid = tl.program_id(0)
     if HAS_SCALE:
         s = tl.load(scale_in_ptr)
@@ -171,6 +187,7 @@ def cast_tensor_kernel(
         amax = _amax(tl.load(part_ptr + offs, mask=offs < n_part, other=0.0), None)
         s = _fp32_scale(amax, FMAX, POW2, EPS)
         tl.store(scale_ptr, s, mask=pid == 0)
+    tl.store(inv_ptr, _fp32_inverse(s), mask=pid == 0)
     rows = (pid // tiles_c) * BR + tl.arange(0, BR)
     cols = (pid % tiles_c) * BC + tl.arange(0, BC)
     m = (rows < R)[:, None] & (cols < C)[None, :]
@@ -188,7 +205,7 @@ def cast_tensor_kernel(
 
 @triton.jit
 def cast_rows_kernel(
-    x_ptr, scale_in_ptr, out_ptr, scale_ptr, R, C, sxr, sxc, sor, soc, ss,
+    x_ptr, scale_in_ptr, out_ptr, scale_ptr, inv_ptr, R, C, sxr, sxc, sor, soc, ss,
     HAS_SCALE: tl.constexpr, POW2: tl.constexpr,
     FMAX: tl.constexpr, BIAS: tl.constexpr, MBITS: tl.constexpr, FNUZ: tl.constexpr, EPS: tl.constexpr,
     BR: tl.constexpr, BC: tl.constexpr,
@@ -210,6 +227,7 @@ def cast_rows_kernel(
             acc = tl.maximum(acc, _magnitude(x.to(tl.float32)))
         s = _fp32_scale(_amax(acc, 1), FMAX, POW2, EPS)
         tl.store(scale_ptr + rows.to(tl.int64) * ss, s, mask=rm)
+    tl.store(inv_ptr + rows.to(tl.int64) * ss, _fp32_inverse(s), mask=rm)
     for c0 in range(0, C, BC):
         cols = c0 + tl.arange(0, BC)
         m = rm[:, None] & (cols < C)[None, :]
@@ -224,7 +242,7 @@ def cast_rows_kernel(
 
 @triton.jit
 def cast_groups_kernel(
-    x_ptr, scale_in_ptr, out_ptr, scale_ptr, R, C, NB, BLK, sxr, sxc, sor, soc, ssr, ssc,
+    x_ptr, scale_in_ptr, out_ptr, scale_ptr, inv_ptr, R, C, NB, BLK, sxr, sxc, sor, soc, ssr, ssc,
     HAS_SCALE: tl.constexpr, E8M0: tl.constexpr, FLOOR: tl.constexpr, POW2: tl.constexpr,
     FMAX: tl.constexpr, EMAX: tl.constexpr, BIAS: tl.constexpr, MBITS: tl.constexpr, FNUZ: tl.constexpr,
     EPS: tl.constexpr, BR: tl.constexpr, G: tl.constexpr, B: tl.constexpr,
@@ -243,7 +261,8 @@ def cast_groups_kernel(
     sptr = rows.to(tl.int64)[:, None] * ssr + grp.to(tl.int64)[None, :] * ssc
     if HAS_SCALE:
         if E8M0:
-            s = _e8m0_to_fp32(tl.load(scale_in_ptr + sptr, mask=sm, other=127).to(tl.int32))
+            byte = tl.load(scale_in_ptr + sptr, mask=sm, other=127).to(tl.int32)
+            s = _e8m0_to_fp32(byte)
         else:
             s = tl.load(scale_in_ptr + sptr, mask=sm, other=1.0)
     else:
@@ -255,6 +274,10 @@ def cast_groups_kernel(
         else:
             s = _fp32_scale(amax, FMAX, POW2, EPS)
             tl.store(scale_ptr + sptr, s, mask=sm)
+    if E8M0:
+        tl.store(inv_ptr + sptr, _e8m0_inverse(byte).to(tl.uint8), mask=sm)
+    else:
+        tl.store(inv_ptr + sptr, _fp32_inverse(s), mask=sm)
     code = _fp8_bits(_scaled(x, s[:, :, None]), FMAX, BIAS, MBITS, FNUZ).to(tl.uint8)
     tl.store(out_ptr + r64 * sor + c64 * soc, code, mask=m)
 
@@ -264,7 +287,7 @@ def cast_groups_kernel(
 
 @triton.jit
 def cast_tiles_kernel(
-    x_ptr, scale_in_ptr, out_ptr, out2_ptr, scale_ptr, R, C, BLK_R, BLK_C,
+    x_ptr, scale_in_ptr, out_ptr, out2_ptr, scale_ptr, inv_ptr, R, C, BLK_R, BLK_C,
     sxr, sxc, sor, soc, s2r, s2c, ssr, ssc,
     HAS_SCALE: tl.constexpr, WRITE2: tl.constexpr, E8M0: tl.constexpr, FLOOR: tl.constexpr, POW2: tl.constexpr,
     FMAX: tl.constexpr, EMAX: tl.constexpr, BIAS: tl.constexpr, MBITS: tl.constexpr, FNUZ: tl.constexpr,
@@ -281,7 +304,8 @@ def cast_tiles_kernel(
     c64 = cols.to(tl.int64)[None, :]
     if HAS_SCALE:
         if E8M0:
-            s = _e8m0_to_fp32(tl.load(scale_in_ptr + tr * ssr + tc * ssc).to(tl.int32))
+            byte = tl.load(scale_in_ptr + tr * ssr + tc * ssc).to(tl.int32)
+            s = _e8m0_to_fp32(byte)
         else:
             s = tl.load(scale_in_ptr + tr * ssr + tc * ssc)
     else:
@@ -300,6 +324,10 @@ def cast_tiles_kernel(
         else:
             s = _fp32_scale(amax, FMAX, POW2, EPS)
             tl.store(scale_ptr + tr * ssr + tc * ssc, s)
+    if E8M0:
+        tl.store(inv_ptr + tr * ssr + tc * ssc, _e8m0_inverse(byte).to(tl.uint8))
+    else:
+        tl.store(inv_ptr + tr * ssr + tc * ssc, _fp32_inverse(s))
     for r0 in range(0, BLK_R, SUB):
         jr = r0 + tl.arange(0, SUB)
         rows = tr * BLK_R + jr

@@ -120,7 +120,12 @@ def e2m1_encode(x: torch.Tensor, rounding: str = "nearest", generator: torch.Gen
     units = mag / step  # exact: a division by a power of two
     if rounding == "stochastic":
         low = units.floor()
-        draw = torch.rand(units.shape, generator=generator, device=units.device, dtype=torch.float32)
+        # As scaling.stochastic_round: rand_like for the default generator traces under
+        # torch.compile(dynamic=True), where `rand` given generator=None does not.
+        if generator is None:
+            draw = torch.rand_like(units, dtype=torch.float32, memory_format=torch.contiguous_format)
+        else:
+            draw = torch.rand(units.shape, generator=generator, device=units.device, dtype=torch.float32)
         units = low + (draw < units - low).to(torch.float32)
     else:
         units = units.round()

@@ -54,7 +54,7 @@ from f8tensor.config import CastSpec
 from f8tensor.formats import E8M0, FORMATS
 from f8tensor.scaling import EPS
 
-__all__ = ["ENV_VAR", "Plan", "available", "enabled", "fused_cast", "maybe_cast", "plan"]
+__all__ = ["BOTH", "COLUMN_MAJOR", "ENV_VAR", "NATURAL", "Plan", "available", "enabled", "fused_cast", "maybe_cast", "plan"]
 
 #: Set to ``0`` (or ``off``, ``false``, ``no``) to keep every cast on the reference.
 ENV_VAR = "F8TENSOR_FUSED_CASTS"
@@ -202,28 +202,40 @@ def _as_2d(t: torch.Tensor) -> torch.Tensor:
 
 
 def _allocate(
-    hp: torch.Tensor, float8_dtype: torch.dtype, block: list[int], e8m0: bool, has_scale: bool, column_major: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The op's outputs: data, the column-major copy (or an empty placeholder), the scale (an
-    empty placeholder when a scale was given)."""
+    hp: torch.Tensor, float8_dtype: torch.dtype, block: list[int], e8m0: bool, scale: torch.Tensor | None, layouts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The op's outputs: data (column-major for ``layouts == COLUMN_MAJOR``), the
+    column-major copy (``layouts == BOTH``; else an empty placeholder), the scale (an empty
+    placeholder when ``scale`` was given) and the scale's inverse, laid out as the scale
+    in use (the dequantization factors the GEMMs read)."""
     device = hp.device
-    data = _data_like(hp, float8_dtype)
+    if layouts == COLUMN_MAJOR:
+        data = _column_major(tuple(hp.shape), float8_dtype, device)
+    else:
+        data = _data_like(hp, float8_dtype)
     second = (
         _column_major(tuple(hp.shape), float8_dtype, device)
-        if column_major
+        if layouts == BOTH
         else torch.empty(0, dtype=float8_dtype, device=device)
     )
-    if has_scale:
-        scale = torch.empty(0, dtype=torch.float32, device=device)
+    scale_dtype = E8M0 if e8m0 else torch.float32
+    if scale is not None:
+        out_scale = torch.empty(0, dtype=torch.float32, device=device)
+        inverse = torch.empty_strided(scale.shape, scale.stride(), dtype=scale_dtype, device=device)
     else:
         shape = _scale_shape(tuple(hp.shape), tuple(block)) if block else ()
-        scale = torch.empty(shape, dtype=E8M0 if e8m0 else torch.float32, device=device)
-    return data, second, scale
+        out_scale = torch.empty(shape, dtype=scale_dtype, device=device)
+        inverse = torch.empty(shape, dtype=scale_dtype, device=device)
+    return data, second, out_scale, inverse
 
+
+#: ``layouts`` of the op: the data as the reference lays it out; that and a column-major
+#: copy; the data column-major only (what the weight-gradient GEMM alone reads).
+NATURAL, BOTH, COLUMN_MAJOR = 0, 1, 2
 
 _SCHEMA = (
     "(Tensor hp, Tensor? scale, ScalarType float8_dtype, int[] block, bool e8m0, str scale_mode, "
-    "bool power_of_2, bool column_major) -> (Tensor, Tensor, Tensor)"
+    "bool power_of_2, int layouts) -> (Tensor, Tensor, Tensor, Tensor)"
 )
 
 
@@ -236,24 +248,29 @@ def fused_cast(
     e8m0: bool,
     scale_mode: str,
     power_of_2: bool,
-    column_major: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(data, column-major data or empty, scale or empty)``: the cast of ``hp`` per the
-    CastSpec fields given, by the Triton kernels (interpreted for CPU tensors)."""
+    layouts: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(data, column-major copy or empty, scale or empty, inverse scale)``: the
+    cast of ``hp`` per the CastSpec fields given, by the Triton kernels (interpreted for
+    CPU tensors). ``layouts``: :data:`NATURAL`, :data:`BOTH` or :data:`COLUMN_MAJOR`."""
     spec = CastSpec(float8_dtype, tuple(block), E8M0 if e8m0 else torch.float32, scale_mode, power_of_2)
     how = plan(hp, spec)
     if how is None:
         raise ValueError(f"fused_cast: no kernel for a {tuple(hp.shape)} {hp.dtype} input with {spec}")
-    if column_major and (hp.dim() != 2 or how.kind not in ("tensor", "tiles")):
+    if layouts not in (NATURAL, BOTH, COLUMN_MAJOR):
+        raise ValueError(f"fused_cast: layouts must be 0 (natural), 1 (both) or 2 (column-major); got {layouts}")
+    if layouts == BOTH and (hp.dim() != 2 or how.kind not in ("tensor", "tiles")):
         raise ValueError(f"fused_cast: the column-major copy needs a 2D tensorwise or block cast; got {spec}")
-    data, second, out_scale = _allocate(hp, float8_dtype, block, e8m0, scale is not None, column_major)
-    _launch(how, hp, scale, spec, data, second if column_major else None, out_scale)
-    return data, second, out_scale
+    if layouts == COLUMN_MAJOR and hp.dim() != 2:
+        raise ValueError(f"fused_cast: column-major data needs a 2D input; got shape {tuple(hp.shape)}")
+    data, second, out_scale, inverse = _allocate(hp, float8_dtype, block, e8m0, scale, layouts)
+    _launch(how, hp, scale, spec, data, second if layouts == BOTH else None, out_scale, inverse)
+    return data, second, out_scale, inverse
 
 
 @fused_cast.register_fake
-def _(hp, scale, float8_dtype, block, e8m0, scale_mode, power_of_2, column_major):
-    return _allocate(hp, float8_dtype, block, e8m0, scale is not None, column_major)
+def _(hp, scale, float8_dtype, block, e8m0, scale_mode, power_of_2, layouts):
+    return _allocate(hp, float8_dtype, block, e8m0, scale, layouts)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -268,11 +285,12 @@ def _launch(
     data: torch.Tensor,
     second: torch.Tensor | None,
     out_scale: torch.Tensor,
+    inverse: torch.Tensor,
 ) -> None:
     if hp.device.type == "cuda" and hp.device.index != torch.cuda.current_device():
         # Triton launches on the current device.
         with torch.cuda.device(hp.device):
-            _launch(how, hp, scale, spec, data, second, out_scale)
+            _launch(how, hp, scale, spec, data, second, out_scale, inverse)
         return
     k = _kernels(hp.device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
     f = _format(spec.float8_dtype)
@@ -295,7 +313,7 @@ def _launch(
             k.amax_partials_kernel[(parts,)](x, partials, R, C, x.stride(0), x.stride(1), tiles_c, tiles, per, BR=br, BC=bc,
                 **_OPTIONS)
         k.cast_tensor_kernel[(max(tiles, 1),)](
-            x, partials, parts, scale if has_scale else partials, out, out2, out_scale,
+            x, partials, parts, scale if has_scale else partials, out, out2, out_scale, inverse,
             R, C, x.stride(0), x.stride(1), out.stride(0), out.stride(1), out2.stride(0), out2.stride(1), tiles_c,
             HAS_SCALE=has_scale, WRITE2=second is not None, POW2=spec.power_of_2, **fmt,
             BR=br, BC=bc, BP=_next_pow2(parts), **_OPTIONS,
@@ -304,16 +322,18 @@ def _launch(
     # The scale read (given) or written (computed): e8m0 bytes through a uint8 view.
     s = scale if scale is not None else out_scale
     s2 = _as_2d(s.view(torch.uint8) if s.dtype == E8M0 else s)
+    # The inverse has the scale's shape and strides: the same offsets address both.
+    inv2 = _as_2d(inverse.view(torch.uint8) if inverse.dtype == E8M0 else inverse)
     e8m0 = spec.scale_dtype == E8M0
     floor = spec.scale_mode == "floor"
     if how.transpose:
-        x, out, s2 = x.t(), out.t(), s2.t()
+        x, out, s2, inv2 = x.t(), out.t(), s2.t(), inv2.t()
     R, C = x.shape
     if how.kind == "rows":
         br, bc = _ROWS_TILE
         if R:
             k.cast_rows_kernel[(-(-R // br),)](
-                x, s2, out, s2, R, C, x.stride(0), x.stride(1), out.stride(0), out.stride(1), s2.stride(0),
+                x, s2, out, s2, inv2, R, C, x.stride(0), x.stride(1), out.stride(0), out.stride(1), s2.stride(0),
                 HAS_SCALE=has_scale, POW2=spec.power_of_2, **fmt, BR=br, BC=bc, **_OPTIONS,
             )  # fmt: skip
         return
@@ -325,7 +345,7 @@ def _launch(
         grid = (-(-R // _GROUP_ROWS), -(-nb // g))
         if R and nb:
             k.cast_groups_kernel[grid](
-                x, s2, out, s2, R, C, nb, blk, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
+                x, s2, out, s2, inv2, R, C, nb, blk, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
                 s2.stride(0), s2.stride(1),
                 HAS_SCALE=has_scale, E8M0=e8m0, FLOOR=floor, POW2=spec.power_of_2, EMAX=f.emax, **fmt,
                 BR=_GROUP_ROWS, G=g, B=b, **_OPTIONS,
@@ -336,7 +356,7 @@ def _launch(
     if not (R and C):
         return
     k.cast_tiles_kernel[grid](
-        x, s2, out, out2, s2, R, C, blk_r, blk_c,
+        x, s2, out, out2, s2, inv2, R, C, blk_r, blk_c,
         x.stride(0), x.stride(1), out.stride(0), out.stride(1), out2.stride(0), out2.stride(1),
         s2.stride(0), s2.stride(1),
         HAS_SCALE=has_scale, WRITE2=second is not None, E8M0=e8m0, FLOOR=floor, POW2=spec.power_of_2,
@@ -362,21 +382,26 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def maybe_cast(
-    hp: torch.Tensor, spec: CastSpec, scale: torch.Tensor | None = None, *, column_major: bool = False
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """``(data, column-major data (or an empty placeholder), scale)`` by the fused kernels,
-    or None where the reference must run (see the module docstring for when)."""
+    hp: torch.Tensor, spec: CastSpec, scale: torch.Tensor | None = None, *, layouts: int = NATURAL
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None] | None:
+    """``(data, column-major copy or None, scale, inverse scale or None)`` by the fused
+    kernels, or None where the reference must run (see the module docstring for when).
+    ``layouts``: :data:`NATURAL`, :data:`BOTH` (2D tensorwise or tile casts) or
+    :data:`COLUMN_MAJOR` (2D: ``data`` itself column-major). The scale's inverse (the
+    factor the GEMMs read) comes from the same kernel."""
     if torch.compiler.is_compiling() or type(hp) not in _PLAIN or not enabled():
         return None
     if hp.requires_grad and torch.is_grad_enabled():
         return None
     how = plan(hp, spec)
-    if how is None or (column_major and (hp.dim() != 2 or how.kind not in ("tensor", "tiles"))):
+    if how is None or (layouts != NATURAL and hp.dim() != 2):
+        return None
+    if layouts == BOTH and how.kind not in ("tensor", "tiles"):
         return None
     if scale is not None and not _given_scale_fits(hp, spec, scale):
         return None
-    data, second, out_scale = torch.ops.f8tensor.fused_cast(
+    data, second, out_scale, inverse = torch.ops.f8tensor.fused_cast(
         hp, scale, spec.float8_dtype, list(spec.block), spec.scale_dtype == E8M0, spec.scale_mode,
-        spec.power_of_2, column_major,
+        spec.power_of_2, layouts,
     )  # fmt: skip
-    return data, second, scale if scale is not None else out_scale
+    return data, second if layouts == BOTH else None, scale if scale is not None else out_scale, inverse
