@@ -23,6 +23,7 @@ from f8tensor import (
     Float8LinearConfig,
     Float8Tensor,
     MX_1x32,
+    compat,
     convert_to_float8_training,
     float8_stats,
     sqnr,
@@ -208,6 +209,10 @@ def test_tiny_transformer_trains_within_2_percent_of_bf16(recipe, tiny_gpt_and_t
 
 @pytest.mark.parametrize("recipe", ["rowwise", "mxfp8"])
 def test_stochastic_grad_output_compiles_with_dynamic_shapes(recipe):
+    if compat.TORCH_VERSION < (2, 12) and recipe in ("mxfp8", "mxfp4"):
+        # Measured: 2.11's dynamo asserts in overwrite_tensor_vt_proxy (autograd.Function)
+        # for these block recipes with stochastic gradients; 2.12 and later trace them.
+        pytest.skip("torch 2.11's dynamo asserts tracing this recipe's autograd.Function with dynamic shapes")
     # The uniform draw of a symbolic shape traces (a `rand` given generator=None did not).
     layer = Float8Linear.from_float(torch.nn.Linear(128, 64), _sr_grad_output(recipe))
     compiled = torch.compile(layer, backend="aot_eager", fullgraph=True, dynamic=True)

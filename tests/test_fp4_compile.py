@@ -14,7 +14,7 @@ import torch._dynamo
 import torch._dynamo.testing
 from torch import nn
 
-from f8tensor import Float8Linear, Float8LinearConfig
+from f8tensor import Float8Linear, Float8LinearConfig, compat
 
 
 def sqnr(ref: torch.Tensor, approx: torch.Tensor) -> float:
@@ -64,6 +64,10 @@ def test_fp4_linear_compiles_fullgraph_and_matches_eager(recipe):
 
 @pytest.mark.parametrize("recipe", ["nvfp4", "mxfp4"])
 def test_fp4_stochastic_gradients_compile_with_dynamic_shapes(recipe):
+    if compat.TORCH_VERSION < (2, 12) and recipe in ("mxfp8", "mxfp4"):
+        # Measured: 2.11's dynamo asserts in overwrite_tensor_vt_proxy (autograd.Function)
+        # for these block recipes with stochastic gradients; 2.12 and later trace them.
+        pytest.skip("torch 2.11's dynamo asserts tracing this recipe's autograd.Function with dynamic shapes")
     # Both recipes round gradients stochastically: the uniform draw of a symbolic shape must
     # trace (a `rand` given generator=None did not), for every batch size.
     layer = Float8Linear.from_float(nn.Linear(128, 64), Float8LinearConfig.from_recipe(recipe))
