@@ -231,7 +231,7 @@ def test_activation_checkpointing_inside_the_scope():
         assert torch.equal(a, b)
 
 
-def test_a_float8_linear_outside_a_model_and_conv1d_style_views():
+def test_a_float8_linear_outside_a_model():
     layer = Float8Linear(K, K, bias=False, config=Float8LinearConfig.from_recipe("tensorwise")).bfloat16()
     x = _batches(1)[0]
     with reuse_weight_casts(layer):
@@ -239,3 +239,24 @@ def test_a_float8_linear_outside_a_model_and_conv1d_style_views():
         b = layer(x)
         assert weight_casts_of(layer).hits == 1
     assert torch.equal(a, b)
+
+
+def test_hugging_face_conv1d_keys_on_its_parameter():
+    # Float8Conv1D hands the product a fresh transposed view each forward: the cache keys on
+    # the (in, out) Parameter itself, so the view's cast is reused, and dropped when it changes.
+    pytorch_utils = pytest.importorskip("transformers.pytorch_utils")
+    from f8tensor.linear import Float8Conv1D
+
+    torch.manual_seed(0)
+    conv = pytorch_utils.Conv1D(K, K).bfloat16()
+    layer = Float8Conv1D.from_conv1d(conv, Float8LinearConfig.from_recipe("rowwise"))
+    x = _batches(1)[0]
+    with reuse_weight_casts(layer):
+        a = layer(x)
+        b = layer(x)
+        assert weight_casts_of(layer).hits == 1 and torch.equal(a, b)
+        with torch.no_grad():
+            layer.weight.mul_(0.5)
+        c = layer(x)
+    assert weight_casts_of(layer) is None
+    assert torch.equal(c, layer(x)) and not torch.equal(a, c)
