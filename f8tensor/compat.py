@@ -62,6 +62,7 @@ __all__ = [
     "tree_map_only",
     "version_counter",
     "view_base",
+    "waited",
     "written_arguments",
 ]
 
@@ -327,8 +328,22 @@ def is_functorch_wrapped(t: torch.Tensor) -> bool:
 
 def functional_all_reduce_max(t: torch.Tensor, group: Any) -> torch.Tensor:
     """``torch.distributed._functional_collectives.all_reduce(t, "max", group)`` (torch >=
-    2.1): an all-reduce that returns a new tensor, traceable by torch.compile."""
-    return _funcol.all_reduce(t, "max", group)
+    2.1): an all-reduce that returns a new tensor, traceable by torch.compile; waited (see
+    :func:`waited`)."""
+    return waited(_funcol.all_reduce(t, "max", group))
+
+
+def waited(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with its collective finished: eager functional collectives (and DTensor's
+    ``redistribute``/``full_tensor``, which use them) return an ``AsyncCollectiveTensor``
+    (torch >= 2.1) whose collective runs until its first use, and a view of one stays one.
+    One that is stored (inside a ``Float8Tensor``, as a gradient) or never used can still be
+    in flight when the process group is destroyed, and gloo then aborts the process at exit
+    ("terminate called without an active exception"). Traced code gets plain tensors (the
+    compiler places the waits): they pass through."""
+    if isinstance(t, _funcol.AsyncCollectiveTensor):
+        return t.wait()
+    return t
 
 
 def dtensor_local(t: Any) -> torch.Tensor:

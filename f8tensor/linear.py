@@ -20,7 +20,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from f8tensor.compat import is_fake
+from f8tensor.compat import dtensor_local, is_fake
 from f8tensor.config import Float8LinearConfig
 from f8tensor.distributed.dtensor import float8_linear
 from f8tensor.distributed.fsdp import DelayedWeightSource, DTensor, Float8AllGatherWeight, wrap_weight
@@ -70,6 +70,19 @@ def _fresh_state(name: str, like: torch.Tensor, device: torch.device | str | Non
     fill = 1.0 if name in _SCALE_BUFFERS or name == _CALL_SCALES else -1.0 if name == _CALL_KEYS else 0.0
     return torch.full_like(like, fill, dtype=torch.float32, device=device)
 
+
+
+#: Why an FP4 or per-GEMM-format layer refuses tensor/sequence parallel (said the same way
+#: by the layer and by the FP8 styles of distributed.tp).
+NOT_ON_DTENSORS = (
+    "FP4 and per-GEMM-format configs do not run on DTensors (tensor or sequence parallel) yet; "
+    "use an FP8 recipe for the parallelized layers, or leave them unparallelized"
+)
+
+
+def _describe_cast(config: Float8LinearConfig) -> str:
+    cast = config.input
+    return f"{cast.dtype} {cast.granularity} {cast.scaling.value}"
 
 
 def _is_own_input_cast(x: Float8Tensor, config: Float8LinearConfig) -> bool:
@@ -220,11 +233,18 @@ class Float8Linear(nn.Linear):
         """What nn.Linear takes, restricted to what FP8 GEMMs can take; said at the entry."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"Float8Linear expects a tensor input; got {type(x).__name__}")
-        if isinstance(x, Float8Tensor):
+        f8 = dtensor_local(x) if isinstance(x, DTensor) and isinstance(dtensor_local(x), Float8Tensor) else x
+        if isinstance(f8, Float8Tensor):
             # Accepted only as this layer's own input cast would write it (an input gathered
-            # in FP8 by the sequence-parallel styles of distributed.tp).
-            if not _is_own_input_cast(x, self.config):
-                raise TypeError("Float8Linear casts its input itself: pass a high-precision tensor (call .to_hp() first)")
+            # in FP8 by the sequence-parallel styles of distributed.tp); never re-cast.
+            if not _is_own_input_cast(f8, self.config):
+                raise TypeError(
+                    "Float8Linear casts its input itself: pass a high-precision tensor (call .to_hp() first). "
+                    f"Got a Float8Tensor ({f8._data.dtype}, blocks {f8._block}) where this layer's input cast is "
+                    f"{_describe_cast(self.config)}; an input gathered by PrepareFloat8ModuleInput must be cast "
+                    "as its consumers cast it: pass config= this layer's Float8LinearConfig to "
+                    "PrepareFloat8ModuleInput (or leave config unset: it then follows the module's layers)"
+                )
             return
         if not x.is_floating_point() or x.dtype not in HP_DTYPES:
             allowed = ", ".join(str(d) for d in HP_DTYPES)
@@ -289,10 +309,7 @@ class Float8Linear(nn.Linear):
         stats = StatsBuffers(*(getattr(self, name) for name in STATS_BUFFERS)) if self.config.collect_stats else None
         if self.config.uses_gemm_formats:
             if any(isinstance(t, DTensor) for t in (x, weight, bias)):
-                raise NotImplementedError(
-                    "Float8Linear: FP4 and per-GEMM-format configs do not run on DTensors (tensor or sequence "
-                    "parallel) yet; use an FP8 recipe for the parallelized layers, or leave them unparallelized"
-                )
+                raise NotImplementedError(f"Float8Linear: {NOT_ON_DTENSORS}")
             return GemmFormatsLinearFn.apply(x, weight, bias, self.config, stats)
         # A delayed weight gathered in FP8 by FSDP2: its shard's amax, left here by the gather.
         weight_amax = self.__dict__.get("fsdp_weight_amax") if delayed is not None and self.config.enable_fsdp_float8_all_gather else None

@@ -187,7 +187,7 @@ def _gather_bytes(mesh) -> dict:
         f8 = float8_all_gather(local, mesh, 1, cast)
         out[recipe] = (f8._data.view(torch.uint8).clone(), f8._scale.clone(), f8._block)
     # A module input prepared once for several layers.
-    prep = PrepareFloat8ModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(_replicate(),))
+    prep = PrepareFloat8ModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(_replicate(),), use_local_output=True)
     f8 = prep._prepare_input_arg(local, mesh, Shard(1), _replicate())
     out["prepare"] = (f8._data.view(torch.uint8).clone(), f8._scale.clone(), f8._block)
     return out

@@ -55,7 +55,7 @@ if dist.is_available():
 else:  # a torch build without torch.distributed: nothing is ever a DTensor
     DTensor = ()  # type: ignore[misc,assignment]  # isinstance(x, ()) is always False
 
-__all__ = ["check_blocks_unbroken", "float8_linear"]
+__all__ = ["check_blocks_unbroken", "check_token_blocks_unbroken", "float8_linear"]
 
 
 def float8_linear(x, weight, bias, config: Float8LinearConfig, delayed, stats, weight_amax=None, weight_casts=None) -> torch.Tensor:
@@ -179,13 +179,61 @@ def _check_operands(config, mesh, x_shape, x_pl, w_shape, w_pl, y_pl) -> None:
     """Every GEMM operand's shards keep its blocks whole (see :func:`check_blocks_unbroken`)."""
     x2 = (math.prod(x_shape[:-1]), x_shape[-1])
     layer = f"Float8Linear(in_features={w_shape[1]}, out_features={w_shape[0]})"
-    # Placements of the 2D views: a sharded leading dim of x (tokens) is the rows' dim 0.
-    def flat(pl):
-        return [Shard(0) if isinstance(p, Shard) and p.dim % len(x_shape) != len(x_shape) - 1 else (Shard(1) if isinstance(p, Shard) else p) for p in pl]
+    y_shape = (*x_shape[:-1], w_shape[0])
+    # The GEMMs see the 2D views (tokens, features): a shard of a leading dim of x (the
+    # tokens) is checked here against the blocks along the tokens, on the N-D shape; the
+    # 2D check then sees only the feature shards.
+    check_token_blocks_unbroken(f"{layer} input", config.input, x_shape, x_pl, mesh)
+    check_token_blocks_unbroken(f"{layer} grad_output", config.grad_output, y_shape, y_pl, mesh)
 
-    check_blocks_unbroken(f"{layer} input", config.input, x2, flat(x_pl), mesh)
+    def features_only(pl, ndim):
+        return [Shard(1) if isinstance(p, Shard) and p.dim % ndim == ndim - 1 else (p if not isinstance(p, Shard) else Replicate()) for p in pl]
+
+    check_blocks_unbroken(f"{layer} input", config.input, x2, features_only(x_pl, len(x_shape)), mesh)
     check_blocks_unbroken(f"{layer} weight", config.weight, tuple(w_shape), list(w_pl), mesh)
-    check_blocks_unbroken(f"{layer} grad_output", config.grad_output, (x2[0], w_shape[0]), flat(y_pl), mesh)
+    check_blocks_unbroken(f"{layer} grad_output", config.grad_output, (x2[0], w_shape[0]), features_only(y_pl, len(x_shape)), mesh)
+
+
+def check_token_blocks_unbroken(what: str, cast: CastConfig, shape: Sequence[int], placements, mesh) -> None:
+    """Raise ``ValueError`` unless each rank's blocks along the tokens (the rows of the
+    ``(prod(shape[:-1]), shape[-1])`` view a GEMM reads, e.g. the 128-token blocks of the
+    blockwise weight gradient) are blocks of one process's view of the full tensor.
+
+    A shard of a leading dim ``d`` gives a rank, for each index of the dims before ``d``,
+    one run of ``chunk * prod(shape[d+1:-1])`` rows; the rank's view concatenates its runs.
+    Its blocks are one process's only where every run boundary, counted in the full view,
+    falls on a block boundary (the end of the view aside). ``Shard(1)`` of a (B, S, K) input
+    with B > 1 needs every rank's share of S to hold whole blocks: otherwise a rank's block
+    would mix batch entries where one process's does not."""
+    row_blocks = {b for spec in (cast.operand_spec(1), cast.operand_spec(0)) for b, along in _true_blocks(spec.block) if along == 0}
+    if not row_blocks:
+        return
+    sizes = list(shape)
+    ndim = len(sizes)
+    for mesh_dim, p in enumerate(placements):
+        if not isinstance(p, Shard) or p.dim % ndim == ndim - 1:
+            continue
+        d = p.dim % ndim
+        n = mesh.size(mesh_dim)
+        outer, inner = math.prod(sizes[:d]), math.prod(sizes[d + 1 : -1])
+        chunks = [len(c) for c in torch.arange(sizes[d]).chunk(n)] if sizes[d] else []
+        total = outer * sizes[d] * inner
+        for b in sorted(row_blocks):
+            pos = 0
+            for _ in range(outer):
+                for c in chunks:
+                    pos += c * inner
+                    if pos % b and pos != total:
+                        raise ValueError(
+                            f"{what}: Shard({p.dim}) of shape {tuple(shape)} over {n} ranks gives each rank runs of "
+                            f"{chunks[0] * inner} rows of the ({total}, {sizes[-1]}) tokens view"
+                            + (f", one per batch entry (the {outer} indices of dims before {d}), " if outer > 1 else ", ")
+                            + f"which cut its {b}-row scaling blocks: a rank's blocks would "
+                            + ("mix batch entries, unlike one process's. " if outer > 1 else "differ from one process's. ")
+                            + f"Make each rank's share of dim {d} times {inner} a multiple of {b} (e.g. a longer "
+                            f"sequence or fewer ranks), or shard dim 0 instead"
+                        )
+        sizes[d] = chunks[0] if chunks else 0
 
 
 def check_blocks_unbroken(what: str, cast: CastConfig, shape: Sequence[int], placements, mesh) -> None:
