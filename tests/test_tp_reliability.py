@@ -195,8 +195,9 @@ def test_prepare_float8_module_input_grad_matches_torch(ranks2, consumers, use_l
         ref = _ok(res[("torch", consumers, use_local_output)])
         got = _ok(res[("float8", consumers, use_local_output)])
         torch.testing.assert_close(got["y"], ref["y"], rtol=0, atol=0)
-        # Same FP8 bytes on both sides: equal up to the order of the fp32 sums (measured: inf dB).
-        assert_sqnr(ref["grad_x"], got["grad_x"], 100.0, f"rank {r} grad_x")
+        # Same FP8 bytes and the same collectives on both sides: bit for bit (the doubled
+        # gradient was 0 dB off).
+        torch.testing.assert_close(got["grad_x"], ref["grad_x"], rtol=0, atol=0, msg=f"rank {r} grad_x")
 
 
 def test_gather_leaves_no_collective_in_flight(ranks2):
@@ -217,8 +218,8 @@ def test_blockwise_sequence_parallel_weight_grad_matches_one_process(ranks2):
     layer = _blockwise_layer()
     x = _blockwise_input(256).requires_grad_()
     (layer(x).float().pow(2).sum() * 0.5).backward()
-    # Measured: 140 dB (fp32 rounding of the sum across ranks).
-    assert_sqnr(layer.weight.grad, got["grad_w"], 100.0, "grad_w")
+    # Measured: 129.3 dB (fp32 rounding of the sum across ranks; not bitwise).
+    assert_sqnr(layer.weight.grad, got["grad_w"], 115.0, "grad_w")
 
 
 def test_blockwise_sequence_parallel_refuses_blocks_that_mix_batch_entries(ranks2):
