@@ -10,7 +10,7 @@ communication allows it:
   all-gather (``input_layouts=Shard(d)``) moves the input cast to FP8, 1 byte per element
   (as ``torch.uint8``, which every backend moves), plus its scales; the gathered
   :class:`~f8tensor.tensor.Float8Tensor` feeds the layer's GEMM as is. An input that is
-  already a ``Float8Tensor`` (from :class:`PrepareFloat8ModuleInput`) passes through.
+  already gathered in FP8 (by :class:`PrepareFloat8ModuleInput`) is taken as torch takes it.
 - :class:`PrepareFloat8ModuleInput`: ``PrepareModuleInput`` whose ``Shard(d) ->
   Replicate()`` redistributions gather in FP8 the same way: gather once for a module
   whose several FP8 layers take the same input (attention's q, k, v; an MLP's w1 and w3).
@@ -29,10 +29,13 @@ e8m0, per row or block); the result again equals one process's cast. Gathering a
 take their scale from the layer's history and push the amax in backward: they gather in
 high precision, as torch's styles do.
 
-Backward: the input's gradient (a partial sum per rank: the layer's weight is sharded on
-N) is reduce-scattered back to the input's shards in high precision. The weight-gradient
-GEMM reuses the gathered FP8 input when it is tensorwise (the same bytes one process
-keeps); the other recipes re-cast it along the tokens from its dequantized values (one
+Backward: as torch's ``Shard(d) -> Replicate()`` redistribute. The gathered input is a
+replicated DTensor (over the ``Float8Tensor``) and its gradient goes back per the
+placement its consumers give it: a partial sum (column-parallel layers: the weight is
+sharded on N) is reduce-scattered to the shards in high precision; a replicated gradient
+(replicated consumers, or the plain tensor of ``use_local_output=True``) is split. The
+weight-gradient GEMM reuses the gathered FP8 input when it is tensorwise (the same bytes
+one process keeps); the other recipes re-cast it along the tokens from its dequantized values (one
 rounding more than one process, which casts the high-precision input).
 
 Layer: the top, with ``convert``; imports ``linear``, ``tensor``, ``scaling``, ``config``,
