@@ -30,7 +30,13 @@ import torch.nn.functional as F
 from helpers import free_port, run_processes
 from torch import nn
 
-from f8tensor import Float8AllGatherWeight, Float8Linear, Float8LinearConfig, Float8Tensor, precompute_float8_scales_for_fsdp
+from f8tensor import (
+    Float8AllGatherWeight,
+    Float8Linear,
+    Float8LinearConfig,
+    Float8Tensor,
+    precompute_float8_scales_for_fsdp,
+)
 from f8tensor.kernels import block_scale, cast
 
 BATCH = 4  # rows per rank
@@ -156,7 +162,7 @@ class _Count:
     def __init__(self, *names: str) -> None:
         self.names, self.n = names, dict.fromkeys(names, 0)
 
-    def __enter__(self) -> _Count:
+    def __enter__(self) -> _Count:  # noqa: PYI034 (typing.Self needs Python 3.11)
         self.orig = {name: getattr(dist, name) for name in self.names}
         for name, fn in self.orig.items():
 
@@ -205,6 +211,7 @@ def _scenario(rank: int, world: int, mesh, recipe: str) -> dict:
         # A NaN in the last rank's part of a block every rank shares: every rank's scale for
         # that block is NaN, as in one process (a MAX all-reduce may drop a NaN).
         with torch.no_grad():
+            model[0].weight.mul_(1.0)  # a write on every rank: the precomputed amaxes are dropped
             local = model[0].weight._local_tensor._hp
             if rank == world - 1 and local.numel():
                 local[-1, 0] = float("nan")
@@ -274,6 +281,12 @@ def test_cut_and_uneven_shards_gather_one_process_cast(run, recipe):
             assert r["exact_with_nan"] == [True] * n, (rank, r["exact_with_nan"])
 
 
+# Gradients against one process, in dB. 128x128 and MX blocks: the same backward casts,
+# only the order of the gradient sums differs. Rowwise: the gathered weight's row scales are
+# folded into grad_output before its per-token cast (functions.py), a second rounding.
+GRAD_MIN_DB = {"blockwise": 100.0, "mxfp8": 100.0, "rowwise": 20.0}
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_training_step_matches_one_process(run, recipe):
@@ -283,9 +296,9 @@ def test_training_step_matches_one_process(run, recipe):
         # The forward casts are the reference's, bit for bit: the loss to fp32 ulps.
         assert r["loss"] == pytest.approx(ref["reference_losses"][rank], rel=1e-6, abs=0)
         for name, g in ref["reference_grads"].items():
-            # Only the order of the gradient sums differs (measured: inf dB, 2 and 3 ranks).
             db = _sqnr_db(g, r["grads"][name])
-            assert db >= 100, f"{recipe} {name}.grad on rank {rank}: {db:.1f} dB"
+            print(f"DB {len(run)} {recipe} {name} {rank} {db:.1f}")
+            assert db >= GRAD_MIN_DB[recipe], f"{recipe} {name}.grad on rank {rank}: {db:.1f} dB"
 
 
 @pytest.mark.distributed
