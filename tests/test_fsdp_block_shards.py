@@ -282,8 +282,10 @@ def test_cut_and_uneven_shards_gather_one_process_cast(run, recipe):
 
 
 # Gradients against one process, in dB. 128x128 and MX blocks: the same backward casts,
-# only the order of the gradient sums differs. Rowwise: the gathered weight's row scales are
-# folded into grad_output before its per-token cast (functions.py), a second rounding.
+# only the order of the gradient sums differs (measured minimum: blockwise inf at 2 ranks,
+# 139.5 at 3; mxfp8 inf at 2, 156.9 at 3). Rowwise: the gathered weight's row scales are
+# folded into grad_output before its per-token cast (functions.py), a second rounding
+# (measured minimum: 31.1 dB at 2 ranks, 26.4 at 3).
 GRAD_MIN_DB = {"blockwise": 100.0, "mxfp8": 100.0, "rowwise": 20.0}
 
 
@@ -297,7 +299,6 @@ def test_training_step_matches_one_process(run, recipe):
         assert r["loss"] == pytest.approx(ref["reference_losses"][rank], rel=1e-6, abs=0)
         for name, g in ref["reference_grads"].items():
             db = _sqnr_db(g, r["grads"][name])
-            print(f"DB {len(run)} {recipe} {name} {rank} {db:.1f}")
             assert db >= GRAD_MIN_DB[recipe], f"{recipe} {name}.grad on rank {rank}: {db:.1f} dB"
 
 
