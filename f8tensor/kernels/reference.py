@@ -27,7 +27,7 @@ from f8tensor.scaling import (
     tensor_amax,
 )
 
-__all__ = ["CAST_STATS_FIELDS", "cast", "cast_with_stats", "dequantize"]
+__all__ = ["CAST_STATS_FIELDS", "block_scale", "cast", "cast_with_stats", "dequantize"]
 
 #: The entries of the vector :func:`cast_with_stats` returns, in this order.
 CAST_STATS_FIELDS: tuple[str, ...] = ("saturated_count", "underflow_count", "numel", "amax", "scale", "headroom_log2")
@@ -48,6 +48,17 @@ def cast(
     """
     data, scale, _, _, _ = _cast(hp, spec, scale, generator, need_amax=False)
     return data, scale
+
+
+def block_scale(amax: torch.Tensor, spec: CastSpec) -> torch.Tensor:
+    """The scales a dynamic block cast per ``spec`` derives from its block amaxes ``amax``
+    (any shape; fp32, or the tensor's own dtype, which widens exactly): e8m0 powers of two
+    for MX specs, else fp32 ``float8_max / amax`` (power-of-2 rounded if the spec asks).
+    The one rule :func:`cast` applies, for callers that measure or agree the amaxes
+    themselves (FSDP ranks that share a block) and pass the scale in."""
+    if spec.scale_dtype == E8M0:
+        return amax_to_e8m0_scale(amax, spec.float8_dtype, spec.scale_mode)
+    return amax_to_scale(amax, spec.float8_dtype, round_pow2=spec.power_of_2)
 
 
 def cast_with_stats(
@@ -113,10 +124,7 @@ def _cast(hp, spec: CastSpec, scale, generator, *, need_amax, amax=None):
         if scale is None:
             # Without stats the amax goes from hp's dtype straight to the scale's float64.
             amax = group_amax if group_amax is not None else block_abs_max(hp, block)
-            if spec.scale_dtype == E8M0:
-                scale = amax_to_e8m0_scale(amax, float8_dtype, spec.scale_mode)
-            else:
-                scale = amax_to_scale(amax, float8_dtype, round_pow2=spec.power_of_2)
+            scale = block_scale(amax, spec)
         # Deliberate upcast of e8m0 scales: powers of two, exact in fp32.
         scale32 = scale if scale.dtype == torch.float32 else scale.to(torch.float32)
         expanded = expand_block_scale(scale32, block, tuple(hp.shape))
