@@ -327,8 +327,22 @@ def is_functorch_wrapped(t: torch.Tensor) -> bool:
 
 def functional_all_reduce_max(t: torch.Tensor, group: Any) -> torch.Tensor:
     """``torch.distributed._functional_collectives.all_reduce(t, "max", group)`` (torch >=
-    2.1): an all-reduce that returns a new tensor, traceable by torch.compile."""
-    return _funcol.all_reduce(t, "max", group)
+    2.1): an all-reduce that returns a new tensor, traceable by torch.compile.
+
+    NaN-preserving: a MAX collective may drop a NaN that one rank holds (gloo measured:
+    ``max(nan, 1)`` is nan, ``max(1, nan)`` is 1), which would give every rank a finite
+    amax, hence a finite scale, where one process casting the whole tensor gets NaN. The
+    NaN flags are reduced beside the values in the same collective (``[t, isnan(t)]``,
+    NaN counted as inf in the values) and put back after, so the result is what one
+    process computes: NaN where any rank had NaN, else the largest value (inf included).
+    """
+    n = t.numel()
+    flags = t.isnan()
+    inf = float("inf")
+    values = torch.nan_to_num(t, nan=inf, posinf=inf, neginf=-inf)  # nan_to_num's defaults would clamp inf
+    packed = torch.cat([values.reshape(-1), flags.reshape(-1).to(t.dtype)])
+    out = _funcol.all_reduce(packed, "max", group)
+    return torch.where(out[n:] > 0, torch.full_like(out[:n], float("nan")), out[:n]).reshape(t.shape)
 
 
 def dtensor_local(t: Any) -> torch.Tensor:
