@@ -125,7 +125,14 @@ class Float4Tensor(torch.Tensor):
         """Cast a bf16/fp16/fp32 tensor to FP4, differentiably (the gradient passes through).
 
         ``block``: default one scale per 16 (NVFP4) or 32 (MXFP4) elements along the last
-        dim; ``pack_dim``: the dim two elements share a byte along."""
+        dim; ``pack_dim``: the dim two elements share a byte along.
+
+        Raises:
+            TypeError: ``hp`` is not a bf16/fp16/fp32 tensor; ``four_over_six`` not a bool;
+                ``generator`` not a ``torch.Generator``.
+            ValueError: an unknown ``kind``, ``scale_mode`` or ``rounding``; ``pack_dim`` not an
+                int in ``[-ndim, ndim)`` or along an odd-sized dim; ``block`` not one int
+                ``>= 0`` per dim (0: the whole dim), or not tiling the tensor exactly."""
         return from_hp_fp4(hp, kind, block=block, pack_dim=pack_dim, scale_mode=scale_mode, rounding=rounding,
                            four_over_six=four_over_six, generator=generator)
 

@@ -27,7 +27,8 @@ neighbour in units of the spacing: unbiased). Values beyond 6 saturate to 6. A b
 an infinity or NaN gets a NaN scale (e4m3fn 0x7F, e8m0 0xFF), so it dequantizes to NaN,
 never to finite garbage; NVFP4's tensor amax is taken over the finite values, so the other
 blocks keep their scales. A block whose NVFP4 scale rounds to zero (its amax more than
-``2**9 * 448`` times below the tensor's) is flushed to zeros.
+``2**9 * 448`` times below the tensor's) is flushed to zeros. Dequantizing saturates to the
+target dtype's finite range (a finite value near the dtype's max can round up past it).
 
 Packing (what ``torch.float4_e2m1fn_x2`` and PyTorch's FP4 kernels read): along one dim,
 element ``2i`` in the low nibble and ``2i + 1`` in the high nibble of byte ``i``.
