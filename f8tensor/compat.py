@@ -138,6 +138,17 @@ def scaled_mm(
     outer-vector scales runs as the per-tensor kernel (scales 1, fp32 output), then
     ``* scale_a * scale_b`` in fp32, the bias in fp32, one cast: the rowwise kernel's
     epilogue order, and the numbers of f8tensor's post-scale route."""
+    if mat1.shape[-1] == 0:
+        # K = 0 (an empty batch's weight gradient contracts over no tokens): the product is
+        # zeros (+ the bias). torch's CPU per-tensor kernel returns its output uninitialized
+        # then (torch 2.13), so no kernel is asked.
+        acc = torch.zeros(mat1.shape[0], mat2.shape[1], dtype=torch.float32, device=mat1.device)
+        if bias is not None:
+            acc = acc + bias.float()
+        result = acc.to(out_dtype if out_dtype is not None else mat1.dtype)
+        if kwargs.get("out") is not None:
+            return kwargs["out"].copy_(result)
+        return result
     if not HAS_CPU_ROWWISE_SCALED_MM and mat1.device.type == "cpu" and (scale_a.numel() != 1 or scale_b.numel() != 1):
         one = torch.ones((), dtype=torch.float32, device=mat1.device)
         acc = _SCALED_MM(mat1, mat2, one, one, out_dtype=torch.float32, use_fast_accum=use_fast_accum)

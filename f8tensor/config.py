@@ -12,7 +12,7 @@ Float8Tensor's ``_block``); :func:`is_tensorwise`, :func:`axiswise_dim` and
 :meth:`CastConfig.operand_spec` turns a user's granularity into that block for one GEMM
 operand: linear layers, experts and grouped products all ask it.
 
-Layer: above ``formats``; imports ``formats`` and ``compat`` only.
+Layer: above ``formats``; imports ``formats``, ``hadamard`` (the seed check) and ``compat`` only.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 import torch
 
 from f8tensor.formats import E8M0, FLOAT4_X2, FLOAT8_DTYPES, FORMATS, HP_DTYPES, SCALE_DTYPES
+from f8tensor.hadamard import check_rht_seed
 
 __all__ = [
     "FP4_CAST_DTYPE",
@@ -582,7 +583,7 @@ class Float8LinearConfig:
       (:class:`GemmOverride`; a dict ``{("grad_weight", "input"): None, ...}`` is accepted):
       e.g. MXFP8 forward, NVFP4 grad_input, high-precision grad_weight. See :meth:`cast_for`.
     - ``hadamard_wgrad``: the random Hadamard transform (16x16, random signs from
-      ``hadamard_seed``) on both operands of the weight-gradient GEMM along the tokens,
+      ``hadamard_seed``, an int in ``[0, 2**64 - 1]``) on both operands of the weight-gradient GEMM along the tokens,
       before an FP4 cast: outliers are spread over their 16-block, and the product is
       unchanged in exact arithmetic. On in recipe ``"nvfp4"``.
     - ``four_over_six``: NVFP4 casts also try each block with 4 as its largest value and
@@ -594,7 +595,7 @@ class Float8LinearConfig:
     Raises:
         TypeError: a field of the wrong type (e.g. ``input`` not a :class:`CastConfig`).
         ValueError: a combination the GEMMs cannot run (see the message), e.g. FP4 casts with
-            delayed scaling.
+            delayed scaling; a ``hadamard_seed`` outside ``[0, 2**64 - 1]``.
     """
 
     input: CastConfig = CastConfig(_E4M3)
@@ -616,8 +617,7 @@ class Float8LinearConfig:
         object.__setattr__(self, "gemm_overrides", _parse_overrides(self.gemm_overrides))
         for name in ("hadamard_wgrad", "four_over_six"):
             _check_bool("Float8LinearConfig", name, getattr(self, name))
-        if isinstance(self.hadamard_seed, bool) or not isinstance(self.hadamard_seed, int):
-            raise TypeError(f"Float8LinearConfig.hadamard_seed must be an int; got {self.hadamard_seed!r}")
+        check_rht_seed(self.hadamard_seed, "Float8LinearConfig.hadamard_seed")
         for name in ("input", "weight", "grad_output"):
             if not isinstance(getattr(self, name), CastConfig):
                 raise TypeError(f"Float8LinearConfig.{name} must be a CastConfig; got {getattr(self, name)!r}")
