@@ -166,8 +166,8 @@ def test_linear_gemm_operands_follow_their_contracted_dim(monkeypatch, recipe):
             assert torch.equal(out.float(), want.to(out.dtype).float()), f"{recipe} {gemm}: result differs"
         else:
             # torch._scaled_mm's CPU kernel: its own order of scaling and accumulation.
-            # Measured: >= 130 dB (fp32 rounding) in every dense case here.
-            assert_sqnr(want, out.float(), 100.0, f"{recipe} {gemm}")
+            # Measured: 138.5 dB (output), 138.5-199 dB (grad_input), 138.5-218 dB (grad_weight).
+            assert_sqnr(want, out.float(), 120.0, f"{recipe} {gemm}")
 
 
 def test_linear_results_are_the_reference_products(monkeypatch):
