@@ -322,3 +322,59 @@ def test_grouped_block_recipes_cast_each_expert_like_a_linear(monkeypatch, recip
             gran, f8, e8m0 = roles[role]
             deqs.append(assert_operand(op, ref, operand_block(gran, side), f8, e8m0, f"{recipe} expert {e} {gemm} {side}"))
         assert torch.equal(out.float(), (deqs[0] @ deqs[1]).to(out.dtype).float()), f"{recipe} expert {e} {gemm}"
+
+
+# ----------------------------------------------------------------------------- the CUDA-rules check
+
+
+def test_rules_check_records_a_block_product_no_kernel_takes():
+    """A (128, 1) @ (128, 128) product (the scales' blocks of the two operands): no block-scaled
+    kernel takes it (CUDA raises), so the check records it as a violation on CPU."""
+    from f8tensor import gemm
+
+    a8 = Float8Tensor.from_hp(spiky((64, 256), 20), granularity=(128, 1))
+    b8 = Float8Tensor.from_hp(spiky((256, 128), 21), granularity=(128, 128))
+    with gemm.rules_check(raise_on_violation=False) as check:
+        check.take()
+        calls = check.calls
+        torch.mm(a8, b8)
+        found = check.take()
+    assert check.calls == calls + 1
+    assert len(found) == 1 and "no CUDA kernel multiplies a block-(128, 1)" in found[0], found
+
+
+@pytest.mark.parametrize("grans", [((1, 128), (128, 128)), ((1, 128), (128, 1)), ((128, 128), (128, 1))], ids=str)
+def test_rules_check_records_legal_block_products_as_checked(grans):
+    """The three DeepSeek kernels' block pairs: each product is checked (counted) and legal."""
+    from f8tensor import gemm
+
+    a8 = Float8Tensor.from_hp(spiky((128, 256), 22), granularity=grans[0])
+    b8 = Float8Tensor.from_hp(spiky((256, 128), 23), granularity=grans[1])
+    with gemm.rules_check(raise_on_violation=False) as check:
+        check.take()
+        calls = check.calls
+        torch.mm(a8, b8)
+        found = check.take()
+    assert check.calls == calls + 1 and found == []
+
+
+# ----------------------------------------------------------------------------- in-place copy_
+
+
+@pytest.mark.parametrize("source", ["float8", "plain"])
+def test_copy_into_a_cast_with_a_cached_inverse_scale_gives_the_new_product(source):
+    """A tensorwise cast carries ``1 / scale`` for the products that read it
+    (``with_inverse_scale``); an in-place ``copy_`` writes a new scale, so a later product
+    must read the new inverse, not the cached one (8x off here: the source is 8x larger)."""
+    from f8tensor.tensor import with_inverse_scale
+
+    a, b = spiky((32, 64), 30), spiky((64, 48), 31)
+    dst = with_inverse_scale(Float8Tensor.from_hp(a))
+    assert dst._inv_scale is not None  # the cached inverse this test is about
+    new = 8 * spiky((32, 64), 32)
+    dst.copy_(Float8Tensor.from_hp(new) if source == "float8" else new)
+    want_a = ref_cast(new, (), E4M3, False)[2]
+    want_b = ref_cast(b, (), E4M3, False)[2]
+    out = torch.mm(dst, b)
+    # torch._scaled_mm's CPU kernel vs the fp32 product of the reference casts: measured 138 dB.
+    assert_sqnr(want_a @ want_b, out, 120.0, f"copy_ from a {source} tensor")
