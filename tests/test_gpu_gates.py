@@ -27,7 +27,8 @@ def _pretend(monkeypatch, sm: tuple[int, int], cuda: str) -> None:
         ((10, 0), "12.8", {"tensorwise", "rowwise", "mxfp8", "mxfp4", "nvfp4"}),
         ((12, 0), "13.0", {"tensorwise", "rowwise", "mxfp8", "nvfp4"}),
     ],
-    ids=str,
+    # Stable ids (a set's repr follows string hashing, which differs between processes).
+    ids=lambda v: "-".join(sorted(v)) if isinstance(v, set) else str(v),
 )
 def test_kernel_gate_follows_the_rules(monkeypatch, sm, cuda, runs):
     if not hasattr(torch.nn.functional, "scaled_mm"):
