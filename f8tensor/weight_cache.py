@@ -148,8 +148,11 @@ def reuse_weight_casts(model: nn.Module) -> Iterator[None]:
         >>> opt.step()
 
     An ``optimizer.step()`` inside the scope drops every cast, as does any tracked in-place
-    update of a weight, so a scope around a whole training loop is correct too (it then
-    saves nothing across steps). Writes through ``weight.data`` are not seen: none inside.
+    update of a weight and any ``torch.distributed`` collective on it (``dist.broadcast``),
+    so a scope around a whole training loop is correct too (it then saves nothing across
+    steps). Writes through ``weight.data`` by plain ops are not seen: none inside. Copies of
+    the model made inside (``copy.deepcopy``, ``torch.save``) carry no casts and are not
+    covered.
     Layers covered: :class:`~f8tensor.Float8Linear` and its subclasses with an FP8 recipe
     whose weight cast is dynamic and rounds to nearest (delayed weights record an amax per
     forward, stochastic ones draw fresh noise per forward, FP4 and per-GEMM-format configs,
