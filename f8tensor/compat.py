@@ -62,6 +62,7 @@ __all__ = [
     "tree_map_only",
     "version_counter",
     "view_base",
+    "watch_c10d_writes",
     "written_arguments",
 ]
 
@@ -354,6 +355,48 @@ def functional_all_reduce_max(t: torch.Tensor, group: Any) -> torch.Tensor:
     packed = torch.cat([values.reshape(-1), flags.reshape(-1).to(t.dtype)])
     out = _funcol.all_reduce(packed, "max", group)
     return torch.where(out[n:] > 0, torch.full_like(out[:n], float("nan")), out[:n]).reshape(t.shape)
+
+
+#: The c10d ops (``torch.distributed``'s collectives and point-to-point ops) that can write
+#: into a tensor argument. Their schemas carry no alias annotation, so autograd's version
+#: counter never sees these writes (torch 2.x).
+_C10D_WRITING_OPS = (
+    "broadcast_", "allreduce_", "allreduce_coalesced_", "reduce_", "allgather_", "_allgather_base_",
+    "allgather_coalesced_", "allgather_into_tensor_coalesced_", "reduce_scatter_", "_reduce_scatter_base_",
+    "reduce_scatter_tensor_coalesced_", "gather_", "scatter_", "alltoall_", "alltoall_base_", "recv_",
+    "recv_any_source_",
+)
+
+
+def watch_c10d_writes(callback: Callable[[list[torch.Tensor]], None]) -> Callable[[], None]:
+    """Call ``callback(tensors)`` (every tensor argument, written or read) before each
+    ``torch.distributed`` collective or receive runs, until the returned function is called.
+
+    A kernel for the ``ADInplaceOrView`` dispatch key of each c10d op (``torch.library``,
+    torch >= 2.0; those ops have none of their own): it calls back, then dispatches on below
+    that key, so the collective itself runs unchanged. Ops another library already claimed
+    at that key are not watched."""
+    if not torch.distributed.is_available():
+        return lambda: None
+    lib = torch.library.Library("c10d", "IMPL")  # noqa: TOR901 (kernels for existing ops)
+
+    def watcher(op: Any) -> Callable[..., Any]:
+        def kernel(*args: Any, **kwargs: Any) -> Any:
+            callback([t for t in _pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)])
+            with torch._C._AutoDispatchBelowADInplaceOrView():
+                return op(*args, **kwargs)
+
+        return kernel
+
+    for name in _C10D_WRITING_OPS:
+        packet = getattr(torch.ops.c10d, name, None)
+        if packet is None:
+            continue
+        try:
+            lib.impl(name, watcher(packet.default), "ADInplaceOrView")
+        except RuntimeError:  # a kernel is registered there already
+            continue
+    return lib._destroy
 
 
 def dtensor_local(t: Any) -> torch.Tensor:

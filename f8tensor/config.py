@@ -545,22 +545,38 @@ class GemmOverride(NamedTuple):
     cast: CastConfig | None
 
 
-def _parse_overrides(value: dict[Any, Any] | Iterable[Any]) -> tuple[GemmOverride, ...]:
-    """``{(gemm, operand): cast}`` or an iterable of :class:`GemmOverride` -> a sorted tuple."""
-    items = value.items() if isinstance(value, dict) else [(tuple(o[:2]), o[2]) for o in value]
+_OVERRIDES_FORM = (
+    "a dict {(gemm, operand): CastConfig or None} or a sequence of GemmOverride(gemm, operand, cast) "
+    "(or (gemm, operand, cast) tuples), e.g. {('forward', 'input'): None}"
+)
+
+
+def _parse_overrides(value: dict[Any, Any] | Iterable[Any], field: str = "gemm_overrides") -> tuple[GemmOverride, ...]:
+    """``{(gemm, operand): cast}`` or an iterable of :class:`GemmOverride` -> a sorted tuple.
+    Every error names ``field`` (the argument as the caller spelled it) and the allowed form."""
+    if isinstance(value, dict):
+        items = list(value.items())
+    elif isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise TypeError(f"{field} must be {_OVERRIDES_FORM}; got {value!r}")
+    else:
+        items = []
+        for o in value:
+            if not (isinstance(o, (tuple, list)) and len(o) == 3):
+                raise TypeError(f"{field}: each entry must be a GemmOverride(gemm, operand, cast) or a (gemm, operand, cast) tuple; got {o!r} ({field} must be {_OVERRIDES_FORM})")
+            items.append(((o[0], o[1]), o[2]))
     out = {}
     for key, cast in items:
         if not (isinstance(key, tuple) and len(key) == 2):
-            raise TypeError(f"a GEMM override is keyed by (gemm, operand); got {key!r}")
+            raise TypeError(f"{field}: a GEMM override is keyed by (gemm, operand); got {key!r} ({field} must be {_OVERRIDES_FORM})")
         gemm, operand = key
         if gemm not in GEMMS:
-            raise ValueError(f"unknown GEMM {gemm!r}; GEMMs are {', '.join(GEMMS)}")
+            raise ValueError(f"{field}: unknown GEMM {gemm!r}; GEMMs are {', '.join(GEMMS)}")
         if operand not in GEMMS[gemm]:
-            raise ValueError(f"the {gemm} GEMM multiplies {' and '.join(GEMMS[gemm])}; got operand {operand!r}")
+            raise ValueError(f"{field}: the {gemm} GEMM multiplies {' and '.join(GEMMS[gemm])}; got operand {operand!r}")
         if cast is not None and not isinstance(cast, CastConfig):
-            raise TypeError(f"a GEMM override's cast is a CastConfig or None (high precision); got {cast!r}")
+            raise TypeError(f"{field}: a GEMM override's cast is a CastConfig or None (high precision); got {cast!r}")
         if cast is not None and cast.delayed:
-            raise ValueError("per-GEMM formats use dynamic scaling; a delayed CastConfig cannot be an override")
+            raise ValueError(f"{field}: per-GEMM formats use dynamic scaling; a delayed CastConfig cannot be an override")
         out[(gemm, operand)] = cast
     return tuple(GemmOverride(g, o, c) for (g, o), c in sorted(out.items()))
 
@@ -686,7 +702,7 @@ class Float8LinearConfig:
         ``fields`` replaced): ``config.with_gemm_formats({("forward", "input"): None,
         ("forward", "weight"): None})`` runs the forward GEMM in high precision."""
         merged = {(o.gemm, o.operand): o.cast for o in self.gemm_overrides}
-        merged.update({(o[0], o[1]): o[2] for o in _parse_overrides(overrides)})
+        merged.update({(o[0], o[1]): o[2] for o in _parse_overrides(overrides, "with_gemm_formats(overrides) (merged into gemm_overrides)")})
         # The field's own form (a sorted tuple), as __post_init__ would parse the dict.
         return dataclasses.replace(self, gemm_overrides=_parse_overrides(merged), **fields)
 
