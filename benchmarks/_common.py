@@ -416,16 +416,25 @@ def cpu_model() -> str:
 
 def git_commit() -> str:
     """``git rev-parse --short HEAD`` of the f8tensor checkout; ``+dirty`` when the package or
-    the benchmark scripts differ from it (edits elsewhere, e.g. to the docs, change no figure)."""
+    the benchmark scripts differ from it (edits elsewhere, e.g. to the docs, change no figure).
+    A copy of the tree without ``.git`` (the GPU machine's): ``$F8TENSOR_COMMIT``, else unknown."""
     import f8tensor
 
     where = Path(f8tensor.__file__).resolve().parent
     commit = _run(["git", "rev-parse", "--short", "HEAD"], cwd=where)
     if commit is None:
-        return "unknown (not a git checkout)"
+        given = os.environ.get("F8TENSOR_COMMIT", "").strip()
+        return f"{given} (from F8TENSOR_COMMIT; no git checkout here)" if given else "unknown (not a git checkout)"
     dirty = _run(["git", "status", "--porcelain", "--untracked-files=no", "--", str(where), str(Path(__file__).parent)],
                  cwd=where)
     return commit + ("+dirty" if dirty else "")
+
+
+def triton_version() -> str:
+    try:
+        return importlib.import_module("triton").__version__
+    except Exception as exc:  # noqa: BLE001  (a broken triton is as good as none here)
+        return f"absent ({type(exc).__name__}: {exc})"
 
 
 def environment(device: torch.device, torchao_note: str = "") -> dict[str, str]:
@@ -436,16 +445,22 @@ def environment(device: torch.device, torchao_note: str = "") -> dict[str, str]:
         "cpu": f"{cpu_model()} ({os.cpu_count()} logical CPUs, torch threads: {torch.get_num_threads()})",
         "torch": torch.__version__,
         "cuda": torch.version.cuda or "none (CPU build)",
+        "triton": triton_version(),
         "python": platform.python_version(),
         "f8tensor commit": git_commit(),
         "torchao": torchao_note or (torchao_version() or "not installed"),
     }
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        env["gpu"] = f"{props.name} (sm_{props.major}{props.minor}, {props.total_memory / 2**30:.0f} GiB)"
-        smi = _run(["nvidia-smi", "--query-gpu=power.limit,power.max_limit,clocks.max.sm",
-                    "--format=csv,noheader", f"--id={device.index or torch.cuda.current_device()}"])
-        env["gpu power limit / max, max SM clock"] = smi or "unknown (nvidia-smi not available)"
+        env["gpu"] = (f"{props.name} (sm_{props.major}{props.minor}, {props.total_memory / 2**30:.0f} GiB, "
+                      f"{props.multi_processor_count} SMs)")
+        # Keys differ in their first word: write_csv names the env_* columns by it.
+        queries = {"driver": "driver_version", "power limit / max": "power.limit,power.max_limit",
+                   "clocks sm / max sm / mem / max mem": "clocks.sm,clocks.max.sm,clocks.mem,clocks.max.mem"}
+        for key, query in queries.items():
+            smi = _run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader",
+                        f"--id={device.index or torch.cuda.current_device()}"])
+            env[key] = smi or "unknown (nvidia-smi did not answer)"
     else:
         env["note"] = ("CPU figures: CPUs have no FP8 matrix units (torch._scaled_mm widens FP8 to fp32 and "
                        "multiplies in software), so ratios show the FP8 path's overhead, not GPU speed-ups")

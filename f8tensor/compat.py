@@ -63,6 +63,7 @@ __all__ = [
     "version_counter",
     "view_base",
     "waited",
+    "watch_c10d_writes",
     "written_arguments",
 ]
 
@@ -139,6 +140,17 @@ def scaled_mm(
     outer-vector scales runs as the per-tensor kernel (scales 1, fp32 output), then
     ``* scale_a * scale_b`` in fp32, the bias in fp32, one cast: the rowwise kernel's
     epilogue order, and the numbers of f8tensor's post-scale route."""
+    if mat1.shape[-1] == 0:
+        # K = 0 (an empty batch's weight gradient contracts over no tokens): the product is
+        # zeros (+ the bias). torch's CPU per-tensor kernel returns its output uninitialized
+        # then (torch 2.13), so no kernel is asked.
+        acc = torch.zeros(mat1.shape[0], mat2.shape[1], dtype=torch.float32, device=mat1.device)
+        if bias is not None:
+            acc = acc + bias.float()
+        result = acc.to(out_dtype if out_dtype is not None else mat1.dtype)
+        if kwargs.get("out") is not None:
+            return kwargs["out"].copy_(result)
+        return result
     if not HAS_CPU_ROWWISE_SCALED_MM and mat1.device.type == "cpu" and (scale_a.numel() != 1 or scale_b.numel() != 1):
         one = torch.ones((), dtype=torch.float32, device=mat1.device)
         acc = _SCALED_MM(mat1, mat2, one, one, out_dtype=torch.float32, use_fast_accum=use_fast_accum)
@@ -329,8 +341,22 @@ def is_functorch_wrapped(t: torch.Tensor) -> bool:
 def functional_all_reduce_max(t: torch.Tensor, group: Any) -> torch.Tensor:
     """``torch.distributed._functional_collectives.all_reduce(t, "max", group)`` (torch >=
     2.1): an all-reduce that returns a new tensor, traceable by torch.compile; waited (see
-    :func:`waited`)."""
-    return waited(_funcol.all_reduce(t, "max", group))
+    :func:`waited`).
+
+    NaN-preserving: a MAX collective may drop a NaN that one rank holds (gloo measured:
+    ``max(nan, 1)`` is nan, ``max(1, nan)`` is 1), which would give every rank a finite
+    amax, hence a finite scale, where one process casting the whole tensor gets NaN. The
+    NaN flags are reduced beside the values in the same collective (``[t, isnan(t)]``,
+    NaN counted as inf in the values) and put back after, so the result is what one
+    process computes: NaN where any rank had NaN, else the largest value (inf included).
+    """
+    n = t.numel()
+    flags = t.isnan()
+    inf = float("inf")
+    values = torch.nan_to_num(t, nan=inf, posinf=inf, neginf=-inf)  # nan_to_num's defaults would clamp inf
+    packed = torch.cat([values.reshape(-1), flags.reshape(-1).to(t.dtype)])
+    out = waited(_funcol.all_reduce(packed, "max", group))
+    return torch.where(out[n:] > 0, torch.full_like(out[:n], float("nan")), out[:n]).reshape(t.shape)
 
 
 def waited(t: torch.Tensor) -> torch.Tensor:
@@ -344,6 +370,48 @@ def waited(t: torch.Tensor) -> torch.Tensor:
     if isinstance(t, _funcol.AsyncCollectiveTensor):
         return t.wait()
     return t
+
+
+#: The c10d ops (``torch.distributed``'s collectives and point-to-point ops) that can write
+#: into a tensor argument. Their schemas carry no alias annotation, so autograd's version
+#: counter never sees these writes (torch 2.x).
+_C10D_WRITING_OPS = (
+    "broadcast_", "allreduce_", "allreduce_coalesced_", "reduce_", "allgather_", "_allgather_base_",
+    "allgather_coalesced_", "allgather_into_tensor_coalesced_", "reduce_scatter_", "_reduce_scatter_base_",
+    "reduce_scatter_tensor_coalesced_", "gather_", "scatter_", "alltoall_", "alltoall_base_", "recv_",
+    "recv_any_source_",
+)
+
+
+def watch_c10d_writes(callback: Callable[[list[torch.Tensor]], None]) -> Callable[[], None]:
+    """Call ``callback(tensors)`` (every tensor argument, written or read) before each
+    ``torch.distributed`` collective or receive runs, until the returned function is called.
+
+    A kernel for the ``ADInplaceOrView`` dispatch key of each c10d op (``torch.library``,
+    torch >= 2.0; those ops have none of their own): it calls back, then dispatches on below
+    that key, so the collective itself runs unchanged. Ops another library already claimed
+    at that key are not watched."""
+    if not torch.distributed.is_available():
+        return lambda: None
+    lib = torch.library.Library("c10d", "IMPL")  # noqa: TOR901 (kernels for existing ops)
+
+    def watcher(op: Any) -> Callable[..., Any]:
+        def kernel(*args: Any, **kwargs: Any) -> Any:
+            callback([t for t in _pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)])
+            with torch._C._AutoDispatchBelowADInplaceOrView():
+                return op(*args, **kwargs)
+
+        return kernel
+
+    for name in _C10D_WRITING_OPS:
+        packet = getattr(torch.ops.c10d, name, None)
+        if packet is None:
+            continue
+        try:
+            lib.impl(name, watcher(packet.default), "ADInplaceOrView")
+        except RuntimeError:  # a kernel is registered there already
+            continue
+    return lib._destroy
 
 
 def dtensor_local(t: Any) -> torch.Tensor:

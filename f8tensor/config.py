@@ -12,7 +12,7 @@ Float8Tensor's ``_block``); :func:`is_tensorwise`, :func:`axiswise_dim` and
 :meth:`CastConfig.operand_spec` turns a user's granularity into that block for one GEMM
 operand: linear layers, experts and grouped products all ask it.
 
-Layer: above ``formats``; imports ``formats`` and ``compat`` only.
+Layer: above ``formats``; imports ``formats``, ``hadamard`` (the seed check) and ``compat`` only.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 import torch
 
 from f8tensor.formats import E8M0, FLOAT4_X2, FLOAT8_DTYPES, FORMATS, HP_DTYPES, SCALE_DTYPES
+from f8tensor.hadamard import check_rht_seed
 
 __all__ = [
     "FP4_CAST_DTYPE",
@@ -544,22 +545,38 @@ class GemmOverride(NamedTuple):
     cast: CastConfig | None
 
 
-def _parse_overrides(value: dict[Any, Any] | Iterable[Any]) -> tuple[GemmOverride, ...]:
-    """``{(gemm, operand): cast}`` or an iterable of :class:`GemmOverride` -> a sorted tuple."""
-    items = value.items() if isinstance(value, dict) else [(tuple(o[:2]), o[2]) for o in value]
+_OVERRIDES_FORM = (
+    "a dict {(gemm, operand): CastConfig or None} or a sequence of GemmOverride(gemm, operand, cast) "
+    "(or (gemm, operand, cast) tuples), e.g. {('forward', 'input'): None}"
+)
+
+
+def _parse_overrides(value: dict[Any, Any] | Iterable[Any], field: str = "gemm_overrides") -> tuple[GemmOverride, ...]:
+    """``{(gemm, operand): cast}`` or an iterable of :class:`GemmOverride` -> a sorted tuple.
+    Every error names ``field`` (the argument as the caller spelled it) and the allowed form."""
+    if isinstance(value, dict):
+        items = list(value.items())
+    elif isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise TypeError(f"{field} must be {_OVERRIDES_FORM}; got {value!r}")
+    else:
+        items = []
+        for o in value:
+            if not (isinstance(o, (tuple, list)) and len(o) == 3):
+                raise TypeError(f"{field}: each entry must be a GemmOverride(gemm, operand, cast) or a (gemm, operand, cast) tuple; got {o!r} ({field} must be {_OVERRIDES_FORM})")
+            items.append(((o[0], o[1]), o[2]))
     out = {}
     for key, cast in items:
         if not (isinstance(key, tuple) and len(key) == 2):
-            raise TypeError(f"a GEMM override is keyed by (gemm, operand); got {key!r}")
+            raise TypeError(f"{field}: a GEMM override is keyed by (gemm, operand); got {key!r} ({field} must be {_OVERRIDES_FORM})")
         gemm, operand = key
         if gemm not in GEMMS:
-            raise ValueError(f"unknown GEMM {gemm!r}; GEMMs are {', '.join(GEMMS)}")
+            raise ValueError(f"{field}: unknown GEMM {gemm!r}; GEMMs are {', '.join(GEMMS)}")
         if operand not in GEMMS[gemm]:
-            raise ValueError(f"the {gemm} GEMM multiplies {' and '.join(GEMMS[gemm])}; got operand {operand!r}")
+            raise ValueError(f"{field}: the {gemm} GEMM multiplies {' and '.join(GEMMS[gemm])}; got operand {operand!r}")
         if cast is not None and not isinstance(cast, CastConfig):
-            raise TypeError(f"a GEMM override's cast is a CastConfig or None (high precision); got {cast!r}")
+            raise TypeError(f"{field}: a GEMM override's cast is a CastConfig or None (high precision); got {cast!r}")
         if cast is not None and cast.delayed:
-            raise ValueError("per-GEMM formats use dynamic scaling; a delayed CastConfig cannot be an override")
+            raise ValueError(f"{field}: per-GEMM formats use dynamic scaling; a delayed CastConfig cannot be an override")
         out[(gemm, operand)] = cast
     return tuple(GemmOverride(g, o, c) for (g, o), c in sorted(out.items()))
 
@@ -582,7 +599,7 @@ class Float8LinearConfig:
       (:class:`GemmOverride`; a dict ``{("grad_weight", "input"): None, ...}`` is accepted):
       e.g. MXFP8 forward, NVFP4 grad_input, high-precision grad_weight. See :meth:`cast_for`.
     - ``hadamard_wgrad``: the random Hadamard transform (16x16, random signs from
-      ``hadamard_seed``) on both operands of the weight-gradient GEMM along the tokens,
+      ``hadamard_seed``, an int in ``[0, 2**64 - 1]``) on both operands of the weight-gradient GEMM along the tokens,
       before an FP4 cast: outliers are spread over their 16-block, and the product is
       unchanged in exact arithmetic. On in recipe ``"nvfp4"``.
     - ``four_over_six``: NVFP4 casts also try each block with 4 as its largest value and
@@ -594,7 +611,7 @@ class Float8LinearConfig:
     Raises:
         TypeError: a field of the wrong type (e.g. ``input`` not a :class:`CastConfig`).
         ValueError: a combination the GEMMs cannot run (see the message), e.g. FP4 casts with
-            delayed scaling.
+            delayed scaling; a ``hadamard_seed`` outside ``[0, 2**64 - 1]``.
     """
 
     input: CastConfig = CastConfig(_E4M3)
@@ -616,8 +633,7 @@ class Float8LinearConfig:
         object.__setattr__(self, "gemm_overrides", _parse_overrides(self.gemm_overrides))
         for name in ("hadamard_wgrad", "four_over_six"):
             _check_bool("Float8LinearConfig", name, getattr(self, name))
-        if isinstance(self.hadamard_seed, bool) or not isinstance(self.hadamard_seed, int):
-            raise TypeError(f"Float8LinearConfig.hadamard_seed must be an int; got {self.hadamard_seed!r}")
+        check_rht_seed(self.hadamard_seed, "Float8LinearConfig.hadamard_seed")
         for name in ("input", "weight", "grad_output"):
             if not isinstance(getattr(self, name), CastConfig):
                 raise TypeError(f"Float8LinearConfig.{name} must be a CastConfig; got {getattr(self, name)!r}")
@@ -686,7 +702,7 @@ class Float8LinearConfig:
         ``fields`` replaced): ``config.with_gemm_formats({("forward", "input"): None,
         ("forward", "weight"): None})`` runs the forward GEMM in high precision."""
         merged = {(o.gemm, o.operand): o.cast for o in self.gemm_overrides}
-        merged.update({(o[0], o[1]): o[2] for o in _parse_overrides(overrides)})
+        merged.update({(o[0], o[1]): o[2] for o in _parse_overrides(overrides, "with_gemm_formats(overrides) (merged into gemm_overrides)")})
         # The field's own form (a sorted tuple), as __post_init__ would parse the dict.
         return dataclasses.replace(self, gemm_overrides=_parse_overrides(merged), **fields)
 

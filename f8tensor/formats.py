@@ -28,6 +28,7 @@ __all__ = [
     "check_hp_dtype",
     "e4m3_like",
     "float8_max",
+    "format_number",
     "saturated_cast",
     "saturation_bound",
 ]
@@ -158,6 +159,18 @@ def e4m3_like(dtype: torch.dtype) -> torch.dtype:
     return torch.float8_e4m3fnuz if "fnuz" in str(dtype) else torch.float8_e4m3fn
 
 
+@torch.compiler.assume_constant_result
+def format_number(float8_dtype: torch.dtype, name: str) -> float:
+    """``getattr(FORMATS[float8_dtype], name)`` (``"max"``, ``"smallest_subnormal"``, ``"emax"``, ...),
+    a constant to torch.compile. Code that torch.compile traces reads format numbers through
+    this, never as ``FORMATS[dtype].max``: under ``torch.compile(dynamic=True)`` dynamo turns a
+    float read from a global (or its attribute) into a symbolic graph input, and when the
+    first read happens inside one autograd Function's subgraph, the graph's next Function
+    (the model's next layer) reuses a symbol bound in that finished subgraph and dynamo fails
+    ("lift_tracked_freevar_to_input should not be called on root SubgraphTracer")."""
+    return getattr(FORMATS[float8_dtype], name)
+
+
 def saturated_cast(x: torch.Tensor, float8_dtype: torch.dtype, *, inplace: bool = False) -> torch.Tensor:
     """Clamp an already scaled fp32 tensor to the finite range of ``float8_dtype`` and convert.
 
@@ -165,7 +178,7 @@ def saturated_cast(x: torch.Tensor, float8_dtype: torch.dtype, *, inplace: bool 
     NaN stays NaN (clamp keeps it). An infinity would become the max value here, so the
     callers guard against infinite *inputs* through the scale (see ``scaling.py``).
     """
-    fmax = FORMATS[float8_dtype].max
+    fmax = format_number(float8_dtype, "max")
     clamped = x.clamp_(min=-fmax, max=fmax) if inplace else x.clamp(min=-fmax, max=fmax)
     return clamped.to(float8_dtype)
 
@@ -184,6 +197,7 @@ def _saturation_bound(fmt: Float8Format) -> float:
 _SATURATION_BOUNDS: dict[torch.dtype, float] = {dtype: _saturation_bound(fmt) for dtype, fmt in FORMATS.items()}
 
 
+@torch.compiler.assume_constant_result  # a constant to torch.compile: see format_number
 def saturation_bound(dtype: torch.dtype) -> float:
     """The largest scaled fp32 magnitude whose FP8 value the saturating clamp leaves alone.
 

@@ -125,12 +125,26 @@ class Float4Tensor(torch.Tensor):
         """Cast a bf16/fp16/fp32 tensor to FP4, differentiably (the gradient passes through).
 
         ``block``: default one scale per 16 (NVFP4) or 32 (MXFP4) elements along the last
-        dim; ``pack_dim``: the dim two elements share a byte along."""
+        dim; ``pack_dim``: the dim two elements share a byte along.
+
+        Raises:
+            TypeError: ``hp`` is not a bf16/fp16/fp32 tensor; ``four_over_six`` not a bool;
+                ``generator`` not a ``torch.Generator``.
+            ValueError: an unknown ``kind``, ``scale_mode`` or ``rounding``; ``pack_dim`` not an
+                int in ``[-ndim, ndim)`` or along an odd-sized dim; ``block`` not one int
+                ``>= 0`` per dim (0: the whole dim), or not tiling the tensor exactly."""
         return from_hp_fp4(hp, kind, block=block, pack_dim=pack_dim, scale_mode=scale_mode, rounding=rounding,
                            four_over_six=four_over_six, generator=generator)
 
     def to_hp(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Dequantize to a plain tensor in the original dtype (or ``dtype``), differentiably."""
+        """Dequantize to a plain tensor in the original dtype (or ``dtype``), differentiably;
+        values saturate to the dtype's finite range (a block that held inf or NaN is NaN).
+
+        Raises:
+            TypeError: ``dtype`` is not bf16, fp16 or fp32 (as ``Float8Tensor.to_hp``).
+        """
+        if dtype is not None:
+            check_hp_dtype(dtype, "to_hp dtype")
         return _ToHP4.apply(self, dtype)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -257,17 +271,44 @@ def from_hp_fp4(
     check_hp_dtype(hp.dtype, "Float4Tensor.from_hp input")
     if kind not in _DEFAULT_BLOCK:
         raise ValueError(f"kind must be 'nvfp4' or 'mxfp4'; got {kind!r}")
-    if hp.dim() == 0:
+    ndim = hp.dim()
+    if ndim == 0:
         raise ValueError("FP4 packs along a dim: a 0-dim tensor cannot be cast")
+    if isinstance(pack_dim, bool) or not isinstance(pack_dim, int) or not -ndim <= pack_dim < ndim:
+        raise ValueError(
+            f"pack_dim must be an int in [{-ndim}, {ndim - 1}] (a dim of the {ndim}-D input); got {pack_dim!r}"
+        )
+    pack_dim %= ndim
+    if hp.shape[pack_dim] % 2:
+        raise ValueError(
+            f"FP4 packs two values per byte along pack_dim={pack_dim}: its size must be even; got shape "
+            f"{tuple(hp.shape)}"
+        )
     if block is None:
-        block = (1,) * (hp.dim() - 1) + (_DEFAULT_BLOCK[kind],)
+        block = (1,) * (ndim - 1) + (_DEFAULT_BLOCK[kind],)
+    if not isinstance(block, (tuple, list)) or len(block) != ndim or any(
+        isinstance(b, bool) or not isinstance(b, int) or b < 0 for b in block
+    ):
+        raise ValueError(
+            f"block must be a tuple of {ndim} ints >= 0, one per dim of the input (0: the whole dim); got {block!r}"
+        )
+    block = tuple(block)
+    if any(size % (b or size or 1) for size, b in zip(hp.shape, block)):
+        raise ValueError(
+            f"block {block} must tile the input exactly (each entry divides its dim; partial blocks are not "
+            f"supported); got shape {tuple(hp.shape)}"
+        )
     if rounding not in ("nearest", "stochastic"):
         raise ValueError(f"rounding must be 'nearest' or 'stochastic'; got {rounding!r}")
     if scale_mode not in ("rceil", "floor"):
         raise ValueError(f"scale_mode must be 'rceil' or 'floor'; got {scale_mode!r}")
+    if not isinstance(four_over_six, bool):
+        raise TypeError(f"four_over_six must be a bool; got {four_over_six!r}")
     if four_over_six and kind != "nvfp4":
         raise ValueError("four_over_six is an NVFP4 option (MXFP4's power-of-two scales cannot map a block to 4)")
-    spec = FP4Spec(kind, tuple(block), pack_dim % hp.dim(), scale_mode, rounding, four_over_six)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None; got {type(generator).__name__}")
+    spec = FP4Spec(kind, block, pack_dim, scale_mode, rounding, four_over_six)
     return _FromHP4.apply(hp, spec, generator)
 
 

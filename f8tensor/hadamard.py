@@ -14,12 +14,34 @@ Layer: the bottom, beside ``compat``; imports torch only.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-__all__ = ["RHT_SIZE", "apply_rht", "hadamard_matrix", "rht_matrix", "rht_signs"]
+__all__ = ["RHT_SEED_MAX", "RHT_SIZE", "apply_rht", "check_rht_seed", "hadamard_matrix", "rht_matrix", "rht_signs"]
 
 #: The transform's block along the tokens: NVFP4's block.
 RHT_SIZE = 16
+#: The largest seed: ``torch.Generator.manual_seed`` takes a uint64 (it also takes negative
+#: ints down to ``-2**63``, read as ``seed + 2**64``: aliases, so they are refused here).
+RHT_SEED_MAX = 2**64 - 1
+
+
+def check_rht_seed(seed: object, name: str = "seed") -> None:
+    """Raise unless ``seed`` is an int in ``[0, RHT_SEED_MAX]`` (``name``: how the message
+    calls it, e.g. ``"Float8LinearConfig.hadamard_seed"``).
+
+    Raises:
+        TypeError: not an int (a bool is refused: ``True`` is no seed anyone means).
+        ValueError: outside ``[0, 2**64 - 1]``.
+    """
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"{name} must be an int in [0, 2**64 - 1]; got {seed!r}")
+    if not 0 <= seed <= RHT_SEED_MAX:
+        raise ValueError(
+            f"{name} must be in [0, 2**64 - 1] (the seeds torch.Generator.manual_seed takes as distinct "
+            f"states; a negative one would alias seed + 2**64); got {seed!r}"
+        )
 
 
 def hadamard_matrix(n: int = RHT_SIZE, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -37,7 +59,9 @@ def rht_signs(seed: int, n: int = RHT_SIZE) -> tuple[float, ...]:
     """The transform's ``n`` random signs, drawn from ``torch.Generator().manual_seed(seed)``.
 
     A tuple of Python floats, a constant for ``torch.compile`` (the seed is a config field,
-    so a compile guard): a generator cannot be made inside a compiled graph."""
+    so a compile guard): a generator cannot be made inside a compiled graph. ``seed``: an
+    int in ``[0, 2**64 - 1]`` (:func:`check_rht_seed`)."""
+    check_rht_seed(seed)
     bits = torch.randint(0, 2, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
     return tuple(2.0 * b - 1.0 for b in bits)
 
@@ -63,8 +87,10 @@ def apply_rht(x: torch.Tensor, seed: int, dim: int = 0) -> torch.Tensor:
     dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     q = rht_matrix(seed, device=x.device, dtype=dtype)
     # Blocks along dim 0, contiguous: (n, 16, rest) so that Q multiplies from the left in one
-    # batched matmul over contiguous 16 x rest slabs.
+    # batched matmul over contiguous 16 x rest slabs. ``rest`` spelled out, not -1: an empty
+    # tensor (no tokens, or no features) has no size to infer it from.
     moved = x.to(dtype).movedim(dim, 0).contiguous()
-    blocks = moved.reshape(size // RHT_SIZE, RHT_SIZE, -1)
+    rest = math.prod(moved.shape[1:])
+    blocks = moved.reshape(size // RHT_SIZE, RHT_SIZE, rest)
     out = torch.matmul(q, blocks)  # each 16-block b -> Q b
     return out.reshape(moved.shape).movedim(0, dim)

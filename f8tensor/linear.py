@@ -393,6 +393,7 @@ class Float8Linear(nn.Linear):
         # amax, a bf16 scale is refused by _scaled_mm): it follows device moves and keeps
         # its dtype.
         state = {name: buf for name in _DELAYED_BUFFERS if (buf := self._buffers.get(name)) is not None}
+        self._check_weight_dtype_change(fn)
         drop_weight_casts(self)
         super()._apply(fn, recurse)
         for name, old in state.items():
@@ -400,6 +401,25 @@ class Float8Linear(nn.Linear):
             if new is not None and new.dtype != old.dtype:
                 self._buffers[name] = old.to(device=new.device)
         return self
+
+    def _check_weight_dtype_change(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Refuse, before anything changes, a conversion (``model.double()``, ``model.to(torch.float64)``)
+        that would turn an FP8 all-gather weight into a dtype no FP8 cast starts from: the
+        wrapper would claim the new dtype and keep its old tensor (or, sharded, silently become
+        a plain weight). ``fn`` is probed on an empty tensor of the weight's dtype and device
+        (what ``Module._apply`` would do to the weight, without touching it)."""
+        weight = self._parameters.get("weight")
+        local = weight.to_local() if isinstance(weight, DTensor) else weight
+        if not isinstance(local, Float8AllGatherWeight):
+            return
+        probe = fn(torch.empty(0, dtype=local.dtype, device=local.device))
+        if isinstance(probe, torch.Tensor) and probe.dtype != local.dtype and probe.dtype not in HP_DTYPES:
+            raise TypeError(
+                f"{type(self).__name__}: its weight is an FP8 all-gather weight (enable_fsdp_float8_all_gather=True) "
+                f"that holds a bf16, fp16 or fp32 tensor (what FP8 casts start from); cannot convert it to "
+                f"{probe.dtype} (e.g. model.double()). Allowed: model.to(torch.bfloat16 / torch.float16 / "
+                "torch.float32), or change the dtype before converting to FP8."
+            )
 
     def extra_repr(self) -> str:
         c = self.config

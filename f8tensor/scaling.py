@@ -26,7 +26,7 @@ import math
 import torch
 
 from f8tensor.config import E8M0_SCALE_MODES, HISTORY_REDUCTIONS
-from f8tensor.formats import E8M0, E8M0_MAX_EXP, E8M0_MIN_EXP, FORMATS
+from f8tensor.formats import E8M0, E8M0_MAX_EXP, E8M0_MIN_EXP, FORMATS, format_number
 
 __all__ = [
     "EPS",
@@ -53,6 +53,13 @@ __all__ = [
 #: normal fp32: float8_max / EPS <= 57344 * 2**100 ~ 7.3e34 (< 3.4e38), and the inverse
 #: scale EPS / float8_max >= 2**-116 ~ 1.2e-35 (> 1.2e-38, the smallest normal).
 EPS = 2.0**-100
+# Inside functions that torch.compile traces, EPS is written as the literal ``2.0**-100``
+# (folded to a constant by the Python compiler): under ``torch.compile(dynamic=True)``
+# dynamo turns a *global* float into a symbolic graph input, and when the first read of
+# it happens inside one autograd Function's subgraph, every later Function of the graph
+# (the model's next layer) reuses a symbol bound in that finished subgraph and dynamo
+# fails (see formats.format_number, the same for the format's numbers). A literal is a
+# constant: nothing to lift.
 
 
 def tensor_amax(x: torch.Tensor, axiswise_dim: int | None = None) -> torch.Tensor:
@@ -105,9 +112,9 @@ def amax_to_scale(
     # identical in eager and under torch.compile. (``max / t`` is ``t.reciprocal() * max``
     # in torch: that is the rounding every scale of the library has, kept as is.)
     amax64 = amax.to(torch.float64)
-    fmax = FORMATS[float8_dtype].max
+    fmax = format_number(float8_dtype, "max")
     if round_pow2:
-        scale = _round_down_pow2((fmax / amax64.clamp(min=EPS)).to(torch.float32))
+        scale = _round_down_pow2((fmax / amax64.clamp(min=2.0**-100)).to(torch.float32))  # 2.0**-100: EPS (see there)
         # After the rounding, which would turn a NaN scale into inf.
         return materialized(torch.where(torch.isfinite(amax64), scale, torch.nan))
     # The non-finite guard in one op (the eager hot path counts ops): inf, -inf and NaN
@@ -115,7 +122,7 @@ def amax_to_scale(
     # (clamp, reciprocal, multiplication and the fp32 conversion keep a NaN and its sign).
     # Finite amax pass unchanged: the same bits as a `where(isfinite(amax), scale, nan)`.
     amax64 = torch.nan_to_num(amax64, nan=math.nan, posinf=math.nan, neginf=math.nan)
-    scale = (fmax / amax64.clamp(min=EPS)).to(torch.float32)
+    scale = (fmax / amax64.clamp(min=2.0**-100)).to(torch.float32)  # 2.0**-100: EPS (see there)
     # Stored once: inductor would otherwise inline the float64 division into every loop
     # that reads the scale, a double conversion and division per element of the cast.
     return materialized(scale)
@@ -212,7 +219,7 @@ def delayed_scale(
         amax = history[0]
     else:
         raise ValueError(f"reduction must be one of {HISTORY_REDUCTIONS}; got {reduction!r}")
-    amax = torch.where(amax > 0, amax, FORMATS[float8_dtype].max)
+    amax = torch.where(amax > 0, amax, format_number(float8_dtype, "max"))
     if margin:
         amax = amax * (2.0**margin)
     return amax_to_scale(amax, float8_dtype, round_pow2=round_pow2)
@@ -307,15 +314,14 @@ def amax_to_e8m0_scale(amax: torch.Tensor, float8_dtype: torch.dtype, mode: str 
     """
     if mode not in E8M0_SCALE_MODES:
         raise ValueError(f"e8m0 scale mode must be one of {E8M0_SCALE_MODES}; got {mode!r}")
-    fmt = FORMATS[float8_dtype]
     # Deliberate upcast: float64 holds 448 / amax for every fp32 amax without rounding to
     # the next power of two (the two differ by >= 2**-24 relative), and powers of two
     # 2**-127..2**127 are exact; the same bits eager and compiled.
-    amax64 = amax.to(torch.float64).clamp(min=EPS)
+    amax64 = amax.to(torch.float64).clamp(min=2.0**-100)  # EPS (see there)
     if mode == "rceil":
-        scale = _floor_pow2_f64(fmt.max / amax64)
+        scale = _floor_pow2_f64(format_number(float8_dtype, "max") / amax64)
     else:
-        scale = (2.0**fmt.emax) / _floor_pow2_f64(amax64)
+        scale = (2.0 ** format_number(float8_dtype, "emax")) / _floor_pow2_f64(amax64)
     scale = scale.clamp(min=2.0**E8M0_MIN_EXP, max=2.0**E8M0_MAX_EXP)
     # The non-finite guard in two ops: amax - amax is 0 for a finite amax (adding it leaves
     # the scale's bits alone) and NaN for inf or NaN, which the exponent masking above
@@ -360,7 +366,7 @@ def stochastic_round(x: torch.Tensor, float8_dtype: torch.dtype, generator: torc
     uniform draw: reproducible with ``generator`` (or ``torch.manual_seed``). NaN stays NaN.
     """
     fmt = FORMATS[float8_dtype]
-    emin = round(math.log2(fmt.smallest_normal))
+    emin = round(math.log2(format_number(float8_dtype, "smallest_normal")))
     # floor(log2|x|) from the fp32 exponent bits (values below fp32's normals are far below
     # every FP8 subnormal and take the subnormal spacing through the clamp).
     e = ((x.view(torch.int32) >> 23) & 0xFF) - 127

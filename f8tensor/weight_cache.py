@@ -12,10 +12,19 @@ view of the tensor bumps it: ``optimizer.step()``'s foreach kernels, ``copy_`` i
 ``load_state_dict``, any ``with torch.no_grad(): w.mul_(...)``), the same storage address,
 dtype and layer config. On top of that, every ``torch.optim.Optimizer.step()`` taken inside
 the scope drops all entries (fused optimizers write the parameters without bumping their
-version counters), as do ``load_state_dict`` and ``module.to(...)`` of a layer. What no
-check can see is a write through ``weight.data`` (autograd does not track it either): do
-not write weights that way inside the scope. Leaving the scope drops every entry, so the
-FP8 copies live no longer than the micro-batch loop.
+version counters), as do ``load_state_dict`` and ``module.to(...)`` of a layer, and so does
+every ``torch.distributed`` collective or receive (``dist.broadcast(weight)``,
+``all_reduce``, ``scatter``, ...) whose tensors share storage with a cached weight: c10d
+writes bump no version counter either, so the scope watches those ops while it is open
+(:func:`~f8tensor.compat.watch_c10d_writes`). What no check can see is a write through
+``weight.data`` by a plain op (autograd does not track it either): do not write weights that
+way inside the scope. Leaving the scope drops every entry, so the FP8 copies live no longer
+than the micro-batch loop.
+
+The entries live in this module's registry, keyed by the layer object, never in the layer:
+a copy of the model made inside the scope (``copy.deepcopy``, ``torch.save`` of the whole
+module, ``pickle``) carries no casts, is not covered by the scope, and so never serves a
+cast after its own weights change (an EMA copy updated through ``.data``).
 
 Why a scope and not always on: outside one, ``weight.data`` writes are common (manual
 update loops, adapter merges that add a delta to ``weight.data``), and a cast served after
@@ -23,12 +32,13 @@ one would silently compute with the old weights. The scope is the caller's state
 the weights stay put between its forwards, the one fact this module cannot observe.
 
 Layer: with ``weights``; imports ``compat`` only (a layer opts in by defining
-``reuses_weight_casts = True`` and reading its slot with :func:`weight_casts_of`).
+``reuses_weight_casts = True`` and reading its entries with :func:`weight_casts_of`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -36,13 +46,18 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from f8tensor.compat import is_functorch_wrapped, version_counter
+from f8tensor.compat import is_functorch_wrapped, version_counter, watch_c10d_writes
 
 __all__ = ["WeightCasts", "reuse_weight_casts", "weight_casts_of"]
 
-#: Where a layer's entries live, in its ``__dict__`` (not a module attribute: no
-#: ``nn.Module.__setattr__`` on the hot path, nothing in ``state_dict``).
-_SLOT = "_f8tensor_weight_casts"
+#: The layers an open scope covers: ``id(layer) -> (layer, its casts)``. Outside the layer
+#: (not in its ``__dict__``) so that copies and pickles of a layer never carry casts; the
+#: scope holds the layer, so its id is not reused while the entry lives.
+_ACTIVE: dict[int, tuple[nn.Module, WeightCasts]] = {}
+_LOCK = threading.Lock()
+#: How many scopes are open, and the remover of the c10d watch they share.
+_OPEN = {"scopes": 0}
+_UNWATCH: list[Callable[[], None]] = []
 
 
 class WeightCasts:
@@ -79,6 +94,11 @@ class WeightCasts:
     def clear(self) -> None:
         self._entries.clear()
 
+    def drop_storages(self, storages: set[int]) -> None:
+        """Forget the casts of weights whose storage (address) is in ``storages``."""
+        for layout in [k for k, entry in self._entries.items() if entry[0].untyped_storage().data_ptr() in storages]:
+            del self._entries[layout]
+
     def __len__(self) -> int:
         return len(self._entries)
 
@@ -86,16 +106,29 @@ class WeightCasts:
 def weight_casts_of(module: nn.Module) -> WeightCasts | None:
     """``module``'s cache while a :func:`reuse_weight_casts` scope covers it (never while
     compiling: a compiled graph casts inside its own kernels), else ``None``."""
-    if torch.compiler.is_compiling():  # first: dynamo then never reads (and guards on) the slot
+    if torch.compiler.is_compiling():  # first: dynamo then never reads (and guards on) the registry
         return None
-    return module.__dict__.get(_SLOT)
+    found = _ACTIVE.get(id(module))
+    return found[1] if found is not None and found[0] is module else None
 
 
 def drop_weight_casts(module: nn.Module) -> None:
     """Forget ``module``'s cached casts (its weight was replaced or reloaded)."""
-    casts = module.__dict__.get(_SLOT)
+    casts = weight_casts_of(module)
     if casts is not None:
         casts.clear()
+
+
+def _drop_collective_writes(tensors: list[torch.Tensor]) -> None:
+    """A c10d op is about to run on ``tensors``: forget every cast of a weight that shares
+    storage with one of them (a collective may write any of its tensors; a read only costs
+    a cast)."""
+    if not _ACTIVE:
+        return
+    storages = {t.untyped_storage().data_ptr() for t in tensors if type(t) in (torch.Tensor, nn.Parameter)}
+    for _, casts in list(_ACTIVE.values()):
+        if len(casts):
+            casts.drop_storages(storages)
 
 
 @contextlib.contextmanager
@@ -115,8 +148,11 @@ def reuse_weight_casts(model: nn.Module) -> Iterator[None]:
         >>> opt.step()
 
     An ``optimizer.step()`` inside the scope drops every cast, as does any tracked in-place
-    update of a weight, so a scope around a whole training loop is correct too (it then
-    saves nothing across steps). Writes through ``weight.data`` are not seen: none inside.
+    update of a weight and any ``torch.distributed`` collective on it (``dist.broadcast``),
+    so a scope around a whole training loop is correct too (it then saves nothing across
+    steps). Writes through ``weight.data`` by plain ops are not seen: none inside. Copies of
+    the model made inside (``copy.deepcopy``, ``torch.save``) carry no casts and are not
+    covered.
     Layers covered: :class:`~f8tensor.Float8Linear` and its subclasses with an FP8 recipe
     whose weight cast is dynamic and rounds to nearest (delayed weights record an amax per
     forward, stochastic ones draw fresh noise per forward, FP4 and per-GEMM-format configs,
@@ -125,18 +161,26 @@ def reuse_weight_casts(model: nn.Module) -> Iterator[None]:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"reuse_weight_casts expects an nn.Module; got {type(model).__name__}")
-    opened = [m for m in model.modules() if getattr(type(m), "reuses_weight_casts", False) and _SLOT not in m.__dict__]
-    for m in opened:
-        m.__dict__[_SLOT] = WeightCasts()
+    opened = [m for m in model.modules() if getattr(type(m), "reuses_weight_casts", False) and id(m) not in _ACTIVE]
+    with _LOCK:
+        for m in opened:
+            _ACTIVE[id(m)] = (m, WeightCasts())
+        _OPEN["scopes"] += 1
+        if _OPEN["scopes"] == 1:
+            _UNWATCH.append(watch_c10d_writes(_drop_collective_writes))
 
     def drop_all(*_: object) -> None:
         for m in opened:
-            m.__dict__[_SLOT].clear()
+            _ACTIVE[id(m)][1].clear()
 
     handle = register_optimizer_step_post_hook(drop_all)
     try:
         yield
     finally:
         handle.remove()
-        for m in opened:
-            m.__dict__.pop(_SLOT, None)
+        with _LOCK:
+            for m in opened:
+                _ACTIVE.pop(id(m), None)
+            _OPEN["scopes"] -= 1
+            if _OPEN["scopes"] == 0:
+                _UNWATCH.pop()()

@@ -108,8 +108,15 @@ def _cuda_variant_skip_reason(item) -> str | None:
     params = getattr(getattr(item, "callspec", None), "params", {})
     if params.get("device") != "cuda":
         return None
-    if "mxfp8" in params.values() and torch.cuda.get_device_capability() < (10, 0):
-        return "MXFP8 products need sm100 or newer (refused with a clear error here; the GPU campaign records it)"
+    from f8tensor.config import RECIPES
+    from tests.helpers import kernel_skip_reason
+
+    for value in params.values():
+        if isinstance(value, str) and value in RECIPES:
+            # The kernel rules decide (blockwise: sm90 with CUDA >= 12.9; MX: sm100).
+            why = kernel_skip_reason(value)
+            if why is not None:
+                return why
     return None
 
 

@@ -33,6 +33,59 @@ assert set(CAST_MIN_DB) == set(FLOAT8_DTYPES)
 MATMUL_MIN_DB = 20.0
 
 
+def kernel_skip_reason(
+    recipe: str | None = None, *, blocks: tuple[tuple[int, ...], tuple[int, ...], torch.dtype] | None = None
+) -> str | None:
+    """Why this CUDA device and torch build have no kernel for a product (None: they have one),
+    as the kernel rules say (``f8tensor.gemm.rules``: each block-scaled row's builds, keyed
+    by capability and ``torch.version.cuda``). The one gate of GPU tests that need a kernel.
+
+    ``recipe``: a ``Float8LinearConfig`` recipe name: every block-scaled or FP4 product of
+    its three GEMMs (output, grad_input, grad_weight) needs a kernel here; tensorwise and
+    rowwise products are routed to a kernel every supported build has. ``blocks``:
+    ``(block_a, block_b, scale_dtype)`` of one block-scaled product ``A (M, K) @ B (K, N)``.
+    """
+    from f8tensor import Float8LinearConfig, compat
+    from f8tensor.config import is_blockwise
+    from f8tensor.gemm.rules import CudaBuild, block_rule_for, fp4_rule_for
+
+    if not torch.cuda.is_available():
+        return "needs CUDA (no CUDA device available)"
+    products: list[tuple[str, object]] = []  # (what, rule or None)
+    if blocks is not None:
+        block_a, block_b, scale_dtype = blocks
+        products.append((f"a {block_a} x {block_b} product", block_rule_for(block_a, block_b, scale_dtype)))
+    if recipe is not None:
+        config = Float8LinearConfig.from_recipe(recipe)
+        fp4 = {c.fp4_kind for c in (config.input, config.weight, config.grad_output)} - {None}
+        for kind in sorted(fp4):
+            products.append((f"the {recipe} recipe", fp4_rule_for(kind)))
+        gemms = {  # A's and B's (cast, contracted dim, transposed) per GEMM
+            "output": ((config.input, 1, False), (config.weight, 1, True)),
+            "grad_input": ((config.grad_output, 1, False), (config.weight, 0, False)),
+            "grad_weight": ((config.grad_output, 0, True), (config.input, 0, False)),
+        }
+        for gemm, operands in gemms.items():
+            if fp4:
+                break
+            specs = [cast.operand_spec(k) for cast, k, _ in operands]
+            oriented = [s.block[::-1] if t else s.block for s, (_, _, t) in zip(specs, operands)]
+            if not any(is_blockwise(b) for b in oriented):
+                continue
+            same = specs[0].scale_dtype == specs[1].scale_dtype
+            rule = block_rule_for(*oriented, specs[0].scale_dtype, specs[0].float8_dtype) if same else None
+            products.append((f"the {recipe} recipe's {gemm} product", rule))
+    major, minor = torch.cuda.get_device_capability()
+    cuda = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
+    here = CudaBuild(compat.TORCH_VERSION, cuda, (major, minor))  # type: ignore[arg-type]
+    for what, rule in products:
+        if rule is None:
+            return f"no kernel takes {what} on any build (the rules table has no row)"
+        if not hasattr(torch.nn.functional, "scaled_mm") or here not in rule.builds:  # type: ignore[attr-defined]
+            return f"{what} needs the {rule.name} kernel ({rule.builds}); this is {here.name}"  # type: ignore[attr-defined]
+    return None
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 

@@ -13,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 from f8tensor import CastConfig, Float8Linear, Float8LinearConfig, Float8Tensor, convert_to_float8_training, sqnr
+from tests.helpers import kernel_skip_reason
 
 from linear_utils import DELAYED_BUFFERS, MLP, RECIPE_NAMES, assert_sqnr, fp8_copy, fp8_linear, run_fwd_bwd
 
@@ -175,11 +176,9 @@ _FP8_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (
 @pytest.mark.skipif(not _FP8_GPU, reason="needs a CUDA device with FP8 support (compute capability >= 8.9)")
 @pytest.mark.parametrize("recipe", RECIPE_NAMES)
 def test_autocast_bf16_cuda_with_fp32_model(recipe):
-    if recipe == "mxfp8" and torch.cuda.get_device_capability() < (10, 0):
-        # The MXFP8 kernel (BLOCK_SCALED_MM_RULES' MXFP8 row) exists from sm100 (Blackwell);
-        # the recipe's product is refused on Ada and Hopper (emulate=True runs it there).
-        major, minor = torch.cuda.get_device_capability()
-        pytest.skip(f"the mxfp8 recipe's kernel needs sm100 or later; this device is sm{major}{minor}")
+    why = kernel_skip_reason(recipe)  # the kernel rules: blockwise sm90 + CUDA >= 12.9, MX sm100
+    if why is not None:
+        pytest.skip(why)
     ref = nn.Linear(64, 32, device="cuda")
     layer = fp8_linear(ref, recipe)
     x = torch.randn(2, 16, 64, device="cuda")

@@ -27,12 +27,26 @@ the numerics of the forward):
   own and its row scales travel with it (4 bytes per row), in FSDP's own all-gather when
   the shards are even, in an all-gather of their own when they are not (FSDP takes only
   inputs of the padded shard's size from a rank with padding).
-- blocks (128x128, MX 1x32, any block): the same, one scale per block, as long as no
-  shard cuts a block. FSDP shards rows in chunks of ``ceil(rows / world)``; when that is
-  not a multiple of the block's rows the all-gather raises a ``ValueError`` naming the
-  shapes (no padding: padding a weight's rows inside a shard would need FSDP to shard a
-  padded parameter, which changes its shape for the optimizer and checkpoints). A 1xB
-  block (MX) is never cut by a row shard.
+- blocks (128x128, MX 1x32, any block) that no shard cuts: the same as rowwise, one
+  scale per block, computed from the shard alone. A 1xB block (MX) is never cut by a row
+  shard.
+- blocks that the shards cut: FSDP shards rows in chunks of ``ceil(rows / world)`` (the
+  last chunks short or empty), so unless that chunk is a multiple of the block's rows
+  (128 rows over 2 ranks: 64 each; 4096 over 64 ranks) some blocks span two or more
+  ranks. Those ranks agree on the block's amax the way tensorwise ranks agree on theirs:
+  each rank writes its shard's block amaxes into the full ``ceil(rows / B) x
+  ceil(cols / B)`` grid (zero elsewhere; a block it shares gets the amax of its part),
+  one all-reduce (MAX) of that grid gives every block's amax (4 bytes per block: 4 KiB
+  for a 4096x4096 weight), and every rank derives the whole weight's scales from it, as
+  one process casting the full weight does. Each rank casts its rows with its blocks'
+  agreed scales, so the gathered bytes and scales are, bit for bit, those of one process.
+  The scales then need no all-gather (every rank holds them all): one collective per
+  weight and all-gather, or none after :func:`precompute_float8_scales_for_fsdp`, which
+  reduces these grids together with the tensorwise amaxes.
+
+Every amax all-reduce first turns NaN amaxes into inf: a MAX collective may drop a NaN
+(gloo keeps ``max(nan, 1)`` but not ``max(1, nan)``), while inf always wins, and both
+give the NaN scale one process would compute.
 
 The backward's ``grad_x = grad_output @ W`` contracts over the rows (N), which these scales
 vary along for rowwise and 1x32 blocks; the linear Function handles that on the gathered
@@ -41,8 +55,9 @@ per-token cast, 1x32 blocks re-quantize the gathered weight to 32x1 blocks (a se
 rounding, in the backward only), 128x128 blocks serve both products as they are.
 
 :func:`precompute_float8_scales_for_fsdp` moves the amax all-reduce out of the per-layer
-all-gathers: after ``optimizer.step()`` it reduces every dynamic tensorwise weight's amax in
-one collective; delayed, rowwise and block scales need no collective at all.
+all-gathers: after ``optimizer.step()`` it reduces every dynamic tensorwise weight's amax,
+and every block grid of a weight whose shards cut blocks, in one collective; delayed,
+rowwise and uncut block scales need no collective at all.
 
 The wrapper sits below the modules: ``Float8Linear`` chooses it as its weight's type when
 its config asks for FP8 all-gather (and, for delayed scaling, hands it a reference to
@@ -67,14 +82,15 @@ from torch import nn
 from f8tensor import kernels
 from f8tensor.compat import DISABLED_TORCH_FUNCTION, dtensor_local, preserve_version_counter
 from f8tensor.config import CastConfig, CastSpec
-from f8tensor.scaling import amax_to_scale, delayed_scale, tensor_amax
+from f8tensor.scaling import amax_to_scale, block_amax, delayed_scale, tensor_amax
 from f8tensor.tensor import Float8Tensor
 from f8tensor.weights import HighPrecisionWeight, WriteCount
 
 if dist.is_available():
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Shard
 else:  # a torch build without torch.distributed: no parameter is ever a DTensor
     DTensor = ()  # type: ignore[assignment, misc]  # isinstance(x, ()) is always False
+    Shard = ()  # type: ignore[assignment, misc]
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -128,8 +144,9 @@ class Float8AllGatherWeight(HighPrecisionWeight):
       ``copy_``, ``load_state_dict``, checkpoint loads) counts, whichever subclass
       dispatched it.
     - ``_precomputed``: ``None``, or ``(amax, writes)`` from
-      :func:`precompute_float8_scales_for_fsdp`: a 0-dim fp32 amax reduced over the mesh
-      (dynamic tensorwise casts only) and the write count it was computed at. A cache,
+      :func:`precompute_float8_scales_for_fsdp`: the fp32 amax reduced over the mesh (a
+      0-dim one for a dynamic tensorwise cast; the full block grid for blocks that the
+      shards cut, see :meth:`_shard_amax`) and the write count it was computed at. A cache,
       not part of the tensor: used only while the count is unchanged; a rebuilt wrapper
       (a view, or flatten and unflatten under compile) starts without one and computes
       its scale afresh.
@@ -210,7 +227,9 @@ class Float8AllGatherWeight(HighPrecisionWeight):
         mp_policy: MixedPrecisionPolicy,
     ) -> tuple[tuple[torch.Tensor, ...], tuple]:
         """The local shard as FP8 bytes (``torch.uint8``), padded to FSDP's shard size, and,
-        for row or block scales, the shard's scales (as bytes, padded alike).
+        for row or block scales, the shard's scales (as bytes, padded alike), or, for
+        blocks that the shards cut, the whole weight's scales (agreed by one all-reduce
+        of the block amaxes, see :meth:`_shard_amax`) as metadata.
 
         The cast always starts from this high-precision shard (the fp32 master weight
         under a bf16 ``MixedPrecisionPolicy``), so ``mp_policy.param_dtype`` only sets the
@@ -228,18 +247,17 @@ class Float8AllGatherWeight(HighPrecisionWeight):
             hp = torch.where(torch.isinf(self._hp), torch.nan, self._hp) if cast.delayed else self._hp
             data = kernels.cast(hp, CastSpec(cast.dtype), scale)[0].view(torch.uint8)
             return (_pad_rows(data, padded_rows),), (scale,)
-        # Row and block scales: computed from the shard alone, equal to the full weight's
-        # when no shard cuts a block (checked here, on every rank alike).
         spec = cast.operand_spec(1)
+        if self._cuts_blocks(outer_size, mesh.size()):
+            # Blocks span ranks: their amaxes agreed by one all-reduce (or precomputed), the
+            # whole weight's scales derived on every rank alike, this shard cast with them.
+            # The scales travel as metadata: no gather of their own.
+            scale = kernels.block_scale(self._reduced_amax(mesh, outer_size), spec)
+            data = self._cast_rows(scale, spec, mesh.get_local_rank() * padded_rows)
+            return (_pad_rows(data.view(torch.uint8), padded_rows),), (rows, scale.shape[0], scale.dtype, spec.block, scale)
+        # Row and block scales that no shard cuts: computed from the shard alone, equal to
+        # the full weight's.
         block_rows = spec.block[0] if spec.block[0] else 1  # rowwise: (1, 0)
-        if mesh.size() > 1 and padded_rows % block_rows:
-            raise ValueError(
-                f"FP8 all-gather of {tuple(outer_size)} weights with {spec.block[0]}x{spec.block[1]} blocks over "
-                f"{mesh.size()} FSDP ranks: each rank holds ceil({rows} / {mesh.size()}) = {padded_rows} rows, which "
-                f"cuts a block of {block_rows} rows. Allowed: a row count whose per-rank chunk is a multiple of "
-                f"{block_rows} (e.g. a multiple of {block_rows * mesh.size()}), another number of ranks, or "
-                f"enable_fsdp_float8_all_gather=False for this layer."
-            )
         data, scale = kernels.cast(self._hp, spec)
         scale_rows = -(-rows // block_rows)
         if scale.numel() == 0:  # an empty shard's scales: standard strides, for the byte view
@@ -283,7 +301,8 @@ class Float8AllGatherWeight(HighPrecisionWeight):
             f8 = None if out is not None else Float8Tensor(data, scale.clone(), param_dtype)
         else:
             rows, scale_rows, scale_dtype, block, gathered = metadata
-            # Even shards: the scales are FSDP's second output; uneven: gathered apart.
+            # Even shards: the scales are FSDP's second output; uneven: gathered apart;
+            # blocks the shards cut: the whole weight's scales, the same on every rank.
             scale_bytes = all_gather_outputs[1] if gathered is None else gathered
             scale = scale_bytes.view(scale_dtype)[:scale_rows]
             # The gathered buffers hold every rank's padded chunk: the weight is their first
@@ -342,17 +361,70 @@ class Float8AllGatherWeight(HighPrecisionWeight):
             round_pow2=self._cast.power_of_2_scale,
         )
 
-    def _reduced_amax(self, mesh: DeviceMesh) -> torch.Tensor:
-        """The amax of the whole weight: precomputed, or one all-reduce now."""
+    def _reduced_amax(self, mesh: DeviceMesh, outer_size: torch.Size | None = None) -> torch.Tensor:
+        """The amax the ranks agree on (see :meth:`_shard_amax`): precomputed, or one
+        all-reduce now. ``outer_size``: the whole weight's shape (for block grids)."""
         cached = self._precomputed
         if cached is not None:
             amax, writes = cached
             if writes == self._writes.n:
                 return amax
             self._precomputed = None  # the weight changed since: never use a stale amax
-        amax = tensor_amax(self._hp)  # 0 for an empty shard
+        rank = mesh.get_local_rank() if outer_size is not None else 0  # block grids: FSDP's 1-D shard mesh
+        amax = self._shard_amax(outer_size, rank, mesh.size())
         _all_reduce_max(amax, mesh)
         return amax
+
+    def _cuts_blocks(self, outer_size: torch.Size | tuple[int, ...], world: int) -> bool:
+        """Whether FSDP's row chunks (``ceil(rows / world)``) of a weight of ``outer_size``
+        cut this weight's blocks (more than one row per block, a chunk not a multiple of
+        them). Global facts only: every rank decides alike."""
+        if self._cast.tensorwise or world == 1 or not len(outer_size):
+            return False
+        block_rows = self._cast.operand_spec(1).block[0]
+        return block_rows > 1 and (-(-outer_size[0] // world)) % block_rows != 0
+
+    def _shard_amax(self, outer_size: torch.Size | tuple[int, ...] | None, rank: int, world: int) -> torch.Tensor:
+        """This shard's part of the amax all ranks agree on (by an all-reduce MAX), fp32.
+
+        Tensorwise: the shard's amax (0-dim; 0 for an empty shard). Blocks that the shards
+        cut: the whole weight's block grid (the scale's shape, ``ceil(size / b)`` per dim),
+        holding the amax of this shard's part of each block it touches and 0 elsewhere.
+        The shard is rows ``[rank * chunk, rank * chunk + len)`` of the weight (FSDP's
+        torch.chunk split of dim 0, ``chunk = ceil(rows / world)``); its first rows may
+        finish a block that starts on an earlier rank, and are measured as that block.
+        """
+        hp = self._hp
+        if self._cast.tensorwise:
+            return tensor_amax(hp)
+        assert outer_size is not None  # the all-gather passes the weight's shape
+        block = self._cast.operand_spec(1).block
+        rows, block_rows = outer_size[0], block[0]
+        start = rank * -(-rows // world)
+        own = max(0, min(-(-rows // world), rows - start))
+        if tuple(hp.shape) != (own, *outer_size[1:]):
+            raise ValueError(
+                f"FP8 all-gather of a {tuple(outer_size)} weight with {block[0]}x{block[1]} blocks: rank {rank} of "
+                f"{world} holds a shard of shape {tuple(hp.shape)}; expected its torch.chunk share of dim 0, "
+                f"{(own, *outer_size[1:])}. Allowed: FSDP2's default Shard(0) sharding."
+            )
+        head = min(own, -start % block_rows)  # rows that finish a block begun on an earlier rank
+        grid = torch.zeros([1 if b == 0 else -(-n // b) for n, b in zip(outer_size, block)], dtype=torch.float32, device=hp.device)
+        local = torch.cat([block_amax(hp[:head], (block_rows, *block[1:])), block_amax(hp[head:], block)])
+        first = start // block_rows
+        grid[first : first + local.shape[0]] = local
+        return grid
+
+    def _cast_rows(self, scale: torch.Tensor, spec: CastSpec, start: int) -> torch.Tensor:
+        """This shard (rows ``start`` on of the weight) cast with the whole weight's block
+        scales ``scale``: each row with its blocks' scales, so a block shared with another
+        rank is cast with the one scale both use (a 1-row block spec, given scales)."""
+        hp = self._hp
+        block_rows = spec.block[0]
+        index = torch.arange(start, start + hp.shape[0], device=scale.device) // block_rows
+        # Through bytes: index_select takes every dtype's bytes (e8m0 scales included).
+        row_scale = scale.view(torch.uint8).index_select(0, index).view(scale.dtype)
+        return kernels.cast(hp, spec._replace(block=(1, *spec.block[1:])), row_scale)[0]
 
 
 def _pad_rows(data: torch.Tensor, rows: int) -> torch.Tensor:
@@ -364,9 +436,14 @@ def _pad_rows(data: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def _all_reduce_max(t: torch.Tensor, mesh: DeviceMesh) -> None:
-    """In place: the elementwise max of ``t`` over every rank of ``mesh`` (any number of dims)."""
+    """In place: the elementwise max of the amaxes ``t`` over every rank of ``mesh`` (any
+    number of dims). A NaN amax becomes inf first: MAX collectives may drop a NaN (gloo
+    keeps ``max(nan, x)`` but not ``max(x, nan)``), inf always wins, and the scale of an inf
+    amax is the NaN scale of a NaN one (:func:`~f8tensor.scaling.amax_to_scale`), so a NaN
+    on one rank still makes the whole weight (or block) NaN, as in one process."""
     if mesh.size() == 1:
         return
+    t.masked_fill_(torch.isnan(t), float("inf"))
     for dim in range(mesh.ndim):
         if mesh.size(dim) > 1:
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
@@ -384,6 +461,11 @@ def wrap_weight(weight: torch.Tensor, cast: CastConfig, source: DelayedWeightSou
     return nn.Parameter(Float8AllGatherWeight(weight.detach(), cast, source), requires_grad=weight.requires_grad)
 
 
+def _row_sharded(param: Any) -> bool:
+    """A DTensor parameter sharded along dim 0 on every mesh dim (FSDP2's default)."""
+    return all(isinstance(p, Shard) and p.dim == 0 for p in param.placements)
+
+
 def _local_of(t: Any) -> Any:
     """The local tensor of a DTensor, else ``None``."""
     return dtensor_local(t) if isinstance(t, DTensor) else None
@@ -394,12 +476,14 @@ def precompute_float8_scales_for_fsdp(module: nn.Module) -> None:
     """Decide the next FP8 all-gather of every sharded weight in ``module`` at once.
 
     Call it after ``optimizer.step()``. It takes the amax of every dynamic tensorwise
-    :class:`Float8AllGatherWeight` shard, reduces them all with one all-reduce (MAX) per
-    device mesh, and stores them on the weights, so the next all-gathers need no
-    collective of their own. The other casts need none to begin with: a delayed weight's
-    scale comes from its layer's history (the same on every rank), rowwise and block
-    scales are local to a shard; they are left as they are. Optional: without it each
-    all-gather reduces its own amax, with
+    :class:`Float8AllGatherWeight` shard, and the block amax grid of every block-scaled
+    weight whose shards cut its blocks (a 128x128 weight of 4096 rows over 64 ranks; 1-D
+    meshes), reduces them all with one all-reduce (MAX) per device mesh (one flat fp32
+    buffer: 4 bytes per weight, or per block), and stores them on the weights, so the next
+    all-gathers need no collective of their own. The other casts need none to begin
+    with: a delayed weight's scale comes from its layer's history (the same on every
+    rank), rowwise scales and blocks that no shard cuts are local to a shard; they are
+    left as they are. Optional: without it each all-gather reduces its own amax, with
     identical results. A stored amax serves every all-gather (forward, and the backward
     re-gather under ``reshard_after_forward=True``) while its weight is unchanged; once the
     weight is written (another step, ``load_state_dict``) the next all-gather reduces a
@@ -417,14 +501,24 @@ def precompute_float8_scales_for_fsdp(module: nn.Module) -> None:
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"precompute_float8_scales_for_fsdp expects an nn.Module; got {type(module).__name__}")
-    by_mesh: dict[DeviceMesh, list[Float8AllGatherWeight]] = {}
+    # Per mesh: the weights, each with the whole weight's shape for a block grid (else None).
+    by_mesh: dict[DeviceMesh, list[tuple[Float8AllGatherWeight, torch.Size | None]]] = {}
     for param in module.parameters():
         local = _local_of(param)
-        if isinstance(local, Float8AllGatherWeight) and local._cast.tensorwise and not local._cast.delayed:
-            # A DTensor parameter (it has a local tensor); nn.Module.parameters() types it as Parameter.
-            by_mesh.setdefault(param.device_mesh, []).append(local)  # type: ignore[attr-defined]
+        if not isinstance(local, Float8AllGatherWeight):
+            continue
+        # A DTensor parameter (it has a local tensor); nn.Module.parameters() types it as Parameter.
+        mesh = param.device_mesh  # type: ignore[attr-defined]
+        if local._cast.tensorwise and not local._cast.delayed:
+            by_mesh.setdefault(mesh, []).append((local, None))
+        elif mesh.ndim == 1 and _row_sharded(param) and local._cuts_blocks(param.shape, mesh.size()):
+            # FSDP-only (1-D mesh, dim 0): the all-gather's shard mesh and row split are the
+            # parameter's own. Other meshes leave it to each all-gather (one all-reduce).
+            by_mesh.setdefault(mesh, []).append((local, param.shape))
     for mesh, weights in by_mesh.items():
-        amaxes = torch.stack([tensor_amax(w._hp) for w in weights])
-        _all_reduce_max(amaxes, mesh)
-        for w, amax in zip(weights, amaxes.unbind()):
-            w._precomputed = (amax, w._writes.n)
+        rank = mesh.get_local_rank() if mesh.ndim == 1 else 0
+        amaxes = [w._shard_amax(shape, rank, mesh.size()) for w, shape in weights]
+        flat = torch.cat([a.reshape(-1) for a in amaxes])
+        _all_reduce_max(flat, mesh)
+        for (w, _), local, agreed in zip(weights, amaxes, flat.split([a.numel() for a in amaxes])):
+            w._precomputed = (agreed.view(local.shape), w._writes.n)

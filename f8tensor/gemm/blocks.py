@@ -7,7 +7,8 @@ fp32, one cast (the numbers the GPU kernels compute up to accumulation order). O
 otherwise it is ``torch.nn.functional.scaled_mm`` with the scale layouts of
 :data:`~f8tensor.gemm.rules.BLOCK_SCALED_MM_RULES` (the MX scales swizzled), or a clear
 error where no supported build has the kernel. With the check mode on, the reference path
-checks the call the CUDA branch would make, built by the same code (:func:`_kernel_args`).
+checks the call the CUDA branch would make, built by the same code (:func:`_kernel_args`),
+and records a product no kernel takes (the CUDA branch's error) as a violation.
 
 Sizes (:func:`_padding`, one decision for both paths): K and N must be multiples of the
 row's ``align_k``/``align_n`` (16) in every kernel call; a CUDA call traced by
@@ -30,7 +31,7 @@ import torch
 from f8tensor import compat
 from f8tensor.config import GemmConfig
 from f8tensor.fp4 import Float4Tensor, is_float4
-from f8tensor.gemm.check import block_scaled_mm, check_active, record_block_reference
+from f8tensor.gemm.check import block_scaled_mm, check_active, record_block_reference, record_block_refusal
 from f8tensor.gemm.operands import col_major, inverse_scale, prepare_fp4, row_major
 from f8tensor.gemm.rules import BLOCK_SCALED_MM_RULES, BlockScaledMMRule, CudaBuild, block_rule_for, fp4_rule_for
 from f8tensor.tensor import Float8Tensor, dequantize
@@ -56,7 +57,28 @@ def product(
         if check_active():
             fast = gemm.use_fast_accum and rule.fast_accum
             record_block_reference(rule.name, *_kernel_args(rule, a8, b8, pads), fast)
+    elif not gemm.emulate and check_active():
+        # No kernel takes these operands: the CUDA branch would raise (_kernel_mm). The
+        # check records every block-scaled product, so this one as what it is, refused.
+        record_block_refusal(_refusal(rule, a8, b8))
     return _reference_mm(a8, b8, bias, out_dtype)
+
+
+def _refusal(rule: BlockScaledMMRule | None, a8: Float8Tensor, b8: Float8Tensor) -> str:
+    """Why no block-scaled kernel takes ``a8 @ b8``: no row for their blocks and scale dtypes,
+    or a row whose kernel takes other operand dtypes. The CUDA branch's error, in words."""
+    if rule is None:
+        allowed = "; ".join(
+            f"{r.name}: a block {r.block_a}, b block {r.block_b}, {_name(r.scale_dtype)} scales"
+            for r in BLOCK_SCALED_MM_RULES
+        )
+        return (
+            f"no CUDA kernel multiplies a block-{a8._block} ({_name(a8._scale.dtype)} scales) by a "
+            f"block-{b8._block} ({_name(b8._scale.dtype)} scales) operand. Kernels: {allowed}. "
+            f"Use GemmConfig(emulate=True) / Float8LinearConfig(emulate=True) for the reference path."
+        )
+    names = ", ".join(sorted(_name(d) for d in rule.operand_dtypes))
+    return f"the {rule.name} kernel takes {names} operands; got {_name(a8._data.dtype)} x {_name(b8._data.dtype)}"
 
 
 def _padding(
@@ -180,15 +202,8 @@ def _kernel_mm(
     rule: BlockScaledMMRule | None, a8: Float8Tensor, b8: Float8Tensor, bias, out_dtype: torch.dtype, gemm: GemmConfig
 ) -> torch.Tensor:
     """``torch.nn.functional.scaled_mm`` with block scales, or a clear error."""
-    allowed = "; ".join(
-        f"{r.name}: a block {r.block_a}, b block {r.block_b}, {_name(r.scale_dtype)} scales" for r in BLOCK_SCALED_MM_RULES
-    )
     if rule is None:
-        raise NotImplementedError(
-            f"no CUDA kernel multiplies a block-{a8._block} ({_name(a8._scale.dtype)} scales) by a "
-            f"block-{b8._block} ({_name(b8._scale.dtype)} scales) operand. Kernels: {allowed}. "
-            f"Use GemmConfig(emulate=True) / Float8LinearConfig(emulate=True) for the reference path."
-        )
+        raise NotImplementedError(_refusal(rule, a8, b8))
     functional = torch.nn.functional
     major, minor = torch.cuda.get_device_capability(a8._data.device)
     cuda = cast("tuple[int, int]", tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2]))
@@ -199,10 +214,7 @@ def _kernel_mm(
             f"sm{major}{minor} with CUDA {torch.version.cuda}. Use emulate=True for the reference path."
         )
     if not _takes_operands(rule, a8, b8):
-        names = ", ".join(sorted(_name(d) for d in rule.operand_dtypes))
-        raise ValueError(
-            f"the {rule.name} kernel takes {names} operands; got {_name(a8._data.dtype)} x {_name(b8._data.dtype)}"
-        )
+        raise ValueError(_refusal(rule, a8, b8))
     pads = _padding(rule, a8, b8, gemm, traced=torch.compiler.is_compiling())
     a_data, b_data, sa, sb = _kernel_args(rule, a8, b8, pads)
     kinds, swizzle = functional.ScalingType, functional.SwizzleType

@@ -22,7 +22,8 @@ would refuse. It is switched on explicitly, never by ``import f8tensor``:
 
 gemm sends every call through :func:`scaled_mm` and :func:`block_scaled_mm` (which check
 the exact arguments when the mode is on, then call ``compat``), and on the block reference
-path checks the arguments the CUDA branch would send (:func:`record_block_reference`).
+path checks the arguments the CUDA branch would send (:func:`record_block_reference`), or
+records the product as refused where no kernel takes it (:func:`record_block_refusal`).
 Under torch.compile the checks run while the graph is traced, without a graph break:
 the checked calls are ``torch.compiler.allow_in_graph`` functions, and whether the mode
 is on is read once per trace (:func:`check_active`).
@@ -70,6 +71,7 @@ __all__ = [
     "is_col_major",
     "is_row_major",
     "record_block_reference",
+    "record_block_refusal",
     "rules_check",
     "rules_check_installed",
     "scaled_mm",
@@ -509,6 +511,14 @@ def record_block_reference(rule_name: str, mat_a, mat_b, scale_a, scale_b, use_f
     problems = block_scaled_mm_violations(mat_a, mat_b, scale_a, scale_b, rule, use_fast_accum=use_fast_accum)
     summary = {"kind": rule.name, "mat1": mat_a.dtype, "mat2": mat_b.dtype, "reference": True}
     _CHECK.record("torch.nn.functional.scaled_mm (reference path)", summary, problems)
+
+
+@torch.compiler.allow_in_graph
+def record_block_refusal(reason: str) -> None:
+    """Record a block-scaled product on the reference path that no kernel takes (no row of
+    :data:`~f8tensor.gemm.rules.BLOCK_SCALED_MM_RULES` for its blocks, scale dtypes and
+    operand dtypes): on CUDA it raises, so every supported build refuses it."""
+    _CHECK.record("torch.nn.functional.scaled_mm (reference path)", {"kind": "no kernel", "reference": True}, [reason])
 
 
 def scaled_mm(mat1, mat2, scale_a, scale_b, *, bias=None, out_dtype=None, use_fast_accum=False) -> torch.Tensor:

@@ -9,7 +9,9 @@ product use the same casts. Four functions, each the one place its kind of call 
   cast: the data column-major, or a column-major copy too (the layout the
   weight-gradient GEMM takes), and a per-tensor scale's inverse;
 - :func:`cast_with_stats`: the same, plus the telemetry vector (:data:`CAST_STATS_FIELDS`);
-- :func:`dequantize`: ``(data, scale, block, dtype) -> hp``.
+- :func:`dequantize`: ``(data, scale, block, dtype) -> hp``;
+- :func:`block_scale`: block amaxes -> the scales a dynamic block cast takes (for amaxes
+  agreed elsewhere, e.g. across FSDP ranks).
 
 Two implementations with the same bits: the torch-ops reference
 (:mod:`f8tensor.kernels.reference`; the same bits eager and under torch.compile, where
@@ -31,10 +33,10 @@ import torch
 
 from f8tensor.config import CastSpec
 from f8tensor.kernels import reference, triton_cast
-from f8tensor.kernels.reference import CAST_STATS_FIELDS, cast_with_stats, dequantize
+from f8tensor.kernels.reference import CAST_STATS_FIELDS, block_scale, cast_with_stats, dequantize
 from f8tensor.scaling import inverse_scale_of, materialized
 
-__all__ = ["CAST_STATS_FIELDS", "GemmCast", "cast", "cast_for_gemm", "cast_with_stats", "dequantize"]
+__all__ = ["CAST_STATS_FIELDS", "GemmCast", "block_scale", "cast", "cast_for_gemm", "cast_with_stats", "dequantize"]
 
 
 def cast(

@@ -27,7 +27,8 @@ neighbour in units of the spacing: unbiased). Values beyond 6 saturate to 6. A b
 an infinity or NaN gets a NaN scale (e4m3fn 0x7F, e8m0 0xFF), so it dequantizes to NaN,
 never to finite garbage; NVFP4's tensor amax is taken over the finite values, so the other
 blocks keep their scales. A block whose NVFP4 scale rounds to zero (its amax more than
-``2**9 * 448`` times below the tensor's) is flushed to zeros.
+``2**9 * 448`` times below the tensor's) is flushed to zeros. Dequantizing saturates to the
+target dtype's finite range (a finite value near the dtype's max can round up past it).
 
 Packing (what ``torch.float4_e2m1fn_x2`` and PyTorch's FP4 kernels read): along one dim,
 element ``2i`` in the low nibble and ``2i + 1`` in the high nibble of byte ``i``.
@@ -170,7 +171,7 @@ def _blocked(x: torch.Tensor, block: tuple[int, ...]) -> torch.Tensor:
         raise ValueError(f"an FP4 block has one entry per dim; got block {block} for shape {tuple(x.shape)}")
     shape = []
     for size, b in zip(x.shape, block):
-        b = b or size
+        b = b or size or 1  # 0: the whole dim (an empty dim: one empty block)
         if b <= 0 or size % b:
             raise ValueError(
                 f"FP4 blocks must tile the tensor exactly (partial blocks are not supported): block {block}, "
@@ -236,7 +237,7 @@ def cast_fp4(
     # Deliberate upcast: the scaled values the rounding sees are fp32, not bf16 rounded twice.
     x = _blocked(hp.to(torch.float32), spec.block)
     dims = _block_dims(hp.dim())
-    amax = x.abs().amax(dim=dims) if hp.numel() else x.new_zeros([s // (b or s) for s, b in zip(hp.shape, spec.block)])
+    amax = x.abs().amax(dim=dims) if hp.numel() else x.new_zeros([s // (b or s or 1) for s, b in zip(hp.shape, spec.block)])
     finite_block = torch.isfinite(amax)
     if spec.kind == MXFP4:
         global_scale = torch.ones((), dtype=torch.float32, device=hp.device)
@@ -288,12 +289,23 @@ def dequantize_fp4(
     pack_dim: int,
     dtype: torch.dtype,
 ) -> torch.Tensor:
-    """``e2m1 * block_scale * global_scale`` in fp32, then cast to ``dtype``."""
+    """``e2m1 * block_scale * global_scale`` in fp32, saturated to ``dtype``'s finite range,
+    then cast to ``dtype``.
+
+    Saturating, as the FP8 dequantize does (``reference.dequantize``): E2M1 keeps one
+    mantissa bit in every binade, so a value within a quarter of a binade below the
+    dtype's max (fp16 60000, bf16 or fp32 max) rounds up to the next power of two whatever
+    the block scale (MXFP4's powers of two: ``4 * 2**e``), which lies beyond the dtype's
+    range (fp16 65536, fp32 2**128). No scale choice leaves room for it; the way back
+    clamps instead. A block whose input held an inf or NaN has a NaN scale and stays NaN
+    (clamp keeps NaN): never finite. One elementwise op, no host sync."""
     values = e2m1_decode(unpack_e2m1(packed, pack_dim))
     # Deliberate upcast of the e4m3/e8m0 scales: exact in fp32.
     scale = block_scale.to(torch.float32) * global_scale
     out = _blocked(values, block) * _expand(scale, values.dim())
-    return out.reshape(values.shape).to(dtype)
+    # The fp32 arithmetic's own range bounds a wider dtype (fp64: dequantize(torch.float64)).
+    limit = min(torch.finfo(dtype).max, torch.finfo(torch.float32).max)
+    return out.reshape(values.shape).clamp(-limit, limit).to(dtype)
 
 
 def _stats(hp, scaled, amax, block_scale, global_scale) -> torch.Tensor:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from f8tensor.config import CastSpec, is_axiswise, is_tensorwise
-from f8tensor.formats import E8M0, FORMATS, saturated_cast, saturation_bound
+from f8tensor.formats import E8M0, format_number, saturated_cast, saturation_bound
 from f8tensor.scaling import (
     amax_to_e8m0_scale,
     amax_to_scale,
@@ -27,7 +27,7 @@ from f8tensor.scaling import (
     tensor_amax,
 )
 
-__all__ = ["CAST_STATS_FIELDS", "cast", "cast_with_stats", "dequantize"]
+__all__ = ["CAST_STATS_FIELDS", "block_scale", "cast", "cast_with_stats", "dequantize"]
 
 #: The entries of the vector :func:`cast_with_stats` returns, in this order.
 CAST_STATS_FIELDS: tuple[str, ...] = ("saturated_count", "underflow_count", "numel", "amax", "scale", "headroom_log2")
@@ -48,6 +48,17 @@ def cast(
     """
     data, scale, _, _, _ = _cast(hp, spec, scale, generator, need_amax=False)
     return data, scale
+
+
+def block_scale(amax: torch.Tensor, spec: CastSpec) -> torch.Tensor:
+    """The scales a dynamic block cast per ``spec`` derives from its block amaxes ``amax``
+    (any shape; fp32, or the tensor's own dtype, which widens exactly): e8m0 powers of two
+    for MX specs, else fp32 ``float8_max / amax`` (power-of-2 rounded if the spec asks).
+    The one rule :func:`cast` applies, for callers that measure or agree the amaxes
+    themselves (FSDP ranks that share a block) and pass the scale in."""
+    if spec.scale_dtype == E8M0:
+        return amax_to_e8m0_scale(amax, spec.float8_dtype, spec.scale_mode)
+    return amax_to_scale(amax, spec.float8_dtype, round_pow2=spec.power_of_2)
 
 
 def cast_with_stats(
@@ -113,16 +124,13 @@ def _cast(hp, spec: CastSpec, scale, generator, *, need_amax, amax=None):
         if scale is None:
             # Without stats the amax goes from hp's dtype straight to the scale's float64.
             amax = group_amax if group_amax is not None else block_abs_max(hp, block)
-            if spec.scale_dtype == E8M0:
-                scale = amax_to_e8m0_scale(amax, float8_dtype, spec.scale_mode)
-            else:
-                scale = amax_to_scale(amax, float8_dtype, round_pow2=spec.power_of_2)
+            scale = block_scale(amax, spec)
         # Deliberate upcast of e8m0 scales: powers of two, exact in fp32.
         scale32 = scale if scale.dtype == torch.float32 else scale.to(torch.float32)
         expanded = expand_block_scale(scale32, block, tuple(hp.shape))
     scaled = _scaled_fp32(hp, expanded)
     if spec.rounding == "stochastic":
-        fmax = FORMATS[float8_dtype].max
+        fmax = format_number(float8_dtype, "max")
         data = saturated_cast(stochastic_round(scaled.clamp(-fmax, fmax), float8_dtype, generator), float8_dtype)
     else:
         # The product is a temporary of our own: clamp it in place unless stats read it.
@@ -153,7 +161,6 @@ def _cast_stats(
     f64 = torch.float64
     if hp.numel() == 0:
         return torch.tensor([0.0, 0.0, 0.0, 0.0, float("nan"), float("nan")], dtype=f64, device=hp.device)
-    fmt = FORMATS[float8_dtype]
     magnitude = scaled.abs()
     # int32 counters where they cannot overflow: a CPU kernel accumulates them at about half
     # the cost of int64 ones (the tensor's size is static, so this is decided once per shape).
@@ -162,12 +169,12 @@ def _cast_stats(
     # Round-to-nearest-even sends |x| <= smallest_subnormal / 2 to zero (the tie too: zero's
     # mantissa is even) and anything larger to a non-zero value, in all four formats. So the
     # flushed elements are found on the fp32 products, not by reading the FP8 bytes back.
-    underflow = ((hp != 0) & (magnitude <= fmt.smallest_subnormal / 2)).sum(dtype=count)
+    underflow = ((hp != 0) & (magnitude <= format_number(float8_dtype, "smallest_subnormal") / 2)).sum(dtype=count)
     # max |hp * scale| without another pass over the tensor: fp32 rounding is monotonic, so
     # the largest rounded product is the rounded product of the largest |hp| (per group).
     scaled_amax = (group_amax * scale).amax()
     # Deliberate upcast: a ratio of fp32 numbers, exact enough for the log in float64.
-    headroom = torch.log2(fmt.max / scaled_amax.to(f64))
+    headroom = torch.log2(format_number(float8_dtype, "max") / scaled_amax.to(f64))
     numel = torch.full((), hp.numel(), dtype=f64, device=hp.device)
     return torch.stack(
         [saturated.to(f64), underflow.to(f64), numel, group_amax.amax().to(f64), scale.amin().to(f64), headroom]

@@ -1,0 +1,86 @@
+"""Item 4: one training step of the ~300M-parameter Llama-style model (``_models``, size
+``300m``), compiled, bf16 vs tensorwise vs rowwise: tokens/s and peak memory.
+
+Two items: ``e2e_compile`` builds the three models and compiles them (each transformer
+block on its own: the 24 blocks share one compiled graph per recipe, which keeps the
+compile to seconds; embedding, final norm and output head run eagerly in every
+configuration), reporting each compile's seconds; ``e2e_step`` times the compiled models it
+left behind in interleaved rounds. A compile cut off at its deadline costs that recipe's
+rows, not the run."""
+
+from __future__ import annotations
+
+from .runner import Ctx
+
+RECIPES = ("bf16", "tensorwise", "rowwise")
+
+
+def e2e_compile(ctx: Ctx) -> None:
+    import time
+
+    import _common as C
+    import _models as M
+    import torch
+
+    size = ctx.pick("300m", "quick")
+    cfg = M.SIZES[size]
+    batches = M.synthetic_batches(cfg, 4, ctx.device)
+    built = ctx.shared.setdefault("e2e", {"size": size, "cfg": cfg, "runs": {}})
+    for recipe in RECIPES:
+        model = M.build_model(cfg, ctx.device)
+        if recipe != "bf16":
+            C.f8tensor_convert(model, recipe, module_filter_fn=M.fp8_filter)
+        for block in model.layers:
+            block.compile(dynamic=False)
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+        state = {"i": 0, "loss": float("nan")}
+
+        def step(model=model, opt=opt, state=state):
+            b = batches[state["i"] % len(batches)]
+            state["i"] += 1
+            loss = model(b[:, :-1], b[:, 1:])
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            state["loss"] = loss.detach()
+
+        t0 = time.monotonic()
+        step()
+        C.sync(ctx.device)
+        compile_s = time.monotonic() - t0
+        t1 = time.monotonic()
+        step()  # a second step: whatever the first one left to compile (the optimizer's state)
+        C.sync(ctx.device)
+        ctx.row(recipe=recipe, mode="compiled", shape=size, metric="first_step_s", value=compile_s, unit="s",
+                detail=f"second step {time.monotonic() - t1:.2f} s; {M.count_parameters(model) / 1e6:.0f}M parameters")
+        built["runs"][recipe] = (model, opt, step, state)
+        ctx.say(f"  {recipe}: first step (compile) {compile_s:.1f} s")
+
+
+def e2e_step(ctx: Ctx) -> None:
+    import _common as C
+
+    built = ctx.shared.pop("e2e", None)
+    if not built or not built["runs"]:
+        raise RuntimeError("e2e_compile left no compiled model (see its status)")
+    cfg, size, runs = built["cfg"], built["size"], built["runs"]
+    tokens = cfg.batch * cfg.seq
+    try:
+        steps = {(recipe, "compiled"): run[2] for recipe, run in runs.items()}
+        rounds, per_round = ctx.pick((3, 5), (1, 1))
+        timings = C.interleaved(steps, rounds, per_round, ctx.device)
+        base = timings.get(("bf16", "compiled"))
+        peaks = {}
+        for recipe, (model, opt, step, state) in runs.items():
+            resident = sum(t.numel() * t.element_size() for t in C.state_tensors(model, opt))
+            peaks[recipe] = C.measure_peak(step, resident, ctx.device).peak / 2**20
+        for (recipe, mode), t in timings.items():
+            tps = tokens / (t.median / 1e3)
+            ratio = base.median / t.median if base else float("nan")
+            loss = float(runs[recipe][3]["loss"])
+            ctx.row(recipe=recipe, mode=mode, shape=size, metric="tokens_per_s", value=tps, unit="tokens/s",
+                    ratio=ratio, detail=f"{t.median:.2f} ms/step over {len(t.all)} steps; last loss {loss:.3f}")
+            ctx.row(recipe=recipe, mode=mode, shape=size, metric="peak_mib", value=peaks[recipe], unit="MiB",
+                    ratio=peaks[recipe] / peaks["bf16"] if "bf16" in peaks else float("nan"))
+    finally:
+        runs.clear()

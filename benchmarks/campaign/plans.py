@@ -1,0 +1,52 @@
+"""The two plans, in the order their items run (by value: what is worth most runs first).
+
+Planned seconds are for an H100/H200; each item's deadline is the cumulative sum, scaled so
+that the plan fills ``--budget-s`` from process start (``runner.plan_deadlines``)."""
+
+from __future__ import annotations
+
+from . import e2e, gpu_tests, hooks, linear, moe, overhead, profiles, smoke, vit
+from .runner import Item
+
+#: The GPU command's wall-clock limit (s) for each plan, the installs of its wheels included.
+COMMAND_LIMIT_S = {"default": 480, "second": 240}
+#: The runner's budget from process start: the limit less the wheel install, the interpreter
+#: start and a margin for the watchdog's last write.
+DEFAULT_BUDGET_S = {"default": 450.0, "second": 220.0}
+
+
+def default_plan() -> list[Item]:
+    items = [
+        Item("smoke", 35, smoke.smoke, "every recipe's forward + backward on the device vs the CPU (SQNR), "
+             "and the first kernel each recipe launches", min_s=10),
+        Item("linear_target", 100, linear.linear_target, "Float8Linear fwd+bwd at M=16384, K=4096, N=14336, "
+             "compiled and eager: tensorwise, rowwise, blockwise vs bf16 and torchao", min_s=30),
+        Item("eager_overhead", 25, overhead.eager_overhead, "kernels and host time per eager step of a tiny "
+             "linear, per recipe, vs bf16 and torchao", min_s=10),
+        Item("e2e_compile", 70, e2e.e2e_compile, "the 300m model, bf16 / tensorwise / rowwise: build, "
+             "compile (per block) and the first step; compile seconds reported", min_s=30),
+        Item("e2e_step", 45, e2e.e2e_step, "the compiled 300m models: tokens/s and peak memory, interleaved",
+             min_s=15),
+        Item("moe_grouped", 40, moe.moe_grouped, "grouped GEMM fwd+bwd: float8_grouped_mm tensorwise, rowwise "
+             "vs bf16 torch._grouped_mm, eager and compiled", min_s=15),
+    ]
+    items += [Item(name, plan_s, gpu_tests.group_fn(paths, plan_s), f"pytest -m gpu {' '.join(paths)}", min_s=15)
+              for name, paths, plan_s in gpu_tests.GROUPS]
+    return items
+
+
+def second_plan() -> list[Item]:
+    items = [
+        Item("pytest_gpu_rest", 120, gpu_tests.rest, "pytest -m gpu: every gpu test the default plan's groups "
+             "did not run", min_s=30),
+        Item("profiles", 60, profiles.profiles, "the figures of --figures-csv below target and their baselines "
+             "under torch.profiler: top kernels", min_s=20),
+        Item("vit_huge", 40, vit.vit, "timm ViT-Huge training step, compiled: bf16 vs tensorwise vs rowwise",
+             min_s=20, requires=("timm",)),
+    ]
+    items += [Item(name, 2, hooks.hook_fn(module, what), what, min_s=0,
+                   absent=lambda module=module: hooks.module_absent(module)) for name, module, what in hooks.HOOKS]
+    return items
+
+
+PLANS = {"default": default_plan, "second": second_plan}
