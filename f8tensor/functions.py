@@ -438,6 +438,14 @@ class Float8LinearFn(torch.autograd.Function):
             if fold:  # the row scales are in g8 already: W8 with a unit scale
                 unit = torch.ones((), dtype=torch.float32, device=weight._scale.device)
                 w8 = weight._replace(scale=unit, block=(0, 0), gemm=bwd)
+            elif isinstance(weight, Float8Tensor) and _blocked_along_k(weight, spec0 := config.weight.operand_spec(0)):
+                # An FP8-gathered weight whose blocks run along K (MX 1x32): grad_x contracts
+                # over N, and no block-scaled kernel reads a 1x32 second operand along N. Cast
+                # again along N from the gathered values (a second rounding, backward only;
+                # exact for normal values with power-of-two scales). Deliberate fp32 between
+                # the two roundings, not the weight's bf16.
+                w8 = _cast_second_operand(dequantize(weight, torch.float32), spec0, bwd)
+                w8 = w8._replace(orig_dtype=weight._orig_dtype)
             elif isinstance(weight, Float8Tensor):
                 w8 = weight._replace(gemm=bwd)
             elif ctx.weight_casts is not None:
@@ -500,6 +508,12 @@ class Float8LinearFn(torch.autograd.Function):
         # One None per non-tensor input; trailing ones for `weight_amax` and `weight_casts`,
         # which autograd drops when the caller passed fewer inputs.
         return grad_x, grad_w, grad_b, None, None, None, None, None
+
+
+def _blocked_along_k(w8: Float8Tensor, spec: CastSpec) -> bool:
+    """``w8`` (N, K), a block-scaled weight cast for the forward, has blocks that grad_x's
+    product (contracting over N, as ``spec`` says) cannot read as they are."""
+    return w8.is_blockwise and w8._block != spec.block
 
 
 def _row_scaled(w8: Float8Tensor) -> bool:
