@@ -40,7 +40,14 @@ from f8tensor.linear import Float8Conv1D, Float8Linear
 try:
     from lightning.pytorch.plugins.precision import Precision
 except ImportError:  # the standalone package
-    from pytorch_lightning.plugins.precision import Precision  # type: ignore[assignment]  # same class, other package
+    try:
+        from pytorch_lightning.plugins.precision import Precision  # type: ignore[assignment]  # same class, other package
+    except ImportError as exc:  # neither: say what is absent and how to install it
+        raise ModuleNotFoundError(
+            "f8tensor.integrations.lightning needs Lightning, which is not installed: "
+            "pip install lightning (or pip install 'f8tensor[integrations]')",
+            name="lightning",
+        ) from exc
 
 __all__ = ["Float8Precision"]
 

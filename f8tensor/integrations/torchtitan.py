@@ -56,10 +56,20 @@ import logging
 from dataclasses import dataclass, field
 
 from torch import nn
-from torchtitan.components.quantization import QuantizationConverter
-from torchtitan.config.override import derive, override
-from torchtitan.models.common.linear import Linear
-from torchtitan.protocols.module import Module
+
+try:
+    from torchtitan.components.quantization import QuantizationConverter
+    from torchtitan.config.override import derive, override
+    from torchtitan.models.common.linear import Linear
+    from torchtitan.protocols.module import Module
+except ModuleNotFoundError as exc:  # absent: say so and how to install it (README.md)
+    if exc.name is None or not exc.name.startswith("torchtitan"):
+        raise
+    raise ModuleNotFoundError(
+        "f8tensor.integrations.torchtitan needs torchtitan, which is not installed: "
+        "pip install --no-deps torchtitan==0.3.0 (see README.md)",
+        name="torchtitan",
+    ) from exc
 
 from f8tensor.config import RECIPES, Float8LinearConfig
 from f8tensor.gemm.rules import ALIGN
