@@ -29,8 +29,25 @@ CAST_MIN_DB = {
 }
 assert set(CAST_MIN_DB) == set(FLOAT8_DTYPES)
 
-# Minimum SQNR (dB) of an FP8 matrix product against the fp32 reference.
-MATMUL_MIN_DB = 20.0
+# Minimum SQNR (dB) of an FP8 matrix product against the fp32 reference, Gaussian operands,
+# high-precision output. Measured on CPU over the tests that use these (test_ops_matmul,
+# test_gemm, test_compile, test_inference_export): e4m3 x e4m3 products 27.0-32 dB, so
+# MATMUL_MIN_DB sits 2 dB under; a product with an e5m2 operand (one mantissa bit less)
+# measures 24.6 (tensorwise) to 25.3 (rowwise) dB: a tensorwise e4m3/e5m2 mix-up fails
+# MATMUL_MIN_DB. Products that are meant to take an e5m2 operand use MATMUL_E5M2_MIN_DB,
+# 2.6 dB under their 24.6 dB.
+MATMUL_MIN_DB = 25.0
+MATMUL_E5M2_MIN_DB = 22.0
+
+
+def matmul_min_db(*float8_dtypes: torch.dtype) -> float:
+    """The product threshold for these operand formats: the e5m2 one if any operand is e5m2."""
+    return MATMUL_E5M2_MIN_DB if any(d in E5M2_DTYPES for d in float8_dtypes) else MATMUL_MIN_DB
+
+
+# Minimum SQNR (dB) of a gradient the FP8 path computes in bf16 (a weight gradient when only
+# the weight was cast) against the fp32 reference: bf16 rounding, measured 55.06-55.67 dB.
+HP_GRAD_MIN_DB = 53.0
 
 
 def kernel_skip_reason(
@@ -155,7 +172,8 @@ def reference_cast(hp: torch.Tensor, scale: torch.Tensor, float8_dtype: torch.dt
 
 def check_compiled_linear(granularity: str, batch: tuple[int, ...], k: int, n: int, device: str = "cpu") -> None:
     """``F.linear(x, Float8Tensor.from_hp(w))`` under inductor with ``fullgraph=True``: one
-    graph, and output and both gradients within MATMUL_MIN_DB of an fp32 reference."""
+    graph, output and input gradient within MATMUL_MIN_DB of an fp32 reference, the weight
+    gradient (a bf16 product) within HP_GRAD_MIN_DB."""
     import torch._dynamo.testing
     import torch.nn.functional as F
 
@@ -177,7 +195,8 @@ def check_compiled_linear(granularity: str, batch: tuple[int, ...], k: int, n: i
     y_ref.backward(upstream.float())
     assert_sqnr(y_ref, y, MATMUL_MIN_DB, "output")
     assert_sqnr(x_ref.grad, x.grad, MATMUL_MIN_DB, "grad_x")
-    assert_sqnr(w_ref.grad, w.grad, MATMUL_MIN_DB, "grad_w")
+    # Only w is cast: its gradient is upstream^T @ x in bf16 (measured 55.06 dB on CPU).
+    assert_sqnr(w_ref.grad, w.grad, HP_GRAD_MIN_DB, "grad_w")
 
 
 def free_port() -> int:

@@ -82,8 +82,10 @@ def test_extreme_magnitudes_round_trip(gran, hp_dtype, regime):
         # bf16/fp32 subnormals lie below EPS: they flush to (signed) zero, never grow.
         assert torch.all(back.abs() <= x.abs())
         return
-    # fp16 subnormals carry few bits themselves, so a lower bar there.
-    assert_sqnr(x.double(), back.double(), 10.0 if regime == "subnormal" else MIN_DB, f"{gran} {regime}")
+    # fp16 subnormals here keep 8-9 significant bits, far more than e4m3's 4: the cast is as
+    # accurate as on normal numbers. Measured 31.20 (MX) to 31.98 (1x128) dB over the six
+    # granularities; the bar sits 2 dB under.
+    assert_sqnr(x.double(), back.double(), 29.0 if regime == "subnormal" else MIN_DB, f"{gran} {regime}")
 
 
 @pytest.mark.parametrize(

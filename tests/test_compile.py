@@ -12,6 +12,7 @@ import torch._dynamo.testing
 import torch.nn.functional as F
 from helpers import (
     GRANULARITIES,
+    HP_GRAD_MIN_DB,
     MATMUL_MIN_DB,
     assert_bitwise_equal_f8,
     assert_sqnr,
@@ -75,7 +76,8 @@ def test_linear_forward_backward_one_graph(granularity, x_kind):
     x_ref, w_ref = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
     (x_ref @ w_ref.t()).backward(upstream.float())
     assert_sqnr(x_ref.grad, grads[0], MATMUL_MIN_DB, "grad_x")
-    assert_sqnr(w_ref.grad, grads[1], MATMUL_MIN_DB, "grad_w")
+    # Only w was cast: its gradient is upstream^T @ x in bf16 (measured 55.7 dB vs fp32).
+    assert_sqnr(w_ref.grad, grads[1], HP_GRAD_MIN_DB, "grad_w")
 
 
 @pytest.mark.parametrize("granularity", GRANULARITIES)

@@ -42,8 +42,9 @@ class _Crafted:
         return self.reduce
 
 
-def _fields(version=_SERIAL_VERSION, **changes):
-    x8 = Float8Tensor.from_hp(torch.randn(4, 16), granularity=changes.pop("granularity", "tensorwise"))
+def _fields(version=_SERIAL_VERSION, source=None, **changes):
+    granularity = changes.pop("granularity", "tensorwise")
+    x8 = Float8Tensor.from_hp(torch.randn(4, 16), granularity=granularity) if source is None else source
     fields = x8._serial_fields()
     if version == 1:  # what the version-1 writer stored
         fields["axiswise_dim"] = x8._axiswise_dim
@@ -53,13 +54,13 @@ def _fields(version=_SERIAL_VERSION, **changes):
     return fields
 
 
-def _new_format(version=_SERIAL_VERSION, **changes):
-    return _Crafted((_rebuild_float8_tensor, (version, _fields(version, **changes))))
+def _new_format(version=_SERIAL_VERSION, source=None, **changes):
+    return _Crafted((_rebuild_float8_tensor, (version, _fields(version, source, **changes))))
 
 
-def _old_format(granularity="tensorwise", outer=None, **changes):
+def _old_format(granularity="tensorwise", outer=None, source=None, **changes):
     """The format written before __reduce_ex__: Tensor.__reduce_ex__'s wrapper-subclass path."""
-    x8 = Float8Tensor.from_hp(torch.randn(4, 16), granularity=granularity)
+    x8 = Float8Tensor.from_hp(torch.randn(4, 16), granularity=granularity) if source is None else source
     state = {"_data": x8._data, "_scale": x8._scale, "_orig_dtype": x8._orig_dtype, "_axiswise_dim": x8._axiswise_dim, "_gemm": x8._gemm}
     state.update(changes)
     size, stride = outer or (tuple(state["_data"].shape), state["_data"].stride())
@@ -99,11 +100,26 @@ def test_checkpoint_written_by_the_previous_code_still_loads():
     assert torch.equal(x @ loaded["param"].t(), x @ expected["param"].t())
 
 
-def test_hand_written_valid_forms_load():
-    assert type(_load(_new_format())) is Float8Tensor
-    assert type(_load(_new_format(version=1))) is Float8Tensor
-    assert type(_load(_old_format())) is Float8Tensor
-    assert type(_load(_old_format("rowwise"))) is Float8Tensor
+@pytest.mark.parametrize(
+    "form, granularity",
+    [("new", "tensorwise"), ("new", "rowwise"), ("v1", "tensorwise"), ("v1", "rowwise"), ("old", "tensorwise"), ("old", "rowwise")],
+)
+def test_hand_written_valid_forms_load(form, granularity):
+    # Each valid form loads back the tensor that was written: the same FP8 bytes, scale bits,
+    # metadata, and so the same high-precision values.
+    x8 = Float8Tensor.from_hp(torch.randn(4, 16) * torch.logspace(-2, 2, 4).unsqueeze(1), granularity=granularity)
+    crafted = {
+        "new": lambda: _new_format(source=x8),
+        "v1": lambda: _new_format(version=1, source=x8),
+        "old": lambda: _old_format(source=x8),
+    }[form]()
+    got = _load(crafted)
+    assert type(got) is Float8Tensor
+    assert (got.shape, got.dtype, got.float8_dtype) == (x8.shape, x8.dtype, x8.float8_dtype)
+    assert torch.equal(got._data.view(torch.uint8), x8._data.view(torch.uint8))
+    assert got._scale.shape == x8._scale.shape and torch.equal(got._scale.view(torch.int32), x8._scale.view(torch.int32))
+    assert (got._orig_dtype, got._block, got._gemm) == (x8._orig_dtype, x8._block, x8._gemm)
+    assert torch.equal(got.to_hp(), x8.to_hp())
 
 
 def test_a_nan_scale_loads_and_reads_nan():

@@ -19,7 +19,6 @@ from f8tensor.kernels.fp4 import (
     E2M1_VALUES,
     FP4Spec,
     cast_fp4,
-    dequantize_fp4,
     e2m1_decode,
     e2m1_encode,
     pack_e2m1,
@@ -261,7 +260,27 @@ def test_from_hp_gradient_passes_through():
     assert torch.equal(x.grad, torch.ones_like(x))
 
 
-def test_dequantize_matches_kernel_function():
-    f = _f4(kind="mxfp4")
-    ref = dequantize_fp4(f._data, f._scale, f._global_scale, f._block, f._pack_dim, torch.float32)
+def _dequantize_reference(f: Float4Tensor) -> np.ndarray:
+    """The format definition, decoded by ml_dtypes: two E2M1 codes per byte (low nibble first)
+    along the last dim, times the block's scale (e4m3 for NVFP4, e8m0 for MXFP4), times the
+    NVFP4 per-tensor scale, in fp32."""
+    assert f._pack_dim in (-1, f.dim() - 1)
+    raw = f._data.view(torch.uint8).numpy()
+    codes = np.stack([raw & 0xF, raw >> 4], axis=-1).reshape(*raw.shape[:-1], raw.shape[-1] * 2)
+    elements = codes.astype(np.uint8).view(md.float4_e2m1fn).astype(np.float32)
+    scale_md = md.float8_e4m3fn if f._scale.dtype == torch.float8_e4m3fn else md.float8_e8m0fnu
+    scales = f._scale.view(torch.uint8).numpy().view(scale_md).astype(np.float32)
+    rows, cols = f._block
+    scales = np.repeat(np.repeat(scales, rows, axis=0), cols, axis=1)[: elements.shape[0], : elements.shape[1]]
+    g = np.float32(f._global_scale.item()) if f._global_scale is not None else np.float32(1.0)
+    return (elements * scales).astype(np.float32) * g
+
+
+@pytest.mark.parametrize("kind", ["nvfp4", "mxfp4"])
+def test_to_hp_matches_the_format_definition(kind):
+    f = _f4(kind=kind)
+    ref = torch.from_numpy(_dequantize_reference(f))
     assert torch.equal(f.to_hp(torch.float32), ref)
+    # And they are the input, to FP4 accuracy: measured 20.03 (NVFP4), 18.56 (MXFP4) dB.
+    x = torch.randn((32, 64), generator=torch.Generator().manual_seed(2))
+    assert sqnr(x, ref) >= {"nvfp4": 18.0, "mxfp4": 16.5}[kind]

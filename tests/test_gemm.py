@@ -318,8 +318,8 @@ def test_route_taken_and_accuracy(granularity, b_dtype, out_dtype, fast, scaled_
         assert (call["kind"], call["out_dtype"], call["bias"]) == ("tensorwise", torch.float32, None)
     assert call["use_fast_accum"] is fast
     ref = x @ w.t() + bias.float()
-    min_db = ROUTE_MIN_DB[b_dtype] if granularity == "rowwise" else MATMUL_MIN_DB
-    assert_sqnr(ref, y.float(), min_db, f"{granularity} {route.value}")
+    # Measured: e4m3 weights 29.0-29.2 dB, e5m2 weights 24.1 (rowwise) to 24.6 (tensorwise) dB.
+    assert_sqnr(ref, y.float(), ROUTE_MIN_DB[b_dtype], f"{granularity} {route.value}")
 
 
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16], ids=dtype_name)

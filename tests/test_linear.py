@@ -20,6 +20,18 @@ from linear_utils import DELAYED_BUFFERS, MLP, RECIPE_NAMES, assert_sqnr, fp8_co
 # Thresholds of the contract, in dB, against the same layer in high precision.
 OUTPUT_MIN_DB = 24.0
 GRAD_MIN_DB = 17.0
+# The bias gradient is a high-precision sum of grad_output, as in nn.Linear: bit-identical to
+# the reference on CPU (measured: all 66 bias gradients of this file). On CUDA the two sums may
+# be reduced in another order: fp32/bf16 rounding, far above any FP8 error (unmeasured there).
+BIAS_GRAD_CUDA_MIN_DB = 60.0
+
+
+def _assert_bias_grad(ref: torch.Tensor, got: torch.Tensor, what: str) -> None:
+    assert got.dtype == ref.dtype, (got.dtype, ref.dtype)
+    if got.device.type == "cpu":
+        assert torch.equal(ref, got), f"{what}: bias gradient differs from nn.Linear's (SQNR {sqnr(ref, got):.2f} dB)"
+    else:
+        assert_sqnr(ref, got, BIAS_GRAD_CUDA_MIN_DB, what)
 
 
 @pytest.fixture(autouse=True)
@@ -28,7 +40,7 @@ def _seed():
 
 
 def _compare_to_reference(ref: nn.Module, fp8: nn.Module, x: torch.Tensor, what: str) -> None:
-    """Output >= 24 dB, input and weight gradients >= 17 dB against ``ref``."""
+    """Output >= 24 dB, input and weight gradients >= 17 dB, bias gradient exact against ``ref``."""
     grad_out = torch.randn(*x.shape[:-1], ref.out_features, dtype=x.dtype)
     y_ref, gx_ref = run_fwd_bwd(ref, x, grad_out)
     y, gx = run_fwd_bwd(fp8, x, grad_out)
@@ -38,7 +50,7 @@ def _compare_to_reference(ref: nn.Module, fp8: nn.Module, x: torch.Tensor, what:
     assert_sqnr(ref.weight.grad, fp8.weight.grad, GRAD_MIN_DB, f"{what} grad_weight")
     assert fp8.weight.grad.dtype == ref.weight.dtype
     if ref.bias is not None:
-        assert_sqnr(ref.bias.grad, fp8.bias.grad, GRAD_MIN_DB, f"{what} grad_bias")
+        _assert_bias_grad(ref.bias.grad, fp8.bias.grad, f"{what} grad_bias")
         assert fp8.bias.grad.dtype == ref.bias.dtype
 
 
@@ -262,7 +274,7 @@ def test_backward_computes_only_the_gradients_asked_for(recipe, x_grad, w_grad, 
         assert_sqnr(x_ref.grad, x_fp8.grad, GRAD_MIN_DB, "grad_input")
     if w_grad:
         assert_sqnr(ref.weight.grad, layer.weight.grad, GRAD_MIN_DB, "grad_weight")
-    assert_sqnr(ref.bias.grad, layer.bias.grad, GRAD_MIN_DB, "grad_bias")
+    _assert_bias_grad(ref.bias.grad, layer.bias.grad, "grad_bias")
 
 
 # ----------------------------------------------------------------------------- no hidden Python state

@@ -1,5 +1,6 @@
 """Float8Linear under torch.compile(fullgraph=True): one frame for forward and backward, and
-the same numbers as eager."""
+the same numbers as eager: bit for bit with the aot_eager backend (the graph runs eager's
+kernels), to fp32 rounding with inductor (fused kernels may sum in another order)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,25 @@ import torch._dynamo.testing
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from f8tensor import Float8Linear
+from f8tensor import Float8Linear, sqnr
 
 from linear_utils import MLP, RECIPE_NAMES, assert_sqnr, fp8_copy, grads
 
-# Compiled against eager, in dB.
-COMPILED_MIN_DB = 30.0
+# Inductor-compiled against eager, in dB, where inductor fuses kernels (GELU, the bias-gradient
+# sums) and so rounds differently: measured 125.0-139.4 dB over the outputs, input gradients and
+# parameter gradients of tensorwise/delayed (CPU, fp32); 41 of 48 bit-identical. Anything an FP8
+# regression changes (a scale, a cast, a layout) costs 100 dB, so the threshold sits at 120.
+INDUCTOR_MIN_DB = 120.0
+
+
+def _assert_same_as_eager(eager: torch.Tensor, compiled: torch.Tensor, backend: str, what: str) -> None:
+    """aot_eager: bit-identical (all 78 results measured so); inductor: >= INDUCTOR_MIN_DB."""
+    if backend == "aot_eager":
+        assert compiled.dtype == eager.dtype and torch.equal(eager, compiled), (
+            f"{what}: compiled (aot_eager) differs from eager, SQNR {sqnr(eager, compiled):.2f} dB"
+        )
+    else:
+        assert_sqnr(eager, compiled, INDUCTOR_MIN_DB, what)
 
 
 @pytest.fixture(autouse=True)
@@ -40,10 +54,10 @@ def _check_compiled_matches_eager(recipe: str, backend: str, dtype: torch.dtype,
         y_c.float().pow(2).mean().backward()
         what = f"{recipe}/{backend} step {step}"
         assert y_c.dtype == y_e.dtype == dtype
-        assert_sqnr(y_e, y_c, COMPILED_MIN_DB, f"{what} output")
-        assert_sqnr(x_e.grad, x_c.grad, COMPILED_MIN_DB, f"{what} grad_input")
+        _assert_same_as_eager(y_e, y_c, backend, f"{what} output")
+        _assert_same_as_eager(x_e.grad, x_c.grad, backend, f"{what} grad_input")
         for name, g in grads(eager).items():
-            assert_sqnr(g, compiled_model.get_parameter(name).grad, COMPILED_MIN_DB, f"{what} {name}.grad")
+            _assert_same_as_eager(g, compiled_model.get_parameter(name).grad, backend, f"{what} {name}.grad")
     # One frame, one graph: forward and backward compiled without a break, no recompile.
     assert counter.frame_count == 1
     assert counter.op_count > 0
@@ -95,7 +109,7 @@ def test_compile_with_a_frozen_weight_and_an_input_without_grad(recipe):
     assert compiled_model.fc2.weight.grad is None
     for name, g in grads(eager).items():
         if g is not None:
-            assert_sqnr(g, compiled_model.get_parameter(name).grad, COMPILED_MIN_DB, f"{name}.grad")
+            _assert_same_as_eager(g, compiled_model.get_parameter(name).grad, "aot_eager", f"{name}.grad")
     for (name, a), b in zip(eager.named_buffers(), compiled_model.buffers()):
         assert torch.equal(a, b), name
 

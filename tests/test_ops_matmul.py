@@ -10,13 +10,16 @@ from helpers import (
     E5M2_DTYPES,
     GRANULARITIES,
     HP_DTYPES,
+    HP_GRAD_MIN_DB,
+    MATMUL_E5M2_MIN_DB,
     MATMUL_MIN_DB,
     assert_sqnr,
     dtype_name,
+    matmul_min_db,
 )
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from f8tensor import FLOAT8_DTYPES, FORMATS, Float8Tensor, GemmConfig, float8_mm
+from f8tensor import FLOAT8_DTYPES, FORMATS, Float8Tensor, GemmConfig, float8_mm, sqnr
 
 aten = torch.ops.aten
 
@@ -134,14 +137,16 @@ def test_e4m3_times_e5m2(x_dtype, w_dtype, granularity):
     x8 = Float8Tensor.from_hp(x, x_dtype, granularity=granularity)
     w8 = Float8Tensor.from_hp(w, w_dtype, granularity=granularity)
     assert (x8.float8_dtype, w8.float8_dtype) == (x_dtype, w_dtype)
-    assert_sqnr(_ref(x, w), torch.mm(x8, w8.t()), MATMUL_MIN_DB)
+    # Measured 24.65-24.75 (tensorwise), 25.22-25.27 (rowwise) dB.
+    assert_sqnr(_ref(x, w), torch.mm(x8, w8.t()), MATMUL_E5M2_MIN_DB)
 
 
 @pytest.mark.parametrize("float8_dtype", FLOAT8_DTYPES, ids=dtype_name)
 def test_plain_x_with_each_weight_format(float8_dtype):
     x = torch.randn(16, K, dtype=torch.bfloat16)
     w = torch.randn(N, K, dtype=torch.bfloat16)
-    assert_sqnr(_ref(x, w), x @ Float8Tensor.from_hp(w, float8_dtype).t(), MATMUL_MIN_DB)
+    # Measured: e4m3fn weights 28.54 dB, e5m2 weights 24.75-24.80 dB.
+    assert_sqnr(_ref(x, w), x @ Float8Tensor.from_hp(w, float8_dtype).t(), matmul_min_db(float8_dtype))
 
 
 @pytest.mark.parametrize("granularity", GRANULARITIES)
@@ -207,6 +212,15 @@ def test_float8_mm_hp_out_dtype(out_dtype, granularity):
     assert_sqnr(_ref(x, w, bias), float8_mm(x, w8.t(), bias=bias, out_dtype=out_dtype), MATMUL_MIN_DB)
 
 
+# An FP8 output adds a third rounding: 2 dB under the measured values below.
+FP8_OUT_MIN_DB = {
+    torch.float8_e4m3fn: 24.5,
+    torch.float8_e4m3fnuz: 24.5,
+    torch.float8_e5m2: 21.5,
+    torch.float8_e5m2fnuz: 21.5,
+}
+
+
 @pytest.mark.parametrize("out_dtype", FLOAT8_DTYPES, ids=dtype_name)
 def test_float8_mm_fp8_out_dtype(out_dtype):
     x = torch.randn(16, K, dtype=torch.bfloat16)
@@ -217,7 +231,8 @@ def test_float8_mm_fp8_out_dtype(out_dtype):
     assert type(y8) is Float8Tensor and y8.float8_dtype == out_dtype and y8.dtype == torch.bfloat16
     assert y8._scale.item() == pytest.approx(out_scale)
     # Two FP8 roundings of the inputs plus one of the output (e5m2: 2 mantissa bits).
-    assert_sqnr(ref, y8.to_hp(), MATMUL_MIN_DB)
+    # Measured: e4m3 outputs 26.51-26.76 dB, e5m2 outputs 23.47 dB.
+    assert_sqnr(ref, y8.to_hp(), FP8_OUT_MIN_DB[out_dtype])
 
 
 @pytest.mark.parametrize("out_scale", [1.0, 2.0, torch.tensor(0.5)], ids=["1", "2", "0.5_tensor"])
@@ -351,7 +366,7 @@ def test_addmm_with_fp8_bias_raises():
 @pytest.mark.parametrize("granularity", GRANULARITIES)
 @pytest.mark.parametrize("hp_dtype", [torch.bfloat16, torch.float32], ids=dtype_name)
 @pytest.mark.parametrize("contiguous", [True, False], ids=["contiguous", "transposed"])
-def test_matmul_gradients(hp_dtype, granularity, contiguous):
+def test_matmul_gradients(hp_dtype, granularity, contiguous, device):
     x0 = torch.randn(8, 4, K, dtype=hp_dtype)
     x_base = x0.clone() if contiguous else x0.transpose(0, 1).contiguous()
     x = x_base.requires_grad_()
@@ -367,4 +382,9 @@ def test_matmul_gradients(hp_dtype, granularity, contiguous):
 
     assert x.grad.dtype == hp_dtype and w.grad.dtype == hp_dtype
     assert_sqnr(x_ref.grad, x.grad, MATMUL_MIN_DB, "grad_x")
-    assert_sqnr(w_ref.grad, w.grad, MATMUL_MIN_DB, "grad_w")
+    # The weight gradient is upstream^T @ x in high precision (only w was cast): fp32 is the
+    # reference itself (bit-identical on CPU); bf16 is it rounded to bf16, measured 55.67 dB.
+    if hp_dtype == torch.float32 and device == "cpu":
+        assert torch.equal(w_ref.grad, w.grad), f"grad_w: SQNR {sqnr(w_ref.grad, w.grad):.2f} dB, not bit-identical"
+    else:
+        assert_sqnr(w_ref.grad, w.grad, HP_GRAD_MIN_DB, "grad_w")

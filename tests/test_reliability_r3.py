@@ -218,9 +218,22 @@ def test_a_poisoned_delayed_state_is_refused_at_load(bad, buffer):
 
 
 def test_zero_history_entries_still_load():
-    # 0 is a legitimate history entry (an empty history, an all-zero tensor).
+    # 0 is a legitimate history entry (an empty history, an all-zero tensor): the load keeps
+    # it as given and the layer still trains from it.
+    torch.manual_seed(0)
     layer = fp8_linear(nn.Linear(32, 32), "delayed")
-    layer.load_state_dict(layer.state_dict())
+    sd = copy.deepcopy(layer.state_dict())
+    sd["amax_history_input"].zero_()
+    sd["amax_history_weight"].view(-1)[1:] = 0.0
+    sd["amax_history_weight"].view(-1)[0] = 3.0
+    layer.load_state_dict(sd)
+    for k, v in layer.state_dict().items():
+        assert torch.equal(v, sd[k]), k
+    x = torch.randn(8, 32, requires_grad=True)
+    layer(x).sum().backward()
+    assert torch.isfinite(x.grad).all() and torch.isfinite(layer.weight.grad).all()
+    for name in ("amax_history_input", "amax_history_weight", "scale_input", "scale_weight"):
+        assert torch.isfinite(getattr(layer, name)).all(), name
 
 
 # ===================================================================== items 8, 9
@@ -333,9 +346,11 @@ def test_compile_dynamic_true_forward_and_backward(recipe):
         g = torch.randn_like(ye)
         ye.backward(g)
         yc.backward(g)
-        assert_sqnr(ye, yc, 40.0, f"{recipe} y tokens={tokens}")
-        assert_sqnr(xe.grad, xc.grad, 40.0, f"{recipe} grad_x tokens={tokens}")
-        assert_sqnr(eager.weight.grad, compiled_layer.weight.grad, 40.0, f"{recipe} grad_w")
+        # aot_eager runs eager's kernels on symbolic shapes: bit for bit the same numbers
+        # (measured: all 36 results of the 6 recipes bit-identical).
+        assert torch.equal(ye, yc), f"{recipe} y tokens={tokens}"
+        assert torch.equal(xe.grad, xc.grad), f"{recipe} grad_x tokens={tokens}"
+        assert torch.equal(eager.weight.grad, compiled_layer.weight.grad), f"{recipe} grad_w tokens={tokens}"
 
 
 # ===================================================================== item 15
@@ -381,23 +396,41 @@ def test_a_crafted_checkpoint_with_a_huge_block_is_refused_or_sane():
 # ===================================================================== item 16
 
 
+# Measured SQNR (dB), x @ w8.t() vs the fp32 product / the layer's output and gradients vs
+# nn.Linear's, seed 0, e4m3 everywhere: a 0 in a block means "the whole dimension", so
+# (1, 0) is rowwise, (0, 0) tensorwise, (0, 32) 32-wide column blocks over all rows,
+# (0, 1) one scale per column. One scale per column is the worst: 26.5 (product), 23.6
+# (grad_x, floor); every other block >= 30.5 (product), >= 24.7 (layer, floor).
+_E8M0_PRODUCT_MIN_DB = {(0, 1): 24.0}  # measured 26.5-27.1
+_E8M0_PRODUCT_DEFAULT_MIN_DB = 28.0  # measured 30.5-31.7
+_E8M0_LAYER_MIN_DB = 21.0  # measured 23.6-29.6 over output, grad_x, grad_w
+
+
 @pytest.mark.parametrize("block", [(1, 0), (0, 0), (0, 1), (0, 32)], ids=str)
 @pytest.mark.parametrize("mode", ["rceil", "floor"])
-def test_an_e8m0_granularity_is_refused_or_trains(block, mode):
+def test_an_e8m0_granularity_with_a_whole_dimension_block_trains(block, mode):
+    # A 0 block size is "the whole dimension", also with an e8m0 scale: accepted, and the
+    # numbers are those of the corresponding FP8 recipe.
+    torch.manual_seed(0)
     gran = BlockGranularity(block, E8M0, mode)
     x = torch.randn(16, 64)
-    try:
-        x8 = Float8Tensor.from_hp(x, granularity=gran)
-    except ValueError as e:
-        assert "e8m0" in str(e)
-        with pytest.raises(ValueError, match="e8m0"):
-            CastConfig(torch.float8_e4m3fn, gran)
-        return
+    x8 = Float8Tensor.from_hp(x, granularity=gran)
     w8 = Float8Tensor.from_hp(torch.randn(32, 64), granularity=gran)
-    assert_sqnr(x @ w8.to_hp().t(), x8 @ w8.t(), 20.0, f"{block} e8m0")
+    assert x8._scale.dtype == E8M0 and w8._scale.dtype == E8M0
+    min_db = _E8M0_PRODUCT_MIN_DB.get(block, _E8M0_PRODUCT_DEFAULT_MIN_DB)
+    assert_sqnr(x @ w8.to_hp().t(), x8 @ w8.t(), min_db, f"{block} {mode} e8m0 product")
     cfg = CastConfig(torch.float8_e4m3fn, gran)
-    layer = Float8Linear.from_float(nn.Linear(64, 32), Float8LinearConfig(input=cfg, weight=cfg, grad_output=cfg))
-    layer(x).sum().backward()
+    lin = nn.Linear(64, 32)
+    layer = Float8Linear.from_float(copy.deepcopy(lin), Float8LinearConfig(input=cfg, weight=cfg, grad_output=cfg))
+    x_ref, x_f8 = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    g = torch.randn(16, 32)
+    y_ref = lin(x_ref)
+    y_ref.backward(g)
+    y = layer(x_f8)
+    y.backward(g)
+    assert_sqnr(y_ref, y, _E8M0_LAYER_MIN_DB, f"{block} {mode} output")
+    assert_sqnr(x_ref.grad, x_f8.grad, _E8M0_LAYER_MIN_DB, f"{block} {mode} grad_x")
+    assert_sqnr(lin.weight.grad, layer.weight.grad, _E8M0_LAYER_MIN_DB, f"{block} {mode} grad_w")
 
 
 # ===================================================================== Also: safe globals

@@ -47,6 +47,7 @@ print(
     f"\ntorch.finfo(float8_e5m2fnuz).eps = {finfo_eps}, but 1.125 stored as e5m2fnuz reads back as {stored}: "
     f"the spacing above 1 is {FORMATS[torch.float8_e5m2fnuz].eps}."
 )
+assert stored == 1.0 and FORMATS[torch.float8_e5m2fnuz].eps == 0.25, "e5m2fnuz stores 1.125 as 1: spacing 0.25"
 
 # ----------------------------------------------------------------------------- 2. saturation
 # What happens to a value beyond the range depends on the format (and on the device) with a
@@ -61,6 +62,7 @@ for dtype in FLOAT8_DTYPES:
     saturated = saturated_cast(values, dtype).float()
     for v, p, s in zip(values.tolist(), plain.tolist(), saturated.tolist()):
         print(f"{short(dtype):<10} {v:>12g} {p:>10g} {s:>10g}")
+    assert saturated.tolist() == [fmax, -fmax, fmax], f"{short(dtype)}: the saturating cast clamps to +-max"
 print(
     "\n(inf stays a problem even when clamped: Float8Tensor.from_hp turns a non-finite input into NaN\n"
     " instead, so a broken tensor never looks like a tensor full of max values.)"
@@ -97,6 +99,11 @@ for dtype in FLOAT8_DTYPES:
         f"{short(dtype):<10} {int((unscaled == 0).sum()):>15} {sqnr(x, unscaled):>11.1f} dB "
         f"{int((x8._data.float() == 0).sum()):>13} {sqnr(x, x8.to_hp()):>9.1f} dB {x8._scale.item():>10.4g}"
     )
+    # The claim: scaling removes the flush to zero and gives the format's full accuracy
+    # (measured 31.2-31.5 dB e4m3, 25.6 dB e5m2; unscaled e4m3 5-11 dB).
+    assert int((x8._data.float() == 0).sum()) == 0, f"{short(dtype)}: scaled values flushed to zero"
+    assert sqnr(x, x8.to_hp()) >= (29.0 if dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz) else 23.0)
+    assert sqnr(x, x8.to_hp()) >= sqnr(x, unscaled), f"{short(dtype)}: scaling made it worse"
 
 # ----------------------------------------------------------------------------- 5. a picture
 # Every positive finite value of each format, on a log2 axis: e4m3 is dense and short,

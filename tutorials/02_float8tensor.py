@@ -46,6 +46,8 @@ products = {
 for name, y in products.items():
     print(f"   {name:<26} {y.dtype!s:<15} {tuple(y.shape)}  "
           f"vs bf16 {sqnr(ref_bf16, y):5.1f} dB, vs fp32 {sqnr(ref_fp32, y):5.1f} dB")
+    # Measured 28.5-28.6 dB: FP8 (e4m3) accuracy, in the activation's dtype.
+    assert y.dtype == torch.bfloat16 and y.shape == (4, 64, 256) and sqnr(ref_fp32, y) >= 26.0, name
 print()
 
 # ----------------------------------------------------------------------------- 3. output dtype
@@ -71,6 +73,7 @@ y_sat = float8_mm(x2d, w8.t(), out_dtype=torch.float8_e4m3fn, out_scale=100.0)  
 sat_data = y_sat._data.float()
 print(f"   with out_scale=100, {100 * (sat_data.abs() == 448).float().mean().item():.0f}% of the outputs saturate "
       f"to exactly 448; non-finite values: {int((~torch.isfinite(sat_data)).sum())}\n")
+assert torch.isfinite(sat_data).all() and (sat_data.abs() == 448).any(), "a too-large out_scale saturates, finitely"
 
 # ----------------------------------------------------------------------------- 4. refusals
 # FP8 data only takes part in matrix products and layout ops (t, view, slice, cat, ...).
@@ -81,6 +84,9 @@ for name, fn in {"torch.sin(w8)": lambda: torch.sin(w8), "w8 + 1": lambda: w8 + 
         fn()
     except NotImplementedError as e:
         print(f"   {name}: NotImplementedError: {e}")
+        assert "call .to_hp() first" in str(e), "the refusal says what to do"
+    else:
+        raise AssertionError(f"{name} should be refused")
 print(f"   the way out, .to_hp(): torch.sin(w8.to_hp()) has shape {tuple(torch.sin(w8.to_hp()).shape)}\n")
 
 # ----------------------------------------------------------------------------- 5. alignment
@@ -93,7 +99,11 @@ try:
     x_odd @ Float8Tensor.from_hp(w_odd).t()
 except ValueError as e:
     print(f"   ValueError: {e}")
+    assert "multiples of 16" in str(e), "the refusal names the rule"
+else:
+    raise AssertionError("an unaligned FP8 product should be refused")
 w_pad = Float8Tensor.from_hp(w_odd, gemm_config=GemmConfig(pad_inner_dim=True))
 y_pad = x_odd @ w_pad.t()
 print(f"   with GemmConfig(pad_inner_dim=True): shape {tuple(y_pad.shape)}, "
       f"{sqnr(x_odd.float() @ w_odd.float().t(), y_pad):.1f} dB vs fp32")
+assert y_pad.shape == (8, 24) and sqnr(x_odd.float() @ w_odd.float().t(), y_pad) >= 24.0  # measured 27.0

@@ -76,6 +76,8 @@ try:
     torch.compile(guarded, backend="eager", fullgraph=True)(x)
 except torch._dynamo.exc.Unsupported as err:
     print(f"   fullgraph=True refused it: {type(err).__name__}: {str(err).strip().splitlines()[0][:80]}")
+else:
+    raise AssertionError("fullgraph=True should refuse data-dependent control flow")
 # The fix here: torch.clamp needs no `if` (clamping values already in range is a no-op).
 
 # ---------------------------------------------------------------------------------------
@@ -89,6 +91,7 @@ except torch._dynamo.exc.Unsupported as err:
 print("\n2. Counting graphs")
 explanation = torch._dynamo.explain(guarded)(x)
 print(f"   GuardedMLP: {explanation.graph_count} graphs, {explanation.graph_break_count} break;")
+assert explanation.graph_break_count >= 1, "the `if` on a tensor breaks the graph"
 reason = explanation.break_reasons[0]
 where = reason.user_stack[-1] if reason.user_stack else None
 at = f" at {where.filename.rsplit('/', 1)[-1]}:{where.lineno}" if where is not None else ""
@@ -105,6 +108,8 @@ for recipe in RECIPES:
         f"   {recipe:<19} {explanation.graph_count:>15} {explanation.graph_break_count:>7} "
         f"{counter.frame_count:>16} {counter.op_count:>5}"
     )
+    # The claim below: one graph and no break for every recipe, forward and backward.
+    assert (explanation.graph_count, explanation.graph_break_count, counter.frame_count) == (1, 0, 1), recipe
     torch._dynamo.reset()  # start the next recipe with clean caches and counters
 # One graph and no break for every recipe: the casts, the scale math, the delayed-scaling
 # buffer updates and the FP8 matrix products all trace.
@@ -128,6 +133,7 @@ data_eager, scale_eager = cast(w)
 data_comp, scale_comp = torch.compile(cast, fullgraph=True)(w)
 same = torch.equal(data_eager.view(torch.uint8), data_comp.view(torch.uint8)) and torch.equal(scale_eager, scale_comp)
 print(f"   rowwise cast of a bf16 weight, eager vs compiled: bitwise equal = {same}")
+assert same, "the compiled cast gives eager's FP8 bytes and scale"
 
 model = fp8_model("tensorwise", base)
 
@@ -141,7 +147,7 @@ def train_step(m: nn.Module, inp: torch.Tensor) -> tuple[torch.Tensor, list[torc
     return out, [p.grad.clone() for p in model.parameters()]
 
 
-def compare(label: str | None) -> nn.Module:
+def compare(label: str | None) -> tuple[nn.Module, float, float]:
     torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True)
     t0 = time.perf_counter()
@@ -154,11 +160,12 @@ def compare(label: str | None) -> nn.Module:
             f"   {label:<34} output {sqnr(out_eager, out_comp):5.1f} dB, "
             f"worst gradient {worst:5.1f} dB  (compiled in {seconds:.0f} s)"
         )
-    return compiled
+    return compiled, sqnr(out_eager, out_comp), worst
 
 
 print("   a training step under bf16 autocast, compiled vs eager (SQNR; inf = bitwise equal):")
-compare("default")
+_, out_db, worst_db = compare("default")
+assert out_db >= 25.0 and worst_db >= 25.0, "compiled and eager differ by FP8 rounding steps, not more"
 # Not bitwise, and the gradients only ~30-50 dB apart: where inductor fuses a chain of
 # pointwise ops under bf16 autocast (layer norm, gelu and their backward) it keeps the
 # intermediates in fp32 instead of rounding each to bf16 as eager does. An input to an
@@ -166,8 +173,9 @@ compare("default")
 # rounding boundary, and then differs by a whole FP8 step. Neither side is wrong; the
 # compiled one is slightly more precise. To get eager's rounding exactly, ask for it:
 torch._inductor.config.emulate_precision_casts = True
-compare("emulate_precision_casts=True")
+_, out_db, worst_db = compare("emulate_precision_casts=True")
 torch._inductor.config.emulate_precision_casts = False
+assert out_db == float("inf") and worst_db > 60.0, "with eager's roundings: the same output, gradients to fp32 rounding"
 # Now the output is bitwise equal and the gradients agree to fp32 rounding (a reduction
 # may still sum in another order). Worth knowing when a compiled run must reproduce an
 # eager one, or a test compares them; otherwise compare a compiled FP8 run with a
@@ -191,5 +199,5 @@ def time_steps(m: nn.Module, n: int = 10) -> float:
     return (time.perf_counter() - t0) / n
 
 
-eager_s, comp_s = time_steps(model), time_steps(compare(None))
+eager_s, comp_s = time_steps(model), time_steps(compare(None)[0])
 print(f"   eager {1e3 * eager_s:.1f} ms/step, compiled {1e3 * comp_s:.1f} ms/step ({eager_s / comp_s:.2f}x)")

@@ -56,6 +56,8 @@ for name, granularity in [("per expert row", "rowwise"), ("per expert", (1, 0, 0
     one = F.linear(x[:5], w8[0])  # expert 0 alone: w8[0] keeps expert 0's scale
     print(f"   {name:15s} scale shape {tuple(w8._scale.shape)!s:12s} grouped {sqnr(reference, y):5.1f} dB"
           f"   F.linear(x, w8[0]) {sqnr(x[:5] @ w[0].t(), one):5.1f} dB")
+    # Measured 28.8-29.6 dB (grouped), 28.4-29.4 dB (one expert): FP8 accuracy either way.
+    assert sqnr(reference, y) >= 26.0 and sqnr(x[:5] @ w[0].t(), one) >= 26.0, name
 
 # ----------------------------------------------------------------------------- 2. gradients
 print("2. gradients of the grouped product (recipe rowwise)")
@@ -67,6 +69,8 @@ gx, gw = torch.autograd.grad(y, (xp, wp), grad)
 xr, wr = x.detach().requires_grad_(), w.detach().requires_grad_()
 rx, rw = torch.autograd.grad(torch._grouped_mm(xr, wr.transpose(-2, -1), offs=offs), (xr, wr), grad)
 print(f"   grad x {sqnr(rx, gx):5.1f} dB, grad w {sqnr(rw, gw):5.1f} dB, expert 1 (no tokens) grad w max |.| = {gw[1].abs().max():.1f}")
+# Measured 28.7 (grad x), 30.5 (grad w) dB; an expert without tokens gets an exact zero gradient.
+assert sqnr(rx, gx) >= 26.0 and sqnr(rw, gw) >= 27.5 and torch.equal(gw[1], torch.zeros_like(gw[1]))
 
 # ----------------------------------------------------------------------------- 3. a Hugging Face MoE model
 print("3. a transformers Qwen3-MoE model, converted")
@@ -93,6 +97,7 @@ def batches(steps):
         yield torch.cat(seq, 1)
 
 
+final = {}
 for name, model in (("bf16", bf16), ("fp8 ", fp8)):
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses = []
@@ -103,3 +108,6 @@ for name, model in (("bf16", bf16), ("fp8 ", fp8)):
         opt.zero_grad()
         losses.append(loss.item())
     print(f"   {name}: loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+    final[name.strip()] = losses[-1]
+# Both learn (measured 4.203 -> 2.332 bf16, 2.335 FP8), and FP8 lands next to bf16.
+assert final["bf16"] < 3.0 and abs(final["fp8"] - final["bf16"]) < 0.1, final
