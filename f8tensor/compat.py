@@ -117,6 +117,8 @@ def assert_async(condition: torch.Tensor, message: str) -> None:
 # replace ``torch._scaled_mm`` / ``F.scaled_mm`` with checking wrappers for a user's own
 # calls, while f8tensor's products are checked where gemm makes them (exactly once).
 
+#: AMD's FP8 formats (no oneDNN CPU kernel multiplies them; see :func:`scaled_mm`).
+_FNUZ = (torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
 #: ``torch._scaled_mm`` (torch >= 2.1; the ``scale_a``/``scale_b`` signature since 2.4).
 _SCALED_MM = torch._scaled_mm
 #: ``torch.nn.functional.scaled_mm``: public, torch >= 2.10; block-scaled (1x128, 128x128,
@@ -139,12 +141,27 @@ def scaled_mm(
     On a CPU without a rowwise kernel (:data:`HAS_CPU_ROWWISE_SCALED_MM` False) a call with
     outer-vector scales runs as the per-tensor kernel (scales 1, fp32 output), then
     ``* scale_a * scale_b`` in fp32, the bias in fp32, one cast: the rowwise kernel's
-    epilogue order, and the numbers of f8tensor's post-scale route."""
+    epilogue order, and the numbers of f8tensor's post-scale route. On any CPU, fnuz
+    operands are multiplied in fp32 (oneDNN, which torch uses on CPUs with AMX or
+    AVX512-FP16, refuses them)."""
     if mat1.shape[-1] == 0:
         # K = 0 (an empty batch's weight gradient contracts over no tokens): the product is
         # zeros (+ the bias). torch's CPU per-tensor kernel returns its output uninitialized
         # then (torch 2.13), so no kernel is asked.
         acc = torch.zeros(mat1.shape[0], mat2.shape[1], dtype=torch.float32, device=mat1.device)
+        if bias is not None:
+            acc = acc + bias.float()
+        result = acc.to(out_dtype if out_dtype is not None else mat1.dtype)
+        if kwargs.get("out") is not None:
+            return kwargs["out"].copy_(result)
+        return result
+    if mat1.device.type == "cpu" and (mat1.dtype in _FNUZ or mat2.dtype in _FNUZ):
+        # AMD's fnuz formats on a CPU: torch's CPU kernel hands FP8 products to oneDNN where
+        # the CPU has AMX / AVX512-FP16, and oneDNN refuses fnuz operands ("itensor_view_from_dense
+        # expects ... fp8"), while other CPUs take them. The same numbers on every CPU: the exact
+        # fp32 values multiplied in fp32, then the scales and the bias in fp32 (the per-tensor
+        # kernel's epilogue order), one cast. Deliberate fp32: FP8 values are exact in it.
+        acc = (mat1.float() @ mat2.float()) * scale_a.float() * scale_b.float()
         if bias is not None:
             acc = acc + bias.float()
         result = acc.to(out_dtype if out_dtype is not None else mat1.dtype)
