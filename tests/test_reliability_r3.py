@@ -408,9 +408,11 @@ _E8M0_LAYER_MIN_DB = 21.0  # measured 23.6-29.6 over output, grad_x, grad_w
 
 @pytest.mark.parametrize("block", [(1, 0), (0, 0), (0, 1), (0, 32)], ids=str)
 @pytest.mark.parametrize("mode", ["rceil", "floor"])
-def test_an_e8m0_granularity_with_a_whole_dimension_block_trains(block, mode):
+def test_an_e8m0_granularity_with_a_whole_dimension_block_trains(block, mode, _cuda_rules_check):
     # A 0 block size is "the whole dimension", also with an e8m0 scale: accepted, and the
-    # numbers are those of the corresponding FP8 recipe.
+    # numbers are those of the corresponding FP8 recipe. (0, 32) blocks (32 columns shared by
+    # every row) are no CUDA kernel's: they run on the reference path, and the rules check
+    # records each of the four products (one direct, the layer's three) as refused on CUDA.
     torch.manual_seed(0)
     gran = BlockGranularity(block, E8M0, mode)
     x = torch.randn(16, 64)
@@ -431,6 +433,12 @@ def test_an_e8m0_granularity_with_a_whole_dimension_block_trains(block, mode):
     assert_sqnr(y_ref, y, _E8M0_LAYER_MIN_DB, f"{block} {mode} output")
     assert_sqnr(x_ref.grad, x_f8.grad, _E8M0_LAYER_MIN_DB, f"{block} {mode} grad_x")
     assert_sqnr(lin.weight.grad, layer.weight.grad, _E8M0_LAYER_MIN_DB, f"{block} {mode} grad_w")
+    if _cuda_rules_check is not None:
+        refused = _cuda_rules_check.take()
+        if block == (0, 32):
+            assert len(refused) == 4 and all("no CUDA kernel" in r for r in refused), refused
+        else:
+            assert refused == [], refused
 
 
 # ===================================================================== Also: safe globals

@@ -259,7 +259,7 @@ class PrepareFloat8ModuleInput(PrepareModuleInput):
         # config is resolved per module, on a copy.
         style = copy.copy(self)
         style.config = self.config if self.config is not None else _consumers_config(module)
-        return PrepareModuleInput._apply(style, module, device_mesh)
+        return super(PrepareFloat8ModuleInput, style)._apply(module, device_mesh)  # torch's, on the copy
 
     def _prepare_input_arg(  # type: ignore[override]
         self, input: Any, mesh: DeviceMesh, input_layout: Placement | None, desired_layout: Placement | None
