@@ -365,7 +365,7 @@ def test_a_block_larger_than_the_tensor_is_one_partial_block(block):
     assert x8._data.numel() == x.numel()
 
 
-def test_a_cast_config_with_a_huge_block_trains():
+def test_a_cast_config_with_a_huge_block_trains(_cuda_rules_check):
     cfg = Float8LinearConfig(
         input=CastConfig(torch.float8_e4m3fn, BlockGranularity((1, 2**46))),
         weight=CastConfig(torch.float8_e4m3fn, BlockGranularity((2**20, 2**46))),
@@ -378,6 +378,11 @@ def test_a_cast_config_with_a_huge_block_trains():
     y = layer(x)
     y.sum().backward()
     assert_sqnr(lin(x), y, 25.0, "huge-block forward")
+    if _cuda_rules_check is not None:
+        # Blocks longer than the tensor are no CUDA kernel's blocks: the reference path runs,
+        # and the rules check records the three products as refused on CUDA.
+        refused = _cuda_rules_check.take()
+        assert len(refused) == 3 and all("no CUDA kernel" in r for r in refused), refused
 
 
 def test_a_crafted_checkpoint_with_a_huge_block_is_refused_or_sane():
