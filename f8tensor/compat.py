@@ -149,12 +149,7 @@ def scaled_mm(
         # zeros (+ the bias). torch's CPU per-tensor kernel returns its output uninitialized
         # then (torch 2.13), so no kernel is asked.
         acc = torch.zeros(mat1.shape[0], mat2.shape[1], dtype=torch.float32, device=mat1.device)
-        if bias is not None:
-            acc = acc + bias.float()
-        result = acc.to(out_dtype if out_dtype is not None else mat1.dtype)
-        if kwargs.get("out") is not None:
-            return kwargs["out"].copy_(result)
-        return result
+        return _fp32_epilogue(acc, bias, out_dtype or mat1.dtype, kwargs.get("out"))
     if mat1.device.type == "cpu" and (mat1.dtype in _FNUZ or mat2.dtype in _FNUZ):
         # AMD's fnuz formats on a CPU: torch's CPU kernel hands FP8 products to oneDNN where
         # the CPU has AMX / AVX512-FP16, and oneDNN refuses fnuz operands ("itensor_view_from_dense
@@ -162,24 +157,25 @@ def scaled_mm(
         # fp32 values multiplied in fp32, then the scales and the bias in fp32 (the per-tensor
         # kernel's epilogue order), one cast. Deliberate fp32: FP8 values are exact in it.
         acc = (mat1.float() @ mat2.float()) * scale_a.float() * scale_b.float()
-        if bias is not None:
-            acc = acc + bias.float()
-        result = acc.to(out_dtype if out_dtype is not None else mat1.dtype)
-        if kwargs.get("out") is not None:
-            return kwargs["out"].copy_(result)
-        return result
+        return _fp32_epilogue(acc, bias, out_dtype or mat1.dtype, kwargs.get("out"))
     if not HAS_CPU_ROWWISE_SCALED_MM and mat1.device.type == "cpu" and (scale_a.numel() != 1 or scale_b.numel() != 1):
         one = torch.ones((), dtype=torch.float32, device=mat1.device)
         acc = _SCALED_MM(mat1, mat2, one, one, out_dtype=torch.float32, use_fast_accum=use_fast_accum)
         acc = acc * scale_a.float() * scale_b.float()  # (M, 1) and (1, N), deliberate fp32 epilogue
-        if bias is not None:
-            acc = acc + bias.float()
-        result = acc.to(out_dtype if out_dtype is not None else mat1.dtype)
-        if kwargs.get("out") is not None:
-            return kwargs["out"].copy_(result)
-        return result
+        return _fp32_epilogue(acc, bias, out_dtype or mat1.dtype, kwargs.get("out"))
     kwargs.update(bias=bias, scale_result=scale_result, out_dtype=out_dtype, use_fast_accum=use_fast_accum)
     return _SCALED_MM(mat1, mat2, scale_a, scale_b, **kwargs)
+
+
+def _fp32_epilogue(
+    acc: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype, out: torch.Tensor | None
+) -> torch.Tensor:
+    """The fp32 product ``acc`` (scales applied) plus the bias in fp32, one cast, into ``out``
+    when the caller (inductor's extern-kernel call) gave one."""
+    if bias is not None:
+        acc = acc + bias.float()
+    result = acc.to(out_dtype)
+    return out.copy_(result) if out is not None else result
 
 
 def set_scaled_mm(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
