@@ -85,7 +85,7 @@ import _common as C
 import torch
 from torch import nn
 
-from f8tensor import Float8Linear, Float8LinearConfig
+from f8tensor import Float8Linear, Float8LinearConfig, compat
 from f8tensor.stats import saved_tensor_bytes
 
 MIB = 2**20
@@ -571,6 +571,9 @@ def main(argv=None) -> None:
     if args.steps < 1:
         parser.error(f"--steps must be >= 1; got {args.steps}")
     C.setup_compile()
+    # The graphs as a GPU runs them: one _scaled_mm extern call per product (f8tensor's own
+    # fp32 CPU product would add its fp32 accumulator's traffic to the count).
+    compat.CPU_PRODUCTS_IN_FP32 = False
     env = C.environment(args.device, args.torchao_note)
     C.print_environment(env, "Cast traffic: bytes outside the GEMMs of one compiled training step")
     jobs = [("f8tensor", r) for r in args.recipes] + [("torchao", r) for r in args.torchao_recipes]

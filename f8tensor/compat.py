@@ -33,6 +33,7 @@ if torch.distributed.is_available():
     import torch.distributed._functional_collectives as _funcol
 
 __all__ = [
+    "CPU_PRODUCTS_IN_FP32",
     "DISABLED_TORCH_FUNCTION",
     "GROUPED_MM_FUNCTIONS",
     "HAS_CPU_ROWWISE_SCALED_MM",
@@ -43,6 +44,7 @@ __all__ = [
     "assert_async",
     "block_scaled_mm",
     "colwise_prepare_input",
+    "cpu_scaled_mm",
     "current_graph_task_id",
     "disable_torch_function_subclass",
     "dtensor_local",
@@ -117,7 +119,7 @@ def assert_async(condition: torch.Tensor, message: str) -> None:
 # replace ``torch._scaled_mm`` / ``F.scaled_mm`` with checking wrappers for a user's own
 # calls, while f8tensor's products are checked where gemm makes them (exactly once).
 
-#: AMD's FP8 formats (no oneDNN CPU kernel multiplies them; see :func:`scaled_mm`).
+#: AMD's FP8 formats (oneDNN's CPU kernel refuses them; see :func:`scaled_mm`).
 _FNUZ = (torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
 #: ``torch._scaled_mm`` (torch >= 2.1; the ``scale_a``/``scale_b`` signature since 2.4).
 _SCALED_MM = torch._scaled_mm
@@ -130,6 +132,12 @@ _SCALED_GROUPED_MM = torch._scaled_grouped_mm
 _GROUPED_MM = torch._grouped_mm
 
 
+#: Whether :func:`scaled_mm` sends the CPU products it lists to :func:`cpu_scaled_mm` (the
+#: default) or every product to ``torch._scaled_mm`` (False: for a benchmark that reads
+#: compiled CPU graphs as a GPU runs them, one ``_scaled_mm`` per product).
+CPU_PRODUCTS_IN_FP32: bool = True
+
+
 def scaled_mm(
     mat1: torch.Tensor, mat2: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, *,
     bias: torch.Tensor | None = None, scale_result: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
@@ -138,33 +146,57 @@ def scaled_mm(
     """``torch._scaled_mm`` (the original op). ``kwargs``: passed through (inductor's CPU
     extern-kernel call adds ``out=``).
 
-    On a CPU without a rowwise kernel (:data:`HAS_CPU_ROWWISE_SCALED_MM` False) a call with
-    outer-vector scales runs as the per-tensor kernel (scales 1, fp32 output), then
-    ``* scale_a * scale_b`` in fp32, the bias in fp32, one cast: the rowwise kernel's
-    epilogue order, and the numbers of f8tensor's post-scale route. On any CPU, fnuz
-    operands are multiplied in fp32 (oneDNN, which torch uses on CPUs with AMX or
-    AVX512-FP16, refuses them)."""
+    On a CPU the product runs as :func:`cpu_scaled_mm` (one op in eager and compiled graphs,
+    the same bits in both) where torch's own kernel is slow or refuses: per-tensor scales
+    (torch hands those to oneDNN on CPUs with AMX or AVX512-FP16, measured about 400x slower
+    than its reference kernel at test sizes), fnuz operands (oneDNN refuses them) and outer-
+    vector scales on a torch without a rowwise CPU kernel (:data:`HAS_CPU_ROWWISE_SCALED_MM`).
+    While torch.export traces, the call stays ``aten._scaled_mm``: an exported program runs
+    where it is loaded."""
     if mat1.shape[-1] == 0:
         # K = 0 (an empty batch's weight gradient contracts over no tokens): the product is
         # zeros (+ the bias). torch's CPU per-tensor kernel returns its output uninitialized
         # then (torch 2.13), so no kernel is asked.
         acc = torch.zeros(mat1.shape[0], mat2.shape[1], dtype=torch.float32, device=mat1.device)
         return _fp32_epilogue(acc, bias, out_dtype or mat1.dtype, kwargs.get("out"))
-    if mat1.device.type == "cpu" and (mat1.dtype in _FNUZ or mat2.dtype in _FNUZ):
-        # AMD's fnuz formats on a CPU: torch's CPU kernel hands FP8 products to oneDNN where
-        # the CPU has AMX / AVX512-FP16, and oneDNN refuses fnuz operands ("itensor_view_from_dense
-        # expects ... fp8"), while other CPUs take them. The same numbers on every CPU: the exact
-        # fp32 values multiplied in fp32, then the scales and the bias in fp32 (the per-tensor
-        # kernel's epilogue order), one cast. Deliberate fp32: FP8 values are exact in it.
-        acc = (mat1.float() @ mat2.float()) * scale_a.float() * scale_b.float()
-        return _fp32_epilogue(acc, bias, out_dtype or mat1.dtype, kwargs.get("out"))
-    if not HAS_CPU_ROWWISE_SCALED_MM and mat1.device.type == "cpu" and (scale_a.numel() != 1 or scale_b.numel() != 1):
-        one = torch.ones((), dtype=torch.float32, device=mat1.device)
-        acc = _SCALED_MM(mat1, mat2, one, one, out_dtype=torch.float32, use_fast_accum=use_fast_accum)
-        acc = acc * scale_a.float() * scale_b.float()  # (M, 1) and (1, N), deliberate fp32 epilogue
+    if (
+        mat1.device.type == "cpu"
+        and CPU_PRODUCTS_IN_FP32
+        and scale_result is None
+        and not torch.compiler.is_exporting()
+        and (
+            (scale_a.numel() == 1 and scale_b.numel() == 1)
+            or not HAS_CPU_ROWWISE_SCALED_MM
+            or mat1.dtype in _FNUZ
+            or mat2.dtype in _FNUZ
+        )
+    ):
+        acc = cpu_scaled_mm(mat1, mat2, scale_a, scale_b)
         return _fp32_epilogue(acc, bias, out_dtype or mat1.dtype, kwargs.get("out"))
     kwargs.update(bias=bias, scale_result=scale_result, out_dtype=out_dtype, use_fast_accum=use_fast_accum)
     return _SCALED_MM(mat1, mat2, scale_a, scale_b, **kwargs)
+
+
+@torch.library.custom_op("f8tensor::cpu_scaled_mm", mutates_args=(), device_types="cpu")
+def cpu_scaled_mm(mat1: torch.Tensor, mat2: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor) -> torch.Tensor:
+    """An FP8 product on a CPU, in fp32, computed as torch's reference CPU kernel computes it:
+    the exact fp32 values times their per-tensor scales, one fp32 product (with the bias in
+    fp32 and one cast after, :func:`scaled_mm`'s epilogue: bitwise that kernel's result,
+    measured). Outer-vector scales (``(M, 1)``, ``(1, N)``) multiply the fp32 product instead,
+    the rowwise epilogue's order. A custom op, so that torch.compile keeps the product whole
+    (eager's bits) instead of re-fusing its parts."""
+    # Deliberate fp32 throughout: FP8 values are exact in it. The operands' layouts as given
+    # (the reference kernel's GEMM sees them so too; its bits depend on them).
+    if scale_a.numel() == 1 and scale_b.numel() == 1:
+        acc = (mat1.float() * scale_a.float()) @ (mat2.float() * scale_b.float())
+    else:
+        acc = (mat1.float() @ mat2.float()) * scale_a.float() * scale_b.float()
+    return acc
+
+
+@cpu_scaled_mm.register_fake
+def _(mat1, mat2, scale_a, scale_b):
+    return mat1.new_empty((mat1.shape[0], mat2.shape[1]), dtype=torch.float32)
 
 
 def _fp32_epilogue(

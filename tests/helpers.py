@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
@@ -48,6 +49,22 @@ def matmul_min_db(*float8_dtypes: torch.dtype) -> float:
 # Minimum SQNR (dB) of a gradient the FP8 path computes in bf16 (a weight gradient when only
 # the weight was cast) against the fp32 reference: bf16 rounding, measured 55.06-55.67 dB.
 HP_GRAD_MIN_DB = 53.0
+
+
+@contextlib.contextmanager
+def torch_reference_cpu_kernels():
+    """oneDNN off for the block: torch's CPU ``_scaled_mm`` then runs its reference kernel,
+    whose bits ``compat.cpu_scaled_mm`` (f8tensor's CPU product) reproduces. With oneDNN on,
+    CPUs with AMX or AVX512-FP16 send ``aten._scaled_mm`` (an exported program's GEMM) and
+    fp32 GELU to oneDNN, whose bits differ from the reference kernels'; and inductor's CPU code
+    may compute an inverse scale an ulp off eager's (measured 4.7e-10 on 0.0045), which can
+    move one FP8 element of a later cast (84.6 dB)."""
+    previous = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = False
+    try:
+        yield
+    finally:
+        torch.backends.mkldnn.enabled = previous
 
 
 def kernel_skip_reason(

@@ -50,7 +50,7 @@ def _table_rows(stdout: str) -> dict[str, list[str]]:
 
 def test_tiny_run_prints_a_row_per_run_and_writes_the_png(tmp_path):
     png = tmp_path / "curves" / "loss.png"
-    proc = _run_demo(tmp_path, "--size", "tiny", "--steps", "6", "--recipes", ",".join(ALL_RUNS), "--out", str(png))
+    proc = _run_demo(tmp_path, "--size", "tiny", "--steps", "6", "--recipes", "all", "--out", str(png))
     assert proc.returncode == 0, proc.stderr
     rows = _table_rows(proc.stdout)
     assert list(rows) == ALL_RUNS
@@ -77,6 +77,14 @@ def test_unknown_recipe_lists_the_allowed_ones(capsys):
     err = _fails_with(capsys, ["--recipes", "bf16,fastest"])
     assert "unknown recipe 'fastest'" in err
     assert "bf16, tensorwise, rowwise, rowwise_with_gw_hp, delayed" in err
+
+
+def test_default_runs_one_recipe_per_kind_of_scale():
+    # The default (a newcomer's first run) skips the slow-on-CPU FP4 recipes; 'all' is every run.
+    parser = demo.build_parser()
+    default = demo._parse_runs(parser, parser.parse_args([]).recipes)
+    assert default == ["bf16", "tensorwise", "rowwise", "delayed", "blockwise"]
+    assert demo._parse_runs(parser, "all") == ALL_RUNS
 
 
 def test_a_recipe_listed_twice_is_refused(capsys):

@@ -502,9 +502,14 @@ def _block_dims(world: int) -> tuple[int, ...]:
     return (128, 128 * world, 128 * world)
 
 
-def _gathered_matches_single_process_cast(model: nn.Module) -> list[bool]:
+def _gathered_matches_single_process_cast(model: nn.Module, recipe: str) -> list[bool]:
     """Per FP8 layer: are the gathered bytes and scales those of casting the full weight in
-    one process (delayed: with the scale of the layer's history, which the gather used)?"""
+    one process as the recipe's definition states it (test_orientation.ref_cast, not the
+    operand_spec under test; delayed: with the scale of the layer's history, which the
+    gather used)?"""
+    from test_orientation import RECIPES as DEFINITION
+    from test_orientation import operand_block, ref_cast
+
     from f8tensor.config import CastSpec
     from f8tensor.kernels import cast
     from f8tensor.scaling import delayed_scale
@@ -517,16 +522,17 @@ def _gathered_matches_single_process_cast(model: nn.Module) -> list[bool]:
             d = layer.config.delayed
             scale = delayed_scale(layer.amax_history_weight, wcast.dtype, reduction=d.reduction, margin=d.margin)
             data, scale = cast(full, CastSpec(wcast.dtype), scale)
-        else:
-            data, scale = cast(full, wcast.operand_spec(1))
+        else:  # the weight (N, K) is the output GEMM's B transposed: blocked as an A (rows, K)
+            gran, f8, e8m0 = DEFINITION[recipe]["weight"]
+            data, scale, _ = ref_cast(full, operand_block(gran, "A"), f8, e8m0)
         layer.unshard()
         w8 = layer.weight
         out.append(
             isinstance(w8, Float8Tensor)
             and w8.shape == full.shape
             and torch.equal(w8._data.view(torch.uint8), data.view(torch.uint8))
-            and w8._scale.shape == scale.shape
-            and torch.equal(w8._scale.float(), scale.float())
+            and w8._scale.numel() == scale.numel()
+            and torch.equal(w8._scale.float().reshape(-1), scale.float().reshape(-1))
         )
         layer.reshard()
     return out
@@ -557,7 +563,7 @@ def _scenario_fp8_all_gather_recipes(rank, world, mesh, ctx) -> dict:
         opt.step()
         opt.zero_grad()
         res["losses"] = [loss.item()] + _train(model, opt, rank, world, device, steps=STEPS - 1, first_step=1, dims=dims)["losses"]
-        res["exact"] = _gathered_matches_single_process_cast(model)
+        res["exact"] = _gathered_matches_single_process_cast(model, recipe)
         if recipe == "delayed":
             res["histories"] = [layer.amax_history_weight.clone() for layer in _fp8_layers(model)]
         # Delayed scaling all-reduces its amaxes whenever a process group exists: every rank
@@ -571,7 +577,7 @@ def _scenario_fp8_all_gather_recipes(rank, world, mesh, ctx) -> dict:
     # amaxes, and the gathered weight is still one process's cast.
     cut = _shard(_mlp(_config("blockwise", enable_fsdp_float8_all_gather=True), device=device, dims=(128, 128, 16)), mesh)
     cut(torch.randn(4, 128, device=device))
-    out["cut_block_exact"] = _gathered_matches_single_process_cast(cut)
+    out["cut_block_exact"] = _gathered_matches_single_process_cast(cut, "blockwise")
     return out
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from f8tensor import (
     BlockGranularity,
@@ -30,6 +31,7 @@ from f8tensor.gemm.rules import (
     grouped_rule_for,
 )
 from f8tensor.moe import _ExpertBmmFn, float8_grouped_mm
+from tests.helpers import torch_reference_cpu_kernels
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 DEEPSEEK = [r for r in BLOCK_SCALED_MM_RULES if r.recipe_a in ("BlockWise1x128", "BlockWise128x128")]
@@ -317,3 +319,34 @@ def test_rowwise_on_a_cpu_without_the_rowwise_kernel_matches_the_postscale_route
     assert torch.equal(out, (acc * sa * sb + bias.float()).to(torch.bfloat16))
     exact = a.float() @ b.float() * sa * sb + bias.float()
     assert torch.allclose(out.float(), exact, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "bias"])
+@pytest.mark.parametrize(("m", "k", "n"), [(16, 64, 32), (112, 128, 48)])
+def test_cpu_per_tensor_product_is_torchs_reference_kernel_bitwise(m, k, n, with_bias, out_dtype):
+    # On a CPU, compat.scaled_mm computes per-tensor products itself (torch would hand them to
+    # oneDNN on CPUs with AMX, ~400x slower): the bits of torch's reference CPU kernel, which
+    # torch runs with oneDNN switched off.
+    torch.manual_seed(0)
+    a = (torch.randn(m, k) * 3).to(torch.float8_e4m3fn)
+    b = (torch.randn(n, k) * 3).to(torch.float8_e5m2).t()
+    sa, sb = torch.tensor(0.37), torch.tensor(1.7)
+    bias = torch.randn(n, dtype=out_dtype) if with_bias else None
+    with torch_reference_cpu_kernels():
+        reference = compat._SCALED_MM(a, b, sa, sb, bias=bias, out_dtype=out_dtype)  # the original, unchecked
+    with _OpsSeen() as seen:
+        out = compat.scaled_mm(a, b, sa, sb, bias=bias, out_dtype=out_dtype)
+    assert torch.equal(out, reference)
+    assert torch.ops.aten._scaled_mm.default not in seen.ops  # torch's kernel (oneDNN here) is not asked
+    assert torch.ops.f8tensor.cpu_scaled_mm.default in seen.ops  # one op for the product, eager and compiled
+
+
+class _OpsSeen(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: set = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.add(func)
+        return func(*args, **(kwargs or {}))

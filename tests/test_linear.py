@@ -12,7 +12,15 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
-from f8tensor import CastConfig, Float8Linear, Float8LinearConfig, Float8Tensor, convert_to_float8_training, sqnr
+from f8tensor import (
+    CastConfig,
+    Float8Linear,
+    Float8LinearConfig,
+    Float8Tensor,
+    compat,
+    convert_to_float8_training,
+    sqnr,
+)
 from tests.helpers import kernel_skip_reason
 
 from linear_utils import DELAYED_BUFFERS, MLP, RECIPE_NAMES, assert_sqnr, fp8_copy, fp8_linear, run_fwd_bwd
@@ -235,16 +243,34 @@ def test_activation_checkpointing_gives_the_same_gradients(recipe):
 
 
 class _CountScaledMM(TorchDispatchMode):
-    """Counts FP8 GEMMs: ``_scaled_mm`` calls, and with ``reference_mm`` the fp32 ``mm`` of
-    the block-scaled reference path (block recipes on CPU)."""
+    """Counts FP8 GEMMs: calls of ``compat.scaled_mm`` (``torch._scaled_mm``, or on a CPU its
+    fp32 emulation), and with ``reference_mm`` the fp32 ``mm`` of the block-scaled reference
+    path (block recipes on CPU)."""
 
     def __init__(self, reference_mm: bool = False) -> None:
         super().__init__()
         self.calls = 0
-        self.ops = (torch.ops.aten._scaled_mm.default, torch.ops.aten.mm.default) if reference_mm else (torch.ops.aten._scaled_mm.default,)
+        self.reference_mm = reference_mm
+        self._patch = pytest.MonkeyPatch()
+
+    def __enter__(self):
+        original = compat.scaled_mm
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            with self._patch.context() as inner:  # its own fp32 mm is not a second GEMM
+                inner.setattr(self, "reference_mm", False)
+                return original(*args, **kwargs)
+
+        self._patch.setattr(compat, "scaled_mm", counted)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self._patch.undo()
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.calls += func in self.ops
+        self.calls += self.reference_mm and func is torch.ops.aten.mm.default
         return func(*args, **(kwargs or {}))
 
 

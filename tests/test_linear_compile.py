@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch._dynamo
 import torch._dynamo.testing
+from helpers import torch_reference_cpu_kernels
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -79,7 +80,8 @@ def test_compile_fullgraph_aot_eager(recipe):
 @pytest.mark.device_param
 @pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
 def test_compile_fullgraph_inductor(recipe):
-    _check_compiled_matches_eager(recipe, "inductor", torch.float32)
+    with torch_reference_cpu_kernels():  # see there: inductor's CPU code with oneDNN on moves an ulp
+        _check_compiled_matches_eager(recipe, "inductor", torch.float32)
 
 
 def test_compile_a_single_layer_with_odd_tokens_and_4d_input():

@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from helpers import assert_sqnr, free_port, init_gloo, run_processes
+from test_orientation import RECIPES as DEFINITION
+from test_orientation import operand_block, ref_cast
 from torch import nn
 
 from f8tensor import (
@@ -377,19 +379,26 @@ def test_tensor_parallel_matches_one_process(ranks2, recipe, kind):
 
 
 def test_sequence_parallel_gather_moves_the_bytes_of_one_process_cast(ranks2):
+    # The reference: the cast of the whole input as each recipe's definition states it
+    # (test_orientation.ref_cast), not f8tensor's operand_spec, which a flipped block would
+    # flip on both sides of the comparison.
     got = _get(ranks2, "tp_1d", "gather_bytes")
     x = _input(11) * torch.linspace(0.1, 10, S).reshape(1, S, 1)
+    x2d = x.reshape(-1, x.shape[-1])  # the output GEMM's A: (tokens, K), K contracted
     for recipe in ("tensorwise", "rowwise", "blockwise", "mxfp8"):
-        cast = RECIPES[recipe].input
-        ref = to_float8(x, cast.operand_spec(2, ndim=3))
-        data, scale, block = got[recipe]
-        assert torch.equal(data, ref._data.view(torch.uint8)), recipe
-        raw = (lambda s: s.view(torch.uint8) if s.dtype != torch.float32 else s.view(torch.int32))
-        assert torch.equal(raw(scale), raw(ref._scale)), recipe
-        assert block == ref._block
+        gran, f8, e8m0 = DEFINITION[recipe]["input"]
+        ref_data, ref_scale, _ = ref_cast(x2d, operand_block(gran, "A"), f8, e8m0)
+        data, scale, _ = got[recipe]
+        assert torch.equal(data.reshape(-1), ref_data.view(torch.uint8).reshape(-1)), recipe
+        assert scale.numel() == ref_scale.numel(), (recipe, tuple(scale.shape), tuple(ref_scale.shape))
+        assert torch.equal(scale.float().reshape(-1), ref_scale.reshape(-1)), recipe
+        # And the same tensor as one process's cast (blocks and all).
+        one = to_float8(x, RECIPES[recipe].input.operand_spec(2, ndim=3))
+        assert torch.equal(data, one._data.view(torch.uint8)) and got[recipe][2] == one._block, recipe
     data, scale, _ = got["prepare"]
-    ref = to_float8(x, RECIPES["tensorwise"].input.operand_spec(2, ndim=3))
-    assert torch.equal(data, ref._data.view(torch.uint8)) and torch.equal(scale, ref._scale)
+    ref_data, ref_scale, _ = ref_cast(x2d, (), *DEFINITION["tensorwise"]["input"][1:])
+    assert torch.equal(data.reshape(-1), ref_data.view(torch.uint8).reshape(-1))
+    assert torch.equal(scale.float().reshape(-1), ref_scale.reshape(-1))
 
 
 def test_shards_that_cut_a_block_are_refused(ranks2):

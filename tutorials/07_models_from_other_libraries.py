@@ -37,10 +37,6 @@ from f8tensor import Float8Linear, Float8LinearConfig, convert_to_float8_trainin
 # Small matrices: a second CPU thread gains little here and, on a busy machine, makes
 # every op wait for the slower thread. One thread keeps the run short and steady.
 torch.set_num_threads(1)
-# On a CPU with AMX or AVX512-FP16, torch hands FP8 products to oneDNN, whose FP8 path there
-# measured about 400x slower than torch's own reference kernel (a 512x256x256 product: 2.6 s
-# against 7 ms; the same bits in that case). This tutorial runs on a CPU: use the reference.
-torch.backends.mkldnn.enabled = False
 torch.manual_seed(0)
 RECIPE = "tensorwise"
 
