@@ -172,7 +172,9 @@ def test_budget_20_ends_within_20_s_with_its_files(tmp_path):
     assert files == ["campaign.log", "results.csv", "summary.md"]
     statuses = _statuses(tmp_path / "b")
     assert list(statuses) == [i.name for i in plans.default_plan()]
-    assert all(s == "ok" or s.startswith(("not run: budget", "not run: absent")) for s in statuses.values())
+    log = (tmp_path / "b" / "campaign.log").read_text()[-3000:]
+    assert all(s == "ok" or s.startswith(("not run: budget", "not run: absent")) for s in statuses.values()), (
+        statuses, log)
 
 
 # ----------------------------------------------------------------- the runner, in process
@@ -207,6 +209,22 @@ def test_an_item_is_stopped_at_its_deadline_and_the_next_runs(tmp_path):
     assert r.states["after"].status == "ok"
     rows = [x for x in report.read_csv(tmp_path / "results.csv") if x["kind"] != "env"]
     assert [x["metric"] for x in rows] == ["before_sleep", "after"]  # what the stopped item recorded is kept
+
+
+def test_a_deadline_wrapped_in_another_error_is_still_the_budget(tmp_path):
+    # Code under an item may catch the deadline and raise its own error from it (as a
+    # compiler wrapping what interrupted it does): the item ran out of time, it did not fail.
+    def wraps(ctx):
+        try:
+            time.sleep(60)
+        except BaseException as e:
+            raise RuntimeError("backend compiler failed") from e
+
+    items = [runner.Item("wraps", 100, wraps, "wraps its deadline", min_s=0)]
+    r = _runner(tmp_path, items, 4.0)
+    r.run()
+    assert r.states["wraps"].status == "not run: budget"
+    assert "raised as RuntimeError" in r.states["wraps"].detail
 
 
 def test_a_missing_optional_package_is_absent_not_failed(tmp_path, monkeypatch):

@@ -92,6 +92,18 @@ def missing_package(names: tuple[str, ...]) -> str | None:
     return None
 
 
+def _caused_by_deadline(exc: BaseException) -> bool:
+    """Whether ``exc`` is, or was raised while handling, an :class:`ItemDeadline`."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        if isinstance(e, ItemDeadline):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
+
+
 def absent_package(exc: BaseException) -> str | None:
     """The optional package a ``ModuleNotFoundError`` (anywhere in its cause chain) is about, or None."""
     seen = 0
@@ -268,7 +280,10 @@ class Runner:
             if isinstance(e, KeyboardInterrupt):
                 raise
             pkg = absent_package(e)
-            if pkg is not None:
+            if _caused_by_deadline(e):  # code under the item wrapped the deadline in its own error
+                st.status = "not run: budget"
+                st.detail = f"stopped at its deadline after {time.monotonic() - t0:.0f} s (raised as {type(e).__name__})"
+            elif pkg is not None:
                 st.status = f"not run: absent ({pkg})"
                 st.detail = error_text(e)[0]
             else:
