@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from f8tensor.config import BLOCK_128x128, MX_1x32, BlockGranularity, Granularity
+from f8tensor.config import BLOCK_128x128, BlockGranularity, Granularity, MX_1x32
 from f8tensor.linear import Float8Linear
 from f8tensor.moe import Float8ExpertWeight
 from f8tensor.tensor import Float8Tensor
@@ -94,9 +94,14 @@ def _default_strategy(model: nn.Module) -> str:
     return found.pop() if found else "tensor"
 
 
+def _output_embeddings(model: nn.Module) -> object:
+    get = getattr(model, "get_output_embeddings", None)
+    return get() if callable(get) else None
+
+
 def _targets(model: nn.Module) -> dict[str, torch.Tensor]:
     """{state_dict key: parameter} of the weights to write in FP8."""
-    out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    out_emb = _output_embeddings(model)
     converted = any(isinstance(m, Float8Linear) for m in model.modules()) or any(
         isinstance(p, Float8ExpertWeight) for p in model.parameters()
     )
@@ -307,7 +312,7 @@ def save_fp8_pretrained(
             disk[key + scale_suffix] = _squeeze_rows(scale, key, strategy)
     fp8_modules = {k.rsplit(".", 1)[0] for k in disk_scales}
     skipped = list(dict.fromkeys(k.rsplit(".", 1)[0] for k in disk if k.rsplit(".", 1)[0] not in fp8_modules))
-    out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    out_emb = _output_embeddings(model)
     for fqn, mod in model.named_modules():
         if mod is out_emb and fqn not in skipped:
             skipped.append(fqn)  # named even when tied (not in the file): a given list replaces the defaults
