@@ -1,0 +1,346 @@
+"""Export a (trained) Hugging Face model as an FP8 checkpoint that inference engines read.
+
+:func:`save_fp8_pretrained` writes what ``model.save_pretrained`` writes (config.json,
+generation_config.json, sharded safetensors with their index) with every FP8 linear's
+weight stored in FP8 next to its scale, and the ``quantization_config`` of one of three
+formats:
+
+- ``"fp8_block"``: the DeepSeek-V3 block format (vLLM, SGLang, transformers):
+  float8_e4m3fn ``weight`` (N, K), fp32 ``weight_scale_inv`` (N/128, K/128).
+- ``"mxfp8"``: the MXFP8 variant: uint8 ``weight_scale_inv`` (N, K/32) of e8m0 codes.
+- ``"compressed_tensors"``: compressed-tensors ``float-quantized`` (vLLM, transformers):
+  ``weight`` and fp32 ``weight_scale``; ``strategy`` ``"tensor"`` (scale (1,)),
+  ``"channel"`` (N, 1) or ``"block"`` (N/128, K/128).
+
+The scales on disk are multipliers (dequantized = weight.float() * scale), the inverse of
+f8tensor's ``_scale`` (hp -> data): each is the fp32 reciprocal of the cast's ``_scale``
+(an e8m0 code is negated around the bias: 2**-(c - 127) is code 254 - c, exactly), so a
+loader's dequantization is ``_data.float() * reciprocal(_scale)`` bit for bit. The bytes
+come from the library's one cast, ``Float8Tensor.from_hp``, applied to each weight as
+stored (the fp32 master where parameters are fp32): where the format matches the layer's
+recipe they are the bytes its training forward multiplies.
+
+Which weights go FP8: in a converted model, the ``Float8Linear`` layers and
+``Float8ExpertWeight`` expert tensors; in a model that was not converted, every
+``nn.Linear`` and every 3D expert tensor. The output projection (``lm_head``), embeddings,
+norms, routers and biases stay in high precision and are listed (by module, in the
+checkpoint's names) in ``modules_to_not_convert`` / ``ignore``. Fused expert tensors are
+written under the per-expert names transformers' loader expects (its own weight
+conversion, reversed, picks them).
+
+Layer: a top-level consumer beside ``integrations``; imports ``tensor``, ``linear``,
+``moe``, ``config``. transformers is never imported: the model passed in brings it, and
+its save and weight-name conversion are reached through the model's own module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+from typing import Any
+
+import torch
+from torch import nn
+
+from f8tensor.config import BLOCK_128x128, BlockGranularity, Granularity, MX_1x32
+from f8tensor.linear import Float8Linear
+from f8tensor.moe import Float8ExpertWeight
+from f8tensor.tensor import Float8Tensor
+
+__all__ = ["FORMATS", "STRATEGIES", "save_fp8_pretrained"]
+
+#: The checkpoint formats :func:`save_fp8_pretrained` writes.
+FORMATS = ("fp8_block", "mxfp8", "compressed_tensors")
+#: compressed-tensors weight strategies.
+STRATEGIES = ("tensor", "channel", "block")
+
+_GRANULARITY: dict[str, Granularity | BlockGranularity] = {
+    "fp8_block": BLOCK_128x128,
+    "mxfp8": MX_1x32,
+    "tensor": Granularity.TENSORWISE,
+    "channel": Granularity.ROWWISE,
+    "block": BLOCK_128x128,
+}
+_E8M0_BIAS = 127
+
+
+def _is_pretrained_model(model: object) -> bool:
+    return any(
+        c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.") for c in type(model).__mro__
+    )
+
+
+def _default_strategy(model: nn.Module) -> str:
+    """The compressed-tensors strategy matching the model's weight casts (rowwise -> channel,
+    128x128 blocks -> block, anything else -> tensor)."""
+    found = set()
+    for mod in model.modules():
+        config = mod.config if isinstance(mod, Float8Linear) else None
+        for p in mod.parameters(recurse=False):
+            if isinstance(p, Float8ExpertWeight):
+                config = p._config
+        if config is None:
+            continue
+        g = config.weight.granularity
+        found.add("channel" if g is Granularity.ROWWISE else "block" if g == BLOCK_128x128 else "tensor")
+    if len(found) > 1:
+        raise ValueError(
+            f"save_fp8_pretrained: the model's layers use different weight granularities ({sorted(found)}); "
+            f"pass strategy= (one of {STRATEGIES})"
+        )
+    return found.pop() if found else "tensor"
+
+
+def _output_embeddings(model: nn.Module) -> object:
+    get = getattr(model, "get_output_embeddings", None)
+    return get() if callable(get) else None
+
+
+def _targets(model: nn.Module) -> dict[str, torch.Tensor]:
+    """{state_dict key: parameter} of the weights to write in FP8."""
+    out_emb = _output_embeddings(model)
+    converted = any(isinstance(m, Float8Linear) for m in model.modules()) or any(
+        isinstance(p, Float8ExpertWeight) for p in model.parameters()
+    )
+    targets: dict[str, torch.Tensor] = {}
+    for fqn, mod in model.named_modules():
+        if mod is out_emb:
+            continue
+        prefix = f"{fqn}." if fqn else ""
+        if isinstance(mod, nn.Linear) and (isinstance(mod, Float8Linear) or not converted):
+            targets[prefix + "weight"] = mod.weight
+            continue
+        n = getattr(mod, "num_experts", None)
+        for name, p in mod.named_parameters(recurse=False):
+            is_experts = isinstance(n, int) and p.dim() == 3 and p.shape[0] == n
+            if isinstance(p, Float8ExpertWeight) or (is_experts and not converted):
+                targets[prefix + name] = p
+    return targets
+
+
+def _cast(w: torch.Tensor, granularity: Granularity | BlockGranularity) -> tuple[torch.Tensor, torch.Tensor]:
+    """(FP8 data, multiplier scale with one row per data row) of a 2D weight as stored.
+
+    The scale is fp32 ``reciprocal(_scale)`` (uint8 e8m0 codes for MX); its rows are
+    repeated to the data's row count so that transformers' weight conversion (chunks and
+    splits along rows and experts) can carry scales and data alike."""
+    t = Float8Tensor.from_hp(w, granularity=granularity)
+    data, scale = t._data, t._scale
+    if scale.dtype == torch.float8_e8m0fnu:
+        # 1 / 2**(c - 127) = 2**((254 - c) - 127): the inverse multiplier's code, exact.
+        inv = (2 * _E8M0_BIAS - scale.view(torch.uint8).to(torch.int16)).to(torch.uint8)
+    else:
+        inv = torch.reciprocal(scale.to(torch.float32))
+    if inv.dim() == 0:
+        inv = inv.reshape(1, 1)
+    if isinstance(granularity, BlockGranularity):
+        inv = inv.repeat_interleave(granularity.block[0], dim=0)[: data.shape[0]]
+    return data, inv.expand(data.shape[0], inv.shape[1]).contiguous()
+
+
+def _squeeze_rows(scale: torch.Tensor, key: str, strategy: str) -> torch.Tensor:
+    """The on-disk scale of one weight from its row-repeated form (see :func:`_cast`)."""
+    if strategy == "block":
+        return scale[::128].contiguous()
+    if strategy == "tensor":
+        if not torch.equal(scale, scale[:1, :1].expand_as(scale)):
+            raise NotImplementedError(f"save_fp8_pretrained: {key}: the model's weight conversion mixes tensors")
+        return scale[0, :1].contiguous()
+    return scale.contiguous()
+
+
+def _check_blockable(key: str, shape: torch.Size, strategy: str) -> None:
+    n, k = shape
+    if strategy == "block" and (n % 128 or k % 128):
+        raise ValueError(
+            f"save_fp8_pretrained: {key} has N={n}, K={k}: 128x128 blocks need N and K multiples of 128 "
+            f"(leave the layer out of convert_to_float8_training, or pick another format/strategy)"
+        )
+    if strategy == "mx" and k % 32:
+        raise ValueError(f"save_fp8_pretrained: {key} has N={n}, K={k}: MXFP8 blocks of 32 need K a multiple of 32")
+
+
+def _quantization_config(format: str, strategy: str, skipped: list[str]) -> dict[str, Any]:
+    if format == "fp8_block":
+        return {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [128, 128],
+            "modules_to_not_convert": skipped,
+        }
+    if format == "mxfp8":
+        return {
+            "quant_method": "mxfp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [1, 32],
+            "scale_fmt": "ue8m0",
+            "modules_to_not_convert": skipped,
+        }
+    block = strategy == "block"
+    float8 = {"num_bits": 8, "type": "float", "symmetric": True}
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {
+                    **float8,
+                    "group_size": None,
+                    "strategy": strategy,
+                    "block_structure": [128, 128] if block else None,
+                    "dynamic": False,
+                },
+                # Activations cast at run time: per token, or per 1x128 tile beside 128x128 weight blocks.
+                "input_activations": {
+                    **float8,
+                    "group_size": 128 if block else None,
+                    "strategy": "group" if block else "token",
+                    "dynamic": True,
+                },
+                "output_activations": None,
+            }
+        },
+        "ignore": skipped,
+        "kv_cache_scheme": None,
+    }
+
+
+def _revert_names(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers' own reversal of its load-time weight conversion (fused experts back to
+    per-expert names, renamed modules back to the checkpoint's), found through the model's
+    package so that f8tensor itself never imports transformers."""
+    package = type(model).__module__.split(".", 1)[0]
+    loading = sys.modules.get(f"{package}.core_model_loading")
+    revert = getattr(loading, "revert_weight_conversion", None)
+    return state_dict if revert is None else revert(model, state_dict)
+
+
+def save_fp8_pretrained(
+    model: nn.Module,
+    save_directory: str | os.PathLike,
+    format: str = "fp8_block",
+    strategy: str | None = None,
+    *,
+    max_shard_size: int | str = "50GB",
+) -> None:
+    """Write ``model`` as ``model.save_pretrained`` does, with its linear weights in FP8.
+
+    ``format``: ``"fp8_block"``, ``"mxfp8"`` or ``"compressed_tensors"`` (module docstring).
+    ``strategy``: compressed-tensors only: ``"tensor"``, ``"channel"`` or ``"block"``; by
+    default the one matching the model's recipe (rowwise -> ``channel``, blockwise ->
+    ``block``, anything else -> ``tensor``). ``max_shard_size``: as for ``save_pretrained``.
+
+    Every cast is made and checked before anything is written; the files are written into
+    a temporary directory beside ``save_directory`` and moved in at the end, so a failure
+    leaves no partial directory.
+
+    Raises:
+        TypeError: ``model`` is not a transformers ``PreTrainedModel``.
+        ValueError: an unknown ``format`` or ``strategy`` (or a strategy with a format other
+            than compressed-tensors); a weight the format cannot block (it names the weight
+            and its sizes); a weight with a non-finite value.
+        NotImplementedError: a model whose weight-name conversion moves scales apart from
+            their rows.
+
+    Example::
+
+        model = AutoModelForCausalLM.from_config(config)
+        convert_to_float8_training(model, config=Float8LinearConfig.from_recipe("blockwise"),
+                                   module_filter_fn=lambda m, fqn: fqn != "lm_head")
+        ...  # train
+        save_fp8_pretrained(model, "out/fp8", format="fp8_block")
+        AutoModelForCausalLM.from_pretrained("out/fp8")  # vLLM / SGLang serve it as is
+    """
+    if format not in FORMATS:
+        raise ValueError(f"save_fp8_pretrained: format must be one of {FORMATS}; got {format!r}")
+    if strategy is not None and format != "compressed_tensors":
+        raise ValueError(f"save_fp8_pretrained: strategy= applies to format='compressed_tensors' only; got {format=}")
+    if strategy is not None and strategy not in STRATEGIES:
+        raise ValueError(f"save_fp8_pretrained: strategy must be one of {STRATEGIES} or None; got {strategy!r}")
+    if not _is_pretrained_model(model):
+        raise TypeError(
+            f"save_fp8_pretrained: model must be a transformers PreTrainedModel (it writes config.json and "
+            f"the checkpoint's names); got {type(model).__name__}"
+        )
+    if format == "compressed_tensors":
+        strategy = strategy or _default_strategy(model)
+        scale_suffix = "_scale"
+    else:
+        strategy = "block" if format == "fp8_block" else "mx"
+        scale_suffix = "_scale_inv"
+    granularity = _GRANULARITY[format if format != "compressed_tensors" else strategy]
+
+    targets = _targets(model)
+    float8_buffers = {
+        f"{fqn}.{name}" if fqn else name
+        for fqn, mod in model.named_modules()
+        if isinstance(mod, Float8Linear)
+        for name, _ in mod.named_buffers(recurse=False)
+    }
+    state = {k: v for k, v in model.state_dict().items() if k not in float8_buffers}
+    scales: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for key, p in targets.items():
+            w = p._hp if isinstance(p, Float8ExpertWeight) else p.detach()
+            w = w.as_subclass(torch.Tensor) if type(w) is not torch.Tensor else w
+            if not bool(torch.isfinite(w).all()):
+                raise ValueError(f"save_fp8_pretrained: {key} holds non-finite values; they have no FP8 encoding")
+            if w.dim() == 2:
+                state[key], scales[key] = _cast(w, granularity)
+            else:  # experts (E, N, K): one cast per expert, as the training casts them
+                pairs = [_cast(w[e], granularity) for e in range(w.shape[0])]
+                state[key] = torch.stack([d for d, _ in pairs])
+                scales[key] = torch.stack([s for _, s in pairs])
+        disk = _revert_names(model, state)
+        disk_scales = _revert_names(model, scales)
+        for key, scale in disk_scales.items():
+            data = disk[key]
+            if not key.endswith(".weight") or data.dim() != 2 or scale.shape[0] != data.shape[0]:
+                raise NotImplementedError(
+                    f"save_fp8_pretrained: {type(model).__name__}'s checkpoint names {key} "
+                    f"{tuple(data.shape)} do not keep a linear weight's rows; FP8 export supports "
+                    f"weight conversions that split experts and concatenated projections"
+                )
+            _check_blockable(key, data.shape, strategy)
+            disk[key + scale_suffix] = _squeeze_rows(scale, key, strategy)
+    fp8_modules = {k.rsplit(".", 1)[0] for k in disk_scales}
+    skipped = list(dict.fromkeys(k.rsplit(".", 1)[0] for k in disk if k.rsplit(".", 1)[0] not in fp8_modules))
+    out_emb = _output_embeddings(model)
+    for fqn, mod in model.named_modules():
+        if mod is out_emb and fqn not in skipped:
+            skipped.append(fqn)  # named even when tied (not in the file): a given list replaces the defaults
+    config = _quantization_config(format, strategy if format == "compressed_tensors" else "", skipped)
+    _write(model, os.fspath(save_directory), disk, config, max_shard_size)
+
+
+def _write(model: Any, save_directory: str, state: dict, quant_config: dict, max_shard_size: int | str) -> None:
+    parent = os.path.dirname(os.path.abspath(save_directory))
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=".fp8-export-", dir=parent)
+    try:
+        model.save_pretrained(staging, state_dict=state, max_shard_size=max_shard_size, save_original_format=False)
+        path = os.path.join(staging, "config.json")
+        with open(path) as f:
+            config = json.load(f)
+        config["quantization_config"] = quant_config
+        with open(path, "w") as f:
+            f.write(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        if not os.path.isdir(save_directory):
+            os.replace(staging, save_directory)
+            return
+        for name in os.listdir(save_directory):  # shards of an earlier save that this one does not replace
+            if name.startswith("model") and name.endswith((".safetensors", ".index.json")) and not os.path.exists(
+                os.path.join(staging, name)
+            ):
+                os.remove(os.path.join(save_directory, name))
+        for name in os.listdir(staging):
+            os.replace(os.path.join(staging, name), os.path.join(save_directory, name))
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
