@@ -13,8 +13,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from f8tensor import FLOAT8_DTYPES, Float8Linear, Float8Tensor, sqnr
-from f8tensor import attention
+from f8tensor import FLOAT8_DTYPES, Float8Linear, Float8Tensor, attention, sqnr
 
 HP_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 E4M3_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
