@@ -213,13 +213,17 @@ def convert_to_float8_training(
     torchtitan's ``Linear``; the new layer is a ``Float8Linear`` that is still an
     instance of the subclass, and pickles), and Hugging Face's ``Conv1D`` (as
     :class:`Float8Conv1D`, weight layout kept; see ``TRANSPOSED_LINEAR_CLASSES``). A linear
-    layer's child modules stay with it. Left alone, and reported: ``nn.Linear`` subclasses
-    that override ``forward`` (they may not compute ``x @ W.t() + b``), the ``out_proj`` of
-    ``nn.MultiheadAttention`` (its weight is read by ``F.multi_head_attention_forward``, its
-    forward never runs), layers ``module_filter_fn`` rejects, and layers whose dimensions
-    FP8 GEMMs cannot take (not multiples of 16) unless ``config.pad_inner_dim``. An
-    ``nn.TransformerEncoderLayer`` holding FP8 layers no longer takes PyTorch's fused
-    inference fast path (which would bypass them).
+    layer's child modules stay with it. ``nn.MultiheadAttention`` stays itself, same state
+    dict: its projection weights (``in_proj_weight`` or ``q/k/v_proj_weight``, and
+    ``out_proj.weight``) become :class:`~f8tensor.attention.Float8AttentionWeight`, whose
+    products run in FP8 in training and inference (one decision per attention:
+    ``module_filter_fn`` and the policy see the ``nn.MultiheadAttention``, not its
+    ``out_proj``; delayed recipes and FP8 all-gather leave it in high precision, reported).
+    Left alone, and reported: ``nn.Linear`` subclasses that override ``forward`` (they may
+    not compute ``x @ W.t() + b``), layers ``module_filter_fn`` rejects, and layers whose
+    dimensions FP8 GEMMs cannot take (not multiples of 16) unless ``config.pad_inner_dim``.
+    An ``nn.TransformerEncoderLayer`` or ``nn.MultiheadAttention`` holding FP8 weights no
+    longer takes PyTorch's fused inference fast path (which would bypass them).
 
     ``module_filter_fn(mod, fqn) -> bool`` chooses among the candidates (``fqn`` is the
     dotted name, e.g. ``"layers.0.mlp.down_proj"``). Everything is checked, and every
