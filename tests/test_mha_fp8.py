@@ -278,3 +278,17 @@ def test_small_encoder_trains_like_fp32():
     # Measured: loss 1.474 -> 1.059 (fp32) and 1.472 -> 1.063 (FP8), 0.3% apart at the end.
     assert abs(fp8[-1] - ref[-1]) / ref[-1] < 0.02, (ref, fp8)
     assert fp8[-1] < fp8[0]
+
+
+def test_encoder_stack_with_padding_mask_stays_fp8_under_inference_mode():
+    # nn.TransformerEncoder's own fast path (nested tensors for a padding mask) is declined
+    # too: 2 layers x 4 FP8 products, no high-precision projection.
+    torch.manual_seed(0)
+    encoder = convert_to_float8_training(nn.TransformerEncoder(nn.TransformerEncoderLayer(32, 2, 64, batch_first=True), 2))
+    encoder.eval()
+    mask = torch.zeros(2, 8, dtype=torch.bool)
+    mask[0, 6:] = True
+    counter = _Products(_weights_shapes(encoder))
+    with torch.inference_mode(), counter:
+        encoder(torch.randn(2, 8, 32), src_key_padding_mask=mask)
+    assert counter.fp8 == 8 and counter.hp == []
