@@ -92,6 +92,13 @@ def _fp8_attention_forward(config: Float8LinearConfig) -> Callable[..., Any]:
         scope["linear"] = lambda x, w, b=None: _projection(x, w, b, config)
         for name in ("_in_projection_packed", "_in_projection", "multi_head_attention_forward"):
             original = getattr(F, name)
+            if "linear" not in original.__code__.co_names:
+                # A torch whose attention multiplies through another name would run its
+                # projections in high precision behind this copy: refused instead.
+                raise NotImplementedError(
+                    f"torch {torch.__version__}: F.{name} no longer calls F.linear by that name; FP8 "
+                    "nn.MultiheadAttention needs an update of f8tensor.attention for this torch"
+                )
             copy = types.FunctionType(original.__code__, scope, original.__name__, original.__defaults__, original.__closure__)
             copy.__kwdefaults__ = original.__kwdefaults__
             scope[name] = copy
