@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from f8tensor.attention import attention_config, attention_weight_names, wrap_attention
 from f8tensor.config import GEMMS, Float8LinearConfig
 from f8tensor.distributed.fsdp import Float8AllGatherWeight
 from f8tensor.gemm.blocks import fp4_path
@@ -57,7 +58,8 @@ _SKIP_FP4_DIMS = f"dims not multiples of {FP4_ALIGN} (whole FP4 blocks)"
 _SKIP_POLICY = "kept in high precision by the layer policy"
 _SKIP_EXPERTS_FP4 = "expert weights (FP4 and per-GEMM formats run on linear layers only)"
 _SKIP_EXPERTS_NO_CONFIG = "expert weights (convert_with_policy without experts_config)"
-_SKIP_MHA = "nn.MultiheadAttention out_proj (F.multi_head_attention_forward reads its weight; its forward never runs)"
+_SKIP_MHA_DELAYED = "nn.MultiheadAttention (delayed scaling is not supported for attention projections)"
+_SKIP_MHA_FSDP = "nn.MultiheadAttention with FP8 all-gather (its projection weights gather in high precision only)"
 
 _FLOAT8_SUBCLASSES: dict[type, type[Float8Linear]] = {}
 
@@ -161,6 +163,13 @@ def _check_same_recipe(
                 kept.append(fqn)
             else:
                 (same if found == layer_config(m, fqn) else other).append(fqn)
+        mha_config = attention_config(m)
+        if mha_config is not None:  # a converted nn.MultiheadAttention: its projection weights
+            pfqns = [f"{fqn}.{n}" if fqn else n for n in attention_weight_names(m)]  # type: ignore[arg-type]  # set on nn.MultiheadAttention only
+            if module_filter_fn is not None and not module_filter_fn(m, fqn):
+                kept.extend(pfqns)
+            else:
+                (same if mha_config == layer_config(m, fqn) else other).extend(pfqns)
         for name, p in m.named_parameters(recurse=False):
             if isinstance(p, Float8ExpertWeight):
                 pfqn = f"{fqn}.{name}" if fqn else name
@@ -204,13 +213,17 @@ def convert_to_float8_training(
     torchtitan's ``Linear``; the new layer is a ``Float8Linear`` that is still an
     instance of the subclass, and pickles), and Hugging Face's ``Conv1D`` (as
     :class:`Float8Conv1D`, weight layout kept; see ``TRANSPOSED_LINEAR_CLASSES``). A linear
-    layer's child modules stay with it. Left alone, and reported: ``nn.Linear`` subclasses
-    that override ``forward`` (they may not compute ``x @ W.t() + b``), the ``out_proj`` of
-    ``nn.MultiheadAttention`` (its weight is read by ``F.multi_head_attention_forward``, its
-    forward never runs), layers ``module_filter_fn`` rejects, and layers whose dimensions
-    FP8 GEMMs cannot take (not multiples of 16) unless ``config.pad_inner_dim``. An
-    ``nn.TransformerEncoderLayer`` holding FP8 layers no longer takes PyTorch's fused
-    inference fast path (which would bypass them).
+    layer's child modules stay with it. ``nn.MultiheadAttention`` stays itself, same state
+    dict: its projection weights (``in_proj_weight`` or ``q/k/v_proj_weight``, and
+    ``out_proj.weight``) become :class:`~f8tensor.attention.Float8AttentionWeight`, whose
+    products run in FP8 in training and inference (one decision per attention:
+    ``module_filter_fn`` and the policy see the ``nn.MultiheadAttention``, not its
+    ``out_proj``; delayed recipes and FP8 all-gather leave it in high precision, reported).
+    Left alone, and reported: ``nn.Linear`` subclasses that override ``forward`` (they may
+    not compute ``x @ W.t() + b``), layers ``module_filter_fn`` rejects, and layers whose
+    dimensions FP8 GEMMs cannot take (not multiples of 16) unless ``config.pad_inner_dim``.
+    An ``nn.TransformerEncoderLayer`` or ``nn.MultiheadAttention`` holding FP8 weights no
+    longer takes PyTorch's fused inference fast path (which would bypass them).
 
     ``module_filter_fn(mod, fqn) -> bool`` chooses among the candidates (``fqn`` is the
     dotted name, e.g. ``"layers.0.mlp.down_proj"``). Everything is checked, and every
@@ -286,11 +299,10 @@ def _convert(
         transposed = is_transposed_linear(mod)
         if not (transposed or isinstance(mod, nn.Linear)):
             return None
+        if isinstance(parent, nn.MultiheadAttention) and mod is parent.out_proj:
+            return None  # converted (or not) with its attention: see attention_wants
         candidates += 1
         name = fqn or "<root>"
-        if isinstance(parent, nn.MultiheadAttention) and mod is parent.out_proj:
-            skipped.setdefault(_SKIP_MHA, []).append(name)
-            return None
         if not transposed and type(mod).forward is not nn.Linear.forward:
             skipped.setdefault(_SKIP_FORWARD, []).append(name)
             return None
@@ -319,11 +331,50 @@ def _convert(
             return None
         return config
 
+    attention_candidates = 0
+
+    def attention_wants(mha: nn.MultiheadAttention, fqn: str) -> Float8LinearConfig | None:
+        """The config the projections of ``mha`` run with, or None (counted and, when skipped,
+        reported). One decision for the attention: its in-projection (packed or q/k/v) and
+        its ``out_proj`` share the recipe ``module_filter_fn`` / the policy give ``mha``."""
+        nonlocal attention_candidates
+        if attention_config(mha) is not None:
+            return None  # already FP8: counted by _check_same_recipe
+        attention_candidates += 1
+        name = fqn or "<root>"
+        if module_filter_fn is not None and not module_filter_fn(mha, fqn):
+            skipped.setdefault(_SKIP_FILTER, []).append(name)
+            return None
+        config = layer_config(mha, fqn)
+        if config is None:
+            skipped.setdefault(_SKIP_POLICY, []).append(name)
+            return None
+        config = check_config(config)
+        if config.any_delayed:
+            skipped.setdefault(_SKIP_MHA_DELAYED, []).append(name)
+            return None
+        e = mha.embed_dim
+        if not all(dims_ok(k, e, config) for k in (e, mha.kdim, mha.vdim)):
+            logger.warning(
+                "f8tensor: left %s (embed_dim %d, kdim %d, vdim %d) in high precision: %s GEMMs need dimensions "
+                "that are multiples of %d", name, e, mha.kdim, mha.vdim, "FP4" if config.any_fp4 else "FP8",
+                FP4_ALIGN if config.any_fp4 else ALIGN,
+            )
+            skipped.setdefault(_SKIP_FP4_DIMS if config.any_fp4 else _SKIP_DIMS, []).append(name)
+            return None
+        if config.enable_fsdp_float8_all_gather:
+            skipped.setdefault(_SKIP_MHA_FSDP, []).append(name)
+            return None
+        return config
+
     # Plan: every check, filter and policy call, nothing changed yet.
     swaps: list[tuple[nn.Module | None, str, str, nn.Module, Float8LinearConfig]] = []  # pre-order
+    attentions: list[tuple[nn.MultiheadAttention, str, Float8LinearConfig]] = []
     if (config := wants(module, "", None)) is not None:
         swaps.append((None, "", "", module, config))
     for fqn, mod in module.named_modules():
+        if isinstance(mod, nn.MultiheadAttention) and (config := attention_wants(mod, fqn)) is not None:
+            attentions.append((mod, fqn, config))
         for name, child in mod.named_children():
             child_fqn = f"{fqn}.{name}" if fqn else name
             if (config := wants(child, child_fqn, mod)) is not None:
@@ -351,6 +402,9 @@ def _convert(
         assert experts_config is not None
         experts = wrap_experts(expert_todo, experts_config)
         experts_gathered = bool(experts) and experts_config.enable_fsdp_float8_all_gather
+    attention: list[str] = []
+    for mha, fqn, config in attentions:
+        attention += [f"{fqn}.{name}" if fqn else name for name in wrap_attention(mha, config)]
     if any(config.enable_fsdp_float8_all_gather for *_, config in swaps) or experts_gathered:
         keep_tied_weights_tied(result)
     _disable_encoder_fast_path(result)
@@ -359,8 +413,8 @@ def _convert(
     if experts:
         assert experts_config is not None  # expert weights are wrapped only under one (above)
         experts_path = expert_path(experts_config, result.get_parameter(experts[0]).device)
-    _report_conversion(converted, skipped, candidates, experts, already, experts_path, kept, paths)
-    fp8 = already + kept + converted + experts
+    _report_conversion(converted, skipped, candidates, experts, already, experts_path, kept, paths, attention, len(attentions), attention_candidates)
+    fp8 = already + kept + converted + attention + experts
     result.float8_converted_fqns = tuple(sorted(set(fp8), key=fp8.index))  # type: ignore[assignment]  # a plain attribute, not a submodule
     return result
 
@@ -394,6 +448,7 @@ def _fp4_gemm_paths(config: Float8LinearConfig, device: torch.device) -> list[st
 def _report_conversion(
     converted: list[str], skipped: dict[str, list[str]], candidates: int, experts: list[str],
     already: list[str], expert_path: str | None, kept: list[str], fp4_paths: dict[str, list[str]] | None = None,
+    attention: list[str] | None = None, attention_modules: int = 0, attention_candidates: int = 0,
 ) -> None:
     """One summary line; a warning (also through ``warnings``) when no layer is FP8.
     ``fp4_paths``: the layers whose GEMMs take each FP4 product path; a path with no kernel
@@ -403,21 +458,27 @@ def _report_conversion(
         return ", ".join(fqns[:4]) + (f", ... ({len(fqns) - 4} more)" if len(fqns) > 4 else "")
 
     reasons = "; ".join(f"{len(fqns)} {reason} [{names(fqns)}]" for reason, fqns in skipped.items())
+    attention = attention or []
     line = f"f8tensor: converted {len(converted)} of {candidates} linear layers to FP8"
+    if attention_candidates:
+        line += (
+            f", {attention_modules} of {attention_candidates} nn.MultiheadAttention (in- and out-projections, "
+            f"{len(attention)} weights{f' [{names(attention)}]' if attention else ''})"
+        )
     line += f" and {len(experts)} expert weights (expert GEMMs: {expert_path})" if experts else ""
     line += f"; {len(already)} layers or expert weights were already FP8 with this recipe" if already else ""
     line += f"; {len(kept)} FP8 with another recipe left as they are [{names(kept)}]" if kept else ""
     for path, fqns in (fp4_paths or {}).items():
         line += f"; FP4 {path}: {len(fqns)} layers [{names(fqns)}]"
     line += f"; skipped {reasons}" if reasons else ""
-    if converted or experts or already or kept:
+    if converted or attention or experts or already or kept:
         if any(" none:" in path for path in (fp4_paths or {})):
             logger.warning(line)
             warnings.warn(line, UserWarning, stacklevel=3)
         else:
             logger.info(line)
         return
-    if not candidates:
+    if not candidates and not attention_candidates:
         line += ": the model has no nn.Linear (or Hugging Face Conv1D) layer"
     logger.warning(line)
     warnings.warn(line + "; the model trains in high precision", UserWarning, stacklevel=3)

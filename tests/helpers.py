@@ -13,7 +13,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from f8tensor import FLOAT8_DTYPES, Float8Linear, Float8Tensor, sqnr
+from f8tensor import FLOAT8_DTYPES, Float8Linear, Float8Tensor, attention, sqnr
 
 HP_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 E4M3_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
@@ -246,22 +246,30 @@ def run_processes(fn: Callable, world: int, args: tuple, timeout_s: float) -> No
 
 
 class RanFP8:
-    """Which converted layers ran an FP8 forward: a counter on ``Float8Linear.forward``
-    (patched on the class through ``monkeypatch``; no module hooks, which would change the
-    path some models take, e.g. ``nn.TransformerEncoderLayer``'s fast path)."""
+    """Which converted layers ran an FP8 forward: a counter on ``Float8Linear.forward`` and
+    on the unwrapping of FP8 attention weights (``nn.MultiheadAttention``'s projections,
+    whose FP8 products unwrap each weight they take), patched on the classes through
+    ``monkeypatch``; no module hooks, which would change the path some models take, e.g.
+    ``nn.TransformerEncoderLayer``'s fast path)."""
 
     def __init__(self, monkeypatch) -> None:
         self.ran: set[int] = set()
         real = Float8Linear.forward
+        real_unwrap = attention._Unwrap.apply
 
         def counted(layer, *args, **kwargs):
             self.ran.add(id(layer))
             return real(layer, *args, **kwargs)
 
+        def counted_unwrap(w):
+            self.ran.add(id(w))
+            return real_unwrap(w)
+
         monkeypatch.setattr(Float8Linear, "forward", counted)
+        monkeypatch.setattr(attention._Unwrap, "apply", counted_unwrap)
 
     def missing(self, model) -> list[str]:
-        """The names in ``model.float8_converted_fqns`` whose layer did not run."""
-        mods = dict(model.named_modules())
-        return [f for f in model.float8_converted_fqns if id(mods[f]) not in self.ran]
+        """The names in ``model.float8_converted_fqns`` whose layer (or attention weight) did not run."""
+        found = dict(model.named_modules()) | dict(model.named_parameters())
+        return [f for f in model.float8_converted_fqns if id(found[f]) not in self.ran]
 

@@ -1,7 +1,7 @@
 """torchvision (``pip install --no-deps torchvision==0.28.0 --index-url
 https://download.pytorch.org/whl/cpu``): its ``VisionTransformer`` converts with every
-reported layer running in FP8; ``nn.MultiheadAttention``'s ``out_proj`` is skipped and
-reported (issue 24.5). The same pattern without torchvision: tests/test_convert_reports.py."""
+reported layer running in FP8, ``nn.MultiheadAttention``'s in- and out-projections included
+(round 4; skipped and reported before). The same pattern without torchvision: tests/test_convert_reports.py."""
 
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ def test_vit_reports_only_layers_that_run_in_fp8(mode, monkeypatch, caplog):
     )
     with caplog.at_level("INFO", logger="f8tensor"):
         convert_to_float8_training(model)
-    assert not any(f.endswith("out_proj") for f in model.float8_converted_fqns)
-    assert "nn.MultiheadAttention out_proj" in caplog.text
+    assert sum(f.endswith(("in_proj_weight", "out_proj.weight")) for f in model.float8_converted_fqns) == 4
+    assert "2 of 2 nn.MultiheadAttention" in caplog.text
     ran = RanFP8(monkeypatch)
     model.train(mode == "train")
     with torch.set_grad_enabled(mode == "train"):

@@ -127,8 +127,8 @@ assert set(llama.state_dict()) == set(twin.state_dict())
 # converts exactly the same way: its attention and MLP use nn.Linear, its patch embedding
 # is a Conv2d (left alone: the converter only touches nn.Linear), so
 #     convert_to_float8_training(timm_vit, module_filter_fn=lambda m, fqn: fqn != "head")
-# is all it takes. One thing to look out for in other models: nn.MultiheadAttention reads
-# its input projection weight directly (no nn.Linear), so it stays in high precision.
+# is all it takes. Models built on nn.MultiheadAttention convert too: its packed input
+# projection and its out_proj run in FP8 (the module and its state dict stay as they are).
 # =======================================================================================
 print("\n2. A small ViT")
 

@@ -1,0 +1,297 @@
+"""PyTorch's own attention in FP8: the projection weights of ``nn.MultiheadAttention``.
+
+``nn.MultiheadAttention`` never calls a linear layer: its forward hands the packed
+``in_proj_weight`` (or ``q/k/v_proj_weight`` when ``kdim``/``vdim`` differ from
+``embed_dim``) and ``out_proj.weight`` to ``F.multi_head_attention_forward``, which
+multiplies them with ``F.linear``. The converter wraps those weights as
+:class:`Float8AttentionWeight`; the module stays an ``nn.MultiheadAttention`` with the same
+attributes and the same state dict (plain tensors, same keys and shapes).
+
+How the products reach FP8: a wrapped weight has a ``__torch_function__``, so
+``F.multi_head_attention_forward`` hands the whole call to it. It runs a copy of PyTorch's
+own function (same code, see :func:`_fp8_attention_forward`) whose ``linear`` is the FP8
+linear of the weight's recipe, with the weights passed as the plain tensors they wrap
+(gradients pass through to the parameters). Every product of the call's projections runs
+in FP8 (the packed self-attention product, the q and kv slices of cross-attention, the
+three separate products, the out-projection), forward and both backward GEMMs; the
+attention itself (softmax(q k^T) v) stays in high precision. Because an argument has a
+``__torch_function__``, ``nn.MultiheadAttention`` (and ``nn.TransformerEncoderLayer``)
+decline PyTorch's fused ``_native_multi_head_attention`` fast path in eval, so inference
+takes the same FP8 path; a matrix product that reaches dispatch with a wrapped weight
+(which would run in high precision) raises instead.
+
+Layer: beside ``linear`` and ``moe``; imports ``functions``, ``weights``, ``compat``, ``config``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from f8tensor.compat import disable_torch_function_subclass
+from f8tensor.config import Float8LinearConfig
+from f8tensor.functions import Float8LinearFn, GemmFormatsLinearFn
+from f8tensor.weights import HighPrecisionWeight, WriteCount, check_dtype_change
+
+__all__ = ["Float8AttentionWeight", "attention_config", "attention_weight_names", "wrap_attention"]
+
+aten = torch.ops.aten
+
+#: The projection weights of an ``nn.MultiheadAttention`` that run in FP8, by layout.
+_PACKED = ("in_proj_weight", "out_proj.weight")
+_SEPARATE = ("q_proj_weight", "k_proj_weight", "v_proj_weight", "out_proj.weight")
+
+_CONFIG = "_float8_attention_config"  # nn.MultiheadAttention attribute: the recipe of its projections
+
+
+def attention_weight_names(mha: nn.MultiheadAttention) -> tuple[str, ...]:
+    """The dotted names (within ``mha``) of the weights whose products run in FP8."""
+    return _PACKED if mha.in_proj_weight is not None else _SEPARATE
+
+
+def attention_config(mha: nn.Module) -> Float8LinearConfig | None:
+    """The recipe of a converted ``nn.MultiheadAttention``, or None."""
+    return mha.__dict__.get(_CONFIG)
+
+
+def _projection(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, config: Float8LinearConfig) -> torch.Tensor:
+    """``F.linear(x, w, b)`` with the GEMMs of ``config``, as ``Float8Linear`` runs them
+    (under autocast: in the autocast dtype, the weight cast to FP8 from its own dtype)."""
+    device_type = x.device.type
+    if device_type != "meta" and torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        with torch.autocast(device_type, enabled=False):
+            return _projection(x.to(dtype), w, None if b is None else b.to(dtype), config)
+    if b is not None and b.dtype != x.dtype:
+        b = b.to(x.dtype)
+    if config.uses_gemm_formats:
+        return GemmFormatsLinearFn.apply(x, w, b, config, None)
+    return Float8LinearFn.apply(x, w, b, config, None, None)
+
+
+_FORWARDS: dict[Float8LinearConfig, Callable[..., Any]] = {}
+
+
+def _fp8_attention_forward(config: Float8LinearConfig) -> Callable[..., Any]:
+    """``F.multi_head_attention_forward`` with every ``linear`` it calls (directly and through
+    ``_in_projection_packed`` / ``_in_projection``) running with ``config``'s GEMMs.
+
+    PyTorch's own code (its bytecode, rebound to a copy of ``torch.nn.functional``'s globals
+    in which ``linear`` is the FP8 projection): masks, dropout, ``bias_k``/``bias_v``,
+    ``add_zero_attn``, ``need_weights`` and the attention itself behave exactly as in the
+    high-precision module. One function per recipe, cached."""
+    fn = _FORWARDS.get(config)
+    if fn is None:
+        scope = dict(vars(F))
+        scope["linear"] = lambda x, w, b=None: _projection(x, w, b, config)
+        for name in ("_in_projection_packed", "_in_projection", "multi_head_attention_forward"):
+            original = getattr(F, name)
+            if "linear" not in original.__code__.co_names:
+                # A torch whose attention multiplies through another name would run its
+                # projections in high precision behind this copy: refused instead.
+                raise NotImplementedError(
+                    f"torch {torch.__version__}: F.{name} no longer calls F.linear by that name; FP8 "
+                    "nn.MultiheadAttention needs an update of f8tensor.attention for this torch"
+                )
+            copy = types.FunctionType(original.__code__, scope, original.__name__, original.__defaults__, original.__closure__)
+            copy.__kwdefaults__ = original.__kwdefaults__
+            scope[name] = copy
+        fn = _FORWARDS[config] = scope["multi_head_attention_forward"]
+    return fn
+
+
+_MHA_SIGNATURE = inspect.signature(F.multi_head_attention_forward)
+_MHA_WEIGHTS = ("in_proj_weight", "out_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight")
+
+
+class _Unwrap(torch.autograd.Function):
+    """The plain tensor inside a :class:`Float8AttentionWeight`, with the gradient passed through."""
+
+    @staticmethod
+    def forward(ctx: Any, w: Float8AttentionWeight) -> torch.Tensor:  # type: ignore[override]
+        # Through dispatch (view.dtype is neither in VIEWS nor COPIES: the plain alias of _hp),
+        # so that tracing above the subclass sees an op, not an untracked attribute.
+        return w.view(w.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return grad
+
+
+def _route_attention(args: tuple, kwargs: dict) -> Any:
+    """``F.multi_head_attention_forward`` with wrapped weights: the FP8 copy, on plain weights."""
+    bound = _MHA_SIGNATURE.bind(*args, **kwargs)
+    found = {name: w for name in _MHA_WEIGHTS if isinstance(w := bound.arguments.get(name), Float8AttentionWeight)}
+    configs = {w._config for w in found.values()}
+    if len(configs) != 1:
+        raise ValueError(
+            "F.multi_head_attention_forward: the FP8 projection weights of one attention call follow one recipe; got "
+            f"{len(configs)} ({', '.join(sorted(found))}). Convert the nn.MultiheadAttention as a whole."
+        )
+    for name, w in found.items():
+        bound.arguments[name] = _Unwrap.apply(w)
+    return _fp8_attention_forward(configs.pop())(*bound.args, **bound.kwargs)
+
+
+def _route_linear(args: tuple, kwargs: dict) -> torch.Tensor:
+    """``F.linear(x, w, b)`` with a wrapped weight (``out_proj`` called on its own)."""
+    bound = dict(zip(("input", "weight", "bias"), args))
+    bound.update(kwargs)
+    x, w, b = bound["input"], bound["weight"], bound.get("bias")
+    if not isinstance(w, Float8AttentionWeight) or isinstance(x, Float8AttentionWeight):
+        raise NotImplementedError("F.linear with an FP8 attention weight takes it as the weight (x @ w.t())")
+    return _projection(x, _Unwrap.apply(w), b, w._config)
+
+
+_ROUTES: dict[Any, Callable[[tuple, dict], Any]] = {
+    F.multi_head_attention_forward: _route_attention,
+    F.linear: _route_linear,
+}
+
+# Products that reach dispatch (below the routes above) would run in high precision, and the
+# fused attention kernel would read the weights directly: refused, never silently upcast.
+_REFUSED = frozenset(
+    {
+        aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.matmul.default,
+        aten._native_multi_head_attention.default,
+    }
+)
+
+_SET_DATA = torch.Tensor.data.__set__  # type: ignore[attr-defined]  # a getset descriptor at run time
+
+
+class Float8AttentionWeight(HighPrecisionWeight):
+    """A projection weight of ``nn.MultiheadAttention`` whose products run in FP8.
+
+    Fields: ``_hp``, the plain bf16/fp16/fp32 (out, in) matrix, or a view of it;
+    ``_config``, the :class:`Float8LinearConfig` its GEMMs follow (dynamic scaling; FP8 or
+    per-GEMM formats). Every other op behaves as on ``_hp`` (optimizer steps, ``copy_``,
+    checkpoint loads; see :class:`~f8tensor.weights.HighPrecisionWeight`). A state dict
+    holds the plain tensor; a parameter pickles wrapped (whole-model copies stay FP8).
+
+    Raises:
+        NotImplementedError: a matrix product that would run in high precision with it
+            (``torch.mm``, ``@``, the fused attention kernel).
+        ValueError: one attention call with weights of two recipes.
+        TypeError: its data set to a tensor of another dtype (``model.double()``).
+    """
+
+    _config: Float8LinearConfig
+
+    VIEWS = frozenset(
+        {
+            aten.detach.default, aten.alias.default, aten.view.default, aten._unsafe_view.default,
+            aten.as_strided.default, aten.slice.Tensor, aten.select.int, aten.transpose.int, aten.t.default,
+            aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int,
+        }
+    )
+    COPIES = frozenset({aten.clone.default, aten._to_copy.default, aten.empty_like.default, aten._pin_memory.default})
+
+    @staticmethod
+    def __new__(cls, hp: torch.Tensor, config: Float8LinearConfig, *, writes: WriteCount | None = None) -> Float8AttentionWeight:  # noqa: PYI034 (typing.Self needs Python 3.11)
+        HighPrecisionWeight._check_hp(cls, hp)
+        self = HighPrecisionWeight._wrap(cls, hp, writes)
+        self._config = config
+        return self
+
+    def _meta(self) -> tuple:
+        return (self._config,)
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return f"Float8AttentionWeight({self._hp!r})"
+
+    def __reduce_ex__(self, protocol: Any) -> Any:  # type: ignore[override]
+        # A parameter (torch.save(model), deepcopy) comes back wrapped, with its recipe; a
+        # state dict's tensor pickles plain (HighPrecisionWeight.__reduce_ex__).
+        if not isinstance(self, nn.Parameter):
+            return super().__reduce_ex__(protocol)
+        hp = self._hp
+        if hp.untyped_storage().nbytes() != hp.nbytes:
+            hp = hp.clone()
+        return (_rebuild_parameter, (hp.detach(), self._config, self.requires_grad))
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict, meta: tuple, outer_size: Any, outer_stride: Any) -> Float8AttentionWeight:
+        return Float8AttentionWeight(inner["_hp"], *meta)
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:  # type: ignore[override]
+        route = _ROUTES.get(func)
+        if route is not None:
+            return route(args, kwargs or {})
+        if _SET_DATA == func:  # a method-wrapper: a new object per access, equal by value
+            check_dtype_change(cls, args[1])
+        if torch.is_inference_mode_enabled():
+            # A view of a (normal) parameter made under inference_mode would be an inference
+            # tensor whose version counter autograd cannot set (see moe.Float8ExpertWeight).
+            with torch.inference_mode(False), torch.no_grad(), disable_torch_function_subclass():
+                return func(*args, **(kwargs or {}))
+        with disable_torch_function_subclass():
+            return func(*args, **(kwargs or {}))
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:  # type: ignore[override]
+        if func in _REFUSED:
+            raise NotImplementedError(
+                f"{func} with an FP8 attention weight would run in high precision. Its products run through "
+                "nn.MultiheadAttention (F.multi_head_attention_forward) or F.linear; use w._hp for a "
+                "high-precision product."
+            )
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def _rebuild_parameter(hp: torch.Tensor, config: Float8LinearConfig, requires_grad: bool) -> nn.Parameter:
+    """Unpickling a :class:`Float8AttentionWeight` parameter."""
+    return nn.Parameter(Float8AttentionWeight(hp, config), requires_grad=requires_grad)
+
+
+def _owner(mha: nn.Module, name: str) -> tuple[nn.Module, str]:
+    """The module holding the parameter ``name`` (dotted within ``mha``) and its own name."""
+    path, _, leaf = name.rpartition(".")
+    return (mha.get_submodule(path) if path else mha), leaf
+
+
+def _plain_state(mha: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    """state_dict post-hook: the projection weights are saved as the plain tensors they
+    wrap (ordinary storages, what every checkpoint writer expects)."""
+    if attention_config(mha) is None:
+        return
+    for name in attention_weight_names(mha):  # type: ignore[arg-type]  # only set on nn.MultiheadAttention
+        value = state_dict.get(prefix + name)
+        if isinstance(value, Float8AttentionWeight) and not isinstance(value, nn.Parameter):
+            state_dict[prefix + name] = value._hp.detach()
+
+
+def _rewrap_after_load(mha: nn.Module, incompatible_keys: Any) -> None:
+    """load_state_dict post-hook: ``assign=True`` puts the loaded plain tensors in place of the
+    parameters; they are wrapped again, so the projections keep running in FP8."""
+    config = attention_config(mha)
+    if config is None:
+        return
+    for name in attention_weight_names(mha):  # type: ignore[arg-type]  # only set on nn.MultiheadAttention
+        owner, leaf = _owner(mha, name)
+        p = owner._parameters.get(leaf)
+        if p is not None and not isinstance(p, Float8AttentionWeight):
+            owner._parameters[leaf] = nn.Parameter(Float8AttentionWeight(p.data, config), requires_grad=p.requires_grad)
+
+
+def wrap_attention(mha: nn.MultiheadAttention, config: Float8LinearConfig) -> list[str]:
+    """Wrap the projection weights of ``mha`` (in place) so that they run in FP8 with
+    ``config``; returns their dotted names within ``mha``."""
+    names = attention_weight_names(mha)
+    for name in names:
+        owner, leaf = _owner(mha, name)
+        p = owner._parameters[leaf]
+        assert p is not None  # attention_weight_names lists the weights this layout has
+        owner._parameters[leaf] = nn.Parameter(Float8AttentionWeight(p.data, config), requires_grad=p.requires_grad)
+    if _CONFIG not in mha.__dict__:
+        mha.register_state_dict_post_hook(_plain_state)
+        mha.register_load_state_dict_post_hook(_rewrap_after_load)
+    mha.__dict__[_CONFIG] = config
+    return list(names)
