@@ -1,6 +1,6 @@
 """Second plan: places for GPU checks of features that may not exist yet. Each item is
-``not run: absent (...)`` until its module exists; then it says it is present and that
-its check is still to be written here."""
+``not run: absent (...)`` until its module exists; then it runs its check from
+:data:`CHECKS`, or says that the check is still to be written here."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from .runner import Ctx
 
 #: (item name, the module that will hold the feature, what the check will measure)
 HOOKS = (
-    ("fused_optimizer_step", "f8tensor.optim", "a fused optimizer step over FP8 states vs torch.optim.AdamW"),
+    ("fused_optimizer_step", "f8tensor.optim", "an optimizer step over fp32 / bf16 / FP8 states vs torch.optim.AdamW"),
     ("fp8_activation_casts", "f8tensor.activations", "FP8 saved activations: bytes saved and step time vs bf16"),
     ("accelerate_fsdp2_plugin", "f8tensor.integrations.accelerate", "accelerate's FSDP2 plugin with f8tensor weights"),
 )
@@ -24,7 +24,46 @@ def module_absent(name: str) -> str | None:
     return None if found else f"module {name} does not exist yet"
 
 
-def hook_fn(module: str, what: str):
+def optimizer_step(ctx: Ctx) -> None:
+    """One optimizer step over a 10M-parameter weight (dry run: 64K): torch's AdamW (its
+    default, foreach) against f8tensor's AdamW with fp32, bf16 and FP8 states."""
+    import statistics
+
+    import _common as C
+    import torch
+
+    from f8tensor.optim import AdamW
+
+    rows, steps = ctx.pick((9766, 10), (64, 3))
+    shape = f"{rows}x1024"
+    makers = {
+        "torch AdamW": lambda p: torch.optim.AdamW(p, lr=1e-3),
+        "f8tensor fp32 states": lambda p: AdamW(p, lr=1e-3),
+        "f8tensor bf16 states": lambda p: AdamW(p, lr=1e-3, state_dtype=torch.bfloat16),
+        "f8tensor fp8 states": lambda p: AdamW(p, lr=1e-3, state_dtype=torch.float8_e4m3fn),
+    }
+    base = None
+    for name, make in makers.items():
+        p = torch.nn.Parameter(torch.randn(rows, 1024, device=ctx.device))
+        p.grad = torch.randn_like(p)
+        opt = make([p])
+        for _ in range(2):
+            opt.step()
+        ms = statistics.median(C.time_steps(opt.step, steps, ctx.device))
+        base = base or ms
+        ctx.row(kind="measure", recipe=name, mode="eager", shape=shape, metric="optimizer step", value=ms,
+                unit="ms" if ctx.device.type == "cuda" else "CPU ms", ratio=ms / base,
+                detail="ratio: against torch AdamW's step")
+
+
+#: The checks written so far, by item name.
+CHECKS = {"fused_optimizer_step": optimizer_step}
+
+
+def hook_fn(name: str, module: str, what: str):
+    if name in CHECKS:
+        return CHECKS[name]
+
     def check(ctx: Ctx) -> None:
         ctx.row(kind="check", metric=f"{module} present", status="info",
                 detail=f"no GPU check written yet for {what}: add it in benchmarks/campaign/hooks.py")
