@@ -396,3 +396,50 @@ def test_non_finite_weight_is_refused(tmp_path):
     with pytest.raises(ValueError, match="up_proj.weight holds non-finite values"):
         save_fp8_pretrained(model, tmp_path / "x")
     assert _listing(tmp_path) == []
+
+
+@pytest.mark.parametrize(("recipe", "fmt", "strategy"), [
+    ("blockwise", "fp8_block", None),
+    ("blockwise", "compressed_tensors", "block"),
+    ("rowwise", "compressed_tensors", "channel"),
+    ("mxfp8", "mxfp8", None),
+])
+def test_matching_recipe_exports_the_bytes_the_training_forward_multiplies(recipe, fmt, strategy, monkeypatch,
+                                                                           tmp_path):
+    # The output GEMM's weight operand (W^T, (K, N)) as the forward built it, recorded at the
+    # product, against the file: the same FP8 bytes, and scales the exact inverses.
+    import f8tensor.functions
+    from safetensors.torch import load_file
+
+    torch.manual_seed(0)
+    model = _llama().float()
+    convert_to_float8_training(
+        model, config=Float8LinearConfig.from_recipe(recipe), module_filter_fn=lambda m, fqn: fqn != "lm_head"
+    )
+    layer = model.model.layers[0].mlp.down_proj
+    seen = []
+    real = f8tensor.functions.matmul
+
+    def recording(a, b, *args, **kwargs):
+        seen.append(b)
+        return real(a, b, *args, **kwargs)
+
+    monkeypatch.setattr(f8tensor.functions, "matmul", recording)
+    x = torch.randn(2, 128, layer.in_features)
+    with torch.no_grad():
+        layer(x)
+    monkeypatch.undo()
+    (w_t,) = [b for b in seen if isinstance(b, Float8Tensor) and tuple(b.shape) == (layer.in_features, layer.out_features)]
+    save_fp8_pretrained(model, tmp_path / "out", format=fmt, strategy=strategy)
+    files = [f for f in os.listdir(tmp_path / "out") if f.endswith(".safetensors")]
+    tensors = {k: v for f in files for k, v in load_file(str(tmp_path / "out" / f)).items()}
+    key = "model.layers.0.mlp.down_proj.weight"
+    data = tensors[key]
+    assert torch.equal(data.view(torch.uint8), w_t._data.t().contiguous().view(torch.uint8)), recipe
+    scale = tensors[key + ("_scale" if fmt == "compressed_tensors" else "_scale_inv")]
+    trained_scale = w_t._scale.t()  # the forward's multiplier hp -> data, per (N, K) block
+    if scale.dtype == torch.uint8:  # e8m0 codes of the inverse: 2**(c - 127) * trained = 1
+        assert torch.equal(torch.ldexp(torch.ones(()), scale.to(torch.int32) - 127) * trained_scale.float(),
+                           torch.ones_like(trained_scale, dtype=torch.float32))
+    else:
+        assert torch.equal(scale.reshape(trained_scale.shape), torch.reciprocal(trained_scale.float()))
