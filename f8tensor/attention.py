@@ -37,7 +37,7 @@ from torch import nn
 from f8tensor.compat import disable_torch_function_subclass
 from f8tensor.config import Float8LinearConfig
 from f8tensor.functions import Float8LinearFn, GemmFormatsLinearFn
-from f8tensor.weights import HighPrecisionWeight, WriteCount, check_dtype_change
+from f8tensor.weights import RecipeWeight, check_dtype_change
 
 __all__ = ["Float8AttentionWeight", "attention_config", "attention_weight_names", "wrap_attention"]
 
@@ -166,7 +166,7 @@ _REFUSED = frozenset(
 _SET_DATA = torch.Tensor.data.__set__  # type: ignore[attr-defined]  # a getset descriptor at run time
 
 
-class Float8AttentionWeight(HighPrecisionWeight):
+class Float8AttentionWeight(RecipeWeight):
     """A projection weight of ``nn.MultiheadAttention`` whose products run in FP8.
 
     Fields: ``_hp``, the plain bf16/fp16/fp32 (out, in) matrix, or a view of it;
@@ -193,33 +193,6 @@ class Float8AttentionWeight(HighPrecisionWeight):
     )
     COPIES = frozenset({aten.clone.default, aten._to_copy.default, aten.empty_like.default, aten._pin_memory.default})
 
-    @staticmethod
-    def __new__(cls, hp: torch.Tensor, config: Float8LinearConfig, *, writes: WriteCount | None = None) -> Float8AttentionWeight:  # noqa: PYI034 (typing.Self needs Python 3.11)
-        HighPrecisionWeight._check_hp(cls, hp)
-        self = HighPrecisionWeight._wrap(cls, hp, writes)
-        self._config = config
-        return self
-
-    def _meta(self) -> tuple:
-        return (self._config,)
-
-    def __repr__(self) -> str:  # type: ignore[override]
-        return f"Float8AttentionWeight({self._hp!r})"
-
-    def __reduce_ex__(self, protocol: Any) -> Any:  # type: ignore[override]
-        # A parameter (torch.save(model), deepcopy) comes back wrapped, with its recipe; a
-        # state dict's tensor pickles plain (HighPrecisionWeight.__reduce_ex__).
-        if not isinstance(self, nn.Parameter):
-            return super().__reduce_ex__(protocol)
-        hp = self._hp
-        if hp.untyped_storage().nbytes() != hp.nbytes:
-            hp = hp.clone()
-        return (_rebuild_parameter, (hp.detach(), self._config, self.requires_grad))
-
-    @staticmethod
-    def __tensor_unflatten__(inner: dict, meta: tuple, outer_size: Any, outer_stride: Any) -> Float8AttentionWeight:
-        return Float8AttentionWeight(inner["_hp"], *meta)
-
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:  # type: ignore[override]
         route = _ROUTES.get(func)
@@ -244,11 +217,6 @@ class Float8AttentionWeight(HighPrecisionWeight):
                 "high-precision product."
             )
         return super().__torch_dispatch__(func, types, args, kwargs)
-
-
-def _rebuild_parameter(hp: torch.Tensor, config: Float8LinearConfig, requires_grad: bool) -> nn.Parameter:
-    """Unpickling a :class:`Float8AttentionWeight` parameter."""
-    return nn.Parameter(Float8AttentionWeight(hp, config), requires_grad=requires_grad)
 
 
 def _owner(mha: nn.Module, name: str) -> tuple[nn.Module, str]:

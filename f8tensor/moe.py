@@ -62,7 +62,7 @@ from f8tensor.gemm.operands import col_major, kernel_scale, row_major
 from f8tensor.gemm.rules import ALIGN, CudaBuild, block_rule_for
 from f8tensor.scaling import amax_to_scale, group_amax
 from f8tensor.tensor import to_float8
-from f8tensor.weights import HighPrecisionWeight, WriteCount, check_dtype_change
+from f8tensor.weights import RecipeWeight, check_dtype_change
 
 __all__ = ["Float8ExpertWeight", "convert_experts_to_float8", "expert_path", "float8_grouped_mm", "per_expert_loop"]
 
@@ -451,7 +451,7 @@ _GEMMS = frozenset(
 
 
 
-class Float8ExpertWeight(HighPrecisionWeight):
+class Float8ExpertWeight(RecipeWeight):
     """A high-precision expert weight whose matrix products run in FP8.
 
     Fields: ``_hp``, the plain bf16/fp16/fp32 tensor (E, N, K), or a view/piece of it;
@@ -486,35 +486,6 @@ class Float8ExpertWeight(HighPrecisionWeight):
             aten.new_empty.default, aten.new_zeros.default, aten._pin_memory.default,
         }
     )
-
-    @staticmethod
-    def __new__(cls, hp: torch.Tensor, config: Float8LinearConfig, *, writes: WriteCount | None = None) -> Float8ExpertWeight:  # noqa: PYI034 (typing.Self needs Python 3.11)
-        HighPrecisionWeight._check_hp(cls, hp)
-        self = HighPrecisionWeight._wrap(cls, hp, writes)
-        self._config = config
-        return self
-
-    def _meta(self) -> tuple:
-        return (self._config,)
-
-    def __repr__(self) -> str:  # type: ignore[override]
-        return f"Float8ExpertWeight({self._hp!r})"
-
-    def __reduce_ex__(self, protocol: Any) -> Any:  # type: ignore[override]
-        # A parameter (whole-model pickle, torch.save(model), deepcopy) comes back wrapped,
-        # with its recipe: the copy trains its experts in FP8 as the original does. Anything
-        # else (a state_dict, which holds the plain tensors, an optimizer state) pickles as
-        # the plain tensor (see HighPrecisionWeight.__reduce_ex__).
-        if not isinstance(self, nn.Parameter):
-            return super().__reduce_ex__(protocol)
-        hp = self._hp
-        if hp.untyped_storage().nbytes() != hp.nbytes:
-            hp = hp.clone()
-        return (_rebuild_expert_parameter, (hp.detach(), self._config, self.requires_grad))
-
-    @staticmethod
-    def __tensor_unflatten__(inner: dict, meta: tuple, outer_size: Any, outer_stride: Any) -> Float8ExpertWeight:
-        return Float8ExpertWeight(inner["_hp"], *meta)
 
     # ----------------------------------------------------------------- FSDP2 extension
     # High-precision all-gather (in mp_policy.param_dtype): the gathered weight is wrapped
@@ -580,7 +551,8 @@ _SET_DATA = torch.Tensor.data.__set__  # type: ignore[attr-defined]  # a getset 
 
 
 def _rebuild_expert_parameter(hp: torch.Tensor, config: Float8LinearConfig, requires_grad: bool) -> nn.Parameter:
-    """Unpickling a :class:`Float8ExpertWeight` parameter."""
+    """Unpickling a :class:`Float8ExpertWeight` parameter pickled before
+    :class:`~f8tensor.weights.RecipeWeight` (whole-model pickles of earlier releases)."""
     return nn.Parameter(Float8ExpertWeight(hp, config), requires_grad=requires_grad)
 
 

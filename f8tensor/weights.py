@@ -153,3 +153,44 @@ class HighPrecisionWeight(torch.Tensor):
             return t
 
         return tree_map_only(torch.Tensor, rewrap, out)
+
+
+class RecipeWeight(HighPrecisionWeight):
+    """A wrapped weight that carries the recipe its products use (a ``Float8LinearConfig``):
+    the shared constructor, metadata and pickling of the expert and attention weights."""
+
+    _config: Any
+
+    @staticmethod
+    def __new__(cls, hp: torch.Tensor, config: Any, *, writes: WriteCount | None = None) -> Any:
+        HighPrecisionWeight._check_hp(cls, hp)
+        self = HighPrecisionWeight._wrap(cls, hp, writes)
+        self._config = config
+        return self
+
+    def _meta(self) -> tuple:
+        return (self._config,)
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return f"{type(self).__name__}({self._hp!r})"
+
+    def __reduce_ex__(self, protocol: Any) -> Any:  # type: ignore[override]
+        # A parameter (whole-model pickle, torch.save(model), deepcopy) comes back wrapped,
+        # with its recipe: the copy runs its products in FP8 as the original does. Anything
+        # else (a state_dict, which holds the plain tensors, an optimizer state) pickles as
+        # the plain tensor (HighPrecisionWeight.__reduce_ex__).
+        if not isinstance(self, nn.Parameter):
+            return super().__reduce_ex__(protocol)
+        hp = self._hp
+        if hp.untyped_storage().nbytes() != hp.nbytes:
+            hp = hp.clone()
+        return (rebuild_recipe_parameter, (type(self), hp.detach(), self._config, self.requires_grad))
+
+    @classmethod
+    def __tensor_unflatten__(cls, inner: dict, meta: tuple, outer_size: Any, outer_stride: Any) -> Any:
+        return cls(inner["_hp"], *meta)
+
+
+def rebuild_recipe_parameter(kind: type, hp: torch.Tensor, config: Any, requires_grad: bool) -> nn.Parameter:
+    """Unpickling a :class:`RecipeWeight` parameter."""
+    return nn.Parameter(kind(hp, config), requires_grad=requires_grad)
