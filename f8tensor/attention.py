@@ -34,10 +34,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from f8tensor.compat import disable_torch_function_subclass
 from f8tensor.config import Float8LinearConfig
 from f8tensor.functions import Float8LinearFn, GemmFormatsLinearFn
-from f8tensor.weights import RecipeWeight, check_dtype_change
+from f8tensor.weights import RecipeWeight
 
 __all__ = ["Float8AttentionWeight", "attention_config", "attention_weight_names", "wrap_attention"]
 
@@ -163,7 +162,6 @@ _REFUSED = frozenset(
     }
 )
 
-_SET_DATA = torch.Tensor.data.__set__  # type: ignore[attr-defined]  # a getset descriptor at run time
 
 
 class Float8AttentionWeight(RecipeWeight):
@@ -194,19 +192,8 @@ class Float8AttentionWeight(RecipeWeight):
     COPIES = frozenset({aten.clone.default, aten._to_copy.default, aten.empty_like.default, aten._pin_memory.default})
 
     @classmethod
-    def __torch_function__(cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:  # type: ignore[override]
-        route = _ROUTES.get(func)
-        if route is not None:
-            return route(args, kwargs or {})
-        if _SET_DATA == func:  # a method-wrapper: a new object per access, equal by value
-            check_dtype_change(cls, args[1])
-        if torch.is_inference_mode_enabled():
-            # A view of a (normal) parameter made under inference_mode would be an inference
-            # tensor whose version counter autograd cannot set (see moe.Float8ExpertWeight).
-            with torch.inference_mode(False), torch.no_grad(), disable_torch_function_subclass():
-                return func(*args, **(kwargs or {}))
-        with disable_torch_function_subclass():
-            return func(*args, **(kwargs or {}))
+    def _route(cls, func: Any) -> Any:
+        return _ROUTES.get(func)
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:  # type: ignore[override]

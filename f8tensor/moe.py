@@ -52,7 +52,7 @@ import torch
 from torch import nn
 
 from f8tensor import compat, kernels
-from f8tensor.compat import GROUPED_MM_FUNCTIONS, disable_torch_function_subclass, is_op_of_namespace
+from f8tensor.compat import GROUPED_MM_FUNCTIONS, is_op_of_namespace
 from f8tensor.compat import grouped_mm as hp_grouped_mm
 from f8tensor.config import CastConfig, CastSpec, Float8LinearConfig, is_tensorwise
 from f8tensor.functions import Float8LinearFn as _Float8LinearFn  # the routes look it up here
@@ -62,7 +62,7 @@ from f8tensor.gemm.operands import col_major, kernel_scale, row_major
 from f8tensor.gemm.rules import ALIGN, CudaBuild, block_rule_for
 from f8tensor.scaling import amax_to_scale, group_amax
 from f8tensor.tensor import to_float8
-from f8tensor.weights import RecipeWeight, check_dtype_change
+from f8tensor.weights import RecipeWeight
 
 __all__ = ["Float8ExpertWeight", "convert_experts_to_float8", "expert_path", "float8_grouped_mm", "per_expert_loop"]
 
@@ -518,23 +518,12 @@ class Float8ExpertWeight(RecipeWeight):
         return Float8ExpertWeight(data, self._config), (data,)
 
     @classmethod
-    def __torch_function__(cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:  # type: ignore[override]
+    def _route(cls, func: Any) -> Any:
         route = _ROUTES.get(func)
         if route is None and is_op_of_namespace(func, "transformers"):
             _register_hf_fallback()  # weights wrapped by hand, not by the converter
             route = _ROUTES.get(func)
-        if route is not None:
-            return route(args, kwargs or {})
-        if _SET_DATA == func:  # a method-wrapper: a new object per access, equal by value
-            check_dtype_change(cls, args[1])
-        if torch.is_inference_mode_enabled():
-            # A view of a (normal) parameter made under inference_mode becomes an inference
-            # tensor whose version counter autograd cannot set: views and copies of the
-            # weight are made outside it (without grad), the product itself runs inside.
-            with torch.inference_mode(False), torch.no_grad(), disable_torch_function_subclass():
-                return func(*args, **(kwargs or {}))
-        with disable_torch_function_subclass():
-            return func(*args, **(kwargs or {}))
+        return route
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:  # type: ignore[override]
@@ -547,7 +536,6 @@ class Float8ExpertWeight(RecipeWeight):
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
-_SET_DATA = torch.Tensor.data.__set__  # type: ignore[attr-defined]  # a getset descriptor at run time; the stubs declare a plain attribute
 
 
 def _rebuild_expert_parameter(hp: torch.Tensor, config: Float8LinearConfig, requires_grad: bool) -> nn.Parameter:

@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from f8tensor.compat import make_wrapper_subclass, tree_map_only, written_arguments
+from f8tensor.compat import disable_torch_function_subclass, make_wrapper_subclass, tree_map_only, written_arguments
 from f8tensor.formats import HP_DTYPES
 from f8tensor.tensor import Float8Tensor
 
@@ -189,6 +189,31 @@ class RecipeWeight(HighPrecisionWeight):
     @classmethod
     def __tensor_unflatten__(cls, inner: dict, meta: tuple, outer_size: Any, outer_stride: Any) -> Any:
         return cls(inner["_hp"], *meta)
+
+    @classmethod
+    def _route(cls, func: Any) -> Any:
+        """The handler ``(args, kwargs) -> result`` of a call this weight's products take
+        (``F.linear`` and friends, in FP8), or None: the call runs on the plain tensor."""
+        return None
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:  # type: ignore[override]
+        route = cls._route(func)
+        if route is not None:
+            return route(args, kwargs or {})
+        if _SET_DATA == func:  # a method-wrapper: a new object per access, equal by value
+            check_dtype_change(cls, args[1])
+        if torch.is_inference_mode_enabled():
+            # A view of a (normal) parameter made under inference_mode becomes an inference
+            # tensor whose version counter autograd cannot set: views and copies of the
+            # weight are made outside it (without grad), the product itself runs inside.
+            with torch.inference_mode(False), torch.no_grad(), disable_torch_function_subclass():
+                return func(*args, **(kwargs or {}))
+        with disable_torch_function_subclass():
+            return func(*args, **(kwargs or {}))
+
+
+_SET_DATA = torch.Tensor.data.__set__  # type: ignore[attr-defined]  # a getset descriptor at run time; the stubs declare a plain attribute
 
 
 def rebuild_recipe_parameter(kind: type, hp: torch.Tensor, config: Any, requires_grad: bool) -> nn.Parameter:
