@@ -443,3 +443,28 @@ def test_matching_recipe_exports_the_bytes_the_training_forward_multiplies(recip
                            torch.ones_like(trained_scale, dtype=torch.float32))
     else:
         assert torch.equal(scale.reshape(trained_scale.shape), torch.reciprocal(trained_scale.float()))
+
+
+def test_mixed_recipes_need_a_strategy(tmp_path):
+    model = _llama().float()
+    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe("rowwise"),
+                               module_filter_fn=lambda m, fqn: "mlp" in fqn)
+    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe("blockwise"),
+                               module_filter_fn=lambda m, fqn: "self_attn" in fqn)
+    with pytest.raises(ValueError, match=r"different weight granularities \(\['block', 'channel'\]\); pass strategy="):
+        save_fp8_pretrained(model, tmp_path / "x", format="compressed_tensors")
+    assert _listing(tmp_path) == []
+    save_fp8_pretrained(model, tmp_path / "x", format="compressed_tensors", strategy="channel")  # an explicit one
+
+
+def test_a_second_export_into_the_same_directory_leaves_no_stale_shard(tmp_path):
+    model = _llama()
+    save_fp8_pretrained(model, tmp_path / "out", format="fp8_block", max_shard_size="100KB")
+    sharded = sorted(f for f in os.listdir(tmp_path / "out") if f.endswith(".safetensors"))
+    assert len(sharded) > 1
+    (tmp_path / "out" / "notes.txt").write_text("mine")
+    save_fp8_pretrained(model, tmp_path / "out", format="fp8_block")
+    files = sorted(os.listdir(tmp_path / "out"))
+    assert [f for f in files if f.endswith(".safetensors")] == ["model.safetensors"], files
+    assert "model.safetensors.index.json" not in files and "notes.txt" in files
+    assert _load(str(tmp_path / "out"), "fp8_block") is not None
