@@ -54,8 +54,8 @@ called while tracing, raises a RuntimeError that says so. A compiled module call
 eager code under the context is compiled as usual; the tensors its compiled graph saves
 are then packed by the context like any other saved tensor (in eager, around the graph).
 
-Layer: top (nothing in the package imports it but ``f8tensor/__init__``); imports
-``config``, ``formats`` and ``kernels``.
+Layer: beside ``convert`` and ``stats`` (the package root exports it, and ``demo``, which
+imports the root, sits above); imports ``compat``, ``config``, ``formats`` and ``kernels`` only.
 """
 
 from __future__ import annotations
@@ -67,7 +67,9 @@ from typing import Any
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
+from typing_extensions import Self
 
+from f8tensor.compat import version_counter, view_base
 from f8tensor.config import CastSpec
 from f8tensor.formats import FLOAT8_DTYPES
 from f8tensor.kernels import cast, dequantize
@@ -121,7 +123,7 @@ def _from_parameter(t: torch.Tensor) -> bool:
     of one of these (see the module docstring)."""
     if isinstance(t, torch.nn.Parameter) or (t.is_leaf and t.requires_grad):
         return True
-    base = t._base
+    base = view_base(t)
     if base is not None and (isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad)):
         return True
     fn = t.grad_fn
@@ -163,7 +165,7 @@ class _Hooks:
             tuple(t.shape),
             t.stride(),
             t.dtype,
-            t._version,
+            version_counter(t),
         )
         hit = self.cache.get(key)
         if hit is not None:
@@ -173,8 +175,9 @@ class _Hooks:
         block = (1,) * (t.dim() - 1) + (self.block,)
         with torch.no_grad():
             data, scale = cast(t.detach(), CastSpec(self.float8_dtype, block))
-        refs = (weakref.ref(t),) if t._base is None else (weakref.ref(t), weakref.ref(t._base))
-        packed = _Packed(data, scale, block, t.dtype, t.stride(), t._version, refs)
+        base = view_base(t)
+        refs = (weakref.ref(t),) if base is None else (weakref.ref(t), weakref.ref(base))
+        packed = _Packed(data, scale, block, t.dtype, t.stride(), version_counter(t), refs)
         self.cache[key] = (weakref.ref(t), packed)
         return packed
 
@@ -184,11 +187,11 @@ class _Hooks:
             return packed  # type: ignore[no-any-return]
         for ref in packed.refs:
             alive = ref()
-            if alive is not None and alive._version != packed.version:
+            if alive is not None and version_counter(alive) != packed.version:
                 raise RuntimeError(
                     "one of the variables needed for gradient computation has been modified by an inplace "
                     f"operation: a {tuple(alive.shape)} {alive.dtype} tensor saved (in FP8, under "
-                    f"save_activations_in_float8) at version {packed.version} is now at version {alive._version}"
+                    f"save_activations_in_float8) at version {packed.version} is now at version {version_counter(alive)}"
                 )
         hp = dequantize(packed.data, packed.scale, packed.block, packed.dtype)
         if hp.stride() != packed.stride:
@@ -196,7 +199,7 @@ class _Hooks:
         return hp
 
 
-class save_activations_in_float8:  # noqa: N801  (a context manager used like a function)
+class save_activations_in_float8:
     """Store the tensors autograd saves for backward in FP8 while the context is active.
 
     ``float8_dtype``: one of :data:`f8tensor.FLOAT8_DTYPES` (default e4m3fn). ``block``:
@@ -229,7 +232,7 @@ class save_activations_in_float8:  # noqa: N801  (a context manager used like a 
         self.min_numel = min_numel
         self._entered: list[tuple[_Hooks, saved_tensors_hooks]] = []
 
-    def __enter__(self) -> save_activations_in_float8:
+    def __enter__(self) -> Self:
         if torch.compiler.is_compiling():
             raise RuntimeError(_EAGER_ONLY)
         hooks = _Hooks(self.float8_dtype, self.block, self.min_numel)
