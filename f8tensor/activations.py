@@ -211,6 +211,19 @@ class save_activations_in_float8:
     Reusable and re-entrant: each ``with`` installs a fresh pair of hooks and its own
     per-storage cache; the cache is dropped at exit (the packed copies live on in the
     graph until backward has read them).
+
+    Raises ``ValueError`` for a ``float8_dtype`` that is not FP8, a ``block`` that is not a
+    positive int or a negative ``min_numel``; ``RuntimeError`` when entered inside a region
+    torch.compile traces (eager-only).
+
+    >>> import torch, f8tensor
+    >>> lin = torch.nn.Linear(256, 256)
+    >>> x = torch.randn(512, 256)
+    >>> with f8tensor.save_activations_in_float8():
+    ...     y = torch.nn.functional.gelu(lin(x))  # lin's input and GELU's input: FP8 copies
+    >>> y.sum().backward()  # backward may run outside the context
+    >>> lin.weight.grad.shape
+    torch.Size([256, 256])
     """
 
     def __init__(
