@@ -132,6 +132,10 @@ def _from_parameter(t: torch.Tensor) -> bool:
     return False
 
 
+class _Cache(dict[tuple[Any, ...], tuple["weakref.ReferenceType[torch.Tensor]", _Packed]]):
+    """The per-storage cache (a dict subclass: a plain dict cannot be weakly referenced)."""
+
+
 class _Hooks:
     """The pack/unpack pair of one entered context, and its per-storage cache."""
 
@@ -139,7 +143,7 @@ class _Hooks:
         self.float8_dtype = float8_dtype
         self.block = block
         self.min_numel = min_numel
-        self.cache: dict[tuple[Any, ...], tuple[weakref.ReferenceType[torch.Tensor], _Packed]] = {}
+        self.cache: _Cache = _Cache()
 
     def _eligible(self, t: torch.Tensor) -> bool:
         return (
@@ -168,18 +172,29 @@ class _Hooks:
             version_counter(t),
         )
         hit = self.cache.get(key)
-        if hit is not None:
-            if hit[0]() is not None:
-                return hit[1]
-            del self.cache[key]
+        if hit is not None and hit[0]() is not None:
+            return hit[1]
         block = (1,) * (t.dim() - 1) + (self.block,)
         with torch.no_grad():
             data, scale = cast(t.detach(), CastSpec(self.float8_dtype, block))
         base = view_base(t)
         refs = (weakref.ref(t),) if base is None else (weakref.ref(t), weakref.ref(base))
         packed = _Packed(data, scale, block, t.dtype, t.stride(), version_counter(t), refs)
-        self.cache[key] = (weakref.ref(t), packed)
+        self.cache[key] = (weakref.ref(t, self._forget(key)), packed)
         return packed
+
+    def _forget(self, key: tuple[Any, ...]) -> Any:
+        """The callback that drops ``key``'s entry when its tensor dies: a context that spans
+        many steps holds no copy longer than the tensor it was made from lives (backward
+        holds its own reference to the copies it reads)."""
+        cache = weakref.ref(self.cache)
+
+        def forget(ref: weakref.ReferenceType[torch.Tensor]) -> None:
+            entries = cache()
+            if entries is not None and key in entries and entries[key][0] is ref:
+                del entries[key]
+
+        return forget
 
     @staticmethod
     def unpack(packed: Any) -> torch.Tensor:

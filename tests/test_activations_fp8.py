@@ -200,6 +200,20 @@ def test_a_reused_address_is_not_mistaken_for_the_freed_tensor():
     assert_sqnr(sum(t.sum(0) for t in inputs), g, 28.0)  # measured 31.1 dB
 
 
+def test_a_context_spanning_many_steps_keeps_no_copy_of_a_freed_tensor():
+    lin = nn.Linear(256, 256)
+    with save_activations_in_float8(min_numel=0) as context:
+        cache = context._entered[-1][0].cache
+        for _ in range(3):
+            h = torch.randn(64, 256) * 1
+            out = F.gelu(lin(h))
+            assert len(cache) == 1  # h (alive); lin's output (GELU's input) died, its entry with it
+            del h
+            out.sum().backward()
+            del out
+            assert len(cache) == 0
+
+
 def test_left_alone_tensors():
     hooks = activations._Hooks(torch.float8_e4m3fn, 128, 0)
     w = nn.Parameter(torch.randn(256, 256))
