@@ -13,6 +13,7 @@ first FP8 product (``f8tensor.gemm.check.install_from_env``).
 import torch
 
 from f8tensor import ops as _ops  # noqa: F401  (fills Float8Tensor's op table)
+from f8tensor.activations import save_activations_in_float8
 from f8tensor.config import (
     FP4_CAST_DTYPE,
     RECIPES,
@@ -107,6 +108,7 @@ __all__ = [
     "precompute_float8_scales_for_fsdp",
     "reuse_weight_casts",
     "saturation_bound",
+    "save_activations_in_float8",
     "set_forward_in_high_precision",
     "set_gemm_formats",
     "sqnr",

@@ -17,6 +17,7 @@ import torch
 
 PUBLIC_MODULES = (
     "f8tensor",
+    "f8tensor.activations",
     "f8tensor.config",
     "f8tensor.convert",
     "f8tensor.distributed.fsdp",

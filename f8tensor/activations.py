@@ -1,0 +1,286 @@
+"""Activations saved for backward in FP8: :func:`save_activations_in_float8`.
+
+Under ``with f8tensor.save_activations_in_float8():`` every tensor that autograd saves for
+backward (through ``torch.autograd.graph.saved_tensors_hooks``) and that qualifies is
+stored as FP8 data with one fp32 scale per ``block`` consecutive elements of its last dim,
+and dequantized to its own dtype when backward reads it. The cast is f8tensor's one block
+cast (:func:`f8tensor.kernels.cast` with a :class:`~f8tensor.config.CastSpec` of block
+``(1, ..., 1, block)``: ``data = saturate(x * scale)``, dynamic scale ``float8_max / block
+amax``, round to nearest) and the way back is :func:`f8tensor.kernels.dequantize`.
+
+Which tensors are compressed: plain ``torch.Tensor`` s (not a subclass) of dtype fp32,
+bf16 or fp16, with at least ``min_numel`` elements, a last dim of at least ``block``
+elements and a dense layout (no broadcast strides). A last dim that is not a multiple of
+``block`` ends in one shorter block with its own scale (the scale zero-padding would give,
+without storing the padding). Left alone (saved as autograd saves them):
+
+- integer, bool, fp64 and FP8 tensors; tensor subclasses (``Float8Tensor``, ``DTensor``,
+  ``nn.Parameter``): f8tensor's own Functions already save FP8 data there, and a
+  tensor already FP8 is never quantized again;
+- parameters and their views, and every leaf that requires grad (what autograd
+  accumulates into: its storage is kept alive by its owner anyway, so a copy would add
+  memory, not save it);
+- autocast's low-precision copies of parameters (the output of a ``_to_copy`` whose
+  input is a leaf that requires grad): they are recomputed by every autocast forward
+  and read by the input-gradient products, which they would make less exact;
+- tensors with fewer than ``min_numel`` elements (default :data:`DEFAULT_MIN_NUMEL`,
+  65,536: below it a tensor saves at most 64 KiB, less than what two extra kernel
+  launches and the bookkeeping cost) and tensors whose last dim is shorter than
+  ``block`` (a scale per few elements would cost more than it saves; LayerNorm's
+  per-row mean and rstd are such tensors).
+
+One FP8 copy per storage: a tensor that several ops save (q, k and v projections reading
+the same normed input) is packed once. The copies are looked up by (device, storage
+address, storage offset, shape, strides, dtype, version counter), and only while the
+tensor first packed is alive (then its storage is too, so the address cannot have been
+reused by another tensor). An in-place change bumps the version: a tensor changed after it
+was saved is packed again when saved again, and backward refuses to read a copy whose
+tensor (or the base it is a view of) was changed in place since, with the error autograd
+gives without the context. (A change made only through another view, after the saved
+tensor and its base were both freed, cannot be seen: nothing of theirs is held.)
+
+Non-finite values stay non-finite: a block holding an inf or a NaN has a non-finite amax
+and comes back NaN as a whole (one element's NaN reaches the other elements of its
+block; no finite value is ever made from it).
+
+Backward may run outside the context (the packed copies carry everything they need);
+contexts nest (the innermost one applies, as for any ``saved_tensors_hooks``); activation
+checkpointing (``torch.utils.checkpoint(..., use_reentrant=False)``) composes: a
+checkpointed region saves nothing but its inputs, and its recomputation in backward keeps
+its tensors under checkpoint's own hooks.
+
+Eager only: entering the context inside a region torch.compile traces, or a pack hook
+called while tracing, raises a RuntimeError that says so. A compiled module called from
+eager code under the context is compiled as usual; the tensors its compiled graph saves
+are then packed by the context like any other saved tensor (in eager, around the graph).
+
+Layer: beside ``convert`` and ``stats`` (the package root exports it, and ``demo``, which
+imports the root, sits above); imports ``compat``, ``config``, ``formats`` and ``kernels`` only.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch.autograd.graph import saved_tensors_hooks
+from typing_extensions import Self
+
+from f8tensor.compat import version_counter, view_base
+from f8tensor.config import CastSpec
+from f8tensor.formats import FLOAT8_DTYPES
+from f8tensor.kernels import cast, dequantize
+
+__all__ = ["COMPRESSED_DTYPES", "DEFAULT_MIN_NUMEL", "save_activations_in_float8"]
+
+#: Below this many elements a saved tensor is kept as is (see the module docstring).
+DEFAULT_MIN_NUMEL = 65536
+#: The dtypes of the saved tensors that are compressed.
+COMPRESSED_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
+
+_EAGER_ONLY = (
+    "save_activations_in_float8() is eager-only: its saved-tensor hooks cannot run inside a region "
+    "torch.compile traces. Enter the context outside the compiled function (the tensors a compiled "
+    "graph saves are then packed around it, in eager), or drop it from the compiled code"
+)
+
+
+@dataclass(frozen=True)
+class _Packed:
+    """A saved tensor in FP8: ``data`` (the tensor's shape, contiguous), ``scale`` (fp32, one
+    per block of the last dim), and what the way back needs."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    block: tuple[int, ...]
+    dtype: torch.dtype
+    stride: tuple[int, ...]
+    version: int
+    # The tensor that was saved, and its base if it is a view (weak: held only to read
+    # their shared version counter at unpack).
+    refs: tuple[weakref.ReferenceType[torch.Tensor], ...]
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Every element at its own address and the storage holding nothing else between them."""
+    if t.is_contiguous():
+        return True
+    expected = 1
+    for size, stride in sorted(zip(t.shape, t.stride()), key=lambda p: p[1]):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _from_parameter(t: torch.Tensor) -> bool:
+    """A parameter, a view of one, any leaf autograd accumulates into, or autocast's copy
+    of one of these (see the module docstring)."""
+    if isinstance(t, torch.nn.Parameter) or (t.is_leaf and t.requires_grad):
+        return True
+    base = view_base(t)
+    if base is not None and (isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad)):
+        return True
+    fn = t.grad_fn
+    if fn is not None and type(fn).__name__ == "ToCopyBackward0":
+        return any(type(nxt).__name__ == "AccumulateGrad" for nxt, _ in fn.next_functions if nxt is not None)
+    return False
+
+
+class _Cache(dict[tuple[Any, ...], tuple["weakref.ReferenceType[torch.Tensor]", _Packed]]):
+    """The per-storage cache (a dict subclass: a plain dict cannot be weakly referenced)."""
+
+
+class _Hooks:
+    """The pack/unpack pair of one entered context, and its per-storage cache."""
+
+    def __init__(self, float8_dtype: torch.dtype, block: int, min_numel: int) -> None:
+        self.float8_dtype = float8_dtype
+        self.block = block
+        self.min_numel = min_numel
+        self.cache: _Cache = _Cache()
+
+    def _eligible(self, t: torch.Tensor) -> bool:
+        return (
+            type(t) is torch.Tensor
+            and t.dtype in COMPRESSED_DTYPES
+            and t.dim() > 0
+            and t.numel() >= self.min_numel
+            and t.shape[-1] >= self.block
+            and not t.is_inference()
+            and _dense(t)
+            and not _from_parameter(t)
+        )
+
+    def pack(self, t: torch.Tensor) -> Any:
+        if torch.compiler.is_compiling():
+            raise RuntimeError(_EAGER_ONLY)
+        if not self._eligible(t):
+            return t
+        key = (
+            t.device,
+            t.untyped_storage().data_ptr(),
+            t.storage_offset(),
+            tuple(t.shape),
+            t.stride(),
+            t.dtype,
+            version_counter(t),
+        )
+        hit = self.cache.get(key)
+        if hit is not None and hit[0]() is not None:
+            return hit[1]
+        block = (1,) * (t.dim() - 1) + (self.block,)
+        with torch.no_grad():
+            data, scale = cast(t.detach(), CastSpec(self.float8_dtype, block))
+        base = view_base(t)
+        refs = (weakref.ref(t),) if base is None else (weakref.ref(t), weakref.ref(base))
+        packed = _Packed(data, scale, block, t.dtype, t.stride(), version_counter(t), refs)
+        self.cache[key] = (weakref.ref(t, self._forget(key)), packed)
+        return packed
+
+    def _forget(self, key: tuple[Any, ...]) -> Any:
+        """The callback that drops ``key``'s entry when its tensor dies: a context that spans
+        many steps holds no copy longer than the tensor it was made from lives (backward
+        holds its own reference to the copies it reads)."""
+        cache = weakref.ref(self.cache)
+
+        def forget(ref: weakref.ReferenceType[torch.Tensor]) -> None:
+            entries = cache()
+            if entries is not None and key in entries and entries[key][0] is ref:
+                del entries[key]
+
+        return forget
+
+    @staticmethod
+    def unpack(packed: Any) -> torch.Tensor:
+        if not isinstance(packed, _Packed):
+            return packed  # type: ignore[no-any-return]
+        for ref in packed.refs:
+            alive = ref()
+            if alive is not None and version_counter(alive) != packed.version:
+                raise RuntimeError(
+                    "one of the variables needed for gradient computation has been modified by an inplace "
+                    f"operation: a {tuple(alive.shape)} {alive.dtype} tensor saved (in FP8, under "
+                    f"save_activations_in_float8) at version {packed.version} is now at version {version_counter(alive)}"
+                )
+        hp = dequantize(packed.data, packed.scale, packed.block, packed.dtype)
+        if hp.stride() != packed.stride:
+            hp = torch.empty_strided(hp.shape, packed.stride, dtype=hp.dtype, device=hp.device).copy_(hp)
+        return hp
+
+
+class save_activations_in_float8:
+    """Store the tensors autograd saves for backward in FP8 while the context is active.
+
+    ``float8_dtype``: one of :data:`f8tensor.FLOAT8_DTYPES` (default e4m3fn). ``block``:
+    elements per fp32 scale along the last dim (default 128, a positive int).
+    ``min_numel``: the smallest tensor compressed (default :data:`DEFAULT_MIN_NUMEL`,
+    an int >= 0). Which tensors are compressed, what is left alone and why: see the
+    module docstring of :mod:`f8tensor.activations`.
+
+    Reusable and re-entrant: each ``with`` installs a fresh pair of hooks and its own
+    per-storage cache; the cache is dropped at exit (the packed copies live on in the
+    graph until backward has read them).
+
+    Raises ``ValueError`` for a ``float8_dtype`` that is not FP8, a ``block`` that is not a
+    positive int or a negative ``min_numel``; ``RuntimeError`` when entered inside a region
+    torch.compile traces (eager-only).
+
+    >>> import torch, f8tensor
+    >>> lin = torch.nn.Linear(256, 256)
+    >>> x = torch.randn(512, 256)
+    >>> with f8tensor.save_activations_in_float8():
+    ...     y = torch.nn.functional.gelu(lin(x))  # lin's input and GELU's input: FP8 copies
+    >>> y.sum().backward()  # backward may run outside the context
+    >>> lin.weight.grad.shape
+    torch.Size([256, 256])
+    """
+
+    def __init__(
+        self,
+        *,
+        float8_dtype: torch.dtype = torch.float8_e4m3fn,
+        block: int = 128,
+        min_numel: int = DEFAULT_MIN_NUMEL,
+    ) -> None:
+        if float8_dtype not in FLOAT8_DTYPES:
+            allowed = ", ".join(str(d) for d in FLOAT8_DTYPES)
+            raise ValueError(f"float8_dtype must be one of {allowed}; got {float8_dtype!r}")
+        if isinstance(block, bool) or not isinstance(block, int) or block <= 0:
+            raise ValueError(f"block must be a positive int (elements per scale along the last dim); got {block!r}")
+        if isinstance(min_numel, bool) or not isinstance(min_numel, int) or min_numel < 0:
+            raise ValueError(f"min_numel must be an int >= 0; got {min_numel!r}")
+        self.float8_dtype = float8_dtype
+        self.block = block
+        self.min_numel = min_numel
+        self._entered: list[tuple[_Hooks, saved_tensors_hooks]] = []
+
+    def __enter__(self) -> Self:
+        if torch.compiler.is_compiling():
+            raise RuntimeError(_EAGER_ONLY)
+        hooks = _Hooks(self.float8_dtype, self.block, self.min_numel)
+        manager = saved_tensors_hooks(hooks.pack, hooks.unpack)
+        manager.__enter__()
+        self._entered.append((hooks, manager))
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        hooks, manager = self._entered.pop()
+        hooks.cache.clear()
+        manager.__exit__(exc_type, exc, tb)
+
+    def __repr__(self) -> str:
+        return (
+            f"save_activations_in_float8(float8_dtype={self.float8_dtype}, block={self.block}, "
+            f"min_numel={self.min_numel})"
+        )
