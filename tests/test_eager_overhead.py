@@ -54,11 +54,11 @@ CEILINGS = {
 #: post-scale route (the per-tensor kernel, then the row and column scales in fp32): a few
 #: ops more per GEMM, the same step otherwise. Before this work there: 166 / 277 / 158 and
 #: 114 / 192 / 106.
-#: On a CPU, ``compat.scaled_mm`` computes a per-tensor product in six dispatch ops (two
-#: casts to fp32, two scale multiplies, the fp32 mm, one cast) where a GPU step runs one
-#: ``_scaled_mm``: five more per GEMM, three GEMMs a step. Measured (torch 2.13, CPU): 79 and
-#: 153 dispatch ops; leaf ops and kernels stay under the ceilings above.
-CPU_PER_TENSOR_EXTRA_OPS = 3 * 5
+#: On a CPU, ``compat.scaled_mm`` runs a per-tensor product as the custom op
+#: ``f8tensor::cpu_scaled_mm`` followed by its epilogue's cast, two dispatch ops where a GPU
+#: step runs one ``_scaled_mm``: one more per GEMM, three GEMMs a step. Measured (torch 2.13,
+#: CPU): 67 and 141 dispatch ops; leaf ops and kernels stay under the ceilings above.
+CPU_PER_TENSOR_EXTRA_OPS = 3 * 1
 PER_TENSOR_RECIPES = ("tensorwise", "delayed")
 POSTSCALE_CEILINGS = {
     "rowwise": (127, 223, 122),
