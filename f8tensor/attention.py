@@ -189,7 +189,12 @@ class Float8AttentionWeight(RecipeWeight):
             aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int,
         }
     )
-    COPIES = frozenset({aten.clone.default, aten._to_copy.default, aten.empty_like.default, aten._pin_memory.default})
+    COPIES = frozenset(
+        {
+            aten.clone.default, aten._to_copy.default, aten.empty_like.default, aten._pin_memory.default,
+            aten.new_empty.default, aten.new_zeros.default,  # FSDP2's padded shards
+        }
+    )
 
     @classmethod
     def _route(cls, func: Any) -> Any:
