@@ -176,6 +176,11 @@ def test_second_plan_profiles_missed_figures_and_reports_absent_hooks(dry_defaul
     step = {r["recipe"]: float(r["value"]) for r in rows if r["item"] == "fused_optimizer_step"}
     assert set(step) == {"torch AdamW", "f8tensor fp32 states", "f8tensor bf16 states", "f8tensor fp8 states"}
     assert all(v > 0 for v in step.values()), step
+    # accelerate's FSDP2 plugin (on the CPU accelerate ignores the plugin: the same steps unsharded)
+    if not hooks.module_absent("accelerate"):
+        checks = {(r["recipe"], r["metric"]): r["status"] for r in rows
+                  if r["item"] == "accelerate_fsdp2_plugin" and r["kind"] == "check"}
+        assert len(checks) == 6 and set(checks.values()) == {"passed"}, checks
 
 
 def test_budget_20_ends_within_20_s_with_its_files(tmp_path):
