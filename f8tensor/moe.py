@@ -63,6 +63,7 @@ from f8tensor.gemm.rules import ALIGN, CudaBuild, block_rule_for
 from f8tensor.scaling import amax_to_scale, group_amax
 from f8tensor.tensor import to_float8
 from f8tensor.weights import RecipeWeight
+from f8tensor.weights import Unwrap as _Unwrap
 
 __all__ = ["Float8ExpertWeight", "convert_experts_to_float8", "expert_path", "float8_grouped_mm", "per_expert_loop"]
 
@@ -340,21 +341,6 @@ class _ExpertBmmFn(torch.autograd.Function):
 
 
 # ===================================================================== the parameter wrapper
-
-
-class _Unwrap(torch.autograd.Function):
-    """The plain tensor inside a :class:`Float8ExpertWeight`, with the gradient passed through."""
-
-    @staticmethod
-    def forward(ctx: Any, w: Float8ExpertWeight) -> torch.Tensor:  # type: ignore[override]
-        # Through dispatch (view.dtype is neither in VIEWS nor COPIES: the result is the plain
-        # alias of _hp), not through the attribute: torch.export traces above the subclass,
-        # where ``w._hp`` would be an untracked tensor (lifted as a constant).
-        return w.view(w.dtype)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return grad
 
 
 def _plain(t: Any) -> Any:

@@ -33,7 +33,7 @@ from f8tensor.compat import disable_torch_function_subclass, make_wrapper_subcla
 from f8tensor.formats import HP_DTYPES
 from f8tensor.tensor import Float8Tensor
 
-__all__ = ["HighPrecisionWeight", "WriteCount", "check_dtype_change"]
+__all__ = ["HighPrecisionWeight", "Unwrap", "WriteCount", "check_dtype_change"]
 
 
 def check_dtype_change(kind: type, new: Any) -> None:
@@ -181,6 +181,22 @@ class HighPrecisionWeight(torch.Tensor):
             return t
 
         return tree_map_only(torch.Tensor, rewrap, out)
+
+
+class Unwrap(torch.autograd.Function):
+    """The plain tensor inside a :class:`HighPrecisionWeight`, with the gradient passed
+    through: how the routes of a :class:`RecipeWeight` hand its data to the FP8 products."""
+
+    @staticmethod
+    def forward(ctx: Any, w: HighPrecisionWeight) -> torch.Tensor:  # type: ignore[override]
+        # Through dispatch (view.dtype is in no subclass's VIEWS or COPIES: the result is the
+        # plain alias of _hp), not through the attribute: torch.export traces above the
+        # subclass, where ``w._hp`` would be an untracked tensor (lifted as a constant).
+        return w.view(w.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return grad
 
 
 class RecipeWeight(HighPrecisionWeight):

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from f8tensor import FLOAT8_DTYPES, Float8Linear, Float8Tensor, attention, sqnr
+from f8tensor import FLOAT8_DTYPES, Float8Linear, Float8Tensor, sqnr, weights
 
 HP_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 E4M3_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
@@ -248,15 +248,15 @@ def run_processes(fn: Callable, world: int, args: tuple, timeout_s: float) -> No
 
 class RanFP8:
     """Which converted layers ran an FP8 forward: a counter on ``Float8Linear.forward`` and
-    on the unwrapping of FP8 attention weights (``nn.MultiheadAttention``'s projections,
-    whose FP8 products unwrap each weight they take), patched on the classes through
+    on the unwrapping of recipe weights (``nn.MultiheadAttention``'s projections and expert
+    weights, whose FP8 products unwrap each weight they take), patched on the classes through
     ``monkeypatch``; no module hooks, which would change the path some models take, e.g.
     ``nn.TransformerEncoderLayer``'s fast path)."""
 
     def __init__(self, monkeypatch) -> None:
         self.ran: set[int] = set()
         real = Float8Linear.forward
-        real_unwrap = attention._Unwrap.apply
+        real_unwrap = weights.Unwrap.apply
 
         def counted(layer, *args, **kwargs):
             self.ran.add(id(layer))
@@ -267,7 +267,7 @@ class RanFP8:
             return real_unwrap(w)
 
         monkeypatch.setattr(Float8Linear, "forward", counted)
-        monkeypatch.setattr(attention._Unwrap, "apply", counted_unwrap)
+        monkeypatch.setattr(weights.Unwrap, "apply", counted_unwrap)
 
     def missing(self, model) -> list[str]:
         """The names in ``model.float8_converted_fqns`` whose layer (or attention weight) did not run."""
