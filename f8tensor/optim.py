@@ -26,7 +26,7 @@ decay, bias correction); what differs is where the state lives:
   128 and 256 differ by less than the seeds do, and 128 keeps an outlier's reach small.
 
   Experimental: 8-bit moments change the trajectory more than bf16 ones do (the final loss
-  above is 5% off fp32 moments, 7-11% in ``tests/test_optim.py``'s MLP, consistently lower);
+  above is 5% off fp32 moments, 7-11% in ``tests/modules/test_optim.py``'s MLP, consistently lower);
   a moment rounded to nearest cannot follow ``v``'s slow decay by ``beta2`` within a block.
 
 ``master_weights`` (bf16 parameters only):

@@ -19,7 +19,7 @@ file           concern
 ``front``      the front door of 2D products: :func:`matmul`, :func:`float8_mm`
 =============  ==========================================================================
 
-Each file imports only those above it in this table (``tests/test_layering.py``). A new
+Each file imports only those above it in this table (``tests/project/test_layering.py``). A new
 kind adds rule rows, a checker, and a module next to ``dense``/``blocks``/``grouped``
 that takes prepared operands; the front door sends it there.
 

@@ -525,7 +525,7 @@ def block_rule_by_recipes(recipe_a: Any, recipe_b: Any, operand_dtype: torch.dty
 #
 # Unverified on hardware (no sm100 machine was available): the FP4 rows of
 # BLOCK_SCALED_MM_RULES are read from the sources they cite; the scale layout they name is
-# unit-tested on CPU (tests/test_fp4_gemm.py). Operands: ``torch.float4_e2m1fn_x2``, two E2M1
+# unit-tested on CPU (tests/kernels/test_fp4_gemm.py). Operands: ``torch.float4_e2m1fn_x2``, two E2M1
 # values per byte along K (element 2i in the low nibble: ``common_quantized.py : pack_uint4``),
 # ``mat_a`` (M, K/2) row-major, ``mat_b`` (K/2, N) column-major; K is counted unpacked.
 # NVFP4 passes a second, TensorWise, fp32 global scale per operand (two swizzle entries).

@@ -507,12 +507,11 @@ def _gathered_matches_single_process_cast(model: nn.Module, recipe: str) -> list
     one process as the recipe's definition states it (test_orientation.ref_cast, not the
     operand_spec under test; delayed: with the scale of the layer's history, which the
     gather used)?"""
-    from test_orientation import RECIPES as DEFINITION
-    from test_orientation import operand_block, ref_cast
-
     from f8tensor.config import CastSpec
     from f8tensor.kernels import cast
     from f8tensor.scaling import delayed_scale
+    from tests.block_reference import RECIPES as DEFINITION
+    from tests.block_reference import operand_block, ref_cast
 
     out = []
     for layer in _fp8_layers(model):
@@ -541,7 +540,7 @@ def _gathered_matches_single_process_cast(model: nn.Module, recipe: str) -> list
 def _scenario_fp8_all_gather_recipes(rank, world, mesh, ctx) -> dict:
     """FP8 all-gather for every recipe but tensorwise (covered above): the gathered bytes,
     the first step's gradients and the losses against one process; the bytes moved; shards
-    that cut 128x128 blocks (more in test_fsdp_block_shards.py)."""
+    that cut 128x128 blocks (more in distributed/test_fsdp_block_shards.py)."""
     device = ctx["device"]
     out = {}
     for recipe in FP8_AG_RECIPES:

@@ -15,7 +15,7 @@ import torch
 def _import_timm():
     """timm as tutorial 10 imports it: with a stand-in for torchvision where none imports (PyPI's
     torchvision is a CUDA build; timm's model code needs nothing from it). None without timm."""
-    path = Path(__file__).resolve().parents[1] / "tutorials" / "10_vit_timm.py"
+    path = Path(__file__).resolve().parents[2] / "tutorials" / "10_vit_timm.py"
     spec = importlib.util.spec_from_file_location("tutorial_10_vit_timm", path)
     module = importlib.util.module_from_spec(spec)
     threads = torch.get_num_threads()

@@ -1,7 +1,7 @@
 """torchvision (``pip install --no-deps torchvision==0.28.0 --index-url
 https://download.pytorch.org/whl/cpu``): its ``VisionTransformer`` converts with every
 reported layer running in FP8, ``nn.MultiheadAttention``'s in- and out-projections included
-(round 4; skipped and reported before). The same pattern without torchvision: tests/test_convert_reports.py."""
+(round 4; skipped and reported before). The same pattern without torchvision: tests/modules/test_convert_reports.py."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from f8tensor.stats import saved_tensor_bytes
 
 from linear_utils import RECIPE_NAMES
 
-_BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_memory.py"
+_BENCH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "bench_memory.py"
 _spec = importlib.util.spec_from_file_location("bench_memory", _BENCH)
 bench_memory = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench_memory)

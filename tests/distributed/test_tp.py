@@ -22,8 +22,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from helpers import assert_sqnr, free_port, init_gloo, run_processes
-from test_orientation import RECIPES as DEFINITION
-from test_orientation import operand_block, ref_cast
 from torch import nn
 
 from f8tensor import (
@@ -36,6 +34,8 @@ from f8tensor import (
     convert_to_float8_training,
 )
 from f8tensor.tensor import to_float8
+from tests.block_reference import RECIPES as DEFINITION
+from tests.block_reference import operand_block, ref_cast
 
 OUTPUT_MIN_DB = 24.0
 GRAD_MIN_DB = 17.0

@@ -1,8 +1,8 @@
 """Stochastic rounding, the block recipes' extras (checkpoints, telemetry, compile frames)
 and training parity of a small transformer against bf16.
 
-The recipe-parametrized tests in test_linear.py, test_linear_compile.py, test_memory.py,
-test_training.py and test_hf_llama.py run ``blockwise`` and ``mxfp8`` as well (autocast,
+The recipe-parametrized tests in modules/test_linear.py, modules/test_linear_compile.py, modules/test_saved_for_backward.py,
+recipes/test_training_vs_bf16.py and clients/test_client_hf_llama.py run ``blockwise`` and ``mxfp8`` as well (autocast,
 activation checkpointing, torch.compile fullgraph forward+backward, state_dict round trips).
 """
 

@@ -39,7 +39,7 @@ from f8tensor import compat
 from f8tensor.formats import E8M0, FORMATS
 from f8tensor.scaling import EPS, _floor_pow2_f64, amax_to_e8m0_scale, amax_to_scale
 
-BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+BENCH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
 
 #: recipe -> (dispatch ops, leaf ops, kernels) of one step, at most (torch 2.13, CPU).
 CEILINGS = {

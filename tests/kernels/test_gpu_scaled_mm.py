@@ -1,8 +1,8 @@
 """GPU variants of the key matmul tests: real CUDA torch._scaled_mm on FP8 tensor cores.
 
 Every test here is marked ``gpu`` and skipped without a CUDA device of compute capability
->= 8.9 (see conftest.py). The CPU versions of the same checks live in test_ops_matmul.py
-and test_compile.py and always run.
+>= 8.9 (see conftest.py). The CPU versions of the same checks live in core/test_ops_matmul.py
+and core/test_compile_tensor.py and always run.
 
 On NVIDIA GPUs only the OCP formats (e4m3fn, e5m2) exist, rowwise scaling needs a bf16
 output, and e5m2 x e5m2 products are refused by cuBLASLt, so these tests stick to those.

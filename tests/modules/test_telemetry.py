@@ -38,7 +38,7 @@ expecttest = pytest.importorskip("expecttest", reason="expecttest is not install
 E4M3, E5M2, E4M3FNUZ, E5M2FNUZ = torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz
 ROLES = ("input", "weight", "grad_output")
 COL = {name: i for i, name in enumerate(CAST_STATS_FIELDS)}
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)

@@ -17,7 +17,7 @@ import torch
 
 from f8tensor import compat
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 BENCH = ROOT / "benchmarks"
 F8_RECIPES = ["tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed"]
 AO_RECIPES = ["tensorwise", "rowwise", "rowwise_with_gw_hp"]

@@ -2,7 +2,7 @@
 what is allowed), never silent corruption, a crash deep inside PyTorch, or lost state.
 
 One test per defect of the reliability campaign (issue 15), grouped as the campaign found
-them; crafted checkpoints live in test_crafted_checkpoints.py.
+them; crafted checkpoints live in core/test_crafted_checkpoints.py.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import pytest
 import f8tensor
 from f8tensor import gemm
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PAGES = "\n".join(page.read_text(encoding="utf-8") for page in sorted((ROOT / "docs").glob("*.rst")))
 # The names the pages document: ``.. autoclass:: Name``, ``.. py:data:: Name``, ...
 DOCUMENTED = set(re.findall(r"^\.\. (?:auto\w+|py:\w+):: (?:f8tensor\.)?([\w.]+)", PAGES, flags=re.MULTILINE))
@@ -70,10 +70,10 @@ def test_public_modules_are_strictly_typed_and_doctested():
     # A module that starts defining a public name (a merge, a new feature) joins the
     # modules mypy checks with disallow_untyped_defs and those whose examples run.
     tomllib = pytest.importorskip("tomllib")
-    from tests.test_doctests import PUBLIC_MODULES
+    from tests.project.test_doctests import PUBLIC_MODULES
 
     overrides = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["mypy"]["overrides"]
     strict = {m for o in overrides if o.get("disallow_untyped_defs") for m in o["module"]}
     public = _public_modules()
     assert public <= strict, f"add to disallow_untyped_defs in pyproject.toml: {sorted(public - strict)}"
-    assert public <= set(PUBLIC_MODULES), f"add to PUBLIC_MODULES in tests/test_doctests.py: {sorted(public - set(PUBLIC_MODULES))}"
+    assert public <= set(PUBLIC_MODULES), f"add to PUBLIC_MODULES in tests/project/test_doctests.py: {sorted(public - set(PUBLIC_MODULES))}"

@@ -3,7 +3,7 @@ dense Llama, through what users do with them (issue 24.2-24.4).
 
 save_pretrained -> from_pretrained + conversion gives the same logits bit for bit; generate
 under ``torch.inference_mode`` gives the tokens ``no_grad`` gives; ``torch.export`` gives the
-eager logits bit for bit (compile: tests/test_moe_hf.py). Tiny configs, no download.
+eager logits bit for bit (compile: tests/clients/test_client_hf_moe.py). Tiny configs, no download.
 """
 
 from __future__ import annotations

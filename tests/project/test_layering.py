@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "f8tensor"
 
 pytest.importorskip("importlinter.cli", reason="import-linter is in the [test] extra")

@@ -21,7 +21,7 @@ import pytest
 
 pytestmark = pytest.mark.campaign
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "gpu_campaign.py"
 NAME_OK = re.compile(r"^[A-Za-z0-9._-]+$")
 sys.path.insert(0, str(REPO / "benchmarks"))

@@ -1,5 +1,8 @@
-"""Reliability, round 3: each defect class of issue 23 (items 1-3, 5-10, 14-16 and the
-"Also" list), tested over its class of inputs (dtypes, granularities, devices, recipes).
+"""Edges of the casts, devices and checkpoints: values near the dtype's max, explicit
+scales, indexing, non-finite weights, mixed devices, delayed state at load, expanded and
+sliced tensors saved, partial loads, huge and whole-dimension blocks, crafted pickles and
+recovery after a fault; each over its class of inputs (dtypes, granularities, devices,
+recipes).
 
 Every test runs on CPU; accuracy is SQNR in dB with the threshold in the test.
 """

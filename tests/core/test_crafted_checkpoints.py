@@ -22,7 +22,7 @@ from f8tensor import BLOCK_1x128, BlockGranularity, Float8Tensor, GemmConfig, MX
 from f8tensor.formats import E8M0
 from f8tensor.tensor import _SERIAL_VERSION, _rebuild_float8_tensor
 
-FIXTURE = pathlib.Path(__file__).parent / "data" / "float8_tensor_v0.pt"
+FIXTURE = pathlib.Path(__file__).resolve().parents[1] / "data" / "float8_tensor_v0.pt"
 
 
 def _load(obj):
