@@ -70,9 +70,9 @@ from torch.autograd.graph import saved_tensors_hooks
 from typing_extensions import Self
 
 from f8tensor.compat import version_counter, view_base
-from f8tensor.config import CastSpec
 from f8tensor.formats import FLOAT8_DTYPES
 from f8tensor.kernels import cast, dequantize
+from f8tensor.specs import CastSpec
 
 __all__ = ["COMPRESSED_DTYPES", "DEFAULT_MIN_NUMEL", "save_activations_in_float8"]
 

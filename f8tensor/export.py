@@ -45,9 +45,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from f8tensor.config import BLOCK_128x128, BlockGranularity, Granularity, MX_1x32
 from f8tensor.linear import Float8Linear
 from f8tensor.moe import Float8ExpertWeight
+from f8tensor.specs import BLOCK_128x128, BlockGranularity, Granularity, MX_1x32
 from f8tensor.tensor import Float8Tensor
 
 __all__ = ["FORMATS", "STRATEGIES", "save_fp8_pretrained"]

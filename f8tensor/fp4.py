@@ -48,9 +48,9 @@ import torch
 from typing_extensions import TypeIs
 
 from f8tensor.compat import DISABLED_TORCH_FUNCTION, make_wrapper_subclass_shaped, return_and_correct_aliasing
-from f8tensor.config import DEFAULT_GEMM, GemmConfig
 from f8tensor.formats import check_hp_dtype
 from f8tensor.kernels.fp4 import FP4Spec, cast_fp4, dequantize_fp4, pack_e2m1, unpack_e2m1
+from f8tensor.specs import DEFAULT_GEMM, GemmConfig
 
 __all__ = ["Float4Tensor", "from_hp_fp4", "is_float4", "to_float4", "to_float4_with_stats"]
 

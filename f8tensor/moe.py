@@ -54,13 +54,14 @@ from torch import nn
 from f8tensor import compat, kernels
 from f8tensor.compat import GROUPED_MM_FUNCTIONS, is_op_of_namespace
 from f8tensor.compat import grouped_mm as hp_grouped_mm
-from f8tensor.config import CastConfig, CastSpec, Float8LinearConfig, is_tensorwise
+from f8tensor.config import CastConfig, Float8LinearConfig
 from f8tensor.functions import Float8LinearFn as _Float8LinearFn  # the routes look it up here
 from f8tensor.gemm import batched_mm, grouped_mm, scaled_grouped_mm
 from f8tensor.gemm.grouped import KERNEL_OUT, grouped_kernel_available, validate_grouped_mm_args
 from f8tensor.gemm.operands import col_major, kernel_scale, row_major
 from f8tensor.gemm.rules import ALIGN, CudaBuild, block_rule_for
 from f8tensor.scaling import amax_to_scale, group_amax
+from f8tensor.specs import CastSpec, is_tensorwise
 from f8tensor.tensor import to_float8
 from f8tensor.weights import RecipeWeight
 

@@ -57,8 +57,8 @@ from typing import Any
 
 import torch
 
-from f8tensor.config import CastSpec
 from f8tensor.kernels import cast, dequantize
+from f8tensor.specs import CastSpec
 
 __all__ = ["FP8_BLOCK", "MASTER_WEIGHTS", "STATE_DTYPES", "AdamW"]
 

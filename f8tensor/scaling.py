@@ -25,8 +25,8 @@ import math
 
 import torch
 
-from f8tensor.config import E8M0_SCALE_MODES, HISTORY_REDUCTIONS
 from f8tensor.formats import E8M0, E8M0_MAX_EXP, E8M0_MIN_EXP, FORMATS, format_number
+from f8tensor.specs import E8M0_SCALE_MODES, HISTORY_REDUCTIONS
 
 __all__ = [
     "EPS",

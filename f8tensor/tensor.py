@@ -26,7 +26,10 @@ from typing_extensions import TypeIs
 
 from f8tensor import kernels
 from f8tensor.compat import DISABLED_TORCH_FUNCTION, called_by_weights_only_load, is_fake, make_wrapper_subclass
-from f8tensor.config import (
+from f8tensor.formats import E8M0, SCALE_DTYPES, check_float8_dtype, check_hp_dtype
+from f8tensor.kernels import CAST_STATS_FIELDS
+from f8tensor.scaling import inverse_scale_of
+from f8tensor.specs import (
     DEFAULT_GEMM,
     ROUNDING_MODES,
     BlockGranularity,
@@ -36,11 +39,10 @@ from f8tensor.config import (
     axiswise_block,
     axiswise_dim,
     is_blockwise,
+    layout_block,
     parse_granularity,
+    spec_block,
 )
-from f8tensor.formats import E8M0, SCALE_DTYPES, check_float8_dtype, check_hp_dtype
-from f8tensor.kernels import CAST_STATS_FIELDS
-from f8tensor.scaling import inverse_scale_of
 from f8tensor.validation import (
     SERIAL_VERSION,
     check_given_scale,
@@ -172,14 +174,14 @@ class Float8Tensor(torch.Tensor):
         # under compile (the frame test is skipped there, so it does not graph-break).
         if not torch.compiler.is_compiling() and called_by_weights_only_load():
             if block is None and isinstance(data, torch.Tensor):
-                block = (0,) * data.dim()
+                block = layout_block((), data.dim())
             scale = validate_fields(data, scale, orig_dtype, block, gemm)
         self = make_wrapper_subclass(cls, data, dtype=orig_dtype, requires_grad=False)
         self._data = data
         self._scale = scale
         self._orig_dtype = orig_dtype
-        # None: tensorwise (all zeros) for data of any ndim.
-        self._block = (0,) * data.dim() if block is None else block
+        # None: tensorwise, for data of any ndim.
+        self._block = layout_block((), data.dim()) if block is None else block
         self._gemm = gemm
         return self
 
@@ -303,7 +305,7 @@ class Float8Tensor(torch.Tensor):
         """The block in :class:`~f8tensor.config.CastSpec`'s spelling: ``()`` for a tensorwise
         (0-dim) scale, else ``_block``. What the predicates of ``config`` read, and what a
         cast that reproduces this tensor's granularity is given."""
-        return self._block if self._scale.dim() else ()
+        return spec_block(self._block, self._scale.dim())
 
     @property
     def is_blockwise(self) -> bool:
@@ -350,11 +352,7 @@ class Float8Tensor(torch.Tensor):
             "block": self._block,
             "gemm": self._gemm,
         }
-        if "axiswise_dim" in changes:
-            # The old spelling, translated for the (possibly new) data's ndim.
-            axis = changes.pop("axiswise_dim")
-            changes["block"] = axiswise_block(axis, changes.get("data", self._data).dim())
-        elif "data" in changes and "block" not in changes and changes["data"].dim() != self._data.dim():
+        if "data" in changes and "block" not in changes and changes["data"].dim() != self._data.dim():
             raise ValueError("Float8Tensor._replace: new data of another ndim needs its block")
         fields.update(changes)
         new = Float8Tensor(**fields)
@@ -595,7 +593,7 @@ def to_float8_with_stats(
 
 def _tensor_block(spec: CastSpec, hp: torch.Tensor) -> tuple[int, ...]:
     # A Float8Tensor spells tensorwise as all 0, one entry per dim.
-    return spec.block or (0,) * hp.dim()
+    return layout_block(spec.block, hp.dim())
 
 
 def _keyword_spec(

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 
 from f8tensor.compat import is_fake
-from f8tensor.config import GemmConfig, axiswise_block, axiswise_dim, block_scale_shape
 from f8tensor.formats import E8M0, SCALE_DTYPES, check_float8_dtype, check_hp_dtype
+from f8tensor.specs import GemmConfig, axiswise_block, axiswise_dim, block_scale_shape, layout_block
 
 __all__ = [
     "SERIAL_VERSION",
@@ -151,7 +151,7 @@ def scale_from_codes(scale: object, scale_dtype: object) -> object:
 def block_from_axiswise_dim(axiswise_dim: object, data: torch.Tensor) -> tuple[int, ...]:
     """The block of a version-0/1 checkpoint's ``axiswise_dim`` (``None``: tensorwise)."""
     if axiswise_dim is None:
-        return (0,) * data.dim()
+        return layout_block((), data.dim())
     if isinstance(axiswise_dim, bool) or not isinstance(axiswise_dim, int):
         raise TypeError(f"Float8Tensor axiswise_dim must be None or an int; got {axiswise_dim!r}")
     if not 0 <= axiswise_dim < data.dim():

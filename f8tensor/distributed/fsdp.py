@@ -81,8 +81,9 @@ from torch import nn
 
 from f8tensor import kernels
 from f8tensor.compat import DISABLED_TORCH_FUNCTION, dtensor_local, preserve_version_counter
-from f8tensor.config import CastConfig, CastSpec
+from f8tensor.config import CastConfig
 from f8tensor.scaling import amax_to_scale, block_amax, delayed_scale, tensor_amax
+from f8tensor.specs import CastSpec
 from f8tensor.tensor import Float8Tensor
 from f8tensor.weights import HighPrecisionWeight, WriteCount
 

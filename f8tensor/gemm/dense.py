@@ -18,10 +18,10 @@ from collections.abc import Iterator
 
 import torch
 
-from f8tensor.config import GemmConfig, is_tensorwise
 from f8tensor.gemm.check import scaled_mm
 from f8tensor.gemm.operands import col_major, inverse_scale, kernel_scale, row_major
 from f8tensor.gemm.rules import ALIGN
+from f8tensor.specs import GemmConfig, is_tensorwise
 from f8tensor.tensor import Float8Tensor
 
 __all__ = [

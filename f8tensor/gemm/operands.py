@@ -29,12 +29,12 @@ from typing import NamedTuple
 
 import torch
 
-from f8tensor.config import CastSpec, axiswise_block, constant_along, is_tensorwise
 from f8tensor.formats import E8M0, check_hp_dtype, e4m3_like
 from f8tensor.fp4 import Float4Tensor, is_float4, to_float4
 from f8tensor.gemm.check import is_col_major, is_row_major
 from f8tensor.kernels.fp4 import FP4Spec
 from f8tensor.scaling import inverse_scale_of
+from f8tensor.specs import CastSpec, axiswise_block, constant_along, is_tensorwise
 from f8tensor.tensor import Float8Tensor, dequantize, is_float8, to_float8
 
 __all__ = [

@@ -31,10 +31,10 @@ from typing import NamedTuple
 
 import torch
 
-from f8tensor.config import CastSpec
 from f8tensor.kernels import reference, triton_cast
 from f8tensor.kernels.reference import CAST_STATS_FIELDS, block_scale, cast_with_stats, dequantize
 from f8tensor.scaling import inverse_scale_of, materialized
+from f8tensor.specs import CastSpec
 
 __all__ = ["CAST_STATS_FIELDS", "GemmCast", "block_scale", "cast", "cast_for_gemm", "cast_with_stats", "dequantize"]
 

@@ -50,9 +50,9 @@ from typing import NamedTuple
 
 import torch
 
-from f8tensor.config import CastSpec
 from f8tensor.formats import E8M0, FORMATS
 from f8tensor.scaling import EPS
+from f8tensor.specs import CastSpec
 
 __all__ = ["BOTH", "COLUMN_MAJOR", "ENV_VAR", "NATURAL", "Plan", "available", "enabled", "fused_cast", "maybe_cast", "plan"]
 

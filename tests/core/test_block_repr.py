@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from f8tensor import BLOCK_1x128, BLOCK_128x128, BlockGranularity, Float8Tensor, Granularity, MX_1x32
+from f8tensor.specs import layout_block, spec_block
 from tests.helpers import assert_bitwise_equal_f8, assert_consistent
 
 E8M0 = torch.float8_e8m0fnu
@@ -62,9 +63,11 @@ def test_old_spellings_keep_their_meaning():
     assert Float8Tensor.from_hp(x).axiswise_dim is None
     r8 = Float8Tensor.from_hp(x, granularity="rowwise")
     assert (r8.granularity, r8.axiswise_dim, r8.t().axiswise_dim) == (Granularity.ROWWISE, 1, 0)
-    # The old `_replace(axiswise_dim=...)` still works, as a translation to the block.
-    assert r8._replace(axiswise_dim=0)._block == (0, 1)
-    assert r8._replace(axiswise_dim=None)._block == (0, 0)
+    # Tensorwise has one spelling, the spec's (): a Float8Tensor stores it per dim (all 0,
+    # with a 0-dim scale) and reads it back through one translation.
+    t8 = Float8Tensor.from_hp(x)
+    assert (t8._block, t8._scale.dim(), t8._scale_block) == ((0, 0), 0, ())
+    assert (layout_block((), 3), spec_block((0, 0, 0), 0), spec_block((1, 0), 2)) == ((0, 0, 0), (), (1, 0))
 
 
 def test_block_tensor_has_no_axiswise_dim():

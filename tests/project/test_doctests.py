@@ -30,6 +30,7 @@ PUBLIC_MODULES = (
     "f8tensor.gemm.grouped",
     "f8tensor.linear",
     "f8tensor.moe",
+    "f8tensor.specs",
     "f8tensor.stats",
     "f8tensor.tensor",
     "f8tensor.weight_cache",
