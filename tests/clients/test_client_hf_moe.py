@@ -73,12 +73,17 @@ def _train(model: torch.nn.Module, steps: int = STEPS) -> list[float]:
 
 
 class _RouteCount:
-    """Counts the expert GEMMs that went through moe.py's FP8 Functions."""
+    """Counts the expert GEMMs that went through f8tensor.moe's FP8 Functions."""
 
     def __init__(self, monkeypatch):
         self.n = 0
-        for name in ("_GroupedMMFn", "_ExpertBmmFn", "_Float8LinearFn"):
-            monkeypatch.setattr(moe, name, self._counted(getattr(moe, name)))
+        # Each Function where its callers look it up: the routes (moe.weight) and the
+        # per-expert loop (moe.autograd).
+        for module, name in (
+            (moe.weight, "_GroupedMMFn"), (moe.weight, "_ExpertBmmFn"), (moe.weight, "_Float8LinearFn"),
+            (moe.autograd, "_Float8LinearFn"),
+        ):
+            monkeypatch.setattr(module, name, self._counted(getattr(module, name)))
 
     def _counted(self, real: type) -> type:
         counter = self

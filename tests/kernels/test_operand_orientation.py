@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import f8tensor.functions
-import f8tensor.moe
+import f8tensor.moe.autograd
 from f8tensor import Float8Linear, Float8LinearConfig, Float8Tensor, float8_grouped_mm
 from f8tensor.fp4 import is_float4
 from tests.block_reference import E4M3, E5M2, E8M0, GEMMS, RECIPES, operand_block, ref_cast, spiky  # noqa: F401
@@ -185,8 +185,8 @@ def test_grouped_gemm_operands_follow_their_contracted_dim(monkeypatch, recipe):
     m, k, n, offs = 96, 64, 48, torch.tensor([32, 32, 96], dtype=torch.int32)
     x, gy = spiky((m, k), 6), spiky((m, n), 7)
     w = torch.stack([spiky((k, n), 8 + e) for e in range(3)])
-    recorder = _Recorder(f8tensor.moe.grouped_mm)
-    monkeypatch.setattr(f8tensor.moe, "grouped_mm", recorder)
+    recorder = _Recorder(f8tensor.moe.autograd.grouped_mm)
+    monkeypatch.setattr(f8tensor.moe.autograd, "grouped_mm", recorder)
     xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
     y = float8_grouped_mm(xr, wr, offs, Float8LinearConfig.from_recipe(recipe))
     y.backward(gy)
