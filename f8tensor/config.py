@@ -494,7 +494,8 @@ def _is_e5m2(dtype: torch.dtype) -> bool:
 
 
 def _recipe(fields: dict[str, Any]) -> Float8LinearConfig:
-    return Float8LinearConfig(**{k: CastConfig(**v) if k in CAST_ROLES else v for k, v in fields.items()})
+    built: dict[str, Any] = {k: CastConfig(**v) if k in CAST_ROLES else v for k, v in fields.items()}
+    return Float8LinearConfig(**built)
 
 
 #: The named recipes (their choices and sources: ``recipes.py``), each a validated config.

@@ -48,6 +48,7 @@ __all__ = [
     "is_axiswise",
     "is_blockwise",
     "is_tensorwise",
+    "keyword_spec",
     "layout_block",
     "parse_enum",
     "parse_granularity",
@@ -292,6 +293,23 @@ def spec_block(block: tuple[int, ...], scale_ndim: int) -> tuple[int, ...]:
     """A Float8Tensor's stored block in the spec's spelling: ``()`` when its scale is 0-dim
     (tensorwise), else the block itself. The inverse of :func:`layout_block`."""
     return block if scale_ndim else ()
+
+
+def keyword_spec(
+    ndim: int,
+    float8_dtype: torch.dtype,
+    axiswise_dim: int | None,
+    block: tuple[int, ...] | None,
+    power_of_2_scale: bool,
+    scale_dtype: torch.dtype,
+    scale_mode: str,
+    rounding: str,
+) -> CastSpec:
+    """The :class:`CastSpec` of the keyword spellings, for a tensor of ``ndim`` dims:
+    ``block`` (a full per-dim block), or ``axiswise_dim`` (``None`` with no block: tensorwise)."""
+    if block is None:
+        block = () if axiswise_dim is None else axiswise_block(axiswise_dim, ndim)
+    return CastSpec(float8_dtype, block, scale_dtype, scale_mode, power_of_2_scale, rounding)
 
 
 def check_bool(owner: str, name: str, value: object) -> None:
