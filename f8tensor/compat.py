@@ -10,8 +10,6 @@ no other module of the package names a private torch attribute or module.
 It also knows what each supported release has (``TORCH_VERSION`` and the ``HAS_*`` flags
 below, each measured on that release's CPU build or read from its sources; README.md,
 "Version matrix"), so that the package decides from data, never by catching an error.
-
-Layer: the bottom. Imports torch only; every module of the package may import it.
 """
 
 from __future__ import annotations

@@ -27,10 +27,6 @@ norms, routers and biases stay in high precision and are listed (by module, in t
 checkpoint's names) in ``modules_to_not_convert`` / ``ignore``. Fused expert tensors are
 written under the per-expert names transformers' loader expects (its own weight
 conversion, reversed, picks them).
-
-Layer: a top-level consumer beside ``integrations``; imports ``tensor``, ``linear``,
-``moe``, ``config``. transformers is never imported: the model passed in brings it, and
-its save and weight-name conversion are reached through the model's own module.
 """
 
 from __future__ import annotations

@@ -34,8 +34,6 @@ Layout ops move the scales with the data: ``t``/``transpose`` (the packed dim an
 block move too), ``detach``, ``clone``, slices along a dim at block boundaries (the packed
 dim: also at byte boundaries), views that merge or split unblocked leading dims. A view or
 slice that would split a packed byte or a block raises ``ValueError`` saying which.
-
-Layer: the tensor layer, beside ``tensor``; imports ``kernels``, ``config``, ``formats``, ``compat``.
 """
 
 from __future__ import annotations

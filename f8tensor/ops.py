@@ -5,9 +5,6 @@ Every handler has the signature ``handler(func, types, args, kwargs)`` and is re
 with ``Float8Tensor.implements``. The product handlers only unpack aten's arguments (and,
 for ``bmm``, pick the batch layout); ``gemm`` makes the products. View-like handlers
 rebuild through ``Float8Tensor._replace`` and return through ``return_and_correct_aliasing``.
-
-Layer: above ``gemm``; imports ``gemm``, ``tensor``, ``config``, ``formats``, ``compat``.
-Importing it fills the table (``f8tensor/__init__.py`` does).
 """
 
 from __future__ import annotations

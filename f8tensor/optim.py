@@ -46,8 +46,6 @@ Non-finite gradients propagate as in torch: a NaN or inf gradient element makes 
 moments and its parameter NaN (inf / inf) and the step is not skipped; with FP8 states the
 NaN reaches the whole block of its moments (the block's scale is NaN). No moment is ever
 a finite value computed from a non-finite gradient.
-
-Layer: top (nothing in the package imports it); imports ``config`` and ``kernels``.
 """
 
 from __future__ import annotations

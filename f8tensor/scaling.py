@@ -15,8 +15,6 @@ as ``torch.float8_e8m0fnu`` with the same meaning (the multiplier hp -> data).
 
 This module only computes scale tensors (and the stochastic rounding of scaled values);
 it never builds a Float8Tensor.
-
-Layer: above ``config``; imports ``config`` and ``formats``.
 """
 
 from __future__ import annotations

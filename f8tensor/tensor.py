@@ -10,9 +10,6 @@ backward passes the gradient through unchanged.
 
 Checkpoints name ``f8tensor.tensor._rebuild_float8_tensor`` (and, before it existed,
 ``f8tensor.tensor.Float8Tensor``): both stay defined here.
-
-Layer: above ``validation`` and ``kernels``; imports them, ``scaling``, ``config``,
-``formats`` and ``compat``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
 """Validation of Float8Tensor fields that come from outside the library: checkpoints,
 given scales, scale values. No Float8Tensor is needed to check its fields.
-
-Layer: above ``config``; imports ``config``, ``formats``, ``compat``.
 """
 
 from __future__ import annotations

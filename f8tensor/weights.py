@@ -16,8 +16,6 @@ checkpoints) and differs only where its subclass says so: the FSDP2 all-gather h
   ``weights_only=True``), a view of a larger storage (a shard, a slice) cloned first so
   that only its own elements are written;
 - flatten/unflatten for torch.compile (``_hp`` and the subclass's metadata).
-
-Layer: above ``ops`` (needs nothing from it); imports ``tensor``, ``formats``, ``compat``.
 """
 
 from __future__ import annotations

@@ -63,9 +63,6 @@ The wrapper sits below the modules: ``Float8Linear`` chooses it as its weight's 
 its config asks for FP8 all-gather (and, for delayed scaling, hands it a reference to
 itself, where the history lives); the model converter (``convert.py``) keeps tied weights
 tied.
-
-Layer: ``distributed.fsdp``, above ``weights``; imports ``weights``, ``tensor``, ``kernels``,
-``scaling``, ``config``, ``compat``.
 """
 
 

@@ -18,8 +18,6 @@ With ``GemmConfig(pad_inner_dim=True)`` the operands are zero-padded (the scales
 1, the result sliced back), else the product is refused with the dim and the multiple, on
 CPU as on CUDA (``emulate=True`` asks for no kernel, so for no size rule). The DeepSeek
 kernels take no fast accumulation (cuBLASLt refuses it); the rows say so.
-
-Layer: above ``operands`` in ``f8tensor.gemm``; imports ``operands``, ``check``, ``rules``.
 """
 
 from __future__ import annotations

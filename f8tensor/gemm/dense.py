@@ -6,8 +6,6 @@ kernel that is legal on every supported build (:class:`Route`); :func:`product` 
 call: layouts, K/N padding, the inverse scales in the kernel's shape, a fused or a later
 bias. Which route precise-accumulation rowwise products take is a setting of the build
 (:func:`use_precise_rowwise_route`, :func:`set_precise_rowwise_route`).
-
-Layer: above ``operands`` in ``f8tensor.gemm``; imports ``operands``, ``check``, ``rules``.
 """
 
 from __future__ import annotations

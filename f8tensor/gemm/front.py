@@ -6,8 +6,6 @@ rules every GPU build enforces (:func:`_check_operand_dtypes`, on every device),
 GemmConfigs merged, and the product handed to ``dense`` (tensorwise and rowwise scales)
 or ``blocks`` (any block-scaled operand). Grouped and batched products have theirs in
 ``grouped.py``.
-
-Layer: the top of ``f8tensor.gemm``; imports ``dense``, ``blocks``, ``operands``, ``rules``.
 """
 
 from __future__ import annotations

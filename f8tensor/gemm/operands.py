@@ -18,8 +18,6 @@ for the sm100 kernels both operands are FP4 of one kind, packed along K, with pe
 And the layouts the kernels read: :func:`row_major`, :func:`col_major` (FP8 copies only
 where needed), :func:`inverse_scale` (the dequantization factor ``1 / scale``) and
 :func:`kernel_scale` (that factor broadcast and laid out as a kernel reads it).
-
-Layer: above ``check`` in ``f8tensor.gemm``; imports ``check``, ``tensor`` and below.
 """
 
 from __future__ import annotations

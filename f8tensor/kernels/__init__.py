@@ -21,8 +21,6 @@ every per-row or per-block cast). The choice is made here, per call: the fused p
 it applies (see ``triton_cast``; ``F8TENSOR_FUSED_CASTS=0`` switches it off), the
 reference everywhere else, the CPU included. ``cast_with_stats`` and ``dequantize`` are
 the reference's.
-
-Layer: above ``scaling``; imports ``scaling``, ``config``, ``formats``, ``compat``.
 """
 
 from __future__ import annotations

@@ -6,8 +6,6 @@ scale out; :func:`cast_with_stats` also measures what the cast did; :func:`dequa
 the way back. Scale semantics, one rule per block (see ``scaling.py``)::
 
     data = saturate(hp.float() * scale)        hp ~= data.float() / scale
-
-Layer: ``kernels``, above ``scaling``; imports ``scaling``, ``config``, ``formats``.
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ PUBLIC_MODULES = (
     "f8tensor.moe.autograd",
     "f8tensor.moe.planning",
     "f8tensor.moe.weight",
+    "f8tensor.policies",
     "f8tensor.specs",
     "f8tensor.stats",
     "f8tensor.tensor",
