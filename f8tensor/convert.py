@@ -2,7 +2,7 @@
 FP8 twin and wraps expert weights, and reports what it did.
 
 The only module that knows every kind of weight: ``Float8Linear`` (and ``nn.Linear``
-subclasses mixed with it), ``Float8Conv1D``, FP8 expert weights (``moe.py``) and the FSDP2
+subclasses mixed with it), ``Float8Conv1D``, FP8 expert weights (``f8tensor.moe``) and the FSDP2
 FP8 all-gather wrapper (``distributed/fsdp.py``, whose tied weights it keeps tied).
 """
 

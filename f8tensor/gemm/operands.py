@@ -61,7 +61,7 @@ class Takes(NamedTuple):
     e4m3fn: bool = False
 
 
-#: ``torch._scaled_mm``: tensorwise and rowwise scales, e4m3/e5m2 operands (rules.py).
+#: ``torch._scaled_mm``: tensorwise and rowwise scales, e4m3/e5m2 operands (``rules.scaled_mm``).
 DENSE = Takes()
 #: ``torch.nn.functional.scaled_mm``'s block-scaled kernels (and the reference path).
 BLOCKS = Takes(blocks=True)

@@ -18,7 +18,7 @@ def _pretend(monkeypatch, sm: tuple[int, int], cuda: str) -> None:
 @pytest.mark.parametrize(
     ("sm", "cuda", "runs"),
     [
-        # blockwise: the DeepSeek kernels need sm90 and CUDA >= 12.9 (gemm/rules.py).
+        # blockwise: the DeepSeek kernels need sm90 and CUDA >= 12.9 (gemm/rules/block_scaled.py).
         ((9, 0), "13.0", {"tensorwise", "rowwise", "blockwise"}),
         ((9, 0), "12.8", {"tensorwise", "rowwise"}),
         ((9, 0), "12.6", {"tensorwise", "rowwise"}),

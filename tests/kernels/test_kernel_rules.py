@@ -1,7 +1,7 @@
 """The rules of the block-scaled, MX and grouped kernels, and the torch-version knowledge.
 
-One test per rule row (``f8tensor/gemm/rules.py``): the row says it, the checker
-(``f8tensor/gemm/check.py``) finds a call that breaks it, and the product refuses the call
+One test per rule row (``f8tensor/gemm/rules/``): the row says it, the checker
+(``f8tensor/gemm/violations.py``) finds a call that breaks it, and the product refuses the call
 at its entry (or pads it when the config asks), on CPU as on CUDA. Also the validation of
 ``float8_grouped_mm``'s arguments and what ``compat`` knows of each torch release.
 """

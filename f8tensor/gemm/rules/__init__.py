@@ -15,7 +15,7 @@ row applies, ``sources`` citing the PyTorch code it was read from):
 
 The supported NVIDIA builds are :data:`SUPPORTED_BUILDS` (torch 2.11-2.14; cu126, cu128,
 cu130 wheels; sm89, sm90); fnuz products are checked against :data:`ROCM_BUILDS`. A new
-scaling kind or build adds rows here; ``check.py`` reads them, ``dense.py``, ``blocks.py``
+scaling kind or build adds rows here; ``violations.py`` reads them, ``dense.py``, ``blocks.py``
 and ``grouped.py`` route products so that every call matches a row. No logic beyond the
 lookups (:func:`rule_for`, :func:`block_rule_for`, :func:`block_rule_by_recipes`,
 :func:`grouped_rule_for`).

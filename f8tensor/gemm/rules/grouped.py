@@ -79,7 +79,7 @@ _GROUPED_SOURCES = (
 #: sm100 call fails in the kernel launch); sm89 has no grouped kernel. Where no row
 #: applies, f8tensor runs the reference op. Groups that cut M (2D x 3D) may have any size,
 #: 0 included; groups that cut the contraction dim (2D x 2D) a multiple of 16 rows each
-#: (f8tensor pads them, see ``moe.py``).
+#: (f8tensor pads them, see ``f8tensor.moe``).
 GROUPED_RULES: tuple[GroupedMMRule, ...] = (
     GroupedMMRule(
         op="torch._scaled_grouped_mm",
