@@ -20,7 +20,7 @@ What you will see:
 
 torchvision's VisionTransformer converts the same way: its attention is PyTorch's own
 nn.MultiheadAttention, whose packed q/k/v in-projection and out-projection run in FP8 next
-to the two MLP linears (four FP8 GEMMs per block; tests/test_client_torchvision.py counts them).
+to the two MLP linears (four FP8 GEMMs per block; tests/clients/test_client_torchvision.py counts them).
 
 timm and torchvision. `import timm` imports torchvision, and PyPI's torchvision wheel for
 Linux is a CUDA build: next to a CPU-only torch it fails to import (its compiled ops
@@ -134,7 +134,7 @@ def main() -> None:
     # forward/backward split) and runs them op by op (inductor's final losses were within
     # 0.0002 of eager's there). GPU
     # inductor is what the write-up ran. (Inductor on CPU once gave NaN weight gradients
-    # for attn.proj and mlp.fc1 here; fixed, see tests/test_compile_nan.py.)
+    # for attn.proj and mlp.fc1 here; fixed, see tests/modules/test_compile_block_gradients.py.)
     backend = args.compile_backend or ("inductor" if torch.cuda.is_available() else "aot_eager")
 
     print("0. timm")
@@ -216,7 +216,7 @@ def main() -> None:
         print(f"   {name:<24}{losses[0]:11.4f}{losses[-1]:12.4f}{rel:+9.2%}{seconds:9.1f}")
         assert math.isfinite(losses[-1]) and losses[-1] < losses[0], (name, losses)
         # FP8 training tracks bf16: the final loss within 2% (measured -0.02% and -0.03% at
-        # the defaults; tests/test_client_timm.py checks the same, with gradient SQNR).
+        # the defaults; tests/clients/test_client_timm.py checks the same, with gradient SQNR).
         assert abs(rel) < 0.02, f"{name}: final loss {losses[-1]:.4f} is {rel:+.2%} from bf16's {bf16_final:.4f}"
     print(
         "   Every run starts from the same weights and sees the same batches: the columns differ only by\n"

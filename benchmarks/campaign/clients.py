@@ -8,7 +8,7 @@ optimizer parameter to the model's sharded one (it maps them by ``data_ptr()``),
 weight is still f8tensor's wrapper inside its DTensor, every parameter moved in a step,
 and the final loss is within 2% of the bf16 model's. A CPU dry run takes the same steps
 with ``Accelerator(cpu=True)`` (accelerate ignores the FSDP plugin without an accelerator;
-tests/test_client_accelerate_fsdp2.py runs the mapping itself on CPU)."""
+tests/clients/test_client_accelerate_fsdp2.py runs the mapping itself on CPU)."""
 
 from __future__ import annotations
 
