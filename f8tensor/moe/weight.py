@@ -10,7 +10,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import nn
 
 from f8tensor.compat import GROUPED_MM_FUNCTIONS, is_op_of_namespace
 from f8tensor.config import Float8LinearConfig
@@ -158,35 +157,7 @@ class Float8ExpertWeight(RecipeWeight):
         }
     )
 
-    # ----------------------------------------------------------------- FSDP2 extension
-    # High-precision all-gather (in mp_policy.param_dtype): the gathered weight is wrapped
-    # again, so the unsharded experts still multiply in FP8. Here rather than in distributed/fsdp.py:
-    # plain methods FSDP2 looks up on the parameter, needing nothing from torch.distributed.
-
-    def fsdp_pre_all_gather(
-        self, mesh: Any, outer_size: torch.Size, outer_stride: tuple[int, ...], module: nn.Module, mp_policy: Any
-    ) -> tuple[tuple[torch.Tensor, ...], None]:
-        hp = self._hp
-        if mp_policy.param_dtype is not None and hp.dtype != mp_policy.param_dtype:
-            hp = hp.to(mp_policy.param_dtype)
-        # FSDP pads every shard along dim 0 to the size of the first (ceil(rows / world)).
-        rows = -(-outer_size[0] // mesh.size())
-        if hp.shape[0] < rows:
-            hp = torch.nn.functional.pad(hp, [0, 0] * (hp.dim() - 1) + [0, rows - hp.shape[0]])
-        return (hp.contiguous(),), None
-
-    def fsdp_post_all_gather(
-        self,
-        all_gather_outputs: tuple[torch.Tensor, ...],
-        metadata: Any,
-        param_dtype: torch.dtype,
-        *,
-        out: torch.Tensor | None = None,
-    ) -> tuple[Float8ExpertWeight, tuple[torch.Tensor, ...]] | None:
-        (data,) = all_gather_outputs
-        if out is not None:  # the gathered values already sit in out's storage
-            return None
-        return Float8ExpertWeight(data, self._config), (data,)
+    # FSDP2: RecipeWeight's hooks gather in high precision and wrap the gathered experts again.
 
     @classmethod
     def _route(cls, func: Any) -> Any:
