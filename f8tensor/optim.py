@@ -52,13 +52,21 @@ Layer: top (nothing in the package imports it); imports ``config`` and ``kernels
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from f8tensor.compat import dtensor_local
 from f8tensor.config import CastSpec
 from f8tensor.kernels import cast, dequantize
+
+if dist.is_available():
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+else:  # a torch build without torch.distributed: nothing is ever a DTensor
+    DTensor = ()  # type: ignore[misc,assignment]  # isinstance(x, ()) is always False
 
 __all__ = ["FP8_BLOCK", "MASTER_WEIGHTS", "STATE_DTYPES", "AdamW"]
 
@@ -70,7 +78,15 @@ MASTER_WEIGHTS: tuple[str | None, ...] = (None, "stochastic", "remainder")
 #: below which a tensor keeps fp32 moments.
 FP8_BLOCK = 128
 
-_FP8_SPEC = CastSpec(torch.float8_e4m3fn, (FP8_BLOCK,))
+# The blocks run along each row of the parameter seen as (dim 0, everything else): a shard
+# along dim 0 (FSDP2's) holds whole rows, so its blocks are the one-process blocks.
+_FP8_BLOCK_2D = (1, FP8_BLOCK)
+#: How each FP8 moment is rounded to e4m3 (see the module docstring for the measurements).
+FP8_ROUNDING: dict[str, str] = {"exp_avg": "stochastic", "exp_avg_sq": "stochastic"}
+_FP8_SPECS = {
+    name: CastSpec(torch.float8_e4m3fn, _FP8_BLOCK_2D, rounding=rounding) for name, rounding in FP8_ROUNDING.items()
+}
+_MASK32 = 0xFFFFFFFF
 
 
 def _check_hyper(lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
@@ -131,6 +147,95 @@ def _stochastic_bf16(x: torch.Tensor) -> torch.Tensor:
     out = bits.view(torch.float32)
     out = torch.where(torch.isfinite(x), out, x)
     return out.to(torch.bfloat16)
+
+
+# ---------------------------------------------------------------- sharded parameters and FP8 layout
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (the tensor FSDP2 keeps; in-place updates reach the
+    parameter), any other tensor itself."""
+    return dtensor_local(t) if isinstance(t, DTensor) else t
+
+
+def _uses_fp8(p: torch.Tensor, state_dtype: torch.dtype) -> bool:
+    """FP8 moments for tensors of two or more dims and at least :data:`FP8_BLOCK` elements;
+    the rest (biases, norms, scalars) keep fp32 moments."""
+    return state_dtype == torch.float8_e4m3fn and p.dim() >= 2 and p.numel() >= FP8_BLOCK
+
+
+def _check_fp8_placements(p: torch.Tensor) -> None:
+    if not isinstance(p, DTensor):
+        return
+    for placement in p.placements:
+        if not (isinstance(placement, Replicate) or (isinstance(placement, Shard) and placement.dim == 0)):
+            raise ValueError(
+                "state_dtype=torch.float8_e4m3fn keeps one scale per 128 elements of each dim-0 row, so a "
+                f"DTensor parameter must be sharded on dim 0 or replicated; got placements {p.placements} for a "
+                f"parameter of shape {tuple(p.shape)} (use state_dtype=torch.bfloat16 for it)"
+            )
+
+
+def _row_offset(p: torch.Tensor) -> int:
+    """The global index of the first dim-0 row of ``p``'s local shard (0 for a plain tensor).
+
+    DTensor's ``Shard(0)`` splits as ``torch.chunk`` does, one mesh dim after the other:
+    chunks of ``ceil(rows / n)``, the last ones short or empty."""
+    if not isinstance(p, DTensor):
+        return 0
+    coordinate = p.device_mesh.get_coordinate()
+    if coordinate is None:  # this rank is not in the mesh
+        return 0
+    offset, rows = 0, p.shape[0]
+    for mesh_dim, placement in enumerate(p.placements):
+        if isinstance(placement, Shard):
+            n = p.device_mesh.size(mesh_dim)
+            chunk = -(-rows // n)
+            start = min(chunk * coordinate[mesh_dim], rows)
+            offset += start
+            rows = min(rows, start + chunk) - start
+    return offset
+
+
+def _wrap_like(local: torch.Tensor, p: torch.Tensor, global_shape: tuple[int, ...]) -> torch.Tensor:
+    """``local`` as a DTensor with ``p``'s mesh and placements (no collective), when ``p``
+    is one; ``local`` itself otherwise."""
+    if not isinstance(p, DTensor):
+        return local
+    stride = torch.empty(global_shape, device="meta").stride()
+    return DTensor.from_local(
+        local, p.device_mesh, p.placements, run_check=False, shape=torch.Size(global_shape), stride=stride
+    )
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer mix of each int64 element of ``x`` (values in ``[0, 2**32)``); every
+    product stays below 2**59, so int64 never overflows."""
+    for _ in range(2):
+        x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
+    return (x >> 16) ^ x
+
+
+def _hash32_int(x: int) -> int:
+    for _ in range(2):
+        x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
+    return (x >> 16) ^ x
+
+
+def _uniform(start: int, shape: tuple[int, ...], seed: int, device: torch.device) -> torch.Tensor:
+    """Uniform fp32 draws in ``[0, 1)`` for the elements ``start, start + 1, ...`` (global
+    flat indices) of a tensor, a function of ``(seed, index)`` only: a shard draws what one
+    process draws at the same elements, and a resumed run repeats them with no generator
+    state to restore."""
+    n = math.prod(shape)
+    index = torch.arange(start, start + n, dtype=torch.int64, device=device)
+    bits = _hash32(_hash32((index & _MASK32) ^ seed) ^ _hash32_int(seed ^ 0x5BD1E995))
+    # The top 24 bits: every value exactly representable in fp32, below 1.
+    return ((bits >> 8).to(torch.float32) * 2.0**-24).reshape(shape)
+
+
+def _seed(param_index: int, step: int, moment: int) -> int:
+    return _hash32_int(_hash32_int(_hash32_int(param_index) ^ step) ^ moment)
 
 
 # ---------------------------------------------------------------- the optimizer
@@ -197,19 +302,27 @@ class AdamW(torch.optim.Optimizer):
     def _init_state(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
         state = self.state[p]
         state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        local = _local(p)
         state_dtype = group["state_dtype"]
-        if state_dtype == torch.float8_e4m3fn and p.numel() >= FP8_BLOCK:
-            zeros = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
+        if _uses_fp8(p, state_dtype):
+            _check_fp8_placements(p)
+            row = p.numel() // p.shape[0]
+            scale_shape = (p.shape[0], -(-row // FP8_BLOCK))
+            zeros = torch.zeros(local.shape[0], row, dtype=torch.float32, device=local.device)
             for name in ("exp_avg", "exp_avg_sq"):
-                data, scale = cast(zeros, _FP8_SPEC)
-                state[name], state[name + "_scale"] = data, scale
+                data, scale = cast(zeros, _FP8_SPECS[name], uniform=torch.zeros_like(zeros))
+                state[name] = _wrap_like(data.view(local.shape), p, tuple(p.shape))
+                state[name + "_scale"] = _wrap_like(scale, p, scale_shape)
         else:
             dtype = torch.bfloat16 if state_dtype == torch.bfloat16 else torch.float32
-            state["exp_avg"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+            for name in ("exp_avg", "exp_avg_sq"):
+                # torch.zeros, not zeros_like: a weight wrapper subclass (FSDP2 FP8 all-gather)
+                # must not make its moments wrappers too.
+                state[name] = _wrap_like(torch.zeros(local.shape, dtype=dtype, device=local.device), p, tuple(p.shape))
         if group["master_weights"] == "remainder":
             # A bf16 parameter is an fp32 master whose low half is zero: the remainder starts at 0.
-            state["master_remainder"] = torch.zeros_like(p, dtype=torch.int16)
+            remainder = torch.zeros(local.shape, dtype=torch.int16, device=local.device)
+            state["master_remainder"] = _wrap_like(remainder, p, tuple(p.shape))
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -235,8 +348,10 @@ class AdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        index = -1
         for group in self.param_groups:
             for p in group["params"]:
+                index += 1  # the parameter's position: part of its stochastic rounding's seed
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse:
@@ -244,25 +359,31 @@ class AdamW(torch.optim.Optimizer):
                 state = self.state[p]
                 if len(state) == 0:
                     state = self._init_state(p, group)
-                self._update(p, p.grad, state, group)
+                self._update(p, p.grad, index, state, group)
         return loss
 
-    def _update(self, p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
+    def _update(
+        self, p: torch.Tensor, grad: torch.Tensor, index: int, state: dict[str, Any], group: dict[str, Any]
+    ) -> None:
+        """One step of one parameter, on its local shard: every op is elementwise or per row
+        block, so a sharded step makes no collective and computes what one process does."""
         lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
         beta1, beta2 = group["betas"]
         master_weights = group["master_weights"]
         step_t = state["step"]
         step_t += 1
-        step = step_t.item()
+        step = step_t.item()  # a CPU tensor, as torch's: no device sync
+        local = _local(p)
+        grad = _local(grad)
 
         # The fp32 tensor the update is applied to: the parameter itself when it is fp32.
         if p.dtype == torch.float32:
-            param = p
+            param = local
         elif master_weights == "remainder":
-            param = _join_master(p, state["master_remainder"])
+            param = _join_master(local, _local(state["master_remainder"]))
         else:
             # Deliberate upcast: the update is computed in fp32 from the low-precision parameter.
-            param = p.to(torch.float32)
+            param = local.to(torch.float32)
         grad = grad if grad.dtype == torch.float32 else grad.to(torch.float32)
 
         if weight_decay != 0:
@@ -270,13 +391,15 @@ class AdamW(torch.optim.Optimizer):
 
         fp8 = "exp_avg_scale" in state
         if fp8:
-            exp_avg = dequantize(state["exp_avg"], state["exp_avg_scale"], (FP8_BLOCK,), torch.float32)
-            exp_avg_sq = dequantize(state["exp_avg_sq"], state["exp_avg_sq_scale"], (FP8_BLOCK,), torch.float32)
-            exp_avg, exp_avg_sq = exp_avg.view_as(param), exp_avg_sq.view_as(param)
-        elif state["exp_avg"].dtype == torch.float32:
-            exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+            rows = (local.shape[0], p.numel() // p.shape[0])
+            m_data, v_data = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
+            exp_avg = dequantize(m_data.view(rows), _local(state["exp_avg_scale"]), _FP8_BLOCK_2D, torch.float32)
+            exp_avg_sq = dequantize(v_data.view(rows), _local(state["exp_avg_sq_scale"]), _FP8_BLOCK_2D, torch.float32)
+            exp_avg, exp_avg_sq = exp_avg.view(local.shape), exp_avg_sq.view(local.shape)
         else:
-            exp_avg, exp_avg_sq = state["exp_avg"].to(torch.float32), state["exp_avg_sq"].to(torch.float32)
+            exp_avg, exp_avg_sq = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
+            if exp_avg.dtype != torch.float32:
+                exp_avg, exp_avg_sq = exp_avg.to(torch.float32), exp_avg_sq.to(torch.float32)
 
         # The ops and their order are torch's single-tensor AdamW's (bit-identical in fp32).
         exp_avg.lerp_(grad, 1 - beta1)
@@ -289,18 +412,25 @@ class AdamW(torch.optim.Optimizer):
         param.addcdiv_(exp_avg, denom, value=-step_size)
 
         if fp8:
-            state["exp_avg"], state["exp_avg_scale"] = cast(exp_avg.reshape(-1), _FP8_SPEC)
-            state["exp_avg_sq"], state["exp_avg_sq_scale"] = cast(exp_avg_sq.reshape(-1), _FP8_SPEC)
+            start = _row_offset(p) * rows[1]
+            for moment, (name, value) in enumerate((("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq))):
+                spec = _FP8_SPECS[name]
+                uniform = None
+                if spec.rounding == "stochastic":
+                    uniform = _uniform(start, rows, _seed(index, int(step), moment), local.device)
+                data, scale = cast(value.reshape(rows), spec, uniform=uniform)
+                _local(state[name]).copy_(data.view(local.shape))
+                _local(state[name + "_scale"]).copy_(scale)
         elif state["exp_avg"].dtype != torch.float32:
-            state["exp_avg"].copy_(exp_avg)
-            state["exp_avg_sq"].copy_(exp_avg_sq)
+            _local(state["exp_avg"]).copy_(exp_avg)
+            _local(state["exp_avg_sq"]).copy_(exp_avg_sq)
 
-        if param is not p:
+        if param is not local:
             if master_weights == "remainder":
                 high, low = _split_master(param)
-                p.copy_(high)
-                state["master_remainder"].copy_(low)
+                local.copy_(high)
+                _local(state["master_remainder"]).copy_(low)
             elif master_weights == "stochastic":
-                p.copy_(_stochastic_bf16(param))
+                local.copy_(_stochastic_bf16(param))
             else:
-                p.copy_(param)
+                local.copy_(param)

@@ -87,16 +87,24 @@ def test_low_precision_states_close_to_fp32_states(state_dtype, max_rel):
     assert worst <= max_rel, worst
 
 
-def test_fp8_states_are_fp8_with_block_scales_and_small_tensors_keep_fp32():
-    big = nn.Parameter(torch.randn(4, FP8_BLOCK + 3))
-    small = nn.Parameter(torch.randn(FP8_BLOCK - 1))
-    opt = AdamW([big, small], state_dtype=FP8)
-    (big.sum() + small.sum()).backward()
+def test_fp8_states_are_fp8_with_row_block_scales_and_small_or_1d_tensors_keep_fp32():
+    big = nn.Parameter(torch.randn(4, 2, FP8_BLOCK // 2 + 3))  # rows of 134: blocks of 128 and 6
+    small = nn.Parameter(torch.randn(2, FP8_BLOCK // 2 - 1))
+    vector = nn.Parameter(torch.randn(4 * FP8_BLOCK))
+    opt = AdamW([big, small, vector], state_dtype=FP8)
+    (big.sum() + small.sum() + vector.sum()).backward()
     opt.step()
     s = opt.state[big]
     assert s["exp_avg"].dtype == FP8 and s["exp_avg_sq"].dtype == FP8
-    assert s["exp_avg_scale"].shape == (-(-big.numel() // FP8_BLOCK),)
-    assert opt.state[small]["exp_avg"].dtype == torch.float32 and "exp_avg_scale" not in opt.state[small]
+    assert s["exp_avg"].shape == big.shape
+    assert s["exp_avg_scale"].shape == (4, 2) and s["exp_avg_sq_scale"].shape == (4, 2)
+    for p in (small, vector):
+        assert opt.state[p]["exp_avg"].dtype == torch.float32 and "exp_avg_scale" not in opt.state[p]
+    # A gradient of ones: m = 1 - 0.9 in every element, so every block stores e4m3's max
+    # (byte 0x7E) with the scale 448 / m: one scale per 128 elements of each dim-0 row.
+    m = torch.zeros(()).lerp(torch.ones(()), 1 - 0.9)
+    assert (s["exp_avg"].view(torch.uint8) == 0x7E).all()
+    assert torch.equal(s["exp_avg_scale"], torch.full((4, 2), (448 / m.double()).float().item()))
 
 
 def _state_bytes(state: dict) -> int:
@@ -211,7 +219,9 @@ def test_state_dict_resume_is_bit_exact_and_loads_weights_only(state_dtype, mast
     for p, q in zip(a.parameters(), b.parameters()):
         assert torch.equal(_bits(p), _bits(q))
         for key, value in opt_a.state[p].items():
-            assert torch.equal(opt_b.state[q][key].reshape(-1).view(torch.uint8), value.reshape(-1).view(torch.uint8)), key
+            assert torch.equal(
+                opt_b.state[q][key].reshape(-1).view(torch.uint8), value.reshape(-1).view(torch.uint8)
+            ), key
 
 
 def test_param_groups_scheduler_closure_zero_grad():
@@ -302,8 +312,8 @@ def test_non_finite_gradient_propagates_never_finite_garbage(state_dtype, bad):
     opt.step()
     s = opt.state[p]
     if state_dtype == FP8:
-        m = dequantize(s["exp_avg"], s["exp_avg_scale"], (FP8_BLOCK,), torch.float32).view_as(p)
-        v = dequantize(s["exp_avg_sq"], s["exp_avg_sq_scale"], (FP8_BLOCK,), torch.float32).view_as(p)
+        m = dequantize(s["exp_avg"], s["exp_avg_scale"], (1, FP8_BLOCK), torch.float32)
+        v = dequantize(s["exp_avg_sq"], s["exp_avg_sq_scale"], (1, FP8_BLOCK), torch.float32)
         assert m[0].isnan().all() and v[0].isnan().all()  # the whole block of the bad element
         assert m[1].isfinite().all() and v[1].isfinite().all()  # the other block untouched
     else:
