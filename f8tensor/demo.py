@@ -39,7 +39,7 @@ of elements clamped at the FP8 maximum per cast, from the numerics telemetry of
 ``f8tensor.stats``, switched on for one extra step after training so that it costs the
 timed steps nothing (``n/a`` where that telemetry is not available).
 
-Layer: the top of the package (below ``integrations``); imports the public API and ``stats``.
+Layer: the top of the package (below ``integrations``); imports the public API, ``stats`` and ``optim``.
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ from torch import nn
 import f8tensor
 import f8tensor.stats
 from f8tensor import FP4_CAST_DTYPE, CastConfig, Float8LinearConfig, NVFP4_1x16, convert_to_float8_training
+from f8tensor.optim import AdamW
 
 __all__ = ["GPT", "SIZES", "RunResult", "keep_lm_head_in_high_precision", "main"]
 
@@ -256,6 +257,7 @@ class RunResult:
     saved_bytes: int
     saturation: float | None
     seconds: float
+    optim_bytes: int = 0  # the optimizer's state (moments, scales, master remainders)
 
     def final_loss(self, last: int) -> float:
         tail = self.losses[-last:]
@@ -312,6 +314,37 @@ def _lr_schedule(steps: int) -> Callable[[int], float]:
     return factor
 
 
+#: ``--optim`` choices: what each one builds (AdamW, betas (0.9, 0.95), weight decay 0.1).
+OPTIMIZERS: dict[str, str] = {
+    "adamw": "torch.optim.AdamW, fp32 moments",
+    "adamw-bf16": "f8tensor.optim.AdamW, bf16 moments",
+    "adamw-fp8": "f8tensor.optim.AdamW, FP8 (e4m3) moments",
+}
+DEFAULT_OPTIM = "adamw"
+
+
+def make_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
+    """The optimizer ``--optim name`` asks for."""
+    kwargs = {"lr": lr, "betas": (0.9, 0.95), "weight_decay": 0.1}
+    if name == "adamw":
+        return torch.optim.AdamW(params, **kwargs)
+    if name == "adamw-bf16":
+        return AdamW(params, state_dtype=torch.bfloat16, **kwargs)
+    if name == "adamw-fp8":
+        return AdamW(params, state_dtype=torch.float8_e4m3fn, **kwargs)
+    raise ValueError(f"optim must be one of {', '.join(OPTIMIZERS)}; got {name!r}")
+
+
+def optimizer_state_bytes(opt: torch.optim.Optimizer) -> int:
+    """Bytes of every state tensor of ``opt`` but the step counters."""
+    return sum(
+        v.numel() * v.element_size()
+        for state in opt.state.values()
+        for key, v in state.items()
+        if isinstance(v, torch.Tensor) and key != "step"
+    )
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -325,6 +358,7 @@ def train_run(
     size: Size,
     device: torch.device,
     compile_model: bool,
+    optim: str = DEFAULT_OPTIM,
 ) -> RunResult:
     """Train a copy of ``base_model`` in ``name`` ("bf16" or an FP8 recipe), then measure it.
 
@@ -335,7 +369,7 @@ def train_run(
     model = copy.deepcopy(base_model)
     if name != BASELINE:
         convert_to_float8_training(model, config=run_config(name), module_filter_fn=keep_lm_head_in_high_precision)
-    opt = torch.optim.AdamW(model.parameters(), lr=size.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    opt = make_optimizer(optim, model.parameters(), size.lr)
     steps = len(starts) - 1
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_schedule(steps))
     amp = torch.autocast(device.type, dtype=torch.bfloat16)
@@ -382,7 +416,7 @@ def train_run(
         model.zero_grad(set_to_none=True)
 
     saturation = _saturation_rate(model, probe_step) if name != BASELINE else None
-    return RunResult(name, losses, tokens_per_s, saved, saturation, seconds)
+    return RunResult(name, losses, tokens_per_s, saved, saturation, seconds, optimizer_state_bytes(opt))
 
 
 # ===================================================================== report
@@ -392,7 +426,7 @@ def format_table(results: Sequence[RunResult], last: int) -> str:
     base = next((r for r in results if r.name == BASELINE), None)
     header = (
         f"{'run':<19}{'final loss':>11}{'vs bf16':>9}{'tokens/s':>10}{'vs bf16':>9}"
-        f"{'act. MiB':>10}{'vs bf16':>9}{'saturated':>11}"
+        f"{'act. MiB':>10}{'vs bf16':>9}{'saturated':>11}{'opt. MiB':>10}"
     )
     lines = [header, "-" * len(header)]
     for r in results:
@@ -405,7 +439,7 @@ def format_table(results: Sequence[RunResult], last: int) -> str:
         sat = "n/a" if r.saturation is None else f"{100.0 * r.saturation:.3g}%"
         lines.append(
             f"{r.name:<19}{loss:>11.4f}{rel_loss:>9}{r.tokens_per_s:>10.0f}{rel_tok:>9}"
-            f"{r.saved_bytes / 2**20:>10.2f}{rel_mem:>9}{sat:>11}"
+            f"{r.saved_bytes / 2**20:>10.2f}{rel_mem:>9}{sat:>11}{r.optim_bytes / 2**20:>10.2f}"
         )
     return "\n".join(lines)
 
@@ -425,6 +459,10 @@ def table_notes(results: Sequence[RunResult], last: int, steps: int, device: tor
     notes += [
         ("act. MiB", "kept for backward by one training forward (eager); parameters and their bf16"),
         ("", "copies excluded, FP8 tensors counted as data + scales."),
+    ]
+    notes += [
+        ("opt. MiB", "the optimizer's state after training: moments (and their FP8 scales), step counters"),
+        ("", "excluded; --optim picks fp32 (adamw), bf16 (adamw-bf16) or FP8 (adamw-fp8) moments."),
     ]
     if any(r.name != BASELINE and r.saturation is None for r in results):
         notes.append(("saturated", "n/a: this f8tensor has no per-layer telemetry (f8tensor.stats.float8_stats)."))
@@ -558,6 +596,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=_positive_int, help="sequences per step (default: from --size)")
     parser.add_argument("--seq-len", type=_positive_int, help="tokens per sequence (default: from --size)")
     parser.add_argument(
+        "--optim",
+        choices=list(OPTIMIZERS),
+        default=DEFAULT_OPTIM,
+        help=(
+            "the optimizer of every run: adamw (torch.optim.AdamW, fp32 moments), adamw-bf16 or adamw-fp8 "
+            f"(f8tensor.optim.AdamW with bf16 or FP8 moments) (default: {DEFAULT_OPTIM})"
+        ),
+    )
+    parser.add_argument(
         "--out", type=Path, default=DEFAULT_OUT, help=f"where to write the loss-curve PNG (default: {DEFAULT_OUT})"
     )
     return parser
@@ -644,10 +691,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"  device  {_device_name(device)}, bf16 autocast over fp32 master weights, "
         f"{'torch.compile' if compile_model else 'eager'}"
     )
+    print(f"  optim   {args.optim}: {OPTIMIZERS[args.optim]}")
     print(f"  runs    {', '.join(runs)}", flush=True)
 
     t_all = time.perf_counter()
-    results = [train_run(name, base_model, data, starts, size, device, compile_model) for name in runs]
+    results = [train_run(name, base_model, data, starts, size, device, compile_model, args.optim) for name in runs]
     last = max(1, min(50, steps // 10))
     print()
     print(format_table(results, last))

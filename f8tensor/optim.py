@@ -47,7 +47,7 @@ moments and its parameter NaN (inf / inf) and the step is not skipped; with FP8 
 NaN reaches the whole block of its moments (the block's scale is NaN). No moment is ever
 a finite value computed from a non-finite gradient.
 
-Layer: top (nothing in the package imports it); imports ``config`` and ``kernels``.
+Layer: below ``demo`` (which offers it as ``--optim``); imports ``compat``, ``config`` and ``kernels``.
 """
 
 from __future__ import annotations
@@ -87,6 +87,8 @@ _FP8_SPECS = {
     name: CastSpec(torch.float8_e4m3fn, _FP8_BLOCK_2D, rounding=rounding) for name, rounding in FP8_ROUNDING.items()
 }
 _MASK32 = 0xFFFFFFFF
+#: The period of the stochastic-rounding draws along a tensor's flattened elements (a prime).
+NOISE_PERIOD = 65537
 
 
 def _check_hyper(lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
@@ -208,15 +210,8 @@ def _wrap_like(local: torch.Tensor, p: torch.Tensor, global_shape: tuple[int, ..
     )
 
 
-def _hash32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer mix of each int64 element of ``x`` (values in ``[0, 2**32)``); every
-    product stays below 2**59, so int64 never overflows."""
-    for _ in range(2):
-        x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
-    return (x >> 16) ^ x
-
-
-def _hash32_int(x: int) -> int:
+def _hash32(x: int) -> int:
+    """A 32-bit integer mix (two rounds of multiply and xor-shift)."""
     for _ in range(2):
         x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
     return (x >> 16) ^ x
@@ -224,18 +219,24 @@ def _hash32_int(x: int) -> int:
 
 def _uniform(start: int, shape: tuple[int, ...], seed: int, device: torch.device) -> torch.Tensor:
     """Uniform fp32 draws in ``[0, 1)`` for the elements ``start, start + 1, ...`` (global
-    flat indices) of a tensor, a function of ``(seed, index)`` only: a shard draws what one
-    process draws at the same elements, and a resumed run repeats them with no generator
-    state to restore."""
+    flat indices) of a tensor: element ``i`` draws entry ``i mod`` :data:`NOISE_PERIOD` of a
+    table that a generator seeded with ``seed`` fills. A function of ``(seed, i)`` only: a
+    shard draws what one process draws at the same elements, and a resumed run repeats its
+    draws with no generator state to restore. Elements a period apart share a draw within
+    a step (a prime period, so never along one column of a power-of-two width); each
+    element's draws over the steps are independent, which is what unbiased rounding needs.
+    One table of the period per call, then one copy: no per-element hashing."""
     n = math.prod(shape)
-    index = torch.arange(start, start + n, dtype=torch.int64, device=device)
-    bits = _hash32(_hash32((index & _MASK32) ^ seed) ^ _hash32_int(seed ^ 0x5BD1E995))
-    # The top 24 bits: every value exactly representable in fp32, below 1.
-    return ((bits >> 8).to(torch.float32) * 2.0**-24).reshape(shape)
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    table = torch.rand(NOISE_PERIOD, generator=generator, device=device)
+    first = start % NOISE_PERIOD
+    reps = -(-(first + n) // NOISE_PERIOD)
+    return table.repeat(reps)[first : first + n].reshape(shape)
 
 
 def _seed(param_index: int, step: int, moment: int) -> int:
-    return _hash32_int(_hash32_int(_hash32_int(param_index) ^ step) ^ moment)
+    return _hash32(_hash32(_hash32(param_index) ^ step) ^ moment)
 
 
 # ---------------------------------------------------------------- the optimizer
