@@ -52,7 +52,7 @@ import shutil
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import torch
@@ -323,15 +323,14 @@ OPTIMIZERS: dict[str, str] = {
 DEFAULT_OPTIM = "adamw"
 
 
-def make_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
+def make_optimizer(name: str, params: Iterable[torch.Tensor], lr: float) -> torch.optim.Optimizer:
     """The optimizer ``--optim name`` asks for."""
-    kwargs = {"lr": lr, "betas": (0.9, 0.95), "weight_decay": 0.1}
+    betas, weight_decay = (0.9, 0.95), 0.1
     if name == "adamw":
-        return torch.optim.AdamW(params, **kwargs)
-    if name == "adamw-bf16":
-        return AdamW(params, state_dtype=torch.bfloat16, **kwargs)
-    if name == "adamw-fp8":
-        return AdamW(params, state_dtype=torch.float8_e4m3fn, **kwargs)
+        return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay)
+    state_dtype = {"adamw-bf16": torch.bfloat16, "adamw-fp8": torch.float8_e4m3fn}.get(name)
+    if state_dtype is not None:
+        return AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, state_dtype=state_dtype)
     raise ValueError(f"optim must be one of {', '.join(OPTIMIZERS)}; got {name!r}")
 
 
