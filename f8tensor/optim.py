@@ -7,35 +7,48 @@ decay, bias correction); what differs is where the state lives:
   bit-identical to ``torch.optim.AdamW(foreach=False)`` (the same ops in the same order).
 - ``state_dtype=torch.bfloat16``: both moments stored in bf16 (2 + 2 bytes per parameter);
   each step widens them to fp32, updates and stores them back rounded to nearest.
-- ``state_dtype=torch.float8_e4m3fn``: both moments ``m`` and ``v`` in e4m3 with one fp32
-  scale per :data:`FP8_BLOCK` (128) consecutive elements of the flattened tensor: 1 + 1 bytes
-  per parameter plus 2 * 4 / 128 for the scales, 2.0625 in all. Both go through f8tensor's
-  one block cast (:func:`f8tensor.kernels.cast`, rule ``data = saturate(x * scale)``,
-  dynamic scale ``448 / block amax``, round to nearest) and come back through
-  :func:`f8tensor.kernels.dequantize`. Tensors with fewer than :data:`FP8_BLOCK` elements
-  (biases, norms) keep fp32 moments: their states are a rounding error of the model's.
+- ``state_dtype=torch.float8_e4m3fn``: both moments ``m`` and ``v`` in e4m3, stored in the
+  parameter's shape, with one fp32 scale per :data:`FP8_BLOCK` (128) consecutive elements of
+  each dim-0 row (the parameter seen as ``(shape[0], numel / shape[0])``; a row's last block
+  may be short): 1 + 1 bytes per parameter plus 2 * 4 / 128 for the scales, 2.0625 in all
+  for rows that are multiples of 128. Both go through f8tensor's one block cast
+  (:func:`f8tensor.kernels.cast`, rule ``data = saturate(x * scale)``, dynamic scale
+  ``448 / block amax``) with stochastic rounding, and come back through
+  :func:`f8tensor.kernels.dequantize`. Tensors of one dim or with fewer than
+  :data:`FP8_BLOCK` elements (biases, norms) keep fp32 moments: their states are a rounding
+  error of the model's, and a 1-D tensor sharded by FSDP2 would cut its blocks.
 
-  Why ``v`` as is, blocks of 128, round to nearest: measured on an MLP regression (32 ->
-  256 -> 256 -> 8, 1,024 noisy samples of a teacher network, 200 full-batch steps, lr 1e-3,
-  3 seeds, CPU), the final loss relative to fp32 moments (mean over seeds; 1.0 is fp32):
-  ``v`` with blocks of 32 / 128 / 256: 0.942 / 0.950 / 0.957; ``sqrt(v)`` stored instead:
-  0.911 / 0.918 / 0.920; stochastic rounding of either at 128: 0.989; bf16 moments: 1.036.
-  Storing ``sqrt(v)`` (half the dynamic range) was further from fp32 than ``v`` at every
-  block size; stochastic rounding was closest but makes the moments depend on a random
-  generator (resume and reproducibility then need its state), so it is left for later;
-  128 and 256 differ by less than the seeds do, and 128 keeps an outlier's reach small.
+  Blocks along dim-0 rows: FSDP2 shards dim 0, so every shard holds whole rows and its
+  blocks are the blocks one process has; with stochastic draws that are a function of the
+  element's global index (below), a sharded step writes the bits one process writes, on
+  any number of ranks, and a DCP checkpoint reshards without touching a block.
 
-  Experimental: 8-bit moments change the trajectory more than bf16 ones do (the final loss
-  above is 5% off fp32 moments, 7-11% in ``tests/test_optim.py``'s MLP, consistently lower);
-  a moment rounded to nearest cannot follow ``v``'s slow decay by ``beta2`` within a block.
+  Stochastic rounding, without generator state: element ``i`` of a tensor draws entry
+  ``i mod`` :data:`NOISE_PERIOD` of a table filled by a generator seeded with
+  ``(parameter position, step, moment)``. Resume is bit-exact with nothing but the step
+  counters saved, and a shard draws what one process draws at the same elements.
+
+  Why stochastic rounding, ``v`` as is, blocks of 128, measured (final loss relative to
+  fp32 moments, mean of 3 seeds; 1.0 is fp32). ``tests/test_optim.py``'s MLP (16 -> 64 ->
+  64 -> 4, 150 steps, lr 1e-3): round to nearest 0.917; stochastic rounding of both
+  moments 0.994; stochastic ``v`` only 1.015; bf16 moments 1.000. The demo GPT (``small``,
+  250 steps, bf16 autocast, betas (0.9, 0.95), seeds 0-2; fp32 moments 2.2268 / 2.2490 /
+  2.2241): stochastic +0.31% / +0.02% / -0.56% (mean -0.08%), round to nearest +0.18% /
+  -0.02% / -0.10% (mean +0.02%), both within the seeds' spread. Round to nearest cannot follow ``v``'s slow decay by ``beta2``: a decay of 0.1%
+  per step is far below half an e4m3 spacing (3-6%), so ``v`` sticks and the updates come
+  out too small (the MLP's lower loss, consistently across seeds); stochastic rounding
+  keeps every moment's expectation. Earlier flat-block measurements on a 32 -> 256 -> 256
+  -> 8 MLP: blocks of 32 / 128 / 256 gave 0.942 / 0.950 / 0.957 and ``sqrt(v)`` stored
+  instead 0.911 / 0.918 / 0.920 (half the dynamic range, but each e4m3 spacing then costs
+  twice the relative error in ``v``), so ``v`` is stored as is and 128 keeps an outlier's
+  reach small.
 
 ``master_weights`` (bf16 parameters only):
 
 - ``None``: the update is computed in fp32 from the bf16 parameter and written back
   rounded to nearest (torch's own AdamW on bf16 parameters computes in bf16).
-- ``"stochastic"``: written back with stochastic rounding (unbiased; draws from torch's
-  default generator, so a resumed run repeats its bits only if that generator's state is
-  restored too).
+- ``"stochastic"``: written back with stochastic rounding (unbiased; its draws come from
+  the same seeded table as the FP8 moments', so a resumed or sharded run repeats its bits).
 - ``"remainder"``: the low 16 bits of an fp32 master copy are kept next to the parameter
   (state ``"master_remainder"``, int16). The bf16 parameter is the master rounded to
   nearest with ties away from zero (the rounding that makes the pair an exact encoding),
@@ -46,6 +59,16 @@ Non-finite gradients propagate as in torch: a NaN or inf gradient element makes 
 moments and its parameter NaN (inf / inf) and the step is not skipped; with FP8 states the
 NaN reaches the whole block of its moments (the block's scale is NaN). No moment is ever
 a finite value computed from a non-finite gradient.
+
+FSDP2 (``fully_shard``) and other DTensor parameters: every op of a step is elementwise or
+per row block, so the step runs on the local shards and makes no collective; the states
+are DTensors with the parameter's mesh and placements (FP8 states need dim-0 sharding or
+replication), so ``torch.distributed.checkpoint`` saves and reshards them. A weight wrapper
+subclass as the local shard (FSDP2 FP8 all-gather) is updated in place through its own ops;
+its moments are plain tensors.
+
+Speed: the torch-ops path only (about 10 elementwise passes per FP8 moment on CPU; no host
+sync: the step counter is a CPU tensor, as torch's). A fused kernel is not written yet.
 
 Layer: below ``demo`` (which offers it as ``--optim``); imports ``compat``, ``config`` and ``kernels``.
 """
@@ -141,10 +164,11 @@ def _join_master(param: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
     return bits.to(torch.int32).view(torch.float32)
 
 
-def _stochastic_bf16(x: torch.Tensor) -> torch.Tensor:
+def _stochastic_bf16(x: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """fp32 ``x`` rounded to bf16 stochastically: up (in magnitude) with probability equal to
-    the dropped low half's fraction of a bf16 ulp. NaN stays NaN; inf stays inf."""
-    noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device)
+    the dropped low half's fraction of a bf16 ulp (``uniform``: draws in ``[0, 1)`` with 24
+    bits, ``x``'s shape). NaN stays NaN; inf stays inf."""
+    noise = (uniform * (1 << 16)).to(torch.int32)  # exact: uniform integers in [0, 2**16)
     bits = (x.view(torch.int32) + noise) & ~0xFFFF
     out = bits.view(torch.float32)
     out = torch.where(torch.isfinite(x), out, x)
@@ -432,6 +456,8 @@ class AdamW(torch.optim.Optimizer):
                 local.copy_(high)
                 _local(state["master_remainder"]).copy_(low)
             elif master_weights == "stochastic":
-                local.copy_(_stochastic_bf16(param))
+                start = _row_offset(p) * (p.numel() // max(p.shape[0], 1)) if p.dim() else 0
+                uniform = _uniform(start, tuple(local.shape), _seed(index, int(step), 2), local.device)
+                local.copy_(_stochastic_bf16(param, uniform))
             else:
                 local.copy_(param)

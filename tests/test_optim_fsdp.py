@@ -41,6 +41,7 @@ VARIANTS = {
     "bf16": (torch.bfloat16, torch.float32, None),
     "fp8": (FP8, torch.float32, None),
     "fp8_remainder": (FP8, torch.bfloat16, "remainder"),
+    "fp8_stochastic": (FP8, torch.bfloat16, "stochastic"),
 }
 
 
@@ -294,7 +295,8 @@ def _results(run: list, key: str) -> list[dict]:
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_sharded_step_equals_one_process_bit_for_bit(run, variant):
     """Every state dtype, 8-bit included: the FP8 blocks run along dim-0 rows, which a dim-0
-    shard never cuts, and stochastic rounding draws from each element's global index."""
+    shard never cuts, and stochastic rounding (of the moments, of bf16 parameters) draws
+    from each element's global index."""
     res = _results(run, f"parity_{variant}")
     world = len(run)
     for rank, r in enumerate(res):
