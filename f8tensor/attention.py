@@ -19,8 +19,6 @@ attention itself (softmax(q k^T) v) stays in high precision. Because an argument
 decline PyTorch's fused ``_native_multi_head_attention`` fast path in eval, so inference
 takes the same FP8 path; a matrix product that reaches dispatch with a wrapped weight
 (which would run in high precision) raises instead.
-
-Layer: beside ``linear`` and ``moe``; imports ``functions``, ``weights``, ``compat``, ``config``.
 """
 
 from __future__ import annotations

@@ -4,14 +4,12 @@ f8tensor supports torch 2.11-2.14. Everything it needs that PyTorch does not off
 public API (the FP8 GEMM ops, the tensor-subclass machinery, a few autograd and
 distributed internals) is reached from here and nowhere else, so that a torch release
 that moves one of them is a change to one entry of this file. Each entry says what it is
-and since which torch release it exists. ``tests/test_private_api.py`` checks the rule:
+and since which torch release it exists. ``tests/project/test_private_api.py`` checks the rule:
 no other module of the package names a private torch attribute or module.
 
 It also knows what each supported release has (``TORCH_VERSION`` and the ``HAS_*`` flags
 below, each measured on that release's CPU build or read from its sources; README.md,
 "Version matrix"), so that the package decides from data, never by catching an error.
-
-Layer: the bottom. Imports torch only; every module of the package may import it.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ decay, bias correction); what differs is where the state lives:
   counters saved, and a shard draws what one process draws at the same elements.
 
   Why stochastic rounding, ``v`` as is, blocks of 128, measured (final loss relative to
-  fp32 moments, mean of 3 seeds; 1.0 is fp32). ``tests/test_optim.py``'s MLP (16 -> 64 ->
+  fp32 moments, mean of 3 seeds; 1.0 is fp32). ``tests/modules/test_optim.py``'s MLP (16 -> 64 ->
   64 -> 4, 150 steps, lr 1e-3): round to nearest 0.917; stochastic rounding of both
   moments 0.994; stochastic ``v`` only 1.015; bf16 moments 1.000. The demo GPT (``small``,
   250 steps, bf16 autocast, betas (0.9, 0.95), seeds 0-2; fp32 moments 2.2268 / 2.2490 /
@@ -69,8 +69,6 @@ its moments are plain tensors.
 
 Speed: the torch-ops path only (about 10 elementwise passes per FP8 moment on CPU; no host
 sync: the step counter is a CPU tensor, as torch's). A fused kernel is not written yet.
-
-Layer: below ``demo`` (which offers it as ``--optim``); imports ``compat``, ``config`` and ``kernels``.
 """
 
 from __future__ import annotations
@@ -83,8 +81,8 @@ import torch
 import torch.distributed as dist
 
 from f8tensor.compat import dtensor_local
-from f8tensor.config import CastSpec
 from f8tensor.kernels import cast, dequantize
+from f8tensor.specs import CastSpec
 
 if dist.is_available():
     from torch.distributed.tensor import DTensor, Replicate, Shard

@@ -22,9 +22,6 @@ buffer: the numbers always describe the last step. Reading them is one device sy
 backward (a Float8Tensor counts as its FP8 data plus its scale).
 
 This module observes the library; nothing below it imports it.
-
-Layer: above ``linear`` (beside ``convert``); imports ``linear`` and ``kernels``. Only
-``demo`` and the integrations import it.
 """
 
 from __future__ import annotations

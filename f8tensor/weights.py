@@ -4,7 +4,7 @@ A :class:`HighPrecisionWeight` is a parameter that behaves like the plain bf16/f
 tensor it wraps for every op (optimizer steps, ``copy_``, ``zero_``, views, sharding,
 checkpoints) and differs only where its subclass says so: the FSDP2 all-gather hooks
 (``distributed/fsdp.py``) or the matrix products its ``__torch_function__`` routes to FP8
-(``moe.py``). What they share lives here:
+(``f8tensor.moe``). What they share lives here:
 
 - dispatch: unwrap, run on the plain tensors, rewrap. An in-place op returns its wrapped
   argument; a new result stays wrapped for the subclass's ``VIEWS`` (sharing the write
@@ -16,8 +16,6 @@ checkpoints) and differs only where its subclass says so: the FSDP2 all-gather h
   ``weights_only=True``), a view of a larger storage (a shard, a slice) cloned first so
   that only its own elements are written;
 - flatten/unflatten for torch.compile (``_hp`` and the subclass's metadata).
-
-Layer: above ``ops`` (needs nothing from it); imports ``tensor``, ``formats``, ``compat``.
 """
 
 from __future__ import annotations
