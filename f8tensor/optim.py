@@ -134,32 +134,32 @@ def _check_options(state_dtype: Any, master_weights: Any) -> None:
 # ---------------------------------------------------------------- the bf16 master encodings
 
 
+def _halves(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int16 (low, high) halves of each fp32 element of ``master`` (views of its bytes:
+    little-endian, as every host and GPU torch runs on)."""
+    pairs = master.reshape(-1).view(torch.int16).view(-1, 2)
+    return pairs[:, 0], pairs[:, 1]
+
+
 def _split_master(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 ``master`` -> (bf16 rounded to nearest, ties away from zero; int16 low half).
 
     The bf16 bits are the master's high 16 bits plus one when its low half is >= 0x8000
-    (on the sign-magnitude pattern: one ulp away from zero). The low half is stored as is,
-    so the high half is the bf16's minus that carry, which the low half's top bit says.
+    (its int16 is negative; on the sign-magnitude pattern: one ulp away from zero). The low
+    half is stored as is, so the high half is the bf16's minus that carry, which the low
+    half's top bit says. int16 arithmetic throughout (a finite master never carries past
+    0x7F80, inf's pattern; only NaN patterns could wrap, and stay NaN or become inf).
     """
-    bits = master.view(torch.int32)
-    low = bits & 0xFFFF
-    high = (bits >> 16) + (low >= 0x8000).to(torch.int32)
-    # Wrap both halves into int16's range explicitly (a narrowing .to() of out-of-range
-    # values is not defined the same everywhere).
-    high16 = (((high + 0x8000) & 0xFFFF) - 0x8000).to(torch.int16)
-    low16 = (((low + 0x8000) & 0xFFFF) - 0x8000).to(torch.int16)
-    return high16.view(torch.bfloat16), low16
+    low, high = _halves(master)
+    bf16 = (high + (low < 0).to(torch.int16)).view(torch.bfloat16).view(master.shape)
+    return bf16, low.clone().view(master.shape)
 
 
 def _join_master(param: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
     """The fp32 master that :func:`_split_master` split into ``param`` and ``remainder``."""
-    # int64: every shift and sum below stays in range.
-    high = param.view(torch.int16).to(torch.int64) & 0xFFFF
-    low = remainder.to(torch.int64) & 0xFFFF
-    high = (high - (low >= 0x8000).to(torch.int64)) & 0xFFFF
-    bits = (high << 16) | low
-    bits = bits - (bits >= 2**31).to(torch.int64) * 2**32
-    return bits.to(torch.int32).view(torch.float32)
+    low = remainder.reshape(-1)
+    high = param.reshape(-1).view(torch.int16) - (low < 0).to(torch.int16)
+    return torch.stack((low, high), dim=-1).view(torch.int32).view(torch.float32).view(param.shape)
 
 
 def _stochastic_bf16(x: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
