@@ -221,7 +221,26 @@ def _scenario_dcp_load(rank, world, mesh, ctx, *, saved_by: int) -> dict:
     return {"mismatches": _compare(model, opt, ref_model, ref_opt, mesh)}
 
 
+def _scenario_fp8_needs_dim0_shards(rank, world, mesh, ctx) -> dict:
+    """A parameter sharded on dim 1 would cut FP8 row blocks: a clear error at the first step."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    p = nn.Parameter(distribute_tensor(torch.zeros(8, 256), mesh, [Shard(1)], src_data_rank=None))
+    p.grad = distribute_tensor(torch.ones(8, 256), mesh, [Shard(1)], src_data_rank=None)
+    try:
+        AdamW([p], state_dtype=FP8).step()
+    except ValueError as e:
+        error = str(e)
+    else:
+        error = ""
+    q = nn.Parameter(distribute_tensor(torch.zeros(8, 256), mesh, [Shard(1)], src_data_rank=None))
+    q.grad = distribute_tensor(torch.ones(8, 256), mesh, [Shard(1)], src_data_rank=None)
+    AdamW([q], state_dtype=torch.bfloat16).step()  # bf16 states have no blocks: fine
+    return {"message": error, "bf16_local": tuple(q.to_local().shape)}
+
+
 _SCENARIOS = {
+    "fp8_needs_dim0_shards": _scenario_fp8_needs_dim0_shards,
     "parity": _scenario_parity,
     "float8_all_gather": _scenario_float8_all_gather,
     "dcp_save": _scenario_dcp_save,
@@ -268,7 +287,11 @@ def checkpoints(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def ranks2(tmp_path_factory, checkpoints):
-    jobs = _PARITY_JOBS + [("float8_all_gather", "float8_all_gather", {}), ("dcp_save", "dcp_save", {})]
+    jobs = _PARITY_JOBS + [
+        ("float8_all_gather", "float8_all_gather", {}),
+        ("dcp_save", "dcp_save", {}),
+        ("fp8_needs_dim0_shards", "fp8_needs_dim0_shards", {}),
+    ]
     return _launch(2, jobs, tmp_path_factory.mktemp("optim_ranks2"), checkpoints)
 
 
@@ -348,3 +371,11 @@ def test_dcp_checkpoint_from_2_ranks_resumes_in_one_process_bit_for_bit(ranks2, 
         for key, value in ref_opt.state[q].items():
             assert type(opt.state[p][key]) is torch.Tensor and opt.state[p][key].dtype == value.dtype, key
             assert torch.equal(_bits(opt.state[p][key]), _bits(value)), key
+
+
+@pytest.mark.distributed
+def test_fp8_states_refuse_a_parameter_sharded_on_another_dim(ranks2):
+    for res in _results(ranks2, "fp8_needs_dim0_shards"):
+        assert "must be sharded on dim 0 or replicated" in res["message"], res["message"]
+        assert "state_dtype=torch.float8_e4m3fn" in res["message"] and "Shard(dim=1)" in res["message"]
+        assert res["bf16_local"] == (8, 128)
