@@ -50,7 +50,7 @@ import shutil
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import torch
@@ -73,6 +73,7 @@ from f8tensor.demo_gpt import (  # noqa: F401  (re-exported: the demo's model an
     keep_lm_head_in_high_precision,
     load_corpus,
 )
+from f8tensor.optim import AdamW
 
 __all__ = ["GPT", "SIZES", "RunResult", "keep_lm_head_in_high_precision", "main"]
 
@@ -140,6 +141,7 @@ class RunResult:
     saved_bytes: int
     saturation: float | None
     seconds: float
+    optim_bytes: int = 0  # the optimizer's state (moments, scales, master remainders)
 
     def final_loss(self, last: int) -> float:
         tail = self.losses[-last:]
@@ -196,6 +198,32 @@ def _lr_schedule(steps: int) -> Callable[[int], float]:
     return factor
 
 
+#: ``--optim`` choices: what each one builds (AdamW, betas (0.9, 0.95), weight decay 0.1).
+OPTIMIZERS: dict[str, str] = {
+    "adamw": "torch.optim.AdamW, fp32 moments",
+    "adamw-bf16": "f8tensor.optim.AdamW, bf16 moments",
+    "adamw-fp8": "f8tensor.optim.AdamW, FP8 (e4m3) moments",
+}
+DEFAULT_OPTIM = "adamw"
+
+
+def make_optimizer(name: str, params: Iterable[torch.Tensor], lr: float) -> torch.optim.Optimizer:
+    """The optimizer ``--optim name`` asks for."""
+    betas, weight_decay = (0.9, 0.95), 0.1
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay)
+    state_dtype = {"adamw-bf16": torch.bfloat16, "adamw-fp8": torch.float8_e4m3fn}.get(name)
+    if state_dtype is not None:
+        return AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, state_dtype=state_dtype)
+    raise ValueError(f"optim must be one of {', '.join(OPTIMIZERS)}; got {name!r}")
+
+
+def optimizer_state_bytes(opt: torch.optim.Optimizer) -> int:
+    """Bytes of every state tensor of ``opt`` but the step counters."""
+    tensors = [v for state in opt.state.values() for k, v in state.items() if k != "step"]
+    return sum(v.numel() * v.element_size() for v in tensors if isinstance(v, torch.Tensor))
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -209,6 +237,7 @@ def train_run(
     size: Size,
     device: torch.device,
     compile_model: bool,
+    optim: str = DEFAULT_OPTIM,
 ) -> RunResult:
     """Train a copy of ``base_model`` in ``name`` ("bf16" or an FP8 recipe), then measure it.
 
@@ -219,7 +248,7 @@ def train_run(
     model = copy.deepcopy(base_model)
     if name != BASELINE:
         convert_to_float8_training(model, config=run_config(name), module_filter_fn=keep_lm_head_in_high_precision)
-    opt = torch.optim.AdamW(model.parameters(), lr=size.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    opt = make_optimizer(optim, model.parameters(), size.lr)
     steps = len(starts) - 1
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_schedule(steps))
     amp = torch.autocast(device.type, dtype=torch.bfloat16)
@@ -266,7 +295,7 @@ def train_run(
         model.zero_grad(set_to_none=True)
 
     saturation = _saturation_rate(model, probe_step) if name != BASELINE else None
-    return RunResult(name, losses, tokens_per_s, saved, saturation, seconds)
+    return RunResult(name, losses, tokens_per_s, saved, saturation, seconds, optimizer_state_bytes(opt))
 
 
 # ===================================================================== report
@@ -276,7 +305,7 @@ def format_table(results: Sequence[RunResult], last: int) -> str:
     base = next((r for r in results if r.name == BASELINE), None)
     header = (
         f"{'run':<19}{'final loss':>11}{'vs bf16':>9}{'tokens/s':>10}{'vs bf16':>9}"
-        f"{'act. MiB':>10}{'vs bf16':>9}{'saturated':>11}"
+        f"{'act. MiB':>10}{'vs bf16':>9}{'saturated':>11}{'opt. MiB':>10}"
     )
     lines = [header, "-" * len(header)]
     for r in results:
@@ -289,7 +318,7 @@ def format_table(results: Sequence[RunResult], last: int) -> str:
         sat = "n/a" if r.saturation is None else f"{100.0 * r.saturation:.3g}%"
         lines.append(
             f"{r.name:<19}{loss:>11.4f}{rel_loss:>9}{r.tokens_per_s:>10.0f}{rel_tok:>9}"
-            f"{r.saved_bytes / 2**20:>10.2f}{rel_mem:>9}{sat:>11}"
+            f"{r.saved_bytes / 2**20:>10.2f}{rel_mem:>9}{sat:>11}{r.optim_bytes / 2**20:>10.2f}"
         )
     return "\n".join(lines)
 
@@ -309,6 +338,10 @@ def table_notes(results: Sequence[RunResult], last: int, steps: int, device: tor
     notes += [
         ("act. MiB", "kept for backward by one training forward (eager); parameters and their bf16"),
         ("", "copies excluded, FP8 tensors counted as data + scales."),
+    ]
+    notes += [
+        ("opt. MiB", "the optimizer's state after training: moments (and their FP8 scales), step counters"),
+        ("", "excluded; --optim picks fp32 (adamw), bf16 (adamw-bf16) or FP8 (adamw-fp8) moments."),
     ]
     if any(r.name != BASELINE and r.saturation is None for r in results):
         notes.append(("saturated", "n/a: this f8tensor has no per-layer telemetry (f8tensor.stats.float8_stats)."))
@@ -442,6 +475,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=_positive_int, help="sequences per step (default: from --size)")
     parser.add_argument("--seq-len", type=_positive_int, help="tokens per sequence (default: from --size)")
     parser.add_argument(
+        "--optim",
+        choices=list(OPTIMIZERS),
+        default=DEFAULT_OPTIM,
+        help=(
+            "the optimizer of every run: adamw (torch.optim.AdamW, fp32 moments), adamw-bf16 or adamw-fp8 "
+            f"(f8tensor.optim.AdamW with bf16 or FP8 moments) (default: {DEFAULT_OPTIM})"
+        ),
+    )
+    parser.add_argument(
         "--out", type=Path, default=DEFAULT_OUT, help=f"where to write the loss-curve PNG (default: {DEFAULT_OUT})"
     )
     return parser
@@ -528,10 +570,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"  device  {_device_name(device)}, bf16 autocast over fp32 master weights, "
         f"{'torch.compile' if compile_model else 'eager'}"
     )
+    print(f"  optim   {args.optim}: {OPTIMIZERS[args.optim]}")
     print(f"  runs    {', '.join(runs)}", flush=True)
 
     t_all = time.perf_counter()
-    results = [train_run(name, base_model, data, starts, size, device, compile_model) for name in runs]
+    results = [train_run(name, base_model, data, starts, size, device, compile_model, args.optim) for name in runs]
     last = max(1, min(50, steps // 10))
     print()
     print(format_table(results, last))

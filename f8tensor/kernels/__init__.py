@@ -43,6 +43,7 @@ def cast(
     scale: torch.Tensor | None = None,
     *,
     generator: torch.Generator | None = None,
+    uniform: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``hp`` cast per ``spec``: ``(data, scale)`` (see :func:`f8tensor.kernels.reference.cast`;
     the fused kernels give the same bits)."""
@@ -50,7 +51,7 @@ def cast(
         fused = triton_cast.maybe_cast(hp, spec, scale)
         if fused is not None:
             return fused[0], fused[2]
-    return reference.cast(hp, spec, scale, generator=generator)
+    return reference.cast(hp, spec, scale, generator=generator, uniform=uniform)
 
 
 class GemmCast(NamedTuple):

@@ -37,14 +37,16 @@ def cast(
     scale: torch.Tensor | None = None,
     *,
     generator: torch.Generator | None = None,
+    uniform: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``hp`` cast per ``spec``: ``(data, scale)``.
 
     With ``scale=None`` the scale is dynamic (the current amax of ``hp``, per block);
     otherwise ``scale`` is used as is (0-dim for a tensorwise spec, else the block's scale
-    shape, in ``spec.scale_dtype``). ``generator``: for stochastic rounding.
+    shape, in ``spec.scale_dtype``). ``generator``: for stochastic rounding; ``uniform``:
+    the draws of a stochastic rounding given instead (see :func:`~f8tensor.scaling.stochastic_round`).
     """
-    data, scale, _, _, _ = _cast(hp, spec, scale, generator, need_amax=False)
+    data, scale, _, _, _ = _cast(hp, spec, scale, generator, need_amax=False, uniform=uniform)
     return data, scale
 
 
@@ -97,7 +99,7 @@ def cast_with_stats(
     return data, scale, _cast_stats(hp, scaled, group_amax, scale32, spec.float8_dtype)
 
 
-def _cast(hp, spec: CastSpec, scale, generator, *, need_amax, amax=None):
+def _cast(hp, spec: CastSpec, scale, generator, *, need_amax, amax=None, uniform=None):
     """Shared body of the two casts: (data, scale, scaled fp32 values, group amax, fp32 scale)."""
     float8_dtype, block = spec.float8_dtype, spec.block
     group_amax = None
@@ -129,7 +131,9 @@ def _cast(hp, spec: CastSpec, scale, generator, *, need_amax, amax=None):
     scaled = _scaled_fp32(hp, expanded)
     if spec.rounding == "stochastic":
         fmax = format_number(float8_dtype, "max")
-        data = saturated_cast(stochastic_round(scaled.clamp(-fmax, fmax), float8_dtype, generator), float8_dtype)
+        data = saturated_cast(
+            stochastic_round(scaled.clamp(-fmax, fmax), float8_dtype, generator, uniform), float8_dtype
+        )
     else:
         # The product is a temporary of our own: clamp it in place unless stats read it.
         data = saturated_cast(scaled, float8_dtype, inplace=not need_amax)

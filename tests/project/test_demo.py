@@ -55,7 +55,7 @@ def test_tiny_run_prints_a_row_per_run_and_writes_the_png(tmp_path):
     rows = _table_rows(proc.stdout)
     assert list(rows) == ALL_RUNS
     for name, cells in rows.items():
-        loss, _, tokens_per_s, _, saved_mib, _, saturated = cells
+        loss, _, tokens_per_s, _, saved_mib, _, saturated, _optim_mib = cells
         assert math.isfinite(float(loss)) and 0 < float(loss) < 10, (name, cells)
         assert math.isfinite(float(tokens_per_s)) and float(tokens_per_s) > 0, (name, cells)
         assert float(saved_mib) > 0, (name, cells)
