@@ -21,8 +21,9 @@ without storing the padding). Left alone (saved as autograd saves them):
   accumulates into: its storage is kept alive by its owner anyway, so a copy would add
   memory, not save it);
 - autocast's low-precision copies of parameters (the output of a ``_to_copy`` whose
-  input is a leaf that requires grad): they are recomputed by every autocast forward
-  and read by the input-gradient products, which they would make less exact;
+  input is a leaf that requires grad) and views of them (the transposed copy a linear
+  saves): they are recomputed by every autocast forward and read by the input-gradient
+  products, which they would make less exact;
 - tensors with fewer than ``min_numel`` elements (default :data:`DEFAULT_MIN_NUMEL`,
   65,536: below it a tensor saves at most 64 KiB, less than what two extra kernel
   launches and the bookkeeping cost) and tensors whose last dim is shorter than
@@ -135,10 +136,13 @@ def _dense(t: torch.Tensor) -> bool:
 def _from_parameter(t: torch.Tensor) -> bool:
     """A parameter, a view of one, any leaf autograd accumulates into, or autocast's copy
     of one of these (see the module docstring)."""
-    if isinstance(t, torch.nn.Parameter) or (t.is_leaf and t.requires_grad):
-        return True
     base = view_base(t)
-    if base is not None and (isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad)):
+    # A view (the transposed bf16 weight a linear saves) is judged by what it views.
+    return _parameter_or_copy(t) or (base is not None and _parameter_or_copy(base))
+
+
+def _parameter_or_copy(t: torch.Tensor) -> bool:
+    if isinstance(t, torch.nn.Parameter) or (t.is_leaf and t.requires_grad):
         return True
     fn = t.grad_fn
     if fn is not None and type(fn).__name__ == "ToCopyBackward0":

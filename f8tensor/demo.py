@@ -31,10 +31,17 @@ kernel, so the tokens/s column there shows what the casts cost, not a speed-up. 
 NVIDIA GPU with compute capability 8.9 or more (Ada, Hopper, Blackwell) ``--device auto``
 picks it, the default model is larger (``--size medium``) and the step is compiled.
 
+Activations. ``--fp8-activations`` runs each FP8 recipe's forward and loss under
+:func:`f8tensor.save_activations_in_float8` (the bf16 baseline stays as it is): the
+tensors autograd saves for backward (norm, GELU, attention and loss inputs, the linear
+inputs a recipe keeps in bf16) are stored in FP8 with a scale per 128 elements.
+
 Columns. *final loss*: mean training loss of the last steps. *tokens/s*: from the median
-step time after a few warm-up steps. *act. MiB*: what autograd keeps for the backward of
-one training forward (eager), excluding parameters and autocast's bf16 copies of them; a
-``Float8Tensor`` counts as its FP8 data plus its scales. *saturated*: the mean fraction
+step time after a few warm-up steps. *act. MiB*: what one training forward and its loss
+allocate and leave alive for backward (eager; :func:`f8tensor.stats.alive_tensor_bytes`,
+from the allocator's records, so it sees the FP8 copies ``--fp8-activations`` stores),
+excluding parameters and autocast's bf16 copies of them; FP8 data counts with its scales.
+*saturated*: the mean fraction
 of elements clamped at the FP8 maximum per cast, from the numerics telemetry of
 ``f8tensor.stats``, switched on for one extra step after training so that it costs the
 timed steps nothing (``n/a`` where that telemetry is not available).
@@ -45,6 +52,7 @@ Layer: the top of the package (below ``integrations``); imports the public API a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import math
@@ -214,16 +222,24 @@ def get_batch(data: torch.Tensor, starts: torch.Tensor, seq_len: int) -> tuple[t
 # ===================================================================== measurements
 
 
-def saved_activation_bytes(model: nn.Module, x: torch.Tensor, y: torch.Tensor, amp: torch.autocast) -> int:
-    """Bytes autograd saves for backward during one training forward (model and loss);
-    see :func:`f8tensor.stats.saved_tensor_bytes` for what counts."""
+def saved_activation_bytes(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    amp: torch.autocast,
+    activations: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+) -> int:
+    """Bytes one training forward (model and loss, under ``activations()``) leaves alive for
+    backward; see :func:`f8tensor.stats.alive_tensor_bytes` for how they are read and what
+    counts."""
 
     def forward_and_loss() -> torch.Tensor:
-        with amp:
-            logits = model(x)
-        return _loss(logits, y)
+        with activations():
+            with amp:
+                logits = model(x)
+            return _loss(logits, y)
 
-    return f8tensor.stats.saved_tensor_bytes(model, forward_and_loss)[0]
+    return f8tensor.stats.alive_tensor_bytes(model, forward_and_loss)[0]
 
 
 # --- saturation: the one place that reads f8tensor.stats telemetry -------------------
@@ -325,8 +341,12 @@ def train_run(
     size: Size,
     device: torch.device,
     compile_model: bool,
+    fp8_activations: bool = False,
 ) -> RunResult:
     """Train a copy of ``base_model`` in ``name`` ("bf16" or an FP8 recipe), then measure it.
+
+    ``fp8_activations``: an FP8 recipe's forward and loss run under
+    :func:`f8tensor.save_activations_in_float8` (the baseline never does).
 
     ``starts`` holds one row per step plus one: the last batch is not trained on; the
     saturation is measured on it (a batch the delayed-scaling history has not seen, as
@@ -342,6 +362,9 @@ def train_run(
     if compile_model:
         torch.compiler.reset()  # a fresh model each run: start from an empty compile cache
     forward = torch.compile(model) if compile_model else model
+    activations: Callable[[], contextlib.AbstractContextManager] = (
+        f8tensor.save_activations_in_float8 if fp8_activations and name != BASELINE else contextlib.nullcontext
+    )
 
     warmup = min(3, steps // 4)  # first steps (allocations, compilation) are not timed
     tokens_per_step = starts.shape[1] * size.seq_len
@@ -353,9 +376,10 @@ def train_run(
     for i in range(steps):
         x, y = get_batch(data, starts[i], size.seq_len)
         t0 = time.perf_counter()
-        with amp:
-            logits = forward(x)
-        loss = _loss(logits, y)
+        with activations():
+            with amp:
+                logits = forward(x)
+            loss = _loss(logits, y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -372,7 +396,7 @@ def train_run(
 
     # Memory on the last training batch (its amax is already in any delayed-scaling
     # history), then saturation on a batch the history has not seen, as a next step's.
-    saved = saved_activation_bytes(model, x, y, amp)
+    saved = saved_activation_bytes(model, x, y, amp, activations)
     x_next, y_next = get_batch(data, starts[steps], size.seq_len)
 
     def probe_step() -> None:
@@ -410,7 +434,9 @@ def format_table(results: Sequence[RunResult], last: int) -> str:
     return "\n".join(lines)
 
 
-def table_notes(results: Sequence[RunResult], last: int, steps: int, device: torch.device) -> str:
+def table_notes(
+    results: Sequence[RunResult], last: int, steps: int, device: torch.device, fp8_activations: bool = False
+) -> str:
     """What each column means, under the table."""
     notes = [
         ("final loss", f"mean of the last {last} of {steps} steps; same weights and batches in every run."),
@@ -423,9 +449,11 @@ def table_notes(results: Sequence[RunResult], last: int, steps: int, device: tor
             ("", "what the casts cost, not a speed-up (that needs a GPU, compute capability >= 8.9)."),
         ]
     notes += [
-        ("act. MiB", "kept for backward by one training forward (eager); parameters and their bf16"),
-        ("", "copies excluded, FP8 tensors counted as data + scales."),
+        ("act. MiB", "allocated by one training forward and loss and alive for backward (eager, from the"),
+        ("", "allocator's records); parameters and their bf16 copies excluded, FP8 data with its scales."),
     ]
+    if fp8_activations:
+        notes.append(("", "--fp8-activations: FP8 runs saved their activations in FP8; bf16 did not."))
     if any(r.name != BASELINE and r.saturation is None for r in results):
         notes.append(("saturated", "n/a: this f8tensor has no per-layer telemetry (f8tensor.stats.float8_stats)."))
     else:
@@ -554,6 +582,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="torch.compile the model (default: on for GPU, off for CPU)",
     )
+    parser.add_argument(
+        "--fp8-activations",
+        action="store_true",
+        help="FP8 runs save the activations autograd keeps for backward in FP8 (f8tensor.save_activations_in_float8)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed for the initial weights and the batches (default: 0)")
     parser.add_argument("--batch-size", type=_positive_int, help="sequences per step (default: from --size)")
     parser.add_argument("--seq-len", type=_positive_int, help="tokens per sequence (default: from --size)")
@@ -644,15 +677,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"  device  {_device_name(device)}, bf16 autocast over fp32 master weights, "
         f"{'torch.compile' if compile_model else 'eager'}"
     )
+    if args.fp8_activations:
+        print("  act.    FP8 runs save their activations in FP8 (save_activations_in_float8)")
     print(f"  runs    {', '.join(runs)}", flush=True)
 
     t_all = time.perf_counter()
-    results = [train_run(name, base_model, data, starts, size, device, compile_model) for name in runs]
+    results = [
+        train_run(name, base_model, data, starts, size, device, compile_model, args.fp8_activations) for name in runs
+    ]
     last = max(1, min(50, steps // 10))
     print()
     print(format_table(results, last))
     print()
-    print(table_notes(results, last, steps, device))
+    print(table_notes(results, last, steps, device, args.fp8_activations))
     title = f"f8tensor demo: {size.n_layers}x{size.d_model} byte-level GPT, {steps} steps, {_device_name(device)}"
     if plot_losses(results, args.out, title):
         print(f"loss curves: {args.out}")
