@@ -137,8 +137,11 @@ def _from_parameter(t: torch.Tensor) -> bool:
     """A parameter, a view of one, any leaf autograd accumulates into, or autocast's copy
     of one of these (see the module docstring)."""
     base = view_base(t)
-    # A view (the transposed bf16 weight a linear saves) is judged by what it views.
-    return _parameter_or_copy(t) or (base is not None and _parameter_or_copy(base))
+    # A view is judged by what it views (the transposed bf16 weight a linear saves), never
+    # by its own flags: a view an autograd Function makes of its input inside forward (the
+    # 2D input f8tensor's linear Functions save) is a leaf that requires grad without being
+    # one autograd accumulates into.
+    return _parameter_or_copy(t if base is None else base)
 
 
 def _parameter_or_copy(t: torch.Tensor) -> bool:

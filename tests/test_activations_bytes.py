@@ -119,3 +119,28 @@ def test_a_transposed_autocast_weight_copy_is_left_alone():
     gx, gw = step(save_activations_in_float8(min_numel=0))
     assert torch.equal(gx, gx_ref)  # grad_output (ones) @ the exact bf16 weight
     assert not torch.equal(gw, gw_ref)  # the input was packed: the context did act
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "rowwise_with_gw_hp", "blockwise"])
+def test_the_high_precision_input_a_linear_function_saves_is_packed(recipe):
+    """The Functions of the recipes that keep the input in bf16 save ``x.reshape(-1, K)``,
+    made inside their forward: a view that autograd flags as a leaf requiring grad. It is
+    an activation (its base is), and the context packs it."""
+    torch.manual_seed(0)
+    layer = Float8Linear.from_float(nn.Linear(K, N, dtype=torch.bfloat16), Float8LinearConfig.from_recipe(recipe))
+    x0 = torch.randn(4, M // 4, K, dtype=torch.bfloat16, requires_grad=True)
+
+    def forward(context):
+        def run() -> torch.Tensor:
+            with context():
+                return layer(x0 * 1)  # an input that requires grad, 3D, as in a model
+
+        return run
+
+    layer(x0 * 1).float().sum().backward()
+    alone = alive_tensor_bytes(layer, forward(contextlib.nullcontext))[0]
+    packed = alive_tensor_bytes(layer, forward(save_activations_in_float8))[0]
+    extra = alone - 2 * M * K  # the recipe's own few bytes beside the input (measured: 8)
+    assert 0 <= extra <= 64, alone
+    # Before the fix: alone (the view was left as it is, as if it were a parameter).
+    assert packed == M * K + 4 * M * K // 128 + extra, (alone, packed)
