@@ -66,9 +66,6 @@ Eager only: entering the context inside a region torch.compile traces, or a pack
 called while tracing, raises a RuntimeError that says so. A compiled module called from
 eager code under the context is compiled as usual; the tensors its compiled graph saves
 are then packed by the context like any other saved tensor (in eager, around the graph).
-
-Layer: beside ``convert`` and ``stats`` (the package root exports it, and ``demo``, which
-imports the root, sits above); imports ``compat``, ``config``, ``formats`` and ``kernels`` only.
 """
 
 from __future__ import annotations
@@ -85,9 +82,9 @@ from torch.autograd.graph import saved_tensors_hooks
 from typing_extensions import Self
 
 from f8tensor.compat import version_counter, view_base
-from f8tensor.config import CastSpec
 from f8tensor.formats import FLOAT8_DTYPES
 from f8tensor.kernels import cast, dequantize
+from f8tensor.specs import CastSpec
 
 __all__ = ["COMPRESSED_DTYPES", "DEFAULT_MIN_NUMEL", "save_activations_in_float8"]
 

@@ -26,7 +26,7 @@ decay, bias correction); what differs is where the state lives:
   128 and 256 differ by less than the seeds do, and 128 keeps an outlier's reach small.
 
   Experimental: 8-bit moments change the trajectory more than bf16 ones do (the final loss
-  above is 5% off fp32 moments, 7-11% in ``tests/test_optim.py``'s MLP, consistently lower);
+  above is 5% off fp32 moments, 7-11% in ``tests/modules/test_optim.py``'s MLP, consistently lower);
   a moment rounded to nearest cannot follow ``v``'s slow decay by ``beta2`` within a block.
 
 ``master_weights`` (bf16 parameters only):
@@ -46,8 +46,6 @@ Non-finite gradients propagate as in torch: a NaN or inf gradient element makes 
 moments and its parameter NaN (inf / inf) and the step is not skipped; with FP8 states the
 NaN reaches the whole block of its moments (the block's scale is NaN). No moment is ever
 a finite value computed from a non-finite gradient.
-
-Layer: top (nothing in the package imports it); imports ``config`` and ``kernels``.
 """
 
 from __future__ import annotations
@@ -57,8 +55,8 @@ from typing import Any
 
 import torch
 
-from f8tensor.config import CastSpec
 from f8tensor.kernels import cast, dequantize
+from f8tensor.specs import CastSpec
 
 __all__ = ["FP8_BLOCK", "MASTER_WEIGHTS", "STATE_DTYPES", "AdamW"]
 

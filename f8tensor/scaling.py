@@ -15,8 +15,6 @@ as ``torch.float8_e8m0fnu`` with the same meaning (the multiplier hp -> data).
 
 This module only computes scale tensors (and the stochastic rounding of scaled values);
 it never builds a Float8Tensor.
-
-Layer: above ``config``; imports ``config`` and ``formats``.
 """
 
 from __future__ import annotations
@@ -25,8 +23,8 @@ import math
 
 import torch
 
-from f8tensor.config import E8M0_SCALE_MODES, HISTORY_REDUCTIONS
 from f8tensor.formats import E8M0, E8M0_MAX_EXP, E8M0_MIN_EXP, FORMATS, format_number
+from f8tensor.specs import E8M0_SCALE_MODES, HISTORY_REDUCTIONS
 
 __all__ = [
     "EPS",

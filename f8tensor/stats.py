@@ -24,9 +24,6 @@ measures the same from the allocator's side (what a forward allocated and left a
 also sees what saved-tensor hooks such as ``save_activations_in_float8`` store instead.
 
 This module observes the library; nothing below it imports it.
-
-Layer: above ``linear`` (beside ``convert``); imports ``linear`` and ``kernels``. Only
-``demo`` and the integrations import it.
 """
 
 from __future__ import annotations

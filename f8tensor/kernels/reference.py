@@ -6,15 +6,12 @@ scale out; :func:`cast_with_stats` also measures what the cast did; :func:`dequa
 the way back. Scale semantics, one rule per block (see ``scaling.py``)::
 
     data = saturate(hp.float() * scale)        hp ~= data.float() / scale
-
-Layer: ``kernels``, above ``scaling``; imports ``scaling``, ``config``, ``formats``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from f8tensor.config import CastSpec, is_axiswise, is_tensorwise
 from f8tensor.formats import E8M0, format_number, saturated_cast, saturation_bound
 from f8tensor.scaling import (
     amax_to_e8m0_scale,
@@ -26,6 +23,7 @@ from f8tensor.scaling import (
     stochastic_round,
     tensor_amax,
 )
+from f8tensor.specs import CastSpec, is_axiswise, is_tensorwise
 
 __all__ = ["CAST_STATS_FIELDS", "block_scale", "cast", "cast_with_stats", "dequantize"]
 
