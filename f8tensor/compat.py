@@ -25,6 +25,7 @@ if torch.distributed.is_available():
     from torch.distributed.tensor.parallel import ColwiseParallel
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils import _pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._python_dispatch import return_and_correct_aliasing as _return_and_correct_aliasing
 
 if torch.distributed.is_available():
@@ -39,6 +40,7 @@ __all__ = [
     "HAS_GROUPED_MM_FP32_META",
     "META_FLOORS_BLOCK_SCALES",
     "TORCH_VERSION",
+    "TorchDispatchMode",
     "assert_async",
     "block_scaled_mm",
     "colwise_prepare_input",

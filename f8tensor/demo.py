@@ -31,10 +31,17 @@ kernel, so the tokens/s column there shows what the casts cost, not a speed-up. 
 NVIDIA GPU with compute capability 8.9 or more (Ada, Hopper, Blackwell) ``--device auto``
 picks it, the default model is larger (``--size medium``) and the step is compiled.
 
+Activations. ``--fp8-activations`` runs each FP8 recipe's forward and loss under
+:func:`f8tensor.save_activations_in_float8` (the bf16 baseline stays as it is): the
+tensors autograd saves for backward (norm, GELU, attention and loss inputs, the linear
+inputs a recipe keeps in bf16) are stored in FP8 with a scale per 128 elements.
+
 Columns. *final loss*: mean training loss of the last steps. *tokens/s*: from the median
-step time after a few warm-up steps. *act. MiB*: what autograd keeps for the backward of
-one training forward (eager), excluding parameters and autocast's bf16 copies of them; a
-``Float8Tensor`` counts as its FP8 data plus its scales. *saturated*: the mean fraction
+step time after a few warm-up steps. *act. MiB*: what one training forward and its loss
+allocate and leave alive for backward (eager; :func:`f8tensor.stats.alive_tensor_bytes`,
+from the allocator's records, so it sees the FP8 copies ``--fp8-activations`` stores),
+excluding parameters and autocast's bf16 copies of them; FP8 data counts with its scales.
+*saturated*: the mean fraction
 of elements clamped at the FP8 maximum per cast, from the numerics telemetry of
 ``f8tensor.stats``, switched on for one extra step after training so that it costs the
 timed steps nothing (``n/a`` where that telemetry is not available).
@@ -43,6 +50,7 @@ timed steps nothing (``n/a`` where that telemetry is not available).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import math
@@ -99,16 +107,24 @@ def run_config(name: str) -> Float8LinearConfig:
 # ===================================================================== measurements
 
 
-def saved_activation_bytes(model: nn.Module, x: torch.Tensor, y: torch.Tensor, amp: torch.autocast) -> int:
-    """Bytes autograd saves for backward during one training forward (model and loss);
-    see :func:`f8tensor.stats.saved_tensor_bytes` for what counts."""
+def saved_activation_bytes(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    amp: torch.autocast,
+    activations: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+) -> int:
+    """Bytes one training forward (model and loss, under ``activations()``) leaves alive for
+    backward; see :func:`f8tensor.stats.alive_tensor_bytes` for how they are read and what
+    counts."""
 
     def forward_and_loss() -> torch.Tensor:
-        with amp:
-            logits = model(x)
-        return _loss(logits, y)
+        with activations():
+            with amp:
+                logits = model(x)
+            return _loss(logits, y)
 
-    return f8tensor.stats.saved_tensor_bytes(model, forward_and_loss)[0]
+    return f8tensor.stats.alive_tensor_bytes(model, forward_and_loss)[0]
 
 
 # --- saturation: the one place that reads f8tensor.stats telemetry -------------------
@@ -238,8 +254,12 @@ def train_run(
     device: torch.device,
     compile_model: bool,
     optim: str = DEFAULT_OPTIM,
+    fp8_activations: bool = False,
 ) -> RunResult:
     """Train a copy of ``base_model`` in ``name`` ("bf16" or an FP8 recipe), then measure it.
+
+    ``fp8_activations``: an FP8 recipe's forward and loss run under
+    :func:`f8tensor.save_activations_in_float8` (the baseline never does).
 
     ``starts`` holds one row per step plus one: the last batch is not trained on; the
     saturation is measured on it (a batch the delayed-scaling history has not seen, as
@@ -255,6 +275,9 @@ def train_run(
     if compile_model:
         torch.compiler.reset()  # a fresh model each run: start from an empty compile cache
     forward = torch.compile(model) if compile_model else model
+    activations: Callable[[], contextlib.AbstractContextManager] = (
+        f8tensor.save_activations_in_float8 if fp8_activations and name != BASELINE else contextlib.nullcontext
+    )
 
     warmup = min(3, steps // 4)  # first steps (allocations, compilation) are not timed
     tokens_per_step = starts.shape[1] * size.seq_len
@@ -266,9 +289,10 @@ def train_run(
     for i in range(steps):
         x, y = get_batch(data, starts[i], size.seq_len)
         t0 = time.perf_counter()
-        with amp:
-            logits = forward(x)
-        loss = _loss(logits, y)
+        with activations():
+            with amp:
+                logits = forward(x)
+            loss = _loss(logits, y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -285,7 +309,7 @@ def train_run(
 
     # Memory on the last training batch (its amax is already in any delayed-scaling
     # history), then saturation on a batch the history has not seen, as a next step's.
-    saved = saved_activation_bytes(model, x, y, amp)
+    saved = saved_activation_bytes(model, x, y, amp, activations)
     x_next, y_next = get_batch(data, starts[steps], size.seq_len)
 
     def probe_step() -> None:
@@ -323,7 +347,9 @@ def format_table(results: Sequence[RunResult], last: int) -> str:
     return "\n".join(lines)
 
 
-def table_notes(results: Sequence[RunResult], last: int, steps: int, device: torch.device) -> str:
+def table_notes(
+    results: Sequence[RunResult], last: int, steps: int, device: torch.device, fp8_activations: bool = False
+) -> str:
     """What each column means, under the table."""
     notes = [
         ("final loss", f"mean of the last {last} of {steps} steps; same weights and batches in every run."),
@@ -336,9 +362,11 @@ def table_notes(results: Sequence[RunResult], last: int, steps: int, device: tor
             ("", "what the casts cost, not a speed-up (that needs a GPU, compute capability >= 8.9)."),
         ]
     notes += [
-        ("act. MiB", "kept for backward by one training forward (eager); parameters and their bf16"),
-        ("", "copies excluded, FP8 tensors counted as data + scales."),
+        ("act. MiB", "allocated by one training forward and loss and alive for backward (eager, from the"),
+        ("", "allocator's records); parameters and their bf16 copies excluded, FP8 data with its scales."),
     ]
+    if fp8_activations:
+        notes.append(("", "--fp8-activations: FP8 runs saved their activations in FP8; bf16 did not."))
     notes += [
         ("opt. MiB", "the optimizer's state after training: moments (and their FP8 scales), step counters"),
         ("", "excluded; --optim picks fp32 (adamw), bf16 (adamw-bf16) or FP8 (adamw-fp8) moments."),
@@ -471,6 +499,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="torch.compile the model (default: on for GPU, off for CPU)",
     )
+    parser.add_argument(
+        "--fp8-activations",
+        action="store_true",
+        help="FP8 runs save the activations autograd keeps for backward in FP8 (f8tensor.save_activations_in_float8)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed for the initial weights and the batches (default: 0)")
     parser.add_argument("--batch-size", type=_positive_int, help="sequences per step (default: from --size)")
     parser.add_argument("--seq-len", type=_positive_int, help="tokens per sequence (default: from --size)")
@@ -571,15 +604,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{'torch.compile' if compile_model else 'eager'}"
     )
     print(f"  optim   {args.optim}: {OPTIMIZERS[args.optim]}")
+    if args.fp8_activations:
+        print("  act.    FP8 runs save their activations in FP8 (save_activations_in_float8)")
     print(f"  runs    {', '.join(runs)}", flush=True)
 
     t_all = time.perf_counter()
-    results = [train_run(name, base_model, data, starts, size, device, compile_model, args.optim) for name in runs]
+    results = [
+        train_run(name, base_model, data, starts, size, device, compile_model, args.optim, args.fp8_activations)
+        for name in runs
+    ]
     last = max(1, min(50, steps // 10))
     print()
     print(format_table(results, last))
     print()
-    print(table_notes(results, last, steps, device))
+    print(table_notes(results, last, steps, device, args.fp8_activations))
     title = f"f8tensor demo: {size.n_layers}x{size.d_model} byte-level GPT, {steps} steps, {_device_name(device)}"
     if plot_losses(results, args.out, title):
         print(f"loss curves: {args.out}")
