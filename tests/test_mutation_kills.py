@@ -68,3 +68,52 @@ def test_saturation_bound_from_the_top_binade(float8_dtype):
     # The bound itself rounds to max (not past it) in torch's own conversion.
     at = torch.tensor([bound], dtype=torch.float32)
     assert at.to(float8_dtype).float().item() == FORMATS[float8_dtype].max
+
+
+# ------------------------------------------------------------ formats: the saturating cast
+
+
+@pytest.mark.parametrize("inplace", [False, True], ids=["copy", "inplace"])
+@pytest.mark.parametrize("float8_dtype", FLOAT8_DTYPES, ids=dtype_name)
+def test_saturated_cast_clamps_both_ends(float8_dtype, inplace):
+    """Both branches clamp both ends to the finite max (a missing bound gives NaN or inf:
+    torch's own conversion does not saturate); only ``inplace`` writes into ``x``."""
+    fmax = FORMATS[float8_dtype].max
+    x = torch.tensor([-4 * fmax, -fmax, 0.5, fmax, 4 * fmax], dtype=torch.float32)
+    before = x.clone()
+    # The copy case through the default: a caller that does not ask for inplace keeps its x.
+    out = formats.saturated_cast(x, float8_dtype, inplace=True) if inplace else formats.saturated_cast(x, float8_dtype)
+    assert out.dtype == float8_dtype
+    assert out.float().tolist() == [-fmax, -fmax, 0.5, fmax, fmax]
+    if inplace:
+        assert x.tolist() == [-fmax, -fmax, 0.5, fmax, fmax]
+    else:
+        assert torch.equal(x, before)
+
+
+def test_check_hp_dtype_names_the_input_by_default():
+    with pytest.raises(TypeError, match=r"^input must have a high-precision floating dtype \(torch.bfloat16"):
+        formats.check_hp_dtype(torch.int8)
+
+
+# ------------------------------------------------------------ config: the block predicates
+
+
+@pytest.mark.parametrize(
+    "block, expected",
+    [
+        ((), None),  # tensorwise
+        ((0, 0), 1),  # one scale kept with the tensor's rank: the last dim
+        ((0, 0, 0), 2),
+        ((1, 0), 1),  # rowwise on an (M, K) operand contracted over K
+        ((0, 1), 0),
+        ((1, 1, 0), 2),
+        ((128, 0), None),  # a true block with a whole-dim entry: not axiswise
+        ((1, 128), None),
+        ((128, 128), None),
+    ],
+)
+def test_axiswise_dim_from_the_block_definition(block, expected):
+    from f8tensor.config import axiswise_dim
+
+    assert axiswise_dim(block) == expected
