@@ -119,6 +119,15 @@ __all__ = [
 # from before it name the class itself: under that name weights_only loading gets a
 # subclass that cannot be constructed directly and becomes a Float8Tensor only once
 # __setstate__ has validated its fields (GemmConfig is one of them).
+# GemmConfig and Granularity moved from f8tensor.config to f8tensor.specs: checkpoints
+# written before name them under the old module, and load under both names.
 torch.serialization.add_safe_globals(
-    [_rebuild_float8_tensor, (_LegacyFloat8Tensor, "f8tensor.tensor.Float8Tensor"), GemmConfig, Granularity]
+    [
+        _rebuild_float8_tensor,
+        (_LegacyFloat8Tensor, "f8tensor.tensor.Float8Tensor"),
+        GemmConfig,
+        Granularity,
+        (GemmConfig, "f8tensor.config.GemmConfig"),
+        (Granularity, "f8tensor.config.Granularity"),
+    ]
 )

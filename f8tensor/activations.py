@@ -21,8 +21,9 @@ without storing the padding). Left alone (saved as autograd saves them):
   accumulates into: its storage is kept alive by its owner anyway, so a copy would add
   memory, not save it);
 - autocast's low-precision copies of parameters (the output of a ``_to_copy`` whose
-  input is a leaf that requires grad): they are recomputed by every autocast forward
-  and read by the input-gradient products, which they would make less exact;
+  input is a leaf that requires grad) and views of them (the transposed copy a linear
+  saves): they are recomputed by every autocast forward and read by the input-gradient
+  products, which they would make less exact;
 - tensors with fewer than ``min_numel`` elements (default :data:`DEFAULT_MIN_NUMEL`,
   65,536: below it a tensor saves at most 64 KiB, less than what two extra kernel
   launches and the bookkeeping cost) and tensors whose last dim is shorter than
@@ -43,6 +44,18 @@ Non-finite values stay non-finite: a block holding an inf or a NaN has a non-fin
 and comes back NaN as a whole (one element's NaN reaches the other elements of its
 block; no finite value is ever made from it).
 
+Per-module policy: ``save_activations_in_float8(model=model, module_filter_fn=fn)`` calls
+``fn(module, fqn) -> bool`` once per module of ``model`` when the context is entered (``fqn``
+as ``model.named_modules()`` spells it, ``""`` for ``model`` itself), as the converter's
+``module_filter_fn`` does: ``True`` compresses what is saved while that module's forward
+runs, ``False`` keeps it as autograd saves it (bf16 stays bf16), and with it everything its
+submodules save. A tensor is attributed to the modules whose forwards are running when an op
+saves it (a linear's input to the linear that reads it, not to the module that made it).
+The policy is read from forward hooks the context puts on the rejected modules while it is
+active (removed at exit, also on an exception): it follows modules whose forward runs in
+eager; the tensors outside every rejected module, and those of a compiled module's graph
+(packed around the graph), follow the context's other rules.
+
 Backward may run outside the context (the packed copies carry everything they need);
 contexts nest (the innermost one applies, as for any ``saved_tensors_hooks``); activation
 checkpointing (``torch.utils.checkpoint(..., use_reentrant=False)``) composes: a
@@ -53,26 +66,25 @@ Eager only: entering the context inside a region torch.compile traces, or a pack
 called while tracing, raises a RuntimeError that says so. A compiled module called from
 eager code under the context is compiled as usual; the tensors its compiled graph saves
 are then packed by the context like any other saved tensor (in eager, around the graph).
-
-Layer: beside ``convert`` and ``stats`` (the package root exports it, and ``demo``, which
-imports the root, sits above); imports ``compat``, ``config``, ``formats`` and ``kernels`` only.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
 import torch
+from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 from typing_extensions import Self
 
 from f8tensor.compat import version_counter, view_base
-from f8tensor.config import CastSpec
 from f8tensor.formats import FLOAT8_DTYPES
 from f8tensor.kernels import cast, dequantize
+from f8tensor.specs import CastSpec
 
 __all__ = ["COMPRESSED_DTYPES", "DEFAULT_MIN_NUMEL", "save_activations_in_float8"]
 
@@ -121,10 +133,16 @@ def _dense(t: torch.Tensor) -> bool:
 def _from_parameter(t: torch.Tensor) -> bool:
     """A parameter, a view of one, any leaf autograd accumulates into, or autocast's copy
     of one of these (see the module docstring)."""
-    if isinstance(t, torch.nn.Parameter) or (t.is_leaf and t.requires_grad):
-        return True
     base = view_base(t)
-    if base is not None and (isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad)):
+    # A view is judged by what it views (the transposed bf16 weight a linear saves), never
+    # by its own flags: a view an autograd Function makes of its input inside forward (the
+    # 2D input f8tensor's linear Functions save) is a leaf that requires grad without being
+    # one autograd accumulates into.
+    return _parameter_or_copy(t if base is None else base)
+
+
+def _parameter_or_copy(t: torch.Tensor) -> bool:
+    if isinstance(t, torch.nn.Parameter) or (t.is_leaf and t.requires_grad):
         return True
     fn = t.grad_fn
     if fn is not None and type(fn).__name__ == "ToCopyBackward0":
@@ -144,6 +162,14 @@ class _Hooks:
         self.block = block
         self.min_numel = min_numel
         self.cache: _Cache = _Cache()
+        # How many forwards of modules the policy keeps in high precision are running.
+        self.kept_depth = 0
+
+    def enter_kept(self, *_: Any) -> None:
+        self.kept_depth += 1
+
+    def leave_kept(self, *_: Any) -> None:
+        self.kept_depth -= 1
 
     def _eligible(self, t: torch.Tensor) -> bool:
         return (
@@ -160,7 +186,7 @@ class _Hooks:
     def pack(self, t: torch.Tensor) -> Any:
         if torch.compiler.is_compiling():
             raise RuntimeError(_EAGER_ONLY)
-        if not self._eligible(t):
+        if self.kept_depth or not self._eligible(t):
             return t
         key = (
             t.device,
@@ -220,16 +246,20 @@ class save_activations_in_float8:
     ``float8_dtype``: one of :data:`f8tensor.FLOAT8_DTYPES` (default e4m3fn). ``block``:
     elements per fp32 scale along the last dim (default 128, a positive int).
     ``min_numel``: the smallest tensor compressed (default :data:`DEFAULT_MIN_NUMEL`,
-    an int >= 0). Which tensors are compressed, what is left alone and why: see the
-    module docstring of :mod:`f8tensor.activations`.
+    an int >= 0). ``model`` and ``module_filter_fn(module, fqn) -> bool``: the per-module
+    policy (``False`` keeps what that module and its submodules save as it is; see
+    :mod:`f8tensor.activations`). Which tensors are compressed, what is left alone and why:
+    see the module docstring of :mod:`f8tensor.activations`.
 
     Reusable and re-entrant: each ``with`` installs a fresh pair of hooks and its own
     per-storage cache; the cache is dropped at exit (the packed copies live on in the
     graph until backward has read them).
 
     Raises ``ValueError`` for a ``float8_dtype`` that is not FP8, a ``block`` that is not a
-    positive int or a negative ``min_numel``; ``RuntimeError`` when entered inside a region
-    torch.compile traces (eager-only).
+    positive int, a negative ``min_numel`` or a ``module_filter_fn`` without a ``model``;
+    ``TypeError`` for a ``model`` that is not an ``nn.Module`` or a ``module_filter_fn`` that
+    is not callable; ``RuntimeError`` when entered inside a region torch.compile traces
+    (eager-only).
 
     >>> import torch, f8tensor
     >>> lin = torch.nn.Linear(256, 256)
@@ -239,6 +269,14 @@ class save_activations_in_float8:
     >>> y.sum().backward()  # backward may run outside the context
     >>> lin.weight.grad.shape
     torch.Size([256, 256])
+
+    Keeping chosen modules' activations in high precision (here the second linear's input):
+
+    >>> mlp = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256))
+    >>> keep_last = lambda module, fqn: fqn != "2"
+    >>> with f8tensor.save_activations_in_float8(model=mlp, module_filter_fn=keep_last):
+    ...     loss = mlp(x).sum()
+    >>> loss.backward()
     """
 
     def __init__(
@@ -247,6 +285,8 @@ class save_activations_in_float8:
         float8_dtype: torch.dtype = torch.float8_e4m3fn,
         block: int = 128,
         min_numel: int = DEFAULT_MIN_NUMEL,
+        model: nn.Module | None = None,
+        module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
     ) -> None:
         if float8_dtype not in FLOAT8_DTYPES:
             allowed = ", ".join(str(d) for d in FLOAT8_DTYPES)
@@ -255,19 +295,50 @@ class save_activations_in_float8:
             raise ValueError(f"block must be a positive int (elements per scale along the last dim); got {block!r}")
         if isinstance(min_numel, bool) or not isinstance(min_numel, int) or min_numel < 0:
             raise ValueError(f"min_numel must be an int >= 0; got {min_numel!r}")
+        if model is not None and not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module or None; got {type(model).__name__}")
+        if module_filter_fn is not None and not callable(module_filter_fn):
+            raise TypeError(f"module_filter_fn must be a callable (module, fqn) -> bool or None; got {module_filter_fn!r}")
+        if module_filter_fn is not None and model is None:
+            raise ValueError("module_filter_fn needs model= (the module whose submodules it chooses among)")
+        self.model = model
+        self.module_filter_fn = module_filter_fn
         self.float8_dtype = float8_dtype
         self.block = block
         self.min_numel = min_numel
-        self._entered: list[tuple[_Hooks, saved_tensors_hooks]] = []
+        self._entered: list[tuple[_Hooks, saved_tensors_hooks, list[Any]]] = []
 
     def __enter__(self) -> Self:
         if torch.compiler.is_compiling():
             raise RuntimeError(_EAGER_ONLY)
         hooks = _Hooks(self.float8_dtype, self.block, self.min_numel)
+        handles = self._policy_hooks(hooks)
         manager = saved_tensors_hooks(hooks.pack, hooks.unpack)
         manager.__enter__()
-        self._entered.append((hooks, manager))
+        self._entered.append((hooks, manager, handles))
         return self
+
+    def _policy_hooks(self, hooks: _Hooks) -> list[Any]:
+        """Forward hooks on the outermost modules ``module_filter_fn`` rejects: while one of
+        them runs, ``hooks`` packs nothing (their submodules need no hooks of their own)."""
+        if self.model is None or self.module_filter_fn is None:
+            return []
+        rejected: list[str] = []
+        handles: list[Any] = []
+        try:
+            for fqn, module in self.model.named_modules():
+                if self.module_filter_fn(module, fqn):
+                    continue
+                if any(fqn.startswith(outer + ".") or outer == "" for outer in rejected):
+                    continue
+                rejected.append(fqn)
+                handles.append(module.register_forward_pre_hook(hooks.enter_kept))
+                handles.append(module.register_forward_hook(hooks.leave_kept, always_call=True))
+        except BaseException:
+            for handle in handles:
+                handle.remove()
+            raise
+        return handles
 
     def __exit__(
         self,
@@ -275,12 +346,16 @@ class save_activations_in_float8:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        hooks, manager = self._entered.pop()
+        hooks, manager, handles = self._entered.pop()
+        for handle in handles:
+            handle.remove()
         hooks.cache.clear()
         manager.__exit__(exc_type, exc, tb)
 
     def __repr__(self) -> str:
         return (
             f"save_activations_in_float8(float8_dtype={self.float8_dtype}, block={self.block}, "
-            f"min_numel={self.min_numel})"
+            f"min_numel={self.min_numel}"
+            + ("" if self.module_filter_fn is None else f", module_filter_fn={self.module_filter_fn!r}")
+            + ")"
         )

@@ -19,14 +19,11 @@ attention itself (softmax(q k^T) v) stays in high precision. Because an argument
 decline PyTorch's fused ``_native_multi_head_attention`` fast path in eval, so inference
 takes the same FP8 path; a matrix product that reaches dispatch with a wrapped weight
 (which would run in high precision) raises instead.
-
-Layer: beside ``linear`` and ``moe``; imports ``functions``, ``weights``, ``compat``, ``config``.
 """
 
 from __future__ import annotations
 
 import inspect
-import types
 from collections.abc import Callable
 from typing import Any
 
@@ -34,9 +31,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from f8tensor.compat import multi_head_attention_forward_with
 from f8tensor.config import Float8LinearConfig
 from f8tensor.functions import Float8LinearFn, GemmFormatsLinearFn
 from f8tensor.weights import RecipeWeight
+from f8tensor.weights import Unwrap as _Unwrap
 
 __all__ = ["Float8AttentionWeight", "attention_config", "attention_weight_names", "wrap_attention"]
 
@@ -78,49 +77,17 @@ _FORWARDS: dict[Float8LinearConfig, Callable[..., Any]] = {}
 
 
 def _fp8_attention_forward(config: Float8LinearConfig) -> Callable[..., Any]:
-    """``F.multi_head_attention_forward`` with every ``linear`` it calls (directly and through
-    ``_in_projection_packed`` / ``_in_projection``) running with ``config``'s GEMMs.
-
-    PyTorch's own code (its bytecode, rebound to a copy of ``torch.nn.functional``'s globals
-    in which ``linear`` is the FP8 projection): masks, dropout, ``bias_k``/``bias_v``,
-    ``add_zero_attn``, ``need_weights`` and the attention itself behave exactly as in the
-    high-precision module. One function per recipe, cached."""
+    """``F.multi_head_attention_forward`` with every ``linear`` it calls running with
+    ``config``'s GEMMs (PyTorch's own code, see
+    :func:`~f8tensor.compat.multi_head_attention_forward_with`). One function per recipe, cached."""
     fn = _FORWARDS.get(config)
     if fn is None:
-        scope = dict(vars(F))
-        scope["linear"] = lambda x, w, b=None: _projection(x, w, b, config)
-        for name in ("_in_projection_packed", "_in_projection", "multi_head_attention_forward"):
-            original = getattr(F, name)
-            if "linear" not in original.__code__.co_names:
-                # A torch whose attention multiplies through another name would run its
-                # projections in high precision behind this copy: refused instead.
-                raise NotImplementedError(
-                    f"torch {torch.__version__}: F.{name} no longer calls F.linear by that name; FP8 "
-                    "nn.MultiheadAttention needs an update of f8tensor.attention for this torch"
-                )
-            copy = types.FunctionType(original.__code__, scope, original.__name__, original.__defaults__, original.__closure__)
-            copy.__kwdefaults__ = original.__kwdefaults__
-            scope[name] = copy
-        fn = _FORWARDS[config] = scope["multi_head_attention_forward"]
+        fn = _FORWARDS[config] = multi_head_attention_forward_with(lambda x, w, b=None: _projection(x, w, b, config))
     return fn
 
 
 _MHA_SIGNATURE = inspect.signature(F.multi_head_attention_forward)
 _MHA_WEIGHTS = ("in_proj_weight", "out_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight")
-
-
-class _Unwrap(torch.autograd.Function):
-    """The plain tensor inside a :class:`Float8AttentionWeight`, with the gradient passed through."""
-
-    @staticmethod
-    def forward(ctx: Any, w: Float8AttentionWeight) -> torch.Tensor:  # type: ignore[override]
-        # Through dispatch (view.dtype is neither in VIEWS nor COPIES: the plain alias of _hp),
-        # so that tracing above the subclass sees an op, not an untracked attribute.
-        return w.view(w.dtype)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return grad
 
 
 def _route_attention(args: tuple, kwargs: dict) -> Any:
@@ -189,7 +156,12 @@ class Float8AttentionWeight(RecipeWeight):
             aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int,
         }
     )
-    COPIES = frozenset({aten.clone.default, aten._to_copy.default, aten.empty_like.default, aten._pin_memory.default})
+    COPIES = frozenset(
+        {
+            aten.clone.default, aten._to_copy.default, aten.empty_like.default, aten._pin_memory.default,
+            aten.new_empty.default, aten.new_zeros.default,  # FSDP2's padded shards
+        }
+    )
 
     @classmethod
     def _route(cls, func: Any) -> Any:

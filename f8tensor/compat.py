@@ -4,14 +4,12 @@ f8tensor supports torch 2.11-2.14. Everything it needs that PyTorch does not off
 public API (the FP8 GEMM ops, the tensor-subclass machinery, a few autograd and
 distributed internals) is reached from here and nowhere else, so that a torch release
 that moves one of them is a change to one entry of this file. Each entry says what it is
-and since which torch release it exists. ``tests/test_private_api.py`` checks the rule:
+and since which torch release it exists. ``tests/project/test_private_api.py`` checks the rule:
 no other module of the package names a private torch attribute or module.
 
 It also knows what each supported release has (``TORCH_VERSION`` and the ``HAS_*`` flags
 below, each measured on that release's CPU build or read from its sources; README.md,
 "Version matrix"), so that the package decides from data, never by catching an error.
-
-Layer: the bottom. Imports torch only; every module of the package may import it.
 """
 
 from __future__ import annotations
@@ -27,6 +25,7 @@ if torch.distributed.is_available():
     from torch.distributed.tensor.parallel import ColwiseParallel
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils import _pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._python_dispatch import return_and_correct_aliasing as _return_and_correct_aliasing
 
 if torch.distributed.is_available():
@@ -41,6 +40,7 @@ __all__ = [
     "HAS_GROUPED_MM_FP32_META",
     "META_FLOORS_BLOCK_SCALES",
     "TORCH_VERSION",
+    "TorchDispatchMode",
     "assert_async",
     "block_scaled_mm",
     "colwise_prepare_input",
@@ -56,6 +56,7 @@ __all__ = [
     "is_op_of_namespace",
     "make_wrapper_subclass",
     "make_wrapper_subclass_shaped",
+    "multi_head_attention_forward_with",
     "preserve_version_counter",
     "return_and_correct_aliasing",
     "scaled_grouped_mm",
@@ -470,3 +471,40 @@ def colwise_prepare_input(input_layouts: Any, desired_input_layouts: Any, mod: A
     style hooks before the layer. f8tensor's ``Float8ColwiseParallel`` overrides that hook
     (the name ``ColwiseParallel._apply`` registers) and falls back to torch's own here."""
     return ColwiseParallel._prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh)
+
+
+# ----------------------------------------------------------------------- PyTorch's attention
+
+#: The functions of ``torch.nn.functional`` through which ``multi_head_attention_forward``
+#: reaches its projections (it calls the two in-projection helpers; all three call ``linear``).
+_MHA_FUNCTIONS = ("_in_projection_packed", "_in_projection", "multi_head_attention_forward")
+
+
+def multi_head_attention_forward_with(linear: Callable[..., torch.Tensor]) -> Callable[..., Any]:
+    """``F.multi_head_attention_forward`` with every ``linear`` it calls (directly and through
+    ``_in_projection_packed`` / ``_in_projection``) replaced by ``linear(x, w, b=None)``.
+
+    PyTorch's own code: its bytecode, rebound to a copy of ``torch.nn.functional``'s globals
+    in which ``linear`` (and the helpers) are the replacements, so masks, dropout,
+    ``bias_k``/``bias_v``, ``add_zero_attn``, ``need_weights`` and the attention itself behave
+    exactly as in the release that runs. Present in torch 2.11-2.14 under these names; a
+    release whose functions no longer call ``linear`` by that name is refused (its
+    projections would bypass the replacement silently).
+
+    Raises:
+        NotImplementedError: one of the functions no longer names ``linear``.
+    """
+    functional = torch.nn.functional
+    scope = dict(vars(functional))
+    scope["linear"] = linear
+    for name in _MHA_FUNCTIONS:
+        original = getattr(functional, name)
+        if "linear" not in original.__code__.co_names:
+            raise NotImplementedError(
+                f"torch {torch.__version__}: F.{name} no longer calls F.linear by that name; FP8 "
+                "nn.MultiheadAttention needs an update of f8tensor.compat for this torch"
+            )
+        copy = types.FunctionType(original.__code__, scope, original.__name__, original.__defaults__, original.__closure__)
+        copy.__kwdefaults__ = original.__kwdefaults__
+        scope[name] = copy
+    return scope["multi_head_attention_forward"]

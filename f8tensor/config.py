@@ -1,18 +1,14 @@
-"""Frozen configuration objects, read by every other module.
+"""The user configs: frozen objects, read by every module that casts or multiplies.
 
 Configs are immutable and compare by value, so they can ride along as torch.compile
-guards: ``dataclasses.dataclass(frozen=True)`` (``dataclasses.replace`` derives variants),
-except :class:`GemmConfig` and :class:`CastSpec`, which travel as Float8Tensor metadata and
-through casts and are therefore NamedTuples (see :class:`GemmConfig`). Validation says what
-is wrong and what is allowed.
+guards: ``dataclasses.dataclass(frozen=True)`` (``dataclasses.replace`` derives variants).
+Validation says what is wrong and what is allowed.
 
-Granularity has one internal spelling, the per-dim block of a :class:`CastSpec` (and of a
-Float8Tensor's ``_block``); :func:`is_tensorwise`, :func:`axiswise_dim` and
-:func:`is_blockwise` are the predicates on it, here and nowhere else.
-:meth:`CastConfig.operand_spec` turns a user's granularity into that block for one GEMM
-operand: linear layers, experts and grouped products all ask it.
-
-Layer: above ``formats``; imports ``formats``, ``hadamard`` (the seed check) and ``compat`` only.
+The words they are written in (granularities, :class:`CastSpec`, :class:`GemmConfig`, the
+predicates on a block) are in ``specs`` and re-exported here; the named recipes' choices
+are in ``recipes``, built here into :data:`RECIPES`. :meth:`CastConfig.operand_spec` turns
+a user's granularity into a spec's block for one GEMM operand: linear layers, experts and
+grouped products all ask it.
 """
 
 from __future__ import annotations
@@ -25,8 +21,40 @@ from typing import Any, NamedTuple
 
 import torch
 
-from f8tensor.formats import E8M0, FLOAT4_X2, FLOAT8_DTYPES, FORMATS, HP_DTYPES, SCALE_DTYPES
+from f8tensor.formats import FLOAT8_DTYPES, FORMATS
 from f8tensor.hadamard import check_rht_seed
+from f8tensor.recipes import CAST_ROLES, RECIPE_FIELDS
+from f8tensor.specs import (  # noqa: F401  (the vocabulary, re-exported: importable from here as before)
+    DEFAULT_GEMM,
+    E8M0_SCALE_MODES,
+    FP4_BLOCKS,
+    FP4_CAST_DTYPE,
+    HISTORY_REDUCTIONS,
+    NVFP4_SCALE,
+    ROUNDING_MODES,
+    BLOCK_1x128,
+    BLOCK_128x128,
+    BlockGranularity,
+    CastSpec,
+    GemmConfig,
+    Granularity,
+    MX_1x32,
+    MX_1x32_FLOOR,
+    MXFP4_1x32,
+    NVFP4_1x16,
+    NVFP4_16x16,
+    axiswise_block,
+    axiswise_dim,
+    block_scale_shape,
+    check_bool,
+    constant_along,
+    is_axiswise,
+    is_blockwise,
+    is_tensorwise,
+    parse_enum,
+    parse_granularity,
+    varies_along,
+)
 
 __all__ = [
     "FP4_CAST_DTYPE",
@@ -51,286 +79,6 @@ __all__ = [
 ]
 
 
-def _parse_enum(cls: type[enum.Enum], value: object, what: str) -> Any:
-    """``cls(value)`` for the strings users type, with an error listing what is allowed."""
-    if isinstance(value, cls):
-        return value
-    try:
-        return cls(value)
-    except ValueError:
-        allowed = ", ".join(repr(member.value) for member in cls)
-        raise ValueError(f"{what} must be one of {allowed}; got {value!r}") from None
-
-
-class Granularity(str, enum.Enum):
-    """How many scales a cast uses.
-
-    ``TENSORWISE``: one scale for the whole tensor. ``ROWWISE``: one scale per row along
-    the last dimension (for a weight ``(out, in)``: one per output feature). Internally a
-    rowwise scale may also run along another axis (``axiswise_dim``), e.g. per column for
-    the operands of the weight-gradient GEMM.
-    """
-
-    TENSORWISE = "tensorwise"
-    ROWWISE = "rowwise"
-
-    @classmethod
-    def parse(cls, value: object) -> Granularity:
-        return _parse_enum(cls, value, "granularity")
-
-
-E8M0_SCALE_MODES = ("rceil", "floor")
-ROUNDING_MODES = ("nearest", "stochastic")
-
-
-class BlockGranularity(NamedTuple):
-    """A block-scaled granularity: which elements share one scale, and the scale's dtype.
-
-    - ``block``: one entry per trailing dim of the tensor it is applied to; a tensor with
-      more dims gets 1 on the leading ones (``(1, 128)`` on a ``(B, S, K)`` activation is
-      ``(1, 1, 128)``: every row of every batch entry has its own tiles). An entry
-      ``b > 0``: ``b`` consecutive elements along that dim share a scale (partial edge
-      blocks allowed: ``ceil(size / b)`` scales); ``0``: the whole dim shares one.
-    - ``scale_dtype``: ``torch.float32`` or ``torch.float8_e8m0fnu`` (MX: power-of-two scales).
-    - ``scale_mode``: for e8m0 only, how the shared exponent is chosen: ``"rceil"`` (default:
-      the smallest power of two that keeps the block's amax in range, never saturates) or
-      ``"floor"`` (OCP MX spec v1.0: ``floor(log2(amax)) - emax_elem``; can saturate the top
-      of a block by up to 2x).
-
-    Public spellings: :data:`BLOCK_1x128`, :data:`BLOCK_128x128`, :data:`MX_1x32`,
-    :data:`MX_1x32_FLOOR`, or a plain tuple such as ``(1, 128)`` (fp32 scales).
-    A NamedTuple, not a dataclass, for the reason given at :class:`GemmConfig`.
-
-    Raises:
-        ValueError: when a cast or a config uses it (:meth:`validated`): a ``block`` that is
-            not a non-empty tuple of ints in ``[0, 2**63)``, an unknown ``scale_dtype`` or
-            ``scale_mode``, or a tensor with fewer dims than ``block`` has entries.
-
-    Example:
-        >>> from f8tensor import BlockGranularity, Float8Tensor
-        >>> g = BlockGranularity((1, 32), torch.float8_e8m0fnu)
-        >>> Float8Tensor.from_hp(torch.randn(4, 64), granularity=g)._scale.shape
-        torch.Size([4, 2])
-    """
-
-    block: tuple[int, ...]
-    scale_dtype: torch.dtype = torch.float32
-    scale_mode: str = "rceil"
-
-    def validated(self) -> BlockGranularity:
-        block = self.block
-        if not isinstance(block, tuple) or not block or any(
-            isinstance(b, bool) or not isinstance(b, int) or not 0 <= b < 2**63 for b in block
-        ):
-            raise ValueError(
-                f"a block shape is a non-empty tuple of ints in [0, 2**63) (0: the whole dim; an entry "
-                f"larger than its dim is one partial block); got {block!r}"
-            )
-        if self.scale_dtype not in SCALE_DTYPES + (_NVFP4_SCALE,):
-            raise ValueError(
-                f"BlockGranularity.scale_dtype must be one of {SCALE_DTYPES} (or float8_e4m3fn for NVFP4 "
-                f"blocks); got {self.scale_dtype!r}"
-            )
-        if self.scale_mode not in E8M0_SCALE_MODES:
-            raise ValueError(f"BlockGranularity.scale_mode must be one of {E8M0_SCALE_MODES}; got {self.scale_mode!r}")
-        return self
-
-    @property
-    def value(self) -> str:
-        """A short name, as ``Granularity.value`` is for the others: ``"1x128"``, ``"1x32 e8m0 rceil"``."""
-        name = "x".join(str(b) for b in self.block)
-        return f"{name} e8m0 {self.scale_mode}" if self.scale_dtype == E8M0 else name
-
-    def full_block(self, ndim: int) -> tuple[int, ...]:
-        """The per-dim block for a tensor with ``ndim`` dims (leading dims padded with 1)."""
-        if ndim < len(self.block):
-            raise ValueError(f"block {self.block} needs a tensor with at least {len(self.block)} dims; got {ndim}")
-        return (1,) * (ndim - len(self.block)) + self.block
-
-
-_NVFP4_SCALE = torch.float8_e4m3fn
-
-#: DeepSeek-V3 activation/gradient tiles: one fp32 scale per 128 consecutive elements of a row.
-BLOCK_1x128 = BlockGranularity((1, 128))
-#: DeepSeek-V3 weight blocks: one fp32 scale per 128x128 block.
-BLOCK_128x128 = BlockGranularity((128, 128))
-#: MXFP8: one e8m0 (power-of-two) scale per 32 consecutive elements of a row, RCEIL exponent.
-MX_1x32 = BlockGranularity((1, 32), E8M0, "rceil")
-#: MXFP8 with the OCP spec's floor rule for the shared exponent.
-MX_1x32_FLOOR = BlockGranularity((1, 32), E8M0, "floor")
-
-
-#: The dtype of an FP4 :class:`CastConfig` (``torch.float4_e2m1fn_x2``: packed E2M1); its
-#: granularity says which FP4 format: :data:`NVFP4_1x16`, :data:`NVFP4_16x16` or :data:`MXFP4_1x32`.
-FP4_CAST_DTYPE = FLOAT4_X2
-#: NVFP4: E2M1 with one e4m3fn scale per 16 elements along K, plus an fp32 tensor scale.
-NVFP4_1x16 = BlockGranularity((1, 16), _NVFP4_SCALE)
-#: NVFP4 with 2D 16x16 blocks (weights): both layouts of a weight quantize identically.
-NVFP4_16x16 = BlockGranularity((16, 16), _NVFP4_SCALE)
-#: MXFP4 (OCP MX v1.0): E2M1 with one e8m0 scale per 32 elements along K (RCEIL exponent).
-MXFP4_1x32 = BlockGranularity((1, 32), E8M0, "rceil")
-_FP4_BLOCKS = {_NVFP4_SCALE: ((1, 16), (16, 16)), E8M0: ((1, 32),)}
-
-
-def parse_granularity(value: object) -> Granularity | BlockGranularity:
-    """``"tensorwise"``, ``"rowwise"``, a :class:`Granularity`, a :class:`BlockGranularity`
-    or a block tuple such as ``(1, 128)`` -> the canonical object."""
-    if isinstance(value, BlockGranularity):
-        return value.validated()
-    if isinstance(value, tuple):
-        return BlockGranularity(tuple(value)).validated()
-    if isinstance(value, list):
-        raise TypeError(f"a block shape is a tuple, not a list; got {value!r}")
-    return Granularity.parse(value)
-
-
-def block_scale_shape(shape: tuple[int, ...], block: tuple[int, ...]) -> tuple[int, ...]:
-    """The scale's shape for data of ``shape`` and a per-dim ``block``: 1 where the block
-    is 0 (the whole dim), ``ceil(size / b)`` elsewhere."""
-    return tuple(1 if b == 0 else -(-s // b) for s, b in zip(shape, block))
-
-
-def axiswise_block(axiswise_dim: int | None, ndim: int) -> tuple[int, ...]:
-    """The block of the old spellings: tensorwise (``None``) -> all 0; axiswise ``d`` -> 0 at
-    ``d`` (the amax runs along it), 1 elsewhere (one scale per index)."""
-    if axiswise_dim is None:
-        return (0,) * ndim
-    d = axiswise_dim % ndim
-    return tuple(0 if i == d else 1 for i in range(ndim))
-
-
-# ----------------------------------------------------------------------- the cast spec
-
-
-class CastSpec(NamedTuple):
-    """One cast to FP8, as data: every cast in f8tensor is given one (casts of a Float8Linear
-    operand, of an expert weight, of a plain GEMM operand, re-casts for a kernel).
-
-    - ``float8_dtype``: one of the four FP8 dtypes.
-    - ``block``: which elements share one scale, one entry per dim of the tensor cast:
-      ``b > 0``: ``b`` consecutive elements along that dim (a partial last block allowed);
-      ``0``: the whole dim. ``()``: one scale for the whole tensor, of any rank (tensorwise:
-      a 0-dim scale). Otherwise the scale has one dim per entry, ``ceil(size / b)`` long (1
-      for 0). Rowwise is 0 on the dim the GEMM contracts and 1 elsewhere: ``(1, 0)`` for an
-      ``(M, K)`` input; 1x128 tiles ``(1, 128)``; DeepSeek weights ``(128, 128)``.
-    - ``scale_dtype``: ``torch.float32`` or ``torch.float8_e8m0fnu`` (MX: powers of two).
-    - ``scale_mode``: the e8m0 exponent rule, ``"rceil"`` or ``"floor"`` (see
-      :class:`BlockGranularity`).
-    - ``power_of_2``: round a computed fp32 scale down to a power of two.
-    - ``rounding``: ``"nearest"`` or ``"stochastic"``.
-
-    A NamedTuple for the reason given at :class:`GemmConfig`. Library code builds it from
-    validated configs (:meth:`CastConfig.operand_spec`) or from a Float8Tensor's own fields;
-    the public entry points (``Float8Tensor.from_hp``) validate what users pass.
-    """
-
-    float8_dtype: torch.dtype
-    block: tuple[int, ...] = ()
-    scale_dtype: torch.dtype = torch.float32
-    scale_mode: str = "rceil"
-    power_of_2: bool = False
-    rounding: str = "nearest"
-
-
-# The predicates on a block, in the spelling of CastSpec.block: ``()`` is tensorwise (a
-# 0-dim scale); a Float8Tensor's is ``Float8Tensor._scale_block``.
-
-
-def is_tensorwise(block: tuple[int, ...]) -> bool:
-    """One scale for the whole tensor (a 0-dim scale)."""
-    return not block
-
-
-def axiswise_dim(block: tuple[int, ...]) -> int | None:
-    """The dim an axiswise block shares its scales along: the one 0 of a block that is 1
-    elsewhere (one scale per index of the other dims), or the last dim of an all-0 block
-    (one scale, kept with the tensor's rank). ``None`` for tensorwise and for true blocks."""
-    if not block:
-        return None
-    zeros = [d for d, b in enumerate(block) if b == 0]
-    if len(zeros) == len(block):
-        return len(block) - 1
-    if len(zeros) == 1 and all(b in (0, 1) for b in block):
-        return zeros[0]
-    return None
-
-
-def is_axiswise(block: tuple[int, ...], dim: int | None = None) -> bool:
-    """An axiswise block (see :func:`axiswise_dim`), along ``dim`` if given."""
-    axis = axiswise_dim(block)
-    return axis is not None and (dim is None or axis == dim % len(block))
-
-
-def is_blockwise(block: tuple[int, ...]) -> bool:
-    """A true block (1x128, 128x128, MX, ...): neither tensorwise nor axiswise."""
-    return bool(block) and axiswise_dim(block) is None
-
-
-def varies_along(block: tuple[int, ...], dim: int) -> bool:
-    """Whether the scale takes more than one value along ``dim`` (block entry > 0)."""
-    return bool(block) and block[dim] != 0
-
-
-def constant_along(block: tuple[int, ...], dim: int) -> bool:
-    """One scale for the whole of ``dim`` per index of the other dims (tensorwise, or every
-    entry 0 or 1 with 0 at ``dim``): the scales the dense and grouped kernels read along K."""
-    return not block or (block[dim] == 0 and all(b in (0, 1) for b in block))
-
-
-def _check_bool(owner: str, name: str, value: object) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{owner}.{name} must be a bool; got {value!r}")
-
-
-class GemmConfig(NamedTuple):
-    """How one FP8 matrix product runs; carried by each Float8Tensor operand.
-
-    - ``out_dtype``: dtype of the product. ``None`` means the first operand's
-      high-precision dtype (``x`` in ``x @ w8.t()``). Any of bf16, fp16, fp32 is written
-      straight from the fp32 accumulator: there is no FP8 round trip before, say, a
-      residual add. For an FP8 output with a known scale use :func:`f8tensor.float8_mm`.
-    - ``use_fast_accum``: Hopper's faster, less precise FP8 accumulation (ignored on CPU).
-    - ``pad_inner_dim``: zero-pad K and N up to multiples of 16 (what ``torch._scaled_mm``
-      requires) instead of raising.
-    - ``emulate``: on CUDA, compute block-scaled products (1x128, 128x128, MX) with the
-      reference path (dequantize per block in fp32, fp32 matmul) instead of the
-      ``torch.nn.functional.scaled_mm`` kernels, e.g. on a GPU or build without them.
-      CPU always uses the reference path for block scales.
-
-    An immutable NamedTuple rather than a dataclass: it is Float8Tensor metadata, and
-    torch.compile reads and builds it on tensors created inside the graph, where dynamo
-    handles plain named tuples (on every supported torch version) but neither dataclasses
-    nor tuples with a custom ``__new__``. So it is checked where it enters the public
-    API (:meth:`validated`). Derive variants with ``cfg._replace(...)``.
-
-    Raises:
-        ValueError: from :meth:`validated`, which the entry points call: an ``out_dtype``
-            the FP8 kernels cannot write (the message lists the allowed ones).
-    """
-
-    out_dtype: torch.dtype | None = None
-    use_fast_accum: bool = False
-    pad_inner_dim: bool = False
-    emulate: bool = False
-
-    def validated(self) -> GemmConfig:
-        """Return ``self`` if every field is allowed, else raise saying what is."""
-        if self.out_dtype is not None and self.out_dtype not in HP_DTYPES:
-            hint = (
-                " (for an FP8 output pass out_dtype and out_scale to f8tensor.float8_mm)"
-                if self.out_dtype in FLOAT8_DTYPES
-                else ""
-            )
-            allowed = ", ".join(str(d) for d in HP_DTYPES)
-            raise ValueError(f"GemmConfig.out_dtype must be None or one of {allowed}; got {self.out_dtype!r}{hint}")
-        _check_bool("GemmConfig", "use_fast_accum", self.use_fast_accum)
-        _check_bool("GemmConfig", "pad_inner_dim", self.pad_inner_dim)
-        _check_bool("GemmConfig", "emulate", self.emulate)
-        return self
-
-
-DEFAULT_GEMM = GemmConfig()
-
 
 class ScalingType(str, enum.Enum):
     """Where a cast's scale comes from.
@@ -345,7 +93,7 @@ class ScalingType(str, enum.Enum):
 
     @classmethod
     def parse(cls, value: object) -> ScalingType:
-        return _parse_enum(cls, value, "scaling")
+        return parse_enum(cls, value, "scaling")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -388,7 +136,7 @@ class CastConfig:
         object.__setattr__(self, "granularity", parse_granularity(self.granularity))
         self._check_fp4()
         object.__setattr__(self, "scaling", ScalingType.parse(self.scaling))
-        _check_bool("CastConfig", "power_of_2_scale", self.power_of_2_scale)
+        check_bool("CastConfig", "power_of_2_scale", self.power_of_2_scale)
         if self.rounding not in ROUNDING_MODES:
             raise ValueError(f"CastConfig.rounding must be one of {ROUNDING_MODES}; got {self.rounding!r}")
         if self.scaling is ScalingType.DELAYED and self.granularity is not Granularity.TENSORWISE:
@@ -398,9 +146,9 @@ class CastConfig:
 
     def _check_fp4(self) -> None:
         gran = self.granularity
-        fp4_gran = isinstance(gran, BlockGranularity) and gran.scale_dtype == _NVFP4_SCALE
+        fp4_gran = isinstance(gran, BlockGranularity) and gran.scale_dtype == NVFP4_SCALE
         if self.dtype == FP4_CAST_DTYPE:
-            ok = isinstance(gran, BlockGranularity) and gran.block in _FP4_BLOCKS.get(gran.scale_dtype, ())
+            ok = isinstance(gran, BlockGranularity) and gran.block in FP4_BLOCKS.get(gran.scale_dtype, ())
             if not ok:
                 raise ValueError(
                     "an FP4 CastConfig needs an FP4 granularity: NVFP4_1x16, NVFP4_16x16 (e4m3fn scales) or "
@@ -423,7 +171,7 @@ class CastConfig:
             return None
         gran = self.granularity
         assert isinstance(gran, BlockGranularity)  # an FP4 cast's granularity is a block one (_check_fp4)
-        return "nvfp4" if gran.scale_dtype == _NVFP4_SCALE else "mxfp4"
+        return "nvfp4" if gran.scale_dtype == NVFP4_SCALE else "mxfp4"
 
     def operand_spec(self, contracted_dim: int, *, ndim: int = 2, per_expert: bool = False) -> CastSpec:
         """The :class:`CastSpec` of a GEMM operand with ``ndim`` dims whose product contracts
@@ -467,7 +215,6 @@ class CastConfig:
         return self.scaling is ScalingType.DELAYED
 
 
-HISTORY_REDUCTIONS = ("max", "most_recent")
 _E4M3 = torch.float8_e4m3fn
 _E5M2 = torch.float8_e5m2
 
@@ -632,7 +379,7 @@ class Float8LinearConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "gemm_overrides", _parse_overrides(self.gemm_overrides))
         for name in ("hadamard_wgrad", "four_over_six"):
-            _check_bool("Float8LinearConfig", name, getattr(self, name))
+            check_bool("Float8LinearConfig", name, getattr(self, name))
         check_rht_seed(self.hadamard_seed, "Float8LinearConfig.hadamard_seed")
         for name in ("input", "weight", "grad_output"):
             if not isinstance(getattr(self, name), CastConfig):
@@ -640,7 +387,7 @@ class Float8LinearConfig:
         if not isinstance(self.delayed, DelayedScalingConfig):
             raise TypeError(f"Float8LinearConfig.delayed must be a DelayedScalingConfig; got {self.delayed!r}")
         for name in ("weight_grad_in_hp", "pad_inner_dim", "use_fast_accum", "enable_fsdp_float8_all_gather", "collect_stats", "emulate"):
-            _check_bool("Float8LinearConfig", name, getattr(self, name))
+            check_bool("Float8LinearConfig", name, getattr(self, name))
         # cuBLASLt multiplies no two e5m2 operands; name the GEMM that would hit it.
         for name, (ra, rb) in GEMMS.items():
             a, b = self.cast_for(name, ra), self.cast_for(name, rb)
@@ -746,47 +493,10 @@ def _is_e5m2(dtype: torch.dtype) -> bool:
     return dtype in (torch.float8_e5m2, torch.float8_e5m2fnuz)
 
 
-_ROWWISE = CastConfig(_E4M3, Granularity.ROWWISE)
-_TILE_1x128 = CastConfig(_E4M3, BLOCK_1x128)
-_MX = CastConfig(_E4M3, MX_1x32)
-_DELAYED_E4M3 = CastConfig(_E4M3, scaling=ScalingType.DELAYED)
+def _recipe(fields: dict[str, Any]) -> Float8LinearConfig:
+    built: dict[str, Any] = {k: CastConfig(**v) if k in CAST_ROLES else v for k, v in fields.items()}
+    return Float8LinearConfig(**built)
 
-RECIPES: dict[str, Float8LinearConfig] = {
-    # Fastest: one scale per tensor, e5m2 for the wider range of gradients.
-    "tensorwise": Float8LinearConfig(),
-    # One scale per row for all three operands: an outlier only costs its own row.
-    "rowwise": Float8LinearConfig(input=_ROWWISE, weight=_ROWWISE, grad_output=_ROWWISE),
-    "rowwise_with_gw_hp": Float8LinearConfig(
-        input=_ROWWISE, weight=_ROWWISE, grad_output=_ROWWISE, weight_grad_in_hp=True
-    ),
-    "delayed": Float8LinearConfig(
-        input=_DELAYED_E4M3,
-        weight=_DELAYED_E4M3,
-        grad_output=CastConfig(_E5M2, scaling=ScalingType.DELAYED),
-    ),
-    # DeepSeek-V3 (arXiv 2412.19437, section 3.3): e4m3 everywhere; activations and gradients
-    # per 1x128 tile, weights per 128x128 block. The weight-gradient GEMM contracts over the
-    # tokens, so its operands are tiled 128 tokens long (the config is re-oriented per GEMM).
-    "blockwise": Float8LinearConfig(input=_TILE_1x128, weight=CastConfig(_E4M3, BLOCK_128x128), grad_output=_TILE_1x128),
-    # MXFP8 (OCP MX v1.0): e4m3 data, one e8m0 scale per 32 elements along each GEMM's K.
-    "mxfp8": Float8LinearConfig(input=_MX, weight=_MX, grad_output=_MX),
-    # NVFP4 training (NVIDIA, arXiv 2509.25149): 2D 16x16 weight scales (the weight's two
-    # layouts quantize alike), stochastic rounding of gradients, the random Hadamard transform
-    # on the weight-gradient GEMM's inputs. Each is switchable (CastConfig / hadamard_wgrad).
-    # The transform stays on as measured with these stochastic gradients: +3.3 dB wgrad SQNR
-    # on tokens large in both operands, neutral on the demo GPT's layers, worse where one
-    # operand alone has a dominant value in a block (README "FP4", benchmarks/bench_rht.py).
-    "nvfp4": Float8LinearConfig(
-        input=CastConfig(FP4_CAST_DTYPE, NVFP4_1x16),
-        weight=CastConfig(FP4_CAST_DTYPE, NVFP4_16x16),
-        grad_output=CastConfig(FP4_CAST_DTYPE, NVFP4_1x16, rounding="stochastic"),
-        hadamard_wgrad=True,
-    ),
-    # MXFP4 (OCP MX v1.0): E2M1 with e8m0 scales per 32 along each GEMM's K; gradients
-    # rounded stochastically.
-    "mxfp4": Float8LinearConfig(
-        input=CastConfig(FP4_CAST_DTYPE, MXFP4_1x32),
-        weight=CastConfig(FP4_CAST_DTYPE, MXFP4_1x32),
-        grad_output=CastConfig(FP4_CAST_DTYPE, MXFP4_1x32, rounding="stochastic"),
-    ),
-}
+
+#: The named recipes (their choices and sources: ``recipes.py``), each a validated config.
+RECIPES: dict[str, Float8LinearConfig] = {name: _recipe(fields) for name, fields in RECIPE_FIELDS.items()}

@@ -31,20 +31,26 @@ kernel, so the tokens/s column there shows what the casts cost, not a speed-up. 
 NVIDIA GPU with compute capability 8.9 or more (Ada, Hopper, Blackwell) ``--device auto``
 picks it, the default model is larger (``--size medium``) and the step is compiled.
 
+Activations. ``--fp8-activations`` runs each FP8 recipe's forward and loss under
+:func:`f8tensor.save_activations_in_float8` (the bf16 baseline stays as it is): the
+tensors autograd saves for backward (norm, GELU, attention and loss inputs, the linear
+inputs a recipe keeps in bf16) are stored in FP8 with a scale per 128 elements.
+
 Columns. *final loss*: mean training loss of the last steps. *tokens/s*: from the median
-step time after a few warm-up steps. *act. MiB*: what autograd keeps for the backward of
-one training forward (eager), excluding parameters and autocast's bf16 copies of them; a
-``Float8Tensor`` counts as its FP8 data plus its scales. *saturated*: the mean fraction
+step time after a few warm-up steps. *act. MiB*: what one training forward and its loss
+allocate and leave alive for backward (eager; :func:`f8tensor.stats.alive_tensor_bytes`,
+from the allocator's records, so it sees the FP8 copies ``--fp8-activations`` stores),
+excluding parameters and autocast's bf16 copies of them; FP8 data counts with its scales.
+*saturated*: the mean fraction
 of elements clamped at the FP8 maximum per cast, from the numerics telemetry of
 ``f8tensor.stats``, switched on for one extra step after training so that it costs the
 timed steps nothing (``n/a`` where that telemetry is not available).
-
-Layer: the top of the package (below ``integrations``); imports the public API and ``stats``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import math
@@ -52,7 +58,7 @@ import shutil
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import torch
@@ -62,13 +68,25 @@ from torch import nn
 import f8tensor
 import f8tensor.stats
 from f8tensor import FP4_CAST_DTYPE, CastConfig, Float8LinearConfig, NVFP4_1x16, convert_to_float8_training
+from f8tensor.demo_gpt import (  # noqa: F401  (re-exported: the demo's model and data)
+    CORPUS,
+    DEFAULT_SIZE,
+    DEFAULT_STEPS,
+    GPT,
+    SIZES,
+    VOCAB,
+    Size,
+    batch_starts,
+    get_batch,
+    keep_lm_head_in_high_precision,
+    load_corpus,
+)
+from f8tensor.demo_report import BASELINE, RunResult, format_table, plot_losses, table_notes
+from f8tensor.optim import AdamW
 
 __all__ = ["GPT", "SIZES", "RunResult", "keep_lm_head_in_high_precision", "main"]
 
-BASELINE = "bf16"
-CORPUS = Path(__file__).resolve().parent / "data" / "corpus.txt"
 DEFAULT_OUT = Path("out") / "f8tensor_demo_loss.png"
-VOCAB = 256  # byte-level: every byte is a token, no tokenizer to ship
 
 
 #: NVFP4 with one of its tricks switched off each (``--recipes nvfp4,nvfp4_no_rht,...``):
@@ -86,144 +104,27 @@ def run_config(name: str) -> Float8LinearConfig:
     return ABLATIONS[name] if name in ABLATIONS else Float8LinearConfig.from_recipe(name)
 
 
-# ===================================================================== the model
-
-
-@dataclasses.dataclass(frozen=True)
-class Size:
-    """A model and batch preset. Widths are multiples of 16, as FP8 GEMMs require."""
-
-    d_model: int
-    n_layers: int
-    n_heads: int
-    seq_len: int
-    batch_size: int
-    lr: float
-
-
-SIZES: dict[str, Size] = {
-    "tiny": Size(d_model=64, n_layers=2, n_heads=4, seq_len=64, batch_size=8, lr=3e-3),  # tests and CI
-    "small": Size(d_model=128, n_layers=2, n_heads=4, seq_len=64, batch_size=16, lr=3e-3),  # CPU default
-    "medium": Size(d_model=768, n_layers=8, n_heads=12, seq_len=256, batch_size=32, lr=1e-3),  # GPU default
-}
-DEFAULT_SIZE = {"cpu": "small", "cuda": "medium"}
-DEFAULT_STEPS = {"cpu": 250, "cuda": 400}
-
-
-class CausalSelfAttention(nn.Module):
-    def __init__(self, d_model: int, n_heads: int) -> None:
-        super().__init__()
-        self.n_heads = n_heads
-        self.qkv = nn.Linear(d_model, 3 * d_model)
-        self.proj = nn.Linear(d_model, d_model)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(x).split(c, dim=-1)
-        q, k, v = (z.view(b, t, self.n_heads, c // self.n_heads).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, t, c))
-
-
-class MLP(nn.Module):
-    def __init__(self, d_model: int) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(d_model, 4 * d_model)
-        self.fc2 = nn.Linear(4 * d_model, d_model)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x)))
-
-
-class Block(nn.Module):
-    """Pre-norm: ``x + attn(ln(x))``, then ``x + mlp(ln(x))``."""
-
-    def __init__(self, d_model: int, n_heads: int) -> None:
-        super().__init__()
-        self.ln1 = nn.LayerNorm(d_model)
-        self.attn = CausalSelfAttention(d_model, n_heads)
-        self.ln2 = nn.LayerNorm(d_model)
-        self.mlp = MLP(d_model)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
-
-
-class GPT(nn.Module):
-    """A small decoder-only transformer over bytes; returns logits ``(batch, seq, 256)``."""
-
-    def __init__(self, size: Size) -> None:
-        super().__init__()
-        if size.d_model % size.n_heads:
-            raise ValueError(f"d_model {size.d_model} is not divisible by n_heads {size.n_heads}")
-        self.tok_emb = nn.Embedding(VOCAB, size.d_model)
-        self.pos_emb = nn.Embedding(size.seq_len, size.d_model)
-        self.blocks = nn.ModuleList(Block(size.d_model, size.n_heads) for _ in range(size.n_layers))
-        self.ln_f = nn.LayerNorm(size.d_model)
-        self.lm_head = nn.Linear(size.d_model, VOCAB, bias=False)
-        self._init_weights(size.n_layers)
-
-    def _init_weights(self, n_layers: int) -> None:
-        for name, p in self.named_parameters():
-            if name.endswith("bias"):
-                nn.init.zeros_(p)
-            elif p.dim() == 2:
-                # Projections that write into the residual stream start smaller, so the
-                # stream's variance does not grow with depth.
-                std = 0.02 / math.sqrt(2 * n_layers) if name.endswith(("proj.weight", "fc2.weight")) else 0.02
-                nn.init.normal_(p, std=std)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(idx.shape[1], device=idx.device)
-        x = self.tok_emb(idx) + self.pos_emb(pos)
-        for block in self.blocks:
-            x = block(x)
-        return self.lm_head(self.ln_f(x))
-
-
-def keep_lm_head_in_high_precision(module: nn.Module, fqn: str) -> bool:
-    """``module_filter_fn`` for the demo: convert every linear except ``lm_head``."""
-    return fqn != "lm_head"
-
-
-# ===================================================================== data
-
-
-def load_corpus(device: torch.device) -> torch.Tensor:
-    """The shipped text as a 1D tensor of byte values (int64)."""
-    raw = CORPUS.read_bytes()
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device=device, dtype=torch.long)
-
-
-def batch_starts(n_tokens: int, steps: int, batch_size: int, seq_len: int, seed: int) -> torch.Tensor:
-    """Where each sequence of each step starts: ``(steps, batch_size)``, the same for every run.
-
-    Ask for one step more than you train: the last row is a batch no run trains on.
-    """
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, n_tokens - seq_len - 1, (steps, batch_size), generator=g)
-
-
-def get_batch(data: torch.Tensor, starts: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    offsets = torch.arange(seq_len + 1)
-    window = data[(starts[:, None] + offsets).to(data.device)]
-    return window[:, :-1], window[:, 1:]
-
-
 # ===================================================================== measurements
 
 
-def saved_activation_bytes(model: nn.Module, x: torch.Tensor, y: torch.Tensor, amp: torch.autocast) -> int:
-    """Bytes autograd saves for backward during one training forward (model and loss);
-    see :func:`f8tensor.stats.saved_tensor_bytes` for what counts."""
+def saved_activation_bytes(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    amp: torch.autocast,
+    activations: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+) -> int:
+    """Bytes one training forward (model and loss, under ``activations()``) leaves alive for
+    backward; see :func:`f8tensor.stats.alive_tensor_bytes` for how they are read and what
+    counts."""
 
     def forward_and_loss() -> torch.Tensor:
-        with amp:
-            logits = model(x)
-        return _loss(logits, y)
+        with activations():
+            with amp:
+                logits = model(x)
+            return _loss(logits, y)
 
-    return f8tensor.stats.saved_tensor_bytes(model, forward_and_loss)[0]
+    return f8tensor.stats.alive_tensor_bytes(model, forward_and_loss)[0]
 
 
 # --- saturation: the one place that reads f8tensor.stats telemetry -------------------
@@ -246,20 +147,6 @@ def _saturation_rate(model: nn.Module, probe_step: Callable[[], object]) -> floa
 
 
 # ===================================================================== one run
-
-
-@dataclasses.dataclass
-class RunResult:
-    name: str
-    losses: list[float]
-    tokens_per_s: float
-    saved_bytes: int
-    saturation: float | None
-    seconds: float
-
-    def final_loss(self, last: int) -> float:
-        tail = self.losses[-last:]
-        return sum(tail) / len(tail)
 
 
 class Progress:
@@ -312,6 +199,32 @@ def _lr_schedule(steps: int) -> Callable[[int], float]:
     return factor
 
 
+#: ``--optim`` choices: what each one builds (AdamW, betas (0.9, 0.95), weight decay 0.1).
+OPTIMIZERS: dict[str, str] = {
+    "adamw": "torch.optim.AdamW, fp32 moments",
+    "adamw-bf16": "f8tensor.optim.AdamW, bf16 moments",
+    "adamw-fp8": "f8tensor.optim.AdamW, FP8 (e4m3) moments",
+}
+DEFAULT_OPTIM = "adamw"
+
+
+def make_optimizer(name: str, params: Iterable[torch.Tensor], lr: float) -> torch.optim.Optimizer:
+    """The optimizer ``--optim name`` asks for."""
+    betas, weight_decay = (0.9, 0.95), 0.1
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay)
+    state_dtype = {"adamw-bf16": torch.bfloat16, "adamw-fp8": torch.float8_e4m3fn}.get(name)
+    if state_dtype is not None:
+        return AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, state_dtype=state_dtype)
+    raise ValueError(f"optim must be one of {', '.join(OPTIMIZERS)}; got {name!r}")
+
+
+def optimizer_state_bytes(opt: torch.optim.Optimizer) -> int:
+    """Bytes of every state tensor of ``opt`` but the step counters."""
+    tensors = [v for state in opt.state.values() for k, v in state.items() if k != "step"]
+    return sum(v.numel() * v.element_size() for v in tensors if isinstance(v, torch.Tensor))
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -325,8 +238,13 @@ def train_run(
     size: Size,
     device: torch.device,
     compile_model: bool,
+    optim: str = DEFAULT_OPTIM,
+    fp8_activations: bool = False,
 ) -> RunResult:
     """Train a copy of ``base_model`` in ``name`` ("bf16" or an FP8 recipe), then measure it.
+
+    ``fp8_activations``: an FP8 recipe's forward and loss run under
+    :func:`f8tensor.save_activations_in_float8` (the baseline never does).
 
     ``starts`` holds one row per step plus one: the last batch is not trained on; the
     saturation is measured on it (a batch the delayed-scaling history has not seen, as
@@ -335,13 +253,16 @@ def train_run(
     model = copy.deepcopy(base_model)
     if name != BASELINE:
         convert_to_float8_training(model, config=run_config(name), module_filter_fn=keep_lm_head_in_high_precision)
-    opt = torch.optim.AdamW(model.parameters(), lr=size.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    opt = make_optimizer(optim, model.parameters(), size.lr)
     steps = len(starts) - 1
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_schedule(steps))
     amp = torch.autocast(device.type, dtype=torch.bfloat16)
     if compile_model:
         torch.compiler.reset()  # a fresh model each run: start from an empty compile cache
     forward = torch.compile(model) if compile_model else model
+    activations: Callable[[], contextlib.AbstractContextManager] = (
+        f8tensor.save_activations_in_float8 if fp8_activations and name != BASELINE else contextlib.nullcontext
+    )
 
     warmup = min(3, steps // 4)  # first steps (allocations, compilation) are not timed
     tokens_per_step = starts.shape[1] * size.seq_len
@@ -353,9 +274,10 @@ def train_run(
     for i in range(steps):
         x, y = get_batch(data, starts[i], size.seq_len)
         t0 = time.perf_counter()
-        with amp:
-            logits = forward(x)
-        loss = _loss(logits, y)
+        with activations():
+            with amp:
+                logits = forward(x)
+            loss = _loss(logits, y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -372,7 +294,7 @@ def train_run(
 
     # Memory on the last training batch (its amax is already in any delayed-scaling
     # history), then saturation on a batch the history has not seen, as a next step's.
-    saved = saved_activation_bytes(model, x, y, amp)
+    saved = saved_activation_bytes(model, x, y, amp, activations)
     x_next, y_next = get_batch(data, starts[steps], size.seq_len)
 
     def probe_step() -> None:
@@ -382,111 +304,7 @@ def train_run(
         model.zero_grad(set_to_none=True)
 
     saturation = _saturation_rate(model, probe_step) if name != BASELINE else None
-    return RunResult(name, losses, tokens_per_s, saved, saturation, seconds)
-
-
-# ===================================================================== report
-
-
-def format_table(results: Sequence[RunResult], last: int) -> str:
-    base = next((r for r in results if r.name == BASELINE), None)
-    header = (
-        f"{'run':<19}{'final loss':>11}{'vs bf16':>9}{'tokens/s':>10}{'vs bf16':>9}"
-        f"{'act. MiB':>10}{'vs bf16':>9}{'saturated':>11}"
-    )
-    lines = [header, "-" * len(header)]
-    for r in results:
-        loss = r.final_loss(last)
-        rel_loss = rel_tok = rel_mem = "-"
-        if base is not None and r is not base:
-            rel_loss = f"{100.0 * (loss - base.final_loss(last)) / base.final_loss(last):+.2f}%"
-            rel_tok = f"{r.tokens_per_s / base.tokens_per_s:.2f}x" if base.tokens_per_s > 0 else "n/a"
-            rel_mem = f"{r.saved_bytes / base.saved_bytes:.2f}x" if base.saved_bytes > 0 else "n/a"
-        sat = "n/a" if r.saturation is None else f"{100.0 * r.saturation:.3g}%"
-        lines.append(
-            f"{r.name:<19}{loss:>11.4f}{rel_loss:>9}{r.tokens_per_s:>10.0f}{rel_tok:>9}"
-            f"{r.saved_bytes / 2**20:>10.2f}{rel_mem:>9}{sat:>11}"
-        )
-    return "\n".join(lines)
-
-
-def table_notes(results: Sequence[RunResult], last: int, steps: int, device: torch.device) -> str:
-    """What each column means, under the table."""
-    notes = [
-        ("final loss", f"mean of the last {last} of {steps} steps; same weights and batches in every run."),
-        ("", "Gaps of a percent or so are noise here: another --seed moves bf16 itself that much."),
-        ("tokens/s", "from the median step time, warm-up steps excluded."),
-    ]
-    if device.type == "cpu":
-        notes += [
-            ("", "CPU: no FP8 hardware, torch._scaled_mm runs a reference kernel, so this shows"),
-            ("", "what the casts cost, not a speed-up (that needs a GPU, compute capability >= 8.9)."),
-        ]
-    notes += [
-        ("act. MiB", "kept for backward by one training forward (eager); parameters and their bf16"),
-        ("", "copies excluded, FP8 tensors counted as data + scales."),
-    ]
-    if any(r.name != BASELINE and r.saturation is None for r in results):
-        notes.append(("saturated", "n/a: this f8tensor has no per-layer telemetry (f8tensor.stats.float8_stats)."))
-    else:
-        notes += [
-            ("saturated", "mean fraction of values clamped at the FP8 maximum per cast, over one more"),
-            ("", "step on a batch not trained on, with the telemetry of f8tensor.stats on."),
-        ]
-    return "\n".join(f"{key:<11} {text}" for key, text in notes)
-
-
-def plot_losses(results: Sequence[RunResult], path: Path, title: str) -> bool:
-    """Write the loss curves (and their gap to bf16) to ``path``; False without matplotlib."""
-    try:
-        from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global state
-    except ImportError:
-        print(
-            "matplotlib is not installed, so no loss-curve figure was written; install it with\n"
-            '  python -m pip install matplotlib      (or: python -m pip install -e ".[demo]")'
-        )
-        return False
-    base = next((r for r in results if r.name == BASELINE), None)
-    fig = Figure(figsize=(11, 4.2) if base else (6, 4.2), layout="constrained")
-    axes = fig.subplots(1, 2 if base else 1, squeeze=False)[0]
-    steps = len(results[0].losses)
-    window = max(1, steps // 25)
-    curves = {r.name: _smooth(r.losses, window) for r in results}
-    # One colour per recipe, the same in both panels (the gap panel has no bf16 line, so
-    # matplotlib's own colour cycle would shift every recipe by one there).
-    colours = {name: f"C{i}" for i, name in enumerate(curves)}
-    for name, curve in curves.items():
-        axes[0].plot(range(1, steps + 1), curve, label=name, linewidth=1.3, color=colours[name])
-    # The first steps fall steeply from ln(256) = 5.5; show the part where the runs differ.
-    lowest = min(min(c) for c in curves.values())
-    top = max(c[min(steps - 1, steps // 10)] for c in curves.values())
-    if top > lowest:
-        axes[0].set_ylim(lowest - 0.05 * (top - lowest), top)
-    axes[0].set(xlabel="step", ylabel=f"training loss (moving mean of {window} steps)", title="loss")
-    axes[0].legend()
-    if base is not None:
-        for r in results:
-            if r is not base:
-                gap = [100.0 * (a - b) / b for a, b in zip(r.losses, base.losses)]
-                axes[1].plot(range(1, steps + 1), _smooth(gap, window), label=r.name, linewidth=1.3, color=colours[r.name])
-        axes[1].axhline(0.0, color="black", linewidth=0.8)
-        axes[1].set(xlabel="step", ylabel="loss vs bf16, % (same batches)", title="gap to bf16")
-        if len(results) > 1:
-            axes[1].legend()
-    fig.suptitle(title)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    return True
-
-
-def _smooth(values: Sequence[float], window: int) -> list[float]:
-    out, acc = [], 0.0
-    for i, v in enumerate(values):
-        acc += v
-        if i >= window:
-            acc -= values[i - window]
-        out.append(acc / min(i + 1, window))
-    return out
+    return RunResult(name, losses, tokens_per_s, saved, saturation, seconds, optimizer_state_bytes(opt))
 
 
 # ===================================================================== command line
@@ -554,9 +372,23 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="torch.compile the model (default: on for GPU, off for CPU)",
     )
+    parser.add_argument(
+        "--fp8-activations",
+        action="store_true",
+        help="FP8 runs save the activations autograd keeps for backward in FP8 (f8tensor.save_activations_in_float8)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed for the initial weights and the batches (default: 0)")
     parser.add_argument("--batch-size", type=_positive_int, help="sequences per step (default: from --size)")
     parser.add_argument("--seq-len", type=_positive_int, help="tokens per sequence (default: from --size)")
+    parser.add_argument(
+        "--optim",
+        choices=list(OPTIMIZERS),
+        default=DEFAULT_OPTIM,
+        help=(
+            "the optimizer of every run: adamw (torch.optim.AdamW, fp32 moments), adamw-bf16 or adamw-fp8 "
+            f"(f8tensor.optim.AdamW with bf16 or FP8 moments) (default: {DEFAULT_OPTIM})"
+        ),
+    )
     parser.add_argument(
         "--out", type=Path, default=DEFAULT_OUT, help=f"where to write the loss-curve PNG (default: {DEFAULT_OUT})"
     )
@@ -644,15 +476,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"  device  {_device_name(device)}, bf16 autocast over fp32 master weights, "
         f"{'torch.compile' if compile_model else 'eager'}"
     )
+    print(f"  optim   {args.optim}: {OPTIMIZERS[args.optim]}")
+    if args.fp8_activations:
+        print("  act.    FP8 runs save their activations in FP8 (save_activations_in_float8)")
     print(f"  runs    {', '.join(runs)}", flush=True)
 
     t_all = time.perf_counter()
-    results = [train_run(name, base_model, data, starts, size, device, compile_model) for name in runs]
+    results = [
+        train_run(name, base_model, data, starts, size, device, compile_model, args.optim, args.fp8_activations)
+        for name in runs
+    ]
     last = max(1, min(50, steps // 10))
     print()
     print(format_table(results, last))
     print()
-    print(table_notes(results, last, steps, device))
+    print(table_notes(results, last, steps, device, args.fp8_activations))
     title = f"f8tensor demo: {size.n_layers}x{size.d_model} byte-level GPT, {steps} steps, {_device_name(device)}"
     if plot_losses(results, args.out, title):
         print(f"loss curves: {args.out}")

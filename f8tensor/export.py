@@ -27,10 +27,6 @@ norms, routers and biases stay in high precision and are listed (by module, in t
 checkpoint's names) in ``modules_to_not_convert`` / ``ignore``. Fused expert tensors are
 written under the per-expert names transformers' loader expects (its own weight
 conversion, reversed, picks them).
-
-Layer: a top-level consumer beside ``integrations``; imports ``tensor``, ``linear``,
-``moe``, ``config``. transformers is never imported: the model passed in brings it, and
-its save and weight-name conversion are reached through the model's own module.
 """
 
 from __future__ import annotations
@@ -45,9 +41,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from f8tensor.config import BLOCK_128x128, BlockGranularity, Granularity, MX_1x32
 from f8tensor.linear import Float8Linear
 from f8tensor.moe import Float8ExpertWeight
+from f8tensor.specs import BLOCK_128x128, BlockGranularity, Granularity, MX_1x32
 from f8tensor.tensor import Float8Tensor
 
 __all__ = ["FORMATS", "STRATEGIES", "save_fp8_pretrained"]

@@ -3,8 +3,6 @@
 Every conversion to FP8 in f8tensor goes through :func:`saturated_cast`: a plain
 ``.to(float8_dtype)`` does not saturate consistently (e4m3fn has no inf, so
 out-of-range values become NaN; e5m2 overflows to inf; fnuz formats differ again).
-
-Layer: above ``compat``; imports torch only.
 """
 
 from __future__ import annotations

@@ -34,29 +34,25 @@ Layout ops move the scales with the data: ``t``/``transpose`` (the packed dim an
 block move too), ``detach``, ``clone``, slices along a dim at block boundaries (the packed
 dim: also at byte boundaries), views that merge or split unblocked leading dims. A view or
 slice that would split a packed byte or a block raises ``ValueError`` saying which.
-
-Layer: the tensor layer, beside ``tensor``; imports ``kernels``, ``config``, ``formats``, ``compat``.
 """
 
 from __future__ import annotations
 
-import types
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import torch
 from typing_extensions import TypeIs
 
-from f8tensor.compat import DISABLED_TORCH_FUNCTION, make_wrapper_subclass_shaped, return_and_correct_aliasing
-from f8tensor.config import DEFAULT_GEMM, GemmConfig
+from f8tensor.compat import make_wrapper_subclass_shaped, return_and_correct_aliasing
 from f8tensor.formats import check_hp_dtype
 from f8tensor.kernels.fp4 import FP4Spec, cast_fp4, dequantize_fp4, pack_e2m1, unpack_e2m1
+from f8tensor.specs import DEFAULT_GEMM, GemmConfig
+from f8tensor.subclass import OpHandler, QuantizedTensor
 
 __all__ = ["Float4Tensor", "from_hp_fp4", "is_float4", "to_float4", "to_float4_with_stats"]
 
 aten = torch.ops.aten
-_NO_KWARGS: types.MappingProxyType[str, Any] = types.MappingProxyType({})
-OpHandler = Callable[[Any, Any, tuple, Mapping[str, Any]], Any]
 
 
 def _outer_strides(data: torch.Tensor, pack_dim: int) -> tuple[int, ...]:
@@ -64,7 +60,7 @@ def _outer_strides(data: torch.Tensor, pack_dim: int) -> tuple[int, ...]:
     return tuple(s if d == pack_dim else 2 * s for d, s in enumerate(data.stride()))
 
 
-class Float4Tensor(torch.Tensor):
+class Float4Tensor(QuantizedTensor):
     """An FP4 tensor (NVFP4 or MXFP4) that stands for a high-precision one; see the module
     docstring for its fields and why it is not a Float8Tensor."""
 
@@ -78,7 +74,10 @@ class Float4Tensor(torch.Tensor):
     _gemm: GemmConfig
 
     _OPS: ClassVar[dict[Any, OpHandler]] = {}
-    __torch_function__ = DISABLED_TORCH_FUNCTION
+    _UNSUPPORTED: ClassVar[str] = (
+        "Float4Tensor does not support {func}. FP4 data only takes part in matrix products (mm, addmm, "
+        "matmul, linear) and layout ops that keep bytes and blocks whole; call .to_hp() first."
+    )
 
     @staticmethod
     def __new__(  # noqa: PYI034 (staticmethod: no Self)
@@ -188,30 +187,6 @@ class Float4Tensor(torch.Tensor):
     def __tensor_unflatten__(inner: dict, meta: tuple, outer_size: Any, outer_stride: Any) -> Float4Tensor:
         return Float4Tensor(inner["_data"], inner["_scale"], inner["_global_scale"], *meta)
 
-    @classmethod
-    def implements(cls, ops: Iterable[Any]) -> Callable[[OpHandler], OpHandler]:
-        """Register a handler for aten ops; registering an op twice is an error."""
-
-        def register(handler: OpHandler) -> OpHandler:
-            for op in ops:
-                if op in cls._OPS:
-                    raise RuntimeError(f"Float4Tensor: {op} already has a handler ({cls._OPS[op].__name__})")
-                cls._OPS[op] = handler
-            return handler
-
-        return register
-
-    @classmethod
-    def __torch_dispatch__(  # type: ignore[override]
-        cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
-    ) -> Any:
-        handler = cls._OPS.get(func)
-        if handler is not None:
-            return handler(func, types, args, kwargs if kwargs is not None else _NO_KWARGS)
-        raise NotImplementedError(
-            f"Float4Tensor does not support {func}. FP4 data only takes part in matrix products (mm, addmm, "
-            f"matmul, linear) and layout ops that keep bytes and blocks whole; call .to_hp() first."
-        )
 
 
 def is_float4(x: object) -> TypeIs[Float4Tensor]:

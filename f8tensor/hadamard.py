@@ -8,8 +8,6 @@ small values around it survive the FP4 rounding. Here ``Q`` is block-diagonal wi
 16x16 block ``H D`` per 16 tokens: ``H`` the Sylvester Hadamard matrix scaled by 1/4
 (orthonormal), ``D`` a diagonal of random signs drawn from a seeded ``torch.Generator``
 (the same signs every step, so the transform is a fixed rotation).
-
-Layer: the bottom, beside ``compat``; imports torch only.
 """
 
 from __future__ import annotations

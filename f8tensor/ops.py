@@ -7,9 +7,6 @@ handlers are plain module functions a mutation tool can rewrite (mutmut skips de
 functions; see README.md, "Mutation testing"). The product handlers only unpack aten's arguments (and,
 for ``bmm``, pick the batch layout); ``gemm`` makes the products. View-like handlers
 rebuild through ``Float8Tensor._replace`` and return through ``return_and_correct_aliasing``.
-
-Layer: above ``gemm``; imports ``gemm``, ``tensor``, ``config``, ``formats``, ``compat``.
-Importing it fills the table (``f8tensor/__init__.py`` does).
 """
 
 from __future__ import annotations
@@ -19,12 +16,12 @@ from collections.abc import Sequence
 import torch
 
 from f8tensor.compat import return_and_correct_aliasing, view_base
-from f8tensor.config import CastSpec, axiswise_dim, is_tensorwise, varies_along
 from f8tensor.formats import FLOAT8_DTYPES, check_hp_dtype
 from f8tensor.fp4 import Float4Tensor, is_float4
 from f8tensor.gemm import GROUPED_RULES, batched_mm, grouped_mm, matmul
 from f8tensor.gemm.operands import requantize
 from f8tensor.gemm.rules import ALIGN
+from f8tensor.specs import CastSpec, axiswise_block, axiswise_dim, is_tensorwise, layout_block, varies_along
 from f8tensor.tensor import Float8Tensor, dequantize, is_float8, to_float8
 
 __all__ = ["transpose_2d"]
@@ -157,7 +154,7 @@ def _flatten_batch(x: torch.Tensor) -> torch.Tensor:
         x, axis = requantize(x, 2), 2
     data = x._data.reshape(-1, x.shape[-1])
     scale = x._scale if axis is None else x._scale.reshape(-1, 1)
-    return x._replace(data=data, scale=scale, axiswise_dim=None if axis is None else 1)
+    return x._replace(data=data, scale=scale, block=layout_block(() if axis is None else axiswise_block(1, 2), 2))
 
 
 def _batch_item(x: torch.Tensor, i: int) -> torch.Tensor:
@@ -167,11 +164,11 @@ def _batch_item(x: torch.Tensor, i: int) -> torch.Tensor:
         return _selected(x, 0, i)
     axis = axiswise_dim(x._scale_block)
     if axis is None:
-        return x._replace(data=x._data[i], axiswise_dim=None)
+        return x._replace(data=x._data[i], block=layout_block((), x.dim() - 1))
     if axis == 0:  # scale was reduced over the batch dim: re-derive along K instead
         return requantize(x._replace(data=x._data[i], scale=x._scale[0]), 1)
     scale = x._scale[i if x._scale.shape[0] > 1 else 0]
-    return x._replace(data=x._data[i], scale=scale, axiswise_dim=axis - 1)
+    return x._replace(data=x._data[i], scale=scale, block=axiswise_block(axis - 1, x.dim() - 1))
 
 
 # ===================================================================== layout ops
@@ -246,7 +243,7 @@ def _reshaped_meta(x: Float8Tensor, new_shape: Sequence[int]) -> tuple[torch.Ten
     new_shape = tuple(new_shape)
     old_shape = tuple(x.shape)
     if _tensorwise(x):
-        return x._scale, (0,) * len(new_shape)
+        return x._scale, layout_block((), len(new_shape))
     if new_shape == old_shape:
         return x._scale, x._block
     common = 0
@@ -286,7 +283,7 @@ def _unsqueeze(func, types, args, kwargs):
     dim = dim % (x.dim() + 1)
     data = x._data.unsqueeze(dim)
     if _tensorwise(x):
-        return _view_result(func, args, kwargs, x._replace(data=data, block=(0,) * data.dim()))
+        return _view_result(func, args, kwargs, x._replace(data=data, block=layout_block((), data.dim())))
     # A new size-1 dim holds one scale whatever its block: 1, as for a leading batch dim.
     block = x._block[:dim] + (1,) + x._block[dim:]
     return _view_result(func, args, kwargs, x._replace(data=data, scale=x._scale.unsqueeze(dim), block=block))
@@ -300,7 +297,7 @@ def _expand(func, types, args, kwargs):
     data = x._data.expand(size)
     lead = data.dim() - x.dim()
     if _tensorwise(x):
-        return _view_result(func, args, kwargs, x._replace(data=data, block=(0,) * data.dim()))
+        return _view_result(func, args, kwargs, x._replace(data=data, block=layout_block((), data.dim())))
     # New leading dims and expanded size-1 dims get one scale per index (block 1), the
     # scale expanded alongside (stride 0, no copy); other dims keep block and scale.
     block, scale_shape = [1] * lead, list(data.shape[:lead])
@@ -348,7 +345,7 @@ def _as_strided(func, types, args, kwargs):
     offset = args[3] if len(args) > 3 else kwargs.get("storage_offset")
     data = func(x._data, size, stride, offset)
     if _tensorwise(x):
-        return _view_result(func, args, kwargs, x._replace(data=data, block=(0,) * data.dim()))
+        return _view_result(func, args, kwargs, x._replace(data=data, block=layout_block((), data.dim())))
     perm = _as_permutation(x, size, stride, offset)
     if perm is None:
         raise NotImplementedError(

@@ -7,35 +7,48 @@ decay, bias correction); what differs is where the state lives:
   bit-identical to ``torch.optim.AdamW(foreach=False)`` (the same ops in the same order).
 - ``state_dtype=torch.bfloat16``: both moments stored in bf16 (2 + 2 bytes per parameter);
   each step widens them to fp32, updates and stores them back rounded to nearest.
-- ``state_dtype=torch.float8_e4m3fn``: both moments ``m`` and ``v`` in e4m3 with one fp32
-  scale per :data:`FP8_BLOCK` (128) consecutive elements of the flattened tensor: 1 + 1 bytes
-  per parameter plus 2 * 4 / 128 for the scales, 2.0625 in all. Both go through f8tensor's
-  one block cast (:func:`f8tensor.kernels.cast`, rule ``data = saturate(x * scale)``,
-  dynamic scale ``448 / block amax``, round to nearest) and come back through
-  :func:`f8tensor.kernels.dequantize`. Tensors with fewer than :data:`FP8_BLOCK` elements
-  (biases, norms) keep fp32 moments: their states are a rounding error of the model's.
+- ``state_dtype=torch.float8_e4m3fn``: both moments ``m`` and ``v`` in e4m3, stored in the
+  parameter's shape, with one fp32 scale per :data:`FP8_BLOCK` (128) consecutive elements of
+  each dim-0 row (the parameter seen as ``(shape[0], numel / shape[0])``; a row's last block
+  may be short): 1 + 1 bytes per parameter plus 2 * 4 / 128 for the scales, 2.0625 in all
+  for rows that are multiples of 128. Both go through f8tensor's one block cast
+  (:func:`f8tensor.kernels.cast`, rule ``data = saturate(x * scale)``, dynamic scale
+  ``448 / block amax``) with stochastic rounding, and come back through
+  :func:`f8tensor.kernels.dequantize`. Tensors of one dim or with fewer than
+  :data:`FP8_BLOCK` elements (biases, norms) keep fp32 moments: their states are a rounding
+  error of the model's, and a 1-D tensor sharded by FSDP2 would cut its blocks.
 
-  Why ``v`` as is, blocks of 128, round to nearest: measured on an MLP regression (32 ->
-  256 -> 256 -> 8, 1,024 noisy samples of a teacher network, 200 full-batch steps, lr 1e-3,
-  3 seeds, CPU), the final loss relative to fp32 moments (mean over seeds; 1.0 is fp32):
-  ``v`` with blocks of 32 / 128 / 256: 0.942 / 0.950 / 0.957; ``sqrt(v)`` stored instead:
-  0.911 / 0.918 / 0.920; stochastic rounding of either at 128: 0.989; bf16 moments: 1.036.
-  Storing ``sqrt(v)`` (half the dynamic range) was further from fp32 than ``v`` at every
-  block size; stochastic rounding was closest but makes the moments depend on a random
-  generator (resume and reproducibility then need its state), so it is left for later;
-  128 and 256 differ by less than the seeds do, and 128 keeps an outlier's reach small.
+  Blocks along dim-0 rows: FSDP2 shards dim 0, so every shard holds whole rows and its
+  blocks are the blocks one process has; with stochastic draws that are a function of the
+  element's global index (below), a sharded step writes the bits one process writes, on
+  any number of ranks, and a DCP checkpoint reshards without touching a block.
 
-  Experimental: 8-bit moments change the trajectory more than bf16 ones do (the final loss
-  above is 5% off fp32 moments, 7-11% in ``tests/test_optim.py``'s MLP, consistently lower);
-  a moment rounded to nearest cannot follow ``v``'s slow decay by ``beta2`` within a block.
+  Stochastic rounding, without generator state: element ``i`` of a tensor draws entry
+  ``i mod`` :data:`NOISE_PERIOD` of a table filled by a generator seeded with
+  ``(parameter position, step, moment)``. Resume is bit-exact with nothing but the step
+  counters saved, and a shard draws what one process draws at the same elements.
+
+  Why stochastic rounding, ``v`` as is, blocks of 128, measured (final loss relative to
+  fp32 moments, mean of 3 seeds; 1.0 is fp32). ``tests/modules/test_optim.py``'s MLP (16 -> 64 ->
+  64 -> 4, 150 steps, lr 1e-3): round to nearest 0.917; stochastic rounding of both
+  moments 0.994; stochastic ``v`` only 1.015; bf16 moments 1.000. The demo GPT (``small``,
+  250 steps, bf16 autocast, betas (0.9, 0.95), seeds 0-2; fp32 moments 2.2268 / 2.2490 /
+  2.2241): stochastic +0.31% / +0.02% / -0.56% (mean -0.08%), round to nearest +0.18% /
+  -0.02% / -0.10% (mean +0.02%), both within the seeds' spread. Round to nearest cannot follow ``v``'s slow decay by ``beta2``: a decay of 0.1%
+  per step is far below half an e4m3 spacing (3-6%), so ``v`` sticks and the updates come
+  out too small (the MLP's lower loss, consistently across seeds); stochastic rounding
+  keeps every moment's expectation. Earlier flat-block measurements on a 32 -> 256 -> 256
+  -> 8 MLP: blocks of 32 / 128 / 256 gave 0.942 / 0.950 / 0.957 and ``sqrt(v)`` stored
+  instead 0.911 / 0.918 / 0.920 (half the dynamic range, but each e4m3 spacing then costs
+  twice the relative error in ``v``), so ``v`` is stored as is and 128 keeps an outlier's
+  reach small.
 
 ``master_weights`` (bf16 parameters only):
 
 - ``None``: the update is computed in fp32 from the bf16 parameter and written back
   rounded to nearest (torch's own AdamW on bf16 parameters computes in bf16).
-- ``"stochastic"``: written back with stochastic rounding (unbiased; draws from torch's
-  default generator, so a resumed run repeats its bits only if that generator's state is
-  restored too).
+- ``"stochastic"``: written back with stochastic rounding (unbiased; its draws come from
+  the same seeded table as the FP8 moments', so a resumed or sharded run repeats its bits).
 - ``"remainder"``: the low 16 bits of an fp32 master copy are kept next to the parameter
   (state ``"master_remainder"``, int16). The bf16 parameter is the master rounded to
   nearest with ties away from zero (the rounding that makes the pair an exact encoding),
@@ -47,18 +60,34 @@ moments and its parameter NaN (inf / inf) and the step is not skipped; with FP8 
 NaN reaches the whole block of its moments (the block's scale is NaN). No moment is ever
 a finite value computed from a non-finite gradient.
 
-Layer: top (nothing in the package imports it); imports ``config`` and ``kernels``.
+FSDP2 (``fully_shard``) and other DTensor parameters: every op of a step is elementwise or
+per row block, so the step runs on the local shards and makes no collective; the states
+are DTensors with the parameter's mesh and placements (FP8 states need dim-0 sharding or
+replication), so ``torch.distributed.checkpoint`` saves and reshards them. A weight wrapper
+subclass as the local shard (FSDP2 FP8 all-gather) is updated in place through its own ops;
+its moments are plain tensors.
+
+Speed: the torch-ops path only (about 10 elementwise passes per FP8 moment on CPU; no host
+sync: the step counter is a CPU tensor, as torch's). A fused kernel is not written yet.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from f8tensor.config import CastSpec
+from f8tensor.compat import dtensor_local
 from f8tensor.kernels import cast, dequantize
+from f8tensor.specs import CastSpec
+
+if dist.is_available():
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+else:  # a torch build without torch.distributed: nothing is ever a DTensor
+    DTensor = ()  # type: ignore[misc,assignment]  # isinstance(x, ()) is always False
 
 __all__ = ["FP8_BLOCK", "MASTER_WEIGHTS", "STATE_DTYPES", "AdamW"]
 
@@ -70,7 +99,17 @@ MASTER_WEIGHTS: tuple[str | None, ...] = (None, "stochastic", "remainder")
 #: below which a tensor keeps fp32 moments.
 FP8_BLOCK = 128
 
-_FP8_SPEC = CastSpec(torch.float8_e4m3fn, (FP8_BLOCK,))
+# The blocks run along each row of the parameter seen as (dim 0, everything else): a shard
+# along dim 0 (FSDP2's) holds whole rows, so its blocks are the one-process blocks.
+_FP8_BLOCK_2D = (1, FP8_BLOCK)
+#: How each FP8 moment is rounded to e4m3 (see the module docstring for the measurements).
+FP8_ROUNDING: dict[str, str] = {"exp_avg": "stochastic", "exp_avg_sq": "stochastic"}
+_FP8_SPECS = {
+    name: CastSpec(torch.float8_e4m3fn, _FP8_BLOCK_2D, rounding=rounding) for name, rounding in FP8_ROUNDING.items()
+}
+_MASK32 = 0xFFFFFFFF
+#: The period of the stochastic-rounding draws along a tensor's flattened elements (a prime).
+NOISE_PERIOD = 65537
 
 
 def _check_hyper(lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
@@ -95,42 +134,131 @@ def _check_options(state_dtype: Any, master_weights: Any) -> None:
 # ---------------------------------------------------------------- the bf16 master encodings
 
 
+def _halves(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int16 (low, high) halves of each fp32 element of ``master`` (views of its bytes:
+    little-endian, as every host and GPU torch runs on)."""
+    pairs = master.reshape(-1).view(torch.int16).view(-1, 2)
+    return pairs[:, 0], pairs[:, 1]
+
+
 def _split_master(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 ``master`` -> (bf16 rounded to nearest, ties away from zero; int16 low half).
 
     The bf16 bits are the master's high 16 bits plus one when its low half is >= 0x8000
-    (on the sign-magnitude pattern: one ulp away from zero). The low half is stored as is,
-    so the high half is the bf16's minus that carry, which the low half's top bit says.
+    (its int16 is negative; on the sign-magnitude pattern: one ulp away from zero). The low
+    half is stored as is, so the high half is the bf16's minus that carry, which the low
+    half's top bit says. int16 arithmetic throughout (a finite master never carries past
+    0x7F80, inf's pattern; only NaN patterns could wrap, and stay NaN or become inf).
     """
-    bits = master.view(torch.int32)
-    low = bits & 0xFFFF
-    high = (bits >> 16) + (low >= 0x8000).to(torch.int32)
-    # Wrap both halves into int16's range explicitly (a narrowing .to() of out-of-range
-    # values is not defined the same everywhere).
-    high16 = (((high + 0x8000) & 0xFFFF) - 0x8000).to(torch.int16)
-    low16 = (((low + 0x8000) & 0xFFFF) - 0x8000).to(torch.int16)
-    return high16.view(torch.bfloat16), low16
+    low, high = _halves(master)
+    bf16 = (high + (low < 0).to(torch.int16)).view(torch.bfloat16).view(master.shape)
+    return bf16, low.clone().view(master.shape)
 
 
 def _join_master(param: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
     """The fp32 master that :func:`_split_master` split into ``param`` and ``remainder``."""
-    # int64: every shift and sum below stays in range.
-    high = param.view(torch.int16).to(torch.int64) & 0xFFFF
-    low = remainder.to(torch.int64) & 0xFFFF
-    high = (high - (low >= 0x8000).to(torch.int64)) & 0xFFFF
-    bits = (high << 16) | low
-    bits = bits - (bits >= 2**31).to(torch.int64) * 2**32
-    return bits.to(torch.int32).view(torch.float32)
+    low = remainder.reshape(-1)
+    high = param.reshape(-1).view(torch.int16) - (low < 0).to(torch.int16)
+    return torch.stack((low, high), dim=-1).view(torch.int32).view(torch.float32).view(param.shape)
 
 
-def _stochastic_bf16(x: torch.Tensor) -> torch.Tensor:
+def _stochastic_bf16(x: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """fp32 ``x`` rounded to bf16 stochastically: up (in magnitude) with probability equal to
-    the dropped low half's fraction of a bf16 ulp. NaN stays NaN; inf stays inf."""
-    noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device)
+    the dropped low half's fraction of a bf16 ulp (``uniform``: draws in ``[0, 1)`` with 24
+    bits, ``x``'s shape). NaN stays NaN; inf stays inf."""
+    noise = (uniform * (1 << 16)).to(torch.int32)  # exact: uniform integers in [0, 2**16)
     bits = (x.view(torch.int32) + noise) & ~0xFFFF
     out = bits.view(torch.float32)
     out = torch.where(torch.isfinite(x), out, x)
     return out.to(torch.bfloat16)
+
+
+# ---------------------------------------------------------------- sharded parameters and FP8 layout
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (the tensor FSDP2 keeps; in-place updates reach the
+    parameter), any other tensor itself."""
+    return dtensor_local(t) if isinstance(t, DTensor) else t
+
+
+def _uses_fp8(p: torch.Tensor, state_dtype: torch.dtype) -> bool:
+    """FP8 moments for tensors of two or more dims and at least :data:`FP8_BLOCK` elements;
+    the rest (biases, norms, scalars) keep fp32 moments."""
+    return state_dtype == torch.float8_e4m3fn and p.dim() >= 2 and p.numel() >= FP8_BLOCK
+
+
+def _check_fp8_placements(p: torch.Tensor) -> None:
+    if not isinstance(p, DTensor):
+        return
+    for placement in p.placements:
+        if not (isinstance(placement, Replicate) or (isinstance(placement, Shard) and placement.dim == 0)):
+            raise ValueError(
+                "state_dtype=torch.float8_e4m3fn keeps one scale per 128 elements of each dim-0 row, so a "
+                f"DTensor parameter must be sharded on dim 0 or replicated; got placements {p.placements} for a "
+                f"parameter of shape {tuple(p.shape)} (use state_dtype=torch.bfloat16 for it)"
+            )
+
+
+def _row_offset(p: torch.Tensor) -> int:
+    """The global index of the first dim-0 row of ``p``'s local shard (0 for a plain tensor).
+
+    DTensor's ``Shard(0)`` splits as ``torch.chunk`` does, one mesh dim after the other:
+    chunks of ``ceil(rows / n)``, the last ones short or empty."""
+    if not isinstance(p, DTensor):
+        return 0
+    coordinate = p.device_mesh.get_coordinate()
+    if coordinate is None:  # this rank is not in the mesh
+        return 0
+    offset, rows = 0, p.shape[0]
+    for mesh_dim, placement in enumerate(p.placements):
+        if isinstance(placement, Shard):
+            n = p.device_mesh.size(mesh_dim)
+            chunk = -(-rows // n)
+            start = min(chunk * coordinate[mesh_dim], rows)
+            offset += start
+            rows = min(rows, start + chunk) - start
+    return offset
+
+
+def _wrap_like(local: torch.Tensor, p: torch.Tensor, global_shape: tuple[int, ...]) -> torch.Tensor:
+    """``local`` as a DTensor with ``p``'s mesh and placements (no collective), when ``p``
+    is one; ``local`` itself otherwise."""
+    if not isinstance(p, DTensor):
+        return local
+    stride = torch.empty(global_shape, device="meta").stride()
+    return DTensor.from_local(
+        local, p.device_mesh, p.placements, run_check=False, shape=torch.Size(global_shape), stride=stride
+    )
+
+
+def _hash32(x: int) -> int:
+    """A 32-bit integer mix (two rounds of multiply and xor-shift)."""
+    for _ in range(2):
+        x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
+    return (x >> 16) ^ x
+
+
+def _uniform(start: int, shape: tuple[int, ...], seed: int, device: torch.device) -> torch.Tensor:
+    """Uniform fp32 draws in ``[0, 1)`` for the elements ``start, start + 1, ...`` (global
+    flat indices) of a tensor: element ``i`` draws entry ``i mod`` :data:`NOISE_PERIOD` of a
+    table that a generator seeded with ``seed`` fills. A function of ``(seed, i)`` only: a
+    shard draws what one process draws at the same elements, and a resumed run repeats its
+    draws with no generator state to restore. Elements a period apart share a draw within
+    a step (a prime period, so never along one column of a power-of-two width); each
+    element's draws over the steps are independent, which is what unbiased rounding needs.
+    One table of the period per call, then one copy: no per-element hashing."""
+    n = math.prod(shape)
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    table = torch.rand(NOISE_PERIOD, generator=generator, device=device)
+    first = start % NOISE_PERIOD
+    reps = -(-(first + n) // NOISE_PERIOD)
+    return table.repeat(reps)[first : first + n].reshape(shape)
+
+
+def _seed(param_index: int, step: int, moment: int) -> int:
+    return _hash32(_hash32(_hash32(param_index) ^ step) ^ moment)
 
 
 # ---------------------------------------------------------------- the optimizer
@@ -197,19 +325,27 @@ class AdamW(torch.optim.Optimizer):
     def _init_state(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
         state = self.state[p]
         state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        local = _local(p)
         state_dtype = group["state_dtype"]
-        if state_dtype == torch.float8_e4m3fn and p.numel() >= FP8_BLOCK:
-            zeros = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
+        if _uses_fp8(p, state_dtype):
+            _check_fp8_placements(p)
+            row = p.numel() // p.shape[0]
+            scale_shape = (p.shape[0], -(-row // FP8_BLOCK))
+            zeros = torch.zeros(local.shape[0], row, dtype=torch.float32, device=local.device)
             for name in ("exp_avg", "exp_avg_sq"):
-                data, scale = cast(zeros, _FP8_SPEC)
-                state[name], state[name + "_scale"] = data, scale
+                data, scale = cast(zeros, _FP8_SPECS[name], uniform=torch.zeros_like(zeros))
+                state[name] = _wrap_like(data.view(local.shape), p, tuple(p.shape))
+                state[name + "_scale"] = _wrap_like(scale, p, scale_shape)
         else:
             dtype = torch.bfloat16 if state_dtype == torch.bfloat16 else torch.float32
-            state["exp_avg"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+            for name in ("exp_avg", "exp_avg_sq"):
+                # torch.zeros, not zeros_like: a weight wrapper subclass (FSDP2 FP8 all-gather)
+                # must not make its moments wrappers too.
+                state[name] = _wrap_like(torch.zeros(local.shape, dtype=dtype, device=local.device), p, tuple(p.shape))
         if group["master_weights"] == "remainder":
             # A bf16 parameter is an fp32 master whose low half is zero: the remainder starts at 0.
-            state["master_remainder"] = torch.zeros_like(p, dtype=torch.int16)
+            remainder = torch.zeros(local.shape, dtype=torch.int16, device=local.device)
+            state["master_remainder"] = _wrap_like(remainder, p, tuple(p.shape))
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -235,8 +371,10 @@ class AdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        index = -1
         for group in self.param_groups:
             for p in group["params"]:
+                index += 1  # the parameter's position: part of its stochastic rounding's seed
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse:
@@ -244,25 +382,31 @@ class AdamW(torch.optim.Optimizer):
                 state = self.state[p]
                 if len(state) == 0:
                     state = self._init_state(p, group)
-                self._update(p, p.grad, state, group)
+                self._update(p, p.grad, index, state, group)
         return loss
 
-    def _update(self, p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
+    def _update(
+        self, p: torch.Tensor, grad: torch.Tensor, index: int, state: dict[str, Any], group: dict[str, Any]
+    ) -> None:
+        """One step of one parameter, on its local shard: every op is elementwise or per row
+        block, so a sharded step makes no collective and computes what one process does."""
         lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
         beta1, beta2 = group["betas"]
         master_weights = group["master_weights"]
         step_t = state["step"]
         step_t += 1
-        step = step_t.item()
+        step = step_t.item()  # a CPU tensor, as torch's: no device sync
+        local = _local(p)
+        grad = _local(grad)
 
         # The fp32 tensor the update is applied to: the parameter itself when it is fp32.
         if p.dtype == torch.float32:
-            param = p
+            param = local
         elif master_weights == "remainder":
-            param = _join_master(p, state["master_remainder"])
+            param = _join_master(local, _local(state["master_remainder"]))
         else:
             # Deliberate upcast: the update is computed in fp32 from the low-precision parameter.
-            param = p.to(torch.float32)
+            param = local.to(torch.float32)
         grad = grad if grad.dtype == torch.float32 else grad.to(torch.float32)
 
         if weight_decay != 0:
@@ -270,13 +414,15 @@ class AdamW(torch.optim.Optimizer):
 
         fp8 = "exp_avg_scale" in state
         if fp8:
-            exp_avg = dequantize(state["exp_avg"], state["exp_avg_scale"], (FP8_BLOCK,), torch.float32)
-            exp_avg_sq = dequantize(state["exp_avg_sq"], state["exp_avg_sq_scale"], (FP8_BLOCK,), torch.float32)
-            exp_avg, exp_avg_sq = exp_avg.view_as(param), exp_avg_sq.view_as(param)
-        elif state["exp_avg"].dtype == torch.float32:
-            exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+            rows = (local.shape[0], p.numel() // p.shape[0])
+            m_data, v_data = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
+            exp_avg = dequantize(m_data.view(rows), _local(state["exp_avg_scale"]), _FP8_BLOCK_2D, torch.float32)
+            exp_avg_sq = dequantize(v_data.view(rows), _local(state["exp_avg_sq_scale"]), _FP8_BLOCK_2D, torch.float32)
+            exp_avg, exp_avg_sq = exp_avg.view(local.shape), exp_avg_sq.view(local.shape)
         else:
-            exp_avg, exp_avg_sq = state["exp_avg"].to(torch.float32), state["exp_avg_sq"].to(torch.float32)
+            exp_avg, exp_avg_sq = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
+            if exp_avg.dtype != torch.float32:
+                exp_avg, exp_avg_sq = exp_avg.to(torch.float32), exp_avg_sq.to(torch.float32)
 
         # The ops and their order are torch's single-tensor AdamW's (bit-identical in fp32).
         exp_avg.lerp_(grad, 1 - beta1)
@@ -289,18 +435,27 @@ class AdamW(torch.optim.Optimizer):
         param.addcdiv_(exp_avg, denom, value=-step_size)
 
         if fp8:
-            state["exp_avg"], state["exp_avg_scale"] = cast(exp_avg.reshape(-1), _FP8_SPEC)
-            state["exp_avg_sq"], state["exp_avg_sq_scale"] = cast(exp_avg_sq.reshape(-1), _FP8_SPEC)
+            start = _row_offset(p) * rows[1]
+            for moment, (name, value) in enumerate((("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq))):
+                spec = _FP8_SPECS[name]
+                uniform = None
+                if spec.rounding == "stochastic":
+                    uniform = _uniform(start, rows, _seed(index, int(step), moment), local.device)
+                data, scale = cast(value.reshape(rows), spec, uniform=uniform)
+                _local(state[name]).copy_(data.view(local.shape))
+                _local(state[name + "_scale"]).copy_(scale)
         elif state["exp_avg"].dtype != torch.float32:
-            state["exp_avg"].copy_(exp_avg)
-            state["exp_avg_sq"].copy_(exp_avg_sq)
+            _local(state["exp_avg"]).copy_(exp_avg)
+            _local(state["exp_avg_sq"]).copy_(exp_avg_sq)
 
-        if param is not p:
+        if param is not local:
             if master_weights == "remainder":
                 high, low = _split_master(param)
-                p.copy_(high)
-                state["master_remainder"].copy_(low)
+                local.copy_(high)
+                _local(state["master_remainder"]).copy_(low)
             elif master_weights == "stochastic":
-                p.copy_(_stochastic_bf16(param))
+                start = _row_offset(p) * (p.numel() // max(p.shape[0], 1)) if p.dim() else 0
+                uniform = _uniform(start, tuple(local.shape), _seed(index, int(step), 2), local.device)
+                local.copy_(_stochastic_bf16(param, uniform))
             else:
-                p.copy_(param)
+                local.copy_(param)

@@ -15,8 +15,6 @@ as ``torch.float8_e8m0fnu`` with the same meaning (the multiplier hp -> data).
 
 This module only computes scale tensors (and the stochastic rounding of scaled values);
 it never builds a Float8Tensor.
-
-Layer: above ``config``; imports ``config`` and ``formats``.
 """
 
 from __future__ import annotations
@@ -25,8 +23,8 @@ import math
 
 import torch
 
-from f8tensor.config import E8M0_SCALE_MODES, HISTORY_REDUCTIONS
 from f8tensor.formats import E8M0, E8M0_MAX_EXP, E8M0_MIN_EXP, FORMATS, format_number
+from f8tensor.specs import E8M0_SCALE_MODES, HISTORY_REDUCTIONS
 
 __all__ = [
     "EPS",
@@ -355,7 +353,12 @@ def expand_block_scale(scale: torch.Tensor, block: tuple[int, ...], shape: tuple
     return scale
 
 
-def stochastic_round(x: torch.Tensor, float8_dtype: torch.dtype, generator: torch.Generator | None = None) -> torch.Tensor:
+def stochastic_round(
+    x: torch.Tensor,
+    float8_dtype: torch.dtype,
+    generator: torch.Generator | None = None,
+    uniform: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Round fp32 ``x`` (already within the format's finite range) to a neighbouring value of
     the ``float8_dtype`` grid, up with probability equal to the distance from the lower one
     in spacings: ``E[result] = x`` exactly. Returns fp32 values that are on the FP8 grid.
@@ -364,6 +367,8 @@ def stochastic_round(x: torch.Tensor, float8_dtype: torch.dtype, generator: torc
     the format's smallest normal exponent below it (the subnormal spacing). Everything is
     exact in fp32 (power-of-two spacings, ``floor``), so the only randomness is the
     uniform draw: reproducible with ``generator`` (or ``torch.manual_seed``). NaN stays NaN.
+    ``uniform``: the caller's draws instead (fp32 in ``[0, 1)``, ``x``'s shape), e.g. a
+    counter-based hash of each element's position, which no generator state has to follow.
     """
     fmt = FORMATS[float8_dtype]
     emin = round(math.log2(format_number(float8_dtype, "smallest_normal")))
@@ -377,7 +382,9 @@ def stochastic_round(x: torch.Tensor, float8_dtype: torch.dtype, generator: torc
     # rand_like for the default generator: under torch.compile(dynamic=True) `rand` of a
     # symbolic shape fails to trace once a generator argument (even None) is passed;
     # rand_like draws the same numbers from the same generator state.
-    if generator is None:
+    if uniform is not None:
+        u = uniform
+    elif generator is None:
         u = torch.rand_like(x, dtype=torch.float32, memory_format=torch.contiguous_format)
     else:
         u = torch.rand(x.shape, dtype=torch.float32, device=x.device, generator=generator)

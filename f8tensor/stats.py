@@ -19,12 +19,11 @@ and writes into small buffers on the layer, in forward (input, weight) and backw
 buffer: the numbers always describe the last step. Reading them is one device sync.
 
 :func:`saved_tensor_bytes` measures the other thing FP8 changes: what autograd keeps for
-backward (a Float8Tensor counts as its FP8 data plus its scale).
+backward (a Float8Tensor counts as its FP8 data plus its scale). :func:`alive_tensor_bytes`
+measures the same from the allocator's side (what a forward allocated and left alive), which
+also sees what saved-tensor hooks such as ``save_activations_in_float8`` store instead.
 
 This module observes the library; nothing below it imports it.
-
-Layer: above ``linear`` (beside ``convert``); imports ``linear`` and ``kernels``. Only
-``demo`` and the integrations import it.
 """
 
 from __future__ import annotations
@@ -33,17 +32,20 @@ import math
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
+from torch.profiler import ProfilerActivity, profile
 
+from f8tensor.compat import TorchDispatchMode
 from f8tensor.kernels import CAST_STATS_FIELDS
 from f8tensor.linear import STATS_BUFFERS, STATS_ROLES, Float8Linear
 
 __all__ = [
     "STATS_FIELDS",
     "Float8SaturationWarning",
+    "alive_tensor_bytes",
     "enable_float8_stats",
     "float8_stats",
     "format_float8_stats",
@@ -420,3 +422,53 @@ def _is_parameter_copy(t: torch.Tensor, param_ids: set[int]) -> bool:
         return False
     source = fn.next_functions[0][0]
     return source is not None and id(getattr(source, "variable", None)) in param_ids
+
+
+def alive_tensor_bytes(module: nn.Module, fn: Callable[[], _T]) -> tuple[int, _T]:
+    """Run ``fn()`` (a forward through ``module``); return the bytes it allocated that are
+    still alive when it returns, less those of its result, and ``fn``'s result.
+
+    After a forward that is what autograd keeps for backward, as stored: the FP8 copies
+    and scales of :func:`f8tensor.save_activations_in_float8`, the FP8 data and scales
+    f8tensor's own Functions save, the high-precision tensors everything else saves. Read
+    from the allocator's records (``torch.profiler`` with ``profile_memory=True``: every
+    allocation and free counted once, on CPU and on CUDA), not from a saved-tensor hook,
+    so it works while such hooks are active (torch applies only the innermost pair, so
+    a counting hook would switch the FP8 ones off or see nothing).
+
+    Left out, as in :func:`saved_tensor_bytes`: ``module``'s parameters (not allocated by a
+    forward) and the dtype copies of them made during ``fn`` (autocast's bf16 weights:
+    found by watching ``aten._to_copy`` of a parameter's storage, counted while alive).
+    Also counted: anything else ``fn`` allocates and keeps (a cache filled on a first call,
+    a buffer created lazily): measure a forward that has run before.
+    """
+    params = {part.untyped_storage().data_ptr() for p in module.parameters() for part in storage_parts(p)}
+    copies = _ParameterCopies(params)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities, profile_memory=True) as prof, copies:
+        out = fn()
+    # Each allocation and free is counted once, on the op that made it (a free outside any
+    # op is a "[memory]" event): the sum is what is still allocated.
+    alive = sum(e.self_cpu_memory_usage + e.self_device_memory_usage for e in prof.events())
+    results = [t for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, torch.Tensor)]
+    return alive - tensor_bytes(results) - tensor_bytes(copies.alive()), out
+
+
+class _ParameterCopies(TorchDispatchMode):
+    """Records the tensors ``aten._to_copy`` makes from a parameter's storage (weakly)."""
+
+    def __init__(self, param_storages: set[int]) -> None:
+        super().__init__()
+        self.param_storages = param_storages
+        self.copies: list[weakref.ReferenceType[torch.Tensor]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default:
+            src = args[0]
+            if type(src) in (torch.Tensor, nn.Parameter) and src.untyped_storage().data_ptr() in self.param_storages:
+                self.copies.append(weakref.ref(out))
+        return out
+
+    def alive(self) -> list[torch.Tensor]:
+        return [t for t in (ref() for ref in self.copies) if t is not None]

@@ -10,46 +10,42 @@ backward passes the gradient through unchanged.
 
 Checkpoints name ``f8tensor.tensor._rebuild_float8_tensor`` (and, before it existed,
 ``f8tensor.tensor.Float8Tensor``): both stay defined here.
-
-Layer: above ``validation`` and ``kernels``; imports them, ``scaling``, ``config``,
-``formats`` and ``compat``.
 """
 
 from __future__ import annotations
 
-import types
-from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ClassVar, NoReturn
 
 import torch
 from typing_extensions import TypeIs
 
 from f8tensor import kernels
-from f8tensor.compat import DISABLED_TORCH_FUNCTION, called_by_weights_only_load, is_fake, make_wrapper_subclass
-from f8tensor.config import (
+from f8tensor.compat import called_by_weights_only_load, is_fake, make_wrapper_subclass
+from f8tensor.formats import E8M0, SCALE_DTYPES, check_hp_dtype
+from f8tensor.kernels import CAST_STATS_FIELDS
+from f8tensor.scaling import inverse_scale_of
+from f8tensor.specs import (
     DEFAULT_GEMM,
-    ROUNDING_MODES,
     BlockGranularity,
     CastSpec,
     GemmConfig,
     Granularity,
-    axiswise_block,
     axiswise_dim,
     is_blockwise,
-    parse_granularity,
+    keyword_spec,
+    layout_block,
+    spec_block,
 )
-from f8tensor.formats import E8M0, SCALE_DTYPES, check_float8_dtype, check_hp_dtype
-from f8tensor.kernels import CAST_STATS_FIELDS
-from f8tensor.scaling import inverse_scale_of
+from f8tensor.subclass import OpHandler, QuantizedTensor
 from f8tensor.validation import (
     SERIAL_VERSION,
     check_given_scale,
     check_scale_values,
     checkpoint_fields,
-    extent,
+    from_hp_spec,
     legacy_state_fields,
-    no_overlap,
     scale_from_number,
+    serial_fields,
     validate_fields,
 )
 
@@ -73,13 +69,11 @@ __all__ = [
 # re-exported here: the dtypes a Float8Tensor's ``_scale`` may have. check_scale_values and
 # scale_from_number live in validation.py and are re-exported for the same reason.
 
-_NO_KWARGS: types.MappingProxyType[str, Any] = types.MappingProxyType({})
 #: The checkpoint format :meth:`Float8Tensor.__reduce_ex__` writes (see ``validation.py``).
 _SERIAL_VERSION = SERIAL_VERSION
-OpHandler = Callable[[Any, Any, tuple, Mapping[str, Any]], Any]
 
 
-class Float8Tensor(torch.Tensor):
+class Float8Tensor(QuantizedTensor):
     """An FP8 tensor that behaves like the high-precision tensor it was cast from.
 
     Outer (visible) dtype: the original dtype (bf16, fp16 or fp32); outer shape and
@@ -142,8 +136,14 @@ class Float8Tensor(torch.Tensor):
     _block: tuple[int, ...]
     _gemm: GemmConfig
 
-    # The op table: aten overload -> handler(func, types, args, kwargs). Filled by ops.py.
+    # The op table: aten overload -> handler(func, types, args, kwargs). Filled by ops.py;
+    # read by QuantizedTensor.__torch_dispatch__, which refuses any other op with this message.
     _OPS: ClassVar[dict[Any, OpHandler]] = {}
+    _UNSUPPORTED: ClassVar[str] = (
+        "Float8Tensor does not support {func}. FP8 data only takes part in matrix "
+        "products (mm, addmm, matmul, linear) and layout ops; call .to_hp() first to "
+        "compute in high precision."
+    )
 
     #: ``1 / _scale`` as the GEMMs read it, when the library's own cast computed it (once
     #: for every product of the tensor: :func:`with_inverse_scale`; or in the fused cast
@@ -153,8 +153,6 @@ class Float8Tensor(torch.Tensor):
     #: temporaries of a training step carry one (never a tensor whose scale may later be
     #: written in place, such as an FSDP2 gather's output).
     _inv_scale: torch.Tensor | None = None
-
-    __torch_function__ = DISABLED_TORCH_FUNCTION
 
     @staticmethod
     def __new__(  # noqa: PYI034 (staticmethod: no Self)
@@ -172,14 +170,14 @@ class Float8Tensor(torch.Tensor):
         # under compile (the frame test is skipped there, so it does not graph-break).
         if not torch.compiler.is_compiling() and called_by_weights_only_load():
             if block is None and isinstance(data, torch.Tensor):
-                block = (0,) * data.dim()
+                block = layout_block((), data.dim())
             scale = validate_fields(data, scale, orig_dtype, block, gemm)
         self = make_wrapper_subclass(cls, data, dtype=orig_dtype, requires_grad=False)
         self._data = data
         self._scale = scale
         self._orig_dtype = orig_dtype
-        # None: tensorwise (all zeros) for data of any ndim.
-        self._block = (0,) * data.dim() if block is None else block
+        # None: tensorwise, for data of any ndim.
+        self._block = layout_block((), data.dim()) if block is None else block
         self._gemm = gemm
         return self
 
@@ -232,31 +230,7 @@ class Float8Tensor(torch.Tensor):
             raise TypeError("from_hp expects a high-precision tensor; got a Float8Tensor (call .to_hp() first)")
         if not isinstance(hp, torch.Tensor):
             raise TypeError(f"from_hp expects a torch.Tensor; got {type(hp).__name__}")
-        check_hp_dtype(hp.dtype, "Float8Tensor.from_hp input")
-        check_float8_dtype(float8_dtype)
-        if not isinstance(power_of_2_scale, bool):
-            raise TypeError(f"power_of_2_scale must be a bool; got {power_of_2_scale!r}")
-        gran = parse_granularity(granularity)
-        if gran is Granularity.ROWWISE and hp.dim() == 0:
-            raise ValueError("rowwise scaling needs at least one dimension; got a 0-dim tensor")
-        if rounding not in ROUNDING_MODES:
-            raise ValueError(f"rounding must be one of {ROUNDING_MODES}; got {rounding!r}")
-        if isinstance(gran, BlockGranularity) and gran.scale_dtype not in SCALE_DTYPES:
-            raise ValueError(
-                f"a Float8Tensor's block scales are fp32 or e8m0; {gran.scale_dtype} block scales are NVFP4's "
-                f"(f8tensor.Float4Tensor.from_hp(hp, 'nvfp4'))"
-            )
-        if isinstance(gran, BlockGranularity):
-            spec = CastSpec(float8_dtype, gran.full_block(hp.dim()), gran.scale_dtype, gran.scale_mode)
-        else:
-            spec = CastSpec(float8_dtype, axiswise_block(hp.dim() - 1, hp.dim()) if gran is Granularity.ROWWISE else ())
-        spec = spec._replace(power_of_2=power_of_2_scale, rounding=rounding)
-        if gemm_config is None:
-            gemm_config = DEFAULT_GEMM
-        elif not isinstance(gemm_config, GemmConfig):
-            raise TypeError(f"gemm_config must be a GemmConfig; got {type(gemm_config).__name__}")
-        else:
-            gemm_config.validated()
+        spec, gemm_config = from_hp_spec(hp, float8_dtype, granularity, power_of_2_scale, rounding, gemm_config)
         if scale is not None:
             scale = check_given_scale(scale, hp, spec.block, spec.scale_dtype)
         return _FromHP.apply(hp, spec, scale, gemm_config, generator)
@@ -303,7 +277,7 @@ class Float8Tensor(torch.Tensor):
         """The block in :class:`~f8tensor.config.CastSpec`'s spelling: ``()`` for a tensorwise
         (0-dim) scale, else ``_block``. What the predicates of ``config`` read, and what a
         cast that reproduces this tensor's granularity is given."""
-        return self._block if self._scale.dim() else ()
+        return spec_block(self._block, self._scale.dim())
 
     @property
     def is_blockwise(self) -> bool:
@@ -350,11 +324,7 @@ class Float8Tensor(torch.Tensor):
             "block": self._block,
             "gemm": self._gemm,
         }
-        if "axiswise_dim" in changes:
-            # The old spelling, translated for the (possibly new) data's ndim.
-            axis = changes.pop("axiswise_dim")
-            changes["block"] = axiswise_block(axis, changes.get("data", self._data).dim())
-        elif "data" in changes and "block" not in changes and changes["data"].dim() != self._data.dim():
+        if "data" in changes and "block" not in changes and changes["data"].dim() != self._data.dim():
             raise ValueError("Float8Tensor._replace: new data of another ndim needs its block")
         fields.update(changes)
         new = Float8Tensor(**fields)
@@ -376,21 +346,8 @@ class Float8Tensor(torch.Tensor):
         return (_rebuild_float8_tensor, (_SERIAL_VERSION, self._serial_fields()))
 
     def _serial_fields(self) -> dict[str, Any]:
-        gemm = self._gemm
-        scale = self._scale.view(torch.uint8) if self._scale.dtype == E8M0 else self._scale
-        return {
-            "data": _compact(self._data.view(torch.uint8)),
-            "float8_dtype": self._data.dtype,
-            # e8m0 scales travel as their uint8 codes: torch storages of that dtype do not
-            # survive a plain pickle (torch 2.13), uint8 does everywhere.
-            "scale": _compact(scale),
-            "scale_dtype": self._scale.dtype,
-            "orig_dtype": self._orig_dtype,
-            "block": self._block,
-            "gemm": tuple(gemm),
-            "requires_grad": self.requires_grad,
-            "is_param": bool(self.__dict__.get("_is_param", False)),
-        }
+        is_param = bool(self.__dict__.get("_is_param", False))
+        return serial_fields(self._data, self._scale, self._orig_dtype, self._block, self._gemm, self.requires_grad, is_param)
 
     def __deepcopy__(self, memo: dict) -> torch.Tensor:
         if id(self) in memo:
@@ -442,45 +399,6 @@ class Float8Tensor(torch.Tensor):
     def __tensor_unflatten__(inner: dict, meta: tuple, outer_size: Any, outer_stride: Any) -> Float8Tensor:
         return Float8Tensor(inner["_data"], inner["_scale"], *meta)
 
-    # ----------------------------------------------------------------- dispatch
-
-    @classmethod
-    def implements(cls, ops: Iterable[Any]) -> Callable[[OpHandler], OpHandler]:
-        """Register a handler for aten ops; registering an op twice is an error."""
-
-        def register(handler: OpHandler) -> OpHandler:
-            for op in ops:
-                if op in cls._OPS:
-                    raise RuntimeError(f"Float8Tensor: {op} already has a handler ({cls._OPS[op].__name__})")
-                cls._OPS[op] = handler
-            return handler
-
-        return register
-
-    @classmethod
-    def __torch_dispatch__(  # type: ignore[override]
-        cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
-    ) -> Any:
-        handler = cls._OPS.get(func)
-        if handler is not None:
-            return handler(func, types, args, kwargs if kwargs is not None else _NO_KWARGS)
-        raise NotImplementedError(
-            f"Float8Tensor does not support {func}. FP8 data only takes part in matrix "
-            f"products (mm, addmm, matmul, linear) and layout ops; call .to_hp() first to "
-            f"compute in high precision."
-        )
-
-
-def _compact(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as a checkpoint stores it: exactly its own elements, each once. A view that
-    does not own its whole storage (a slice: pickling would write the base's storage) or
-    that repeats elements (an ``expand``: the checkpoint check refuses zero strides) is
-    copied out, dense; a tensor that owns its storage keeps its strides."""
-    size, stride = tuple(t.shape), t.stride()
-    own = t.storage_offset() == 0 and t.untyped_storage().nbytes() == extent(size, stride) * t.element_size()
-    if own and no_overlap(size, stride):
-        return t
-    return t.clone(memory_format=torch.contiguous_format)
 
 
 def _rebuild_float8_tensor(version: object, fields: object) -> torch.Tensor:
@@ -537,7 +455,7 @@ def to_float8(
     the product config the result carries; ``orig_dtype``: what it stands for (default
     ``hp``'s dtype)."""
     data, scale = kernels.cast(hp, spec, scale, generator=generator)
-    return Float8Tensor(data, scale, orig_dtype or hp.dtype, _tensor_block(spec, hp), gemm)
+    return Float8Tensor(data, scale, orig_dtype or hp.dtype, layout_block(spec.block, hp.dim()), gemm)
 
 
 def to_float8_for_gemm(
@@ -555,7 +473,7 @@ def to_float8_for_gemm(
     Both carry the scale's inverse where the cast computed it (``kernels.cast_for_gemm``;
     see :func:`with_inverse_scale`)."""
     out = kernels.cast_for_gemm(hp, spec, scale, layouts=layouts)
-    block = _tensor_block(spec, hp)
+    block = layout_block(spec.block, hp.dim())
     f8 = Float8Tensor(out.data, out.scale, hp.dtype, block, gemm)
     twin = None
     if out.column_major is not None:
@@ -590,29 +508,7 @@ def to_float8_with_stats(
 ) -> tuple[Float8Tensor, torch.Tensor]:
     """:func:`to_float8`, also measuring what the cast did (see :func:`cast_to_float8_with_stats`)."""
     data, scale, stats = kernels.cast_with_stats(hp, spec, scale, amax=amax, generator=generator)
-    return Float8Tensor(data, scale, orig_dtype or hp.dtype, _tensor_block(spec, hp), gemm), stats
-
-
-def _tensor_block(spec: CastSpec, hp: torch.Tensor) -> tuple[int, ...]:
-    # A Float8Tensor spells tensorwise as all 0, one entry per dim.
-    return spec.block or (0,) * hp.dim()
-
-
-def _keyword_spec(
-    hp: torch.Tensor,
-    float8_dtype: torch.dtype,
-    axiswise_dim: int | None,
-    block: tuple[int, ...] | None,
-    power_of_2_scale: bool,
-    scale_dtype: torch.dtype,
-    scale_mode: str,
-    rounding: str,
-) -> CastSpec:
-    """The :class:`CastSpec` of the keyword spellings: ``block`` (a full per-dim block), or
-    ``axiswise_dim`` (``None`` with no block: tensorwise)."""
-    if block is None:
-        block = () if axiswise_dim is None else axiswise_block(axiswise_dim, hp.dim())
-    return CastSpec(float8_dtype, block, scale_dtype, scale_mode, power_of_2_scale, rounding)
+    return Float8Tensor(data, scale, orig_dtype or hp.dtype, layout_block(spec.block, hp.dim()), gemm), stats
 
 
 def cast_to_float8(
@@ -638,7 +534,7 @@ def cast_to_float8(
     dynamic (the current amax of ``hp``, per block). ``scale_dtype``/``scale_mode``: fp32 or
     e8m0 scales (and the e8m0 exponent rule); ``rounding``: ``"nearest"`` or ``"stochastic"``.
     """
-    spec = _keyword_spec(hp, float8_dtype, axiswise_dim, block, power_of_2_scale, scale_dtype, scale_mode, rounding)
+    spec = keyword_spec(hp.dim(), float8_dtype, axiswise_dim, block, power_of_2_scale, scale_dtype, scale_mode, rounding)
     return to_float8(hp, spec, scale=scale, gemm=gemm, orig_dtype=orig_dtype, generator=generator)
 
 
@@ -661,7 +557,7 @@ def cast_to_float8_with_stats(
     """:func:`cast_to_float8`, also measuring what the cast did to ``hp``: bitwise the same
     Float8Tensor, and a float64 vector laid out as :data:`CAST_STATS_FIELDS` (what each
     entry means: :func:`f8tensor.kernels.cast_with_stats`)."""
-    spec = _keyword_spec(hp, float8_dtype, axiswise_dim, block, power_of_2_scale, scale_dtype, scale_mode, rounding)
+    spec = keyword_spec(hp.dim(), float8_dtype, axiswise_dim, block, power_of_2_scale, scale_dtype, scale_mode, rounding)
     return to_float8_with_stats(hp, spec, scale=scale, amax=amax, gemm=gemm, orig_dtype=orig_dtype, generator=generator)
 
 

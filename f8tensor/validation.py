@@ -1,7 +1,5 @@
 """Validation of Float8Tensor fields that come from outside the library: checkpoints,
 given scales, scale values. No Float8Tensor is needed to check its fields.
-
-Layer: above ``config``; imports ``config``, ``formats``, ``compat``.
 """
 
 from __future__ import annotations
@@ -9,8 +7,20 @@ from __future__ import annotations
 import torch
 
 from f8tensor.compat import is_fake
-from f8tensor.config import GemmConfig, axiswise_block, axiswise_dim, block_scale_shape
 from f8tensor.formats import E8M0, SCALE_DTYPES, check_float8_dtype, check_hp_dtype
+from f8tensor.specs import (
+    DEFAULT_GEMM,
+    ROUNDING_MODES,
+    BlockGranularity,
+    CastSpec,
+    GemmConfig,
+    Granularity,
+    axiswise_block,
+    axiswise_dim,
+    block_scale_shape,
+    layout_block,
+    parse_granularity,
+)
 
 __all__ = [
     "SERIAL_VERSION",
@@ -20,11 +30,14 @@ __all__ = [
     "check_layout",
     "check_scale_values",
     "checkpoint_fields",
+    "compact",
     "extent",
+    "from_hp_spec",
     "legacy_state_fields",
     "no_overlap",
     "scale_from_codes",
     "scale_from_number",
+    "serial_fields",
     "validate_fields",
 ]
 
@@ -151,7 +164,7 @@ def scale_from_codes(scale: object, scale_dtype: object) -> object:
 def block_from_axiswise_dim(axiswise_dim: object, data: torch.Tensor) -> tuple[int, ...]:
     """The block of a version-0/1 checkpoint's ``axiswise_dim`` (``None``: tensorwise)."""
     if axiswise_dim is None:
-        return (0,) * data.dim()
+        return layout_block((), data.dim())
     if isinstance(axiswise_dim, bool) or not isinstance(axiswise_dim, int):
         raise TypeError(f"Float8Tensor axiswise_dim must be None or an int; got {axiswise_dim!r}")
     if not 0 <= axiswise_dim < data.dim():
@@ -328,3 +341,86 @@ def legacy_state_fields(state: object, outer: tuple) -> tuple:
             f"does not match its data {inner}"
         )
     return data, scale, dict_state["_orig_dtype"], block, gemm, "_is_param" in dict_state
+
+
+# ===================================================================== what users pass
+
+
+def from_hp_spec(
+    hp: torch.Tensor,
+    float8_dtype: torch.dtype,
+    granularity: object,
+    power_of_2_scale: object,
+    rounding: object,
+    gemm_config: object,
+) -> tuple[CastSpec, GemmConfig]:
+    """The arguments of ``Float8Tensor.from_hp`` (``hp`` a tensor) checked, in that order, and
+    turned into the cast's :class:`CastSpec` and the tensor's :class:`GemmConfig`."""
+    check_hp_dtype(hp.dtype, "Float8Tensor.from_hp input")
+    check_float8_dtype(float8_dtype)
+    if not isinstance(power_of_2_scale, bool):
+        raise TypeError(f"power_of_2_scale must be a bool; got {power_of_2_scale!r}")
+    gran = parse_granularity(granularity)
+    if gran is Granularity.ROWWISE and hp.dim() == 0:
+        raise ValueError("rowwise scaling needs at least one dimension; got a 0-dim tensor")
+    if rounding not in ROUNDING_MODES:
+        raise ValueError(f"rounding must be one of {ROUNDING_MODES}; got {rounding!r}")
+    if isinstance(gran, BlockGranularity) and gran.scale_dtype not in SCALE_DTYPES:
+        raise ValueError(
+            f"a Float8Tensor's block scales are fp32 or e8m0; {gran.scale_dtype} block scales are NVFP4's "
+            f"(f8tensor.Float4Tensor.from_hp(hp, 'nvfp4'))"
+        )
+    if isinstance(gran, BlockGranularity):
+        spec = CastSpec(float8_dtype, gran.full_block(hp.dim()), gran.scale_dtype, gran.scale_mode)
+    else:
+        spec = CastSpec(float8_dtype, axiswise_block(hp.dim() - 1, hp.dim()) if gran is Granularity.ROWWISE else ())
+    spec = spec._replace(power_of_2=power_of_2_scale, rounding=rounding)
+    if gemm_config is None:
+        gemm_config = DEFAULT_GEMM
+    elif not isinstance(gemm_config, GemmConfig):
+        raise TypeError(f"gemm_config must be a GemmConfig; got {type(gemm_config).__name__}")
+    else:
+        gemm_config.validated()
+    return spec, gemm_config
+
+
+# ===================================================================== the checkpoint format (written)
+
+
+def compact(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a checkpoint stores it: exactly its own elements, each once. A view that
+    does not own its whole storage (a slice: pickling would write the base's storage) or
+    that repeats elements (an ``expand``: the checkpoint check refuses zero strides) is
+    copied out, dense; a tensor that owns its storage keeps its strides."""
+    size, stride = tuple(t.shape), t.stride()
+    own = t.storage_offset() == 0 and t.untyped_storage().nbytes() == extent(size, stride) * t.element_size()
+    if own and no_overlap(size, stride):
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def serial_fields(
+    data: torch.Tensor,
+    scale: torch.Tensor,
+    orig_dtype: torch.dtype,
+    block: tuple[int, ...],
+    gemm: GemmConfig,
+    requires_grad: bool,
+    is_param: bool,
+) -> dict[str, object]:
+    """A Float8Tensor's fields as version :data:`SERIAL_VERSION` writes them (what
+    :func:`checkpoint_fields` reads back)."""
+    scale_out = scale.view(torch.uint8) if scale.dtype == E8M0 else scale
+    return {
+        "data": compact(data.view(torch.uint8)),
+        "float8_dtype": data.dtype,
+        # e8m0 scales travel as their uint8 codes: torch storages of that dtype do not
+        # survive a plain pickle (torch 2.13), uint8 does everywhere.
+        "scale": compact(scale_out),
+        "scale_dtype": scale.dtype,
+        "orig_dtype": orig_dtype,
+        "block": block,
+        "gemm": tuple(gemm),
+        "requires_grad": requires_grad,
+        "is_param": is_param,
+    }

@@ -31,8 +31,8 @@ update loops, adapter merges that add a delta to ``weight.data``), and a cast se
 one would silently compute with the old weights. The scope is the caller's statement that
 the weights stay put between its forwards, the one fact this module cannot observe.
 
-Layer: with ``weights``; imports ``compat`` only (a layer opts in by defining
-``reuses_weight_casts = True`` and reading its entries with :func:`weight_casts_of`).
+A layer opts in by defining ``reuses_weight_casts = True`` and reading its entries with
+:func:`weight_casts_of`.
 """
 
 from __future__ import annotations

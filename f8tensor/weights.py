@@ -4,7 +4,7 @@ A :class:`HighPrecisionWeight` is a parameter that behaves like the plain bf16/f
 tensor it wraps for every op (optimizer steps, ``copy_``, ``zero_``, views, sharding,
 checkpoints) and differs only where its subclass says so: the FSDP2 all-gather hooks
 (``distributed/fsdp.py``) or the matrix products its ``__torch_function__`` routes to FP8
-(``moe.py``). What they share lives here:
+(``f8tensor.moe``). What they share lives here:
 
 - dispatch: unwrap, run on the plain tensors, rewrap. An in-place op returns its wrapped
   argument; a new result stays wrapped for the subclass's ``VIEWS`` (sharing the write
@@ -16,12 +16,11 @@ checkpoints) and differs only where its subclass says so: the FSDP2 all-gather h
   ``weights_only=True``), a view of a larger storage (a shard, a slice) cloned first so
   that only its own elements are written;
 - flatten/unflatten for torch.compile (``_hp`` and the subclass's metadata).
-
-Layer: above ``ops`` (needs nothing from it); imports ``tensor``, ``formats``, ``compat``.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 from typing import Any, ClassVar
 
@@ -32,7 +31,7 @@ from f8tensor.compat import disable_torch_function_subclass, make_wrapper_subcla
 from f8tensor.formats import HP_DTYPES
 from f8tensor.tensor import Float8Tensor
 
-__all__ = ["HighPrecisionWeight", "WriteCount", "check_dtype_change"]
+__all__ = ["HighPrecisionWeight", "Unwrap", "WriteCount", "check_dtype_change"]
 
 
 def check_dtype_change(kind: type, new: Any) -> None:
@@ -127,6 +126,33 @@ class HighPrecisionWeight(torch.Tensor):
     def __tensor_flatten__(self) -> tuple[list[str], tuple]:
         return ["_hp"], self._meta()
 
+    def data_ptr(self) -> int:
+        """The address of the plain tensor's first element: a wrapper stands for its data.
+
+        A wrapper subclass has no storage of its own (torch's ``data_ptr`` gives 0 for it),
+        yet code outside the package tells parameters apart by address: accelerate maps an
+        optimizer's parameters to their FSDP2 shards by ``data_ptr()``, and with every
+        wrapped weight at 0 it handed all of them the same shard. torch itself reads
+        ``data_ptr() == 0`` as "a wrapper subclass" in ``deepcopy`` and ``__reduce_ex__``:
+        both are defined here instead."""
+        return self._hp.data_ptr()
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        # What torch's deepcopy does for a wrapper subclass: a copy of the data, wrapped, its
+        # own write count, requires_grad and grad kept, the rest of __dict__ deep-copied
+        # (metadata, _is_param; within a model copy, references to the copied modules).
+        if id(self) in memo:
+            return memo[id(self)]
+        with torch.no_grad():
+            new = type(self)(copy.deepcopy(self._hp, memo), *self._meta())
+        new.requires_grad_(self.requires_grad)
+        if self.grad is not None:
+            new.grad = copy.deepcopy(self.grad, memo)
+        rest = {k: v for k, v in self.__dict__.items() if k not in ("_hp", "_writes")}
+        new.__dict__.update(copy.deepcopy(rest, memo))
+        memo[id(self)] = new
+        return new
+
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
         wrapped: dict[int, HighPrecisionWeight] = {}
@@ -153,6 +179,22 @@ class HighPrecisionWeight(torch.Tensor):
             return t
 
         return tree_map_only(torch.Tensor, rewrap, out)
+
+
+class Unwrap(torch.autograd.Function):
+    """The plain tensor inside a :class:`HighPrecisionWeight`, with the gradient passed
+    through: how the routes of a :class:`RecipeWeight` hand its data to the FP8 products."""
+
+    @staticmethod
+    def forward(ctx: Any, w: HighPrecisionWeight) -> torch.Tensor:  # type: ignore[override]
+        # Through dispatch (view.dtype is in no subclass's VIEWS or COPIES: the result is the
+        # plain alias of _hp), not through the attribute: torch.export traces above the
+        # subclass, where ``w._hp`` would be an untracked tensor (lifted as a constant).
+        return w.view(w.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return grad
 
 
 class RecipeWeight(HighPrecisionWeight):
@@ -189,6 +231,38 @@ class RecipeWeight(HighPrecisionWeight):
     @classmethod
     def __tensor_unflatten__(cls, inner: dict, meta: tuple, outer_size: Any, outer_stride: Any) -> Any:
         return cls(inner["_hp"], *meta)
+
+    # ----------------------------------------------------------------- FSDP2 extension
+    # High-precision all-gather (in mp_policy.param_dtype): the gathered weight is wrapped
+    # again with its recipe, so the unsharded weight still multiplies in FP8. Without these
+    # hooks FSDP2 would gather a plain tensor and the products would silently run in high
+    # precision. Plain methods FSDP2 looks up on the parameter: nothing from torch.distributed.
+    # The subclass's COPIES keep new_zeros / new_empty (FSDP2 allocates the padded shard so).
+
+    def fsdp_pre_all_gather(
+        self, mesh: Any, outer_size: torch.Size, outer_stride: tuple[int, ...], module: nn.Module, mp_policy: Any
+    ) -> tuple[tuple[torch.Tensor, ...], None]:
+        hp = self._hp
+        if mp_policy.param_dtype is not None and hp.dtype != mp_policy.param_dtype:
+            hp = hp.to(mp_policy.param_dtype)
+        # FSDP pads every shard along dim 0 to the size of the first (ceil(rows / world)).
+        rows = -(-outer_size[0] // mesh.size())
+        if hp.shape[0] < rows:
+            hp = torch.nn.functional.pad(hp, [0, 0] * (hp.dim() - 1) + [0, rows - hp.shape[0]])
+        return (hp.contiguous(),), None
+
+    def fsdp_post_all_gather(
+        self,
+        all_gather_outputs: tuple[torch.Tensor, ...],
+        metadata: Any,
+        param_dtype: torch.dtype,
+        *,
+        out: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None:
+        (data,) = all_gather_outputs
+        if out is not None:  # the gathered values already sit in out's storage
+            return None
+        return type(self)(data, *self._meta()), (data,)
 
     @classmethod
     def _route(cls, func: Any) -> Any:

@@ -13,7 +13,7 @@ marked ``gpu`` (so skipped without an FP8 GPU, and selected by ``pytest -m gpu``
 the same body with ``torch.set_default_device("cuda")``, so every tensor and module the
 test creates without naming a device lives on the GPU. (Tensors a test creates on the CPU
 explicitly, and the package's own device handling, are covered by the tests written for
-CUDA: test_gpu.py and the GPU campaign's checks.) ``pytest -m "device_param and gpu"
+CUDA: kernels/test_gpu_scaled_mm.py and the GPU campaign's checks.) ``pytest -m "device_param and gpu"
 --collect-only -q`` lists the re-run set.
 """
 

@@ -12,8 +12,9 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from f8tensor import FLOAT8_DTYPES, Float8Linear, Float8Tensor, attention, sqnr
+from f8tensor import FLOAT8_DTYPES, Float8Linear, Float8Tensor, sqnr, weights
 
 HP_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 E4M3_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
@@ -247,15 +248,15 @@ def run_processes(fn: Callable, world: int, args: tuple, timeout_s: float) -> No
 
 class RanFP8:
     """Which converted layers ran an FP8 forward: a counter on ``Float8Linear.forward`` and
-    on the unwrapping of FP8 attention weights (``nn.MultiheadAttention``'s projections,
-    whose FP8 products unwrap each weight they take), patched on the classes through
+    on the unwrapping of recipe weights (``nn.MultiheadAttention``'s projections and expert
+    weights, whose FP8 products unwrap each weight they take), patched on the classes through
     ``monkeypatch``; no module hooks, which would change the path some models take, e.g.
     ``nn.TransformerEncoderLayer``'s fast path)."""
 
     def __init__(self, monkeypatch) -> None:
         self.ran: set[int] = set()
         real = Float8Linear.forward
-        real_unwrap = attention._Unwrap.apply
+        real_unwrap = weights.Unwrap.apply
 
         def counted(layer, *args, **kwargs):
             self.ran.add(id(layer))
@@ -266,10 +267,49 @@ class RanFP8:
             return real_unwrap(w)
 
         monkeypatch.setattr(Float8Linear, "forward", counted)
-        monkeypatch.setattr(attention._Unwrap, "apply", counted_unwrap)
+        monkeypatch.setattr(weights.Unwrap, "apply", counted_unwrap)
 
     def missing(self, model) -> list[str]:
         """The names in ``model.float8_converted_fqns`` whose layer (or attention weight) did not run."""
         found = dict(model.named_modules()) | dict(model.named_parameters())
         return [f for f in model.float8_converted_fqns if id(found[f]) not in self.ran]
 
+
+
+class FP8Products(TorchDispatchMode):
+    """Counts the matrix products that run in FP8 (on a CPU a per-tensor product is the
+    custom op ``f8tensor::cpu_scaled_mm``, a rowwise one ``aten._scaled_mm``), and lists the
+    high-precision products whose right operand has the shape of one of ``hp_shapes`` (a
+    weight's product that escaped FP8) or that take the fused attention kernel."""
+
+    FP8 = frozenset({torch.ops.f8tensor.cpu_scaled_mm.default, torch.ops.aten._scaled_mm.default})
+    HP = frozenset({torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.linear.default})
+
+    def __init__(self, hp_shapes=()) -> None:
+        super().__init__()
+        self.fp8 = 0
+        self.hp: list[str] = []
+        self.hp_shapes = {tuple(s) for s in hp_shapes} | {tuple(s)[::-1] for s in hp_shapes}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.FP8:
+            self.fp8 += 1
+        elif func is torch.ops.aten._native_multi_head_attention.default:
+            self.hp.append(str(func))
+        elif func in self.HP:
+            w = args[1] if func is torch.ops.aten.linear.default else args[-1]
+            if tuple(w.shape) in self.hp_shapes:
+                self.hp.append(f"{func} {tuple(w.shape)}")
+        return func(*args, **(kwargs or {}))
+
+
+def weight_grad_sqnr(model: torch.nn.Module, reference: torch.nn.Module) -> dict[str, float]:
+    """SQNR (dB) of each 2D weight's gradient in ``model`` against the same parameter's in
+    ``reference`` (the high-precision twin, after the same backward)."""
+    ref = dict(reference.named_parameters())
+    out = {}
+    for name, p in model.named_parameters():
+        if p.dim() == 2 and p.grad is not None:
+            out[name] = sqnr(ref[name].grad.detach().float(), p.grad.detach().float())
+    assert out, "no 2D weight has a gradient"
+    return out

@@ -10,7 +10,7 @@ from torch import nn
 from f8tensor import RECIPES, Float8Linear, Float8LinearConfig, convert_to_float8_training, sqnr
 
 RECIPE_NAMES = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed", "blockwise", "mxfp8")
-# The FP4 recipes have their own tests and thresholds (tests/test_fp4_training.py): the FP8
+# The FP4 recipes have their own tests and thresholds (tests/recipes/test_fp4_training.py): the FP8
 # suites' SQNR thresholds are FP8's.
 FP4_RECIPE_NAMES = ("nvfp4", "mxfp4")
 assert set(RECIPE_NAMES) | set(FP4_RECIPE_NAMES) == set(RECIPES), "a recipe was added: give it a place in the tests"

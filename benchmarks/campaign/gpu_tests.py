@@ -18,9 +18,9 @@ REPO = Path(__file__).resolve().parents[2]
 DRY_STUB = Path(__file__).resolve().with_name("dry_pytest_stub.py")
 #: (item name, files, planned seconds on the GPU machine), most important first.
 GROUPS = (
-    ("pytest_gpu_core", ("tests/test_gpu.py",), 50),
-    ("pytest_gpu_kernels", ("tests/test_triton_casts.py", "tests/test_block_numerics.py"), 35),
-    ("pytest_gpu_twins", ("tests/test_linear.py", "tests/test_moe.py"), 40),
+    ("pytest_gpu_core", ("tests/kernels/test_gpu_scaled_mm.py",), 50),
+    ("pytest_gpu_kernels", ("tests/kernels/test_triton_casts.py", "tests/kernels/test_block_casts_reference.py"), 35),
+    ("pytest_gpu_twins", ("tests/modules/test_linear.py", "tests/modules/test_moe.py"), 40),
 )
 
 

@@ -44,7 +44,7 @@ def second_plan() -> list[Item]:
         Item("vit_huge", 40, vit.vit, "timm ViT-Huge training step, compiled: bf16 vs tensorwise vs rowwise",
              min_s=20, requires=("timm",)),
     ]
-    items += [Item(name, 8 if name in hooks.CHECKS else 2, hooks.hook_fn(name, module, what), what, min_s=0,
+    items += [Item(name, hooks.PLANNED_S.get(name, 2), hooks.hook_fn(name, module, what), what, min_s=0,
                    absent=lambda module=module: hooks.module_absent(module)) for name, module, what in hooks.HOOKS]
     return items
 

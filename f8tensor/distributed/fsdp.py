@@ -63,9 +63,6 @@ The wrapper sits below the modules: ``Float8Linear`` chooses it as its weight's 
 its config asks for FP8 all-gather (and, for delayed scaling, hands it a reference to
 itself, where the history lives); the model converter (``convert.py``) keeps tied weights
 tied.
-
-Layer: ``distributed.fsdp``, above ``weights``; imports ``weights``, ``tensor``, ``kernels``,
-``scaling``, ``config``, ``compat``.
 """
 
 
@@ -81,8 +78,9 @@ from torch import nn
 
 from f8tensor import kernels
 from f8tensor.compat import DISABLED_TORCH_FUNCTION, dtensor_local, preserve_version_counter
-from f8tensor.config import CastConfig, CastSpec
+from f8tensor.config import CastConfig
 from f8tensor.scaling import amax_to_scale, block_amax, delayed_scale, tensor_amax
+from f8tensor.specs import CastSpec
 from f8tensor.tensor import Float8Tensor
 from f8tensor.weights import HighPrecisionWeight, WriteCount
 

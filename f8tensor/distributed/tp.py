@@ -37,9 +37,6 @@ sharded on N) is reduce-scattered to the shards in high precision; a replicated 
 weight-gradient GEMM reuses the gathered FP8 input when it is tensorwise (the same bytes
 one process keeps); the other recipes re-cast it along the tokens from its dequantized values (one
 rounding more than one process, which casts the high-precision input).
-
-Layer: the top, with ``convert``; imports ``linear``, ``tensor``, ``scaling``, ``config``,
-``compat``. Nothing below imports it.
 """
 
 from __future__ import annotations

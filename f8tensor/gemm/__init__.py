@@ -6,11 +6,13 @@ suite vouches for the GPU builds: CPU kernels accept products that GPU kernels r
 =============  ==========================================================================
 file           concern
 =============  ==========================================================================
-``rules``      the CUDA rules as data: supported builds, rule rows of ``torch._scaled_mm``,
-               the block-scaled ``F.scaled_mm`` kernels and ``torch._scaled_grouped_mm``,
-               each citing the PyTorch sources it was read from
-``check``      the checkers (one per kind) and the check mode (:func:`install_rules_check`,
-               :func:`rules_check`, ``F8TENSOR_CHECK_CUDA_RULES``)
+``rules``      the CUDA rules as data, one module per kernel family: supported builds,
+               rule rows of ``torch._scaled_mm``, the block-scaled ``F.scaled_mm`` kernels
+               and ``torch._scaled_grouped_mm``, each citing the PyTorch sources it was
+               read from
+``violations`` the checkers, one per kind: what a build would refuse in a call
+``check``      the check mode (:func:`install_rules_check`, :func:`rules_check`,
+               ``F8TENSOR_CHECK_CUDA_RULES``)
 ``operands``   the one operand preparation: plain operands cast like the other one,
                re-quantization along K, e4m3 re-casts, layouts, inverse scales
 ``dense``      tensorwise and rowwise products: routes (:func:`choose_route`)
@@ -19,11 +21,9 @@ file           concern
 ``front``      the front door of 2D products: :func:`matmul`, :func:`float8_mm`
 =============  ==========================================================================
 
-Each file imports only those above it in this table (``tests/test_layering.py``). A new
+Each file imports only those above it in this table (``tests/project/test_layering.py``). A new
 kind adds rule rows, a checker, and a module next to ``dense``/``blocks``/``grouped``
 that takes prepared operands; the front door sends it there.
-
-Layer: above ``tensor``; imports ``tensor``, ``kernels``, ``config``, ``formats``, ``compat``.
 """
 
 from __future__ import annotations

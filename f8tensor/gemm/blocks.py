@@ -18,8 +18,6 @@ With ``GemmConfig(pad_inner_dim=True)`` the operands are zero-padded (the scales
 1, the result sliced back), else the product is refused with the dim and the multiple, on
 CPU as on CUDA (``emulate=True`` asks for no kernel, so for no size rule). The DeepSeek
 kernels take no fast accumulation (cuBLASLt refuses it); the rows say so.
-
-Layer: above ``operands`` in ``f8tensor.gemm``; imports ``operands``, ``check``, ``rules``.
 """
 
 from __future__ import annotations
@@ -29,11 +27,11 @@ from typing import cast
 import torch
 
 from f8tensor import compat
-from f8tensor.config import GemmConfig
 from f8tensor.fp4 import Float4Tensor, is_float4
 from f8tensor.gemm.check import block_scaled_mm, check_active, record_block_reference, record_block_refusal
 from f8tensor.gemm.operands import col_major, inverse_scale, prepare_fp4, row_major
 from f8tensor.gemm.rules import BLOCK_SCALED_MM_RULES, BlockScaledMMRule, CudaBuild, block_rule_for, fp4_rule_for
+from f8tensor.specs import GemmConfig
 from f8tensor.tensor import Float8Tensor, dequantize
 
 __all__ = ["fp4_path", "fp4_product", "product"]

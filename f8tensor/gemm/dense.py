@@ -6,8 +6,6 @@ kernel that is legal on every supported build (:class:`Route`); :func:`product` 
 call: layouts, K/N padding, the inverse scales in the kernel's shape, a fused or a later
 bias. Which route precise-accumulation rowwise products take is a setting of the build
 (:func:`use_precise_rowwise_route`, :func:`set_precise_rowwise_route`).
-
-Layer: above ``operands`` in ``f8tensor.gemm``; imports ``operands``, ``check``, ``rules``.
 """
 
 from __future__ import annotations
@@ -18,10 +16,10 @@ from collections.abc import Iterator
 
 import torch
 
-from f8tensor.config import GemmConfig, is_tensorwise
 from f8tensor.gemm.check import scaled_mm
 from f8tensor.gemm.operands import col_major, inverse_scale, kernel_scale, row_major
 from f8tensor.gemm.rules import ALIGN
+from f8tensor.specs import GemmConfig, is_tensorwise
 from f8tensor.tensor import Float8Tensor
 
 __all__ = [

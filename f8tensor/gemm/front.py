@@ -6,21 +6,19 @@ rules every GPU build enforces (:func:`_check_operand_dtypes`, on every device),
 GemmConfigs merged, and the product handed to ``dense`` (tensorwise and rowwise scales)
 or ``blocks`` (any block-scaled operand). Grouped and batched products have theirs in
 ``grouped.py``.
-
-Layer: the top of ``f8tensor.gemm``; imports ``dense``, ``blocks``, ``operands``, ``rules``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from f8tensor.config import DEFAULT_GEMM, CastSpec, GemmConfig
 from f8tensor.formats import FLOAT8_DTYPES, check_hp_dtype
 from f8tensor.fp4 import is_float4
 from f8tensor.gemm.blocks import fp4_product
 from f8tensor.gemm.blocks import product as block_product
 from f8tensor.gemm.dense import product as dense_product
 from f8tensor.gemm.operands import BLOCKS, DENSE, check_devices, prepare
+from f8tensor.specs import DEFAULT_GEMM, CastSpec, GemmConfig
 from f8tensor.tensor import check_scale_values, is_float8, scale_from_number, to_float8
 
 __all__ = ["float8_mm", "matmul"]

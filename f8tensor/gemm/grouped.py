@@ -26,8 +26,6 @@ GEMM of the product and its gradients contracts over, checked when the product i
 ``Float8Linear`` checks its own. Offsets values: eager on a CPU tensor; on CUDA and under
 torch.compile through ``torch._assert_async`` (a device-side check: no host sync, no graph
 break; a bad value stops the device, as the kernel's own device asserts would).
-
-Layer: above ``operands`` in ``f8tensor.gemm``; imports ``operands``, ``check``, ``rules``.
 """
 
 from __future__ import annotations

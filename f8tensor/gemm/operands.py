@@ -18,8 +18,6 @@ for the sm100 kernels both operands are FP4 of one kind, packed along K, with pe
 And the layouts the kernels read: :func:`row_major`, :func:`col_major` (FP8 copies only
 where needed), :func:`inverse_scale` (the dequantization factor ``1 / scale``) and
 :func:`kernel_scale` (that factor broadcast and laid out as a kernel reads it).
-
-Layer: above ``check`` in ``f8tensor.gemm``; imports ``check``, ``tensor`` and below.
 """
 
 from __future__ import annotations
@@ -29,12 +27,12 @@ from typing import NamedTuple
 
 import torch
 
-from f8tensor.config import CastSpec, axiswise_block, constant_along, is_tensorwise
 from f8tensor.formats import E8M0, check_hp_dtype, e4m3_like
 from f8tensor.fp4 import Float4Tensor, is_float4, to_float4
 from f8tensor.gemm.check import is_col_major, is_row_major
 from f8tensor.kernels.fp4 import FP4Spec
 from f8tensor.scaling import inverse_scale_of
+from f8tensor.specs import CastSpec, axiswise_block, constant_along, is_tensorwise
 from f8tensor.tensor import Float8Tensor, dequantize, is_float8, to_float8
 
 __all__ = [
@@ -63,7 +61,7 @@ class Takes(NamedTuple):
     e4m3fn: bool = False
 
 
-#: ``torch._scaled_mm``: tensorwise and rowwise scales, e4m3/e5m2 operands (rules.py).
+#: ``torch._scaled_mm``: tensorwise and rowwise scales, e4m3/e5m2 operands (``rules.scaled_mm``).
 DENSE = Takes()
 #: ``torch.nn.functional.scaled_mm``'s block-scaled kernels (and the reference path).
 BLOCKS = Takes(blocks=True)

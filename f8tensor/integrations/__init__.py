@@ -5,7 +5,4 @@ when it is imported itself; importing ``f8tensor`` (or this package) needs torch
 - ``f8tensor.integrations.lightning``: a Lightning ``Precision`` plugin.
 - ``f8tensor.integrations.hf``: Hugging Face helpers (``from_pretrained`` with the FP8
   scaling state, the accelerate / Trainer recipe).
-
-Layer: the top; the integrations import the public modules (``convert``, ``linear``,
-``config``, ``gemm.rules``), never the other way round.
 """

@@ -27,8 +27,6 @@ saved files, bit for bit::
     model = from_pretrained_float8(AutoModelForCausalLM, "out/checkpoint",
                                    config=Float8LinearConfig.from_recipe("delayed"),
                                    module_filter_fn=lambda m, fqn: fqn != "lm_head")
-
-Layer: ``integrations`` (the top); imports ``convert``, ``linear``, ``config``.
 """
 
 from __future__ import annotations

@@ -20,8 +20,6 @@ the FP8 matrix products, as the ``"bf16-mixed"`` precision does. Pass
 Works with ``lightning`` (``lightning.pytorch``) or, when only that is installed, the
 standalone ``pytorch_lightning`` package: the plugin subclasses whichever ``Precision``
 the Trainer checks against. Use it with one of them in a process, not both.
-
-Layer: ``integrations`` (the top); imports ``convert``, ``linear`` and ``config``.
 """
 
 from __future__ import annotations

@@ -37,8 +37,6 @@ With ``enable_fsdp_float8_all_gather=True``, call
 (e.g. from ``ModelSpec.post_optimizer_build_fn``'s hook) to compute all weight scales
 with one all-reduce; it is optional.
 
-Layer: ``integrations`` (the top); imports ``linear``, ``config``, ``gemm.rules``.
-
 Tensor parallel: torchtitan 0.3.0 shards through its own ``ShardingConfig`` tree
 (``torchtitan.models.common.decoder_sharding``), not through ``ParallelStyle`` objects, so
 there is no place in its parallelize path to put f8tensor's styles. Its TP runs converted

@@ -21,8 +21,6 @@ every per-row or per-block cast). The choice is made here, per call: the fused p
 it applies (see ``triton_cast``; ``F8TENSOR_FUSED_CASTS=0`` switches it off), the
 reference everywhere else, the CPU included. ``cast_with_stats`` and ``dequantize`` are
 the reference's.
-
-Layer: above ``scaling``; imports ``scaling``, ``config``, ``formats``, ``compat``.
 """
 
 from __future__ import annotations
@@ -31,10 +29,10 @@ from typing import NamedTuple
 
 import torch
 
-from f8tensor.config import CastSpec
 from f8tensor.kernels import reference, triton_cast
 from f8tensor.kernels.reference import CAST_STATS_FIELDS, block_scale, cast_with_stats, dequantize
 from f8tensor.scaling import inverse_scale_of, materialized
+from f8tensor.specs import CastSpec
 
 __all__ = ["CAST_STATS_FIELDS", "GemmCast", "block_scale", "cast", "cast_for_gemm", "cast_with_stats", "dequantize"]
 
@@ -45,6 +43,7 @@ def cast(
     scale: torch.Tensor | None = None,
     *,
     generator: torch.Generator | None = None,
+    uniform: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``hp`` cast per ``spec``: ``(data, scale)`` (see :func:`f8tensor.kernels.reference.cast`;
     the fused kernels give the same bits)."""
@@ -52,7 +51,7 @@ def cast(
         fused = triton_cast.maybe_cast(hp, spec, scale)
         if fused is not None:
             return fused[0], fused[2]
-    return reference.cast(hp, spec, scale, generator=generator)
+    return reference.cast(hp, spec, scale, generator=generator, uniform=uniform)
 
 
 class GemmCast(NamedTuple):

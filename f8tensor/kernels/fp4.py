@@ -32,8 +32,6 @@ target dtype's finite range (a finite value near the dtype's max can round up pa
 
 Packing (what ``torch.float4_e2m1fn_x2`` and PyTorch's FP4 kernels read): along one dim,
 element ``2i`` in the low nibble and ``2i + 1`` in the high nibble of byte ``i``.
-
-Layer: ``kernels``, above ``scaling``; imports ``formats`` and torch.
 """
 
 from __future__ import annotations

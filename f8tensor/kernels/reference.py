@@ -6,15 +6,12 @@ scale out; :func:`cast_with_stats` also measures what the cast did; :func:`dequa
 the way back. Scale semantics, one rule per block (see ``scaling.py``)::
 
     data = saturate(hp.float() * scale)        hp ~= data.float() / scale
-
-Layer: ``kernels``, above ``scaling``; imports ``scaling``, ``config``, ``formats``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from f8tensor.config import CastSpec, is_axiswise, is_tensorwise
 from f8tensor.formats import E8M0, format_number, saturated_cast, saturation_bound
 from f8tensor.scaling import (
     amax_to_e8m0_scale,
@@ -26,6 +23,7 @@ from f8tensor.scaling import (
     stochastic_round,
     tensor_amax,
 )
+from f8tensor.specs import CastSpec, is_axiswise, is_tensorwise
 
 __all__ = ["CAST_STATS_FIELDS", "block_scale", "cast", "cast_with_stats", "dequantize"]
 
@@ -39,14 +37,16 @@ def cast(
     scale: torch.Tensor | None = None,
     *,
     generator: torch.Generator | None = None,
+    uniform: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``hp`` cast per ``spec``: ``(data, scale)``.
 
     With ``scale=None`` the scale is dynamic (the current amax of ``hp``, per block);
     otherwise ``scale`` is used as is (0-dim for a tensorwise spec, else the block's scale
-    shape, in ``spec.scale_dtype``). ``generator``: for stochastic rounding.
+    shape, in ``spec.scale_dtype``). ``generator``: for stochastic rounding; ``uniform``:
+    the draws of a stochastic rounding given instead (see :func:`~f8tensor.scaling.stochastic_round`).
     """
-    data, scale, _, _, _ = _cast(hp, spec, scale, generator, need_amax=False)
+    data, scale, _, _, _ = _cast(hp, spec, scale, generator, need_amax=False, uniform=uniform)
     return data, scale
 
 
@@ -99,7 +99,7 @@ def cast_with_stats(
     return data, scale, _cast_stats(hp, scaled, group_amax, scale32, spec.float8_dtype)
 
 
-def _cast(hp, spec: CastSpec, scale, generator, *, need_amax, amax=None):
+def _cast(hp, spec: CastSpec, scale, generator, *, need_amax, amax=None, uniform=None):
     """Shared body of the two casts: (data, scale, scaled fp32 values, group amax, fp32 scale)."""
     float8_dtype, block = spec.float8_dtype, spec.block
     group_amax = None
@@ -131,7 +131,9 @@ def _cast(hp, spec: CastSpec, scale, generator, *, need_amax, amax=None):
     scaled = _scaled_fp32(hp, expanded)
     if spec.rounding == "stochastic":
         fmax = format_number(float8_dtype, "max")
-        data = saturated_cast(stochastic_round(scaled.clamp(-fmax, fmax), float8_dtype, generator), float8_dtype)
+        data = saturated_cast(
+            stochastic_round(scaled.clamp(-fmax, fmax), float8_dtype, generator, uniform), float8_dtype
+        )
     else:
         # The product is a temporary of our own: clamp it in place unless stats read it.
         data = saturated_cast(scaled, float8_dtype, inplace=not need_amax)

@@ -34,9 +34,6 @@ a plain CUDA tensor, triton imports, not compiling, round-to-nearest, a granular
 kernels cover (:func:`plan`) on an input they can view as 2D, and ``F8TENSOR_FUSED_CASTS``
 is not ``0``. Everything else, the CPU above all, stays on the reference.
 ``cast_with_stats`` and ``dequantize`` stay on the reference.
-
-Layer: ``kernels``; imports ``config``, ``formats``, ``scaling``; triton only when a fused
-cast runs.
 """
 
 from __future__ import annotations
@@ -50,9 +47,9 @@ from typing import NamedTuple
 
 import torch
 
-from f8tensor.config import CastSpec
 from f8tensor.formats import E8M0, FORMATS
 from f8tensor.scaling import EPS
+from f8tensor.specs import CastSpec
 
 __all__ = ["BOTH", "COLUMN_MAJOR", "ENV_VAR", "NATURAL", "Plan", "available", "enabled", "fused_cast", "maybe_cast", "plan"]
 

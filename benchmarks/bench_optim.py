@@ -1,0 +1,186 @@
+"""Optimizer memory and step time: f8tensor.optim.AdamW against torch's AdamW (and torchao's
+8-bit AdamWs when torchao is installed).
+
+Per configuration, on a stack of ``--layers`` square ``--width`` x ``--width`` parameters
+(10 x 1024 x 1024 = 10.5M by default):
+
+- *state B/param*: the moments and their scales (every state tensor but ``step`` and the
+  master remainder), per parameter;
+- *persistent B/param*: what lives between steps, gradients excluded: the parameter, the
+  remainder of ``master_weights="remainder"``, the moments and scales;
+- *step ms*: the median time of one ``optimizer.step()`` over ``--steps`` timed steps (after
+  two untimed ones), gradients set once. Configurations run in interleaved rounds, so that
+  load from other processes falls on all of them alike.
+
+    PYTHONPATH=. python benchmarks/bench_optim.py                 # 10.5M parameters
+    PYTHONPATH=. python benchmarks/bench_optim.py --quick         # a smoke run in seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from f8tensor.optim import AdamW
+
+FP8 = torch.float8_e4m3fn
+KW = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2}
+NOT_INSTALLED = "not installed"
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    param_dtype: torch.dtype
+    make: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None  # None: unavailable
+    note: str = ""
+
+
+def _torchao_optim(name: str) -> Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None:
+    if importlib.util.find_spec("torchao") is None:
+        return None
+    try:
+        from torchao import optim as ao_optim  # type: ignore[import-not-found]
+    except ImportError:
+        try:
+            from torchao.prototype import low_bit_optim as ao_optim  # type: ignore[import-not-found,no-redef]
+        except ImportError:
+            return None
+    cls = getattr(ao_optim, name, None)
+    return None if cls is None else (lambda params: cls(params, **KW))
+
+
+def configs() -> list[Config]:
+    f32, bf16 = torch.float32, torch.bfloat16
+    return [
+        Config("torch AdamW (foreach)", f32, lambda ps: torch.optim.AdamW(ps, foreach=True, **KW)),
+        Config("f8tensor AdamW fp32 states", f32, lambda ps: AdamW(ps, **KW)),
+        Config("f8tensor AdamW bf16 states", f32, lambda ps: AdamW(ps, state_dtype=bf16, **KW)),
+        Config("f8tensor AdamW FP8 states", f32, lambda ps: AdamW(ps, state_dtype=FP8, **KW)),
+        Config(
+            "f8tensor bf16 + remainder, bf16 states",
+            bf16,
+            lambda ps: AdamW(ps, state_dtype=bf16, master_weights="remainder", **KW),
+        ),
+        Config(
+            "f8tensor bf16 + remainder, FP8 states",
+            bf16,
+            lambda ps: AdamW(ps, state_dtype=FP8, master_weights="remainder", **KW),
+        ),
+        Config("torchao AdamWFp8", f32, _torchao_optim("AdamWFp8")),
+        Config("torchao AdamW8bit", f32, _torchao_optim("AdamW8bit")),
+    ]
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    # A torchao state may be a tensor subclass holding codes and scales: count what it holds.
+    inner = getattr(t, "__tensor_flatten__", None)
+    if inner is not None and type(t) is not torch.Tensor:
+        names, _ = inner()
+        return sum(_nbytes(getattr(t, n)) for n in names)
+    return t.numel() * t.element_size()
+
+
+def state_bytes(opt: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> tuple[int, int]:
+    """(moment bytes incl. scales, persistent bytes: parameters + every state tensor but step)."""
+    moments = persistent = sum(_nbytes(p) for p in params) * 0
+    persistent += sum(_nbytes(p) for p in params)
+    for p in params:
+        for key, value in opt.state[p].items():
+            if not isinstance(value, torch.Tensor) or key == "step":
+                continue
+            persistent += _nbytes(value)
+            if key != "master_remainder":
+                moments += _nbytes(value)
+    return moments, persistent
+
+
+@dataclass
+class Row:
+    name: str
+    state_bpp: float | None
+    persistent_bpp: float | None
+    step_ms: float | None
+    note: str = ""
+
+
+def run(layers: int, width: int, steps: int, rounds: int) -> tuple[list[Row], int]:
+    g = torch.Generator().manual_seed(0)
+    master = [torch.randn(width, width, generator=g) * 0.02 for _ in range(layers)]
+    grads = [torch.randn(width, width, generator=g) * 1e-3 for _ in range(layers)]
+    numel = layers * width * width
+    setups = []
+    rows = []
+    for config in configs():
+        if config.make is None:
+            rows.append(Row(config.name, None, None, None, NOT_INSTALLED))
+            continue
+        params = [torch.nn.Parameter(m.to(config.param_dtype)) for m in master]
+        for p, grad in zip(params, grads):
+            p.grad = grad.to(config.param_dtype)
+        opt = config.make(params)
+        for _ in range(2):  # untimed: state allocation, first-call costs
+            opt.step()
+        moments, persistent = state_bytes(opt, params)
+        row = Row(config.name, moments / numel, persistent / numel, None)
+        rows.append(row)
+        setups.append((row, opt, []))
+    per_round = max(1, steps // rounds)
+    for _ in range(rounds):
+        for _row, opt, times in setups:
+            for _ in range(per_round):
+                t0 = time.perf_counter()
+                opt.step()
+                times.append(time.perf_counter() - t0)
+    for row, _opt, times in setups:
+        row.step_ms = statistics.median(times) * 1e3
+    return rows, numel
+
+
+def format_table(rows: Sequence[Row], device_label: str) -> str:
+    base = next(r.step_ms for r in rows if r.name.startswith("torch AdamW"))
+    header = f"{'optimizer':<42}{'state B/param':>15}{'persistent B/param':>20}{f'step ms ({device_label})':>17}{'vs torch':>10}"
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        if r.step_ms is None:
+            lines.append(f"{r.name:<42}{r.note:>15}{r.note:>20}{r.note:>17}{'-':>10}")
+            continue
+        rel = f"{r.step_ms / base:.2f}x" if base else "-"
+        lines.append(f"{r.name:<42}{r.state_bpp:>15.4f}{r.persistent_bpp:>20.4f}{r.step_ms:>17.1f}{rel:>10}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=10, help="square parameters (default: 10)")
+    parser.add_argument("--width", type=int, default=1024, help="their side (default: 1024)")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per configuration (default: 20)")
+    parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds (default: 4)")
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads (default: 1)")
+    parser.add_argument("--quick", action="store_true", help="2 x 256 x 256 parameters, 2 timed steps")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.layers, args.width, args.steps, args.rounds = 2, 256, 2, 1
+    for flag in ("layers", "width", "steps", "rounds", "threads"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag} must be a positive integer; got {getattr(args, flag)}")
+    torch.set_num_threads(args.threads)
+    rows, numel = run(args.layers, args.width, args.steps, args.rounds)
+    label = "CPU"
+    print(
+        f"optimizer step, {args.layers} x ({args.width} x {args.width}) = {numel / 1e6:.1f}M parameters, "
+        f"{label} ({platform.processor() or platform.machine()}, {args.threads} thread(s)), torch {torch.__version__}"
+    )
+    print(format_table(rows, label))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

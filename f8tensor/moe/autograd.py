@@ -1,0 +1,294 @@
+"""The expert GEMMs in FP8: the grouped (2D x 3D, ``offs``) and batched (``bmm``) autograd
+Functions, whose forward and both backward products go through gemm's front doors, and the
+per-expert loop of ``Float8Linear``'s Function that block recipes take (see ``f8tensor.moe``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import torch
+
+from f8tensor import compat, kernels
+from f8tensor.compat import grouped_mm as hp_grouped_mm
+from f8tensor.config import CastConfig, Float8LinearConfig
+from f8tensor.functions import Float8LinearFn as _Float8LinearFn  # looked up at call time, here
+from f8tensor.gemm import batched_mm, grouped_mm, scaled_grouped_mm
+from f8tensor.gemm.grouped import KERNEL_OUT, grouped_kernel_available
+from f8tensor.gemm.operands import col_major, kernel_scale, row_major
+from f8tensor.gemm.rules import ALIGN, CudaBuild, block_rule_for
+from f8tensor.scaling import amax_to_scale, group_amax
+from f8tensor.specs import CastSpec, is_tensorwise
+from f8tensor.tensor import to_float8
+
+__all__ = ["expert_path", "per_expert_loop"]
+
+
+
+# ===================================================================== casts
+
+
+def _spec(cast: CastConfig, contracted_dim: int, *, ndim: int = 2, per_expert: bool = False) -> CastSpec:
+    """The cast of one operand of a grouped/batched expert GEMM contracted over
+    ``contracted_dim``: e4m3 (what the grouped kernel multiplies, grad_output included),
+    round-to-nearest, the scales of :meth:`CastConfig.operand_spec` (``per_expert``: a
+    weight, one scale set per expert). Block recipes never get here (:func:`per_expert_loop`)."""
+    if cast.blockwise:
+        raise ValueError(f"block-scaled expert GEMMs run per expert (per_expert_loop); got {cast}")
+    spec = cast.operand_spec(contracted_dim, ndim=ndim, per_expert=per_expert)
+    return spec._replace(float8_dtype=torch.float8_e4m3fn, rounding="nearest")
+
+
+def per_expert_loop(config: Float8LinearConfig) -> bool:
+    """Whether ``config``'s expert GEMMs run as a per-expert loop of ``Float8Linear``'s GEMMs:
+    block scales or stochastic rounding on any operand, which the grouped kernel's one fp32
+    scale per row / column cannot express (see the module docstring). Otherwise they run
+    as one grouped (or batched) FP8 product.
+
+    Example:
+        >>> from f8tensor import Float8LinearConfig
+        >>> from f8tensor.moe import per_expert_loop
+        >>> per_expert_loop(Float8LinearConfig.from_recipe("rowwise"))
+        False
+        >>> per_expert_loop(Float8LinearConfig.from_recipe("blockwise"))
+        True
+    """
+    return any(c.blockwise or c.rounding != "nearest" for c in (config.input, config.weight, config.grad_output))
+
+
+def expert_path(config: Float8LinearConfig, device: torch.device | str) -> str:
+    """The path ``config``'s expert GEMMs take on ``device``, in words (the line
+    :func:`~f8tensor.convert_to_float8_training` logs): the grouped FP8 kernel, its emulation,
+    or a per-expert loop (see :func:`per_expert_loop`) with or without a block-scaled kernel.
+    ``device``: a ``torch.device`` or its name.
+
+    Raises:
+        RuntimeError: ``device`` is not a device name torch knows.
+
+    Example:
+        >>> from f8tensor import Float8LinearConfig
+        >>> from f8tensor.moe import expert_path
+        >>> expert_path(Float8LinearConfig.from_recipe("tensorwise"), "cpu")
+        'grouped FP8 product, emulated (no grouped kernel on this device)'
+    """
+    device = torch.device(device)
+    if not per_expert_loop(config):
+        if grouped_kernel_available(device):
+            return "grouped FP8 kernel (torch._scaled_grouped_mm)"
+        return "grouped FP8 product, emulated (no grouped kernel on this device)"
+    reason = "no grouped kernel takes block scales or stochastic rounding"
+    if device.type == "cuda" and not config.emulate and _block_kernel_here(config, device):
+        return f"per-expert loop of block-scaled F.scaled_mm ({reason})"
+    return f"per-expert loop of the emulated block-scaled product ({reason}; no block-scaled kernel here)"
+
+
+def _block_kernel_here(config: Float8LinearConfig, device: torch.device) -> bool:
+    """Whether the forward's block-scaled product has a kernel on ``device`` (the block rules)."""
+    a = config.input.operand_spec(1)
+    b = config.weight.operand_spec(1)
+    rule = block_rule_for(a.block, b.block, a.scale_dtype) if a.scale_dtype == b.scale_dtype else None
+    if rule is None:
+        return False
+    cuda = cast("tuple[int, int]", tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2]))
+    return CudaBuild(compat.TORCH_VERSION, cuda, torch.cuda.get_device_capability(device)) in rule.builds
+
+
+def _expert_loop(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor | None, config: Float8LinearConfig) -> torch.Tensor:
+    """The per-expert loop: ``x[rows of g] @ w[g]`` through ``Float8Linear``'s Function.
+
+    ``offs`` given: ``x`` (M, K) sorted by group, ``w`` (G, K, N) (rows past ``offs[-1]``
+    give zeros, as the grouped kernel leaves them); ``offs`` None: a batched product, ``x``
+    (B, M, K) and ``w`` (B, K, N). Autograd runs each piece's backward: its two FP8 GEMMs.
+    """
+    if offs is None:
+        pieces = [_Float8LinearFn.apply(x[b], w[b].transpose(0, 1), None, config, None, None) for b in range(x.shape[0])]
+        return torch.stack(pieces) if pieces else x.new_zeros(0, x.shape[1], w.shape[2])
+    ends = offs.tolist()  # the host sync of this path (see the module docstring)
+    pieces, start = [], 0
+    for g, end in enumerate(ends):
+        if end > start:
+            pieces.append(_Float8LinearFn.apply(x[start:end], w[g].transpose(0, 1), None, config, None, None))
+        start = max(start, end)
+    if start < x.shape[0] or not pieces:
+        pieces.append(x.new_zeros(x.shape[0] - start, w.shape[2]))
+    return torch.cat(pieces)
+
+
+def _check_contraction(k: int, what: str) -> None:
+    if k % ALIGN:
+        raise ValueError(
+            f"FP8 expert GEMM ({what}): the contraction dim must be a multiple of {ALIGN} "
+            f"(torch._scaled_grouped_mm's stride rule); got {k}"
+        )
+
+
+# ===================================================================== grouped GEMMs (2D x 3D, offs)
+
+
+def _pad_groups(offs: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Row positions that give every group a multiple of 16 rows (for grouping along K).
+
+    Returns ``dest`` (M,): where each row goes; ``padded_offs`` (G,) int32; the padded row
+    count P (a static bound, so no host sync and no recompilation when counts change).
+    Rows past ``offs[-1]`` (tokens routed to no local expert) go to the last row, beyond
+    every group: the kernel never reads them.
+    """
+    g = offs.shape[0]
+    o = offs.to(torch.int64)
+    sizes = torch.diff(o, prepend=o.new_zeros(1))
+    padded_sizes = (sizes + ALIGN - 1) // ALIGN * ALIGN
+    padded_offs = torch.cumsum(padded_sizes, 0)
+    rows = torch.arange(m, device=offs.device)
+    gid = torch.searchsorted(o, rows, right=True)
+    gid_c = gid.clamp(max=g - 1)
+    p = (m + ALIGN - 1) // ALIGN * ALIGN + ALIGN * g + ALIGN
+    dest = (padded_offs - padded_sizes)[gid_c] + rows - (o - sizes)[gid_c]
+    dest = torch.where(gid < g, dest, p - 1)
+    return dest, padded_offs.to(torch.int32), p
+
+
+def _scatter_rows(t: torch.Tensor, dest: torch.Tensor, p: int) -> torch.Tensor:
+    """``t`` (M, C) placed at rows ``dest`` of a zero (P, C) tensor (FP8 through its bytes)."""
+    if t.dtype.itemsize == 1 and t.dtype.is_floating_point:
+        raw = t.view(torch.uint8).new_zeros(p, t.shape[1]).index_copy_(0, dest, t.view(torch.uint8))
+        return raw.view(t.dtype)
+    return t.new_zeros(p, t.shape[1]).index_copy_(0, dest, t)
+
+
+
+def _group_cast(t: torch.Tensor, offs: torch.Tensor, g: int, spec: CastSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """(P, C) rows grouped by ``offs``: FP8 data and a (G, C) scale (rowwise: per group and
+    column, from the amax of the group's rows). Tensorwise: one scale for the tensor,
+    broadcast to (G, C)."""
+    p, c = t.shape
+    if is_tensorwise(spec.block):
+        data, scale = kernels.cast(t, spec)
+        return data, scale.expand(g, c)
+    gid = torch.searchsorted(offs.to(torch.int64), torch.arange(p, device=t.device), right=True)  # G: no group
+    scale = amax_to_scale(group_amax(t, gid, g + 1), spec.float8_dtype, round_pow2=spec.power_of_2)
+    # Each row with its group's scales: a given scale per element (block (1, 1)).
+    data, _ = kernels.cast(t, spec._replace(block=(1, 1)), scale[gid])
+    return data, scale[:g]
+
+
+def _grouped_wgrad(
+    x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+    grad: torch.Tensor,
+    offs: torch.Tensor,
+    g: int,
+    config: Float8LinearConfig,
+) -> torch.Tensor:
+    """FP8 ``x[group].t() @ grad[group]`` per group: (G, K, N), in bf16.
+
+    ``x``: the high-precision input, or ``(x8, scale)`` saved by a tensorwise forward (the
+    same bytes the forward multiplied: no second cast, half the saved bytes of bf16).
+    """
+    m = grad.shape[0]
+    dest, poffs, p = _pad_groups(offs, m)
+    gp = _scatter_rows(grad, dest, p)
+    if isinstance(x, tuple):
+        x8, scale = x
+        x8, xs = _scatter_rows(x8, dest, p), scale.expand(g, x8.shape[1])
+    else:
+        x8, xs = _group_cast(_scatter_rows(x, dest, p), poffs, g, _spec(config.input, 0))  # (P, K), (G, K)
+    g8, gs = _group_cast(gp, poffs, g, _spec(config.grad_output, 0))  # (P, N), (G, N)
+    k, n = x8.shape[1], g8.shape[1]
+    sa, sb = kernel_scale(xs.reciprocal(), (g, k), (g * k,)), kernel_scale(gs.reciprocal(), (g, n), (g * n,))
+    return scaled_grouped_mm(row_major(x8.t()), col_major(g8), sa, sb, poffs, KERNEL_OUT)
+
+
+class _GroupedMMFn(torch.autograd.Function):
+    """``y = grouped_mm(x, w, offs)`` with x (M, K) sorted by expert and w (G, K, N), all GEMMs FP8.
+
+    Saved for backward: w (the parameter's own view: no extra memory), offs, for a
+    tensorwise weight its per-expert scales (backward re-casts the very same bytes), and x:
+    with a tensorwise input its FP8 bytes and scale (the weight-gradient GEMM takes them as
+    they are), else in high precision (re-cast per expert group there).
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, config: Float8LinearConfig
+    ) -> torch.Tensor:
+        _check_contraction(x.shape[1], "forward")
+        x8 = to_float8(x, _spec(config.input, 1))
+        # weights: per expert (tensorwise) or per expert and output feature (rowwise), constant along K
+        w8 = to_float8(w, _spec(config.weight, 1, ndim=3, per_expert=True))
+        out = grouped_mm(x8, w8, offs, KERNEL_OUT)
+        keep_fp8_x = not config.input.rowwise and not config.weight_grad_in_hp
+        ctx.save_for_backward(
+            None if keep_fp8_x else x, x8._data if keep_fp8_x else None, x8._scale if keep_fp8_x else None,
+            w, offs, None if config.weight.rowwise else w8._scale,
+        )
+        ctx.config = config
+        ctx.x_dtype = x.dtype
+        return out.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        x, x8, xs, w, offs, ws = ctx.saved_tensors
+        x_dtype = ctx.x_dtype
+        config: Float8LinearConfig = ctx.config
+        g, _, n = w.shape
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            _check_contraction(n, "input gradient")
+            g8 = to_float8(grad, _spec(config.grad_output, 1))
+            # (G, N, K): contraction over N; rowwise: per expert and input feature, constant
+            # along N; tensorwise: the forward's per-expert scales, the same bytes.
+            wt = w.transpose(-2, -1)
+            wt8 = to_float8(wt, _spec(config.weight, 1, ndim=3, per_expert=True), scale=None if ws is None else ws.transpose(-2, -1))
+            grad_x = grouped_mm(g8, wt8, offs, KERNEL_OUT).to(x_dtype)
+        if ctx.needs_input_grad[1]:
+            if config.weight_grad_in_hp:
+                dest, poffs, p = _pad_groups(offs, x.shape[0])
+                xp, gp = _scatter_rows(x, dest, p), _scatter_rows(grad.to(x.dtype), dest, p)
+                grad_w = hp_grouped_mm(xp.t().contiguous(), gp, poffs)
+            else:
+                grad_w = _grouped_wgrad((x8, xs) if x is None else x, grad, offs, g, config)
+            grad_w = grad_w.to(w.dtype)
+        return grad_x, grad_w, None, None
+
+
+# ===================================================================== batched GEMMs (bmm)
+
+
+def _bmm_fp8(a: torch.Tensor, b: torch.Tensor, a_spec: CastSpec, b_spec: CastSpec) -> torch.Tensor:
+    """FP8 ``a (B, M, K) @ b (B, K, N)``, each cast per its spec (scales constant along K)."""
+    k = a.shape[2]
+    pad = (-k) % ALIGN  # only the weight-gradient GEMM of one-token batches needs it (K = M = 1)
+    if pad:
+        a = torch.nn.functional.pad(a, (0, pad))
+        b = torch.nn.functional.pad(b, (0, 0, 0, pad))
+    return batched_mm(to_float8(a, a_spec), to_float8(b, b_spec), KERNEL_OUT)
+
+
+class _ExpertBmmFn(torch.autograd.Function):
+    """``x (B, M, K) @ w (B, K, N)`` where w holds one expert matrix per batch entry, all GEMMs FP8.
+
+    Weight scales: per batch entry (tensorwise; a gathered expert keeps its expert's
+    amax) or per entry and output column (rowwise). Activation scales: per tensor or per row.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, config: Float8LinearConfig) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x, w)
+        ctx.config = config
+        _check_contraction(x.shape[2], "batched forward")
+        _check_contraction(w.shape[2], "batched input gradient, checked in forward")
+        w_spec = _spec(config.weight, 1, ndim=3, per_expert=True)
+        return _bmm_fp8(x, w, _spec(config.input, 2, ndim=3), w_spec).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        x, w = ctx.saved_tensors
+        c: Float8LinearConfig = ctx.config
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:  # grad (B, M, N) @ w^T (B, N, K): contraction over N
+            _check_contraction(w.shape[2], "batched input gradient")
+            w_spec = _spec(c.weight, 1, ndim=3, per_expert=True)
+            grad_x = _bmm_fp8(grad, w.transpose(1, 2), _spec(c.grad_output, 2, ndim=3), w_spec).to(x.dtype)
+        if ctx.needs_input_grad[1]:  # x^T (B, K, M) @ grad (B, M, N): contraction over M
+            a_spec, b_spec = _spec(c.input, 2, ndim=3), _spec(c.grad_output, 1, ndim=3)
+            grad_w = _bmm_fp8(x.transpose(1, 2), grad, a_spec, b_spec).to(w.dtype)
+        return grad_x, grad_w, None

@@ -1,0 +1,97 @@
+"""Layer policies: which config each linear layer of a model gets, as a function of its name.
+:func:`keep_last_blocks_in_hp` (a ``module_filter_fn``) and :func:`block_policy` (a policy
+for :func:`~f8tensor.convert_with_policy`) find a model's transformer blocks by name; the
+converter (``convert``) applies what they return.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+from torch import nn
+
+from f8tensor.config import Float8LinearConfig
+from f8tensor.linear import is_transposed_linear
+
+__all__ = ["BLOCK_PATTERN", "block_policy", "keep_last_blocks_in_hp"]
+
+#: The dotted-name pattern of a transformer block index: ``layers.3``, ``h.3``, ``blocks.3``.
+BLOCK_PATTERN = r"(?:^|\.)(?:layers|h|blocks)\.(\d+)(?:\.|$)"
+
+
+def _block_index(fqn: str, pattern: str) -> int | None:
+    match = re.search(pattern, fqn)
+    return int(match.group(1)) if match else None
+
+
+def keep_last_blocks_in_hp(model: nn.Module, n: int, *, block_pattern: str = BLOCK_PATTERN) -> Callable[[nn.Module, str], bool]:
+    """A ``module_filter_fn`` that leaves the layers of the last ``n`` blocks in high precision
+    (the NVFP4 recipe's ~15% of blocks kept in bf16). Blocks are found by ``block_pattern``
+    (default: ``layers.<i>``, ``h.<i>``, ``blocks.<i>``); layers outside any block are converted."""
+    _check_block_args("keep_last_blocks_in_hp", model, "n", n, block_pattern)
+    return _keep_last_blocks(model, n, block_pattern)
+
+
+def _check_block_args(fn: str, model: object, count_name: str, count: object, block_pattern: object) -> None:
+    """Validate the arguments shared by :func:`keep_last_blocks_in_hp` and :func:`block_policy`,
+    each error naming the argument (as the caller spelled it) and what is allowed."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{fn}: model must be an nn.Module; got {type(model).__name__}")
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        raise ValueError(f"{fn}: {count_name} must be an int >= 0 (how many trailing blocks stay in high precision); got {count!r}")
+    if not isinstance(block_pattern, str):
+        raise TypeError(f"{fn}: block_pattern must be a regular expression (str) with one group capturing the block index; got {block_pattern!r}")
+    try:
+        groups = re.compile(block_pattern).groups
+    except re.error as e:
+        raise ValueError(f"{fn}: block_pattern is not a valid regular expression ({e}); got {block_pattern!r}") from e
+    if groups < 1:
+        raise ValueError(f"{fn}: block_pattern must have a group capturing the block index (e.g. r'layers\\.(\\d+)'); got {block_pattern!r}")
+
+
+def _keep_last_blocks(model: nn.Module, n: int, block_pattern: str) -> Callable[[nn.Module, str], bool]:
+    indices = {i for name, _ in model.named_modules() if (i := _block_index(name, block_pattern)) is not None}
+    cutoff = (max(indices) - n + 1) if indices and n else None
+
+    def module_filter_fn(mod: nn.Module, fqn: str) -> bool:
+        index = _block_index(fqn, block_pattern)
+        return cutoff is None or index is None or index < cutoff
+
+    return module_filter_fn
+
+
+def block_policy(
+    model: nn.Module,
+    config: Float8LinearConfig,
+    *,
+    hp_last_blocks: int = 0,
+    edge_config: Float8LinearConfig | None = None,
+    block_pattern: str = BLOCK_PATTERN,
+) -> Callable[[nn.Module, str], Float8LinearConfig | None]:
+    """A layer policy for :func:`convert_with_policy`: ``config`` for every linear layer,
+    except the layers of the last ``hp_last_blocks`` blocks (high precision: ``None``) and,
+    with ``edge_config``, the first and the last linear layer of the model (e.g. an FP8
+    recipe around an FP4 body).
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``, ``config`` or ``edge_config`` is not a
+            :class:`~f8tensor.Float8LinearConfig` (``edge_config`` may be ``None``), or
+            ``block_pattern`` is not a string.
+        ValueError: ``hp_last_blocks`` is not an int >= 0, or ``block_pattern`` is not a
+            regular expression with a group capturing the block index."""
+    _check_block_args("block_policy", model, "hp_last_blocks", hp_last_blocks, block_pattern)
+    for arg, value in (("config", config), ("edge_config", edge_config)):
+        if not isinstance(value, Float8LinearConfig) and not (arg == "edge_config" and value is None):
+            allowed = "a Float8LinearConfig" + (" or None" if arg == "edge_config" else "")
+            raise TypeError(f"block_policy: {arg} must be {allowed} (e.g. Float8LinearConfig.from_recipe('rowwise')); got {value!r}")
+    keep = _keep_last_blocks(model, hp_last_blocks, block_pattern)
+    linears = [name for name, mod in model.named_modules() if isinstance(mod, nn.Linear) or is_transposed_linear(mod)]
+    edges = {linears[0], linears[-1]} if linears and edge_config is not None else set()
+
+    def policy(mod: nn.Module, fqn: str) -> Float8LinearConfig | None:
+        if fqn in edges:
+            return edge_config
+        return config if keep(mod, fqn) else None
+
+    return policy

@@ -1,0 +1,53 @@
+"""benchmarks/bench_optim.py at a tiny size: the table, the byte targets, torchao's rows."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import bench_optim
+
+
+@pytest.fixture(scope="module")
+def rows():
+    rows, numel = bench_optim.run(layers=2, width=256, steps=1, rounds=1)
+    assert numel == 2 * 256 * 256
+    return {r.name: r for r in rows}
+
+
+def test_state_and_persistent_bytes_meet_the_targets(rows):
+    # Measured: FP8 2.0625 (1 + 1 bytes + 2 fp32 scales per 256-element row of two 128-blocks),
+    # bf16 4.0; persistent 12 (torch), 6.0625 (bf16 + remainder + FP8), 8.0 (bf16 states).
+    assert rows["torch AdamW (foreach)"].state_bpp == 8.0
+    assert rows["torch AdamW (foreach)"].persistent_bpp == 12.0
+    assert rows["f8tensor AdamW fp32 states"].persistent_bpp == 12.0
+    assert rows["f8tensor AdamW FP8 states"].state_bpp <= 2.2
+    assert rows["f8tensor AdamW FP8 states"].state_bpp == 2 + 8 / 128
+    assert rows["f8tensor AdamW bf16 states"].state_bpp <= 4.1
+    assert rows["f8tensor bf16 + remainder, FP8 states"].persistent_bpp <= 6.2
+    assert rows["f8tensor bf16 + remainder, bf16 states"].persistent_bpp <= 8.2
+    assert all(r.step_ms > 0 for r in rows.values() if r.note != bench_optim.NOT_INSTALLED)
+
+
+def test_torchao_rows_say_not_installed_without_torchao(rows):
+    if importlib.util.find_spec("torchao") is not None:
+        pytest.skip("torchao is installed: its rows are measured")
+    for name in ("torchao AdamWFp8", "torchao AdamW8bit"):
+        assert rows[name].note == bench_optim.NOT_INSTALLED and rows[name].step_ms is None
+
+
+def test_quick_command_prints_the_table(capsys):
+    assert bench_optim.main(["--quick"]) == 0
+    out = capsys.readouterr().out
+    assert "step ms (CPU)" in out and "f8tensor bf16 + remainder, FP8 states" in out
+    assert "6.0625" in out
+
+
+def test_bad_flag_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        bench_optim.main(["--layers", "0"])
+    assert "--layers must be a positive integer" in capsys.readouterr().err
