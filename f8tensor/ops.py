@@ -2,7 +2,9 @@
 ops on data and scale.
 
 Every handler has the signature ``handler(func, types, args, kwargs)`` and is registered
-with ``Float8Tensor.implements``. The product handlers only unpack aten's arguments (and,
+with ``Float8Tensor.implements``, called after the ``def`` (not as a decorator) so that the
+handlers are plain module functions a mutation tool can rewrite (mutmut skips decorated
+functions; see README.md, "Mutation testing"). The product handlers only unpack aten's arguments (and,
 for ``bmm``, pick the batch layout); ``gemm`` makes the products. View-like handlers
 rebuild through ``Float8Tensor._replace`` and return through ``return_and_correct_aliasing``.
 """
@@ -36,13 +38,14 @@ def _tensorwise(x: Float8Tensor) -> bool:
 # ===================================================================== matrix products
 
 
-@implements([aten.mm.default])
 def _mm(func, types, args, kwargs):
     a, b = args
     return matmul(a, b)
 
 
-@implements([aten.addmm.default])
+implements([aten.mm.default])(_mm)
+
+
 def _addmm(func, types, args, kwargs):
     bias, a, b = args
     beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
@@ -57,7 +60,9 @@ def _addmm(func, types, args, kwargs):
     return out if beta == 0 else out + beta * bias.to(out.dtype)
 
 
-@implements([aten.matmul.default, aten.linear.default])
+implements([aten.addmm.default])(_addmm)
+
+
 def _composite_product(func, types, args, kwargs):
     """``matmul`` and ``linear``, which reach the table only undecomposed.
 
@@ -68,6 +73,9 @@ def _composite_product(func, types, args, kwargs):
     the semantics (broadcasting, 1D operands, bias) of its high-precision twin.
     """
     return func.decompose(*args, **kwargs)
+
+
+implements([aten.matmul.default, aten.linear.default])(_composite_product)
 
 
 # Float4Tensor's products take the same handlers (its layout ops live in fp4.py).
@@ -87,7 +95,6 @@ def transpose_2d(x: Float8Tensor) -> Float8Tensor:
     return _permuted(x, x._data.t(), (1, 0))
 
 
-@implements([aten.bmm.default])
 def _bmm(func, types, args, kwargs):
     a, b = args
     batch = a.shape[0]
@@ -105,7 +112,9 @@ def _bmm(func, types, args, kwargs):
     return torch.stack([matmul(_batch_item(a, i), _batch_item(b, i)) for i in range(batch)])
 
 
-@implements([aten._grouped_mm.default])
+implements([aten.bmm.default])(_bmm)
+
+
 def _grouped_mm(func, types, args, kwargs):
     """``torch._grouped_mm(a, b, offs)``: a (M, K) tokens sorted by group, b (G, K, N), in FP8.
 
@@ -127,6 +136,9 @@ def _grouped_mm(func, types, args, kwargs):
         raise NotImplementedError("FP8 _grouped_mm with bias is not supported (torch._scaled_grouped_mm takes none)")
     out_dtype = bound.get("out_dtype") or (a._orig_dtype if _is_f8(a) else a.dtype)
     return grouped_mm(a, b, offs, out_dtype)
+
+
+implements([aten._grouped_mm.default])(_grouped_mm)
 
 
 def _flatten_batch(x: torch.Tensor) -> torch.Tensor:
@@ -190,14 +202,15 @@ def _permuted(x: Float8Tensor, data: torch.Tensor, perm: Sequence[int]) -> Float
     return x._replace(data=data, scale=scale, block=block)
 
 
-@implements([aten.t.default])
 def _t(func, types, args, kwargs):
     (x,) = args
     perm = [1, 0] if x.dim() == 2 else list(range(x.dim()))
     return _view_result(func, args, kwargs, _permuted(x, x._data.t(), perm))
 
 
-@implements([aten.transpose.int])
+implements([aten.t.default])(_t)
+
+
 def _transpose(func, types, args, kwargs):
     x, d0, d1 = args
     d0, d1 = d0 % max(x.dim(), 1), d1 % max(x.dim(), 1)
@@ -207,11 +220,16 @@ def _transpose(func, types, args, kwargs):
     return _view_result(func, args, kwargs, _permuted(x, x._data.transpose(d0, d1), perm))
 
 
-@implements([aten.permute.default])
+implements([aten.transpose.int])(_transpose)
+
+
 def _permute(func, types, args, kwargs):
     x, dims = args
     dims = [d % x.dim() for d in dims]
     return _view_result(func, args, kwargs, _permuted(x, x._data.permute(dims), dims))
+
+
+implements([aten.permute.default])(_permute)
 
 
 def _reshaped_meta(x: Float8Tensor, new_shape: Sequence[int]) -> tuple[torch.Tensor, tuple[int, ...]]:
@@ -249,7 +267,6 @@ def _reshaped_meta(x: Float8Tensor, new_shape: Sequence[int]) -> tuple[torch.Ten
     return scale, prefix_block + x._block[n_old:]
 
 
-@implements([aten.view.default, aten._unsafe_view.default, aten.reshape.default])
 def _view(func, types, args, kwargs):
     x, size = args[0], args[1]
     data = func(x._data, size)
@@ -258,7 +275,9 @@ def _view(func, types, args, kwargs):
     return _view_result(func, args, kwargs, out)
 
 
-@implements([aten.unsqueeze.default])
+implements([aten.view.default, aten._unsafe_view.default, aten.reshape.default])(_view)
+
+
 def _unsqueeze(func, types, args, kwargs):
     x, dim = args
     dim = dim % (x.dim() + 1)
@@ -270,7 +289,9 @@ def _unsqueeze(func, types, args, kwargs):
     return _view_result(func, args, kwargs, x._replace(data=data, scale=x._scale.unsqueeze(dim), block=block))
 
 
-@implements([aten.expand.default])
+implements([aten.unsqueeze.default])(_unsqueeze)
+
+
 def _expand(func, types, args, kwargs):
     x, size = args[0], args[1]
     data = x._data.expand(size)
@@ -291,6 +312,9 @@ def _expand(func, types, args, kwargs):
     return _view_result(func, args, kwargs, out)
 
 
+implements([aten.expand.default])(_expand)
+
+
 def _as_permutation(
     x: Float8Tensor, size: Sequence[int], stride: Sequence[int], offset: int | None
 ) -> list[int] | None:
@@ -309,7 +333,6 @@ def _as_permutation(
     return perm
 
 
-@implements([aten.as_strided.default])
 def _as_strided(func, types, args, kwargs):
     """Re-striding the FP8 bytes in place.
 
@@ -333,16 +356,23 @@ def _as_strided(func, types, args, kwargs):
     return _view_result(func, args, kwargs, _permuted(x, data, perm))
 
 
-@implements([aten.detach.default, aten.alias.default])
+implements([aten.as_strided.default])(_as_strided)
+
+
 def _detach(func, types, args, kwargs):
     (x,) = args
     return _view_result(func, args, kwargs, x._replace(data=func(x._data), scale=func(x._scale)))
 
 
-@implements([aten.clone.default])
+implements([aten.detach.default, aten.alias.default])(_detach)
+
+
 def _clone(func, types, args, kwargs):
     (x,) = args
     return x._replace(data=func(x._data, **kwargs), scale=x._scale.clone())
+
+
+implements([aten.clone.default])(_clone)
 
 
 def _scale_varies_along(x: Float8Tensor, dim: int) -> bool:
@@ -387,7 +417,6 @@ def _check_pieces_cat(tensors: Sequence[Float8Tensor], dim: int) -> None:
                 )
 
 
-@implements([aten.split.Tensor, aten.split_with_sizes.default])
 def _split(func, types, args, kwargs):
     x, sizes = args[0], args[1]
     dim = (args[2] if len(args) > 2 else kwargs.get("dim", 0)) % x.dim()
@@ -400,7 +429,9 @@ def _split(func, types, args, kwargs):
     return _view_result(func, args, kwargs, out)
 
 
-@implements([aten.slice.Tensor])
+implements([aten.split.Tensor, aten.split_with_sizes.default])(_split)
+
+
 def _slice(func, types, args, kwargs):
     x = args[0]
     rest = list(args[1:])
@@ -415,6 +446,9 @@ def _slice(func, types, args, kwargs):
     return _view_result(func, args, kwargs, x._replace(data=data, scale=scale))
 
 
+implements([aten.slice.Tensor])(_slice)
+
+
 def _selected(x: Float8Tensor, dim: int, index: int) -> Float8Tensor:
     """``x`` indexed at ``index`` along ``dim`` (the dim drops out of data, block and scale)."""
     dim = dim % x.dim()
@@ -427,13 +461,14 @@ def _selected(x: Float8Tensor, dim: int, index: int) -> Float8Tensor:
     return x._replace(data=data, scale=x._scale.select(dim, 0 if b == 0 else index // b), block=block)
 
 
-@implements([aten.select.int])
 def _select(func, types, args, kwargs):
     x, dim, index = args
     return _view_result(func, args, kwargs, _selected(x, dim, index))
 
 
-@implements([aten.index.Tensor])
+implements([aten.select.int])(_select)
+
+
 def _index(func, types, args, kwargs):
     """``w8[ids]``: experts gathered along dim 0 by a 1D integer tensor (a copy, with their scales)."""
     x, indices = args
@@ -450,6 +485,9 @@ def _index(func, types, args, kwargs):
     # Each gathered row keeps its own scale row: blocks of b rows become blocks of one.
     block = (1,) + tuple(x._block[1:])
     return x._replace(data=data, scale=x._scale[ids // b], block=block)
+
+
+implements([aten.index.Tensor])(_index)
 
 
 # Index normalization, once for every index op: a negative index counts from the end
@@ -482,7 +520,6 @@ def _normalized_ids(ids: torch.Tensor, size: int) -> torch.Tensor:
     return torch.where(ids < 0, torch.where(ids < -size, size, ids + size), ids)
 
 
-@implements([aten.cat.default])
 def _cat(func, types, args, kwargs):
     tensors = list(args[0])
     first = tensors[0]
@@ -514,7 +551,9 @@ def _cat(func, types, args, kwargs):
     return first._replace(data=data)
 
 
-@implements([aten._to_copy.default])
+implements([aten.cat.default])(_cat)
+
+
 def _to_copy(func, types, args, kwargs):
     (x,) = args
     kwargs = dict(kwargs)
@@ -534,7 +573,9 @@ def _to_copy(func, types, args, kwargs):
     return x._replace(data=data, scale=scale, orig_dtype=dtype or x._orig_dtype)
 
 
-@implements([aten.copy_.default])
+implements([aten._to_copy.default])(_to_copy)
+
+
 def _copy_(func, types, args, kwargs):
     dst, src = args[0], args[1]
     if dst.shape != src.shape:
@@ -562,6 +603,9 @@ def _copy_(func, types, args, kwargs):
     return dst
 
 
+implements([aten.copy_.default])(_copy_)
+
+
 def _scale_shared_beyond(dst: Float8Tensor) -> bool:
     """Whether ``dst`` is a view whose scale also covers elements outside it.
 
@@ -577,7 +621,6 @@ def _scale_shared_beyond(dst: Float8Tensor) -> bool:
     return any(b != 1 and ds != bs for b, ds, bs in zip(dst._block, dst.shape, base.shape))
 
 
-@implements([aten.empty_like.default])
 def _empty_like(func, types, args, kwargs):
     x = args[0]
     kwargs = dict(kwargs)
@@ -587,7 +630,12 @@ def _empty_like(func, types, args, kwargs):
     return x._replace(data=func(x._data, **kwargs), scale=func(x._scale, **kwargs), orig_dtype=dtype)
 
 
-@implements([aten.is_same_size.default])
+implements([aten.empty_like.default])(_empty_like)
+
+
 def _is_same_size(func, types, args, kwargs):
     return args[0].shape == args[1].shape
+
+
+implements([aten.is_same_size.default])(_is_same_size)
 
