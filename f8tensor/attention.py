@@ -20,7 +20,7 @@ decline PyTorch's fused ``_native_multi_head_attention`` fast path in eval, so i
 takes the same FP8 path; a matrix product that reaches dispatch with a wrapped weight
 (which would run in high precision) raises instead.
 
-Layer: beside ``linear`` and ``moe``; imports ``functions``, ``weights``, ``compat``, ``config``.
+Layer: beside ``linear`` and ``moe``; imports ``linear_autograd``, ``weights``, ``compat``, ``config``.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from f8tensor.config import Float8LinearConfig
-from f8tensor.functions import Float8LinearFn, GemmFormatsLinearFn
+from f8tensor.linear_autograd import LinearArgs, QuantizedLinearFn
 from f8tensor.weights import RecipeWeight
 
 __all__ = ["Float8AttentionWeight", "attention_config", "attention_weight_names", "wrap_attention"]
@@ -69,9 +69,7 @@ def _projection(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, config
             return _projection(x.to(dtype), w, None if b is None else b.to(dtype), config)
     if b is not None and b.dtype != x.dtype:
         b = b.to(x.dtype)
-    if config.uses_gemm_formats:
-        return GemmFormatsLinearFn.apply(x, w, b, config, None)
-    return Float8LinearFn.apply(x, w, b, config, None, None)
+    return QuantizedLinearFn.apply(x, w, b, LinearArgs(config))
 
 
 _FORWARDS: dict[Float8LinearConfig, Callable[..., Any]] = {}

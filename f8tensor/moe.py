@@ -38,7 +38,7 @@ recipe, legal ``F.scaled_mm`` calls where the block rules allow them (sm90, 1x12
 (:func:`expert_path` names the path; the converter reports it). The grouped loop reads the
 group sizes on the host (one sync per product; under ``torch.compile`` a graph break).
 
-Layer: above ``functions`` (beside ``linear``); imports ``functions``, ``weights``, ``gemm``,
+Layer: above ``linear_autograd`` (beside ``linear``); imports ``linear_autograd``, ``weights``, ``gemm``,
 ``tensor``, ``kernels``, ``scaling``, ``config``, ``compat``.
 """
 
@@ -55,11 +55,12 @@ from f8tensor import compat, kernels
 from f8tensor.compat import GROUPED_MM_FUNCTIONS, is_op_of_namespace
 from f8tensor.compat import grouped_mm as hp_grouped_mm
 from f8tensor.config import CastConfig, CastSpec, Float8LinearConfig, is_tensorwise
-from f8tensor.functions import Float8LinearFn as _Float8LinearFn  # the routes look it up here
 from f8tensor.gemm import batched_mm, grouped_mm, scaled_grouped_mm
 from f8tensor.gemm.grouped import KERNEL_OUT, grouped_kernel_available, validate_grouped_mm_args
 from f8tensor.gemm.operands import col_major, kernel_scale, row_major
 from f8tensor.gemm.rules import ALIGN, CudaBuild, block_rule_for
+from f8tensor.linear_autograd import LinearArgs
+from f8tensor.linear_autograd import QuantizedLinearFn as _QuantizedLinearFn  # the routes look it up here
 from f8tensor.scaling import amax_to_scale, group_amax
 from f8tensor.tensor import to_float8
 from f8tensor.weights import RecipeWeight
@@ -146,13 +147,13 @@ def _expert_loop(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor | None, co
     (B, M, K) and ``w`` (B, K, N). Autograd runs each piece's backward: its two FP8 GEMMs.
     """
     if offs is None:
-        pieces = [_Float8LinearFn.apply(x[b], w[b].transpose(0, 1), None, config, None, None) for b in range(x.shape[0])]
+        pieces = [_QuantizedLinearFn.apply(x[b], w[b].transpose(0, 1), None, LinearArgs(config)) for b in range(x.shape[0])]
         return torch.stack(pieces) if pieces else x.new_zeros(0, x.shape[1], w.shape[2])
     ends = offs.tolist()  # the host sync of this path (see the module docstring)
     pieces, start = [], 0
     for g, end in enumerate(ends):
         if end > start:
-            pieces.append(_Float8LinearFn.apply(x[start:end], w[g].transpose(0, 1), None, config, None, None))
+            pieces.append(_QuantizedLinearFn.apply(x[start:end], w[g].transpose(0, 1), None, LinearArgs(config)))
         start = max(start, end)
     if start < x.shape[0] or not pieces:
         pieces.append(x.new_zeros(x.shape[0] - start, w.shape[2]))
@@ -405,7 +406,7 @@ def _route_linear(args: tuple, kwargs: dict) -> torch.Tensor:
     if not isinstance(w, Float8ExpertWeight) or w.dim() != 2 or isinstance(x, Float8ExpertWeight):
         raise NotImplementedError(f"F.linear with an FP8 expert weight needs one expert's 2D matrix as weight; got {tuple(w.shape)}")
     # One expert's matrix: exactly Float8Linear's three GEMMs (and its recipe, e5m2 gradients included).
-    return _Float8LinearFn.apply(x, _Unwrap.apply(w), _plain(bias), w._config, None, None)
+    return _QuantizedLinearFn.apply(x, _Unwrap.apply(w), _plain(bias), LinearArgs(w._config))
 
 
 def _route_matmul(args: tuple, kwargs: dict) -> torch.Tensor:

@@ -77,7 +77,7 @@ class _RouteCount:
 
     def __init__(self, monkeypatch):
         self.n = 0
-        for name in ("_GroupedMMFn", "_ExpertBmmFn", "_Float8LinearFn"):
+        for name in ("_GroupedMMFn", "_ExpertBmmFn", "_QuantizedLinearFn"):
             monkeypatch.setattr(moe, name, self._counted(getattr(moe, name)))
 
     def _counted(self, real: type) -> type:
