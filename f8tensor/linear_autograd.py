@@ -27,18 +27,16 @@ from f8tensor.ops import transpose_2d
 from f8tensor.quantizers import (
     DelayedBuffers,
     StatsBuffers,
-    cast_column_major,
-    cast_gemm_operand,
-    cast_operand,
     cast_second_operand,
     column_major_copy,
+    linear_quantizers,
     quantize,
     recomputing,
     record_call,
     recorded_scales,
     sync_amax,
 )
-from f8tensor.scaling import push_amax, tensor_amax
+from f8tensor.scaling import tensor_amax
 from f8tensor.tensor import Float8Tensor, dequantize
 
 __all__ = ["LinearArgs", "NoDoubleBackward", "QuantizedLinearFn"]
@@ -101,14 +99,17 @@ class QuantizedLinearFn(torch.autograd.Function):
 
     Per-role recipes (``not config.uses_gemm_formats``):
 
-    Saved for backward: the FP8 input (1 byte/element) when the weight-gradient GEMM
-    takes it as is (tensorwise input), else the high-precision input; the weight itself
-    (a parameter, no extra memory) and, for a tensorwise weight, its 0-dim scale, so
-    backward re-casts it to the very same bytes instead of keeping an FP8 copy of every
-    weight alive. Delayed scaling also keeps the input's and weight's 0-dim amax. (This
-    is what eager mode keeps; under torch.compile the partitioner may save other tensors,
-    e.g. a rowwise input already cast along the other axis, in FP8.) The FP8 input is
-    saved column-major, the layout the weight-gradient GEMM takes (see column_major_copy).
+    Saved for backward: the FP8 input the weight-gradient GEMM reads (1 byte/element and
+    its scales): the forward's cast itself for a tensorwise input, else (rowwise,
+    block-scaled, MX) the input cast along the tokens in forward; the high-precision input
+    only for a high-precision weight gradient (``rowwise_with_gw_hp``) or a weight without
+    gradient. The weight itself (a parameter, no extra memory) and, for a tensorwise
+    weight, its 0-dim scale, so backward re-casts it to the very same bytes instead of
+    keeping an FP8 copy of every weight alive. Delayed scaling also keeps the input's and
+    weight's 0-dim amax. (This is what eager mode keeps; under torch.compile the
+    partitioner decides.) The FP8 input is saved column-major, the layout the
+    weight-gradient GEMM takes (see column_major_copy). A stochastically rounded input
+    draws its weight-gradient cast's random bits in forward rather than in backward.
 
     Delayed scaling pushes each amax into its history in backward, once per backward of
     this node, never in forward. So every forward of one step (gradient accumulation:
@@ -172,9 +173,8 @@ class QuantizedLinearFn(torch.autograd.Function):
 def _recipe_forward(ctx, x, weight, bias, args: LinearArgs) -> torch.Tensor:
     """The forward of a per-role recipe (see :class:`QuantizedLinearFn`): the 2D product."""
     config, d, stats, weight_amax, weight_casts = args
-    hist_in, hist_w, hist_go = (d.amax_history_input, d.amax_history_weight, d.amax_history_grad_output) if d else (None,) * 3
-    scale_in, scale_w = (d.scale_input, d.scale_weight) if d else (None, None)
-    st_in, st_w, st_go = stats if stats is not None else (None,) * 3
+    q_in, q_w, q_go = linear_quantizers(config, d, stats, weight_casts)
+    scale_in, scale_w = q_in.scale, q_w.scale
     recompute = config.any_delayed and recomputing()
     fwd = GemmConfig(use_fast_accum=config.use_fast_accum, pad_inner_dim=config.pad_inner_dim, emulate=config.emulate)
     calls = (d.delayed_call_keys, d.delayed_call_scales) if d and (config.input.delayed or config.weight.delayed) else None
@@ -188,13 +188,12 @@ def _recipe_forward(ctx, x, weight, bias, args: LinearArgs) -> torch.Tensor:
         assert x2 is not None  # delayed buffers: an FP8 input was dequantized above
         # This call's own scales, not the latest call's (see DelayedBuffers).
         scale_in, scale_w = recorded_scales(*calls, sync_amax(tensor_amax(x2)))
+        q_in, q_w = q_in._replace(scale=scale_in), q_w._replace(scale=scale_w)
     x8_cm = None
     if not isinstance(x, Float8Tensor):
         assert x2 is not None  # a high-precision input: reshaped above
         # The weight-gradient GEMM takes x8 with M innermost: written so by the cast.
-        x8, amax_x, x8_cm = cast_operand(
-            x2, config.input, 1, fwd, config, hist_in, scale_in, recompute, st_in, column_major=fwd if keep_fp8_input else None
-        )
+        x8, x8_cm, amax_x = q_in.quantize(x2, 1, fwd, column_major=fwd if keep_fp8_input else None, recompute=recompute)
     if isinstance(weight, Float8Tensor):  # FSDP2 float8 all-gather hands over an FP8 weight
         w8, amax_w = weight._replace(gemm=fwd), None
         if config.weight.delayed:
@@ -206,14 +205,12 @@ def _recipe_forward(ctx, x, weight, bias, args: LinearArgs) -> torch.Tensor:
                     "(Float8Linear), which hands it over, in LinearArgs.weight_amax"
                 )
             amax_w = sync_amax(weight_amax)
-            if scale_w is not None and not recompute:
-                scale_w.copy_(weight._scale)
-    elif weight_casts is not None:
-        casts, param = weight_casts
-        w8 = casts.get("forward", param, config, lambda: cast_operand(weight, config.weight, 1, fwd, config, stats=st_w)[0])
-        amax_w = None
+            if not recompute:
+                q_w.keep_scale(weight._scale)
+    elif q_w.cache is not None:
+        w8, amax_w = q_w.cached("forward", lambda: q_w.quantize(weight, 1, fwd).tensor), None
     else:
-        w8, amax_w, _ = cast_operand(weight, config.weight, 1, fwd, config, hist_w, scale_w, recompute, st_w)
+        w8, _, amax_w = q_w.quantize(weight, 1, fwd, recompute=recompute)
     if calls is not None and not recompute:
         # x2 exists whenever amax_x is None (delayed buffers: an FP8 input was dequantized above).
         key = amax_x if amax_x is not None else sync_amax(tensor_amax(x2))  # type: ignore[arg-type]
@@ -223,27 +220,24 @@ def _recipe_forward(ctx, x, weight, bias, args: LinearArgs) -> torch.Tensor:
     # The weight-gradient GEMM contracts over tokens (dim 0 of x): a tensorwise x8 is
     # reused there as is (keep_fp8_input); a rowwise or block-scaled one would need the
     # other axis (the tokens), so keep x in hp (an FP8-gathered one: its dequantized values).
+    saved_x = x2
+    if keep_fp8_input:
+        # Lay x8's bytes out column-major now, while the cast writes them (see
+        # column_major_copy; an FP8-gathered input is copied).
+        saved_x = column_major_copy(x8) if x8_cm is None else x8_cm
     # Backward re-casts a tensorwise high-precision weight with this very scale; a
     # rowwise or block-scaled weight is cast along the other axis there (a 128x128 one
     # to the same blocks), so its scale is not kept.
     reuse_w_scale = not isinstance(weight, Float8Tensor) and config.weight.tensorwise
-    # The weight-gradient GEMM takes x8 with M innermost: lay the bytes out so now, while
-    # the cast writes them (see column_major_copy; an FP8-gathered input is copied).
-    if keep_fp8_input and x8_cm is None:
-        x8_cm = column_major_copy(x8)
-    ctx.save_for_backward(
-        x8_cm if keep_fp8_input else x2, weight, w8._scale if reuse_w_scale else None, amax_x, amax_w
-    )
-    ctx.weight_casts = weight_casts
-    ctx.histories = (hist_in, hist_w, hist_go)
-    ctx.stats_go = st_go
+    ctx.save_for_backward(saved_x, weight, w8._scale if reuse_w_scale else None, amax_x, amax_w)
+    ctx.quantizers = (q_in, q_w, q_go)
     return y
 
 
 def _recipe_backward(ctx, grad_y, saved) -> tuple[torch.Tensor | None, ...]:
     """The gradients of x, weight and bias for a per-role recipe."""
     saved_x, weight, w_scale, amax_x, amax_w = saved
-    hist_in, hist_w, hist_go = ctx.histories
+    q_in, q_w, q_go = ctx.quantizers
     need_grad_x, need_grad_w, need_grad_b = ctx.needs_input_grad[:3]
     config: Float8LinearConfig = ctx.config
     bwd = GemmConfig(pad_inner_dim=config.pad_inner_dim, emulate=config.emulate)
@@ -267,13 +261,10 @@ def _recipe_backward(ctx, grad_y, saved) -> tuple[torch.Tensor | None, ...]:
     g8_cm = None
     if need_grad_x or (need_grad_w and gw_uses_g8) or go_cfg.delayed:
         g_x = g.float() / weight._scale.reshape(1, -1) if fold else g
-        g8, amax_g, g8_cm = cast_operand(
-            g_x, go_cfg, 1, bwd, config, hist_go, stats=ctx.stats_go, column_major=bwd_w if need_grad_w and gw_uses_g8 else None
-        )
+        g8, g8_cm, amax_g = q_go.quantize(g_x, 1, bwd, column_major=bwd_w if need_grad_w and gw_uses_g8 else None)
         if fold:
             g8 = g8._replace(orig_dtype=g.dtype)  # grad_x comes out in grad_output's dtype
-        if amax_g is not None:
-            push_amax(hist_go, amax_g)
+        q_go.push(amax_g)
 
     # grad_x = g @ W: contraction over N, so W's scale must be constant along dim 0.
     grad_x = None
@@ -291,15 +282,14 @@ def _recipe_backward(ctx, grad_y, saved) -> tuple[torch.Tensor | None, ...]:
             w8 = w8._replace(orig_dtype=weight._orig_dtype)
         elif isinstance(weight, Float8Tensor):
             w8 = weight._replace(gemm=bwd)
-        elif ctx.weight_casts is not None:
+        elif q_w.cache is not None:
             # The cached casts (weight_cache.py): forward's bytes serve grad_x as they
             # are for a tensorwise weight (the same scale); other granularities keep
             # the cast along the other axis under its own layout.
-            casts, param = ctx.weight_casts
             if config.weight.tensorwise:
-                w8 = casts.get("forward", param, config, lambda: quantize(None, weight, CastSpec(config.weight.dtype), scale=w_scale))
+                w8 = q_w.cached("forward", lambda: quantize(weight, CastSpec(config.weight.dtype), scale=w_scale)[0])
             else:
-                w8 = casts.get("backward", param, config, lambda: cast_second_operand(weight, config.weight.operand_spec(0), bwd))
+                w8 = q_w.cached("backward", lambda: cast_second_operand(weight, config.weight.operand_spec(0), bwd))
             w8 = w8._replace(gemm=bwd)
         elif not config.weight.tensorwise:
             w8 = cast_second_operand(weight, config.weight.operand_spec(0), bwd)
@@ -325,11 +315,11 @@ def _recipe_backward(ctx, grad_y, saved) -> tuple[torch.Tensor | None, ...]:
             else:
                 # When grad_x was not needed this is the only cast of grad_output: it
                 # then feeds the telemetry.
-                gt8 = cast_column_major(ctx.stats_go if g8 is None else None, g, go_cfg.operand_spec(0), bwd_w)
+                gt8 = q_go.quantize_column_major(g, 0, bwd_w, measure=g8 is None)
             if isinstance(saved_x, Float8Tensor):
                 x8 = saved_x._replace(gemm=bwd_w)
             else:
-                x8 = cast_column_major(None, saved_x, config.input.operand_spec(0), bwd_w)
+                x8 = q_in.quantize_column_major(saved_x, 0, bwd_w)
             # Written in the weight's dtype (fp32 for fp32 master weights), not bf16:
             # autograd needs the fp32 .grad anyway, and a bf16 output adds a rounding
             # and an upcast pass. Bytes per weight element in eager: tensorwise route
@@ -344,11 +334,16 @@ def _recipe_backward(ctx, grad_y, saved) -> tuple[torch.Tensor | None, ...]:
     grad_b = g.sum(0) if need_grad_b else None
     # Pushed last: under torch.compile an amax the partitioner recomputes here (the
     # weight's) is then read in the same pass as the weight's re-cast above.
-    if amax_x is not None:
-        push_amax(hist_in, amax_x)
-    if amax_w is not None:
-        push_amax(hist_w, amax_w)
+    q_in.push(amax_x)
+    q_w.push(amax_w)
     return grad_x, grad_w, grad_b
+
+
+def _records_backward(ctx) -> bool:
+    """Whether this call records a backward node (grad mode on at ``apply`` and an input
+    that requires grad). ``forward`` runs with grad mode off, so it cannot ask
+    ``torch.is_grad_enabled()``; the node has its next edges exactly when it is recorded."""
+    return len(ctx.next_functions) > 0
 
 
 def _blocked_along_k(w8: Float8Tensor, spec: CastSpec) -> bool:
@@ -378,18 +373,15 @@ def _pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
 
 def _formats_forward(ctx, x, weight, bias, config: Float8LinearConfig, stats: StatsBuffers | None) -> torch.Tensor:
     """The forward of a config with per-GEMM formats or FP4 (see :class:`QuantizedLinearFn`)."""
-    st_in, st_w, st_go = stats if stats is not None else (None,) * 3
+    q_in, q_w, q_go = linear_quantizers(config, None, stats)
     fwd = GemmConfig(use_fast_accum=config.use_fast_accum, pad_inner_dim=config.pad_inner_dim, emulate=config.emulate)
     x2 = _rows(x)
-    ci, cw = config.cast_for("forward", "input"), config.cast_for("forward", "weight")
-    if ci is None or cw is None:
+    if q_in.format_for("forward") is None or q_w.format_for("forward") is None:
         y = torch.nn.functional.linear(x2, weight.to(x2.dtype), bias)
     else:
-        x_q = cast_gemm_operand(x2, ci, 1, fwd, config, st_in)
-        w_q = cast_gemm_operand(weight, cw, 1, fwd, config, st_w)
-        y = matmul(x_q, _t(w_q), bias=bias)
+        y = matmul(q_in.quantize_for("forward", x2, 1, fwd), _t(q_w.quantize_for("forward", weight, 1, fwd)), bias=bias)
     ctx.save_for_backward(x2, weight)
-    ctx.stats_go = st_go
+    ctx.quantizers = (q_in, q_w, q_go)
     return y
 
 
@@ -401,22 +393,22 @@ def _formats_backward(ctx, grad_y, saved) -> tuple[torch.Tensor | None, ...]:
     bwd = GemmConfig(pad_inner_dim=config.pad_inner_dim, emulate=config.emulate)
     bwd_w = GemmConfig(pad_inner_dim=True, emulate=config.emulate)
     g = grad_y.reshape(-1, grad_y.shape[-1])
-    st_go = ctx.stats_go
+    q_in, q_w, q_go = ctx.quantizers
+    measure_go = True  # grad_output's telemetry records its first cast of each backward
 
     grad_x = None
     if need_grad_x:
-        cg, cw = config.cast_for("grad_input", "grad_output"), config.cast_for("grad_input", "weight")
-        if cg is None or cw is None:
+        if q_go.format_for("grad_input") is None or q_w.format_for("grad_input") is None:
             grad_x = g @ weight.to(g.dtype)
         else:
-            g_q = cast_gemm_operand(g, cg, 1, bwd, config, st_go)
-            st_go = None  # recorded once per backward
-            grad_x = matmul(g_q, cast_gemm_operand(weight, cw, 0, bwd, config))
+            g_q = q_go.quantize_for("grad_input", g, 1, bwd)
+            measure_go = False
+            grad_x = matmul(g_q, q_w.quantize_for("grad_input", weight, 0, bwd, measure=False))
         grad_x = grad_x.reshape(ctx.x_shape)
 
     grad_w = None
     if need_grad_w:
-        cg, cx = config.cast_for("grad_weight", "grad_output"), config.cast_for("grad_weight", "input")
+        cg, cx = q_go.format_for("grad_weight"), q_in.format_for("grad_weight")
         if cg is None or cx is None:
             grad_w = g.t().to(x2.dtype) @ x2
         else:
@@ -426,8 +418,8 @@ def _formats_backward(ctx, grad_y, saved) -> tuple[torch.Tensor | None, ...]:
                 gg, xx = _pad_rows(gg, 2 * RHT_SIZE), _pad_rows(xx, 2 * RHT_SIZE)
                 if config.hadamard_wgrad:
                     gg, xx = apply_rht(gg, config.hadamard_seed), apply_rht(xx, config.hadamard_seed)
-            g_q = cast_gemm_operand(gg, cg, 0, bwd_w, config, st_go)
-            x_q = cast_gemm_operand(xx, cx, 0, bwd_w, config)
+            g_q = q_go.quantize_for("grad_weight", gg, 0, bwd_w, measure=measure_go)
+            x_q = q_in.quantize_for("grad_weight", xx, 0, bwd_w, measure=False)
             grad_w = matmul(_t(g_q), x_q, out_dtype=weight.dtype)
         grad_w = grad_w.to(weight.dtype)
     grad_b = g.sum(0) if need_grad_b else None
