@@ -218,13 +218,21 @@ def _recipe_forward(ctx, x, weight, bias, args: LinearArgs) -> torch.Tensor:
     y = matmul(x8, transpose_2d(w8), bias=bias)  # built, not dispatched: torch.export traces it
 
     # The weight-gradient GEMM contracts over tokens (dim 0 of x): a tensorwise x8 is
-    # reused there as is (keep_fp8_input); a rowwise or block-scaled one would need the
-    # other axis (the tokens), so keep x in hp (an FP8-gathered one: its dequantized values).
+    # reused there as is (keep_fp8_input); a rowwise, block-scaled or MX one would need
+    # the other axis (the tokens). In eager mode that cast is made here, column-major as
+    # that GEMM reads it, and saved (1 byte per element and its scales) instead of x: the
+    # very cast backward would make, so the same gradients. Under torch.compile the
+    # partitioner decides what to save (it keeps that cast in FP8 as well); x stays in hp
+    # (an FP8-gathered one: its dequantized values) for a high-precision weight gradient,
+    # for a weight without gradient and for a forward that records no backward.
     saved_x = x2
     if keep_fp8_input:
         # Lay x8's bytes out column-major now, while the cast writes them (see
         # column_major_copy; an FP8-gathered input is copied).
         saved_x = column_major_copy(x8) if x8_cm is None else x8_cm
+    elif not config.weight_grad_in_hp and not torch.compiler.is_compiling() and ctx.needs_input_grad[1] and _records_backward(ctx):
+        assert x2 is not None  # a non-tensorwise input: reshaped or dequantized above
+        saved_x = q_in.quantize_column_major(x2, 0, GemmConfig(pad_inner_dim=True, emulate=config.emulate))
     # Backward re-casts a tensorwise high-precision weight with this very scale; a
     # rowwise or block-scaled weight is cast along the other axis there (a 128x128 one
     # to the same blocks), so its scale is not kept.
