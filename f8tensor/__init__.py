@@ -41,6 +41,7 @@ from f8tensor.convert import (
     set_forward_in_high_precision,
     set_gemm_formats,
 )
+from f8tensor.distributed import dtensor as _dtensor  # noqa: F401  (registers Float8Linear's DTensor product)
 from f8tensor.distributed.fsdp import Float8AllGatherWeight, precompute_float8_scales_for_fsdp
 from f8tensor.formats import FLOAT8_DTYPES, FORMATS, Float8Format, float8_max, saturation_bound
 from f8tensor.fp4 import Float4Tensor

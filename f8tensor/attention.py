@@ -33,7 +33,7 @@ from torch import nn
 
 from f8tensor.compat import multi_head_attention_forward_with
 from f8tensor.config import Float8LinearConfig
-from f8tensor.functions import Float8LinearFn, GemmFormatsLinearFn
+from f8tensor.linear_autograd import LinearArgs, QuantizedLinearFn
 from f8tensor.weights import RecipeWeight
 from f8tensor.weights import Unwrap as _Unwrap
 
@@ -68,9 +68,7 @@ def _projection(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, config
             return _projection(x.to(dtype), w, None if b is None else b.to(dtype), config)
     if b is not None and b.dtype != x.dtype:
         b = b.to(x.dtype)
-    if config.uses_gemm_formats:
-        return GemmFormatsLinearFn.apply(x, w, b, config, None)
-    return Float8LinearFn.apply(x, w, b, config, None, None)
+    return QuantizedLinearFn.apply(x, w, b, LinearArgs(config))
 
 
 _FORWARDS: dict[Float8LinearConfig, Callable[..., Any]] = {}

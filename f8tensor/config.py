@@ -352,7 +352,7 @@ class Float8LinearConfig:
     - ``four_over_six``: NVFP4 casts also try each block with 4 as its largest value and
       keep the encoding with the lower error.
 
-    Configs with an FP4 cast or a GEMM override run :class:`~f8tensor.functions.GemmFormatsLinearFn`
+    Configs with an FP4 cast or a GEMM override run :class:`~f8tensor.linear_autograd.QuantizedLinearFn` (its per-GEMM-formats path)
     (dynamic scaling only).
 
     Raises:

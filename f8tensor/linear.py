@@ -2,13 +2,14 @@
 
 Forward ``y = x @ W.t() + b``; backward ``grad_x = grad_y @ W`` and
 ``grad_W = grad_y.t() @ x``, each operand cast per the :class:`Float8LinearConfig`
-(the autograd Function is :class:`f8tensor.functions.Float8LinearFn`). The layers own
+(the autograd Function is :class:`f8tensor.linear_autograd.QuantizedLinearFn`). The layers own
 their state: delayed-scaling buffers, telemetry buffers, and, with FP8 all-gather, a
 weight of type :class:`~f8tensor.distributed.fsdp.Float8AllGatherWeight`. Converting a
 model is ``convert.py``'s.
 
-Layer: above ``functions`` and ``distributed.fsdp``; imports them, ``gemm``, ``tensor``,
-``config``, ``formats``.
+On DTensors (tensor and sequence parallel) the forward hands over to the product that
+:mod:`f8tensor.distributed.dtensor` registers here (:func:`set_dtensor_linear`): that
+module sits above this one and wraps the same Function.
 """
 
 from __future__ import annotations
@@ -22,12 +23,12 @@ from torch import nn
 
 from f8tensor.compat import dtensor_local, is_fake
 from f8tensor.config import Float8LinearConfig
-from f8tensor.distributed.dtensor import float8_linear
 from f8tensor.distributed.fsdp import DelayedWeightSource, DTensor, Float8AllGatherWeight, wrap_weight
 from f8tensor.formats import HP_DTYPES
-from f8tensor.functions import DelayedBuffers, GemmFormatsLinearFn, StatsBuffers
 from f8tensor.gemm.rules import ALIGN
 from f8tensor.kernels import CAST_STATS_FIELDS
+from f8tensor.linear_autograd import LinearArgs, QuantizedLinearFn
+from f8tensor.quantizers import DelayedBuffers, StatsBuffers
 from f8tensor.tensor import Float8Tensor
 from f8tensor.weight_cache import WeightCasts, drop_weight_casts, weight_casts_of
 
@@ -37,6 +38,7 @@ __all__ = [
     "TRANSPOSED_LINEAR_CLASSES",
     "Float8Conv1D",
     "Float8Linear",
+    "set_dtensor_linear",
 ]
 
 # Delayed-scaling buffers (DelayedBuffers' fields): one amax history per operand role, and
@@ -78,6 +80,25 @@ NOT_ON_DTENSORS = (
     "FP4 and per-GEMM-format configs do not run on DTensors (tensor or sequence parallel) yet; "
     "use an FP8 recipe for the parallelized layers, or leave them unparallelized"
 )
+
+#: ``(x, weight, bias, args) -> y``: the linear product on DTensors, which
+#: :mod:`f8tensor.distributed.dtensor` (a layer above this one) registers when imported.
+_DTENSOR_LINEAR: list[Callable[[Any, Any, Any, LinearArgs], torch.Tensor]] = []
+
+
+def set_dtensor_linear(fn: Callable[[Any, Any, Any, LinearArgs], torch.Tensor]) -> None:
+    """Register ``fn`` as the product a ``Float8Linear`` runs when an operand is a DTensor
+    (:mod:`f8tensor.distributed.dtensor` does, once, when imported)."""
+    _DTENSOR_LINEAR[:] = [fn]
+
+
+def _dtensor_linear_of() -> Callable[[Any, Any, Any, LinearArgs], torch.Tensor]:
+    if not _DTENSOR_LINEAR:
+        raise RuntimeError(
+            "Float8Linear got a DTensor operand but no DTensor product is registered: import "
+            "f8tensor.distributed.dtensor (import f8tensor does)"
+        )
+    return _DTENSOR_LINEAR[0]
 
 
 def _describe_cast(config: Float8LinearConfig) -> str:
@@ -121,7 +142,7 @@ class Float8Linear(nn.Linear):
     operand (``amax_history_input``, ``..._weight``, ``..._grad_output``) and the input and
     weight scales of the current step (``scale_input``, ``scale_weight``), all fp32 and
     all in ``state_dict`` so a resumed run continues bit for bit. The histories grow by
-    one entry per backward (see :class:`~f8tensor.functions.Float8LinearFn`); forwards alone
+    one entry per backward (see :class:`~f8tensor.linear_autograd.QuantizedLinearFn`); forwards alone
     leave them as is.
 
     With ``config.collect_stats`` the layer also holds ``float8_stats_input``,
@@ -307,13 +328,17 @@ class Float8Linear(nn.Linear):
             return nn.functional.linear(x, weight.to(x.dtype), bias)
         delayed = DelayedBuffers(*(getattr(self, name) for name in _DELAYED_BUFFERS)) if self.config.any_delayed else None
         stats = StatsBuffers(*(getattr(self, name) for name in STATS_BUFFERS)) if self.config.collect_stats else None
+        on_dtensors = any(isinstance(t, DTensor) for t in (x, weight, bias))
         if self.config.uses_gemm_formats:
-            if any(isinstance(t, DTensor) for t in (x, weight, bias)):
+            if on_dtensors:
                 raise NotImplementedError(f"Float8Linear: {NOT_ON_DTENSORS}")
-            return GemmFormatsLinearFn.apply(x, weight, bias, self.config, stats)
+            return QuantizedLinearFn.apply(x, weight, bias, LinearArgs(self.config, stats=stats))
         # A delayed weight gathered in FP8 by FSDP2: its shard's amax, left here by the gather.
         weight_amax = self.__dict__.get("fsdp_weight_amax") if delayed is not None and self.config.enable_fsdp_float8_all_gather else None
-        return float8_linear(x, weight, bias, self.config, delayed, stats, weight_amax, self._weight_casts())
+        if on_dtensors:
+            # A DTensor weight is never cached (reuse_weight_casts): no weight_casts there.
+            return _dtensor_linear_of()(x, weight, bias, LinearArgs(self.config, delayed, stats, weight_amax))
+        return QuantizedLinearFn.apply(x, weight, bias, LinearArgs(self.config, delayed, stats, weight_amax, self._weight_casts()))
 
     #: Inside f8tensor.reuse_weight_casts, this layer keeps its weight's casts (weight_cache.py).
     reuses_weight_casts = True

@@ -2,9 +2,11 @@
 
 Under ``parallelize_module`` a ``Float8Linear``'s weight and bias are DTensors and its
 input usually is one too (torch's ``ColwiseParallel`` makes a replicated DTensor of it,
-``RowwiseParallel`` a last-dim-sharded one). :func:`float8_linear` runs
-:class:`~f8tensor.functions.Float8LinearFn` on the local shards and wraps its result as
-a DTensor whose placements follow the product's algebra, mesh dim by mesh dim:
+``RowwiseParallel`` a last-dim-sharded one). :func:`dtensor_linear` runs
+:class:`~f8tensor.linear_autograd.QuantizedLinearFn` on the local shards and wraps its result
+as a DTensor whose placements follow the product's algebra, mesh dim by mesh dim. This
+module sits above ``linear`` and registers :func:`dtensor_linear` there
+(``linear.set_dtensor_linear``) when imported; a layer on plain tensors never comes here.
 
 ==========================  ===================  ===================  ==================
 input ``x``                 weight ``W`` (N, K)  output ``y``         bias
@@ -28,14 +30,12 @@ which the gather's backward reduces.
 
 Scales. Each rank casts its own shards: a tensorwise or rowwise scale then covers one
 shard of what it covers in one process (finer, never coarser). Delayed scaling reduces
-every amax over all ranks (``functions._sync_amax``), so the histories, hence the
+every amax over all ranks (``quantizers.sync_amax``), so the histories, hence the
 scales, agree across the tensor-parallel group as across data parallelism. A true block
 (1x128, 128x128, MX 1x32) is never cut by a shard: every shard boundary along a blocked
 dim must fall on a block boundary, so each rank's blocks are blocks of the full tensor and
 cast to the very bytes one process would write; shapes that make that impossible raise
 a ``ValueError`` naming the layer, the dim and the sizes.
-
-Layer: above ``functions``; imports ``functions``, ``config``, ``compat``.
 """
 
 from __future__ import annotations
@@ -47,33 +47,30 @@ import torch
 import torch.distributed as dist
 
 from f8tensor.compat import dtensor_local
-from f8tensor.config import CastConfig, Float8LinearConfig
-from f8tensor.functions import Float8LinearFn
+from f8tensor.config import CastConfig
+from f8tensor.linear import set_dtensor_linear
+from f8tensor.linear_autograd import LinearArgs, QuantizedLinearFn
 
 if dist.is_available():
     from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 else:  # a torch build without torch.distributed: nothing is ever a DTensor
     DTensor = ()  # type: ignore[misc,assignment]  # isinstance(x, ()) is always False
 
-__all__ = ["check_blocks_unbroken", "check_token_blocks_unbroken", "float8_linear"]
+__all__ = ["check_blocks_unbroken", "check_token_blocks_unbroken", "dtensor_linear"]
 
 
-def float8_linear(x, weight, bias, config: Float8LinearConfig, delayed, stats, weight_amax=None, weight_casts=None) -> torch.Tensor:
-    """``Float8LinearFn.apply(x, weight, bias, config, delayed, stats, weight_amax, weight_casts)``,
-    for plain tensors and DTensors alike (see the module docstring; a DTensor weight is
-    never cached, so ``weight_casts`` only reaches the plain-tensor path)."""
-    if not (isinstance(x, DTensor) or isinstance(weight, DTensor) or isinstance(bias, DTensor)):
-        return Float8LinearFn.apply(x, weight, bias, config, delayed, stats, weight_amax, weight_casts)
-    return _dtensor_linear(x, weight, bias, config, delayed, stats, weight_amax)
-
-
-def _dtensor_linear(x, weight, bias, config, delayed, stats, weight_amax=None) -> torch.Tensor:
+def dtensor_linear(x, weight, bias, args: LinearArgs) -> torch.Tensor:
+    """``QuantizedLinearFn.apply(x, weight, bias, args)`` where one of ``x``, ``weight``,
+    ``bias`` is a DTensor: the Function on the local shards, its result a DTensor (see the
+    module docstring). A DTensor weight is never cached: ``args.weight_casts`` is ignored."""
+    config, delayed, stats = args.config, args.delayed, args.stats
     # parallelize_module replicates a layer's buffers as DTensors: the Function updates
     # the delayed-scaling and telemetry buffers in place, through their local tensors.
     if delayed is not None:
         delayed = type(delayed)(*(_local_buffer(b) for b in delayed))
     if stats is not None:
         stats = type(stats)(*(_local_buffer(b) for b in stats))
+    local_args = LinearArgs(config, delayed, stats, args.weight_amax)
     mesh = next(t.device_mesh for t in (weight, x, bias) if isinstance(t, DTensor))
     n_dims = mesh.ndim
     x_ndim = x.dim()
@@ -148,7 +145,7 @@ def _dtensor_linear(x, weight, bias, config, delayed, stats, weight_amax=None) -
             b_local = bias.to_local(grad_placements=b_grad)
         else:
             b_local = bias
-    y_local = Float8LinearFn.apply(x_local, w_local, b_local, config, delayed, stats, weight_amax)
+    y_local = QuantizedLinearFn.apply(x_local, w_local, b_local, local_args)
     out_shape = (*full_x_shape[:-1], full_w_shape[0])
     y = DTensor.from_local(y_local, mesh, out_pl, run_check=False, shape=torch.Size(out_shape), stride=_contiguous(out_shape))
     if bias is not None and bias_after:
@@ -264,3 +261,6 @@ def check_blocks_unbroken(what: str, cast: CastConfig, shape: Sequence[int], pla
 def _true_blocks(block: tuple[int, ...]) -> list[tuple[int, int]]:
     """(size, dim) of the entries of a block that group more than one element."""
     return [(b, d) for d, b in enumerate(block) if b > 1]
+
+
+set_dtensor_linear(dtensor_linear)

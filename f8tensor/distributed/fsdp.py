@@ -50,7 +50,7 @@ give the NaN scale one process would compute.
 
 The backward's ``grad_x = grad_output @ W`` contracts over the rows (N), which these scales
 vary along for rowwise and 1x32 blocks; the linear Function handles that on the gathered
-bytes (see ``functions.py``): rowwise folds the row scales into grad_output before its
+bytes (see ``linear_autograd.py``): rowwise folds the row scales into grad_output before its
 per-token cast, 1x32 blocks re-quantize the gathered weight to 32x1 blocks (a second
 rounding, in the backward only), 128x128 blocks serve both products as they are.
 

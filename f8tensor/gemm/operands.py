@@ -22,7 +22,6 @@ where needed), :func:`inverse_scale` (the dequantization factor ``1 / scale``) a
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import torch
@@ -31,6 +30,7 @@ from f8tensor.formats import E8M0, check_hp_dtype, e4m3_like
 from f8tensor.fp4 import Float4Tensor, is_float4, to_float4
 from f8tensor.gemm.check import is_col_major, is_row_major
 from f8tensor.kernels.fp4 import FP4Spec
+from f8tensor.layouts import to_column_major
 from f8tensor.scaling import inverse_scale_of
 from f8tensor.specs import CastSpec, axiswise_block, constant_along, is_tensorwise
 from f8tensor.tensor import Float8Tensor, dequantize, is_float8, to_float8
@@ -216,12 +216,8 @@ def col_major(t: torch.Tensor) -> torch.Tensor:
         return tt.contiguous().transpose(-2, -1)
     if is_col_major(t):
         return t
-    # One copy into a column-major buffer: two ops where transpose, clone, transpose are three.
-    rows, cols = t.shape[-2], t.shape[-1]
-    # Batch dims contiguous over the (rows, cols) matrices, each matrix column-major.
-    strides = tuple(rows * cols * math.prod(t.shape[d + 1 : -2]) for d in range(t.dim() - 2)) + (1, rows)
-    out = torch.empty_strided(t.shape, strides, dtype=t.dtype, device=t.device)
-    return out.copy_(t)
+    # One copy into a column-major buffer (batch dims contiguous over the matrices).
+    return to_column_major(t)
 
 
 def inverse_scale(x: Float8Tensor) -> torch.Tensor:

@@ -31,6 +31,7 @@ import torch
 
 from f8tensor.kernels import reference, triton_cast
 from f8tensor.kernels.reference import CAST_STATS_FIELDS, block_scale, cast_with_stats, dequantize
+from f8tensor.layouts import to_column_major
 from f8tensor.scaling import inverse_scale_of, materialized
 from f8tensor.specs import CastSpec
 
@@ -102,10 +103,7 @@ def cast_for_gemm(
     inverse = inverse_scale_of(scale) if scale.dim() == 0 and not torch.compiler.is_compiling() else None
     if layouts == "natural":
         return GemmCast(data, None, scale, inverse)
-    rows = data.shape[0]
-    copy = torch.empty_strided(data.shape, (1, rows), dtype=data.dtype, device=data.device)
-    copy.copy_(data)
-    copy = materialized(copy, (1, rows))
+    copy = materialized(to_column_major(data), (1, data.shape[0]))
     if layouts == "both":
         return GemmCast(data, copy, scale, inverse)
     return GemmCast(copy, None, scale, inverse)

@@ -48,6 +48,7 @@ from typing import NamedTuple
 import torch
 
 from f8tensor.formats import E8M0, FORMATS
+from f8tensor.layouts import empty_column_major
 from f8tensor.scaling import EPS
 from f8tensor.specs import CastSpec
 
@@ -182,12 +183,8 @@ def _data_like(hp: torch.Tensor, float8_dtype: torch.dtype) -> torch.Tensor:
     for a 2D input whose dim 0 is the inner one, else contiguous. (The strides of a size-1
     dim, which address nothing, may differ from the reference's.)"""
     if hp.dim() == 2 and hp.shape[0] > 1 and hp.shape[1] > 1 and hp.stride(0) < hp.stride(1):
-        return torch.empty_strided(hp.shape, (1, hp.shape[0]), dtype=float8_dtype, device=hp.device)
+        return empty_column_major(hp.shape, float8_dtype, hp.device)
     return torch.empty(hp.shape, dtype=float8_dtype, device=hp.device)
-
-
-def _column_major(shape: tuple[int, ...], float8_dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.empty_strided(shape, (1, shape[0]), dtype=float8_dtype, device=device)
 
 
 def _as_2d(t: torch.Tensor) -> torch.Tensor:
@@ -207,11 +204,11 @@ def _allocate(
     in use (the dequantization factors the GEMMs read)."""
     device = hp.device
     if layouts == COLUMN_MAJOR:
-        data = _column_major(tuple(hp.shape), float8_dtype, device)
+        data = empty_column_major(hp.shape, float8_dtype, device)
     else:
         data = _data_like(hp, float8_dtype)
     second = (
-        _column_major(tuple(hp.shape), float8_dtype, device)
+        empty_column_major(hp.shape, float8_dtype, device)
         if layouts == BOTH
         else torch.empty(0, dtype=float8_dtype, device=device)
     )

@@ -12,11 +12,12 @@ import torch
 from f8tensor import compat, kernels
 from f8tensor.compat import grouped_mm as hp_grouped_mm
 from f8tensor.config import CastConfig, Float8LinearConfig
-from f8tensor.functions import Float8LinearFn as _Float8LinearFn  # looked up at call time, here
 from f8tensor.gemm import batched_mm, grouped_mm, scaled_grouped_mm
 from f8tensor.gemm.grouped import KERNEL_OUT, grouped_kernel_available
 from f8tensor.gemm.operands import col_major, kernel_scale, row_major
 from f8tensor.gemm.rules import ALIGN, CudaBuild, block_rule_for
+from f8tensor.linear_autograd import LinearArgs
+from f8tensor.linear_autograd import QuantizedLinearFn as _QuantizedLinearFn  # looked up at call time, here
 from f8tensor.scaling import amax_to_scale, group_amax
 from f8tensor.specs import CastSpec, is_tensorwise
 from f8tensor.tensor import to_float8
@@ -101,13 +102,13 @@ def _expert_loop(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor | None, co
     (B, M, K) and ``w`` (B, K, N). Autograd runs each piece's backward: its two FP8 GEMMs.
     """
     if offs is None:
-        pieces = [_Float8LinearFn.apply(x[b], w[b].transpose(0, 1), None, config, None, None) for b in range(x.shape[0])]
+        pieces = [_QuantizedLinearFn.apply(x[b], w[b].transpose(0, 1), None, LinearArgs(config)) for b in range(x.shape[0])]
         return torch.stack(pieces) if pieces else x.new_zeros(0, x.shape[1], w.shape[2])
     ends = offs.tolist()  # the host sync of this path (see the module docstring)
     pieces, start = [], 0
     for g, end in enumerate(ends):
         if end > start:
-            pieces.append(_Float8LinearFn.apply(x[start:end], w[g].transpose(0, 1), None, config, None, None))
+            pieces.append(_QuantizedLinearFn.apply(x[start:end], w[g].transpose(0, 1), None, LinearArgs(config)))
         start = max(start, end)
     if start < x.shape[0] or not pieces:
         pieces.append(x.new_zeros(x.shape[0] - start, w.shape[2]))

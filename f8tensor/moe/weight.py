@@ -13,8 +13,9 @@ import torch
 
 from f8tensor.compat import GROUPED_MM_FUNCTIONS, is_op_of_namespace
 from f8tensor.config import Float8LinearConfig
-from f8tensor.functions import Float8LinearFn as _Float8LinearFn  # looked up at call time, here
 from f8tensor.gemm.grouped import validate_grouped_mm_args
+from f8tensor.linear_autograd import LinearArgs
+from f8tensor.linear_autograd import QuantizedLinearFn as _QuantizedLinearFn  # looked up at call time, here
 from f8tensor.moe.autograd import _expert_loop, _ExpertBmmFn, _GroupedMMFn, per_expert_loop
 from f8tensor.weights import RecipeWeight
 from f8tensor.weights import Unwrap as _Unwrap
@@ -75,7 +76,7 @@ def _route_linear(args: tuple, kwargs: dict) -> torch.Tensor:
     if not isinstance(w, Float8ExpertWeight) or w.dim() != 2 or isinstance(x, Float8ExpertWeight):
         raise NotImplementedError(f"F.linear with an FP8 expert weight needs one expert's 2D matrix as weight; got {tuple(w.shape)}")
     # One expert's matrix: exactly Float8Linear's three GEMMs (and its recipe, e5m2 gradients included).
-    return _Float8LinearFn.apply(x, _Unwrap.apply(w), _plain(bias), w._config, None, None)
+    return _QuantizedLinearFn.apply(x, _Unwrap.apply(w), _plain(bias), LinearArgs(w._config))
 
 
 def _route_matmul(args: tuple, kwargs: dict) -> torch.Tensor:

@@ -80,8 +80,8 @@ class _RouteCount:
         # Each Function where its callers look it up: the routes (moe.weight) and the
         # per-expert loop (moe.autograd).
         for module, name in (
-            (moe.weight, "_GroupedMMFn"), (moe.weight, "_ExpertBmmFn"), (moe.weight, "_Float8LinearFn"),
-            (moe.autograd, "_Float8LinearFn"),
+            (moe.weight, "_GroupedMMFn"), (moe.weight, "_ExpertBmmFn"), (moe.weight, "_QuantizedLinearFn"),
+            (moe.autograd, "_QuantizedLinearFn"),
         ):
             monkeypatch.setattr(module, name, self._counted(getattr(module, name)))
 

@@ -261,7 +261,7 @@ def test_rowwise_gathered_weight_backward_folds_its_row_scales():
     """The weight FSDP hands over after a rowwise FP8 all-gather (one scale per row) gives
     grad_x through (g / s) @ W8: as accurate as one process casting the fp32 weight per
     column (measured 28.6-28.7 dB both, against fp64), in grad_output's dtype."""
-    from f8tensor.functions import Float8LinearFn
+    from f8tensor.linear_autograd import LinearArgs, QuantizedLinearFn
     from f8tensor.tensor import to_float8
 
     cfg = _config("rowwise")
@@ -274,7 +274,7 @@ def test_rowwise_gathered_weight_backward_folds_its_row_scales():
     grads_x = []
     for weight in (nn.Parameter(w8), nn.Parameter(w.clone())):
         xx = x.clone().requires_grad_()
-        Float8LinearFn.apply(xx, weight, None, cfg, None, None).backward(grad_y)
+        QuantizedLinearFn.apply(xx, weight, None, LinearArgs(cfg)).backward(grad_y)
         grads_x.append(xx.grad)
         assert weight.grad.shape == w.shape
     assert grads_x[0].dtype == grad_y.dtype
@@ -982,7 +982,7 @@ def test_mixed_precision_bf16_params(run):
 @pytest.mark.distributed
 @pytest.mark.skipif(
     compat.TORCH_VERSION < (2, 12),
-    reason="torch 2.11's dynamo asserts (overwrite_tensor_vt_proxy) while it traces Float8LinearFn.apply on an "
+    reason="torch 2.11's dynamo asserts (overwrite_tensor_vt_proxy) while it traces QuantizedLinearFn.apply on an "
     "FSDP2-sharded layer; 2.12+ compiles it (README.md, Version matrix)",
 )
 def test_compiled_layers_under_fsdp2(ranks2):

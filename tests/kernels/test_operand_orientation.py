@@ -25,7 +25,7 @@ import math
 import pytest
 import torch
 
-import f8tensor.functions
+import f8tensor.linear_autograd
 import f8tensor.moe.autograd
 from f8tensor import Float8Linear, Float8LinearConfig, Float8Tensor, float8_grouped_mm
 from f8tensor.fp4 import is_float4
@@ -68,8 +68,8 @@ def _linear_run(monkeypatch, recipe: str, m: int = 256, k: int = 384, n: int = 1
     with torch.no_grad():
         layer.weight.copy_(w)
     fp8 = Float8Linear.from_float(layer, Float8LinearConfig.from_recipe(recipe))
-    recorder = _Recorder(f8tensor.functions.matmul)
-    monkeypatch.setattr(f8tensor.functions, "matmul", recorder)
+    recorder = _Recorder(f8tensor.linear_autograd.matmul)
+    monkeypatch.setattr(f8tensor.linear_autograd, "matmul", recorder)
     xr = x.clone().requires_grad_()
     fp8(xr).backward(gy)
     names = ["output", "grad_input"] + ([] if recipe == "rowwise_with_gw_hp" else ["grad_weight"])
@@ -232,8 +232,8 @@ def test_grouped_block_recipes_cast_each_expert_like_a_linear(monkeypatch, recip
     m, k, n, offs = 256, 128, 256, torch.tensor([128, 256], dtype=torch.int32)
     x, gy = spiky((m, k), 10), spiky((m, n), 11)
     w = torch.stack([spiky((k, n), 12 + e) for e in range(2)])
-    recorder = _Recorder(f8tensor.functions.matmul)
-    monkeypatch.setattr(f8tensor.functions, "matmul", recorder)
+    recorder = _Recorder(f8tensor.linear_autograd.matmul)
+    monkeypatch.setattr(f8tensor.linear_autograd, "matmul", recorder)
     xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
     float8_grouped_mm(xr, wr, offs, Float8LinearConfig.from_recipe(recipe)).backward(gy)
     assert len(recorder.calls) == 6
