@@ -13,6 +13,7 @@ first FP8 product (``f8tensor.gemm.check.install_from_env``).
 import torch
 
 from f8tensor import ops as _ops  # noqa: F401  (fills Float8Tensor's op table)
+from f8tensor import product_ops as _product_ops  # noqa: F401  (the op table's matrix products)
 from f8tensor.activations import save_activations_in_float8
 from f8tensor.config import (
     FP4_CAST_DTYPE,

@@ -23,7 +23,7 @@ from f8tensor.fp4 import Float4Tensor, is_float4
 from f8tensor.fp4 import transpose_2d as transpose_2d_fp4
 from f8tensor.gemm import matmul
 from f8tensor.hadamard import RHT_SIZE, apply_rht
-from f8tensor.ops import transpose_2d
+from f8tensor.product_ops import transpose_2d
 from f8tensor.quantizers import (
     DelayedBuffers,
     StatsBuffers,

@@ -1,0 +1,159 @@
+"""The Float8Tensor op table's matrix products: handlers that unpack aten's arguments (and,
+for ``bmm``, pick the batch layout) and hand the product to ``gemm``'s front door.
+
+Registered with ``Float8Tensor.implements`` after each ``def``, as in :mod:`f8tensor.ops`
+(whose layout helpers the batch handlers use)."""
+
+from __future__ import annotations
+
+import torch
+
+from f8tensor.fp4 import Float4Tensor, is_float4
+from f8tensor.gemm import GROUPED_RULES, batched_mm, grouped_mm, matmul
+from f8tensor.gemm.operands import requantize
+from f8tensor.gemm.rules import ALIGN
+from f8tensor.ops import _permuted, _reshaped_meta, _selected
+from f8tensor.specs import axiswise_block, axiswise_dim, layout_block
+from f8tensor.tensor import Float8Tensor, is_float8
+
+__all__ = ["transpose_2d"]
+
+aten = torch.ops.aten
+implements = Float8Tensor.implements
+_is_f8 = is_float8
+
+
+# ===================================================================== matrix products
+
+
+def _mm(func, types, args, kwargs):
+    a, b = args
+    return matmul(a, b)
+
+
+implements([aten.mm.default])(_mm)
+
+
+def _addmm(func, types, args, kwargs):
+    bias, a, b = args
+    beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
+    if _is_f8(bias) or is_float4(bias):
+        raise NotImplementedError("addmm with a Float8Tensor bias/input is not supported; pass it in high precision")
+    if beta == 1 and alpha == 1:
+        return matmul(a, b, bias=bias)
+    out = matmul(a, b)
+    if alpha != 1:
+        out = out * alpha
+    # torch semantics: with beta == 0 the input is ignored entirely (NaN in it included).
+    return out if beta == 0 else out + beta * bias.to(out.dtype)
+
+
+implements([aten.addmm.default])(_addmm)
+
+
+def _composite_product(func, types, args, kwargs):
+    """``matmul`` and ``linear``, which reach the table only undecomposed.
+
+    With autograd on, PyTorch decomposes both into ``t``/``view``/``mm``/``bmm`` before
+    dispatch. Under ``torch.inference_mode()`` and in ``ExportedProgram.run_decompositions()``
+    they arrive whole: run PyTorch's own decomposition (their CompositeImplicitAutograd
+    kernel), whose pieces land on the handlers of this table. So every product keeps
+    the semantics (broadcasting, 1D operands, bias) of its high-precision twin.
+    """
+    return func.decompose(*args, **kwargs)
+
+
+implements([aten.matmul.default, aten.linear.default])(_composite_product)
+
+
+# Float4Tensor's products take the same handlers (its layout ops live in fp4.py).
+for _op, _handler in ((aten.mm.default, _mm), (aten.addmm.default, _addmm)):
+    Float4Tensor.implements([_op])(_handler)
+Float4Tensor.implements([aten.matmul.default, aten.linear.default])(_composite_product)
+
+
+def transpose_2d(x: Float8Tensor) -> Float8Tensor:
+    """``x.t()`` for a 2D Float8Tensor, built directly instead of dispatched.
+
+    For library code that makes a Float8Tensor and multiplies with it in one traced
+    region: torch.export's pre-dispatch trace does not hand ops on a subclass created
+    inside it to ``__torch_dispatch__`` ("Unable to cast NotImplemented to Tensor").
+    The result is not registered as a view of ``x`` for autograd: use it on temporaries.
+    """
+    return _permuted(x, x._data.t(), (1, 0))
+
+
+def _bmm(func, types, args, kwargs):
+    a, b = args
+    batch = a.shape[0]
+    # x @ w.t() with a non-contiguous 3D x reaches here as bmm(x, w.t().expand(B, K, N)):
+    # the same matrix for every batch entry, so it folds into one 2D product.
+    if b.stride(0) == 0:
+        out = matmul(_flatten_batch(a), _batch_item(b, 0))
+        return out.view(batch, a.shape[1], b.shape[2])
+    orig = a._orig_dtype if _is_f8(a) else b._orig_dtype
+    if orig in GROUPED_RULES[0].out_dtypes and a.shape[2] % ALIGN == 0:
+        # One batched FP8 kernel (torch._scaled_grouped_mm's 3D x 3D form), which writes
+        # bf16 only: taken when that is the output dtype; fp16/fp32 outputs keep one
+        # _scaled_mm per batch entry, which writes them directly.
+        return batched_mm(a, b, orig)
+    return torch.stack([matmul(_batch_item(a, i), _batch_item(b, i)) for i in range(batch)])
+
+
+implements([aten.bmm.default])(_bmm)
+
+
+def _grouped_mm(func, types, args, kwargs):
+    """``torch._grouped_mm(a, b, offs)``: a (M, K) tokens sorted by group, b (G, K, N), in FP8.
+
+    The form MoE layers use (2D x 3D with ``offs``). ``b``'s scale: one per tensor, or per
+    group and output column (a rowwise (G, N, K) weight after ``transpose(-2, -1)``); a
+    scale that varies along K is re-derived along N. Groups may be empty or any size.
+    The kernel writes bf16; the result is returned in ``out_dtype`` (default: a's dtype).
+    """
+    names = ("mat_a", "mat_b", "offs", "bias", "out_dtype")
+    bound = dict(zip(names, args))
+    bound.update(kwargs)
+    a, b, offs = bound["mat_a"], bound["mat_b"], bound.get("offs")
+    if a.dim() != 2 or b.dim() != 3 or offs is None:
+        raise NotImplementedError(
+            f"Float8Tensor supports _grouped_mm as 2D x 3D with offs (MoE tokens x experts); got "
+            f"{a.dim()}D x {b.dim()}D, offs={'None' if offs is None else 'given'}. Call .to_hp() first."
+        )
+    if bound.get("bias") is not None:
+        raise NotImplementedError("FP8 _grouped_mm with bias is not supported (torch._scaled_grouped_mm takes none)")
+    out_dtype = bound.get("out_dtype") or (a._orig_dtype if _is_f8(a) else a.dtype)
+    return grouped_mm(a, b, offs, out_dtype)
+
+
+implements([aten._grouped_mm.default])(_grouped_mm)
+
+
+def _flatten_batch(x: torch.Tensor) -> torch.Tensor:
+    """(B, M, K) -> (B*M, K), copying only when the layout demands it."""
+    if not _is_f8(x):
+        return x.reshape(-1, x.shape[-1])
+    if x.is_blockwise:
+        data = x._data.reshape(-1, x.shape[-1])
+        scale, block = _reshaped_meta(x, data.shape)
+        return x._replace(data=data, scale=scale, block=block)
+    axis = axiswise_dim(x._scale_block)
+    if axis not in (None, 2):
+        x, axis = requantize(x, 2), 2
+    data = x._data.reshape(-1, x.shape[-1])
+    scale = x._scale if axis is None else x._scale.reshape(-1, 1)
+    return x._replace(data=data, scale=scale, block=layout_block(() if axis is None else axiswise_block(1, 2), 2))
+
+
+def _batch_item(x: torch.Tensor, i: int) -> torch.Tensor:
+    if not _is_f8(x):
+        return x[i]
+    if x.is_blockwise:
+        return _selected(x, 0, i)
+    axis = axiswise_dim(x._scale_block)
+    if axis is None:
+        return x._replace(data=x._data[i], block=layout_block((), x.dim() - 1))
+    if axis == 0:  # scale was reduced over the batch dim: re-derive along K instead
+        return requantize(x._replace(data=x._data[i], scale=x._scale[0]), 1)
+    scale = x._scale[i if x._scale.shape[0] > 1 else 0]
+    return x._replace(data=x._data[i], scale=scale, block=axiswise_block(axis - 1, x.dim() - 1))
