@@ -121,11 +121,13 @@ def test_a_transposed_autocast_weight_copy_is_left_alone():
     assert not torch.equal(gw, gw_ref)  # the input was packed: the context did act
 
 
-@pytest.mark.parametrize("recipe", ["rowwise", "rowwise_with_gw_hp", "blockwise"])
+@pytest.mark.parametrize("recipe", ["rowwise_with_gw_hp", "nvfp4"])
 def test_the_high_precision_input_a_linear_function_saves_is_packed(recipe):
-    """The Functions of the recipes that keep the input in bf16 save ``x.reshape(-1, K)``,
-    made inside their forward: a view that autograd flags as a leaf requiring grad. It is
-    an activation (its base is), and the context packs it."""
+    """The recipes that keep the input in high precision for backward (``rowwise_with_gw_hp``
+    by design, the FP4 recipes, whose weight-gradient casts happen in backward) save
+    ``x.reshape(-1, K)``, made inside their forward: a view that autograd flags as a leaf
+    requiring grad. It is an activation (its base is), and the context packs it. (rowwise,
+    blockwise and MX save their FP8 cast already: tests/modules/test_saved_inputs_fp8.py.)"""
     torch.manual_seed(0)
     layer = Float8Linear.from_float(nn.Linear(K, N, dtype=torch.bfloat16), Float8LinearConfig.from_recipe(recipe))
     x0 = torch.randn(4, M // 4, K, dtype=torch.bfloat16, requires_grad=True)
