@@ -1,5 +1,6 @@
 """Item 4: one training step of the ~300M-parameter Llama-style model (``_models``, size
-``300m``), compiled, bf16 vs tensorwise vs rowwise: tokens/s and peak memory.
+``300m``), compiled, bf16 vs tensorwise vs rowwise (and torchao's tensorwise when it is
+installed): tokens/s and peak memory.
 
 Two items: ``e2e_compile`` builds the three models and compiles them (each transformer
 block on its own: the 24 blocks share one compiled graph per recipe, which keeps the
@@ -15,35 +16,57 @@ from .runner import Ctx
 RECIPES = ("bf16", "tensorwise", "rowwise")
 
 
+def build_step(ctx: Ctx, recipe: str, size: str, batches=None) -> tuple:
+    """``(model, opt, step, state)``: the ``size`` model under ``recipe`` (bf16, an f8tensor
+    recipe or ``torchao <recipe>``), each block compiled, and one training step over
+    ``batches``. Shared with the ``profiles`` item."""
+    import _common as C
+    import _models as M
+    import torch
+
+    cfg = M.SIZES[size]
+    if batches is None:
+        batches = M.synthetic_batches(cfg, 4, ctx.device)
+    model = M.build_model(cfg, ctx.device)
+    if recipe.startswith("torchao "):
+        float8, note = C.load_torchao()
+        if float8 is None:
+            raise ModuleNotFoundError(note, name="torchao")
+        C.torchao_convert(float8, model, recipe.split(" ", 1)[1], module_filter_fn=M.fp8_filter)
+    elif recipe != "bf16":
+        C.f8tensor_convert(model, recipe, module_filter_fn=M.fp8_filter)
+    for block in model.layers:
+        block.compile(dynamic=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    state = {"i": 0, "loss": float("nan")}
+
+    def step():
+        b = batches[state["i"] % len(batches)]
+        state["i"] += 1
+        loss = model(b[:, :-1], b[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        state["loss"] = loss.detach()
+
+    return model, opt, step, state
+
+
 def e2e_compile(ctx: Ctx) -> None:
     import time
 
     import _common as C
     import _models as M
-    import torch
 
     size = ctx.pick("300m", "quick")
     cfg = M.SIZES[size]
     batches = M.synthetic_batches(cfg, 4, ctx.device)
     built = ctx.shared.setdefault("e2e", {"size": size, "cfg": cfg, "runs": {}})
-    for recipe in RECIPES:
-        model = M.build_model(cfg, ctx.device)
-        if recipe != "bf16":
-            C.f8tensor_convert(model, recipe, module_filter_fn=M.fp8_filter)
-        for block in model.layers:
-            block.compile(dynamic=False)
-        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-        state = {"i": 0, "loss": float("nan")}
-
-        def step(model=model, opt=opt, state=state):
-            b = batches[state["i"] % len(batches)]
-            state["i"] += 1
-            loss = model(b[:, :-1], b[:, 1:])
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            state["loss"] = loss.detach()
-
+    float8, _ = C.load_torchao()
+    # torchao's tensorwise on the same model says whether a gap to bf16 is the model's size
+    # (small GEMMs gain little from FP8) or f8tensor's own overhead.
+    for recipe in RECIPES + (("torchao tensorwise",) if float8 is not None else ()):
+        model, opt, step, state = build_step(ctx, recipe, size, batches)
         t0 = time.monotonic()
         step()
         C.sync(ctx.device)

@@ -18,9 +18,9 @@ REPO = Path(__file__).resolve().parents[2]
 DRY_STUB = Path(__file__).resolve().with_name("dry_pytest_stub.py")
 #: (item name, files, planned seconds on the GPU machine), most important first.
 GROUPS = (
-    ("pytest_gpu_core", ("tests/kernels/test_gpu_scaled_mm.py",), 50),
-    ("pytest_gpu_kernels", ("tests/kernels/test_triton_casts.py", "tests/kernels/test_block_casts_reference.py"), 35),
-    ("pytest_gpu_twins", ("tests/modules/test_linear.py", "tests/modules/test_moe.py"), 40),
+    ("pytest_gpu_core", ("tests/kernels/test_gpu_scaled_mm.py",), 40),
+    ("pytest_gpu_kernels", ("tests/kernels/test_triton_casts.py", "tests/kernels/test_block_casts_reference.py"), 60),
+    ("pytest_gpu_twins", ("tests/modules/test_linear.py", "tests/modules/test_moe.py"), 70),
 )
 
 
@@ -39,17 +39,32 @@ def run_pytest(ctx: Ctx, paths: list[str], timeout_s: float, extra: tuple[str, .
         raise RuntimeError(f"pytest wrote no junit XML (exit status {rc}); its output is in the log")
 
 
-def group_fn(paths: tuple[str, ...], timeout_s: float):
+def group_fn(paths: tuple[str, ...]):
+    """A group's item. Its pytest runs until the item's deadline (time earlier items left
+    passes on), not for the group's planned seconds alone."""
+
     def run(ctx: Ctx) -> None:
-        run_pytest(ctx, dry_paths(ctx, paths), timeout_s)
+        run_pytest(ctx, dry_paths(ctx, paths), ctx.left())
 
     return run
 
 
 def rest(ctx: Ctx) -> None:
-    """Every other ``gpu`` test: ``tests/`` without the files the default plan's groups ran."""
+    """Every other ``gpu`` test: ``tests/`` without the files the default plan's groups ran,
+    and without the tests ``--figures-csv`` already has an outcome for (the default plan ends
+    with this item, on whatever time its other items left; the second plan goes on from there)."""
     ignore = () if ctx.dry else tuple(f"--ignore={p}" for _, paths, _ in GROUPS for p in paths)
-    run_pytest(ctx, dry_paths(ctx, ("tests",)), ctx.left(), extra=ignore)
+    done = tuple(f"--deselect={node}" for node in already_run(ctx.args.figures_csv))
+    if done:
+        ctx.note(f"{len(done)} test(s) with an outcome in --figures-csv deselected")
+    run_pytest(ctx, dry_paths(ctx, ("tests",)), ctx.left(), extra=ignore + (() if ctx.dry else done))
+
+
+def already_run(paths: str | None) -> list[str]:
+    """The pytest node ids with an outcome in the CSVs named (comma-separated; absent: none)."""
+    files = [Path(p) for p in (paths or "").split(",") if p and Path(p).exists()]
+    return sorted({r["metric"] for p in files for r in report.read_csv(p)
+                   if r["kind"] == "pytest" and r["status"] in ("passed", "failed", "error", "skipped")})
 
 
 def dry_paths(ctx: Ctx, paths: tuple[str, ...]) -> list[str]:

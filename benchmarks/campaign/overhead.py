@@ -4,7 +4,7 @@ The step and the counting are ``bench_eager_overhead``'s."""
 
 from __future__ import annotations
 
-from .runner import Ctx
+from .runner import Ctx, failure_status
 
 
 def eager_overhead(ctx: Ctx) -> None:
@@ -26,7 +26,7 @@ def eager_overhead(ctx: Ctx) -> None:
             steps[key] = step
         except Exception as e:  # noqa: BLE001  (one recipe failing does not hide the others)
             ctx.row(recipe=key[0], mode="eager", shape=f"{B.TOKENS}x{k}x{k}", metric="host_us", unit="us",
-                    status=f"failed: {type(e).__name__}: {e}"[:300])
+                    status=failure_status(e)[:300])
     rounds, per_round = ctx.pick((5, 20), (1, 2))
     timings = C.interleaved(steps, rounds, per_round, ctx.device)
     for (name, k), t in timings.items():

@@ -127,6 +127,16 @@ def error_text(exc: BaseException, lines: int = 4) -> tuple[str, str]:
     return f"{type(exc).__name__}: {msg}", tail[-1200:]
 
 
+def failure_status(exc: BaseException) -> str:
+    """A row's status for a configuration that raised: ``not run: no kernel ...`` where the
+    library says this device and build have no kernel for it (a gate, not a defect: MXFP8 on
+    sm90, say), else ``failed: Type: message``."""
+    why = error_text(exc)[0]
+    if isinstance(exc, NotImplementedError) and " kernel needs " in str(exc):
+        return "not run: no kernel on this device: " + why.split(": ", 1)[1]
+    return "failed: " + why
+
+
 class Ctx:
     """What an item sees: sizes (dry or not), the device, its deadline, where to record."""
 

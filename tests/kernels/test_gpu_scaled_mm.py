@@ -14,7 +14,14 @@ import pytest
 import torch
 import torch._dynamo.testing
 import torch.nn.functional as F
-from helpers import GRANULARITIES, MATMUL_MIN_DB, assert_bitwise_equal_f8, assert_sqnr, check_compiled_linear
+from helpers import (
+    GRANULARITIES,
+    MATMUL_MIN_DB,
+    assert_bitwise_equal_f8,
+    assert_sqnr,
+    check_compiled_linear,
+    matmul_min_db,
+)
 
 from f8tensor import FORMATS, Float8Tensor, GemmConfig, float8_mm
 
@@ -63,7 +70,8 @@ def test_cuda_e4m3_times_e5m2():
     w = torch.randn(N, K, dtype=torch.bfloat16, device=CUDA)
     x8 = Float8Tensor.from_hp(x, torch.float8_e4m3fn)
     w8 = Float8Tensor.from_hp(w, torch.float8_e5m2)
-    assert_sqnr(_ref(x, w), torch.mm(x8, w8.t()), MATMUL_MIN_DB)
+    # An e5m2 operand by design: its threshold (H100, torch 2.11+cu130: 24.68 dB, as the CPU's 24.6).
+    assert_sqnr(_ref(x, w), torch.mm(x8, w8.t()), matmul_min_db(torch.float8_e4m3fn, torch.float8_e5m2))
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
