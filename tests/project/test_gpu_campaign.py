@@ -296,3 +296,46 @@ def test_junit_rows(tmp_path):
         ("tests/test_x.py::test_c", "skipped"),
     ]
     assert rows[1]["detail"] == "assert 1 == 2"
+
+
+def test_a_kernel_gate_is_not_run_and_anything_else_failed():
+    gate = NotImplementedError("the MXFP8 1x32 x 1x32 kernel needs Builds(min_sm=(10, 0)); this is sm90")
+    assert runner.failure_status(gate) == (
+        "not run: no kernel on this device: the MXFP8 1x32 x 1x32 kernel needs Builds(min_sm=(10, 0)); this is sm90"
+    )
+    assert runner.failure_status(NotImplementedError("aten::foo is not supported")).startswith("failed: ")
+    assert runner.failure_status(RuntimeError("the kernel needs more")).startswith("failed: RuntimeError")
+
+
+def test_the_second_rest_deselects_tests_the_first_command_ran(tmp_path):
+    from campaign import gpu_tests
+
+    rows = [
+        report.row("pytest_gpu_rest", "pytest", metric="tests/a.py::test_x[cuda]", status="passed"),
+        report.row("pytest_gpu_rest", "pytest", metric="tests/a.py::test_y", status="failed"),
+        report.row("linear_target", "figure", metric="step_ms", value=1.0),
+    ]
+    path = tmp_path / "results.csv"
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=report.FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
+    assert gpu_tests.already_run(str(path)) == ["tests/a.py::test_x[cuda]", "tests/a.py::test_y"]
+    assert gpu_tests.already_run(None) == [] and gpu_tests.already_run(str(tmp_path / "absent.csv")) == []
+
+
+def test_smoke_holds_stochastic_recipes_to_the_cpus_accuracy(dry_default):
+    from campaign import smoke
+
+    from f8tensor import RECIPES
+
+    rows = [r for r in report.read_csv(dry_default[1] / "results.csv") if r["item"] == "smoke"]
+    by_recipe = {r["recipe"]: r for r in rows}
+    stochastic = {r for r in RECIPES if smoke.stochastic(r)}
+    assert stochastic == {"nvfp4", "mxfp4"}
+    for recipe, r in by_recipe.items():
+        gap = recipe in stochastic
+        assert r["metric"] == ("worst SQNR vs fp32, device minus CPU dB" if gap else
+                               "worst SQNR of out/grad_in/grad_w vs CPU dB"), r
+        # Two CPU models: the same bits (inf dB), or with stochastic rounding within 3 dB.
+        assert float(r["value"]) >= (-smoke.STOCHASTIC_MARGIN_DB if gap else smoke.DEVICE_VS_CPU_DB), r
