@@ -14,6 +14,14 @@ Per configuration, on a stack of ``--layers`` square ``--width`` x ``--width`` p
 
     PYTHONPATH=. python benchmarks/bench_optim.py                 # 10.5M parameters
     PYTHONPATH=. python benchmarks/bench_optim.py --quick         # a smoke run in seconds
+
+``--quality SEEDS`` trains the demo GPT (``--size``, ``--train-steps``, bf16 autocast, fp32
+master weights, the demo's own loop) once per seed and optimizer (torch AdamW, f8tensor
+AdamW with FP8 states, torchao's AdamWFp8 when installed; the demo's betas and weight decay)
+and prints each final loss (the demo's: the mean of the last steps), their mean and
+standard deviation:
+
+    PYTHONPATH=. python benchmarks/bench_optim.py --quality 0,1,2 --train-steps 250
 """
 
 from __future__ import annotations
@@ -157,6 +165,66 @@ def format_table(rows: Sequence[Row], device_label: str) -> str:
     return "\n".join(lines)
 
 
+def quality_optimizers() -> list[tuple[str, Callable | None]]:
+    """``(name, (params, lr) -> optimizer or None when unavailable)``, the demo's hyperparameters."""
+    from f8tensor import demo
+
+    hyper = {"betas": demo.ADAMW_BETAS, "weight_decay": demo.ADAMW_WEIGHT_DECAY}
+    torchao = _torchao_optim("AdamWFp8")
+    return [
+        ("torch AdamW (fp32 states)", lambda ps, lr: torch.optim.AdamW(ps, lr=lr, **hyper)),
+        ("f8tensor AdamW, FP8 states", lambda ps, lr: AdamW(ps, lr=lr, state_dtype=FP8, **hyper)),
+        ("torchao AdamWFp8", None if torchao is None else
+         (lambda ps, lr: _torchao_class("AdamWFp8")(ps, lr=lr, **hyper))),
+    ]
+
+
+def _torchao_class(name: str):
+    try:
+        from torchao import optim as ao_optim  # type: ignore[import-not-found]
+    except ImportError:
+        from torchao.prototype import low_bit_optim as ao_optim  # type: ignore[import-not-found,no-redef]
+    return getattr(ao_optim, name)
+
+
+def quality(seeds: Sequence[int], steps: int, size_name: str) -> dict[str, list[float]]:
+    """Final demo loss per optimizer, one per seed (the demo's loop, bf16 model, CPU)."""
+    from f8tensor import demo
+
+    device = torch.device("cpu")
+    size = demo.SIZES[size_name]
+    data = demo.load_corpus(device)
+    last = max(1, min(50, steps // 10))  # the demo's "final loss": the mean of the last steps
+    finals: dict[str, list[float]] = {}
+    for seed in seeds:
+        torch.manual_seed(seed)
+        base = demo.GPT(size).to(device)
+        starts = demo.batch_starts(len(data), steps + 1, size.batch_size, size.seq_len, seed)
+        for name, build in quality_optimizers():
+            if build is None:
+                finals.setdefault(name, [])
+                continue
+            result = demo.train_run(demo.BASELINE, base, data, starts, size, device, False, build)
+            finals.setdefault(name, []).append(statistics.fmean(result.losses[-last:]))
+            print(f"  seed {seed}, {name}: final loss {finals[name][-1]:.4f} ({result.seconds:.0f} s)", flush=True)
+    return finals
+
+
+def format_quality(finals: dict[str, list[float]], seeds: Sequence[int]) -> str:
+    base = finals.get("torch AdamW (fp32 states)") or []
+    header = f"{'optimizer':<30}" + "".join(f"{f'seed {s}':>10}" for s in seeds) + f"{'mean':>10}{'std':>9}{'vs torch':>10}"
+    lines = [header, "-" * len(header)]
+    for name, values in finals.items():
+        if not values:
+            lines.append(f"{name:<30}{NOT_INSTALLED:>{10 * len(seeds) + 29}}")
+            continue
+        mean = statistics.fmean(values)
+        std = statistics.stdev(values) if len(values) > 1 else 0.0
+        rel = f"{100 * (mean / statistics.fmean(base) - 1):+.2f}%" if base else "-"
+        lines.append(f"{name:<30}" + "".join(f"{v:>10.4f}" for v in values) + f"{mean:>10.4f}{std:>9.4f}{rel:>10}")
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=10, help="square parameters (default: 10)")
@@ -165,7 +233,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds (default: 4)")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (default: 1)")
     parser.add_argument("--quick", action="store_true", help="2 x 256 x 256 parameters, 2 timed steps")
+    parser.add_argument("--quality", metavar="SEEDS", help="comma-separated seeds: train the demo GPT per optimizer")
+    parser.add_argument("--train-steps", type=int, default=250, help="--quality: steps per run (default: 250)")
+    parser.add_argument("--size", default="small", help="--quality: the demo's model size (default: small)")
     args = parser.parse_args(argv)
+    if args.quality is not None:
+        try:
+            seeds = [int(s) for s in args.quality.split(",")]
+        except ValueError:
+            parser.error(f"--quality takes comma-separated integer seeds; got {args.quality!r}")
+        if args.train_steps < 2:
+            parser.error(f"--train-steps must be at least 2; got {args.train_steps}")
+        torch.set_num_threads(args.threads)
+        print(f"demo GPT '{args.size}', {args.train_steps} steps, seeds {seeds}, CPU "
+              f"({platform.processor() or platform.machine()}, {args.threads} thread(s)), torch {torch.__version__}")
+        print(format_quality(quality(seeds, args.train_steps, args.size), seeds))
+        return 0
     if args.quick:
         args.layers, args.width, args.steps, args.rounds = 2, 256, 2, 1
     for flag in ("layers", "width", "steps", "rounds", "threads"):

@@ -208,9 +208,18 @@ OPTIMIZERS: dict[str, str] = {
 DEFAULT_OPTIM = "adamw"
 
 
-def make_optimizer(name: str, params: Iterable[torch.Tensor], lr: float) -> torch.optim.Optimizer:
-    """The optimizer ``--optim name`` asks for."""
-    betas, weight_decay = (0.9, 0.95), 0.1
+#: The demo's AdamW hyperparameters (every ``--optim`` choice, and a benchmark's own builder).
+ADAMW_BETAS, ADAMW_WEIGHT_DECAY = (0.9, 0.95), 0.1
+#: An optimizer of the caller's: ``(params, lr) -> optimizer`` (a benchmark's, e.g. another
+#: library's 8-bit AdamW on the same runs).
+OptimizerBuilder = Callable[[Iterable[torch.Tensor], float], torch.optim.Optimizer]
+
+
+def make_optimizer(name: str | OptimizerBuilder, params: Iterable[torch.Tensor], lr: float) -> torch.optim.Optimizer:
+    """The optimizer ``--optim name`` asks for, or what a builder makes."""
+    if callable(name):
+        return name(params, lr)
+    betas, weight_decay = ADAMW_BETAS, ADAMW_WEIGHT_DECAY
     if name == "adamw":
         return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay)
     state_dtype = {"adamw-bf16": torch.bfloat16, "adamw-fp8": torch.float8_e4m3fn}.get(name)
@@ -238,7 +247,7 @@ def train_run(
     size: Size,
     device: torch.device,
     compile_model: bool,
-    optim: str = DEFAULT_OPTIM,
+    optim: str | OptimizerBuilder = DEFAULT_OPTIM,
     fp8_activations: bool = False,
 ) -> RunResult:
     """Train a copy of ``base_model`` in ``name`` ("bf16" or an FP8 recipe), then measure it.
