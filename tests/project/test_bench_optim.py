@@ -51,3 +51,27 @@ def test_bad_flag_is_refused(capsys):
     with pytest.raises(SystemExit):
         bench_optim.main(["--layers", "0"])
     assert "--layers must be a positive integer" in capsys.readouterr().err
+
+
+def test_quality_trains_the_demo_per_optimizer_and_seed(capsys):
+    # Two seeds of the tiny demo GPT, 4 steps: one final loss per optimizer and seed, the
+    # table's mean over them; torchao's row says "not installed" without torchao.
+    finals = bench_optim.quality([0, 1], 4, "tiny")
+    measured = {n: v for n, v in finals.items() if v}
+    assert set(measured) >= {"torch AdamW (fp32 states)", "f8tensor AdamW, FP8 states"}
+    assert all(len(v) == 2 and all(3.0 < x < 7.0 for x in v) for v in measured.values()), measured
+    # The same model, data and steps: the two optimizers start from the same loss.
+    a, b = finals["torch AdamW (fp32 states)"], finals["f8tensor AdamW, FP8 states"]
+    assert all(abs(x - y) / x < 0.02 for x, y in zip(a, b)), (a, b)
+    table = bench_optim.format_quality(finals, [0, 1])
+    assert "seed 1" in table and "+0.00%" in table.splitlines()[2]
+    if importlib.util.find_spec("torchao") is None:
+        assert bench_optim.NOT_INSTALLED in table.splitlines()[-1]
+
+
+def test_quality_flags_are_checked(capsys):
+    for argv, message in ((["--quality", "a,b"], "comma-separated integer seeds"),
+                          (["--quality", "0", "--train-steps", "1"], "at least 2")):
+        with pytest.raises(SystemExit):
+            bench_optim.main(argv)
+        assert message in capsys.readouterr().err
