@@ -16,8 +16,13 @@ torch.compile on a torch whose meta floor-divides the DeepSeek scales (2.11-2.13
 needs the row's ``compile_align`` (K, and M or N of a 128x128 operand, multiples of 128).
 With ``GemmConfig(pad_inner_dim=True)`` the operands are zero-padded (the scales padded with
 1, the result sliced back), else the product is refused with the dim and the multiple, on
-CPU as on CUDA (``emulate=True`` asks for no kernel, so for no size rule). The DeepSeek
-kernels take no fast accumulation (cuBLASLt refuses it); the rows say so.
+CPU as on CUDA (``emulate=True`` asks for no kernel, so for no size rule). M, the rows of
+a 1x128 a (the token count), is padded to the row's ``align_m`` (16; cuBLASLt refused
+M=15) whatever the config says (:func:`_outer_rows_padded`): zero rows with scale 1,
+sliced off the result. The reference path dequantizes that padded operand as well (and
+multiplies its first M rows), so the CPU suite builds and checks the padded call the CUDA
+branch sends. The DeepSeek kernels take no fast accumulation (cuBLASLt refuses it); the
+rows say so.
 """
 
 from __future__ import annotations
@@ -52,9 +57,14 @@ def product(
         return _kernel_mm(rule, a8, b8, bias, out_dtype, gemm)
     if rule is not None and _takes_operands(rule, a8, b8) and not gemm.emulate:
         pads = _padding(rule, a8, b8, gemm, traced=False)
+        # The operand the kernel would take, its outer rows padded: the reference reads it
+        # too (the checked call and the numbers come from the same padded operand).
+        a8_kernel, pads = _outer_rows_padded(rule, a8, pads)
         if check_active():
             fast = gemm.use_fast_accum and rule.fast_accum
-            record_block_reference(rule.name, *_kernel_args(rule, a8, b8, pads), fast)
+            record_block_reference(rule.name, *_kernel_args(rule, a8_kernel, b8, pads), fast)
+        if a8_kernel is not a8:
+            return _reference_mm(a8_kernel, b8, bias, out_dtype, rows=a8.shape[0])
     elif not gemm.emulate and check_active():
         # No kernel takes these operands: the CUDA branch would raise (_kernel_mm). The
         # check records every block-scaled product, so this one as what it is, refused.
@@ -82,18 +92,25 @@ def _refusal(rule: BlockScaledMMRule | None, a8: Float8Tensor, b8: Float8Tensor)
 def _padding(
     rule: BlockScaledMMRule, a8: Float8Tensor, b8: Float8Tensor, gemm: GemmConfig, *, traced: bool
 ) -> tuple[int, int, int]:
-    """Zeros to add to (M, K, N) for ``rule``'s kernel: none when the sizes are legal; when
-    they are not, the padding if ``gemm.pad_inner_dim`` asks for it, else a ``ValueError``
+    """Zeros to add to (M, K, N) for ``rule``'s kernel: none when the sizes are legal; M
+    padded to the row's ``align_m`` always (the outer rows of a 1x128 a, whose count is the
+    batch's token count: zero rows change no other row of the product); K and N (and M
+    beyond ``align_m``) padded if ``gemm.pad_inner_dim`` asks for it, else a ``ValueError``
     naming each dim and its multiple. ``traced``: a CUDA call traced by torch.compile (the
     meta registration's own multiples apply on torch 2.11-2.13)."""
     (m, k), n = a8.shape, b8.shape[1]
     sizes = {"M": m, "K": k, "N": n}
-    multiples = {"M": 1, "K": rule.align_k, "N": rule.align_n}
+    multiples = {"M": rule.align_m, "K": rule.align_k, "N": rule.align_n}
     if traced and compat.META_FLOORS_BLOCK_SCALES:
         for dim, multiple in rule.compile_align:
             multiples[dim] = max(multiples[dim], multiple)
     pads = {dim: (-sizes[dim]) % multiples[dim] for dim in sizes}
-    wrong = [f"{dim}={sizes[dim]} (a multiple of {multiples[dim]})" for dim in sizes if pads[dim]]
+    free = {"M": rule.align_m}  # padded whatever the config says
+    wrong = [
+        f"{dim}={sizes[dim]} (a multiple of {multiples[dim]})"
+        for dim in sizes
+        if pads[dim] and multiples[dim] != free.get(dim)
+    ]
     if wrong and not gemm.pad_inner_dim:
         why = "" if not traced else " under torch.compile on this torch (its meta registration floor-divides by 128)"
         raise ValueError(
@@ -104,14 +121,41 @@ def _padding(
     return pads["M"], pads["K"], pads["N"]
 
 
-def _reference_mm(a8: Float8Tensor, b8: Float8Tensor, bias, out_dtype: torch.dtype) -> torch.Tensor:
+def _outer_rows_padded(
+    rule: BlockScaledMMRule, a8: Float8Tensor, pads: tuple[int, int, int]
+) -> tuple[Float8Tensor, tuple[int, int, int]]:
+    """``a8`` grown by the M padding of ``pads`` when its blocks are single rows (a 1x128
+    a: the row's ``align_m``), and the padding left for :func:`_kernel_args` (K, N, and M of
+    a 128x128 a). The new rows: zero bytes, scale 1 (finite; 0 / 1 dequantizes to 0)."""
+    pm = pads[0]
+    if not pm or rule.block_a[0] != 1:
+        return a8, pads
+    rows, cols = a8._scale.shape
+    padded = a8._replace(data=_pad_bytes(a8._data, pm, 0), scale=_pad_scale(a8._scale, rows + pm, cols))
+    inv = None if torch.compiler.is_compiling() else a8._inv_scale
+    if inv is not None:  # the cast's own 1 / scale, grown alike (the same values, bit for bit)
+        padded._inv_scale = _pad_scale(inv, rows + pm, cols)
+    return padded, (0, pads[1], pads[2])
+
+
+def _reference_mm(
+    a8: Float8Tensor, b8: Float8Tensor, bias, out_dtype: torch.dtype, *, rows: int | None = None
+) -> torch.Tensor:
     """The reference: dequantize per block in fp32, fp32 matmul, fp32 bias, one cast.
 
     Deliberate fp32 throughout: it is what the block-scaled kernels accumulate in (they
     apply each K-block's scales to its fp32 partial sum), so the results agree up to the
     order of accumulation.
+
+    ``rows``: the product of ``a8``'s first rows only (``a8`` padded for the kernel by
+    :func:`_outer_rows_padded`). The padding's zero rows change no other row of a product,
+    but a CPU BLAS may order a row's sums by the row count (MKL does for a single row):
+    leaving them out of the matmul keeps the bits of the unpadded product.
     """
-    acc = dequantize(a8, torch.float32) @ dequantize(b8, torch.float32)
+    a = dequantize(a8, torch.float32)
+    if rows is not None:
+        a = a[:rows]
+    acc = a @ dequantize(b8, torch.float32)
     if bias is not None:
         acc = acc + bias.to(torch.float32)
     return acc.to(out_dtype)
@@ -214,7 +258,8 @@ def _kernel_mm(
     if not _takes_operands(rule, a8, b8):
         raise ValueError(_refusal(rule, a8, b8))
     pads = _padding(rule, a8, b8, gemm, traced=torch.compiler.is_compiling())
-    a_data, b_data, sa, sb = _kernel_args(rule, a8, b8, pads)
+    a8_kernel, pads = _outer_rows_padded(rule, a8, pads)
+    a_data, b_data, sa, sb = _kernel_args(rule, a8_kernel, b8, pads)
     kinds, swizzle = functional.ScalingType, functional.SwizzleType
     swz = swizzle.SWIZZLE_32_4_4 if rule.recipe_a == "BlockWise1x32" else swizzle.NO_SWIZZLE
     out = block_scaled_mm(
@@ -222,7 +267,7 @@ def _kernel_mm(
         swizzle_a=swz, swizzle_b=swz, output_dtype=out_dtype,
         use_fast_accum=gemm.use_fast_accum and rule.fast_accum,
     )
-    if pads[0] or pads[2]:
+    if pads[0] or pads[2] or a8_kernel is not a8:
         out = out[: a8.shape[0], : b8.shape[1]]
     if bias is not None:
         out = out + bias.to(out_dtype)

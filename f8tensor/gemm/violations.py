@@ -187,7 +187,7 @@ def block_scaled_mm_violations(
     *, use_fast_accum: bool = False, traced: bool | None = None,
 ) -> list[str]:
     """What ``rule``'s kernel would refuse in this ``torch.nn.functional.scaled_mm`` call:
-    operand dtypes and layouts, K and N multiples, fast accumulation, scale dtypes and the
+    operand dtypes and layouts, M, K and N multiples, fast accumulation, scale dtypes and the
     scale sizes of its row.
 
     ``traced``: the call is traced by torch.compile on a CUDA build, so the meta
@@ -203,7 +203,7 @@ def block_scaled_mm_violations(
     m, k = mat_a.shape[0], mat_a.shape[1] * rule.k_per_element
     n = mat_b.shape[1]
     sizes = {"M": m, "K": k, "N": n}
-    for dim, align in (("K", rule.align_k), ("N", rule.align_n)):
+    for dim, align in (("M", rule.align_m), ("K", rule.align_k), ("N", rule.align_n)):
         if sizes[dim] % align:
             out.append(f"{where}: {dim}={sizes[dim]} is not a multiple of {align} (mat_a (M, K), mat_b (K, N))")
     if use_fast_accum and not rule.fast_accum:

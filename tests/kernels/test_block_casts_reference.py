@@ -337,7 +337,7 @@ def test_eager_equals_compiled_bitwise():
 @pytest.mark.parametrize(
     ("ga", "gb_on_b", "m", "k", "n"),
     [
-        (BLOCK_1x128, (128, 128), 200, 304, 272),  # forward / grad_input: 1x128 x 128x128
+        (BLOCK_1x128, (128, 128), 208, 304, 272),  # forward / grad_input: 1x128 x 128x128 (M % 16)
         ((1, 128), (128, 1), 64, 304, 96),  # weight gradient: both tiled 128 tokens long
         (MX_1x32, (32, 1), 200, 304, 272),  # MXFP8 (K: a partial 32-block)
     ],

@@ -73,7 +73,7 @@ def test_blockwise_recipe_forward_sends_no_fast_accumulation(cuda_rules):
 @pytest.mark.parametrize("rule", DEEPSEEK + [MXFP8], ids=lambda r: r.name)
 def test_block_rows_need_k_and_n_multiples_of_16(rule):
     assert (rule.align_k, rule.align_n) == (16, 16)
-    a8, b8 = _block_operands(rule, 200, 300, 260)
+    a8, b8 = _block_operands(rule, 208, 300, 260)  # M=208: a multiple of every row's align_m
     found = gemm.block_scaled_mm_violations(*blocks._kernel_args(rule, a8, b8), rule)
     assert any("K=300 is not a multiple of 16" in f for f in found), found
     assert any("N=260 is not a multiple of 16" in f for f in found), found
@@ -92,8 +92,8 @@ def test_block_rows_need_k_and_n_multiples_of_16(rule):
     ("rule", "m", "k", "n", "refused"),
     [
         (DEEPSEEK[0], 128, 320, 256, {"K"}),  # 1x128 x 128x128: K and N
-        (DEEPSEEK[0], 200, 256, 208, {"N"}),
-        (DEEPSEEK[1], 200, 256, 208, set()),  # 1x128 x 1x128: K only
+        (DEEPSEEK[0], 208, 256, 208, {"N"}),  # M: a multiple of the 1x128 a's align_m (16)
+        (DEEPSEEK[1], 208, 256, 208, set()),  # 1x128 x 1x128: K only
         (DEEPSEEK[1], 128, 64, 128, {"K"}),  # K // 128 == 0
         (DEEPSEEK[2], 200, 256, 208, {"M"}),  # 128x128 x 1x128: K and M
     ],

@@ -26,7 +26,9 @@ class BlockScaledMMRule:
     :func:`_block_kernel_scales` builds from f8tensor's scales.
 
     Sizes: ``align_k`` divides K and ``align_n`` divides N (``mat_b``'s both dims) in every
-    eager call; ``k_per_element`` is 2 for the packed FP4 dtype (K counts unpacked
+    eager call; ``align_m`` divides M (the outer, non-contracted dim of ``mat_a``: 16 where
+    ``mat_a`` is 1x128-scaled, whose scale tensor's leading dim is M fp32 values; f8tensor
+    pads M with zero rows up to it, see ``blocks.py``); ``k_per_element`` is 2 for the packed FP4 dtype (K counts unpacked
     values). ``compile_align``: (dim, multiple) pairs that the meta registration of the
     torch releases ``compile_torch`` also asks for when ``torch.compile`` traces a CUDA call
     (it floor-divides K, M, N by 128 where the kernel rounds up); eager calls do not.
@@ -46,6 +48,7 @@ class BlockScaledMMRule:
     sources: tuple[str, ...]
     align_k: int = ALIGN
     align_n: int = ALIGN
+    align_m: int = 1
     k_per_element: int = 1
     compile_align: tuple[tuple[str, int], ...] = ()
     compile_torch: tuple[tuple[int, int], ...] = ()
@@ -85,6 +88,18 @@ _DEEPSEEK_SOURCES = (
     ),
 ) + _V2_SOURCES
 
+# The outer (non-contracted) dim of a 1x128-scaled operand. Measured once: M=15 refused
+# (the GPU campaign's 15-token Linear); M=256 and the other multiples of 16 it ran passed.
+# Whether cuBLASLt asks for M % 4 (a 16-byte leading dim of the (M, ceil(K/128)) fp32 scale
+# tensor, strides (1, M)) or M % 16 is not measured: the rows ask for the conservative 16,
+# for M of a 1x128 a (align_m) and, through align_n (16 already), for N of a 1x128 b.
+_OUTER_1x128_SOURCE = (
+    "measured: H100, torch 2.11+cu130, cuBLAS of CUDA 13.0: M=15 with a 1x128 a refused "
+    "(CUBLAS_STATUS_NOT_SUPPORTED from cublasLtMatmulAlgoGetHeuristic); M=256 accepted. "
+    "Rule taken: the outer dim of every 1x128-scaled operand a multiple of 16 (conservative; "
+    "M % 4 is not ruled out)"
+)
+
 # The DeepSeek-V3 kernels differ only in their blocks and scale layouts; named by block.
 _TILE_SCALES = "(M, ceil(K/128)), strides (1, M)"  # 1x128 a: one scale per row and K-block
 _BLOCK_SCALES = "(round_up(ceil(K/128), 4), ceil({}/128)), strides (1, round_up(ceil(K/128), 4))"  # 128x128
@@ -100,7 +115,8 @@ _DEEPSEEK = BlockScaledMMRule(
     scale_b=_BLOCK_SCALES.format("N"),
     builds=_DEEPSEEK_BUILDS,
     fast_accum=False,  # cuBLASLt refuses fast accumulation with 1x128 and 128x128 scales
-    sources=_DEEPSEEK_SOURCES,
+    sources=(*_DEEPSEEK_SOURCES, _OUTER_1x128_SOURCE),
+    align_m=ALIGN,  # the 1x128 a's rows: see _OUTER_1x128_SOURCE
     compile_align=(("K", 128), ("N", 128)),
     compile_torch=_META_FLOOR_TORCH,
 )
@@ -122,6 +138,7 @@ _MXFP8 = dataclasses.replace(
     # Blackwell (sm100) and later: no build in SUPPORTED_BUILDS (sm89, sm90) has it.
     builds=Builds(min_cuda=(12, 8), min_sm=(10, 0)),
     fast_accum=False,  # _scaled_mxfp8_mxfp8 passes use_fast_accum=false to the GEMM
+    align_m=1,  # the MX scales are padded to 128 rows by the swizzle; M free
     compile_align=(),  # the meta's MX counts round up, as the kernel's do
     compile_torch=(),
     sources=(
@@ -163,6 +180,7 @@ BLOCK_SCALED_MM_RULES: tuple[BlockScaledMMRule, ...] = (
     dataclasses.replace(
         _DEEPSEEK, name="128x128 x 1x128", recipe_a="BlockWise128x128", recipe_b="BlockWise1x128",
         block_a=(128, 128), block_b=(128, 1), scale_a=_BLOCK_SCALES.format("M"),
+        align_m=1,  # a 128x128 a's scale has round_up(ceil(K/128), 4) rows; its 1x128 b's N: align_n
         scale_b="(N, ceil(K/128)), strides (1, N)", compile_align=(("K", 128), ("M", 128)),
     ),
     _MXFP8,
