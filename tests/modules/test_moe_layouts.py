@@ -101,7 +101,8 @@ def _profiled_ops(step) -> list[str]:
 
 
 def _copies_and_scatters(chains: list[str]) -> list[str]:
-    return [c for c in chains if "AccumulateGrad" in c and c.startswith("aten::copy_") or c.startswith("aten::scatter")]
+    """The weight-gradient copies autograd makes (``AccumulateGrad``'s ``copy_``) and every scatter."""
+    return [c for c in chains if (c.startswith("aten::copy_") and "AccumulateGrad" in c) or c.startswith("aten::scatter")]
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
