@@ -37,10 +37,10 @@ __all__ = [
     "delayed_scale",
     "dynamic_scale",
     "expand_block_scale",
-    "group_amax",
     "inverse_scale_of",
     "materialized",
     "push_amax",
+    "segment_amax",
     "stochastic_round",
     "tensor_amax",
 ]
@@ -281,13 +281,30 @@ def block_abs_max(x: torch.Tensor, block: tuple[int, ...]) -> torch.Tensor:
     return torch.maximum(hi, lo.neg()).reshape(out_shape)
 
 
-def group_amax(x: torch.Tensor, group: torch.Tensor, groups: int) -> torch.Tensor:
-    """max |x| per (group, column) of a 2D ``x`` whose row ``i`` belongs to group
-    ``group[i] < groups`` (ragged groups: an MoE layer's tokens sorted by expert), fp32,
-    shape ``(groups, columns)``; a group with no rows gets 0."""
+def segment_amax(x: torch.Tensor, lengths: torch.Tensor, *, rows_per_chunk: int = 1) -> torch.Tensor:
+    """max |x| per (segment, column) of a 2D ``x`` whose rows are cut into consecutive
+    segments of ``lengths`` rows (ragged groups: an MoE layer's tokens sorted by expert),
+    fp32, shape ``(len(lengths), columns)``; a segment with no rows gets 0. ``lengths``
+    must sum to the row count (not checked: that would read it on the host).
+
+    ``rows_per_chunk``: every length (and so the row count) is a multiple of it, so each
+    chunk of that many consecutive rows lies in one segment: the rows are reduced chunk by
+    chunk first (one pass over ``x``, which inductor fuses with ``|x|``), and the segment
+    reduction reads the chunk maxima, ``rows_per_chunk`` times fewer. Never a scatter: a
+    scatter-max of every row into its group's row is an atomic per element, all of a
+    group's rows racing for the same addresses. NaN in a segment gives NaN there, inf gives
+    inf (as ``amax``); min and max are exact, so the result is the same bits whatever the
+    chunking.
+    """
     rows, cols = x.shape
-    magnitude = x.abs().float()
-    return magnitude.new_zeros(groups, cols).scatter_reduce_(0, group[:, None].expand(rows, cols), magnitude, "amax")
+    if rows_per_chunk > 1:
+        chunks = x.reshape(rows // rows_per_chunk, rows_per_chunk, cols)
+        magnitude = torch.maximum(chunks.amax(1), chunks.amin(1).neg())
+        lengths = lengths // rows_per_chunk
+    else:
+        magnitude = x.abs()
+    # unsafe: lengths summing to the rows is the caller's invariant (checking it syncs).
+    return torch.segment_reduce(magnitude.float(), "max", lengths=lengths, axis=0, unsafe=True, initial=0.0)
 
 
 def _floor_pow2_f64(x: torch.Tensor) -> torch.Tensor:

@@ -13,14 +13,15 @@ from f8tensor import compat, kernels
 from f8tensor.compat import grouped_mm as hp_grouped_mm
 from f8tensor.config import CastConfig, Float8LinearConfig
 from f8tensor.gemm import batched_mm, grouped_mm, scaled_grouped_mm
+from f8tensor.gemm.check import is_col_major, is_row_major
 from f8tensor.gemm.grouped import KERNEL_OUT, grouped_kernel_available
 from f8tensor.gemm.operands import col_major, kernel_scale, row_major
 from f8tensor.gemm.rules import ALIGN, CudaBuild, block_rule_for
 from f8tensor.linear_autograd import LinearArgs
 from f8tensor.linear_autograd import QuantizedLinearFn as _QuantizedLinearFn  # looked up at call time, here
-from f8tensor.scaling import amax_to_scale, group_amax
+from f8tensor.scaling import amax_to_scale, segment_amax
 from f8tensor.specs import CastSpec, is_tensorwise
-from f8tensor.tensor import to_float8
+from f8tensor.tensor import Float8Tensor, to_float8
 
 __all__ = ["expert_path", "per_expert_loop"]
 
@@ -38,6 +39,35 @@ def _spec(cast: CastConfig, contracted_dim: int, *, ndim: int = 2, per_expert: b
         raise ValueError(f"block-scaled expert GEMMs run per expert (per_expert_loop); got {cast}")
     spec = cast.operand_spec(contracted_dim, ndim=ndim, per_expert=per_expert)
     return spec._replace(float8_dtype=torch.float8_e4m3fn, rounding="nearest")
+
+
+def _stored_transposed(t: torch.Tensor) -> bool:
+    """Whether ``t``'s last two dims are stored column-major (and not also row-major): an
+    expert weight stored (E, N, K) and multiplied as its (E, K, N) transposed view, the
+    layout of Hugging Face experts and of ``torch._grouped_mm(x, w.transpose(-2, -1))``."""
+    return t.dim() >= 2 and is_col_major(t) and not is_row_major(t)
+
+
+def _cast_stored(t: torch.Tensor, spec: CastSpec, scale: torch.Tensor | None = None) -> Float8Tensor:
+    """``t`` (3D) cast per ``spec``, reduced and written in the order its bytes are stored.
+    A transposed view (see :func:`_stored_transposed`) is cast as the tensor it views, with
+    the block (and a given scale) transposed too, and the result transposed back: the same
+    bits (amax is exact in any order, the cast is elementwise), but a per-expert amax reads
+    the weight along its rows instead of across them (a reduction over a transposed view
+    walks memory with a stride of K elements), and the FP8 bytes come out column-major, as
+    the kernels read their second operand, with no copy."""
+    if not _stored_transposed(t):
+        return to_float8(t, spec, scale=scale)
+    b = spec.block
+    swapped = spec._replace(block=(*b[:-2], b[-1], b[-2])) if b else spec
+    natural = to_float8(t.transpose(-2, -1), swapped, scale=None if scale is None else scale.transpose(-2, -1))
+    return cast(Float8Tensor, natural.transpose(-2, -1))
+
+
+def _cast_weight(w: torch.Tensor, cast: CastConfig, scale: torch.Tensor | None = None) -> Float8Tensor:
+    """An expert weight ``w`` (E, K, N), contracted over K, cast per expert (:func:`_spec`)
+    in its stored order (:func:`_cast_stored`)."""
+    return _cast_stored(w, _spec(cast, 1, ndim=3, per_expert=True), scale)
 
 
 def per_expert_loop(config: Float8LinearConfig) -> bool:
@@ -158,15 +188,19 @@ def _scatter_rows(t: torch.Tensor, dest: torch.Tensor, p: int) -> torch.Tensor:
 
 
 def _group_cast(t: torch.Tensor, offs: torch.Tensor, g: int, spec: CastSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """(P, C) rows grouped by ``offs``: FP8 data and a (G, C) scale (rowwise: per group and
-    column, from the amax of the group's rows). Tensorwise: one scale for the tensor,
-    broadcast to (G, C)."""
+    """(P, C) rows grouped by ``offs`` (padded: every offset and P multiples of 16, see
+    :func:`_pad_groups`): FP8 data and a (G, C) scale (rowwise: per group and column, from
+    the amax of the group's rows). Tensorwise: one scale for the tensor, broadcast to (G, C)."""
     p, c = t.shape
     if is_tensorwise(spec.block):
         data, scale = kernels.cast(t, spec)
         return data, scale.expand(g, c)
-    gid = torch.searchsorted(offs.to(torch.int64), torch.arange(p, device=t.device), right=True)  # G: no group
-    scale = amax_to_scale(group_amax(t, gid, g + 1), spec.float8_dtype, round_pow2=spec.power_of_2)
+    o = offs.to(torch.int64)
+    # The groups' row counts and, last, the rows past offs[-1] (no group): whole 16-row chunks.
+    lengths = torch.diff(o, prepend=o.new_zeros(1), append=o.new_full((1,), p))
+    amax = segment_amax(t, lengths, rows_per_chunk=ALIGN)  # (G + 1, C)
+    scale = amax_to_scale(amax, spec.float8_dtype, round_pow2=spec.power_of_2)
+    gid = torch.searchsorted(o, torch.arange(p, device=t.device), right=True)  # G: no group
     # Each row with its group's scales: a given scale per element (block (1, 1)).
     data, _ = kernels.cast(t, spec._replace(block=(1, 1)), scale[gid])
     return data, scale[:g]
@@ -178,11 +212,17 @@ def _grouped_wgrad(
     offs: torch.Tensor,
     g: int,
     config: Float8LinearConfig,
+    transposed: bool = False,
 ) -> torch.Tensor:
     """FP8 ``x[group].t() @ grad[group]`` per group: (G, K, N), in bf16.
 
     ``x``: the high-precision input, or ``(x8, scale)`` saved by a tensorwise forward (the
     same bytes the forward multiplied: no second cast, half the saved bytes of bf16).
+    ``transposed``: the weight is stored (G, N, K) (see :func:`_stored_transposed`): the
+    kernel computes ``grad[group].t() @ x[group]`` (G, N, K) and the result is its (G, K, N)
+    view, so the gradient has the weight's own layout and autograd stores it as it is
+    (a gradient laid out otherwise than its parameter is copied into the parameter's
+    layout, a transposing copy of the whole weight gradient every step).
     """
     m = grad.shape[0]
     dest, poffs, p = _pad_groups(offs, m)
@@ -195,6 +235,8 @@ def _grouped_wgrad(
     g8, gs = _group_cast(gp, poffs, g, _spec(config.grad_output, 0))  # (P, N), (G, N)
     k, n = x8.shape[1], g8.shape[1]
     sa, sb = kernel_scale(xs.reciprocal(), (g, k), (g * k,)), kernel_scale(gs.reciprocal(), (g, n), (g * n,))
+    if transposed:
+        return scaled_grouped_mm(row_major(g8.t()), col_major(x8), sb, sa, poffs, KERNEL_OUT).transpose(-2, -1)
     return scaled_grouped_mm(row_major(x8.t()), col_major(g8), sa, sb, poffs, KERNEL_OUT)
 
 
@@ -214,7 +256,7 @@ class _GroupedMMFn(torch.autograd.Function):
         _check_contraction(x.shape[1], "forward")
         x8 = to_float8(x, _spec(config.input, 1))
         # weights: per expert (tensorwise) or per expert and output feature (rowwise), constant along K
-        w8 = to_float8(w, _spec(config.weight, 1, ndim=3, per_expert=True))
+        w8 = _cast_weight(w, config.weight)
         out = grouped_mm(x8, w8, offs, KERNEL_OUT)
         keep_fp8_x = not config.input.rowwise and not config.weight_grad_in_hp
         ctx.save_for_backward(
@@ -238,15 +280,20 @@ class _GroupedMMFn(torch.autograd.Function):
             # (G, N, K): contraction over N; rowwise: per expert and input feature, constant
             # along N; tensorwise: the forward's per-expert scales, the same bytes.
             wt = w.transpose(-2, -1)
-            wt8 = to_float8(wt, _spec(config.weight, 1, ndim=3, per_expert=True), scale=None if ws is None else ws.transpose(-2, -1))
+            wt8 = _cast_weight(wt, config.weight, scale=None if ws is None else ws.transpose(-2, -1))
             grad_x = grouped_mm(g8, wt8, offs, KERNEL_OUT).to(x_dtype)
         if ctx.needs_input_grad[1]:
+            # The gradient in the weight's own layout (see _grouped_wgrad).
+            transposed = _stored_transposed(w)
             if config.weight_grad_in_hp:
                 dest, poffs, p = _pad_groups(offs, x.shape[0])
                 xp, gp = _scatter_rows(x, dest, p), _scatter_rows(grad.to(x.dtype), dest, p)
-                grad_w = hp_grouped_mm(xp.t().contiguous(), gp, poffs)
+                if transposed:
+                    grad_w = hp_grouped_mm(gp.t().contiguous(), xp, poffs).transpose(-2, -1)
+                else:
+                    grad_w = hp_grouped_mm(xp.t().contiguous(), gp, poffs)
             else:
-                grad_w = _grouped_wgrad((x8, xs) if x is None else x, grad, offs, g, config)
+                grad_w = _grouped_wgrad((x8, xs) if x is None else x, grad, offs, g, config, transposed)
             grad_w = grad_w.to(w.dtype)
         return grad_x, grad_w, None, None
 
@@ -261,7 +308,7 @@ def _bmm_fp8(a: torch.Tensor, b: torch.Tensor, a_spec: CastSpec, b_spec: CastSpe
     if pad:
         a = torch.nn.functional.pad(a, (0, pad))
         b = torch.nn.functional.pad(b, (0, 0, 0, pad))
-    return batched_mm(to_float8(a, a_spec), to_float8(b, b_spec), KERNEL_OUT)
+    return batched_mm(_cast_stored(a, a_spec), _cast_stored(b, b_spec), KERNEL_OUT)
 
 
 class _ExpertBmmFn(torch.autograd.Function):
@@ -290,6 +337,11 @@ class _ExpertBmmFn(torch.autograd.Function):
             w_spec = _spec(c.weight, 1, ndim=3, per_expert=True)
             grad_x = _bmm_fp8(grad, w.transpose(1, 2), _spec(c.grad_output, 2, ndim=3), w_spec).to(x.dtype)
         if ctx.needs_input_grad[1]:  # x^T (B, K, M) @ grad (B, M, N): contraction over M
-            a_spec, b_spec = _spec(c.input, 2, ndim=3), _spec(c.grad_output, 1, ndim=3)
-            grad_w = _bmm_fp8(x.transpose(1, 2), grad, a_spec, b_spec).to(w.dtype)
+            if _stored_transposed(w):
+                # In w's own layout (see _grouped_wgrad): grad^T (B, N, M) @ x (B, M, K), viewed (B, K, N).
+                a_spec, b_spec = _spec(c.grad_output, 2, ndim=3), _spec(c.input, 1, ndim=3)
+                grad_w = _bmm_fp8(grad.transpose(1, 2), x, a_spec, b_spec).transpose(1, 2).to(w.dtype)
+            else:
+                a_spec, b_spec = _spec(c.input, 2, ndim=3), _spec(c.grad_output, 1, ndim=3)
+                grad_w = _bmm_fp8(x.transpose(1, 2), grad, a_spec, b_spec).to(w.dtype)
         return grad_x, grad_w, None
