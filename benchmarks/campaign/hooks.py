@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from . import clients
+from . import activations, clients
 from .runner import Ctx
 
 #: (item name, the module that will hold the feature, what the check will measure)
@@ -58,8 +58,9 @@ def optimizer_step(ctx: Ctx) -> None:
 
 
 #: The checks written so far, by item name, and their planned seconds (2 for a placeholder).
-CHECKS = {"fused_optimizer_step": optimizer_step, "accelerate_fsdp2_plugin": clients.accelerate_fsdp2}
-PLANNED_S = {"fused_optimizer_step": 8, "accelerate_fsdp2_plugin": 8}
+CHECKS = {"fused_optimizer_step": optimizer_step, "fp8_activation_casts": activations.activation_casts,
+          "accelerate_fsdp2_plugin": clients.accelerate_fsdp2}
+PLANNED_S = {"fused_optimizer_step": 8, "fp8_activation_casts": 12, "accelerate_fsdp2_plugin": 8}
 
 
 def hook_fn(name: str, module: str, what: str):

@@ -339,3 +339,14 @@ def test_smoke_holds_stochastic_recipes_to_the_cpus_accuracy(dry_default):
                                "worst SQNR of out/grad_in/grad_w vs CPU dB"), r
         # Two CPU models: the same bits (inf dB), or with stochastic rounding within 3 dB.
         assert float(r["value"]) >= (-smoke.STOCHASTIC_MARGIN_DB if gap else smoke.DEVICE_VS_CPU_DB), r
+
+
+def test_activation_casts_check_measures_bytes_kernels_and_time(dry_second):
+    rows = [r for r in report.read_csv(dry_second[1] / "results.csv") if r["item"] == "fp8_activation_casts"]
+    by = {(r["recipe"], r["metric"]): r for r in rows}
+    for recipe in ("bf16", "tensorwise"):
+        # The dry run's quick block keeps about 0.61-0.63x of its bytes under the context.
+        assert float(by[recipe, "saved bytes, context vs none"]["value"]) < 0.8
+        kernels = by[recipe, "kernels added per packed tensor"]
+        assert kernels["status"] == "info" and float(kernels["value"]) > 0  # CPU: counted, not judged
+        assert float(by[recipe, "step ms, context vs none"]["value"]) > 0
