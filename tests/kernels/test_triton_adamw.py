@@ -99,12 +99,12 @@ def _grads(shapes, dtype, step: int, *, non_finite: bool) -> list[torch.Tensor]:
     return grads
 
 
-def _lockstep(param_dtype, master, state_dtype, *, steps=3, shapes=SHAPES, bad_step=1):
+def _lockstep(param_dtype, master, state_dtype, *, steps=3, shapes=SHAPES, bad_step=1, device="cpu"):
     """The fused and the torch-ops optimizer on copies of the same parameters (two groups:
     one with weight decay and a small lerp weight, one without and ``1 - beta1 >= 0.5``,
     lerp's other branch), the same gradients; yields after each step."""
     torch.manual_seed(0)
-    init = [torch.randn(s).to(param_dtype) for s in shapes]
+    init = [torch.randn(s).to(param_dtype).to(device) for s in shapes]
     models = []
     for fused in (True, False):
         params = [torch.nn.Parameter(t.clone()) for t in init]
@@ -117,7 +117,7 @@ def _lockstep(param_dtype, master, state_dtype, *, steps=3, shapes=SHAPES, bad_s
         grads = _grads(shapes, param_dtype, step, non_finite=step == bad_step)
         for params, opt in models:
             for p, g in zip(params, grads):
-                p.grad = g.clone()
+                p.grad = g.to(device)
             opt.step()
         yield step, models
 
@@ -245,3 +245,44 @@ def test_switch(monkeypatch):
         assert len(calls) == expected, (fused, dtype)
     with pytest.raises(ValueError, match="fused must be None"):
         AdamW([torch.nn.Parameter(torch.ones(2))], fused="yes")
+
+
+# ------------------------------------------------------------ CUDA: the compiled kernel
+
+
+CUDA_SHAPES = ((1030, 700), (3, 4, 50), (64, 4096), (7,))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("state_dtype", STATE_DTYPES, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("param_dtype, master", PARAMS, ids=lambda x: str(x).replace("torch.", ""))
+def test_cuda_fused_step_is_the_torch_ops_step(param_dtype, master, state_dtype):
+    """The compiled kernel against the torch-ops path on CUDA, torch's own square root
+    (correctly rounded there), after every step."""
+    for step, models in _lockstep(param_dtype, master, state_dtype, shapes=CUDA_SHAPES, device="cuda"):
+        _compare(models, f"step {step}")
+
+
+def _cuda_kernels(fn) -> list[str]:
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("state_dtype, per_tensor", [(torch.float32, 1), (torch.bfloat16, 1), (FP8, 3)],
+                         ids=["fp32", "bf16", "fp8"])  # fmt: skip
+def test_cuda_one_kernel_per_tensor(state_dtype, per_tensor):
+    """One step kernel per tensor; FP8 moments add the two tables of draws (torch.rand)."""
+    params = [torch.nn.Parameter(torch.randn(256, 512, device="cuda")) for _ in range(3)]
+    opt = AdamW(params, state_dtype=state_dtype)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    launched = _cuda_kernels(opt.step)
+    assert sum("adamw_step_kernel" in name for name in launched) == len(params), launched
+    assert len(launched) == per_tensor * len(params), launched
