@@ -67,8 +67,22 @@ replication), so ``torch.distributed.checkpoint`` saves and reshards them. A wei
 subclass as the local shard (FSDP2 FP8 all-gather) is updated in place through its own ops;
 its moments are plain tensors.
 
-Speed: the torch-ops path only (about 10 elementwise passes per FP8 moment on CPU; no host
-sync: the step counter is a CPU tensor, as torch's). A fused kernel is not written yet.
+Speed: a fused step. On CUDA tensors (a DTensor's local shard included), in eager mode, with
+triton importable, each parameter tensor takes one Triton kernel
+(:mod:`f8tensor.kernels.triton_adamw`) that reads the parameter (and its remainder), the
+gradient and both moments once (dequantizing FP8 moments with their block scales),
+computes the update in fp32 and writes everything back once, requantizing FP8 moments per
+block in the same program, with the same seeded draws (a ``NOISE_PERIOD`` table per moment
+made on the device before the launch). Its bits are the torch-ops path's on the same device
+(the kernel follows torch's CUDA or CPU rounding of each op; on CPU the one difference is
+torch's vectorized CPU square root, which is not always correctly rounded). Elsewhere (CPU
+tensors, fp16 parameters, non-contiguous tensors, a weight wrapper subclass as the local
+shard, under ``torch.compile``, which fuses the torch ops itself) the torch-ops path runs:
+about 10 elementwise passes per FP8 moment. The switch: ``AdamW(..., fused=None)``
+(the default: as above), ``fused=False`` (the torch-ops path everywhere), ``fused=True``
+(the kernel wherever it takes the tensor, CPU tensors through the Triton interpreter: the
+CPU tests' way in; slow). No host sync on either path: the step counter is a CPU tensor,
+as torch's, and nothing else is read back.
 """
 
 from __future__ import annotations
@@ -283,6 +297,7 @@ class AdamW(torch.optim.Optimizer):
 
     Group options: ``lr``, ``betas``, ``eps``, ``weight_decay``, ``state_dtype``,
     ``master_weights`` (a group added later inherits the constructor's unless it sets them).
+    ``fused`` (the whole optimizer): None, True or False, see the module docstring's "Speed".
 
     State per parameter: ``step`` (a 0-dim fp32 tensor, as torch's); ``exp_avg`` and
     ``exp_avg_sq`` (the parameter's shape, in ``state_dtype``; fp32 for FP8 states of a

@@ -14,6 +14,9 @@ is all the scale needs to know), so every max is an ordinary max and no NaN-prop
 rule of a backend matters. No atomics: the tensorwise amax goes through a partials buffer
 that the cast kernel reduces itself, in the same order every time.
 
+The file also holds the fused AdamW step (``adamw_step_kernel``, launched by
+``triton_adamw.py``), which shares the FP8 rounding and scale helpers.
+
 This file is loaded twice at most: once compiled, once under the Triton interpreter
 (``TRITON_INTERPRET=1``, which ``triton.jit`` reads when it decorates), for CPU tensors.
 """
