@@ -94,7 +94,9 @@ def _scenario(mesh, state_dtype, master) -> dict:
     return result
 
 
-JOBS = [(f"{str(sd)[6:]}-{master}", sd, master) for sd in (FP8, torch.bfloat16) for master in ("stochastic", "remainder")]
+JOBS = [
+    (f"{str(sd)[6:]}-{master}", sd, master) for sd in (FP8, torch.bfloat16) for master in ("stochastic", "remainder")
+]
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
