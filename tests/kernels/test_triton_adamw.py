@@ -37,7 +37,7 @@ PARAMS = [(torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, "stoch
 #: (fp32 moments even with FP8 states).
 SHAPES = ((5, 300), (3, 4, 50), (2, 64), (7,))
 #: Tests that never run a kernel under the interpreter.
-_NO_INTERPRETER = {"test_switch"}
+_NO_INTERPRETER = {"test_switch", "test_kernel_compiles_for_cuda"}
 
 
 @functools.cache
@@ -286,3 +286,55 @@ def test_cuda_one_kernel_per_tensor(state_dtype, per_tensor):
     launched = _cuda_kernels(opt.step)
     assert sum("adamw_step_kernel" in name for name in launched) == len(params), launched
     assert len(launched) == per_tensor * len(params), launched
+
+
+# ------------------------------------------------------------ compiled for GPUs, without one
+
+_FLOATS = ("wd_factor", "w1", "beta2", "value2", "bc2", "neg_step", "eps")
+
+
+def _compile_adamw(arch: int, p: str, g: str, m: str, states: int, master: int, stochastic: bool):
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    from f8tensor.kernels import triton_cast
+
+    kernel = triton_cast._kernels(False).adamw_step_kernel
+    pointers = {"p_ptr": p, "rem_ptr": "*i16", "g_ptr": g, "m_ptr": m, "v_ptr": m, "ms_ptr": "*fp32",
+                "vs_ptr": "*fp32", "mtab_ptr": "*fp32", "vtab_ptr": "*fp32", "ptab_ptr": "*fp32"}  # fmt: skip
+    constants = {
+        "P_BF16": p == "*i16", "G_BF16": g == "*i16", "STATES": states, "MASTER": master, "HAS_WD": True,
+        "LERP_SMALL": True, "STOCH_M": stochastic, "STOCH_V": stochastic, "TORCH_CUDA": True,
+        "FMAX": 448.0, "BIAS": 7, "MBITS": 3, "EPS": 2.0**-100, "G": 8, "B": 128,
+    }  # fmt: skip
+    signature = {
+        name: "constexpr" if name in constants else pointers.get(name, "fp32" if name in _FLOATS else "i32")
+        for name in kernel.arg_names
+    }
+    source = triton.compiler.ASTSource(kernel, signature, constexprs=constants)
+    options = {"num_warps": 4, **triton_adamw._OPTIONS}
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+
+
+@pytest.mark.parametrize("arch", [89, 90])
+def test_kernel_compiles_for_cuda(arch):
+    """The step kernel compiles to a cubin for sm89 and sm90 with triton's own ptxas (what
+    the interpreter cannot show), and its PTX rounds as torch's CUDA kernels do: correctly
+    rounded square roots and divisions, no approximate or flush-to-zero arithmetic."""
+    import re
+
+    try:
+        from triton.backends.nvidia import compiler  # noqa: F401
+    except ImportError:
+        pytest.skip("triton's NVIDIA backend is not installed")
+    built = [
+        _compile_adamw(arch, "*fp32", "*fp32", "*fp32", 0, 0, False),
+        _compile_adamw(arch, "*i16", "*i16", "*i16", 1, 2, False),
+        _compile_adamw(arch, "*i16", "*i16", "*u8", 2, 1, True),
+    ]
+    for kernel in built:
+        assert kernel.asm["cubin"], kernel.name
+        ptx = kernel.asm["ptx"]
+        assert "sqrt.rn.f32" in ptx and "div.rn.f32" in ptx
+        assert not re.search(r"\b(?:mul|fma|add|sqrt|div)\.\w*ftz", ptx)
+        assert "div.full" not in ptx and "div.approx" not in ptx and "sqrt.approx" not in ptx
