@@ -67,8 +67,22 @@ replication), so ``torch.distributed.checkpoint`` saves and reshards them. A wei
 subclass as the local shard (FSDP2 FP8 all-gather) is updated in place through its own ops;
 its moments are plain tensors.
 
-Speed: the torch-ops path only (about 10 elementwise passes per FP8 moment on CPU; no host
-sync: the step counter is a CPU tensor, as torch's). A fused kernel is not written yet.
+Speed: a fused step. On CUDA tensors (a DTensor's local shard included), in eager mode, with
+triton importable, each parameter tensor takes one Triton kernel
+(:mod:`f8tensor.kernels.triton_adamw`) that reads the parameter (and its remainder), the
+gradient and both moments once (dequantizing FP8 moments with their block scales),
+computes the update in fp32 and writes everything back once, requantizing FP8 moments per
+block in the same program, with the same seeded draws (a ``NOISE_PERIOD`` table per moment
+made on the device before the launch). Its bits are the torch-ops path's on the same device
+(the kernel follows torch's CUDA or CPU rounding of each op; on CPU the one difference is
+torch's vectorized CPU square root, which is not always correctly rounded). Elsewhere (CPU
+tensors, fp16 parameters, non-contiguous tensors, a weight wrapper subclass as the local
+shard, under ``torch.compile``, which fuses the torch ops itself) the torch-ops path runs:
+about 10 elementwise passes per FP8 moment. The switch: ``AdamW(..., fused=None)``
+(the default: as above), ``fused=False`` (the torch-ops path everywhere), ``fused=True``
+(the kernel wherever it takes the tensor, CPU tensors through the Triton interpreter: the
+CPU tests' way in; slow). No host sync on either path: the step counter is a CPU tensor,
+as torch's, and nothing else is read back.
 """
 
 from __future__ import annotations
@@ -81,7 +95,7 @@ import torch
 import torch.distributed as dist
 
 from f8tensor.compat import dtensor_local
-from f8tensor.kernels import cast, dequantize
+from f8tensor.kernels import cast, dequantize, triton_adamw
 from f8tensor.specs import CastSpec
 
 if dist.is_available():
@@ -110,6 +124,13 @@ _FP8_SPECS = {
 _MASK32 = 0xFFFFFFFF
 #: The period of the stochastic-rounding draws along a tensor's flattened elements (a prime).
 NOISE_PERIOD = 65537
+
+
+#: The square root of the torch-ops step: torch's own. (CUDA's is correctly rounded, and so
+#: is the fused kernel's; the CPU's vectorized one is not always: 666 of 100003 fp32 inputs
+#: measured 1 ulp off. The kernel tests swap this for a correctly rounded one to compare
+#: the two paths bit for bit.)
+_sqrt = torch.sqrt
 
 
 def _check_hyper(lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
@@ -249,12 +270,18 @@ def _uniform(start: int, shape: tuple[int, ...], seed: int, device: torch.device
     element's draws over the steps are independent, which is what unbiased rounding needs.
     One table of the period per call, then one copy: no per-element hashing."""
     n = math.prod(shape)
-    generator = torch.Generator(device=device)
-    generator.manual_seed(seed)
-    table = torch.rand(NOISE_PERIOD, generator=generator, device=device)
+    table = _noise_table(seed, device)
     first = start % NOISE_PERIOD
     reps = -(-(first + n) // NOISE_PERIOD)
     return table.repeat(reps)[first : first + n].reshape(shape)
+
+
+def _noise_table(seed: int, device: torch.device) -> torch.Tensor:
+    """The :data:`NOISE_PERIOD` uniform fp32 draws of ``seed`` (the table :func:`_uniform`
+    repeats; the fused kernel indexes it directly)."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return torch.rand(NOISE_PERIOD, generator=generator, device=device)
 
 
 def _seed(param_index: int, step: int, moment: int) -> int:
@@ -270,6 +297,7 @@ class AdamW(torch.optim.Optimizer):
 
     Group options: ``lr``, ``betas``, ``eps``, ``weight_decay``, ``state_dtype``,
     ``master_weights`` (a group added later inherits the constructor's unless it sets them).
+    ``fused`` (the whole optimizer): None, True or False, see the module docstring's "Speed".
 
     State per parameter: ``step`` (a 0-dim fp32 tensor, as torch's); ``exp_avg`` and
     ``exp_avg_sq`` (the parameter's shape, in ``state_dtype``; fp32 for FP8 states of a
@@ -291,9 +319,18 @@ class AdamW(torch.optim.Optimizer):
         *,
         state_dtype: torch.dtype = torch.float32,
         master_weights: str | None = None,
+        fused: bool | None = None,
     ) -> None:
         _check_hyper(lr, betas, eps, weight_decay)
         _check_options(state_dtype, master_weights)
+        if fused not in (None, True, False):
+            raise ValueError(f"fused must be None (automatic), True or False; got {fused!r}")
+        if fused and not triton_adamw.available():
+            raise ValueError("fused=True needs triton (it ships with CUDA builds of torch); use fused=None or False")
+        #: None: the fused kernel for CUDA tensors (eager, triton importable), the torch-ops
+        #: path elsewhere; True: the kernel wherever it takes the tensor (CPU tensors through
+        #: the Triton interpreter: slow, for tests); False: the torch-ops path everywhere.
+        self.fused = fused
         defaults = {
             "lr": lr,
             "betas": tuple(betas),
@@ -398,6 +435,9 @@ class AdamW(torch.optim.Optimizer):
         step = step_t.item()  # a CPU tensor, as torch's: no device sync
         local = _local(p)
         grad = _local(grad)
+        if self._takes_kernel(local, grad, state):
+            self._fused_update(p, local, grad, index, int(step), state, group)
+            return
 
         # The fp32 tensor the update is applied to: the parameter itself when it is fp32.
         if p.dtype == torch.float32:
@@ -431,7 +471,7 @@ class AdamW(torch.optim.Optimizer):
         bias_correction2 = 1 - beta2**step
         step_size = lr / bias_correction1
         bias_correction2_sqrt = bias_correction2**0.5
-        denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+        denom = (_sqrt(exp_avg_sq) / bias_correction2_sqrt).add_(eps)
         param.addcdiv_(exp_avg, denom, value=-step_size)
 
         if fp8:
@@ -459,3 +499,52 @@ class AdamW(torch.optim.Optimizer):
                 local.copy_(_stochastic_bf16(param, uniform))
             else:
                 local.copy_(param)
+
+    # ------------------------------------------------------------ the fused step
+
+    def _takes_kernel(self, local: torch.Tensor, grad: torch.Tensor, state: dict[str, Any]) -> bool:
+        if self.fused is False or torch.compiler.is_compiling():
+            return False
+        if self.fused is None and not (local.is_cuda and triton_adamw.available()):
+            return False
+        names = ("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale", "master_remainder")
+        states = tuple(_local(state[name]) for name in names if name in state)
+        return triton_adamw.supports(local, grad, states)
+
+    def _fused_update(
+        self,
+        p: torch.Tensor,
+        local: torch.Tensor,
+        grad: torch.Tensor,
+        index: int,
+        step: int,
+        state: dict[str, Any],
+        group: dict[str, Any],
+    ) -> None:
+        """:meth:`_update` by one kernel launch (``f8tensor.kernels.triton_adamw``): the same
+        ops, seeds and draws, on the local shard."""
+        beta1, beta2 = group["betas"]
+        scalars = triton_adamw.AdamWScalars(group["lr"], beta1, beta2, group["eps"], group["weight_decay"], step)
+        master_weights = group["master_weights"] if local.dtype == torch.bfloat16 else None
+        fp8 = "exp_avg_scale" in state
+        row = p.numel() // max(p.shape[0], 1) if p.dim() else 1
+        start = _row_offset(p) * row
+        m_table = v_table = p_table = None
+        if fp8:
+            stochastic = (
+                _FP8_SPECS["exp_avg"].rounding == "stochastic",
+                _FP8_SPECS["exp_avg_sq"].rounding == "stochastic",
+            )
+            if stochastic[0]:
+                m_table = _noise_table(_seed(index, step, 0), local.device)
+            if stochastic[1]:
+                v_table = _noise_table(_seed(index, step, 1), local.device)
+        if master_weights == "stochastic":
+            p_table = _noise_table(_seed(index, step, 2), local.device)
+        triton_adamw.adamw_step(
+            local, grad, _local(state["exp_avg"]), _local(state["exp_avg_sq"]), scalars,
+            scales=(_local(state["exp_avg_scale"]), _local(state["exp_avg_sq_scale"])) if fp8 else None,
+            block=FP8_BLOCK, stochastic=stochastic if fp8 else (False, False), tables=(m_table, v_table, p_table),
+            start=start, master=master_weights,
+            remainder=_local(state["master_remainder"]) if master_weights == "remainder" else None,
+        )  # fmt: skip
