@@ -6,7 +6,16 @@ stored as FP8 data with one fp32 scale per ``block`` consecutive elements of its
 and dequantized to its own dtype when backward reads it. The cast is f8tensor's one block
 cast (:func:`f8tensor.kernels.cast` with a :class:`~f8tensor.config.CastSpec` of block
 ``(1, ..., 1, block)``: ``data = saturate(x * scale)``, dynamic scale ``float8_max / block
-amax``, round to nearest) and the way back is :func:`f8tensor.kernels.dequantize`.
+amax``, round to nearest) and the way back is :func:`f8tensor.kernels.dequantize`. On CUDA
+each is one fused Triton kernel (blocks of up to 1,024 elements; the data and scales of a
+dense tensor in any dim order are laid out in its memory order), with the reference's bits;
+elsewhere the reference's torch ops.
+
+One restored copy per packed tensor: the saves that share an FP8 copy (below) share the
+tensor its first unpack restores, held until the last of them has unpacked it (what
+autograd does with the saved tensor itself without the context), so a backward
+dequantizes each packed tensor once. (A backward that runs the graph again, with
+``retain_graph=True``, restores it again.)
 
 Which tensors are compressed: plain ``torch.Tensor`` s (not a subclass) of dtype fp32,
 bf16 or fp16, with at least ``min_numel`` elements, a last dim of at least ``block``
@@ -100,10 +109,21 @@ _EAGER_ONLY = (
 )
 
 
+class _Restored:
+    """The mutable part of a packed tensor: how many saves have not unpacked it yet, and
+    the copy restored for them (held only while some have not)."""
+
+    __slots__ = ("pending", "tensor")
+
+    def __init__(self) -> None:
+        self.pending = 1
+        self.tensor: torch.Tensor | None = None
+
+
 @dataclass(frozen=True)
 class _Packed:
-    """A saved tensor in FP8: ``data`` (the tensor's shape, contiguous), ``scale`` (fp32, one
-    per block of the last dim), and what the way back needs."""
+    """A saved tensor in FP8: ``data`` (the tensor's shape, laid out as the cast lays it
+    out), ``scale`` (fp32, one per block of the last dim), and what the way back needs."""
 
     data: torch.Tensor
     scale: torch.Tensor
@@ -114,6 +134,7 @@ class _Packed:
     # The tensor that was saved, and its base if it is a view (weak: held only to read
     # their shared version counter at unpack).
     refs: tuple[weakref.ReferenceType[torch.Tensor], ...]
+    restored: _Restored
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -199,13 +220,14 @@ class _Hooks:
         )
         hit = self.cache.get(key)
         if hit is not None and hit[0]() is not None:
+            hit[1].restored.pending += 1
             return hit[1]
         block = (1,) * (t.dim() - 1) + (self.block,)
         with torch.no_grad():
             data, scale = cast(t.detach(), CastSpec(self.float8_dtype, block))
         base = view_base(t)
         refs = (weakref.ref(t),) if base is None else (weakref.ref(t), weakref.ref(base))
-        packed = _Packed(data, scale, block, t.dtype, t.stride(), version_counter(t), refs)
+        packed = _Packed(data, scale, block, t.dtype, t.stride(), version_counter(t), refs, _Restored())
         self.cache[key] = (weakref.ref(t, self._forget(key)), packed)
         return packed
 
@@ -234,10 +256,25 @@ class _Hooks:
                     f"operation: a {tuple(alive.shape)} {alive.dtype} tensor saved (in FP8, under "
                     f"save_activations_in_float8) at version {packed.version} is now at version {version_counter(alive)}"
                 )
-        hp = dequantize(packed.data, packed.scale, packed.block, packed.dtype)
-        if hp.stride() != packed.stride:
-            hp = torch.empty_strided(hp.shape, packed.stride, dtype=hp.dtype, device=hp.device).copy_(hp)
+        restored = packed.restored
+        hp = restored.tensor
+        if hp is None:
+            hp = _restore(packed)
+        restored.pending -= 1
+        # Held for the saves still to unpack it, dropped by the last.
+        restored.tensor = hp if restored.pending > 0 else None
         return hp
+
+
+def _restore(packed: _Packed) -> torch.Tensor:
+    """The saved tensor back in its dtype and strides."""
+    hp = dequantize(packed.data, packed.scale, packed.block, packed.dtype)
+    if hp.stride() == packed.stride:
+        return hp
+    if all(a == b or n == 1 for a, b, n in zip(hp.stride(), packed.stride, hp.shape)):
+        # Only the strides of size-1 dims differ: they address nothing, the same storage serves.
+        return hp.as_strided(hp.shape, packed.stride)
+    return torch.empty_strided(hp.shape, packed.stride, dtype=hp.dtype, device=hp.device).copy_(hp)
 
 
 class save_activations_in_float8:

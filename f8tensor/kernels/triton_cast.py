@@ -163,8 +163,8 @@ def plan(hp: torch.Tensor, spec: CastSpec) -> Plan | None:
         return None
     if hp.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return None
-    if 0 in hp.stride() and hp.numel() > 1:
-        return None
+    if any(st == 0 and n > 1 for st, n in zip(hp.stride(), hp.shape)):
+        return None  # broadcast: one element read for several (a size-1 dim's stride addresses nothing)
     # A dense N-D tensor in any dim order: the groups kernel addresses its rows through its
     # memory order (see ``_rows_of``); the other kernels take contiguous N-D inputs.
     strided = hp.dim() > 2 and not hp.is_contiguous()
@@ -532,7 +532,7 @@ def _dequantize_problem(data: torch.Tensor, scale: torch.Tensor, block: list[int
         order = _memory_order(data)
         if order is None or not scale.permute(order).is_contiguous():
             return "N-D data not dense, or a scale not laid out in the data's memory order"
-    elif (0 in data.stride() and data.numel() > 1) or (0 in scale.stride() and scale.numel() > 1):
+    elif any(st == 0 and n > 1 for t in (data, scale) for st, n in zip(t.stride(), t.shape)):
         return "broadcast (zero) strides"
     return None
 
