@@ -397,12 +397,16 @@ def _narrow_bits(v, OUT_MBITS: tl.constexpr, OUT_BIAS: tl.constexpr):
     a = bits & 0x7FFFFFFF
     exp = a >> 23
     t = a - ((127 - OUT_BIAS) << 23)
-    normal = (t + ((1 << (SHIFT - 1)) - 1) + ((t >> SHIFT) & 1)) >> SHIFT
-    sig = (a & 0x7FFFFF) | 0x800000
-    s = (1 - OUT_BIAS) - (exp - 127) + SHIFT
-    s = tl.minimum(tl.maximum(s, 1), 31)
-    sub = (sig + ((1 << (s - 1)) - 1) + ((sig >> s) & 1)) >> s
-    code = tl.where(exp >= 128 - OUT_BIAS, normal, sub)
+    code = (t + ((1 << (SHIFT - 1)) - 1) + ((t >> SHIFT) & 1)) >> SHIFT
+    if OUT_BIAS != 127:
+        # Below the output's normal range (bf16 has fp32's: its subnormals, zeros included,
+        # are the normal formula's): the full significand in units of its smallest
+        # subnormal, half to even (fp32 zeros and subnormals shift to 0).
+        sig = (a & 0x7FFFFF) | 0x800000
+        s = (1 - OUT_BIAS) - (exp - 127) + SHIFT
+        s = tl.minimum(tl.maximum(s, 1), 31)
+        sub = (sig + ((1 << (s - 1)) - 1) + ((sig >> s) & 1)) >> s
+        code = tl.where(exp >= 128 - OUT_BIAS, code, sub)
     code = tl.where(a == 0x7F800000, EXP_ONES, code)
     if OUT_BIAS == 127:
         code = tl.where(neg, code | 0x8000, code)
