@@ -42,8 +42,9 @@ without storing the padding). Left alone (saved as autograd saves them):
 One FP8 copy per storage: a tensor that several ops save (q, k and v projections reading
 the same normed input) is packed once. The copies are looked up by (device, storage
 address, storage offset, shape, strides, dtype, version counter), and only while the
-tensor first packed is alive (then its storage is too, so the address cannot have been
-reused by another tensor). An in-place change bumps the version: a tensor changed after it
+tensor first packed, or the base it is a view of, is alive (then its storage is too, so the
+address cannot have been reused by another tensor; a linear's 2D view of a 3D input is a
+new view object at every call, its base the same tensor). An in-place change bumps the version: a tensor changed after it
 was saved is packed again when saved again, and backward refuses to read a copy whose
 tensor (or the base it is a view of) was changed in place since, with the error autograd
 gives without the context. (A change made only through another view, after the saved
@@ -228,12 +229,15 @@ class _Hooks:
         base = view_base(t)
         refs = (weakref.ref(t),) if base is None else (weakref.ref(t), weakref.ref(base))
         packed = _Packed(data, scale, block, t.dtype, t.stride(), version_counter(t), refs, _Restored())
-        self.cache[key] = (weakref.ref(t, self._forget(key)), packed)
+        # The entry lives while the storage's owner does: the base of a view (views of it made
+        # later hit the entry), else the tensor.
+        owner = t if base is None else base
+        self.cache[key] = (weakref.ref(owner, self._forget(key)), packed)
         return packed
 
     def _forget(self, key: tuple[Any, ...]) -> Any:
-        """The callback that drops ``key``'s entry when its tensor dies: a context that spans
-        many steps holds no copy longer than the tensor it was made from lives (backward
+        """The callback that drops ``key``'s entry when its storage's owner dies: a context
+        that spans many steps holds no copy longer than the tensor it was made from lives (backward
         holds its own reference to the copies it reads)."""
         cache = weakref.ref(self.cache)
 
