@@ -202,7 +202,8 @@ def _memory_order(t: torch.Tensor) -> tuple[int, ...] | None:
     contiguous tensor), or None where ``t`` is not dense (gaps or overlaps in its storage)."""
     if t.is_contiguous():
         return tuple(range(t.dim()))
-    order = tuple(sorted(range(t.dim()), key=lambda d: -t.stride(d)))
+    strides = t.stride()
+    order = tuple(sorted(range(t.dim()), key=lambda d: -strides[d]))
     return order if t.permute(order).is_contiguous() else None
 
 
@@ -448,9 +449,8 @@ def _launch_groups(
     inverse (byte views where FP8 or e8m0) laid out in its memory order (see
     ``_allocate``): rows addressed through :func:`_rows_of`."""
     order = None if x.dim() == 2 else _memory_order(x)
-    if x.dim() != 2:
-        if order is None or not all(t.permute(order).is_contiguous() for t in (out, s2, inv2)):
-            raise ValueError("fused_cast: a dense N-D input needs its data and scales laid out in its memory order")
+    if x.dim() != 2 and (order is None or not all(t.permute(order).is_contiguous() for t in (out, s2, inv2))):
+        raise ValueError("fused_cast: a dense N-D input needs its data and scales laid out in its memory order")
     rx, ro, rs = (_rows_of(t, order) for t in (x, out, s2))
     R, C = rx.R, rx.C
     nb = -(-C // blk)

@@ -24,6 +24,10 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 HP_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
+#: Tests that never run a kernel under the interpreter (routing, the GPU compiler).
+_NO_INTERPRETER = {"test_plan_refuses_what_is_not_dense", "test_dequantize_kernel_compiles_for_cuda"}
+
+
 @functools.cache
 def _interpreter_problem() -> str | None:
     """None when this triton's interpreter runs the kernels on CPU tensors; else why not."""
@@ -31,14 +35,14 @@ def _interpreter_problem() -> str | None:
 
     try:
         triton_cast.maybe_cast(torch.ones(40, 300), CastSpec(E4M3))
-    except Exception as error:  # the interpreter's own error types differ by release
+    except Exception as error:  # noqa: BLE001 (the interpreter's own error types differ by release)
         return f"triton {triton.__version__}'s interpreter cannot run the kernels here: {error!r}"
     return None
 
 
 @pytest.fixture(autouse=True)
 def _needs_interpreter(request):
-    if request.node.originalname != "test_plan_refuses_what_is_not_dense":
+    if request.node.get_closest_marker("gpu") is None and request.node.originalname not in _NO_INTERPRETER:
         problem = _interpreter_problem()
         if problem is not None:
             pytest.skip(problem)
@@ -216,5 +220,83 @@ def test_kernels_dequantize_routes_block_scales_to_the_kernel(monkeypatch):
     assert launches.count == 1
     for block in ((), (16, 16)):
         d, s = reference.cast(sample((32, 64)), CastSpec(E4M3, block))
-        assert torch.equal(kernels.dequantize(d, s, block, torch.float32), reference.dequantize(d, s, block, torch.float32))
+        assert torch.equal(
+            kernels.dequantize(d, s, block, torch.float32), reference.dequantize(d, s, block, torch.float32)
+        )
     assert launches.count == 1
+
+
+def test_dequantize_op_registration():
+    """One op with a fake implementation: shape, dtype and strides (the data's) without
+    running it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    op = torch.ops.f8tensor.fused_dequantize.default
+    args = []
+    for name in ("2d", "2d_transposed", "4d_heads_transposed"):
+        data, _, scale, _ = triton_cast.maybe_cast(_tensor(name, torch.float32), _spec(name, E4M3))
+        args.append((data, scale, list(_spec(name, E4M3).block), torch.bfloat16))
+    for a in args:
+        real = op(*a)
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            fake = op(mode.from_tensor(a[0]), mode.from_tensor(a[1]), *a[2:])
+        assert (real.shape, real.stride(), real.dtype) == (fake.shape, fake.stride(), fake.dtype)
+    # (test_schema compares the inputs with ops FP8 tensors lack on CPU.)
+    torch.library.opcheck(op, args[2], test_utils=("test_faketensor",))
+
+
+@pytest.mark.parametrize("arch", [89, 90])
+def test_dequantize_kernel_compiles_for_cuda(arch):
+    """The kernel compiles to a cubin for sm89 and sm90 for every output dtype (what the
+    interpreter cannot show), and its PTX divides as the reference does: a correctly
+    rounded float64 division rounded once to fp32, no approximate or flush-to-zero op."""
+    import re
+
+    triton = pytest.importorskip("triton")
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.backends.nvidia import compiler  # noqa: F401
+    except ImportError:
+        pytest.skip("triton's NVIDIA backend is not installed")
+    kernel = triton_cast._kernels(False).dequantize_groups_kernel
+    for out, pointer in ((0, "*fp32"), (1, "*i16"), (2, "*i16")):
+        constants = {"BIAS": 15, "MBITS": 2, "FNUZ": False, "INF": True, "SUB_UNIT": 2.0**-16, "OUT": out,
+                     "LIMIT": float(torch.finfo(torch.float16).max), "BR": 32, "G": 4, "B": 32}  # fmt: skip
+        pointers = {"d_ptr": "*u8", "s_ptr": "*fp32", "o_ptr": pointer}
+        signature = {n: "constexpr" if n in constants else pointers.get(n, "i32") for n in kernel.arg_names}
+        source = triton.compiler.ASTSource(kernel, signature, constexprs=constants)
+        built = triton.compile(
+            source, target=GPUTarget("cuda", arch, 32), options={"num_warps": 4, **triton_cast._OPTIONS}
+        )
+        assert built.asm["cubin"]
+        ptx = built.asm["ptx"]
+        assert "div.rn.f64" in ptx and "cvt.rn.f32.f64" in ptx
+        assert not re.search(r"\b(?:mul|fma|div)\.\w*ftz", ptx) and "div.full" not in ptx and "div.approx" not in ptx
+
+
+# ------------------------------------------------------------------------------ on CUDA
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("float8_dtype", (E4M3, E5M2), ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_cuda_block_layouts_bit_exact_and_one_kernel_each(name, float8_dtype):
+    """On CUDA: the cast and the way back against the reference's CUDA ops, one kernel each."""
+    from torch.profiler import ProfilerActivity, profile
+
+    hp = _tensor(name, torch.bfloat16).cuda()
+    hp[..., 1, 3] = float("nan")
+    spec = _spec(name, float8_dtype)
+    data, scale = kernels.cast(hp, spec)
+    want_data, want_scale = reference.cast(hp, spec)
+    assert torch.equal(_bits(data), _bits(want_data)) and torch.equal(_bits(scale), _bits(want_scale))
+    for dtype in HP_DTYPES:
+        got = kernels.dequantize(data, scale, spec.block, dtype)
+        _assert_dequantized_equal(got, reference.dequantize(data, scale, spec.block, dtype), f"{name} {dtype}")
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        data, scale = kernels.cast(hp, spec)
+        kernels.dequantize(data, scale, spec.block, torch.bfloat16)
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(names) == 2 and "cast_groups_kernel" in names[0] and "dequantize_groups_kernel" in names[1], names

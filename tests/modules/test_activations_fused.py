@@ -42,7 +42,7 @@ def _interpreter_problem() -> str | None:
 
     try:
         triton_cast.maybe_cast(torch.ones(40, 300), CastSpec(torch.float8_e4m3fn))
-    except Exception as error:  # the interpreter's own error types differ by release
+    except Exception as error:  # noqa: BLE001 (the interpreter's own error types differ by release)
         return f"triton {triton.__version__}'s interpreter cannot run the kernels here: {error!r}"
     return None
 
@@ -113,7 +113,9 @@ def test_one_kernel_per_pack_and_one_per_restore(monkeypatch):
     fallbacks = []
     for name in ("cast", "dequantize"):
         real_reference = getattr(reference, name)
-        monkeypatch.setattr(reference, name, lambda *a, _r=real_reference, _n=name, **k: fallbacks.append(_n) or _r(*a, **k))
+        monkeypatch.setattr(
+            reference, name, lambda *a, _r=real_reference, _n=name, **k: fallbacks.append(_n) or _r(*a, **k)
+        )
     packed, saves = [], []
     real_cast, real_pack = activations.cast, activations._Hooks.pack
 
