@@ -44,10 +44,10 @@ the same normed input) is packed once. The copies are looked up by (device, stor
 address, storage offset, shape, strides, dtype, version counter), and only while the
 tensor first packed, or the base it is a view of, is alive (then its storage is too, so the
 address cannot have been reused by another tensor; a linear's 2D view of a 3D input is a
-new view object at every call, its base the same tensor). An in-place change bumps the version: a tensor changed after it
-was saved is packed again when saved again, and backward refuses to read a copy whose
-tensor (or the base it is a view of) was changed in place since, with the error autograd
-gives without the context. (A change made only through another view, after the saved
+new view object at every call, its base the same tensor). An in-place change bumps the
+version: a tensor changed after it was saved is packed again when saved again, and
+backward refuses to read a copy whose tensor (or the base it is a view of) was changed in
+place since, with the error autograd gives without the context. (A change made only through another view, after the saved
 tensor and its base were both freed, cannot be seen: nothing of theirs is held.)
 
 Non-finite values stay non-finite: a block holding an inf or a NaN has a non-finite amax
@@ -237,8 +237,8 @@ class _Hooks:
 
     def _forget(self, key: tuple[Any, ...]) -> Any:
         """The callback that drops ``key``'s entry when its storage's owner dies: a context
-        that spans many steps holds no copy longer than the tensor it was made from lives (backward
-        holds its own reference to the copies it reads)."""
+        that spans many steps holds no copy longer than the tensor it was made from (or its
+        base) lives (backward holds its own reference to the copies it reads)."""
         cache = weakref.ref(self.cache)
 
         def forget(ref: weakref.ReferenceType[torch.Tensor]) -> None:

@@ -594,10 +594,13 @@ def maybe_dequantize(
     data: torch.Tensor, scale: torch.Tensor, block: tuple[int, ...], dtype: torch.dtype
 ) -> torch.Tensor | None:
     """``reference.dequantize(data, scale, block, dtype)`` by the fused kernel, or None
-    where the reference must run: compiling, tensors that are not plain, the fused path
-    switched off, or a layout the kernel does not take (see :func:`fused_dequantize`)."""
+    where the reference must run: compiling, tensors that are not plain, a scale that
+    requires grad, the fused path switched off, or a layout the kernel does not take (see
+    :func:`fused_dequantize`)."""
     if torch.compiler.is_compiling() or type(data) not in _PLAIN or type(scale) is not torch.Tensor or not enabled():
         return None
+    if scale.requires_grad and torch.is_grad_enabled():
+        return None  # the reference's ops carry the gradient to a scale that asks for one
     if data.device != scale.device or _dequantize_problem(data, scale, list(block), dtype) is not None:
         return None
     return torch.ops.f8tensor.fused_dequantize(data, scale, list(block), dtype)  # type: ignore[no-any-return]
