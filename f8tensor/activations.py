@@ -6,7 +6,16 @@ stored as FP8 data with one fp32 scale per ``block`` consecutive elements of its
 and dequantized to its own dtype when backward reads it. The cast is f8tensor's one block
 cast (:func:`f8tensor.kernels.cast` with a :class:`~f8tensor.config.CastSpec` of block
 ``(1, ..., 1, block)``: ``data = saturate(x * scale)``, dynamic scale ``float8_max / block
-amax``, round to nearest) and the way back is :func:`f8tensor.kernels.dequantize`.
+amax``, round to nearest) and the way back is :func:`f8tensor.kernels.dequantize`. On CUDA
+each is one fused Triton kernel (blocks of up to 1,024 elements; the data and scales of a
+dense tensor in any dim order are laid out in its memory order), with the reference's bits;
+elsewhere the reference's torch ops.
+
+One restored copy per packed tensor: the saves that share an FP8 copy (below) share the
+tensor its first unpack restores, held until the last of them has unpacked it (what
+autograd does with the saved tensor itself without the context), so a backward
+dequantizes each packed tensor once. (A backward that runs the graph again, with
+``retain_graph=True``, restores it again.)
 
 Which tensors are compressed: plain ``torch.Tensor`` s (not a subclass) of dtype fp32,
 bf16 or fp16, with at least ``min_numel`` elements, a last dim of at least ``block``
@@ -33,11 +42,12 @@ without storing the padding). Left alone (saved as autograd saves them):
 One FP8 copy per storage: a tensor that several ops save (q, k and v projections reading
 the same normed input) is packed once. The copies are looked up by (device, storage
 address, storage offset, shape, strides, dtype, version counter), and only while the
-tensor first packed is alive (then its storage is too, so the address cannot have been
-reused by another tensor). An in-place change bumps the version: a tensor changed after it
-was saved is packed again when saved again, and backward refuses to read a copy whose
-tensor (or the base it is a view of) was changed in place since, with the error autograd
-gives without the context. (A change made only through another view, after the saved
+tensor first packed, or the base it is a view of, is alive (then its storage is too, so the
+address cannot have been reused by another tensor; a linear's 2D view of a 3D input is a
+new view object at every call, its base the same tensor). An in-place change bumps the
+version: a tensor changed after it was saved is packed again when saved again, and
+backward refuses to read a copy whose tensor (or the base it is a view of) was changed in
+place since, with the error autograd gives without the context. (A change made only through another view, after the saved
 tensor and its base were both freed, cannot be seen: nothing of theirs is held.)
 
 Non-finite values stay non-finite: a block holding an inf or a NaN has a non-finite amax
@@ -100,10 +110,21 @@ _EAGER_ONLY = (
 )
 
 
+class _Restored:
+    """The mutable part of a packed tensor: how many saves have not unpacked it yet, and
+    the copy restored for them (held only while some have not)."""
+
+    __slots__ = ("pending", "tensor")
+
+    def __init__(self) -> None:
+        self.pending = 1
+        self.tensor: torch.Tensor | None = None
+
+
 @dataclass(frozen=True)
 class _Packed:
-    """A saved tensor in FP8: ``data`` (the tensor's shape, contiguous), ``scale`` (fp32, one
-    per block of the last dim), and what the way back needs."""
+    """A saved tensor in FP8: ``data`` (the tensor's shape, laid out as the cast lays it
+    out), ``scale`` (fp32, one per block of the last dim), and what the way back needs."""
 
     data: torch.Tensor
     scale: torch.Tensor
@@ -114,6 +135,7 @@ class _Packed:
     # The tensor that was saved, and its base if it is a view (weak: held only to read
     # their shared version counter at unpack).
     refs: tuple[weakref.ReferenceType[torch.Tensor], ...]
+    restored: _Restored
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -199,20 +221,24 @@ class _Hooks:
         )
         hit = self.cache.get(key)
         if hit is not None and hit[0]() is not None:
+            hit[1].restored.pending += 1
             return hit[1]
         block = (1,) * (t.dim() - 1) + (self.block,)
         with torch.no_grad():
             data, scale = cast(t.detach(), CastSpec(self.float8_dtype, block))
         base = view_base(t)
         refs = (weakref.ref(t),) if base is None else (weakref.ref(t), weakref.ref(base))
-        packed = _Packed(data, scale, block, t.dtype, t.stride(), version_counter(t), refs)
-        self.cache[key] = (weakref.ref(t, self._forget(key)), packed)
+        packed = _Packed(data, scale, block, t.dtype, t.stride(), version_counter(t), refs, _Restored())
+        # The entry lives while the storage's owner does: the base of a view (views of it made
+        # later hit the entry), else the tensor.
+        owner = t if base is None else base
+        self.cache[key] = (weakref.ref(owner, self._forget(key)), packed)
         return packed
 
     def _forget(self, key: tuple[Any, ...]) -> Any:
-        """The callback that drops ``key``'s entry when its tensor dies: a context that spans
-        many steps holds no copy longer than the tensor it was made from lives (backward
-        holds its own reference to the copies it reads)."""
+        """The callback that drops ``key``'s entry when its storage's owner dies: a context
+        that spans many steps holds no copy longer than the tensor it was made from (or its
+        base) lives (backward holds its own reference to the copies it reads)."""
         cache = weakref.ref(self.cache)
 
         def forget(ref: weakref.ReferenceType[torch.Tensor]) -> None:
@@ -234,10 +260,25 @@ class _Hooks:
                     f"operation: a {tuple(alive.shape)} {alive.dtype} tensor saved (in FP8, under "
                     f"save_activations_in_float8) at version {packed.version} is now at version {version_counter(alive)}"
                 )
-        hp = dequantize(packed.data, packed.scale, packed.block, packed.dtype)
-        if hp.stride() != packed.stride:
-            hp = torch.empty_strided(hp.shape, packed.stride, dtype=hp.dtype, device=hp.device).copy_(hp)
+        restored = packed.restored
+        hp = restored.tensor
+        if hp is None:
+            hp = _restore(packed)
+        restored.pending -= 1
+        # Held for the saves still to unpack it, dropped by the last.
+        restored.tensor = hp if restored.pending > 0 else None
         return hp
+
+
+def _restore(packed: _Packed) -> torch.Tensor:
+    """The saved tensor back in its dtype and strides."""
+    hp = dequantize(packed.data, packed.scale, packed.block, packed.dtype)
+    if hp.stride() == packed.stride:
+        return hp
+    if all(a == b or n == 1 for a, b, n in zip(hp.stride(), packed.stride, hp.shape)):
+        # Only the strides of size-1 dims differ: they address nothing, the same storage serves.
+        return hp.as_strided(hp.shape, packed.stride)
+    return torch.empty_strided(hp.shape, packed.stride, dtype=hp.dtype, device=hp.device).copy_(hp)
 
 
 class save_activations_in_float8:

@@ -17,10 +17,10 @@ Two implementations with the same bits: the torch-ops reference
 (:mod:`f8tensor.kernels.reference`; the same bits eager and under torch.compile, where
 inductor fuses each cast into one pass) and, for eager CUDA tensors, the fused Triton
 kernels (:mod:`f8tensor.kernels.triton_cast`: two kernels for a tensorwise cast, one for
-every per-row or per-block cast). The choice is made here, per call: the fused path where
-it applies (see ``triton_cast``; ``F8TENSOR_FUSED_CASTS=0`` switches it off), the
-reference everywhere else, the CPU included. ``cast_with_stats`` and ``dequantize`` are
-the reference's.
+every per-row or per-block cast; one for :func:`dequantize` of 1 x b block scales along
+the last dim). The choice is made here, per call: the fused path where it applies (see
+``triton_cast``; ``F8TENSOR_FUSED_CASTS=0`` switches it off), the reference everywhere
+else, the CPU included. ``cast_with_stats`` is the reference's.
 """
 
 from __future__ import annotations
@@ -30,12 +30,18 @@ from typing import NamedTuple
 import torch
 
 from f8tensor.kernels import reference, triton_cast
-from f8tensor.kernels.reference import CAST_STATS_FIELDS, block_scale, cast_with_stats, dequantize
+from f8tensor.kernels.reference import CAST_STATS_FIELDS, block_scale, cast_with_stats
 from f8tensor.layouts import to_column_major
 from f8tensor.scaling import inverse_scale_of, materialized
 from f8tensor.specs import CastSpec
 
 __all__ = ["CAST_STATS_FIELDS", "GemmCast", "block_scale", "cast", "cast_for_gemm", "cast_with_stats", "dequantize"]
+
+
+def _fused_device(t: torch.Tensor) -> bool:
+    """Whether ``t`` is on a device whose calls try the fused kernels first: CUDA. (The
+    tests point this at the CPU to run the same routing through the Triton interpreter.)"""
+    return t.is_cuda
 
 
 def cast(
@@ -48,11 +54,22 @@ def cast(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``hp`` cast per ``spec``: ``(data, scale)`` (see :func:`f8tensor.kernels.reference.cast`;
     the fused kernels give the same bits)."""
-    if hp.is_cuda:
+    if _fused_device(hp):
         fused = triton_cast.maybe_cast(hp, spec, scale)
         if fused is not None:
             return fused[0], fused[2]
     return reference.cast(hp, spec, scale, generator=generator, uniform=uniform)
+
+
+def dequantize(data: torch.Tensor, scale: torch.Tensor, block: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """``data / scale`` per block, in ``dtype`` (see :func:`f8tensor.kernels.reference.dequantize`;
+    the fused kernel, for fp32 scales of 1 x b blocks along the last dim, gives the same
+    bits, a NaN's payload aside)."""
+    if _fused_device(data):
+        fused = triton_cast.maybe_dequantize(data, scale, block, dtype)
+        if fused is not None:
+            return fused
+    return reference.dequantize(data, scale, block, dtype)
 
 
 class GemmCast(NamedTuple):
@@ -95,7 +112,7 @@ def cast_for_gemm(
         raise ValueError(f"layouts must be one of {sorted(_LAYOUTS)}; got {layouts!r}")
     if layouts != "natural" and hp.dim() != 2:
         raise ValueError(f"cast_for_gemm(layouts={layouts!r}) takes a 2D tensor; got shape {tuple(hp.shape)}")
-    if hp.is_cuda:
+    if _fused_device(hp):
         fused = triton_cast.maybe_cast(hp, spec, scale, layouts=code)
         if fused is not None:
             return GemmCast(*fused)

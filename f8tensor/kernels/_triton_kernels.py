@@ -244,24 +244,35 @@ def cast_rows_kernel(
 
 
 @triton.jit
+def _row_offsets(rows, NR, s_outer, s_inner):
+    """Element offsets of rows ``rows`` of a 2D problem whose rows are ``(outer, inner)``
+    pairs, ``NR`` inner rows per outer one: a dense N-D tensor whose leading dims, in memory
+    order, lie partly outside and partly inside the last dim (a 2D view with arbitrary
+    strides is ``NR = R``, ``s_outer = 0``)."""
+    r64 = rows.to(tl.int64)
+    return (r64 // NR) * s_outer + (r64 % NR) * s_inner
+
+
+@triton.jit
 def cast_groups_kernel(
-    x_ptr, scale_in_ptr, out_ptr, scale_ptr, inv_ptr, R, C, NB, BLK, sxr, sxc, sor, soc, ssr, ssc,
+    x_ptr, scale_in_ptr, out_ptr, scale_ptr, inv_ptr, R, C, NB, BLK, NR, sxo, sxr, sxc, soo, sor, soc, sso, ssr, ssc,
     HAS_SCALE: tl.constexpr, E8M0: tl.constexpr, FLOOR: tl.constexpr, POW2: tl.constexpr,
     FMAX: tl.constexpr, EMAX: tl.constexpr, BIAS: tl.constexpr, MBITS: tl.constexpr, FNUZ: tl.constexpr,
     EPS: tl.constexpr, BR: tl.constexpr, G: tl.constexpr, B: tl.constexpr,
 ):  # fmt: skip
     """BR rows x G blocks of BLK consecutive elements per program (``B``: BLK rounded up to a
-    power of two), one read: the per-block amax, scale (fp32, or e8m0 bytes), the cast."""
+    power of two), one read: the per-block amax, scale (fp32, or e8m0 bytes), the cast.
+    Rows are addressed as in :func:`_row_offsets` (``NR``, and an outer stride per tensor:
+    ``sxo``, ``soo``, ``sso``)."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     grp = tl.program_id(1) * G + tl.arange(0, G)
     j = tl.arange(0, B)
     cols = grp[None, :, None] * BLK + j[None, None, :]
     m = (rows < R)[:, None, None] & (j < BLK)[None, None, :] & (cols < C)
-    r64 = rows.to(tl.int64)[:, None, None]
     c64 = cols.to(tl.int64)
-    x = tl.load(x_ptr + r64 * sxr + c64 * sxc, mask=m, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + _row_offsets(rows, NR, sxo, sxr)[:, None, None] + c64 * sxc, mask=m, other=0.0).to(tl.float32)
     sm = (rows < R)[:, None] & (grp < NB)[None, :]
-    sptr = rows.to(tl.int64)[:, None] * ssr + grp.to(tl.int64)[None, :] * ssc
+    sptr = _row_offsets(rows, NR, sso, ssr)[:, None] + grp.to(tl.int64)[None, :] * ssc
     if HAS_SCALE:
         if E8M0:
             byte = tl.load(scale_in_ptr + sptr, mask=sm, other=127).to(tl.int32)
@@ -282,7 +293,7 @@ def cast_groups_kernel(
     else:
         tl.store(inv_ptr + sptr, _fp32_inverse(s), mask=sm)
     code = _fp8_bits(_scaled(x, s[:, :, None]), FMAX, BIAS, MBITS, FNUZ).to(tl.uint8)
-    tl.store(out_ptr + r64 * sor + c64 * soc, code, mask=m)
+    tl.store(out_ptr + _row_offsets(rows, NR, soo, sor)[:, None, None] + c64 * soc, code, mask=m)
 
 
 # -------------------------------------------------------------- br x bc blocks (tiles)
@@ -530,3 +541,116 @@ def adamw_step_kernel(
             tl.store(p_ptr + offs, _fp32_to_bf16_bits(param).to(tl.int16), mask=ok)
     else:
         tl.store(p_ptr + offs, param, mask=ok)
+
+
+# ------------------------------------------------------- the way back (1 x b blocks)
+
+
+@triton.jit
+def _fp8_to_fp32_bits(
+    byte, BIAS: tl.constexpr, MBITS: tl.constexpr, FNUZ: tl.constexpr, INF: tl.constexpr, SUB_UNIT: tl.constexpr
+):
+    """The fp32 bits (int32) of FP8 bytes (int32 in 0..255), exactly, in integer arithmetic:
+    normal values re-biased, subnormals through their exact fp32 value, zero and ``-0``;
+    NaN as torch's conversion decodes it (the FP8 mantissa in the top mantissa bits; fnuz:
+    ``0x7F800001``); ``INF`` (e5m2): an all-ones exponent with a zero mantissa is infinite.
+    ``SUB_UNIT``: the smallest subnormal, ``2**(1 - BIAS - MBITS)``."""
+    EBITS: tl.constexpr = 7 - MBITS
+    EMASK: tl.constexpr = (1 << EBITS) - 1
+    MMASK: tl.constexpr = (1 << MBITS) - 1
+    sign = (byte & 0x80) << 24
+    e = (byte >> MBITS) & EMASK
+    m = byte & MMASK
+    normal = ((e - BIAS + 127) << 23) | (m << (23 - MBITS))
+    # A subnormal is m units of the smallest subnormal: exact in fp32 (a power-of-two multiple).
+    sub = (m.to(tl.float32) * SUB_UNIT).to(tl.int32, bitcast=True)
+    bits = tl.where(e == 0, sub, normal)
+    if FNUZ:
+        bits = tl.where(byte == 0x80, 0x7F800001, bits | sign)
+    elif INF:
+        bits = tl.where(e == EMASK, 0x7F800000 | (m << (23 - MBITS)), bits) | sign
+    else:
+        bits = tl.where((e == EMASK) & (m == MMASK), 0x7F800000 | (m << (23 - MBITS)), bits) | sign
+    return bits
+
+
+@triton.jit
+def _narrow_bits(v, OUT_MBITS: tl.constexpr, OUT_BIAS: tl.constexpr):
+    """fp32 values ``v`` (finite ones within the output's range, or infinite, or NaN) as the
+    bits (int32) of a 16-bit float with ``OUT_MBITS`` mantissa bits and bias ``OUT_BIAS``
+    (bf16: 7, 127; fp16: 10, 15), rounded to nearest even in integer arithmetic (as
+    :func:`_fp8_bits`; the interpreter's own float -> bf16 conversion truncates). NaN: bf16's
+    ``0x7FC0`` (torch's scalar conversion), fp16's sign and top payload bits (a quiet NaN
+    stays quiet)."""
+    SHIFT: tl.constexpr = 23 - OUT_MBITS
+    EXP_ONES: tl.constexpr = (2 * OUT_BIAS + 1) << OUT_MBITS
+    bits = v.to(tl.int32, bitcast=True)
+    neg = bits < 0
+    a = bits & 0x7FFFFFFF
+    exp = a >> 23
+    t = a - ((127 - OUT_BIAS) << 23)
+    code = (t + ((1 << (SHIFT - 1)) - 1) + ((t >> SHIFT) & 1)) >> SHIFT
+    if OUT_BIAS != 127:
+        # Below the output's normal range (bf16 has fp32's: its subnormals, zeros included,
+        # are the normal formula's): the full significand in units of its smallest
+        # subnormal, half to even (fp32 zeros and subnormals shift to 0).
+        sig = (a & 0x7FFFFF) | 0x800000
+        s = (1 - OUT_BIAS) - (exp - 127) + SHIFT
+        s = tl.minimum(tl.maximum(s, 1), 31)
+        sub = (sig + ((1 << (s - 1)) - 1) + ((sig >> s) & 1)) >> s
+        code = tl.where(exp >= 128 - OUT_BIAS, code, sub)
+    code = tl.where(a == 0x7F800000, EXP_ONES, code)
+    if OUT_BIAS == 127:
+        code = tl.where(neg, code | 0x8000, code)
+        code = tl.where(a > 0x7F800000, 0x7FC0, code)
+    else:
+        code = tl.where(a > 0x7F800000, EXP_ONES | ((a >> SHIFT) & ((1 << OUT_MBITS) - 1)), code)
+        code = tl.where(neg, code | 0x8000, code)
+    return code
+
+
+@triton.jit
+def dequantize_groups_kernel(
+    d_ptr, s_ptr, o_ptr, R, C, NB, BLK, NR,
+    sdo, sdi, sdc, sso, ssi, ssc, soo, soi, soc,
+    BIAS: tl.constexpr, MBITS: tl.constexpr, FNUZ: tl.constexpr, INF: tl.constexpr, SUB_UNIT: tl.constexpr,
+    OUT: tl.constexpr, LIMIT: tl.constexpr,
+    BR: tl.constexpr, G: tl.constexpr, B: tl.constexpr,
+):  # fmt: skip
+    """``reference.dequantize`` of 1 x BLK blocks: BR rows x G blocks per program, one read
+    of the FP8 bytes and of each block's fp32 scale: ``data / scale`` (the correctly rounded
+    fp32 quotient: the float64 quotient rounded once, 53 >= 2 * 24 + 2 bits), clamped to
+    ``[-LIMIT, LIMIT]`` (the output dtype's finite range; NaN kept), an FP8 infinity kept
+    (``INF``), stored in the output dtype (``OUT``: 0 fp32, 1 bf16, 2 fp16; 16-bit outputs
+    as integer bits). NaN: a NaN byte's decoded NaN made quiet, else a NaN scale's bits: the
+    operand x86 division propagates (what the reference gives on CPU)."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    grp = tl.program_id(1) * G + tl.arange(0, G)
+    j = tl.arange(0, B)
+    cols = grp[None, :, None] * BLK + j[None, None, :]
+    m = (rows < R)[:, None, None] & (j < BLK)[None, None, :] & (cols < C)
+    c64 = cols.to(tl.int64)
+    byte = tl.load(d_ptr + _row_offsets(rows, NR, sdo, sdi)[:, None, None] + c64 * sdc, mask=m, other=0)
+    bits = _fp8_to_fp32_bits(byte.to(tl.int32), BIAS, MBITS, FNUZ, INF, SUB_UNIT)
+    x = bits.to(tl.float32, bitcast=True)
+    sm = (rows < R)[:, None] & (grp < NB)[None, :]
+    s = tl.load(s_ptr + _row_offsets(rows, NR, sso, ssi)[:, None] + grp.to(tl.int64)[None, :] * ssc, mask=sm, other=1.0)
+    s = s[:, :, None]
+    # Deliberate upcast: float64 division is correctly rounded on every backend; rounded once
+    # to fp32 it is the fp32 quotient torch computes.
+    q = (x.to(tl.float64) / s.to(tl.float64)).to(tl.float32)
+    q = tl.where(q > LIMIT, LIMIT, q)
+    q = tl.where(q < -LIMIT, -LIMIT, q)
+    x_nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    s_bits = s.to(tl.int32, bitcast=True)
+    q = tl.where(s != s, (s_bits | 0x400000).to(tl.float32, bitcast=True), q)  # noqa: PLR0124
+    q = tl.where(x_nan, (bits | 0x400000).to(tl.float32, bitcast=True), q)
+    if INF:
+        q = tl.where((bits & 0x7FFFFFFF) == 0x7F800000, x, q)
+    o_off = _row_offsets(rows, NR, soo, soi)[:, None, None] + c64 * soc
+    if OUT == 0:
+        tl.store(o_ptr + o_off, q, mask=m)
+    elif OUT == 1:
+        tl.store(o_ptr + o_off, _narrow_bits(q, 7, 127).to(tl.int16), mask=m)
+    else:
+        tl.store(o_ptr + o_off, _narrow_bits(q, 10, 15).to(tl.int16), mask=m)

@@ -33,7 +33,13 @@ The fused path is taken by :func:`f8tensor.kernels.cast` only when all hold: the
 a plain CUDA tensor, triton imports, not compiling, round-to-nearest, a granularity the
 kernels cover (:func:`plan`) on an input they can view as 2D, and ``F8TENSOR_FUSED_CASTS``
 is not ``0``. Everything else, the CPU above all, stays on the reference.
-``cast_with_stats`` and ``dequantize`` stay on the reference.
+``cast_with_stats`` stays on the reference.
+
+The way back, :func:`maybe_dequantize` (``f8tensor::fused_dequantize``): one kernel for
+FP8 data with fp32 scales of 1 x b blocks along the last dim (the layout the groups cast
+writes, 2D with any strides or N-D dense in the data's memory order), bit for bit
+``reference.dequantize`` (the FP8 bytes and the fp16/bf16 rounding in integer arithmetic,
+the quotient correctly rounded); everything else stays on the reference's eager ops.
 """
 
 from __future__ import annotations
@@ -52,7 +58,20 @@ from f8tensor.layouts import empty_column_major
 from f8tensor.scaling import EPS
 from f8tensor.specs import CastSpec
 
-__all__ = ["BOTH", "COLUMN_MAJOR", "ENV_VAR", "NATURAL", "Plan", "available", "enabled", "fused_cast", "maybe_cast", "plan"]
+__all__ = [
+    "BOTH",
+    "COLUMN_MAJOR",
+    "ENV_VAR",
+    "NATURAL",
+    "Plan",
+    "available",
+    "enabled",
+    "fused_cast",
+    "fused_dequantize",
+    "maybe_cast",
+    "maybe_dequantize",
+    "plan",
+]
 
 #: Set to ``0`` (or ``off``, ``false``, ``no``) to keep every cast on the reference.
 ENV_VAR = "F8TENSOR_FUSED_CASTS"
@@ -137,26 +156,30 @@ class Plan(NamedTuple):
 
 def plan(hp: torch.Tensor, spec: CastSpec) -> Plan | None:
     """The kernels' plan for casting ``hp`` per ``spec``, or None where the reference runs
-    (stochastic rounding, 0-dim inputs, blocks the kernels do not cover, inputs of more
-    than 2 dims that are not contiguous, zero (broadcast) strides)."""
+    (stochastic rounding, 0-dim inputs, blocks the kernels do not cover, zero (broadcast)
+    strides, inputs of more than 2 dims that are not dense, or that are dense but not
+    contiguous with a granularity other than 1 x b blocks along the last dim)."""
     if spec.rounding != "nearest" or hp.dim() == 0 or spec.float8_dtype not in FORMATS:
         return None
     if hp.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return None
-    if hp.dim() > 2 and not hp.is_contiguous():
-        return None
-    if 0 in hp.stride() and hp.numel() > 1:
+    if any(st == 0 and n > 1 for st, n in zip(hp.stride(), hp.shape)):
+        return None  # broadcast: one element read for several (a size-1 dim's stride addresses nothing)
+    # A dense N-D tensor in any dim order: the groups kernel addresses its rows through its
+    # memory order (see ``_rows_of``); the other kernels take contiguous N-D inputs.
+    strided = hp.dim() > 2 and not hp.is_contiguous()
+    if strided and _memory_order(hp) is None:
         return None
     block = spec.block
     e8m0 = spec.scale_dtype == E8M0
     if not block:
-        return None if e8m0 else Plan("tensor")
+        return None if (e8m0 or strided) else Plan("tensor")
     if len(block) != hp.dim() or any(b < 0 for b in block):
         return None
     lead, last = block[:-1], block[-1]
     if all(b == 1 for b in lead):
         if last == 0:
-            return None if e8m0 else Plan("rows")
+            return None if (e8m0 or strided) else Plan("rows")
         if 1 < last and _next_pow2(last) <= _MAX_BLOCK:
             return Plan("groups", False, (1, last))
         return None
@@ -174,24 +197,82 @@ def plan(hp: torch.Tensor, spec: CastSpec) -> Plan | None:
     return None
 
 
+def _memory_order(t: torch.Tensor) -> tuple[int, ...] | None:
+    """The dims of ``t`` from the outermost to the innermost in memory (identity for a
+    contiguous tensor), or None where ``t`` is not dense (gaps or overlaps in its storage)."""
+    if t.is_contiguous():
+        return tuple(range(t.dim()))
+    strides = t.stride()
+    order = tuple(sorted(range(t.dim()), key=lambda d: -strides[d]))
+    return order if t.permute(order).is_contiguous() else None
+
+
+def _empty_in_order(shape: tuple[int, ...], order: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """An uninitialized tensor of logical ``shape`` laid out densely in memory order
+    ``order`` (what a dense input of that order gives elementwise ops)."""
+    inverse = sorted(range(len(order)), key=lambda i: order[i])
+    return torch.empty([shape[d] for d in order], dtype=dtype, device=device).permute(inverse)
+
+
+class _Rows(NamedTuple):
+    """A tensor as the 2D problem of the groups kernels, ``R`` rows of ``C`` elements (its
+    last dim): row ``q`` starts at ``(q // nr) * outer + (q % nr) * inner``; consecutive
+    elements of a row are ``col`` apart."""
+
+    R: int
+    C: int
+    nr: int
+    outer: int
+    inner: int
+    col: int
+
+
+def _rows_of(t: torch.Tensor, order: tuple[int, ...] | None) -> _Rows:
+    """``t`` (of at most 2 dims: any strides; else dense in memory order ``order``, which
+    its input's memory order gives every tensor of an op) as :class:`_Rows`. The leading
+    dims that lie outside the last dim in memory collapse into the outer index, those
+    inside it into the inner one (a contiguous tensor: all outer, ``nr == 1``)."""
+    if t.dim() <= 2:
+        x = _as_2d(t)
+        return _Rows(x.shape[0], x.shape[1], max(x.shape[0], 1), 0, x.stride(0), x.stride(1))
+    assert order is not None
+    k = order.index(t.dim() - 1)
+    inner = 1
+    for d in order[k + 1 :]:
+        inner *= t.shape[d]
+    C = t.shape[-1]
+    rows = 1
+    for d in range(t.dim() - 1):
+        rows *= t.shape[d]
+    # Dense in ``order``: the inner dims are contiguous below the last dim, which is
+    # ``inner`` elements apart, and the outer dims are contiguous above it.
+    return _Rows(rows, C, max(inner, 1), C * inner, 1, inner)
+
+
 def _scale_shape(shape: tuple[int, ...], spec_block: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(1 if b == 0 else -(-s // b) for s, b in zip(shape, spec_block))
 
 
 def _data_like(hp: torch.Tensor, float8_dtype: torch.dtype) -> torch.Tensor:
     """The FP8 output in the layout the reference's elementwise ops give it: column-major
-    for a 2D input whose dim 0 is the inner one, else contiguous. (The strides of a size-1
-    dim, which address nothing, may differ from the reference's.)"""
+    for a 2D input whose dim 0 is the inner one, the input's own memory order for a dense
+    N-D one, else contiguous. (The strides of a size-1 dim, which address nothing, may
+    differ from the reference's.)"""
     if hp.dim() == 2 and hp.shape[0] > 1 and hp.shape[1] > 1 and hp.stride(0) < hp.stride(1):
         return empty_column_major(hp.shape, float8_dtype, hp.device)
+    order = _memory_order(hp) if hp.dim() > 2 else None
+    if order is not None:
+        return _empty_in_order(tuple(hp.shape), order, float8_dtype, hp.device)
     return torch.empty(hp.shape, dtype=float8_dtype, device=hp.device)
 
 
 def _as_2d(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a 2D view; a non-contiguous N-D tensor as it is (only the groups kernels
+    take one, and address its rows through :func:`_rows_of`)."""
     if t.dim() == 1:
         return t.unsqueeze(0)
     if t.dim() > 2:
-        return t.view(-1, t.shape[-1])
+        return t.view(-1, t.shape[-1]) if t.is_contiguous() else t
     return t
 
 
@@ -216,6 +297,13 @@ def _allocate(
     if scale is not None:
         out_scale = torch.empty(0, dtype=torch.float32, device=device)
         inverse = torch.empty_strided(scale.shape, scale.stride(), dtype=scale_dtype, device=device)
+    elif hp.dim() > 2 and block:
+        # Per block of a dense N-D input: the scales in the input's memory order, so that the
+        # kernels address their rows as the data's (see ``_rows_of``).
+        shape = _scale_shape(tuple(hp.shape), tuple(block))
+        order = _memory_order(hp) or tuple(range(hp.dim()))
+        out_scale = _empty_in_order(shape, order, scale_dtype, device)
+        inverse = _empty_in_order(shape, order, scale_dtype, device)
     else:
         shape = _scale_shape(tuple(hp.shape), tuple(block)) if block else ()
         out_scale = torch.empty(shape, dtype=scale_dtype, device=device)
@@ -322,6 +410,13 @@ def _launch(
     floor = spec.scale_mode == "floor"
     if how.transpose:
         x, out, s2, inv2 = x.t(), out.t(), s2.t(), inv2.t()
+    if how.kind == "groups":
+        if x.dim() != 2:  # a dense N-D input that is not contiguous: the tensors as they are
+            s_nd = s.view(torch.uint8) if s.dtype == E8M0 else s
+            i_nd = inverse.view(torch.uint8) if inverse.dtype == E8M0 else inverse
+            x, out, s2, inv2 = hp, _bytes(data), s_nd, i_nd
+        _launch_groups(k, how.block[1], x, out, s2, inv2, has_scale, e8m0, floor, spec, f.emax, fmt)
+        return
     R, C = x.shape
     if how.kind == "rows":
         br, bc = _ROWS_TILE
@@ -329,20 +424,6 @@ def _launch(
             k.cast_rows_kernel[(-(-R // br),)](
                 x, s2, out, s2, inv2, R, C, x.stride(0), x.stride(1), out.stride(0), out.stride(1), s2.stride(0),
                 HAS_SCALE=has_scale, POW2=spec.power_of_2, **fmt, BR=br, BC=bc, **_OPTIONS,
-            )  # fmt: skip
-        return
-    if how.kind == "groups":
-        blk = how.block[1]
-        b = _next_pow2(blk)
-        g = max(1, _GROUP_ELEMENTS // b)
-        nb = -(-C // blk)
-        grid = (-(-R // _GROUP_ROWS), -(-nb // g))
-        if R and nb:
-            k.cast_groups_kernel[grid](
-                x, s2, out, s2, inv2, R, C, nb, blk, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
-                s2.stride(0), s2.stride(1),
-                HAS_SCALE=has_scale, E8M0=e8m0, FLOOR=floor, POW2=spec.power_of_2, EMAX=f.emax, **fmt,
-                BR=_GROUP_ROWS, G=g, B=b, **_OPTIONS,
             )  # fmt: skip
         return
     blk_r, blk_c = how.block
@@ -359,6 +440,34 @@ def _launch(
     )  # fmt: skip
 
 
+def _launch_groups(
+    k, blk: int, x: torch.Tensor, out: torch.Tensor, s2: torch.Tensor, inv2: torch.Tensor,
+    has_scale: bool, e8m0: bool, floor: bool, spec: CastSpec, emax: int, fmt: dict,
+) -> None:  # fmt: skip
+    """The groups kernel on 2D views (any strides, transposed views included), or on a
+    dense N-D input given as it is (``x``: not contiguous), with its data, scale and
+    inverse (byte views where FP8 or e8m0) laid out in its memory order (see
+    ``_allocate``): rows addressed through :func:`_rows_of`."""
+    order = None if x.dim() == 2 else _memory_order(x)
+    if x.dim() != 2 and (order is None or not all(t.permute(order).is_contiguous() for t in (out, s2, inv2))):
+        raise ValueError("fused_cast: a dense N-D input needs its data and scales laid out in its memory order")
+    rx, ro, rs = (_rows_of(t, order) for t in (x, out, s2))
+    R, C = rx.R, rx.C
+    nb = -(-C // blk)
+    if not (R and nb):
+        return
+    b = _next_pow2(blk)
+    g = max(1, _GROUP_ELEMENTS // b)
+    grid = (-(-R // _GROUP_ROWS), -(-nb // g))
+    # The inverse has the scale's shape and strides: the scale's row offsets address both.
+    k.cast_groups_kernel[grid](
+        x, s2, out, s2, inv2, R, C, nb, blk, rx.nr, rx.outer, rx.inner, rx.col, ro.outer, ro.inner, ro.col,
+        rs.outer, rs.inner, rs.col,
+        HAS_SCALE=has_scale, E8M0=e8m0, FLOOR=floor, POW2=spec.power_of_2, EMAX=emax, **fmt,
+        BR=_GROUP_ROWS, G=g, B=b, **_OPTIONS,
+    )  # fmt: skip
+
+
 def _given_scale_fits(hp: torch.Tensor, spec: CastSpec, scale: torch.Tensor) -> bool:
     if type(scale) is not torch.Tensor or scale.device != hp.device:
         return False
@@ -366,6 +475,8 @@ def _given_scale_fits(hp: torch.Tensor, spec: CastSpec, scale: torch.Tensor) -> 
         return scale.dim() == 0 and scale.dtype == torch.float32
     if scale.dim() > 2 and not scale.is_contiguous():
         return False
+    if hp.dim() > 2 and not hp.is_contiguous():
+        return False  # the kernels' N-D scales follow a non-contiguous input's memory order
     expected = _scale_shape(tuple(hp.shape), spec.block)
     return tuple(scale.shape) == expected and scale.dtype == spec.scale_dtype
 
@@ -399,3 +510,97 @@ def maybe_cast(
         spec.power_of_2, layouts,
     )  # fmt: skip
     return data, second if layouts == BOTH else None, scale if scale is not None else out_scale, inverse
+
+
+# ------------------------------------------------------------------------- the way back
+
+#: The output dtypes of the fused dequantization, as the kernel numbers them.
+_OUT_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def _dequantize_problem(data: torch.Tensor, scale: torch.Tensor, block: list[int], dtype: torch.dtype) -> str | None:
+    """Why the kernel cannot take this dequantization (None: it can)."""
+    if data.dtype not in FORMATS or dtype not in _OUT_CODES or scale.dtype != torch.float32:
+        return f"{data.dtype} data, {scale.dtype} scales to {dtype} (FP8 data, fp32 scales, fp32/bf16/fp16 out)"
+    if data.dim() == 0 or len(block) != data.dim() or any(b != 1 for b in block[:-1]) or block[-1] < 1:
+        return f"block {tuple(block)} for {data.dim()}-dim data (1 x b blocks along the last dim, b >= 1)"
+    if _next_pow2(block[-1]) > _MAX_BLOCK:
+        return f"block {block[-1]} (at most {_MAX_BLOCK} elements)"
+    if tuple(scale.shape) != _scale_shape(tuple(data.shape), tuple(block)):
+        return f"scale shape {tuple(scale.shape)} for data {tuple(data.shape)} and block {tuple(block)}"
+    if data.dim() > 2:
+        order = _memory_order(data)
+        if order is None or not scale.permute(order).is_contiguous():
+            return "N-D data not dense, or a scale not laid out in the data's memory order"
+    elif any(st == 0 and n > 1 for t in (data, scale) for st, n in zip(t.stride(), t.shape)):
+        return "broadcast (zero) strides"
+    return None
+
+
+def _dequantized_like(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The output in the data's layout where it is dense (its memory order), else contiguous."""
+    return torch.empty_like(data, dtype=dtype, memory_format=torch.preserve_format)
+
+
+_DEQUANTIZE_SCHEMA = "(Tensor data, Tensor scale, int[] block, ScalarType dtype) -> Tensor"
+
+
+@torch.library.custom_op("f8tensor::fused_dequantize", mutates_args=(), schema=_DEQUANTIZE_SCHEMA)
+def fused_dequantize(data: torch.Tensor, scale: torch.Tensor, block: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """``reference.dequantize(data, scale, block, dtype)`` by one Triton kernel (interpreted
+    for CPU tensors): FP8 ``data`` with fp32 scales of 1 x ``block[-1]`` blocks along the
+    last dim, out in ``dtype`` (fp32, bf16 or fp16), laid out as ``data``."""
+    problem = _dequantize_problem(data, scale, block, dtype)
+    if problem is not None:
+        raise ValueError(f"fused_dequantize: no kernel for {problem}")
+    out = _dequantized_like(data, dtype)
+    _launch_dequantize(data, scale, block[-1], out)
+    return out
+
+
+@fused_dequantize.register_fake
+def _(data, scale, block, dtype):
+    return _dequantized_like(data, dtype)
+
+
+def _launch_dequantize(data: torch.Tensor, scale: torch.Tensor, blk: int, out: torch.Tensor) -> None:
+    if data.device.type == "cuda" and data.device.index != torch.cuda.current_device():
+        with torch.cuda.device(data.device):
+            _launch_dequantize(data, scale, blk, out)
+        return
+    k = _kernels(data.device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
+    f = _format(data.dtype)
+    order = _memory_order(data) if data.dim() > 2 else None
+    d_rows, s_rows, o_rows = (_rows_of(t, order) for t in (data, scale, out))
+    R, C = d_rows.R, d_rows.C
+    nb = -(-C // blk)
+    if not (R and nb):
+        return
+    b = _next_pow2(blk)
+    g = max(1, _GROUP_ELEMENTS // b)
+    grid = (-(-R // _GROUP_ROWS), -(-nb // g))
+    o = out if out.dtype == torch.float32 else out.view(torch.int16)  # 16-bit outputs as integer bits
+    k.dequantize_groups_kernel[grid](
+        _bytes(data), scale, o, R, C, nb, blk, d_rows.nr,
+        d_rows.outer, d_rows.inner, d_rows.col, s_rows.outer, s_rows.inner, s_rows.col,
+        o_rows.outer, o_rows.inner, o_rows.col,
+        BIAS=f.bias, MBITS=f.mbits, FNUZ=f.fnuz, INF=data.dtype == torch.float8_e5m2,
+        SUB_UNIT=float(2.0 ** (1 - f.bias - f.mbits)), OUT=_OUT_CODES[out.dtype],
+        LIMIT=float(torch.finfo(out.dtype).max), BR=_GROUP_ROWS, G=g, B=b, **_OPTIONS,
+    )  # fmt: skip
+
+
+def maybe_dequantize(
+    data: torch.Tensor, scale: torch.Tensor, block: tuple[int, ...], dtype: torch.dtype
+) -> torch.Tensor | None:
+    """``reference.dequantize(data, scale, block, dtype)`` by the fused kernel, or None
+    where the reference must run: compiling, tensors that are not plain, a scale that
+    requires grad, the fused path switched off, or a layout the kernel does not take (see
+    :func:`fused_dequantize`)."""
+    if torch.compiler.is_compiling() or type(data) not in _PLAIN or type(scale) is not torch.Tensor or not enabled():
+        return None
+    if scale.requires_grad and torch.is_grad_enabled():
+        return None  # the reference's ops carry the gradient to a scale that asks for one
+    if data.device != scale.device or _dequantize_problem(data, scale, list(block), dtype) is not None:
+        return None
+    return torch.ops.f8tensor.fused_dequantize(data, scale, list(block), dtype)  # type: ignore[no-any-return]
