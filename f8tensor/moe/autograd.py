@@ -19,6 +19,7 @@ from f8tensor.gemm.operands import col_major, kernel_scale, row_major
 from f8tensor.gemm.rules import ALIGN, CudaBuild, block_rule_for
 from f8tensor.linear_autograd import LinearArgs
 from f8tensor.linear_autograd import QuantizedLinearFn as _QuantizedLinearFn  # looked up at call time, here
+from f8tensor.ops import _permuted
 from f8tensor.scaling import amax_to_scale, segment_amax
 from f8tensor.specs import CastSpec, is_tensorwise
 from f8tensor.tensor import Float8Tensor, to_float8
@@ -61,7 +62,11 @@ def _cast_stored(t: torch.Tensor, spec: CastSpec, scale: torch.Tensor | None = N
     b = spec.block
     swapped = spec._replace(block=(*b[:-2], b[-1], b[-2])) if b else spec
     natural = to_float8(t.transpose(-2, -1), swapped, scale=None if scale is None else scale.transpose(-2, -1))
-    return cast(Float8Tensor, natural.transpose(-2, -1))
+    # Rebuilt from its fields rather than through the tensor's own ``transpose``: under
+    # ``torch.export``'s tracing a view op on a Float8Tensor made inside this Function
+    # returns NotImplemented (the export of a converted MoE model failed so).
+    perm = [*range(t.dim() - 2), t.dim() - 1, t.dim() - 2]
+    return _permuted(natural, natural._data.transpose(-2, -1), perm)
 
 
 def _cast_weight(w: torch.Tensor, cast: CastConfig, scale: torch.Tensor | None = None) -> Float8Tensor:
