@@ -440,6 +440,15 @@ def _launch(
     )  # fmt: skip
 
 
+def _groups_grid(R: int, C: int, blk: int) -> tuple[int, int, int, tuple[int, int]]:
+    """``(groups per row, the group's power-of-two width, groups per program, grid)`` of the
+    1 x ``blk`` groups kernels (cast and dequantize) over ``R`` rows of ``C`` elements."""
+    nb = -(-C // blk)
+    b = _next_pow2(blk)
+    g = max(1, _GROUP_ELEMENTS // b)
+    return nb, b, g, (-(-R // _GROUP_ROWS), -(-nb // g))
+
+
 def _launch_groups(
     k, blk: int, x: torch.Tensor, out: torch.Tensor, s2: torch.Tensor, inv2: torch.Tensor,
     has_scale: bool, e8m0: bool, floor: bool, spec: CastSpec, emax: int, fmt: dict,
@@ -453,12 +462,9 @@ def _launch_groups(
         raise ValueError("fused_cast: a dense N-D input needs its data and scales laid out in its memory order")
     rx, ro, rs = (_rows_of(t, order) for t in (x, out, s2))
     R, C = rx.R, rx.C
-    nb = -(-C // blk)
+    nb, b, g, grid = _groups_grid(R, C, blk)
     if not (R and nb):
         return
-    b = _next_pow2(blk)
-    g = max(1, _GROUP_ELEMENTS // b)
-    grid = (-(-R // _GROUP_ROWS), -(-nb // g))
     # The inverse has the scale's shape and strides: the scale's row offsets address both.
     k.cast_groups_kernel[grid](
         x, s2, out, s2, inv2, R, C, nb, blk, rx.nr, rx.outer, rx.inner, rx.col, ro.outer, ro.inner, ro.col,
@@ -573,12 +579,9 @@ def _launch_dequantize(data: torch.Tensor, scale: torch.Tensor, blk: int, out: t
     order = _memory_order(data) if data.dim() > 2 else None
     d_rows, s_rows, o_rows = (_rows_of(t, order) for t in (data, scale, out))
     R, C = d_rows.R, d_rows.C
-    nb = -(-C // blk)
+    nb, b, g, grid = _groups_grid(R, C, blk)
     if not (R and nb):
         return
-    b = _next_pow2(blk)
-    g = max(1, _GROUP_ELEMENTS // b)
-    grid = (-(-R // _GROUP_ROWS), -(-nb // g))
     o = out if out.dtype == torch.float32 else out.view(torch.int16)  # 16-bit outputs as integer bits
     k.dequantize_groups_kernel[grid](
         _bytes(data), scale, o, R, C, nb, blk, d_rows.nr,
