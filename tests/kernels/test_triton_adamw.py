@@ -19,6 +19,7 @@ import functools
 
 import pytest
 import torch
+from helpers import interpreter_problem, skip_without_interpreter
 from torch.utils._python_dispatch import TorchDispatchMode
 
 pytest.importorskip("triton", reason="the fused AdamW step needs triton (it ships with CUDA builds of torch)")
@@ -42,25 +43,19 @@ _NO_INTERPRETER = {"test_switch", "test_kernel_compiles_for_cuda"}
 
 @functools.cache
 def _interpreter_problem() -> str | None:
-    """None when this triton's interpreter runs the kernel on CPU tensors; else why not
-    (see tests/kernels/test_triton_casts.py: triton 3.6's interpreter fails under numpy 2.4)."""
-    import triton
+    """None when this triton's interpreter runs the step kernel on CPU tensors; else why not."""
 
-    try:
+    def probe() -> None:
         p = torch.nn.Parameter(torch.ones(2, 128))
         p.grad = torch.ones(2, 128)
         AdamW([p], state_dtype=FP8, fused=True).step()
-    except Exception as error:  # noqa: BLE001 (the interpreter's own error types differ by release)
-        return f"triton {triton.__version__}'s interpreter cannot run the kernel here: {error!r}"
-    return None
+
+    return interpreter_problem(probe)
 
 
 @pytest.fixture(autouse=True)
 def _needs_interpreter(request):
-    if request.node.get_closest_marker("gpu") is None and request.node.originalname not in _NO_INTERPRETER:
-        problem = _interpreter_problem()
-        if problem is not None:
-            pytest.skip(problem)
+    skip_without_interpreter(request, _interpreter_problem, _NO_INTERPRETER)
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ import functools
 
 import pytest
 import torch
+from helpers import interpreter_problem, skip_without_interpreter
 
 pytest.importorskip("triton", reason="the fused casts need triton (it ships with CUDA builds of torch)")
 
@@ -31,21 +32,12 @@ _NO_INTERPRETER = {"test_plan_refuses_what_is_not_dense", "test_dequantize_kerne
 @functools.cache
 def _interpreter_problem() -> str | None:
     """None when this triton's interpreter runs the kernels on CPU tensors; else why not."""
-    import triton
-
-    try:
-        triton_cast.maybe_cast(torch.ones(40, 300), CastSpec(E4M3))
-    except Exception as error:  # noqa: BLE001 (the interpreter's own error types differ by release)
-        return f"triton {triton.__version__}'s interpreter cannot run the kernels here: {error!r}"
-    return None
+    return interpreter_problem(lambda: triton_cast.maybe_cast(torch.ones(40, 300), CastSpec(E4M3)))
 
 
 @pytest.fixture(autouse=True)
 def _needs_interpreter(request):
-    if request.node.get_closest_marker("gpu") is None and request.node.originalname not in _NO_INTERPRETER:
-        problem = _interpreter_problem()
-        if problem is not None:
-            pytest.skip(problem)
+    skip_without_interpreter(request, _interpreter_problem, _NO_INTERPRETER)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ import functools
 
 import pytest
 import torch
+from helpers import interpreter_problem, skip_without_interpreter
 
 pytest.importorskip("triton", reason="the fused casts need triton (it ships with CUDA builds of torch)")
 
@@ -33,25 +34,14 @@ _NO_INTERPRETER = {"test_plan_covers_and_refuses", "test_cpu_casts_stay_on_the_r
 
 @functools.cache
 def _interpreter_problem() -> str | None:
-    """None when this triton's interpreter runs the kernels on CPU tensors; else why not.
-    (Measured: triton 3.6's interpreter, the one torch 2.11 pins, fails on a loop with a
-    runtime bound under numpy 2.4: ``int()`` of a 1-element array. The GPU compiler is
-    not the interpreter: ``test_kernels_compile_for_cuda`` still compiles every kernel.)"""
-    import triton
-
-    try:
-        triton_cast.maybe_cast(torch.ones(40, 300), CastSpec(E4M3))
-    except Exception as error:  # the interpreter's own error types differ by release
-        return f"triton {triton.__version__}'s interpreter cannot run the kernels here: {error!r}"
-    return None
+    """None when this triton's interpreter runs the kernels on CPU tensors; else why not
+    (``helpers.interpreter_problem``)."""
+    return interpreter_problem(lambda: triton_cast.maybe_cast(torch.ones(40, 300), CastSpec(E4M3)))
 
 
 @pytest.fixture(autouse=True)
 def _needs_interpreter(request):
-    if request.node.get_closest_marker("gpu") is None and request.node.originalname not in _NO_INTERPRETER:
-        problem = _interpreter_problem()
-        if problem is not None:
-            pytest.skip(problem)
+    skip_without_interpreter(request, _interpreter_problem, _NO_INTERPRETER)
 
 
 #: name -> (block, scale dtype, e8m0 mode) of every granularity the kernels cover (2D).
