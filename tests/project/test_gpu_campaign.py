@@ -288,7 +288,7 @@ def test_a_spent_budget_marks_every_item_not_run(tmp_path):
     assert {s.status.split(" (")[0] for s in r.states.values()} == {"not run: budget"}
     summary = (tmp_path / "summary.md").read_text()
     assert "| tensorwise compiled >= 1.5x bf16 | linear_target | - | >= 1.5x | not run: budget" in summary
-    assert "--items smoke,linear_target," in summary  # how to run them next
+    assert "--items smoke,fused_optimizer_step,fp8_activation_casts,linear_target," in summary  # how to run them next
 
 
 def test_plan_deadlines_scale_to_the_budget_and_stop_before_its_end():
@@ -359,8 +359,8 @@ def test_smoke_holds_stochastic_recipes_to_the_cpus_accuracy(dry_default):
         assert float(r["value"]) >= (-smoke.STOCHASTIC_MARGIN_DB if gap else smoke.DEVICE_VS_CPU_DB), r
 
 
-def test_activation_casts_check_measures_bytes_kernels_and_time(dry_second):
-    rows = [r for r in report.read_csv(dry_second[1] / "results.csv") if r["item"] == "fp8_activation_casts"]
+def test_activation_casts_check_measures_bytes_kernels_and_time(dry_default):
+    rows = [r for r in report.read_csv(dry_default[1] / "results.csv") if r["item"] == "fp8_activation_casts"]
     by = {(r["recipe"], r["metric"]): r for r in rows}
     for recipe in ("bf16", "tensorwise"):
         # The dry run's quick block keeps about 0.61-0.63x of its bytes under the context.
