@@ -362,6 +362,12 @@ def expand_block_scale(scale: torch.Tensor, block: tuple[int, ...], shape: tuple
         # One block spanning the whole dim: its single entry broadcasts as it is.
         if b > 1 and scale.shape[d] != 1:
             n = scale.shape[d]
+            if n * b != shape[d] and torch.compiler.is_compiling():
+                # A short last block, compiled: one index per element, the same values.
+                # Inductor's CPU code (torch 2.13) reads the expanded, reshaped and narrowed
+                # view below out of bounds past the first block (garbage in the cast).
+                scale = scale.index_select(d, torch.arange(shape[d], device=scale.device) // b)
+                continue
             sizes = list(scale.shape)
             scale = scale.unsqueeze(d + 1).expand(*sizes[: d + 1], b, *sizes[d + 1 :])
             scale = scale.reshape(*sizes[:d], n * b, *sizes[d + 1 :])
