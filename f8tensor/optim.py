@@ -232,7 +232,7 @@ def _tensor_step(
 
     ``scales``: FP8 moments' block scales (the states then e4m3 data, cast in the views of
     :func:`_fp8_view`), else None (fp32 or bf16 moments). ``remainder``: the int16 low halves
-    of a ``"remainder"`` master. ``tables``: the draws (one :data:`NOISE_PERIOD` table each,
+    of a ``"remainder"`` master (or their int32 values). ``tables``: the draws (one :data:`NOISE_PERIOD` table each,
     or None) of the two moments' and the parameter's stochastic roundings; ``start``: the
     global flat index of ``local``'s first element."""
     # The fp32 tensor the update is applied to: the parameter itself when it is fp32.
@@ -318,14 +318,18 @@ def _run_compiled(
     flat = (-1, FP8_BLOCK) if scales is not None or local.numel() % FP8_BLOCK == 0 else (-1,)
     tensors = [t.view(flat).detach() for t in (local, grad, exp_avg_state, exp_avg_sq_state)]
     scales = None if scales is None else (scales[0].view(-1, 1).detach(), scales[1].view(-1, 1).detach())
-    remainder = None if remainder is None else remainder.view(flat).detach()
+    # The int16 remainder widened to int32 around the compiled step: inductor's CPU code
+    # vectorizes no loop that touches int16, and this one is every pass over the tensor.
+    wide = None if remainder is None else remainder.view(flat).to(torch.int32)
     s = s._replace(
         bias_correction2_sqrt=torch.tensor(s.bias_correction2_sqrt, dtype=torch.float32),
         neg_step_size=torch.tensor(s.neg_step_size, dtype=torch.float32),
     )
     offset = torch.tensor(start, dtype=torch.int64)
     with unlimited_recompiles():  # one graph per dtype and mode, never one per shape or step
-        _compiled_step(_COMPILE_BACKEND)(*tensors, scales, remainder, tables, offset, s, master_weights)
+        _compiled_step(_COMPILE_BACKEND)(*tensors, scales, wide, tables, offset, s, master_weights)
+    if remainder is not None and wide is not None:
+        remainder.copy_(wide.view(remainder.shape))  # int32 -> int16: the low 16 bits, the value
 
 
 #: The backend of the compiled CPU step (the tests swap in a cheaper one to check the logic).

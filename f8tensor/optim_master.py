@@ -21,7 +21,8 @@ def _halves(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def split_master(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 ``master`` -> (bf16 rounded to nearest, ties away from zero; int16 low half).
+    """fp32 ``master`` -> (bf16 rounded to nearest, ties away from zero; int16 low half; under
+    torch.compile its int32 value).
 
     The bf16 bits are the master's high 16 bits plus one when its low half is >= 0x8000
     (its int16 is negative; on the sign-magnitude pattern: one ulp away from zero). The low
@@ -37,14 +38,17 @@ def split_master(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         bits = master.view(torch.int32)
         low32 = (bits << 16) >> 16  # the low half, sign-extended: its int16 value
         high32 = (bits >> 16) + (low32 < 0).to(torch.int32)  # wraps as int16 arithmetic does
-        return (high32 << 16).view(torch.float32).to(torch.bfloat16), low32.to(torch.int16)
+        # The low half as its int32 value: the caller's copy into the int16 remainder keeps
+        # the low 16 bits (an int32 remainder, the compiled CPU step's, takes it as is).
+        return (high32 << 16).view(torch.float32).to(torch.bfloat16), low32
     low, high = _halves(master)
     bf16 = (high + (low < 0).to(torch.int16)).view(torch.bfloat16).view(master.shape)
     return bf16, low.clone().view(master.shape)
 
 
 def join_master(param: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
-    """The fp32 master that :func:`split_master` split into ``param`` and ``remainder``."""
+    """The fp32 master that :func:`split_master` split into ``param`` and ``remainder``
+    (int16, or under torch.compile its int32 value)."""
     if torch.compiler.is_compiling():  # int32 arithmetic, as in split_master
         low32 = remainder.to(torch.int32)
         # The bf16 bits, sign-extended, from its exact fp32 value (the bits shifted up by 16).

@@ -233,8 +233,8 @@ def test_traced_draws_are_the_eager_draws():
 
 
 def test_traced_master_encodings_are_the_eager_ones():
-    """split_master / join_master in int32 arithmetic under compile: the int16 halves' bits
-    (eager), on 2**20 random patterns and the edges (zeros, infinities, NaNs, ties, carries),
+    """split_master / join_master in int32 arithmetic under compile (the remainder's int32
+    value): the int16 halves' bits (eager), on 2**20 random patterns and the edges (zeros, infinities, NaNs, ties, carries),
     except a bf16 NaN: the canonical one under compile (the remainder is kept)."""
     g = torch.Generator().manual_seed(3)
     bits = torch.randint(-(2**31), 2**31 - 1, (1 << 20,), generator=g, dtype=torch.int64).to(torch.int32)
@@ -249,6 +249,7 @@ def test_traced_master_encodings_are_the_eager_ones():
     want_high, want_low = optim_master.split_master(master)
     nan = want_high.isnan()
     assert 0 < nan.sum() < 10_000  # random patterns hit NaNs: both branches are exercised
-    assert torch.equal(low, want_low)
+    assert low.dtype == torch.int32 and torch.equal(low.to(torch.int16).to(torch.int32), low)  # an int16 value
+    assert torch.equal(low.to(torch.int16), want_low)
     assert torch.equal(_bits(high)[~nan], _bits(want_high)[~nan]) and high[nan].isnan().all()
     assert torch.equal(_bits(join(want_high, want_low)), _bits(master))  # every pattern, NaNs too
