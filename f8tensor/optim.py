@@ -357,7 +357,8 @@ class AdamW(torch.optim.Optimizer):
 
     Group options: ``lr``, ``betas``, ``eps``, ``weight_decay``, ``state_dtype``,
     ``master_weights`` (a group added later inherits the constructor's unless it sets them).
-    ``fused`` (the whole optimizer): None, True or False, see the module docstring's "Speed".
+    ``fused`` and ``compiled`` (the whole optimizer): None, True or False, see the module
+    docstring's "Speed".
 
     State per parameter: ``step`` (a 0-dim fp32 CPU tensor, as torch's); ``exp_avg`` and
     ``exp_avg_sq`` (the parameter's shape, in ``state_dtype``: e4m3 data for FP8 states,
@@ -386,9 +387,9 @@ class AdamW(torch.optim.Optimizer):
             raise ValueError(f"fused must be None (automatic), True or False; got {fused!r}")
         if fused and not triton_adamw.available():
             raise ValueError("fused=True needs triton (it ships with CUDA builds of torch); use fused=None or False")
-        #: None: the fused kernel for CUDA tensors (eager, triton importable), the torch-ops
-        #: path elsewhere; True: the kernel wherever it takes the tensor (CPU tensors through
-        #: the Triton interpreter: slow, for tests); False: the torch-ops path everywhere.
+        #: None: the fused kernel for CUDA tensors (eager, triton importable); True: wherever
+        #: it takes the tensor (CPU tensors through the Triton interpreter: slow, for tests);
+        #: False: never (the torch-ops path, or the compiled CPU step: ``compiled``).
         self.fused = fused
         if compiled not in (None, True, False):
             raise ValueError(f"compiled must be None (automatic), True or False; got {compiled!r}")
