@@ -65,8 +65,9 @@ placements. A weight wrapper subclass as the local shard (FSDP2 FP8 all-gather) 
 in place through its own ops; its moments are plain tensors.
 
 Speed: one pass per tensor where it can be had. The torch-ops path (:func:`_tensor_step`)
-is the reference: about ten elementwise passes per FP8 moment, each rows-of-one-block view
-of an FP8 moment broadcasting its scales. Two fused forms give its bits:
+is the reference: about 60 elementwise passes over an FP8-state tensor (dequantization,
+update, block amaxes, stochastic rounding, casts; the moments in rows of one block, so that
+their scales broadcast). Two fused forms give its bits:
 
 - CUDA tensors (a DTensor's local shard included), eager, triton importable: one Triton
   kernel per tensor (:mod:`f8tensor.kernels.triton_adamw`) reads the parameter (and its
@@ -81,23 +82,22 @@ of an FP8 moment broadcasting its scales. Two fused forms give its bits:
   per tensor and one graph per kind of tensor (dtype, mode, FP8 rows or flat), never one
   per shape, step or lr. It writes the torch-ops path's bits with a correctly rounded
   square root: the compiled code spells out the fused multiply-adds of ATen's CPU lerp and
-  addcmul (:func:`f8tensor.compat.fma`); a ``"remainder"`` parameter that is NaN is stored as
-  bf16's canonical NaN. ``compiled=None`` (default): when a C++ compiler is found, CPU tensors of at
-  least :data:`COMPILE_MIN_NUMEL` (2**20) elements whose torch-ops step is slow (FP8
-  moments, a ``"remainder"`` or ``"stochastic"`` master); fp32 and bf16 moments keep torch's
-  bits (and speed), and small tensors (the demo's, the tests') never pay a compile. The
-  first step compiles (tens of seconds on a small CPU, less from inductor's cache on disk);
-  BENCHMARKS.md ("Optimizer states in 8 bits") has the step times against torch's and
-  torchao's. ``compiled=True``: every CPU tensor it takes (FP8 moments: rows of whole
-  blocks); ``False``: never.
+  addcmul (:func:`f8tensor.compat.fma`); a ``"remainder"`` parameter that is NaN is
+  stored as bf16's canonical NaN. ``compiled=None`` (default): when a C++ compiler is
+  found, CPU tensors of at least :data:`COMPILE_MIN_NUMEL` (2**20) elements whose
+  torch-ops step is slow (FP8 moments, a ``"remainder"`` or ``"stochastic"`` master); fp32
+  and bf16 moments keep torch's bits (and speed), and small tensors (the demo's, the
+  tests') never pay a compile. The first step compiles (tens of seconds on a small CPU,
+  less from inductor's cache on disk); BENCHMARKS.md ("Optimizer states in 8 bits") has
+  the step times against torch's and torchao's. ``compiled=True``: every CPU tensor it
+  takes (FP8 moments: rows of whole blocks); ``False``: never.
 
-Under ``torch.compile`` (the step, or a training step that calls it) the torch-ops path is
-traced whole: the step counter stays a 0-dim tensor (eager reads it as a Python float),
-the scalars that depend on it are tensors, the draw tables come from one custom op that
-reads the counter when the graph runs (``f8tensor::adamw_noise_table``): no graph break,
-one graph after the step that creates the states. Inductor gives it the compiled step's
-bits. No host sync on any path: the step counter is a CPU tensor, as torch's, and nothing
-else is read back.
+Under ``torch.compile`` the torch-ops path is traced whole: the step counter stays a 0-dim
+tensor (eager reads it as a Python float), the scalars that depend on it are tensors, the
+draw tables come from a custom op that reads the counter when the graph runs
+(``f8tensor::adamw_noise_table``): no graph break, one graph after the step that creates
+the states; inductor gives it the compiled step's bits. No host sync on any path: the step
+counter is a CPU tensor, as torch's, and nothing else is read back.
 """
 
 from __future__ import annotations

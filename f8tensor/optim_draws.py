@@ -71,9 +71,9 @@ def uniform(table: torch.Tensor, start: int | torch.Tensor, shape: tuple[int, ..
     Elements a period apart share a draw within a step (a prime period, so never along one
     column of a power-of-two width); each element's draws over the steps are independent,
     which is what unbiased rounding needs. Eager: the table repeated and sliced (one copy).
-    Under ``torch.compile``: an index per element into the table, which inductor fuses into
-    the rounding's loop (no copy; ``start`` may be a 0-dim int64 tensor there, so a shard's
-    offset is no constant to recompile for)."""
+    Under ``torch.compile``: indices into the table, which inductor fuses into the rounding's
+    loop (no copy): one per row of a 2-D shape, one per element of another (``start`` may be
+    a 0-dim int64 tensor there, so a shard's offset is no constant to recompile for)."""
     n = math.prod(shape)
     if torch.compiler.is_compiling():
         if len(shape) == 2 and shape[1] <= NOISE_PERIOD:
