@@ -21,7 +21,6 @@ from f8tensor import (
     convert_to_float8_training,
     sqnr,
 )
-from tests.helpers import kernel_skip_reason
 
 from linear_utils import DELAYED_BUFFERS, MLP, RECIPE_NAMES, assert_sqnr, fp8_copy, fp8_linear, run_fwd_bwd
 
@@ -189,16 +188,9 @@ def test_autocast_bf16_cpu_with_fp32_model(recipe):
     assert_sqnr(ref.weight.grad, layer.weight.grad, GRAD_MIN_DB, "autocast grad_weight")
 
 
-_FP8_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not _FP8_GPU, reason="needs a CUDA device with FP8 support (compute capability >= 8.9)")
+@pytest.mark.gpu  # tests/conftest.py skips the recipes the kernel rules give this GPU no kernel for
 @pytest.mark.parametrize("recipe", RECIPE_NAMES)
 def test_autocast_bf16_cuda_with_fp32_model(recipe):
-    why = kernel_skip_reason(recipe)  # the kernel rules: blockwise sm90 + CUDA >= 12.9, MX sm100
-    if why is not None:
-        pytest.skip(why)
     ref = nn.Linear(64, 32, device="cuda")
     layer = fp8_linear(ref, recipe)
     x = torch.randn(2, 16, 64, device="cuda")
