@@ -94,7 +94,7 @@ def test_linear_gemm_operands_follow_their_contracted_dim(monkeypatch, recipe):
         else:
             # torch._scaled_mm's CPU kernel: its own order of scaling and accumulation.
             # Measured: 138.5 dB (output), 138.5-199 dB (grad_input), 138.5-218 dB (grad_weight).
-            assert_sqnr(want, out.float(), 120.0, f"{recipe} {gemm}")
+            assert_sqnr(want, out.float(), 132.0, f"{recipe} {gemm}")
 
 
 def test_linear_results_are_the_reference_products(monkeypatch):
@@ -385,5 +385,6 @@ def test_copy_into_a_cast_with_a_cached_inverse_scale_gives_the_new_product(sour
     want_a = ref_cast(new, (), E4M3, False)[2]
     want_b = ref_cast(b, (), E4M3, False)[2]
     out = torch.mm(dst, b)
-    # torch._scaled_mm's CPU kernel vs the fp32 product of the reference casts: measured 138 dB.
-    assert_sqnr(want_a @ want_b, out, 120.0, f"copy_ from a {source} tensor")
+    # torch._scaled_mm's CPU kernel vs the fp32 product of the reference casts: measured 143.5 dB
+    # (the cached inverse, 8x off, gives 1.2 dB).
+    assert_sqnr(want_a @ want_b, out, 137.0, f"copy_ from a {source} tensor")

@@ -26,7 +26,11 @@ from linear_utils import DELAYED_BUFFERS, MLP, RECIPE_NAMES, assert_sqnr, fp8_co
 
 # Thresholds of the contract, in dB, against the same layer in high precision.
 OUTPUT_MIN_DB = 24.0
-GRAD_MIN_DB = 17.0
+# One layer's input and weight gradients: measured 23.9 (delayed, e5m2 grad_output) to 29.5 dB
+# (CPU); a two-layer model's first layer, with the second layer's FP8 error in its gradient:
+# 18.9 (grad_input) and 19.8 dB (grad_weight).
+GRAD_MIN_DB = 21.0
+MODEL_GRAD_MIN_DB = 17.0
 # The bias gradient is a high-precision sum of grad_output, as in nn.Linear: bit-identical to
 # the reference on CPU (measured: all 66 bias gradients of this file). On CUDA the two sums may
 # be reduced in another order: fp32/bf16 rounding, far above any FP8 error (unmeasured there).
@@ -400,8 +404,8 @@ def test_convert_pads_unaligned_linear_when_asked(caplog):
     y_ref, gx_ref = run_fwd_bwd(ref, x)
     y, gx = run_fwd_bwd(model, x)
     assert_sqnr(y_ref, y, OUTPUT_MIN_DB, "padded output")
-    assert_sqnr(gx_ref, gx, GRAD_MIN_DB, "padded grad_input")
-    assert_sqnr(ref[0].weight.grad, model[0].weight.grad, GRAD_MIN_DB, "padded grad_weight")
+    assert_sqnr(gx_ref, gx, MODEL_GRAD_MIN_DB, "padded grad_input")
+    assert_sqnr(ref[0].weight.grad, model[0].weight.grad, MODEL_GRAD_MIN_DB, "padded grad_weight")
 
 
 def test_convert_leaves_linear_subclasses_that_override_forward_alone():
