@@ -294,7 +294,7 @@ def _compile_adamw(arch: int, p: str, g: str, m: str, states: int, master: int, 
 
     from f8tensor.kernels import triton_cast
 
-    kernel = triton_cast._kernels(False).adamw_step_kernel
+    kernel = triton_cast._kernels(False, "_triton_adamw_kernels").adamw_step_kernel
     pointers = {"p_ptr": p, "rem_ptr": "*i16", "g_ptr": g, "m_ptr": m, "v_ptr": m, "ms_ptr": "*fp32",
                 "vs_ptr": "*fp32", "mtab_ptr": "*fp32", "vtab_ptr": "*fp32", "ptab_ptr": "*fp32"}  # fmt: skip
     constants = {
