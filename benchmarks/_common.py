@@ -318,7 +318,7 @@ class PeakMemory:
 
     resident: int
     step_peak: int
-    #: CPU only: the step peak leaving out buffers CPU ``_scaled_mm`` allocates and frees
+    #: CPU only: the step peak leaving out buffers a CPU FP8 product allocates and frees
     #: inside itself (FP8 operands widened to fp32: the CPU kernel's scratch, which a GPU
     #: GEMM does not have). Equal to ``step_peak`` on CUDA.
     step_peak_no_gemm_scratch: int
@@ -330,6 +330,11 @@ class PeakMemory:
     @property
     def peak_no_gemm_scratch(self) -> int:
         return self.resident + self.step_peak_no_gemm_scratch
+
+
+#: The CPU FP8 products whose fp32 widening is emulation scratch: torch's, and f8tensor's own
+#: per-tensor CPU product (``compat.cpu_scaled_mm``, which computes as torch's kernel does).
+_CPU_GEMMS = ("aten::_scaled_mm", "f8tensor::cpu_scaled_mm")
 
 
 def measure_peak(step: Callable[[], Any], resident: int, device: torch.device) -> PeakMemory:
@@ -354,10 +359,10 @@ def measure_peak(step: Callable[[], Any], resident: int, device: torch.device) -
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
-    events: list[tuple[int, int, int, bool]] = []  # (time, bytes, ptr, inside _scaled_mm)
+    events: list[tuple[int, int, int, bool]] = []  # (time, bytes, ptr, inside a CPU FP8 GEMM)
 
     def walk(node, in_gemm: bool) -> None:
-        in_gemm = in_gemm or node.name == "aten::_scaled_mm"
+        in_gemm = in_gemm or node.name in _CPU_GEMMS
         if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
             events.append((node.start_time_ns, node.extra_fields.alloc_size, node.extra_fields.ptr, in_gemm))
         for child in node.children:
@@ -366,7 +371,7 @@ def measure_peak(step: Callable[[], Any], resident: int, device: torch.device) -
     for root in prof.profiler.kineto_results.experimental_event_tree():
         walk(root, False)
     events.sort(key=lambda e: e[0])
-    # Scratch: an allocation inside _scaled_mm freed again inside a _scaled_mm.
+    # Scratch: an allocation inside a CPU FP8 GEMM freed again inside one.
     open_in_gemm: dict[int, int] = {}
     scratch: set[int] = set()
     for i, (_, size, ptr, in_gemm) in enumerate(events):
