@@ -411,6 +411,14 @@ def test_as_strided_tensorwise_any_layout():
     assert torch.equal(float_bits(y._scale), float_bits(x8._scale))
 
 
+def test_as_strided_tensorwise_to_another_rank():
+    """One scale for every byte: any layout, of any rank (the block follows the rank)."""
+    x8 = _f8((4, 6, 32), "tensorwise")
+    y = torch.ops.aten.as_strided.default(x8, (24, 16), (32, 2), 1)
+    assert_consistent(y)
+    assert torch.equal(bits(y._data), bits(x8._data.as_strided((24, 16), (32, 2), 1)))
+
+
 @pytest.mark.parametrize("granularity", GRANULARITIES)
 def test_as_strided_as_a_permutation(granularity):
     x8 = _f8((4, 6, 32), granularity)

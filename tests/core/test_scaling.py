@@ -59,6 +59,24 @@ def test_amax_values_from_the_definition():
     assert scaling.block_amax(x, (1, 2)).tolist() == [[7.0, 3.0], [2.0, 6.0]]
 
 
+def test_amax_to_scale_defaults_and_guards():
+    """Not rounded by default; an amax of 0 gives max / 2**-100 (rounded down to a power
+    of two when asked); inf, -inf and NaN give NaN, rounded or not."""
+    amax = torch.tensor([3.0, 0.0, float("inf"), -float("inf"), float("nan")])
+    plain = scaling.amax_to_scale(amax, E4M3)
+    assert plain[0].item() == torch.tensor(448.0 / 3.0).item()
+    assert plain[1].item() == torch.tensor(448.0 * 2.0**100).item()
+    pow2 = scaling.amax_to_scale(amax, E4M3, round_pow2=True)
+    assert pow2[:2].tolist() == [128.0, 2.0 ** math.floor(math.log2(448.0 * 2.0**100))]
+    for scale in (plain, pow2):
+        assert scale.dtype == torch.float32 and torch.isnan(scale[2:]).all()
+
+
+def test_block_amax_refuses_a_block_of_another_rank():
+    with pytest.raises(ValueError, match=r"^block \(1, 2\) has 2 entries for a 3-dim tensor$"):
+        scaling.block_amax(torch.zeros(2, 3, 4), (1, 2))
+
+
 # ----------------------------------------------------------------------------- e8m0 scales
 
 

@@ -127,6 +127,8 @@ _SPECS = {
     "32x1": (CastSpec(E4M3, (32, 1)), (32, 1)),
     "mx_1x32": (CastSpec(E4M3, (1, 32), E8M0), (1, 32)),
     "e5m2_rows_pow2": (CastSpec(torch.float8_e5m2, (1, 0), power_of_2=True), (1, 0)),
+    "mx_rows": (CastSpec(E4M3, (1, 0), E8M0), (1, 0)),
+    "one_scale_2d": (CastSpec(E4M3, (0, 0)), (0, 0)),
 }
 
 
@@ -241,6 +243,19 @@ def test_stochastic_rounding_stats_are_those_of_the_products():
     assert (s["saturated_count"], s["underflow_count"]) == (1.0, 1.0)
     assert data.float()[0, 0].item() == 448.0
     assert data.float()[0, 1].item() in (1.0, 1.125)
+
+
+def test_stochastic_rounding_with_given_draws():
+    """Draws given instead of a generator (a counter-based hash of each position): the data
+    are the stochastic rounding of the scaled values with exactly those draws; values past
+    the range saturate (infinities included), as round-to-nearest's do."""
+    hp = torch.tensor([[1.0625, 1.0625, 1000.0, -1000.0, float("inf"), -float("inf")]])
+    u = torch.tensor([[0.25, 0.75, 0.5, 0.5, 0.5, 0.5]])
+    spec = CastSpec(E4M3, rounding="stochastic")
+    data, _ = reference.cast(hp, spec, torch.tensor(1.0), uniform=u)
+    assert data.float().tolist() == [[1.125, 1.0, 448.0, -448.0, 448.0, -448.0]]
+    nearest, _ = reference.cast(hp, CastSpec(E4M3), torch.tensor(1.0))
+    assert data.float()[0, 2:].tolist() == nearest.float()[0, 2:].tolist()
 
 
 def test_a_bf16_input_is_scaled_in_fp32_before_the_fp8_rounding():

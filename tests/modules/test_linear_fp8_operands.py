@@ -221,6 +221,18 @@ def _block_cast(x32: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     return out
 
 
+@pytest.mark.parametrize("recipe", ["rowwise", "mxfp8", "tensorwise"])
+def test_an_fp8_weight_on_another_device(recipe):
+    """The FP8-weight paths make nothing on the CPU behind the caller's back: on ``meta``
+    (standing for any device) every gradient comes out there."""
+    config = Float8LinearConfig.from_recipe(recipe)
+    w8 = to_float8(torch.randn(256, 128, device="meta"), config.weight.operand_spec(1)).requires_grad_()
+    x = torch.randn(64, 128, device="meta", requires_grad=True)
+    y = QuantizedLinearFn.apply(x, w8, None, LinearArgs(config))
+    y.backward(torch.randn(64, 256, device="meta"))
+    assert y.device.type == x.grad.device.type == w8.grad.device.type == "meta"
+
+
 def test_an_fp8_weight_blocked_along_k_is_cast_again_along_n_from_fp32():
     """1x64 weight blocks run along K, which grad_x's product does not contract: the
     gathered weight is cast again in 64x1 blocks along N from its fp32 dequantized values
@@ -248,7 +260,7 @@ def test_a_delayed_fp8_weight_needs_its_amax():
         QuantizedLinearFn.apply(torch.randn(16, 128), w8, None, LinearArgs(config, delayed))
 
 
-def test_a_delayed_fp8_weight_records_its_scale_and_amax():
+def test_a_delayed_fp8_weight_records_its_scale_and_amax(monkeypatch):
     """The gather cast the weight with the history's scale: forward keeps that scale as the
     step's weight scale, backward pushes the whole weight's amax (handed over) into the
     weight's history, as a cast here would have."""
@@ -259,10 +271,21 @@ def test_a_delayed_fp8_weight_records_its_scale_and_amax():
     w8 = to_float8(w, CastSpec(E4M3), scale=torch.tensor(4.0)).requires_grad_()
     whole_amax = torch.tensor(7.5)  # the gathered weight's, over every rank's shard
     x = torch.randn(16, 128, requires_grad=True)
+    seen = []
+    real = linear_autograd.matmul
+
+    def spy(a, b, **kwargs):
+        seen.append((a, b))
+        return real(a, b, **kwargs)
+
+    monkeypatch.setattr(linear_autograd, "matmul", spy)
     y = QuantizedLinearFn.apply(x, w8, None, LinearArgs(config, delayed, None, whole_amax))
     assert layer.scale_weight.item() == 4.0
     assert layer.amax_history_weight[0].item() == 0.0  # pushed in backward, not forward
     y.backward(torch.randn(16, 256))
+    # grad_x multiplies the gathered bytes as they are, with the gather's scale.
+    w8_grad_input = seen[1][1]
+    assert w8_grad_input._scale.item() == 4.0 and torch.equal(w8_grad_input._data.view(torch.uint8), w8._data.view(torch.uint8))
     assert layer.amax_history_weight[0].item() == 7.5
     assert layer.amax_history_input[0].item() == x.detach().abs().max().item()
     assert x.grad is not None and w8.grad is not None

@@ -66,11 +66,13 @@ def test_each_gemm_gets_its_flags(recipe, flags, products):
         assert (a._gemm, b._gemm) == (expected, expected), what
 
 
-def test_an_fp8_weight_gets_each_gemms_flags(products):
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "mxfp8"])
+def test_an_fp8_weight_gets_each_gemms_flags(recipe, products):
     """A weight handed over in FP8 (FSDP2's float8 all-gather) takes the forward GEMM's
-    config in forward and grad_input's in backward, like a weight cast here."""
+    config in forward and grad_input's in backward, like a weight cast here (as it is, with
+    its row scales folded into grad_output, or cast again along N)."""
     flags = {"use_fast_accum": True, "pad_inner_dim": True, "emulate": True}
-    config = Float8LinearConfig.from_recipe("tensorwise", **flags)
+    config = Float8LinearConfig.from_recipe(recipe, **flags)
     w8 = to_float8(torch.randn(32, 64), config.weight.operand_spec(1)).requires_grad_()
     x = torch.randn(64, 64, requires_grad=True)
     linear_autograd.QuantizedLinearFn.apply(x, w8, None, linear_autograd.LinearArgs(config)).backward(torch.randn(64, 32))

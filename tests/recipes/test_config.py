@@ -19,11 +19,12 @@ from f8tensor import (
     Float8LinearConfig,
     GemmOverride,
     Granularity,
+    MX_1x32_FLOOR,
     NVFP4_1x16,
     ScalingType,
 )
 from f8tensor import config as config_module
-from f8tensor.config import MAX_HISTORY_LEN, max_margin
+from f8tensor.config import MAX_HISTORY_LEN, CastSpec, max_margin
 from f8tensor.recipes import RECIPE_FIELDS
 
 from linear_utils import RECIPE_NAMES
@@ -293,6 +294,8 @@ def test_max_margin_keeps_the_amax_a_normal_number():
 
 def test_float8_linear_config_refusals_in_full():
     delayed = Float8LinearConfig.from_recipe("delayed")
+    at_most = dataclasses.replace(delayed, delayed=DelayedScalingConfig(margin=max_margin(E4M3)))
+    assert at_most.delayed.margin == 14
     with pytest.raises(ValueError, match=_full(
         "DelayedScalingConfig.margin=15 would scale the input's amax below the smallest normal torch.float8_e4m3fn "
         "number (flushing the tensor to zero); the most torch.float8_e4m3fn allows is 14"
@@ -343,6 +346,21 @@ def test_with_gemm_formats_names_its_argument_in_refusals():
         Float8LinearConfig(gemm_overrides={("forward", "grad_output"): None})
 
 
+def test_operand_spec_from_the_granularity():
+    """The CastSpec of a GEMM operand, written out from each granularity's definition."""
+    rows, tiles, mx = CastConfig(E5M2, "rowwise"), CastConfig(E4M3, (1, 128)), CastConfig(E4M3, MX_1x32_FLOOR)
+    assert CastConfig(E4M3).operand_spec(1) == CastSpec(E4M3)
+    assert CastConfig(E4M3).operand_spec(2, ndim=3, per_expert=True) == CastSpec(E4M3, (1, 0, 0))
+    assert rows.operand_spec(1) == CastSpec(E5M2, (1, 0))
+    assert rows.operand_spec(0) == CastSpec(E5M2, (0, 1))
+    assert rows.operand_spec(-2, ndim=3) == CastSpec(E5M2, (1, 0, 1))
+    assert tiles.operand_spec(1) == CastSpec(E4M3, (1, 128))
+    assert tiles.operand_spec(0) == CastSpec(E4M3, (128, 1))
+    assert mx.operand_spec(0, ndim=3) == CastSpec(E4M3, (1, 32, 1), torch.float8_e8m0fnu, "floor")
+    pow2 = CastConfig(E4M3, "rowwise", power_of_2_scale=True, rounding="stochastic")
+    assert pow2.operand_spec(1) == CastSpec(E4M3, (1, 0), torch.float32, "rceil", True, "stochastic")
+
+
 def test_gemm_override_refusals_in_full():
     form = (
         "a dict {(gemm, operand): CastConfig or None} or a sequence of GemmOverride(gemm, operand, cast) "
@@ -359,6 +377,11 @@ def test_gemm_override_refusals_in_full():
         f"gemm_overrides: a GEMM override is keyed by (gemm, operand); got 'forward' (gemm_overrides must be {form})"
     )):
         Float8LinearConfig(gemm_overrides={"forward": None})  # type: ignore[dict-item]
+    for key in ("ab", ("forward", "input", "weight")):
+        with pytest.raises(TypeError, match=_full(
+            f"gemm_overrides: a GEMM override is keyed by (gemm, operand); got {key!r} (gemm_overrides must be {form})"
+        )):
+            Float8LinearConfig(gemm_overrides={key: None})  # type: ignore[dict-item]
     with pytest.raises(TypeError, match=_full("gemm_overrides: a GEMM override's cast is a CastConfig or None (high precision); got 'e4m3'")):
         Float8LinearConfig(gemm_overrides={("forward", "input"): "e4m3"})  # type: ignore[dict-item]
     with pytest.raises(ValueError, match=_full(

@@ -255,6 +255,21 @@ def test_interleaved_microbatches_with_activation_checkpointing(roles):
         assert torch.equal(a, b), name
 
 
+def test_an_infinite_delayed_weight_gives_nan_gradients_not_finite_ones():
+    # A delayed scale is decided without this step's weight, so an inf in the weight is not
+    # caught by the scale: the casts turn it into NaN element by element, in forward and in
+    # backward's re-cast (the clamp alone would make it the format's max: finite garbage).
+    layer = _delayed_layer()
+    _train(nn.Sequential(layer), 1)
+    with torch.no_grad():
+        layer.weight[3, 5] = float("inf")
+    x = torch.randn(8, 64, requires_grad=True)
+    y = layer(x)
+    y.backward(torch.ones_like(y))
+    assert torch.isnan(y[:, 3]).all() and torch.isfinite(y[:, :3]).all()
+    assert torch.isnan(x.grad[:, 5]).all() and torch.isfinite(x.grad[:, :5]).all()
+
+
 # ----------------------------------------------------------------------------- state in buffers
 
 
