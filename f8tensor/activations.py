@@ -3,10 +3,11 @@
 Under ``with f8tensor.save_activations_in_float8():`` every tensor that autograd saves for
 backward (through ``torch.autograd.graph.saved_tensors_hooks``) and that qualifies is
 stored as FP8 data with one fp32 scale per ``block`` consecutive elements of its last dim,
-and dequantized to its own dtype when backward reads it. The cast is f8tensor's one block
-cast (:func:`f8tensor.kernels.cast` with a :class:`~f8tensor.config.CastSpec` of block
-``(1, ..., 1, block)``: ``data = saturate(x * scale)``, dynamic scale ``float8_max / block
-amax``, round to nearest) and the way back is :func:`f8tensor.kernels.dequantize`. On CUDA
+and dequantized to its own dtype when backward reads it. Each tensor is cast by its block
+quantizer (:func:`f8tensor.block_quantizers.activation_quantizer`: a block of ``(1, ...,
+1, block)``, ``data = saturate(x * scale)``, dynamic scale ``float8_max / block amax``,
+round to nearest), through f8tensor's one block cast (:func:`f8tensor.kernels.cast`), and
+comes back through the same quantizer (:func:`f8tensor.kernels.dequantize`). On CUDA
 each is one fused Triton kernel (blocks of up to 1,024 elements; the data and scales of a
 dense tensor in any dim order are laid out in its memory order), with the reference's bits;
 elsewhere the reference's torch ops.
@@ -91,10 +92,9 @@ from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 from typing_extensions import Self
 
+from f8tensor.block_quantizers import BlockQuantizer, activation_quantizer
 from f8tensor.compat import version_counter, view_base
 from f8tensor.formats import FLOAT8_DTYPES
-from f8tensor.kernels import cast, dequantize
-from f8tensor.specs import CastSpec
 
 __all__ = ["COMPRESSED_DTYPES", "DEFAULT_MIN_NUMEL", "save_activations_in_float8"]
 
@@ -124,12 +124,12 @@ class _Restored:
 @dataclass(frozen=True)
 class _Packed:
     """A saved tensor in FP8: ``data`` (the tensor's shape, laid out as the cast lays it
-    out), ``scale`` (fp32, one per block of the last dim), and what the way back needs."""
+    out), ``scale`` (fp32, one per block of the last dim), the quantizer that cast them (the
+    way back, to the tensor's dtype), and what the restore needs."""
 
     data: torch.Tensor
     scale: torch.Tensor
-    block: tuple[int, ...]
-    dtype: torch.dtype
+    quantizer: BlockQuantizer
     stride: tuple[int, ...]
     version: int
     # The tensor that was saved, and its base if it is a view (weak: held only to read
@@ -223,12 +223,12 @@ class _Hooks:
         if hit is not None and hit[0]() is not None:
             hit[1].restored.pending += 1
             return hit[1]
-        block = (1,) * (t.dim() - 1) + (self.block,)
+        quantizer = activation_quantizer(self.float8_dtype, self.block, t.dim(), t.dtype)
         with torch.no_grad():
-            data, scale = cast(t.detach(), CastSpec(self.float8_dtype, block))
+            data, scale = quantizer.quantize(t.detach())
         base = view_base(t)
         refs = (weakref.ref(t),) if base is None else (weakref.ref(t), weakref.ref(base))
-        packed = _Packed(data, scale, block, t.dtype, t.stride(), version_counter(t), refs, _Restored())
+        packed = _Packed(data, scale, quantizer, t.stride(), version_counter(t), refs, _Restored())
         # The entry lives while the storage's owner does: the base of a view (views of it made
         # later hit the entry), else the tensor.
         owner = t if base is None else base
@@ -272,7 +272,7 @@ class _Hooks:
 
 def _restore(packed: _Packed) -> torch.Tensor:
     """The saved tensor back in its dtype and strides."""
-    hp = dequantize(packed.data, packed.scale, packed.block, packed.dtype)
+    hp = packed.quantizer.dequantize(packed.data, packed.scale)
     if hp.stride() == packed.stride:
         return hp
     if all(a == b or n == 1 for a, b, n in zip(hp.stride(), packed.stride, hp.shape)):

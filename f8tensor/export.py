@@ -16,9 +16,11 @@ The scales on disk are multipliers (dequantized = weight.float() * scale), the i
 f8tensor's ``_scale`` (hp -> data): each is the fp32 reciprocal of the cast's ``_scale``
 (an e8m0 code is negated around the bias: 2**-(c - 127) is code 254 - c, exactly), so a
 loader's dequantization is ``_data.float() * reciprocal(_scale)`` bit for bit. The bytes
-come from the library's one cast, ``Float8Tensor.from_hp``, applied to each weight as
-stored (the fp32 master where parameters are fp32): where the format matches the layer's
-recipe they are the bytes its training forward multiplies.
+come from the format's block quantizer
+(:func:`~f8tensor.block_quantizers.export_quantizer`, over the library's one cast, the one
+``Float8Tensor.from_hp`` makes), applied to each weight as stored (the fp32 master where
+parameters are fp32): where the format matches the layer's recipe they are the bytes its
+training forward multiplies.
 
 Which weights go FP8: in a converted model, the ``Float8Linear`` layers and
 ``Float8ExpertWeight`` expert tensors; in a model that was not converted, every
@@ -41,10 +43,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from f8tensor.block_quantizers import export_quantizer
+from f8tensor.formats import check_hp_dtype
 from f8tensor.linear import Float8Linear
 from f8tensor.moe import Float8ExpertWeight
 from f8tensor.specs import BLOCK_128x128, BlockGranularity, Granularity, MX_1x32
-from f8tensor.tensor import Float8Tensor
 
 __all__ = ["FORMATS", "STRATEGIES", "save_fp8_pretrained"]
 
@@ -120,11 +123,11 @@ def _targets(model: nn.Module) -> dict[str, torch.Tensor]:
 def _cast(w: torch.Tensor, granularity: Granularity | BlockGranularity) -> tuple[torch.Tensor, torch.Tensor]:
     """(FP8 data, multiplier scale with one row per data row) of a 2D weight as stored.
 
-    The scale is fp32 ``reciprocal(_scale)`` (uint8 e8m0 codes for MX); its rows are
+    The cast is the format's block quantizer's; its scale converted at this edge to the
+    checkpoint's convention: fp32 ``reciprocal(scale)`` (uint8 e8m0 codes for MX), rows
     repeated to the data's row count so that transformers' weight conversion (chunks and
     splits along rows and experts) can carry scales and data alike."""
-    t = Float8Tensor.from_hp(w, granularity=granularity)
-    data, scale = t._data, t._scale
+    data, scale = export_quantizer(granularity).quantize(w)
     if scale.dtype == torch.float8_e8m0fnu:
         # 1 / 2**(c - 127) = 2**((254 - c) - 127): the inverse multiplier's code, exact.
         inv = (2 * _E8M0_BIAS - scale.view(torch.uint8).to(torch.int16)).to(torch.uint8)
@@ -238,7 +241,8 @@ def save_fp8_pretrained(
     leaves no partial directory.
 
     Raises:
-        TypeError: ``model`` is not a transformers ``PreTrainedModel``.
+        TypeError: ``model`` is not a transformers ``PreTrainedModel``, or a weight to write
+            in FP8 is not bf16, fp16 or fp32 (it names the weight).
         ValueError: an unknown ``format`` or ``strategy`` (or a strategy with a format other
             than compressed-tensors); a weight the format cannot block (it names the weight
             and its sizes); a weight with a non-finite value.
@@ -288,6 +292,7 @@ def save_fp8_pretrained(
             w = w.as_subclass(torch.Tensor) if type(w) is not torch.Tensor else w
             if not bool(torch.isfinite(w).all()):
                 raise ValueError(f"save_fp8_pretrained: {key} holds non-finite values; they have no FP8 encoding")
+            check_hp_dtype(w.dtype, f"save_fp8_pretrained: {key}")
             if w.dim() == 2:
                 state[key], scales[key] = _cast(w, granularity)
             else:  # experts (E, N, K): one cast per expert, as the training casts them

@@ -17,6 +17,10 @@ cast is :func:`column_major_copy`'s (its buffer from :mod:`f8tensor.layouts`).
 
 The layer's buffers travel as :class:`DelayedBuffers` (the delayed-scaling buffers) and
 :class:`StatsBuffers` (its telemetry), each ``None`` when the config does not use it.
+
+The roles that keep raw FP8 bytes and scales rather than Float8Tensors (optimizer moments,
+saved activations, the FSDP2 and TP gathers, MoE's per-group casts, export) have their
+quantizers beside these, in :mod:`f8tensor.block_quantizers`.
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import datetime
 import os
@@ -215,6 +216,18 @@ def check_compiled_linear(granularity: str, batch: tuple[int, ...], k: int, n: i
     assert_sqnr(x_ref.grad, x.grad, MATMUL_MIN_DB, "grad_x")
     # Only w is cast: its gradient is upstream^T @ x in bf16 (measured 55.06 dB on CPU).
     assert_sqnr(w_ref.grad, w.grad, HP_GRAD_MIN_DB, "grad_w")
+
+
+def dotted_name(node: ast.AST) -> list[str] | None:
+    """``a.b.c`` (an attribute chain over a name) as ``["a", "b", "c"]``; None for any other
+    expression. For the AST checks of the package's source."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    return [node.id, *reversed(parts)]
 
 
 def free_port() -> int:

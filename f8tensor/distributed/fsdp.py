@@ -76,11 +76,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from f8tensor import kernels
+from f8tensor.block_quantizers import BlockQuantizer, weight_gather_quantizer
 from f8tensor.compat import DISABLED_TORCH_FUNCTION, dtensor_local, preserve_version_counter
 from f8tensor.config import CastConfig
 from f8tensor.scaling import amax_to_scale, block_amax, delayed_scale, tensor_amax
-from f8tensor.specs import CastSpec
 from f8tensor.tensor import Float8Tensor
 from f8tensor.weights import HighPrecisionWeight, WriteCount
 
@@ -240,23 +239,24 @@ class Float8AllGatherWeight(HighPrecisionWeight):
         # FSDP requires to be even) come out at their own size.
         padded_rows = -(-rows // mesh.size())
         cast = self._cast
+        quantizer = weight_gather_quantizer(cast)
         if cast.tensorwise:
             scale = self._tensorwise_scale(mesh)
             hp = torch.where(torch.isinf(self._hp), torch.nan, self._hp) if cast.delayed else self._hp
-            data = kernels.cast(hp, CastSpec(cast.dtype), scale)[0].view(torch.uint8)
+            data = quantizer.quantize(hp, scale)[0].view(torch.uint8)
             return (_pad_rows(data, padded_rows),), (scale,)
-        spec = cast.operand_spec(1)
+        block = quantizer.spec.block
         if self._cuts_blocks(outer_size, mesh.size()):
             # Blocks span ranks: their amaxes agreed by one all-reduce (or precomputed), the
             # whole weight's scales derived on every rank alike, this shard cast with them.
             # The scales travel as metadata: no gather of their own.
-            scale = kernels.block_scale(self._reduced_amax(mesh, outer_size), spec)
-            data = self._cast_rows(scale, spec, mesh.get_local_rank() * padded_rows)
-            return (_pad_rows(data.view(torch.uint8), padded_rows),), (rows, scale.shape[0], scale.dtype, spec.block, scale)
+            scale = quantizer.scale_for(self._reduced_amax(mesh, outer_size))
+            data = self._cast_rows(quantizer, scale, mesh.get_local_rank() * padded_rows)
+            return (_pad_rows(data.view(torch.uint8), padded_rows),), (rows, scale.shape[0], scale.dtype, block, scale)
         # Row and block scales that no shard cuts: computed from the shard alone, equal to
         # the full weight's.
-        block_rows = spec.block[0] if spec.block[0] else 1  # rowwise: (1, 0)
-        data, scale = kernels.cast(self._hp, spec)
+        block_rows = block[0] if block[0] else 1  # rowwise: (1, 0)
+        data, scale = quantizer.quantize(self._hp)
         scale_rows = -(-rows // block_rows)
         if scale.numel() == 0:  # an empty shard's scales: standard strides, for the byte view
             scale = torch.empty(scale.shape, dtype=scale.dtype, device=scale.device)
@@ -270,12 +270,12 @@ class Float8AllGatherWeight(HighPrecisionWeight):
         data_bytes = _pad_rows(data.view(torch.uint8), padded_rows)
         if rows % mesh.size() == 0:
             # Even shards: the scales ride in FSDP's own all-gather, as a second input.
-            return (data_bytes, scale_bytes), (rows, scale_rows, scale.dtype, spec.block, None)
+            return (data_bytes, scale_bytes), (rows, scale_rows, scale.dtype, block, None)
         # Uneven shards: FSDP takes only inputs of the padded shard's size from a rank with
         # padding, so the scales (a few bytes per row or block) get an all-gather of their own.
         gathered = torch.empty((mesh.size() * scale_bytes.shape[0], *scale_bytes.shape[1:]), dtype=torch.uint8, device=scale.device)
         dist.all_gather_into_tensor(gathered, scale_bytes, group=mesh.get_group())
-        return (data_bytes,), (rows, scale_rows, scale.dtype, spec.block, gathered)
+        return (data_bytes,), (rows, scale_rows, scale.dtype, block, gathered)
 
     def fsdp_post_all_gather(
         self,
@@ -413,16 +413,16 @@ class Float8AllGatherWeight(HighPrecisionWeight):
         grid[first : first + local.shape[0]] = local
         return grid
 
-    def _cast_rows(self, scale: torch.Tensor, spec: CastSpec, start: int) -> torch.Tensor:
-        """This shard (rows ``start`` on of the weight) cast with the whole weight's block
-        scales ``scale``: each row with its blocks' scales, so a block shared with another
-        rank is cast with the one scale both use (a 1-row block spec, given scales)."""
+    def _cast_rows(self, quantizer: BlockQuantizer, scale: torch.Tensor, start: int) -> torch.Tensor:
+        """This shard (rows ``start`` on of the weight) cast by ``quantizer`` with the whole
+        weight's block scales ``scale``: each row with its blocks' scales, so a block shared
+        with another rank is cast with the one scale both use (a 1-row block, given scales)."""
         hp = self._hp
-        block_rows = spec.block[0]
-        index = torch.arange(start, start + hp.shape[0], device=scale.device) // block_rows
+        block = quantizer.spec.block
+        index = torch.arange(start, start + hp.shape[0], device=scale.device) // block[0]
         # Through bytes: index_select takes every dtype's bytes (e8m0 scales included).
         row_scale = scale.view(torch.uint8).index_select(0, index).view(scale.dtype)
-        return kernels.cast(hp, spec._replace(block=(1, *spec.block[1:])), row_scale)[0]
+        return quantizer.with_block((1, *block[1:])).quantize(hp, row_scale)[0]
 
 
 def _pad_rows(data: torch.Tensor, rows: int) -> torch.Tensor:

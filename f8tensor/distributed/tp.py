@@ -51,12 +51,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 
+from f8tensor.block_quantizers import input_gather_quantizer
 from f8tensor.compat import colwise_prepare_input, dtensor_local, functional_all_reduce_max, waited
 from f8tensor.config import CastConfig, Float8LinearConfig
 from f8tensor.formats import FLOAT8_DTYPES
 from f8tensor.linear import NOT_ON_DTENSORS, Float8Linear
-from f8tensor.scaling import amax_to_scale, tensor_amax
-from f8tensor.tensor import Float8Tensor, to_float8
+from f8tensor.scaling import tensor_amax
+from f8tensor.tensor import Float8Tensor
 
 __all__ = ["Float8ColwiseParallel", "Float8RowwiseParallel", "PrepareFloat8ModuleInput", "float8_all_gather"]
 
@@ -75,22 +76,19 @@ class _Float8AllGather(torch.autograd.Function):
     def forward(  # type: ignore[override]
         ctx: Any, local: torch.Tensor, mesh: DeviceMesh, dim: int, full_shape: tuple[int, ...], cast: CastConfig
     ) -> DTensor:
-        spec = cast.operand_spec(local.dim() - 1, ndim=local.dim())
+        quantizer = input_gather_quantizer(cast, local.dim())
         scale = None
-        if not spec.block:  # tensorwise: one scale for the whole gathered tensor, agreed
-            amax = functional_all_reduce_max(tensor_amax(local), mesh.get_group())
-            scale = amax_to_scale(amax, cast.dtype, round_pow2=cast.power_of_2_scale)
-        f8 = to_float8(local, spec, scale=scale)
-        data = _gather(f8._data.view(torch.uint8), mesh, dim, full_shape).view(f8._data.dtype)
-        if spec.block:
+        if not quantizer.spec.block:  # tensorwise: one scale for the whole gathered tensor, agreed
+            scale = quantizer.scale_for(functional_all_reduce_max(tensor_amax(local), mesh.get_group()))
+        data, scale = quantizer.quantize(local, scale)
+        data = _gather(data.view(torch.uint8), mesh, dim, full_shape).view(data.dtype)
+        if quantizer.spec.block:
             scale_shape = list(full_shape)
-            scale_shape[-1] = f8._scale.shape[-1]
-            raw = f8._scale.view(torch.uint8) if f8._scale.dtype != torch.float32 else f8._scale
-            scale = _gather(raw, mesh, dim, scale_shape).view(f8._scale.dtype)
-        else:
-            scale = f8._scale
+            scale_shape[-1] = scale.shape[-1]
+            raw = scale.view(torch.uint8) if scale.dtype != torch.float32 else scale
+            scale = _gather(raw, mesh, dim, scale_shape).view(scale.dtype)
         ctx.mesh, ctx.dim, ctx.full_shape = mesh, dim, full_shape
-        gathered = Float8Tensor(data, scale, local.dtype, f8._block)
+        gathered = Float8Tensor(data, scale, local.dtype, quantizer.block_of(local.dim()))
         shape = torch.Size(full_shape)
         return DTensor.from_local(gathered, mesh, [Replicate()], run_check=False, shape=shape, stride=_contiguous(shape))
 

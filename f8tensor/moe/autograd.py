@@ -9,7 +9,8 @@ from typing import Any, cast
 
 import torch
 
-from f8tensor import compat, kernels
+from f8tensor import compat
+from f8tensor.block_quantizers import BlockQuantizer
 from f8tensor.compat import grouped_mm as hp_grouped_mm
 from f8tensor.config import CastConfig, Float8LinearConfig
 from f8tensor.gemm import batched_mm, grouped_mm, scaled_grouped_mm
@@ -20,9 +21,10 @@ from f8tensor.gemm.rules import ALIGN, CudaBuild, block_rule_for
 from f8tensor.linear_autograd import LinearArgs
 from f8tensor.linear_autograd import QuantizedLinearFn as _QuantizedLinearFn  # looked up at call time, here
 from f8tensor.ops import _permuted
-from f8tensor.scaling import amax_to_scale, segment_amax
+from f8tensor.quantizers import quantize
+from f8tensor.scaling import segment_amax
 from f8tensor.specs import CastSpec, is_tensorwise
-from f8tensor.tensor import Float8Tensor, to_float8
+from f8tensor.tensor import Float8Tensor
 
 __all__ = ["expert_path", "per_expert_loop"]
 
@@ -58,10 +60,10 @@ def _cast_stored(t: torch.Tensor, spec: CastSpec, scale: torch.Tensor | None = N
     walks memory with a stride of K elements), and the FP8 bytes come out column-major, as
     the kernels read their second operand, with no copy."""
     if not _stored_transposed(t):
-        return to_float8(t, spec, scale=scale)
+        return quantize(t, spec, scale=scale)[0]
     b = spec.block
     swapped = spec._replace(block=(*b[:-2], b[-1], b[-2])) if b else spec
-    natural = to_float8(t.transpose(-2, -1), swapped, scale=None if scale is None else scale.transpose(-2, -1))
+    natural = quantize(t.transpose(-2, -1), swapped, scale=None if scale is None else scale.transpose(-2, -1))[0]
     # Rebuilt from its fields rather than through the tensor's own ``transpose``: under
     # ``torch.export``'s tracing a view op on a Float8Tensor made inside this Function
     # returns NotImplemented (the export of a converted MoE model failed so).
@@ -194,20 +196,22 @@ def _scatter_rows(t: torch.Tensor, dest: torch.Tensor, p: int) -> torch.Tensor:
 
 def _group_cast(t: torch.Tensor, offs: torch.Tensor, g: int, spec: CastSpec) -> tuple[torch.Tensor, torch.Tensor]:
     """(P, C) rows grouped by ``offs`` (padded: every offset and P multiples of 16, see
-    :func:`_pad_groups`): FP8 data and a (G, C) scale (rowwise: per group and column, from
-    the amax of the group's rows). Tensorwise: one scale for the tensor, broadcast to (G, C)."""
+    :func:`_pad_groups`), cast by the role's block quantizer: FP8 data and a (G, C) scale
+    (rowwise: per group and column, from the amax of the group's rows). Tensorwise: one
+    scale for the tensor, broadcast to (G, C)."""
     p, c = t.shape
+    quantizer = BlockQuantizer(spec)
     if is_tensorwise(spec.block):
-        data, scale = kernels.cast(t, spec)
+        data, scale = quantizer.quantize(t)
         return data, scale.expand(g, c)
     o = offs.to(torch.int64)
     # The groups' row counts and, last, the rows past offs[-1] (no group): whole 16-row chunks.
     lengths = torch.diff(o, prepend=o.new_zeros(1), append=o.new_full((1,), p))
     amax = segment_amax(t, lengths, rows_per_chunk=ALIGN)  # (G + 1, C)
-    scale = amax_to_scale(amax, spec.float8_dtype, round_pow2=spec.power_of_2)
+    scale = quantizer.scale_for(amax)
     gid = torch.searchsorted(o, torch.arange(p, device=t.device), right=True)  # G: no group
     # Each row with its group's scales: a given scale per element (block (1, 1)).
-    data, _ = kernels.cast(t, spec._replace(block=(1, 1)), scale[gid])
+    data, _ = quantizer.with_block((1, 1)).quantize(t, scale[gid])
     return data, scale[:g]
 
 
@@ -259,7 +263,7 @@ class _GroupedMMFn(torch.autograd.Function):
         ctx: Any, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, config: Float8LinearConfig
     ) -> torch.Tensor:
         _check_contraction(x.shape[1], "forward")
-        x8 = to_float8(x, _spec(config.input, 1))
+        x8 = quantize(x, _spec(config.input, 1))[0]
         # weights: per expert (tensorwise) or per expert and output feature (rowwise), constant along K
         w8 = _cast_weight(w, config.weight)
         out = grouped_mm(x8, w8, offs, KERNEL_OUT)
@@ -281,7 +285,7 @@ class _GroupedMMFn(torch.autograd.Function):
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
             _check_contraction(n, "input gradient")
-            g8 = to_float8(grad, _spec(config.grad_output, 1))
+            g8 = quantize(grad, _spec(config.grad_output, 1))[0]
             # (G, N, K): contraction over N; rowwise: per expert and input feature, constant
             # along N; tensorwise: the forward's per-expert scales, the same bytes.
             wt = w.transpose(-2, -1)

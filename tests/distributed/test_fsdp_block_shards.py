@@ -37,7 +37,8 @@ from f8tensor import (
     Float8Tensor,
     precompute_float8_scales_for_fsdp,
 )
-from f8tensor.kernels import block_scale, cast
+from f8tensor.block_quantizers import weight_gather_quantizer
+from f8tensor.kernels import cast
 
 BATCH = 4  # rows per rank
 LR = 0.05
@@ -95,14 +96,14 @@ def _emulated_gather(full: torch.Tensor, recipe: str, world: int) -> tuple[torch
     """What the cut-block all-gather computes, with ``world`` ranks emulated in this process:
     each shard's grid, their elementwise max (the all-reduce), each shard cast, the rows joined."""
     cfg = _config(recipe).weight
-    spec = cfg.operand_spec(1)
+    quantizer = weight_gather_quantizer(cfg)
     shards = [Float8AllGatherWeight(s, cfg) for s in torch.chunk(full, world)]
     shards += [Float8AllGatherWeight(full[:0], cfg)] * (world - len(shards))  # torch.chunk drops empty ones
     chunk = -(-full.shape[0] // world)
     assert all(s._cuts_blocks(full.shape, world) for s in shards)
     grid = torch.stack([s._shard_amax(full.shape, r, world) for r, s in enumerate(shards)]).amax(0)
-    scale = block_scale(grid, spec)
-    data = torch.cat([s._cast_rows(scale, spec, r * chunk) for r, s in enumerate(shards)])
+    scale = quantizer.scale_for(grid)
+    data = torch.cat([s._cast_rows(quantizer, scale, r * chunk) for r, s in enumerate(shards)])
     return data, scale
 
 

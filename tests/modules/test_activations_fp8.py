@@ -26,6 +26,7 @@ from f8tensor import (
     save_activations_in_float8,
     sqnr,
 )
+from f8tensor.block_quantizers import BlockQuantizer
 
 D, TOKENS = 128, 2048
 
@@ -145,13 +146,13 @@ def test_non_finite_values_stay_non_finite():
 
 def _count_casts(monkeypatch) -> list:
     specs = []
-    real = activations.cast
+    real = BlockQuantizer.quantize
 
-    def counting(hp, spec, *args, **kwargs):
-        specs.append(spec)
-        return real(hp, spec, *args, **kwargs)
+    def counting(self, hp, *args, **kwargs):
+        specs.append(self.spec)
+        return real(self, hp, *args, **kwargs)
 
-    monkeypatch.setattr(activations, "cast", counting)
+    monkeypatch.setattr(BlockQuantizer, "quantize", counting)
     return specs
 
 

@@ -22,6 +22,7 @@ from torch import nn
 pytest.importorskip("triton", reason="the fused casts need triton (it ships with CUDA builds of torch)")
 
 from f8tensor import activations, kernels, save_activations_in_float8
+from f8tensor.block_quantizers import BlockQuantizer
 from f8tensor.config import CastSpec
 from f8tensor.kernels import reference, triton_cast
 
@@ -117,18 +118,18 @@ def test_one_kernel_per_pack_and_one_per_restore(monkeypatch):
             reference, name, lambda *a, _r=real_reference, _n=name, **k: fallbacks.append(_n) or _r(*a, **k)
         )
     packed, saves = [], []
-    real_cast, real_pack = activations.cast, activations._Hooks.pack
+    real_cast, real_pack = BlockQuantizer.quantize, activations._Hooks.pack
 
-    def counting_cast(t, spec):
+    def counting_cast(quantizer, t, *args, **kwargs):
         packed.append((tuple(t.shape), t.is_contiguous()))
-        return real_cast(t, spec)
+        return real_cast(quantizer, t, *args, **kwargs)
 
     def counting_pack(self, t):
         out = real_pack(self, t)
         saves.append(isinstance(out, activations._Packed))
         return out
 
-    monkeypatch.setattr(activations, "cast", counting_cast)
+    monkeypatch.setattr(BlockQuantizer, "quantize", counting_cast)
     monkeypatch.setattr(activations._Hooks, "pack", counting_pack)
 
     got = _step(model, x, _context())
@@ -154,9 +155,9 @@ def test_restored_copy_is_dropped_after_its_last_unpack(monkeypatch):
     lin1, lin2 = nn.Linear(64, 64), nn.Linear(64, 64)
     x = torch.randn(8, 64, requires_grad=True)
     restores, casts = [], []
-    real_restore, real_cast = activations._restore, activations.cast
+    real_restore, real_cast = activations._restore, BlockQuantizer.quantize
     monkeypatch.setattr(activations, "_restore", lambda p: restores.append(p) or real_restore(p))
-    monkeypatch.setattr(activations, "cast", lambda t, spec: casts.append(t.shape) or real_cast(t, spec))
+    monkeypatch.setattr(BlockQuantizer, "quantize", lambda q, t, *a, **k: casts.append(t.shape) or real_cast(q, t, *a, **k))
     with _context():
         h = torch.tanh(x)  # tanh saves its output, both linears save it as their input
         out = (lin1(h) * lin2(h)).sum()  # the product saves both outputs

@@ -86,8 +86,10 @@ def test_plan_fits_one_command_and_every_item_has_a_deadline():
     lines, total = _plan()
     assert total <= 480
     names = [ln.split()[0] for ln in lines]
-    assert names[:6] == ["smoke", "linear_target", "eager_overhead", "e2e_compile", "e2e_step", "moe_grouped"]
-    assert all(n.startswith("pytest_gpu") for n in names[6:]) and len(names) > 6
+    # The smoke test, then the checks of the features no GPU has run yet, then the figures.
+    assert names[:8] == ["smoke", "fused_optimizer_step", "fp8_activation_casts", "linear_target",
+                         "eager_overhead", "e2e_compile", "e2e_step", "moe_grouped"]
+    assert all(n.startswith("pytest_gpu") for n in names[8:]) and len(names) > 8
     for ln in lines:
         assert re.search(r"plan +\d+ s +deadline \+ *\d+ s", ln), ln
     deadlines = [int(re.search(r"deadline \+ *(\d+)", ln).group(1)) for ln in lines]
@@ -166,14 +168,20 @@ def test_second_plan_profiles_missed_figures_and_reports_absent_hooks(dry_defaul
             assert f"{r['item']} {recipe} {r['mode']} {r['shape']}" in labels, (r, labels)
     assert any(lbl.startswith("linear_target bf16 compiled") for lbl in labels), labels
     assert (out / "profile_trace.json.gz").stat().st_size > 0
-    statuses = _statuses(out)
+    # Each feature check runs in one plan: the default plan's right after its smoke test,
+    # the others here.
     hooks = __import__("campaign.hooks").hooks
+    by_plan = {out: _statuses(out) for out in (dry_default[1], out)}
     for name, module, _ in hooks.HOOKS:
+        ran_in = [o for o, statuses in by_plan.items() if name in statuses]
+        assert ran_in == [dry_default[1] if name in plans.DEFAULT_HOOKS else out], name
+        status = by_plan[ran_in[0]][name]
         if hooks.module_absent(module):
-            assert statuses[name] == f"not run: absent (module {module} does not exist yet)"
+            assert status == f"not run: absent (module {module} does not exist yet)"
         else:
-            assert statuses[name] == "ok", (name, statuses[name])
-    step = {r["recipe"]: float(r["value"]) for r in rows if r["item"] == "fused_optimizer_step"}
+            assert status == "ok", (name, status)
+    default_rows = report.read_csv(dry_default[1] / "results.csv")
+    step = {r["recipe"]: float(r["value"]) for r in default_rows if r["item"] == "fused_optimizer_step"}
     assert set(step) == {"torch AdamW", "f8tensor fp32 states", "f8tensor bf16 states", "f8tensor fp8 states"}
     assert all(v > 0 for v in step.values()), step
     # accelerate's FSDP2 plugin (on the CPU accelerate ignores the plugin: the same steps unsharded)
@@ -190,7 +198,14 @@ def test_budget_20_ends_within_20_s_with_its_files(tmp_path):
     t0 = time.monotonic()
     proc = _run("--dry-run", "--budget-s", "20", "--out", str(tmp_path / "b"), timeout=60)
     took = time.monotonic() - t0
-    assert took < 20.5, (took, proc.stdout[-2000:])  # 20 s from process start, plus the spawn
+    # The budget counts from the process's own start (imports included): the run's last line
+    # says how long it took by that clock. The spawn and the interpreter's exit around it
+    # take a second on an idle machine and several on a loaded one (24.9 s outside against
+    # 18.6 s inside, measured at a load average of 8 on 2 cores), so they get their own bound.
+    inside = re.search(r"wall ([0-9.]+) s from process start", proc.stdout)
+    assert inside is not None, proc.stdout[-2000:]
+    assert float(inside.group(1)) <= 20.5, proc.stdout[-2000:]
+    assert took < 20.5 + 15, (took, proc.stdout[-2000:])
     assert proc.returncode in (0, 3), proc.stderr[-2000:]
     files = sorted(p.name for p in (tmp_path / "b").iterdir())
     assert files == ["campaign.log", "results.csv", "summary.md"]
@@ -273,7 +288,7 @@ def test_a_spent_budget_marks_every_item_not_run(tmp_path):
     assert {s.status.split(" (")[0] for s in r.states.values()} == {"not run: budget"}
     summary = (tmp_path / "summary.md").read_text()
     assert "| tensorwise compiled >= 1.5x bf16 | linear_target | - | >= 1.5x | not run: budget" in summary
-    assert "--items smoke,linear_target," in summary  # how to run them next
+    assert "--items smoke,fused_optimizer_step,fp8_activation_casts,linear_target," in summary  # how to run them next
 
 
 def test_plan_deadlines_scale_to_the_budget_and_stop_before_its_end():
@@ -344,8 +359,8 @@ def test_smoke_holds_stochastic_recipes_to_the_cpus_accuracy(dry_default):
         assert float(r["value"]) >= (-smoke.STOCHASTIC_MARGIN_DB if gap else smoke.DEVICE_VS_CPU_DB), r
 
 
-def test_activation_casts_check_measures_bytes_kernels_and_time(dry_second):
-    rows = [r for r in report.read_csv(dry_second[1] / "results.csv") if r["item"] == "fp8_activation_casts"]
+def test_activation_casts_check_measures_bytes_kernels_and_time(dry_default):
+    rows = [r for r in report.read_csv(dry_default[1] / "results.csv") if r["item"] == "fp8_activation_casts"]
     by = {(r["recipe"], r["metric"]): r for r in rows}
     for recipe in ("bf16", "tensorwise"):
         # The dry run's quick block keeps about 0.61-0.63x of its bytes under the context.

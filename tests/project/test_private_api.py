@@ -13,6 +13,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from helpers import dotted_name
+
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "f8tensor"
 COMPAT = PACKAGE / "compat.py"
@@ -29,16 +31,6 @@ PRIVATE_ATTRIBUTES = frozenset(
 
 def _private(name: str) -> bool:
     return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
-
-
-def _dotted(node: ast.AST) -> list[str] | None:
-    parts = []
-    while isinstance(node, ast.Attribute):
-        parts.append(node.attr)
-        node = node.value
-    if not isinstance(node, ast.Name):
-        return None
-    return [node.id, *reversed(parts)]
 
 
 def _torch_aliases(tree: ast.Module) -> set[str]:
@@ -69,7 +61,7 @@ def private_uses(path: Path) -> list[str]:
             if node.attr in PRIVATE_ATTRIBUTES:
                 found.append(f"{where}: .{node.attr}")
                 continue
-            parts = _dotted(node)
+            parts = dotted_name(node)
             if parts and parts[0] in roots and parts[1:2] != ["ops"] and _private(parts[-1]):
                 found.append(f"{where}: {'.'.join(parts)}")
     return found
