@@ -347,6 +347,7 @@ def test_bmm_with_a_weight_expanded_over_the_batch(a_name, w_block, batch, consi
     assert_sqnr(_bmm_reference(a8, b8, torch.float32, flattened=True), y.double(), _BMM_MIN_DB[torch.float32])
     (a2, _), = consistent_operands
     if a_name in ("tensorwise", "rows", "1x32"):
+        assert a2._data.data_ptr() == a8._data.data_ptr()  # a view of the same bytes: no re-cast, no copy
         assert torch.equal(a2._data.view(torch.uint8), a8._data.reshape(-1, _BMM_K).view(torch.uint8))
         assert torch.equal(a2._scale, a8._scale if a_name == "tensorwise" else a8._scale.reshape(-1, a8._scale.shape[-1]))
 
