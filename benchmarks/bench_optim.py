@@ -8,9 +8,15 @@ Per configuration, on a stack of ``--layers`` square ``--width`` x ``--width`` p
   master remainder), per parameter;
 - *persistent B/param*: what lives between steps, gradients excluded: the parameter, the
   remainder of ``master_weights="remainder"``, the moments and scales;
+- *first step s*: the first ``optimizer.step()``, which creates the states and, for the
+  compiled rows (f8tensor's ``compiled=True``, torchao's), compiles the step (inductor's C++
+  build; a warm inductor cache on disk shortens it);
 - *step ms*: the median time of one ``optimizer.step()`` over ``--steps`` timed steps (after
   two untimed ones), gradients set once. Configurations run in interleaved rounds, so that
   load from other processes falls on all of them alike.
+
+f8tensor's rows run its torch-ops path (``compiled=False``) and its compiled CPU step
+(``compiled=True``); ``--no-compile`` leaves the compiled rows out (``--quick`` too).
 
     PYTHONPATH=. python benchmarks/bench_optim.py                 # 10.5M parameters
     PYTHONPATH=. python benchmarks/bench_optim.py --quick         # a smoke run in seconds
@@ -27,6 +33,7 @@ standard deviation:
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import platform
 import statistics
@@ -65,26 +72,31 @@ def _torchao_optim(name: str) -> Callable[[list[torch.Tensor]], torch.optim.Opti
     return None if cls is None else (lambda params: cls(params, **KW))
 
 
-def configs() -> list[Config]:
+def configs(compiled: bool = True) -> list[Config]:
+    """The rows: torch's AdamW, f8tensor's per state dtype (torch ops, then compiled unless
+    ``compiled`` is False), torchao's."""
     f32, bf16 = torch.float32, torch.bfloat16
-    return [
-        Config("torch AdamW (foreach)", f32, lambda ps: torch.optim.AdamW(ps, foreach=True, **KW)),
-        Config("f8tensor AdamW fp32 states", f32, lambda ps: AdamW(ps, **KW)),
-        Config("f8tensor AdamW bf16 states", f32, lambda ps: AdamW(ps, state_dtype=bf16, **KW)),
-        Config("f8tensor AdamW FP8 states", f32, lambda ps: AdamW(ps, state_dtype=FP8, **KW)),
-        Config(
-            "f8tensor bf16 + remainder, bf16 states",
-            bf16,
-            lambda ps: AdamW(ps, state_dtype=bf16, master_weights="remainder", **KW),
-        ),
-        Config(
-            "f8tensor bf16 + remainder, FP8 states",
-            bf16,
-            lambda ps: AdamW(ps, state_dtype=FP8, master_weights="remainder", **KW),
-        ),
+    ours = [
+        ("f8tensor AdamW fp32 states", f32, {}),
+        ("f8tensor AdamW bf16 states", f32, {"state_dtype": bf16}),
+        ("f8tensor AdamW FP8 states", f32, {"state_dtype": FP8}),
+        ("f8tensor bf16 + remainder, bf16 states", bf16, {"state_dtype": bf16, "master_weights": "remainder"}),
+        ("f8tensor bf16 + remainder, FP8 states", bf16, {"state_dtype": FP8, "master_weights": "remainder"}),
+    ]
+    rows = [Config("torch AdamW (foreach)", f32, lambda ps: torch.optim.AdamW(ps, foreach=True, **KW))]
+    for name, dtype, options in ours:
+        for mode in (False, True) if compiled else (False,):
+            suffix = ", compiled" if mode else ", torch ops"
+            rows.append(Config(name + suffix, dtype, functools.partial(_ours, compiled=mode, **options)))
+    rows += [
         Config("torchao AdamWFp8", f32, _torchao_optim("AdamWFp8")),
         Config("torchao AdamW8bit", f32, _torchao_optim("AdamW8bit")),
     ]
+    return rows
+
+
+def _ours(params: list[torch.Tensor], **options) -> torch.optim.Optimizer:
+    return AdamW(params, **options, **KW)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -117,16 +129,17 @@ class Row:
     persistent_bpp: float | None
     step_ms: float | None
     note: str = ""
+    first_s: float | None = None
 
 
-def run(layers: int, width: int, steps: int, rounds: int) -> tuple[list[Row], int]:
+def run(layers: int, width: int, steps: int, rounds: int, compiled: bool = True) -> tuple[list[Row], int]:
     g = torch.Generator().manual_seed(0)
     master = [torch.randn(width, width, generator=g) * 0.02 for _ in range(layers)]
     grads = [torch.randn(width, width, generator=g) * 1e-3 for _ in range(layers)]
     numel = layers * width * width
     setups = []
     rows = []
-    for config in configs():
+    for config in configs(compiled):
         if config.make is None:
             rows.append(Row(config.name, None, None, None, NOT_INSTALLED))
             continue
@@ -134,10 +147,12 @@ def run(layers: int, width: int, steps: int, rounds: int) -> tuple[list[Row], in
         for p, grad in zip(params, grads):
             p.grad = grad.to(config.param_dtype)
         opt = config.make(params)
-        for _ in range(2):  # untimed: state allocation, first-call costs
-            opt.step()
+        t0 = time.perf_counter()
+        opt.step()  # untimed: state allocation, compilation
+        first = time.perf_counter() - t0
+        opt.step()  # untimed: first-call costs
         moments, persistent = state_bytes(opt, params)
-        row = Row(config.name, moments / numel, persistent / numel, None)
+        row = Row(config.name, moments / numel, persistent / numel, None, first_s=first)
         rows.append(row)
         setups.append((row, opt, []))
     per_round = max(1, steps // rounds)
@@ -154,14 +169,18 @@ def run(layers: int, width: int, steps: int, rounds: int) -> tuple[list[Row], in
 
 def format_table(rows: Sequence[Row], device_label: str) -> str:
     base = next(r.step_ms for r in rows if r.name.startswith("torch AdamW"))
-    header = f"{'optimizer':<42}{'state B/param':>15}{'persistent B/param':>20}{f'step ms ({device_label})':>17}{'vs torch':>10}"
+    header = (
+        f"{'optimizer':<52}{'state B/param':>15}{'persistent B/param':>20}{'first step s':>14}"
+        f"{f'step ms ({device_label})':>17}{'vs torch':>10}"
+    )
     lines = [header, "-" * len(header)]
     for r in rows:
         if r.step_ms is None:
-            lines.append(f"{r.name:<42}{r.note:>15}{r.note:>20}{r.note:>17}{'-':>10}")
+            lines.append(f"{r.name:<52}{r.note:>15}{r.note:>20}{r.note:>14}{r.note:>17}{'-':>10}")
             continue
         rel = f"{r.step_ms / base:.2f}x" if base else "-"
-        lines.append(f"{r.name:<42}{r.state_bpp:>15.4f}{r.persistent_bpp:>20.4f}{r.step_ms:>17.1f}{rel:>10}")
+        first = f"{r.first_s:.1f}" if r.first_s is not None else "-"
+        lines.append(f"{r.name:<52}{r.state_bpp:>15.4f}{r.persistent_bpp:>20.4f}{first:>14}{r.step_ms:>17.1f}{rel:>10}")
     return "\n".join(lines)
 
 
@@ -232,7 +251,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=20, help="timed steps per configuration (default: 20)")
     parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds (default: 4)")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (default: 1)")
-    parser.add_argument("--quick", action="store_true", help="2 x 256 x 256 parameters, 2 timed steps")
+    parser.add_argument("--quick", action="store_true", help="2 x 256 x 256 parameters, 2 timed steps, no compile")
+    parser.add_argument("--no-compile", action="store_true", help="leave out f8tensor's compiled rows")
     parser.add_argument("--quality", metavar="SEEDS", help="comma-separated seeds: train the demo GPT per optimizer")
     parser.add_argument("--train-steps", type=int, default=250, help="--quality: steps per run (default: 250)")
     parser.add_argument("--size", default="small", help="--quality: the demo's model size (default: small)")
@@ -250,12 +270,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(format_quality(quality(seeds, args.train_steps, args.size), seeds))
         return 0
     if args.quick:
-        args.layers, args.width, args.steps, args.rounds = 2, 256, 2, 1
+        args.layers, args.width, args.steps, args.rounds, args.no_compile = 2, 256, 2, 1, True
     for flag in ("layers", "width", "steps", "rounds", "threads"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag} must be a positive integer; got {getattr(args, flag)}")
     torch.set_num_threads(args.threads)
-    rows, numel = run(args.layers, args.width, args.steps, args.rounds)
+    rows, numel = run(args.layers, args.width, args.steps, args.rounds, compiled=not args.no_compile)
     label = "CPU"
     print(
         f"optimizer step, {args.layers} x ({args.width} x {args.width}) = {numel / 1e6:.1f}M parameters, "

@@ -14,6 +14,7 @@ below, each measured on that release's CPU build or read from its sources; READM
 
 from __future__ import annotations
 
+import shutil
 import sys
 import types
 from collections.abc import Callable, Iterator
@@ -23,6 +24,8 @@ import torch
 
 if torch.distributed.is_available():
     from torch.distributed.tensor.parallel import ColwiseParallel
+from torch._inductor import config as _inductor_config
+from torch._inductor import inductor_prims as _inductor_prims
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils import _pytree
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -38,16 +41,19 @@ __all__ = [
     "HAS_CPU_ROWWISE_SCALED_MM",
     "HAS_CPU_SCALED_MM_V2",
     "HAS_GROUPED_MM_FP32_META",
+    "HAS_INDUCTOR_FMA",
     "META_FLOORS_BLOCK_SCALES",
     "TORCH_VERSION",
     "TorchDispatchMode",
     "assert_async",
     "block_scaled_mm",
     "colwise_prepare_input",
+    "cpu_compiler",
     "cpu_scaled_mm",
     "current_graph_task_id",
     "disable_torch_function_subclass",
     "dtensor_local",
+    "fma",
     "functional_all_reduce_max",
     "grouped_mm",
     "has_block_scaled_mm",
@@ -63,6 +69,7 @@ __all__ = [
     "scaled_mm",
     "set_scaled_mm",
     "tree_map_only",
+    "unlimited_recompiles",
     "version_counter",
     "view_base",
     "waited",
@@ -95,6 +102,11 @@ HAS_CPU_SCALED_MM_V2: bool = TORCH_VERSION >= (2, 12)
 #: Whether ``torch._grouped_mm``'s meta registration (what torch.compile traces) takes fp32
 #: operands: no release 2.11-2.14 does ("Expected inputs of BF16 type"); eager CPU does.
 HAS_GROUPED_MM_FP32_META: bool = False
+
+#: Whether inductor has a fused multiply-add prim (``torch._inductor.inductor_prims.fma``,
+#: added in early 2026 for eager parity of lerp and addcmul; read from the module, not the
+#: version number): its CPU and GPU code emit one fused multiply-add per element.
+HAS_INDUCTOR_FMA: bool = hasattr(_inductor_prims, "fma")
 
 #: Whether the meta registration of ``F.scaled_mm`` (torch.compile's tracing of a CUDA call)
 #: floor-divides K, M, N by 128 for the DeepSeek scales, refusing dims that are not multiples
@@ -458,6 +470,36 @@ def watch_c10d_writes(callback: Callable[[list[torch.Tensor]], None]) -> Callabl
         except RuntimeError:  # a kernel is registered there already
             continue
     return lib._destroy
+
+
+def cpu_compiler() -> str | None:
+    """The C++ compiler inductor builds CPU code with, when one is on the PATH: the names
+    of ``torch._inductor.config.cpp.cxx`` (torch >= 2.0; ``CXX`` or ``g++``; a None entry
+    is a conda download inductor makes only when asked to), else None."""
+    names = _inductor_config.cpp.cxx
+    for name in names if isinstance(names, (list, tuple)) else (names,):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """``a * b + c`` rounded once, for compiled code: ``inductor_prims.fma`` (see
+    :data:`HAS_INDUCTOR_FMA`), which inductor turns into a fused multiply-add on CPU and
+    GPU. Run eagerly (or by a non-inductor backend) the prim rounds twice, as does the
+    fallback on a release without it."""
+    if HAS_INDUCTOR_FMA:
+        return _inductor_prims.fma(a, b, c)
+    return a * b + c
+
+
+def unlimited_recompiles() -> Any:
+    """``torch._dynamo.utils.disable_cache_limit()`` (torch >= 2.1): a context in which dynamo
+    compiles a function once more for every new set of guards, past its recompile limit (8
+    per function by default, after which a ``fullgraph=True`` function fails). For a
+    function whose graphs are bounded by configurations, never by shapes or steps: the
+    optimizer's compiled step (one graph per dtype and mode)."""
+    return torch._dynamo.utils.disable_cache_limit()
 
 
 def dtensor_local(t: Any) -> torch.Tensor:

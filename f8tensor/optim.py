@@ -23,10 +23,8 @@ decay, bias correction); what differs is where the state lives:
   element's global index (below), a sharded step writes the bits one process writes, on
   any number of ranks, and a DCP checkpoint reshards without touching a block.
 
-  Stochastic rounding, without generator state: element ``i`` of a tensor draws entry
-  ``i mod`` :data:`NOISE_PERIOD` of a table filled by a generator seeded with
-  ``(parameter position, step, moment)``. Resume is bit-exact with nothing but the step
-  counters saved, and a shard draws what one process draws at the same elements.
+  Stochastic rounding, without generator state (:mod:`f8tensor.optim_draws`): resume is
+  bit-exact with the step counters saved, a shard draws what one process draws.
 
   Why stochastic rounding, ``v`` as is, blocks of 128, measured (final loss relative to
   fp32 moments, mean of 3 seeds; 1.0 is fp32). ``tests/modules/test_optim.py``'s MLP (16 -> 64 ->
@@ -34,8 +32,9 @@ decay, bias correction); what differs is where the state lives:
   moments 0.994; stochastic ``v`` only 1.015; bf16 moments 1.000. The demo GPT (``small``,
   250 steps, bf16 autocast, betas (0.9, 0.95), seeds 0-2; fp32 moments 2.2268 / 2.2490 /
   2.2241): stochastic +0.31% / +0.02% / -0.56% (mean -0.08%), round to nearest +0.18% /
-  -0.02% / -0.10% (mean +0.02%), both within the seeds' spread. Round to nearest cannot follow ``v``'s slow decay by ``beta2``: a decay of 0.1%
-  per step is far below half an e4m3 spacing (3-6%), so ``v`` sticks and the updates come
+  -0.02% / -0.10% (mean +0.02%), both within the seeds' spread. Round to nearest cannot
+  follow ``v``'s slow decay by ``beta2``: a decay of 0.1% per step is far below half an
+  e4m3 spacing (3-6%), so ``v`` sticks and the updates come
   out too small (the MLP's lower loss, consistently across seeds); stochastic rounding
   keeps every moment's expectation. Earlier flat-block measurements on a 32 -> 256 -> 256
   -> 8 MLP: blocks of 32 / 128 / 256 gave 0.942 / 0.950 / 0.957 and ``sqrt(v)`` stored
@@ -60,50 +59,65 @@ moments and its parameter NaN (inf / inf) and the step is not skipped; with FP8 
 NaN reaches the whole block of its moments (the block's scale is NaN). No moment is ever
 a finite value computed from a non-finite gradient.
 
-FSDP2 (``fully_shard``) and other DTensor parameters: every op of a step is elementwise or
-per row block, so the step runs on the local shards and makes no collective; the states
-are DTensors with the parameter's mesh and placements (FP8 states need dim-0 sharding or
-replication), so ``torch.distributed.checkpoint`` saves and reshards them. A weight wrapper
-subclass as the local shard (FSDP2 FP8 all-gather) is updated in place through its own ops;
-its moments are plain tensors.
+FSDP2 (``fully_shard``) and other DTensor parameters (:mod:`f8tensor.optim_shards`): the
+step runs on the local shards, no collective; the states are DTensors with the parameter's
+placements. A weight wrapper subclass as the local shard (FSDP2 FP8 all-gather) is updated
+in place through its own ops; its moments are plain tensors.
 
-Speed: a fused step. On CUDA tensors (a DTensor's local shard included), in eager mode, with
-triton importable, each parameter tensor takes one Triton kernel
-(:mod:`f8tensor.kernels.triton_adamw`) that reads the parameter (and its remainder), the
-gradient and both moments once (dequantizing FP8 moments with their block scales),
-computes the update in fp32 and writes everything back once, requantizing FP8 moments per
-block in the same program, with the same seeded draws (a ``NOISE_PERIOD`` table per moment
-made on the device before the launch). Its bits are the torch-ops path's on the same device
-(the kernel follows torch's CUDA or CPU rounding of each op; on CPU the one difference is
-torch's vectorized CPU square root, which is not always correctly rounded). Elsewhere (CPU
-tensors, fp16 parameters, non-contiguous tensors, a weight wrapper subclass as the local
-shard, under ``torch.compile``, which fuses the torch ops itself) the torch-ops path runs:
-about 10 elementwise passes per FP8 moment. The switch: ``AdamW(..., fused=None)``
-(the default: as above), ``fused=False`` (the torch-ops path everywhere), ``fused=True``
-(the kernel wherever it takes the tensor, CPU tensors through the Triton interpreter: the
-CPU tests' way in; slow). No host sync on either path: the step counter is a CPU tensor,
-as torch's, and nothing else is read back.
+Speed: one pass per tensor where it can be had. The torch-ops path (:func:`_tensor_step`)
+is the reference: about 60 elementwise passes over an FP8-state tensor (dequantization,
+update, block amaxes, stochastic rounding, casts; the moments in rows of one block, so that
+their scales broadcast). Two fused forms give its bits:
+
+- CUDA tensors (a DTensor's local shard included), eager, triton importable: one Triton
+  kernel per tensor (:mod:`f8tensor.kernels.triton_adamw`) reads the parameter (and its
+  remainder), the gradient and both moments once, computes the update in fp32 and writes
+  everything once, requantizing FP8 moments per block with the same seeded draws (a
+  ``NOISE_PERIOD`` table per moment made on the device before the launch). It follows
+  torch's CUDA or CPU rounding of each op; on CPU the one difference is torch's vectorized
+  square root, which is not always correctly rounded (666 of 100003 fp32 inputs 1 ulp off).
+  ``fused=None`` (default): CUDA tensors; ``False``: never; ``True``: also CPU tensors,
+  through the Triton interpreter (the CPU tests' way in; slow).
+- CPU tensors: :func:`_tensor_step` compiled by inductor (``compiled=``), one C++ loop nest
+  per tensor and one graph per kind of tensor (dtype, mode, FP8 rows or flat), never one
+  per shape, step or lr. It writes the torch-ops path's bits with a correctly rounded
+  square root: the compiled code spells out the fused multiply-adds of ATen's CPU lerp and
+  addcmul (:func:`f8tensor.compat.fma`); a ``"remainder"`` parameter that is NaN is
+  stored as bf16's canonical NaN. ``compiled=None`` (default): when a C++ compiler is
+  found, CPU tensors of at least :data:`COMPILE_MIN_NUMEL` (2**20) elements whose
+  torch-ops step is slow (FP8 moments, a ``"remainder"`` or ``"stochastic"`` master); fp32
+  and bf16 moments keep torch's bits (and speed), and small tensors (the demo's, the
+  tests') never pay a compile. The first step compiles (tens of seconds on a small CPU,
+  less from inductor's cache on disk); BENCHMARKS.md ("Optimizer states in 8 bits") has
+  the step times against torch's and torchao's. ``compiled=True``: every CPU tensor it
+  takes (FP8 moments: rows of whole blocks); ``False``: never.
+
+Under ``torch.compile`` the torch-ops path is traced whole: the step counter stays a 0-dim
+tensor (eager reads it as a Python float), the scalars that depend on it are tensors, the
+draw tables come from a custom op that reads the counter when the graph runs
+(``f8tensor::adamw_noise_table``): no graph break, one graph after the step that creates
+the states; inductor gives it the compiled step's bits. No host sync on any path: the step
+counter is a CPU tensor, as torch's, and nothing else is read back.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
-import torch.distributed as dist
 
-from f8tensor.compat import dtensor_local
+from f8tensor.compat import cpu_compiler, unlimited_recompiles
 from f8tensor.kernels import cast, dequantize, triton_adamw
+from f8tensor.optim_draws import NOISE_PERIOD, noise_table, noise_table_at, seed, uniform
+from f8tensor.optim_master import join_master, split_master, stochastic_bf16
+from f8tensor.optim_math import Scalars, compiled_moments, scalars
+from f8tensor.optim_shards import check_fp8_placements, local_shard, row_length, row_offset, wrap_like
 from f8tensor.specs import CastSpec
 
-if dist.is_available():
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-else:  # a torch build without torch.distributed: nothing is ever a DTensor
-    DTensor = ()  # type: ignore[misc,assignment]  # isinstance(x, ()) is always False
-
-__all__ = ["FP8_BLOCK", "MASTER_WEIGHTS", "STATE_DTYPES", "AdamW"]
+__all__ = ["COMPILE_MIN_NUMEL", "FP8_BLOCK", "MASTER_WEIGHTS", "NOISE_PERIOD", "STATE_DTYPES", "AdamW"]
 
 #: The moment dtypes :class:`AdamW` accepts.
 STATE_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float8_e4m3fn)
@@ -121,9 +135,9 @@ FP8_ROUNDING: dict[str, str] = {"exp_avg": "stochastic", "exp_avg_sq": "stochast
 _FP8_SPECS = {
     name: CastSpec(torch.float8_e4m3fn, _FP8_BLOCK_2D, rounding=rounding) for name, rounding in FP8_ROUNDING.items()
 }
-_MASK32 = 0xFFFFFFFF
-#: The period of the stochastic-rounding draws along a tensor's flattened elements (a prime).
-NOISE_PERIOD = 65537
+#: ``compiled=None``: the smallest CPU tensor that takes the compiled step (see "Speed").
+COMPILE_MIN_NUMEL = 1 << 20
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 #: The square root of the torch-ops step: torch's own. (CUDA's is correctly rounded, and so
@@ -152,55 +166,7 @@ def _check_options(state_dtype: Any, master_weights: Any) -> None:
         raise ValueError(f"master_weights must be one of {MASTER_WEIGHTS}; got {master_weights!r}")
 
 
-# ---------------------------------------------------------------- the bf16 master encodings
-
-
-def _halves(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The int16 (low, high) halves of each fp32 element of ``master`` (views of its bytes:
-    little-endian, as every host and GPU torch runs on)."""
-    pairs = master.reshape(-1).view(torch.int16).view(-1, 2)
-    return pairs[:, 0], pairs[:, 1]
-
-
-def _split_master(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 ``master`` -> (bf16 rounded to nearest, ties away from zero; int16 low half).
-
-    The bf16 bits are the master's high 16 bits plus one when its low half is >= 0x8000
-    (its int16 is negative; on the sign-magnitude pattern: one ulp away from zero). The low
-    half is stored as is, so the high half is the bf16's minus that carry, which the low
-    half's top bit says. int16 arithmetic throughout (a finite master never carries past
-    0x7F80, inf's pattern; only NaN patterns could wrap, and stay NaN or become inf).
-    """
-    low, high = _halves(master)
-    bf16 = (high + (low < 0).to(torch.int16)).view(torch.bfloat16).view(master.shape)
-    return bf16, low.clone().view(master.shape)
-
-
-def _join_master(param: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
-    """The fp32 master that :func:`_split_master` split into ``param`` and ``remainder``."""
-    low = remainder.reshape(-1)
-    high = param.reshape(-1).view(torch.int16) - (low < 0).to(torch.int16)
-    return torch.stack((low, high), dim=-1).view(torch.int32).view(torch.float32).view(param.shape)
-
-
-def _stochastic_bf16(x: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """fp32 ``x`` rounded to bf16 stochastically: up (in magnitude) with probability equal to
-    the dropped low half's fraction of a bf16 ulp (``uniform``: draws in ``[0, 1)`` with 24
-    bits, ``x``'s shape). NaN stays NaN; inf stays inf."""
-    noise = (uniform * (1 << 16)).to(torch.int32)  # exact: uniform integers in [0, 2**16)
-    bits = (x.view(torch.int32) + noise) & ~0xFFFF
-    out = bits.view(torch.float32)
-    out = torch.where(torch.isfinite(x), out, x)
-    return out.to(torch.bfloat16)
-
-
-# ---------------------------------------------------------------- sharded parameters and FP8 layout
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (the tensor FSDP2 keeps; in-place updates reach the
-    parameter), any other tensor itself."""
-    return dtensor_local(t) if isinstance(t, DTensor) else t
+# ---------------------------------------------------------------- FP8 moments: one cast each way
 
 
 def _uses_fp8(p: torch.Tensor, state_dtype: torch.dtype) -> bool:
@@ -209,83 +175,177 @@ def _uses_fp8(p: torch.Tensor, state_dtype: torch.dtype) -> bool:
     return state_dtype == torch.float8_e4m3fn and p.dim() >= 2 and p.numel() >= FP8_BLOCK
 
 
-def _check_fp8_placements(p: torch.Tensor) -> None:
-    if not isinstance(p, DTensor):
-        return
-    for placement in p.placements:
-        if not (isinstance(placement, Replicate) or (isinstance(placement, Shard) and placement.dim == 0)):
-            raise ValueError(
-                "state_dtype=torch.float8_e4m3fn keeps one scale per 128 elements of each dim-0 row, so a "
-                f"DTensor parameter must be sharded on dim 0 or replicated; got placements {p.placements} for a "
-                f"parameter of shape {tuple(p.shape)} (use state_dtype=torch.bfloat16 for it)"
-            )
+class _Fp8View(NamedTuple):
+    """The 2D views an FP8 moment is cast in, of its data and of its scales (stored as
+    ``blocks``: ``(rows, blocks per row)``). Rows of whole blocks are seen one block per
+    row, ``(numel / 128, 128)``, scales ``(numel / 128, 1)``: the scales broadcast instead
+    of being expanded over the elements. Other rows (a short last block) as they are."""
+
+    data: tuple[int, int]
+    scale: tuple[int, int]
+    blocks: tuple[int, int]
 
 
-def _row_offset(p: torch.Tensor) -> int:
-    """The global index of the first dim-0 row of ``p``'s local shard (0 for a plain tensor).
-
-    DTensor's ``Shard(0)`` splits as ``torch.chunk`` does, one mesh dim after the other:
-    chunks of ``ceil(rows / n)``, the last ones short or empty."""
-    if not isinstance(p, DTensor):
-        return 0
-    coordinate = p.device_mesh.get_coordinate()
-    if coordinate is None:  # this rank is not in the mesh
-        return 0
-    offset, rows = 0, p.shape[0]
-    for mesh_dim, placement in enumerate(p.placements):
-        if isinstance(placement, Shard):
-            n = p.device_mesh.size(mesh_dim)
-            chunk = -(-rows // n)
-            start = min(chunk * coordinate[mesh_dim], rows)
-            offset += start
-            rows = min(rows, start + chunk) - start
-    return offset
+def _fp8_view(shape: tuple[int, ...]) -> _Fp8View:
+    rows, row = shape[0], math.prod(shape[1:])
+    blocks = (rows, -(-row // FP8_BLOCK))
+    if row % FP8_BLOCK == 0:
+        n = rows * (row // FP8_BLOCK)
+        return _Fp8View((n, FP8_BLOCK), (n, 1), blocks)
+    return _Fp8View((rows, row), blocks, blocks)
 
 
-def _wrap_like(local: torch.Tensor, p: torch.Tensor, global_shape: tuple[int, ...]) -> torch.Tensor:
-    """``local`` as a DTensor with ``p``'s mesh and placements (no collective), when ``p``
-    is one; ``local`` itself otherwise."""
-    if not isinstance(p, DTensor):
-        return local
-    stride = torch.empty(global_shape, device="meta").stride()
-    return DTensor.from_local(
-        local, p.device_mesh, p.placements, run_check=False, shape=torch.Size(global_shape), stride=stride
+def _dequantize_moment(data: torch.Tensor, scale: torch.Tensor, view: _Fp8View) -> torch.Tensor:
+    """An FP8 moment (e4m3 ``data`` in the parameter's shape, its fp32 block ``scale``) in fp32,
+    in the parameter's shape: the one way back of every FP8 moment."""
+    return dequantize(data.view(view.data), scale.view(view.scale), _FP8_BLOCK_2D, torch.float32).view(data.shape)
+
+
+def _quantize_moment(
+    value: torch.Tensor, name: str, uniform: torch.Tensor | None, view: _Fp8View
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``value`` (the parameter's shape) as moment ``name``'s e4m3 data (the same shape)
+    and fp32 scales (``view.blocks``): the one cast of every FP8 moment (rule
+    ``data = saturate(x * scale)``, dynamic block scale). ``uniform``: the draws of a
+    stochastic rounding, in ``view.data``'s shape."""
+    data, scale = cast(value.view(view.data), _FP8_SPECS[name], uniform=uniform)
+    return data.view(value.shape), scale.view(view.blocks)
+
+
+# ---------------------------------------------------------------- one tensor's step
+
+
+def _tensor_step(
+    local: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg_state: torch.Tensor,
+    exp_avg_sq_state: torch.Tensor,
+    scales: tuple[torch.Tensor, torch.Tensor] | None,
+    remainder: torch.Tensor | None,
+    tables: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
+    start: int | torch.Tensor,
+    s: Scalars,
+    master_weights: str | None,
+) -> None:
+    """One step of one tensor (a parameter or its local shard), in place, in torch ops: the
+    torch-ops path, and what :func:`_compiled_step` compiles.
+
+    ``scales``: FP8 moments' block scales (the states then e4m3 data, cast in the views of
+    :func:`_fp8_view`), else None (fp32 or bf16 moments). ``remainder``: the int16 low halves
+    of a ``"remainder"`` master (or their int32 values). ``tables``: the draws (one :data:`NOISE_PERIOD` table each,
+    or None) of the two moments' and the parameter's stochastic roundings; ``start``: the
+    global flat index of ``local``'s first element."""
+    # The fp32 tensor the update is applied to: the parameter itself when it is fp32.
+    if local.dtype == torch.float32:
+        param = local
+    elif master_weights == "remainder":
+        assert remainder is not None
+        param = join_master(local, remainder)
+    else:
+        # Deliberate upcast: the update is computed in fp32 from the low-precision parameter.
+        param = local.to(torch.float32)
+    grad = grad if grad.dtype == torch.float32 else grad.to(torch.float32)
+
+    if s.weight_decay != 0:
+        param.mul_(1 - s.lr * s.weight_decay)
+    if scales is not None:
+        view = _fp8_view(tuple(local.shape))
+        exp_avg = _dequantize_moment(exp_avg_state, scales[0], view)
+        exp_avg_sq = _dequantize_moment(exp_avg_sq_state, scales[1], view)
+    elif exp_avg_state.dtype != torch.float32:
+        exp_avg, exp_avg_sq = exp_avg_state.to(torch.float32), exp_avg_sq_state.to(torch.float32)
+    else:
+        exp_avg, exp_avg_sq = exp_avg_state, exp_avg_sq_state
+
+    if isinstance(s.neg_step_size, torch.Tensor):
+        exp_avg, exp_avg_sq = compiled_moments(grad, exp_avg, exp_avg_sq, s)
+        if exp_avg_state.dtype == torch.float32 and scales is None:
+            exp_avg_state.copy_(exp_avg)
+            exp_avg_sq_state.copy_(exp_avg_sq)
+        denom = (_sqrt(exp_avg_sq) / s.bias_correction2_sqrt).add_(s.eps)
+        # addcdiv takes a Number: the 0-dim step size multiplies first, as the CPU's addcdiv
+        # computes ``p + (s * m) / d`` (two roundings, then the sum's).
+        param.add_(exp_avg.mul(s.neg_step_size).div_(denom))
+    else:
+        # The ops and their order are torch's single-tensor AdamW's (bit-identical in fp32).
+        exp_avg.lerp_(grad, 1 - s.beta1)
+        exp_avg_sq.mul_(s.beta2).addcmul_(grad, grad, value=1 - s.beta2)
+        denom = (_sqrt(exp_avg_sq) / s.bias_correction2_sqrt).add_(s.eps)
+        param.addcdiv_(exp_avg, denom, value=s.neg_step_size)
+
+    if scales is not None:
+        moments = (("exp_avg", exp_avg_state, exp_avg), ("exp_avg_sq", exp_avg_sq_state, exp_avg_sq))
+        for (name, state, value), table, scale in zip(moments, tables, scales):
+            draws = None if table is None else uniform(table, start, view.data)
+            data, new_scale = _quantize_moment(value, name, draws, view)
+            state.copy_(data)
+            scale.copy_(new_scale)
+    elif exp_avg_state.dtype != torch.float32:
+        exp_avg_state.copy_(exp_avg)
+        exp_avg_sq_state.copy_(exp_avg_sq)
+
+    if param is not local:
+        if master_weights == "remainder":
+            assert remainder is not None
+            high, low = split_master(param)
+            local.copy_(high)
+            remainder.copy_(low)
+        elif master_weights == "stochastic":
+            assert tables[2] is not None
+            local.copy_(stochastic_bf16(param, uniform(tables[2], start, tuple(local.shape))))
+        else:
+            local.copy_(param)
+
+
+def _run_compiled(
+    local: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg_state: torch.Tensor,
+    exp_avg_sq_state: torch.Tensor,
+    scales: tuple[torch.Tensor, torch.Tensor] | None,
+    remainder: torch.Tensor | None,
+    tables: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
+    start: int,
+    s: Scalars,
+    master_weights: str | None,
+) -> None:
+    """:func:`_tensor_step` through :func:`_compiled_step`, one graph for every shape.
+
+    Every tensor is seen in rows of one block (FP8 moments; others when they divide into
+    them: one draw-table offset per row) or flat, the scales as a column; detached (a view's
+    base shape would be guarded on). The offset and the step's scalars are tensors, no
+    constants to specialize on (fp32, as the eager ops round the Python floats)."""
+    flat = (-1, FP8_BLOCK) if scales is not None or local.numel() % FP8_BLOCK == 0 else (-1,)
+    tensors = [t.view(flat).detach() for t in (local, grad, exp_avg_state, exp_avg_sq_state)]
+    scales = None if scales is None else (scales[0].view(-1, 1).detach(), scales[1].view(-1, 1).detach())
+    # The int16 remainder widened to int32 around the compiled step: inductor's CPU code
+    # vectorizes no loop that touches int16, and this one is every pass over the tensor.
+    wide = None if remainder is None else remainder.view(flat).to(torch.int32)
+    s = s._replace(
+        bias_correction2_sqrt=torch.tensor(s.bias_correction2_sqrt, dtype=torch.float32),
+        neg_step_size=torch.tensor(s.neg_step_size, dtype=torch.float32),
     )
+    offset = torch.tensor(start, dtype=torch.int64)
+    with unlimited_recompiles():  # one graph per dtype and mode, never one per shape or step
+        _compiled_step(_COMPILE_BACKEND)(*tensors, scales, wide, tables, offset, s, master_weights)
+    if remainder is not None and wide is not None:
+        remainder.copy_(wide.view(remainder.shape))  # int32 -> int16: the low 16 bits, the value
 
 
-def _hash32(x: int) -> int:
-    """A 32-bit integer mix (two rounds of multiply and xor-shift)."""
-    for _ in range(2):
-        x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
-    return (x >> 16) ^ x
+#: The backend of the compiled CPU step (the tests swap in a cheaper one to check the logic).
+_COMPILE_BACKEND = "inductor"
 
 
-def _uniform(start: int, shape: tuple[int, ...], seed: int, device: torch.device) -> torch.Tensor:
-    """Uniform fp32 draws in ``[0, 1)`` for the elements ``start, start + 1, ...`` (global
-    flat indices) of a tensor: element ``i`` draws entry ``i mod`` :data:`NOISE_PERIOD` of a
-    table that a generator seeded with ``seed`` fills. A function of ``(seed, i)`` only: a
-    shard draws what one process draws at the same elements, and a resumed run repeats its
-    draws with no generator state to restore. Elements a period apart share a draw within
-    a step (a prime period, so never along one column of a power-of-two width); each
-    element's draws over the steps are independent, which is what unbiased rounding needs.
-    One table of the period per call, then one copy: no per-element hashing."""
-    n = math.prod(shape)
-    table = _noise_table(seed, device)
-    first = start % NOISE_PERIOD
-    reps = -(-(first + n) // NOISE_PERIOD)
-    return table.repeat(reps)[first : first + n].reshape(shape)
-
-
-def _noise_table(seed: int, device: torch.device) -> torch.Tensor:
-    """The :data:`NOISE_PERIOD` uniform fp32 draws of ``seed`` (the table :func:`_uniform`
-    repeats; the fused kernel indexes it directly)."""
-    generator = torch.Generator(device=device)
-    generator.manual_seed(seed)
-    return torch.rand(NOISE_PERIOD, generator=generator, device=device)
-
-
-def _seed(param_index: int, step: int, moment: int) -> int:
-    return _hash32(_hash32(_hash32(param_index) ^ step) ^ moment)
+@functools.cache
+def _compiled_step(backend: str) -> Callable[..., None]:
+    """:func:`_tensor_step` compiled once for every shape (``dynamic=True``; the Python
+    float scalars are graph inputs, so neither a new step nor a new lr recompiles)."""
+    # The draw tables' indices are in range by construction (a remainder by the period), so
+    # inductor's per-index bounds assertion is left out of this graph.
+    options: dict[str, str | int | bool | Callable[..., Any]] | None = None
+    if backend == "inductor":
+        options = {"assert_indirect_indexing": False}
+    return torch.compile(_tensor_step, backend=backend, dynamic=True, fullgraph=True, options=options)
 
 
 # ---------------------------------------------------------------- the optimizer
@@ -297,16 +357,15 @@ class AdamW(torch.optim.Optimizer):
 
     Group options: ``lr``, ``betas``, ``eps``, ``weight_decay``, ``state_dtype``,
     ``master_weights`` (a group added later inherits the constructor's unless it sets them).
-    ``fused`` (the whole optimizer): None, True or False, see the module docstring's "Speed".
+    ``fused`` and ``compiled`` (the whole optimizer): None, True or False, see the module
+    docstring's "Speed".
 
-    State per parameter: ``step`` (a 0-dim fp32 tensor, as torch's); ``exp_avg`` and
-    ``exp_avg_sq`` (the parameter's shape, in ``state_dtype``; fp32 for FP8 states of a
-    tensor under :data:`FP8_BLOCK` elements); for FP8 states ``exp_avg`` (flat e4m3 data),
-    ``exp_avg_scale``, ``exp_avg_sq`` (flat e4m3 data) and ``exp_avg_sq_scale``
-    (fp32, one per block of :data:`FP8_BLOCK`); with ``master_weights="remainder"``
-    ``master_remainder`` (int16, the parameter's shape). Every entry is a plain tensor, so
-    ``state_dict()`` loads with ``torch.load(weights_only=True)``.
-
+    State per parameter: ``step`` (a 0-dim fp32 CPU tensor, as torch's); ``exp_avg`` and
+    ``exp_avg_sq`` (the parameter's shape, in ``state_dtype``: e4m3 data for FP8 states,
+    fp32 for a tensor that keeps fp32 moments); for FP8 states ``exp_avg_scale`` and
+    ``exp_avg_sq_scale`` (fp32, one per block: ``(rows, blocks per row)``); with
+    ``master_weights="remainder"`` ``master_remainder`` (int16, the parameter's shape).
+    Every entry is a plain tensor, so ``state_dict()`` loads with ``torch.load(weights_only=True)``.
     """
 
     def __init__(
@@ -320,6 +379,7 @@ class AdamW(torch.optim.Optimizer):
         state_dtype: torch.dtype = torch.float32,
         master_weights: str | None = None,
         fused: bool | None = None,
+        compiled: bool | None = None,
     ) -> None:
         _check_hyper(lr, betas, eps, weight_decay)
         _check_options(state_dtype, master_weights)
@@ -327,19 +387,23 @@ class AdamW(torch.optim.Optimizer):
             raise ValueError(f"fused must be None (automatic), True or False; got {fused!r}")
         if fused and not triton_adamw.available():
             raise ValueError("fused=True needs triton (it ships with CUDA builds of torch); use fused=None or False")
-        #: None: the fused kernel for CUDA tensors (eager, triton importable), the torch-ops
-        #: path elsewhere; True: the kernel wherever it takes the tensor (CPU tensors through
-        #: the Triton interpreter: slow, for tests); False: the torch-ops path everywhere.
+        #: None: the fused kernel for CUDA tensors (eager, triton importable); True: wherever
+        #: it takes the tensor (CPU tensors through the Triton interpreter: slow, for tests);
+        #: False: never (the torch-ops path, or the compiled CPU step: ``compiled``).
         self.fused = fused
-        defaults = {
-            "lr": lr,
-            "betas": tuple(betas),
-            "eps": eps,
-            "weight_decay": weight_decay,
-            "state_dtype": state_dtype,
-            "master_weights": master_weights,
-        }
-        super().__init__(params, defaults)
+        if compiled not in (None, True, False):
+            raise ValueError(f"compiled must be None (automatic), True or False; got {compiled!r}")
+        if compiled and cpu_compiler() is None:
+            raise ValueError(
+                "compiled=True needs a C++ compiler for inductor's CPU code (g++, or the one CXX names) and none "
+                "is on the PATH; use compiled=None (the torch-ops path without one) or False"
+            )
+        #: None: the compiled CPU step where the torch-ops step is slow (see "Speed"), when a
+        #: C++ compiler is found; True: every CPU tensor it takes; False: never.
+        self.compiled = compiled
+        self._compiler = compiled is not False and cpu_compiler() is not None
+        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
+        super().__init__(params, defaults | {"state_dtype": state_dtype, "master_weights": master_weights})
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
@@ -362,27 +426,27 @@ class AdamW(torch.optim.Optimizer):
     def _init_state(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
         state = self.state[p]
         state["step"] = torch.tensor(0.0, dtype=torch.float32)
-        local = _local(p)
+        local = local_shard(p)
         state_dtype = group["state_dtype"]
         if _uses_fp8(p, state_dtype):
-            _check_fp8_placements(p)
-            row = p.numel() // p.shape[0]
-            scale_shape = (p.shape[0], -(-row // FP8_BLOCK))
-            zeros = torch.zeros(local.shape[0], row, dtype=torch.float32, device=local.device)
+            check_fp8_placements(p)
+            view = _fp8_view(tuple(local.shape))
+            scale_shape = (p.shape[0], view.blocks[1])
+            zeros = torch.zeros(local.shape, dtype=torch.float32, device=local.device)
             for name in ("exp_avg", "exp_avg_sq"):
-                data, scale = cast(zeros, _FP8_SPECS[name], uniform=torch.zeros_like(zeros))
-                state[name] = _wrap_like(data.view(local.shape), p, tuple(p.shape))
-                state[name + "_scale"] = _wrap_like(scale, p, scale_shape)
+                data, scale = _quantize_moment(zeros, name, torch.zeros(view.data, device=local.device), view)
+                state[name] = wrap_like(data, p, tuple(p.shape))
+                state[name + "_scale"] = wrap_like(scale, p, scale_shape)
         else:
             dtype = torch.bfloat16 if state_dtype == torch.bfloat16 else torch.float32
             for name in ("exp_avg", "exp_avg_sq"):
                 # torch.zeros, not zeros_like: a weight wrapper subclass (FSDP2 FP8 all-gather)
                 # must not make its moments wrappers too.
-                state[name] = _wrap_like(torch.zeros(local.shape, dtype=dtype, device=local.device), p, tuple(p.shape))
+                state[name] = wrap_like(torch.zeros(local.shape, dtype=dtype, device=local.device), p, tuple(p.shape))
         if group["master_weights"] == "remainder":
             # A bf16 parameter is an fp32 master whose low half is zero: the remainder starts at 0.
             remainder = torch.zeros(local.shape, dtype=torch.int16, device=local.device)
-            state["master_remainder"] = _wrap_like(remainder, p, tuple(p.shape))
+            state["master_remainder"] = wrap_like(remainder, p, tuple(p.shape))
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -427,89 +491,75 @@ class AdamW(torch.optim.Optimizer):
     ) -> None:
         """One step of one parameter, on its local shard: every op is elementwise or per row
         block, so a sharded step makes no collective and computes what one process does."""
-        lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
-        beta1, beta2 = group["betas"]
-        master_weights = group["master_weights"]
         step_t = state["step"]
         step_t += 1
-        step = step_t.item()  # a CPU tensor, as torch's: no device sync
-        local = _local(p)
-        grad = _local(grad)
-        if self._takes_kernel(local, grad, state):
+        local, grad = local_shard(p), local_shard(grad)
+        compiling = torch.compiler.is_compiling()
+        # Eager: the count as a Python float (a CPU tensor, as torch's: no device sync), for
+        # torch's float64 scalar math. Under torch.compile the counter stays a tensor: a
+        # read would break the graph, and a constant would recompile every step.
+        step = step_t.to(torch.float64) if compiling else step_t.item()
+        if not compiling and self._takes_kernel(local, grad, state):
             self._fused_update(p, local, grad, index, int(step), state, group)
             return
-
-        # The fp32 tensor the update is applied to: the parameter itself when it is fp32.
-        if p.dtype == torch.float32:
-            param = local
-        elif master_weights == "remainder":
-            param = _join_master(local, _local(state["master_remainder"]))
-        else:
-            # Deliberate upcast: the update is computed in fp32 from the low-precision parameter.
-            param = local.to(torch.float32)
-        grad = grad if grad.dtype == torch.float32 else grad.to(torch.float32)
-
-        if weight_decay != 0:
-            param.mul_(1 - lr * weight_decay)
-
+        master_weights = group["master_weights"] if local.dtype == torch.bfloat16 else None
         fp8 = "exp_avg_scale" in state
-        if fp8:
-            rows = (local.shape[0], p.numel() // p.shape[0])
-            m_data, v_data = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
-            exp_avg = dequantize(m_data.view(rows), _local(state["exp_avg_scale"]), _FP8_BLOCK_2D, torch.float32)
-            exp_avg_sq = dequantize(v_data.view(rows), _local(state["exp_avg_sq_scale"]), _FP8_BLOCK_2D, torch.float32)
-            exp_avg, exp_avg_sq = exp_avg.view(local.shape), exp_avg_sq.view(local.shape)
+
+        def table(moment: int, stochastic: bool) -> torch.Tensor | None:
+            # The draws of moment 0 (exp_avg), 1 (exp_avg_sq) or 2 (the bf16 parameter).
+            if not stochastic:
+                return None
+            if compiling:
+                return noise_table_at(step_t, index, moment, local.device)
+            return noise_table(seed(index, int(step), moment), local.device)
+
+        tables = (
+            table(0, fp8 and _FP8_SPECS["exp_avg"].rounding == "stochastic"),
+            table(1, fp8 and _FP8_SPECS["exp_avg_sq"].rounding == "stochastic"),
+            table(2, master_weights == "stochastic"),
+        )
+        args = (
+            local, grad, local_shard(state["exp_avg"]), local_shard(state["exp_avg_sq"]),
+            (local_shard(state["exp_avg_scale"]), local_shard(state["exp_avg_sq_scale"])) if fp8 else None,
+            local_shard(state["master_remainder"]) if master_weights == "remainder" else None,
+            tables, row_offset(p) * row_length(p), scalars(group, step), master_weights,
+        )  # fmt: skip
+        if compiling or not self._takes_compiled(local, grad, state, group):
+            _tensor_step(*args)
         else:
-            exp_avg, exp_avg_sq = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
-            if exp_avg.dtype != torch.float32:
-                exp_avg, exp_avg_sq = exp_avg.to(torch.float32), exp_avg_sq.to(torch.float32)
+            _run_compiled(*args)
 
-        # The ops and their order are torch's single-tensor AdamW's (bit-identical in fp32).
-        exp_avg.lerp_(grad, 1 - beta1)
-        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        bias_correction1 = 1 - beta1**step
-        bias_correction2 = 1 - beta2**step
-        step_size = lr / bias_correction1
-        bias_correction2_sqrt = bias_correction2**0.5
-        denom = (_sqrt(exp_avg_sq) / bias_correction2_sqrt).add_(eps)
-        param.addcdiv_(exp_avg, denom, value=-step_size)
-
-        if fp8:
-            start = _row_offset(p) * rows[1]
-            for moment, (name, value) in enumerate((("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq))):
-                spec = _FP8_SPECS[name]
-                uniform = None
-                if spec.rounding == "stochastic":
-                    uniform = _uniform(start, rows, _seed(index, int(step), moment), local.device)
-                data, scale = cast(value.reshape(rows), spec, uniform=uniform)
-                _local(state[name]).copy_(data.view(local.shape))
-                _local(state[name + "_scale"]).copy_(scale)
-        elif state["exp_avg"].dtype != torch.float32:
-            _local(state["exp_avg"]).copy_(exp_avg)
-            _local(state["exp_avg_sq"]).copy_(exp_avg_sq)
-
-        if param is not local:
-            if master_weights == "remainder":
-                high, low = _split_master(param)
-                local.copy_(high)
-                _local(state["master_remainder"]).copy_(low)
-            elif master_weights == "stochastic":
-                start = _row_offset(p) * (p.numel() // max(p.shape[0], 1)) if p.dim() else 0
-                uniform = _uniform(start, tuple(local.shape), _seed(index, int(step), 2), local.device)
-                local.copy_(_stochastic_bf16(param, uniform))
-            else:
-                local.copy_(param)
-
-    # ------------------------------------------------------------ the fused step
+    # ------------------------------------------------------------ the fused and compiled steps
 
     def _takes_kernel(self, local: torch.Tensor, grad: torch.Tensor, state: dict[str, Any]) -> bool:
-        if self.fused is False or torch.compiler.is_compiling():
+        if self.fused is False:
             return False
         if self.fused is None and not (local.is_cuda and triton_adamw.available()):
             return False
         names = ("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale", "master_remainder")
-        states = tuple(_local(state[name]) for name in names if name in state)
+        states = tuple(local_shard(state[name]) for name in names if name in state)
         return triton_adamw.supports(local, grad, states)
+
+    def _takes_compiled(
+        self, local: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: dict[str, Any]
+    ) -> bool:
+        """Whether ``local`` takes the compiled CPU step: plain contiguous CPU tensors (FP8
+        moments: rows of whole blocks), with ``compiled=True``; with None, when a C++
+        compiler is found, tensors of at least :data:`COMPILE_MIN_NUMEL` elements whose
+        torch-ops step is slow (FP8 moments, a "remainder" or "stochastic" master)."""
+        if not self._compiler or local.numel() == 0:
+            return False
+        fp8 = "exp_avg_scale" in state
+        if self.compiled is None:
+            slow = fp8 or (local.dtype == torch.bfloat16 and group["master_weights"] is not None)
+            if not slow or local.numel() < COMPILE_MIN_NUMEL:
+                return False
+        tensors = (local, grad, *(local_shard(v) for v in state.values() if isinstance(v, torch.Tensor)))
+        if any(type(t) not in _PLAIN or not t.is_contiguous() or t.device.type != "cpu" for t in tensors[:2]):
+            return False
+        if any(type(t) not in _PLAIN or not t.is_contiguous() for t in tensors[2:]):
+            return False
+        return not fp8 or _fp8_view(tuple(local.shape)).data[1] == FP8_BLOCK
 
     def _fused_update(
         self,
@@ -527,8 +577,7 @@ class AdamW(torch.optim.Optimizer):
         scalars = triton_adamw.AdamWScalars(group["lr"], beta1, beta2, group["eps"], group["weight_decay"], step)
         master_weights = group["master_weights"] if local.dtype == torch.bfloat16 else None
         fp8 = "exp_avg_scale" in state
-        row = p.numel() // max(p.shape[0], 1) if p.dim() else 1
-        start = _row_offset(p) * row
+        start = row_offset(p) * row_length(p)
         m_table = v_table = p_table = None
         if fp8:
             stochastic = (
@@ -536,15 +585,15 @@ class AdamW(torch.optim.Optimizer):
                 _FP8_SPECS["exp_avg_sq"].rounding == "stochastic",
             )
             if stochastic[0]:
-                m_table = _noise_table(_seed(index, step, 0), local.device)
+                m_table = noise_table(seed(index, step, 0), local.device)
             if stochastic[1]:
-                v_table = _noise_table(_seed(index, step, 1), local.device)
+                v_table = noise_table(seed(index, step, 1), local.device)
         if master_weights == "stochastic":
-            p_table = _noise_table(_seed(index, step, 2), local.device)
+            p_table = noise_table(seed(index, step, 2), local.device)
         triton_adamw.adamw_step(
-            local, grad, _local(state["exp_avg"]), _local(state["exp_avg_sq"]), scalars,
-            scales=(_local(state["exp_avg_scale"]), _local(state["exp_avg_sq_scale"])) if fp8 else None,
+            local, grad, local_shard(state["exp_avg"]), local_shard(state["exp_avg_sq"]), scalars,
+            scales=(local_shard(state["exp_avg_scale"]), local_shard(state["exp_avg_sq_scale"])) if fp8 else None,
             block=FP8_BLOCK, stochastic=stochastic if fp8 else (False, False), tables=(m_table, v_table, p_table),
             start=start, master=master_weights,
-            remainder=_local(state["master_remainder"]) if master_weights == "remainder" else None,
+            remainder=local_shard(state["master_remainder"]) if master_weights == "remainder" else None,
         )  # fmt: skip

@@ -362,6 +362,12 @@ def expand_block_scale(scale: torch.Tensor, block: tuple[int, ...], shape: tuple
         # One block spanning the whole dim: its single entry broadcasts as it is.
         if b > 1 and scale.shape[d] != 1:
             n = scale.shape[d]
+            if n * b != shape[d] and torch.compiler.is_compiling():
+                # A short last block, compiled: one index per element, the same values.
+                # Inductor's CPU code (torch 2.13) reads the expanded, reshaped and narrowed
+                # view below out of bounds past the first block (garbage in the cast).
+                scale = scale.index_select(d, torch.arange(shape[d], device=scale.device) // b)
+                continue
             sizes = list(scale.shape)
             scale = scale.unsqueeze(d + 1).expand(*sizes[: d + 1], b, *sizes[d + 1 :])
             scale = scale.reshape(*sizes[:d], n * b, *sizes[d + 1 :])
@@ -394,7 +400,9 @@ def stochastic_round(
     e = ((x.view(torch.int32) >> 23) & 0xFF) - 127
     e = e.clamp(min=emin)
     ulp = ((e - fmt.mantissa_bits + 127) << 23).view(torch.float32)
-    q = x / ulp
+    # x / ulp as x times the spacing's reciprocal, a power of two too (exponent field in
+    # [1, 254] for every e after the clamp): the same exact quotient, without a division.
+    q = x * ((fmt.mantissa_bits + 127 - e) << 23).view(torch.float32)
     lo = torch.floor(q)
     # rand_like for the default generator: under torch.compile(dynamic=True) `rand` of a
     # symbolic shape fails to trace once a generator argument (even None) is passed;

@@ -331,6 +331,30 @@ def test_eager_equals_compiled_bitwise():
     assert counter.frame_count == 1
 
 
+@pytest.mark.parametrize(
+    ("name", "gran"), [("randn", BLOCK_1x128), ("randn", MX_1x32), ("tall", BLOCK_1x128)], ids=["1x128", "mx", "tall"]
+)
+def test_eager_equals_compiled_bitwise_with_short_last_blocks(name, gran):
+    """One block cast cut short at a dim's end (300 = 2 x 128 + 44 = 9 x 32 + 12; 130 =
+    128 + 2) and its dequantization, alone in a graph, under inductor: the eager bits.
+    Inductor's CPU code (torch 2.13) read a short last block's expanded scale out of bounds
+    (every element past the first block wrong) until ``scaling.expand_block_scale`` indexed
+    it per element under compile. (The four casts of one graph above fuse otherwise.)"""
+    import torch._dynamo.testing
+
+    def cast_and_back(x):
+        c = Float8Tensor.from_hp(x, granularity=gran)
+        return c._data, c._scale, c.to_hp()
+
+    torch._dynamo.reset()  # a fresh frame per case (the same code object, another closure)
+    x = INPUTS[name].to(torch.bfloat16)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    got = torch.compile(cast_and_back, backend=counter, fullgraph=True)(x)
+    for g, want in zip(got, cast_and_back(x)):
+        assert torch.equal(g.view(torch.uint8), want.view(torch.uint8)), tuple(want.shape)
+    assert counter.frame_count == 1
+
+
 # ----------------------------------------------------------------------------- CUDA kernel layouts (checked on CPU)
 
 

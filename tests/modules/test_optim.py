@@ -9,9 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from f8tensor import convert_to_float8_training
+from f8tensor import convert_to_float8_training, optim_draws
 from f8tensor.kernels import dequantize
-from f8tensor.optim import FP8_BLOCK, NOISE_PERIOD, AdamW, _join_master, _seed, _split_master, _uniform
+from f8tensor.optim import FP8_BLOCK, NOISE_PERIOD, AdamW
+from f8tensor.optim_master import join_master, split_master
 
 FP8 = torch.float8_e4m3fn
 
@@ -148,9 +149,9 @@ def test_remainder_master_weights_follow_the_fp32_trajectory_exactly():
         ref.grad, p.grad = g.float(), g
         opt_ref.step()
         opt.step()
-        master = _join_master(p.detach(), opt.state[p]["master_remainder"])
+        master = join_master(p.detach(), opt.state[p]["master_remainder"])
         assert torch.equal(_bits(master), _bits(ref))
-        assert torch.equal(_bits(p), _bits(_split_master(ref.detach())[0]))
+        assert torch.equal(_bits(p), _bits(split_master(ref.detach())[0]))
         # The bf16 parameter is the master rounded to nearest (ties away from zero: at most half an ulp).
         assert ((p.detach().float() - ref.detach()).abs() <= ref.detach().abs() * 2.0**-8).all()
     # 20 steps of 1e-3 are below a bf16 ulp for most entries: plain rounding loses them.
@@ -327,16 +328,17 @@ def test_non_finite_gradient_propagates_never_finite_garbage(state_dtype, bad):
 
 
 def test_stochastic_draws_are_a_function_of_the_global_element_and_the_seed():
-    full = _uniform(0, (300, 700), 1234, torch.device("cpu"))
+    table = optim_draws.noise_table(1234, torch.device("cpu"))
+    full = optim_draws.uniform(table, 0, (300, 700))
     # A shard of rows [120, 213) draws what the full tensor draws there.
-    shard = _uniform(120 * 700, (93, 700), 1234, torch.device("cpu"))
+    shard = optim_draws.uniform(table, 120 * 700, (93, 700))
     assert torch.equal(shard, full[120:213])
-    assert not torch.equal(_uniform(0, (300, 700), 1235, torch.device("cpu")), full)
+    assert not torch.equal(optim_draws.uniform(optim_draws.noise_table(1235, torch.device("cpu")), 0, (300, 700)), full)
     assert full.min() >= 0 and full.max() < 1
     # Elements a period apart share a draw; neighbours do not.
     flat = full.reshape(-1)
     assert torch.equal(flat[:1000], flat[NOISE_PERIOD : NOISE_PERIOD + 1000])
     assert (flat[:1000] != flat[1:1001]).float().mean() > 0.99
     # Different (parameter, step, moment) give different seeds.
-    seeds = {_seed(i, s, m) for i in range(10) for s in range(1, 20) for m in range(3)}
+    seeds = {optim_draws.seed(i, s, m) for i in range(10) for s in range(1, 20) for m in range(3)}
     assert len(seeds) == 10 * 19 * 3

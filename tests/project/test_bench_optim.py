@@ -14,7 +14,8 @@ import bench_optim
 
 @pytest.fixture(scope="module")
 def rows():
-    rows, numel = bench_optim.run(layers=2, width=256, steps=1, rounds=1)
+    # Without the compiled rows (each compiles inductor C++ on its first step: tens of seconds).
+    rows, numel = bench_optim.run(layers=2, width=256, steps=1, rounds=1, compiled=False)
     assert numel == 2 * 256 * 256
     return {r.name: r for r in rows}
 
@@ -24,13 +25,23 @@ def test_state_and_persistent_bytes_meet_the_targets(rows):
     # bf16 4.0; persistent 12 (torch), 6.0625 (bf16 + remainder + FP8), 8.0 (bf16 states).
     assert rows["torch AdamW (foreach)"].state_bpp == 8.0
     assert rows["torch AdamW (foreach)"].persistent_bpp == 12.0
-    assert rows["f8tensor AdamW fp32 states"].persistent_bpp == 12.0
-    assert rows["f8tensor AdamW FP8 states"].state_bpp <= 2.2
-    assert rows["f8tensor AdamW FP8 states"].state_bpp == 2 + 8 / 128
-    assert rows["f8tensor AdamW bf16 states"].state_bpp <= 4.1
-    assert rows["f8tensor bf16 + remainder, FP8 states"].persistent_bpp <= 6.2
-    assert rows["f8tensor bf16 + remainder, bf16 states"].persistent_bpp <= 8.2
-    assert all(r.step_ms > 0 for r in rows.values() if r.note != bench_optim.NOT_INSTALLED)
+    assert rows["f8tensor AdamW fp32 states, torch ops"].persistent_bpp == 12.0
+    assert rows["f8tensor AdamW FP8 states, torch ops"].state_bpp <= 2.2
+    assert rows["f8tensor AdamW FP8 states, torch ops"].state_bpp == 2 + 8 / 128
+    assert rows["f8tensor AdamW bf16 states, torch ops"].state_bpp <= 4.1
+    assert rows["f8tensor bf16 + remainder, FP8 states, torch ops"].persistent_bpp <= 6.2
+    assert rows["f8tensor bf16 + remainder, bf16 states, torch ops"].persistent_bpp <= 8.2
+    assert all(r.step_ms > 0 and r.first_s > 0 for r in rows.values() if r.note != bench_optim.NOT_INSTALLED)
+    assert not any(name.endswith(", compiled") for name in rows)
+
+
+def test_compiled_rows_follow_each_torch_ops_row():
+    names = [c.name for c in bench_optim.configs()]
+    ours = [n for n in names if n.startswith("f8tensor")]
+    assert len(ours) == 10
+    assert all(
+        a.endswith(", torch ops") and b == a.replace(", torch ops", ", compiled") for a, b in zip(ours[::2], ours[1::2])
+    )
 
 
 def test_torchao_rows_say_not_installed_without_torchao(rows):
@@ -43,7 +54,8 @@ def test_torchao_rows_say_not_installed_without_torchao(rows):
 def test_quick_command_prints_the_table(capsys):
     assert bench_optim.main(["--quick"]) == 0
     out = capsys.readouterr().out
-    assert "step ms (CPU)" in out and "f8tensor bf16 + remainder, FP8 states" in out
+    assert "step ms (CPU)" in out and "first step s" in out and "f8tensor bf16 + remainder, FP8 states" in out
+    assert ", compiled" not in out  # --quick leaves the compiled rows out
     assert "6.0625" in out
 
 
