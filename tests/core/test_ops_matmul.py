@@ -352,6 +352,22 @@ def test_bmm_with_a_weight_expanded_over_the_batch(a_name, w_block, batch, consi
         assert torch.equal(a2._scale, a8._scale if a_name == "tensorwise" else a8._scale.reshape(-1, a8._scale.shape[-1]))
 
 
+@pytest.mark.parametrize("a_name", ["tensorwise", "rows"])
+def test_bmm_with_a_batch_shared_operand_expanded_over_the_batch(a_name):
+    """A b of one batch entry whose scales are shared over the batch (block (0, 1, 1): one
+    per K and N index), expanded to B entries (stride 0): the one 2D product of the
+    flattened batch re-derives b once, one scale per column along K (b's contracted dim),
+    as the reference does: measured 136.8 dB (a per tensor) and 144.9 dB (a per row);
+    deriving b along N first and then along K rounds twice: 27.1 dB."""
+    a, b, _ = _structured_batch(2)
+    a8 = to_float8(a[:3], CastSpec(torch.float8_e4m3fn, _A_BLOCKS[a_name]), gemm=_EMULATE)
+    b8 = to_float8(b[:1], CastSpec(torch.float8_e4m3fn, (0, 1, 1)), gemm=_EMULATE).expand(3, _BMM_K, _BMM_N)
+    assert b8.stride(0) == 0
+    y = torch.bmm(a8, b8)
+    assert y.shape == (3, _BMM_M, _BMM_N) and y.dtype == torch.float32
+    assert_sqnr(_bmm_reference(a8, b8, torch.float32, flattened=True), y.double(), _BMM_MIN_DB[torch.float32])
+
+
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=dtype_name)
 def test_bmm_with_one_plain_operand(out_dtype):
     """A plain operand is cast like the FP8 one (e4m3, its scales along K): here per row of

@@ -50,6 +50,22 @@ def test_amax_shapes_dtype_and_device(device):
                 assert got.shape == sizes and got.dtype == torch.float32 and got.device.type == device
 
 
+def test_abs_max_of_an_empty_tensor_is_fp32_zeros():
+    """``abs_max`` and ``block_abs_max`` keep ``x``'s dtype, except for an empty ``x``: fp32
+    zeros of the reduced shape, also with torch's default dtype set to float64."""
+    with _default_dtype(torch.float64):
+        for x in (torch.empty(0, 6, dtype=torch.bfloat16), torch.empty(4, 0, dtype=torch.float16)):
+            for axis in (None, 0, 1):
+                got = scaling.abs_max(x, axis)
+                assert got.dtype == torch.float32 and not got.any()
+            got = scaling.block_abs_max(x, (1, 2))
+            assert got.dtype == torch.float32 and not got.any()
+        # A non-empty x keeps its own dtype (exact: min and max are).
+        x = torch.tensor([[1.0, -7.0], [-0.5, 2.0]], dtype=torch.bfloat16)
+        assert scaling.abs_max(x).dtype == torch.bfloat16 and scaling.abs_max(x).item() == 7.0
+        assert scaling.block_abs_max(x, (1, 2)).tolist() == [[7.0], [2.0]]
+
+
 def test_amax_values_from_the_definition():
     x = torch.tensor([[1.0, -7.0, 3.0], [-0.5, 2.0, 6.0]], dtype=torch.bfloat16)
     assert scaling.tensor_amax(x).item() == 7.0

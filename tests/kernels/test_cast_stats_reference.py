@@ -256,6 +256,12 @@ def test_stochastic_rounding_with_given_draws():
     assert data.float().tolist() == [[1.125, 1.0, 448.0, -448.0, 448.0, -448.0]]
     nearest, _ = reference.cast(hp, CastSpec(E4M3), torch.tensor(1.0))
     assert data.float()[0, 2:].tolist() == nearest.float()[0, 2:].tolist()
+    # 64 ties 1.0625 (half a spacing above 1.0): up exactly where the draw is below 0.5. Draws
+    # of the default generator instead would match this pattern with probability 2**-64.
+    ties = torch.full((2, 32), 1.0625)
+    u = ((torch.arange(64) * 37 % 64).float() / 64).reshape(2, 32)
+    data, _ = reference.cast(ties, spec, torch.tensor(1.0), uniform=u)
+    assert torch.equal(data.float(), torch.where(u < 0.5, 1.125, 1.0))
 
 
 def test_a_bf16_input_is_scaled_in_fp32_before_the_fp8_rounding():

@@ -222,15 +222,28 @@ def _block_cast(x32: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("recipe", ["rowwise", "mxfp8", "tensorwise"])
-def test_an_fp8_weight_on_another_device(recipe):
+def test_an_fp8_weight_on_another_device(recipe, monkeypatch):
     """The FP8-weight paths make nothing on the CPU behind the caller's back: on ``meta``
-    (standing for any device) every gradient comes out there."""
+    (standing for any device) every gradient comes out there, and so does every operand
+    of the three products and its scale (a rowwise weight's unit scale in grad_x's fold
+    included: a CPU scale beside a GPU operand is what the GPU kernels refuse)."""
+    operands = []
+    real = linear_autograd.matmul
+
+    def spy(a, b, **kwargs):
+        operands.extend((a, b))
+        return real(a, b, **kwargs)
+
+    monkeypatch.setattr(linear_autograd, "matmul", spy)
     config = Float8LinearConfig.from_recipe(recipe)
     w8 = to_float8(torch.randn(256, 128, device="meta"), config.weight.operand_spec(1)).requires_grad_()
     x = torch.randn(64, 128, device="meta", requires_grad=True)
     y = QuantizedLinearFn.apply(x, w8, None, LinearArgs(config))
     y.backward(torch.randn(64, 256, device="meta"))
     assert y.device.type == x.grad.device.type == w8.grad.device.type == "meta"
+    assert len(operands) == 6
+    for t in operands:
+        assert t.device.type == "meta" and (not isinstance(t, Float8Tensor) or t._scale.device.type == "meta")
 
 
 def test_an_fp8_weight_blocked_along_k_is_cast_again_along_n_from_fp32():
