@@ -11,10 +11,10 @@ decay, bias correction); what differs is where the state lives:
   parameter's shape, with one fp32 scale per :data:`FP8_BLOCK` (128) consecutive elements of
   each dim-0 row (the parameter seen as ``(shape[0], numel / shape[0])``; a row's last block
   may be short): 1 + 1 bytes per parameter plus 2 * 4 / 128 for the scales, 2.0625 in all
-  for rows that are multiples of 128. Both go through f8tensor's one block cast
-  (:func:`f8tensor.kernels.cast`, rule ``data = saturate(x * scale)``, dynamic scale
-  ``448 / block amax``) with stochastic rounding, and come back through
-  :func:`f8tensor.kernels.dequantize`. Tensors of one dim or with fewer than
+  for rows that are multiples of 128. Both are cast by their block quantizer
+  (:func:`f8tensor.block_quantizers.moment_quantizer`, over :func:`f8tensor.kernels.cast`:
+  rule ``data = saturate(x * scale)``, dynamic scale ``448 / block amax``) with stochastic
+  rounding, and come back through its ``dequantize``. Tensors of one dim or with fewer than
   :data:`FP8_BLOCK` elements (biases, norms) keep fp32 moments: their states are a rounding
   error of the model's, and a 1-D tensor sharded by FSDP2 would cut its blocks.
 
@@ -109,13 +109,13 @@ from typing import Any, NamedTuple
 
 import torch
 
+from f8tensor.block_quantizers import BlockQuantizer, moment_quantizer
 from f8tensor.compat import cpu_compiler, unlimited_recompiles
-from f8tensor.kernels import cast, dequantize, triton_adamw
+from f8tensor.kernels import triton_adamw
 from f8tensor.optim_draws import NOISE_PERIOD, noise_table, noise_table_at, seed, uniform
 from f8tensor.optim_master import join_master, split_master, stochastic_bf16
 from f8tensor.optim_math import Scalars, compiled_moments, scalars
 from f8tensor.optim_shards import check_fp8_placements, local_shard, row_length, row_offset, wrap_like
-from f8tensor.specs import CastSpec
 
 __all__ = ["COMPILE_MIN_NUMEL", "FP8_BLOCK", "MASTER_WEIGHTS", "NOISE_PERIOD", "STATE_DTYPES", "AdamW"]
 
@@ -127,13 +127,13 @@ MASTER_WEIGHTS: tuple[str | None, ...] = (None, "stochastic", "remainder")
 #: below which a tensor keeps fp32 moments.
 FP8_BLOCK = 128
 
-# The blocks run along each row of the parameter seen as (dim 0, everything else): a shard
-# along dim 0 (FSDP2's) holds whole rows, so its blocks are the one-process blocks.
-_FP8_BLOCK_2D = (1, FP8_BLOCK)
 #: How each FP8 moment is rounded to e4m3 (see the module docstring for the measurements).
 FP8_ROUNDING: dict[str, str] = {"exp_avg": "stochastic", "exp_avg_sq": "stochastic"}
-_FP8_SPECS = {
-    name: CastSpec(torch.float8_e4m3fn, _FP8_BLOCK_2D, rounding=rounding) for name, rounding in FP8_ROUNDING.items()
+# Each moment's block quantizer: the blocks run along each row of the parameter seen as
+# (dim 0, everything else), so a shard along dim 0 (FSDP2's) holds whole rows and its
+# blocks are the one-process blocks.
+_FP8_MOMENTS: dict[str, BlockQuantizer] = {
+    name: moment_quantizer(torch.float8_e4m3fn, FP8_BLOCK, rounding) for name, rounding in FP8_ROUNDING.items()
 }
 #: ``compiled=None``: the smallest CPU tensor that takes the compiled step (see "Speed").
 COMPILE_MIN_NUMEL = 1 << 20
@@ -198,7 +198,7 @@ def _fp8_view(shape: tuple[int, ...]) -> _Fp8View:
 def _dequantize_moment(data: torch.Tensor, scale: torch.Tensor, view: _Fp8View) -> torch.Tensor:
     """An FP8 moment (e4m3 ``data`` in the parameter's shape, its fp32 block ``scale``) in fp32,
     in the parameter's shape: the one way back of every FP8 moment."""
-    return dequantize(data.view(view.data), scale.view(view.scale), _FP8_BLOCK_2D, torch.float32).view(data.shape)
+    return _FP8_MOMENTS["exp_avg"].dequantize(data.view(view.data), scale.view(view.scale)).view(data.shape)
 
 
 def _quantize_moment(
@@ -208,7 +208,7 @@ def _quantize_moment(
     and fp32 scales (``view.blocks``): the one cast of every FP8 moment (rule
     ``data = saturate(x * scale)``, dynamic block scale). ``uniform``: the draws of a
     stochastic rounding, in ``view.data``'s shape."""
-    data, scale = cast(value.view(view.data), _FP8_SPECS[name], uniform=uniform)
+    data, scale = _FP8_MOMENTS[name].quantize(value.view(view.data), uniform=uniform)
     return data.view(value.shape), scale.view(view.blocks)
 
 
@@ -514,8 +514,8 @@ class AdamW(torch.optim.Optimizer):
             return noise_table(seed(index, int(step), moment), local.device)
 
         tables = (
-            table(0, fp8 and _FP8_SPECS["exp_avg"].rounding == "stochastic"),
-            table(1, fp8 and _FP8_SPECS["exp_avg_sq"].rounding == "stochastic"),
+            table(0, fp8 and _FP8_MOMENTS["exp_avg"].spec.rounding == "stochastic"),
+            table(1, fp8 and _FP8_MOMENTS["exp_avg_sq"].spec.rounding == "stochastic"),
             table(2, master_weights == "stochastic"),
         )
         args = (
@@ -581,8 +581,8 @@ class AdamW(torch.optim.Optimizer):
         m_table = v_table = p_table = None
         if fp8:
             stochastic = (
-                _FP8_SPECS["exp_avg"].rounding == "stochastic",
-                _FP8_SPECS["exp_avg_sq"].rounding == "stochastic",
+                _FP8_MOMENTS["exp_avg"].spec.rounding == "stochastic",
+                _FP8_MOMENTS["exp_avg_sq"].spec.rounding == "stochastic",
             )
             if stochastic[0]:
                 m_table = noise_table(seed(index, step, 0), local.device)

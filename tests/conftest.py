@@ -15,6 +15,12 @@ test creates without naming a device lives on the GPU. (Tensors a test creates o
 explicitly, and the package's own device handling, are covered by the tests written for
 CUDA: kernels/test_gpu_scaled_mm.py and the GPU campaign's checks.) ``pytest -m "device_param and gpu"
 --collect-only -q`` lists the re-run set.
+
+GPU tests that need a block-scaled or FP4 kernel skip where the kernel rules say this
+device and build have none (``tests.helpers.kernel_skip_reason``, the one gate): a
+``gpu`` test (``cuda`` variants included) for each recipe named in its parameters and for
+the products its ``kernel`` marker names, e.g. ``@pytest.mark.kernel(blocks=((1, 128), (128,
+128), torch.float32))`` or ``@pytest.mark.kernel("mxfp8")``.
 """
 
 from __future__ import annotations
@@ -103,23 +109,6 @@ def _default_device(device):
         torch.set_default_device(None)
 
 
-def _cuda_variant_skip_reason(item) -> str | None:
-    """Why a ``cuda`` variant cannot run on this GPU although the test is right (None: it can)."""
-    params = getattr(getattr(item, "callspec", None), "params", {})
-    if params.get("device") != "cuda":
-        return None
-    from f8tensor.config import RECIPES
-    from tests.helpers import kernel_skip_reason
-
-    for value in params.values():
-        if isinstance(value, str) and value in RECIPES:
-            # The kernel rules decide (blockwise: sm90 with CUDA >= 12.9; MX: sm100).
-            why = kernel_skip_reason(value)
-            if why is not None:
-                return why
-    return None
-
-
 def pytest_collection_modifyitems(config, items):
     # Only tests marked `gpu` are skipped; the CPU tests always run.
     gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
@@ -127,8 +116,10 @@ def pytest_collection_modifyitems(config, items):
         return
     reason = _fp8_gpu_reason()
     if reason is None:
+        from tests.helpers import gpu_test_skip_reason
+
         for item in gpu_items:
-            why = _cuda_variant_skip_reason(item)
+            why = gpu_test_skip_reason(item)
             if why is not None:
                 item.add_marker(pytest.mark.skip(reason=why))
         return

@@ -122,6 +122,26 @@ def kernel_skip_reason(
     return None
 
 
+def gpu_test_skip_reason(item) -> str | None:
+    """Why a ``gpu`` test item (a ``device_param`` test's ``cuda`` variant included) cannot
+    run on this GPU although the test is right (None: it can), as :func:`kernel_skip_reason`
+    says for the products its ``kernel`` markers name and for every recipe named in its
+    parameters (a GPU test runs them on the GPU). tests/conftest.py skips on it."""
+    from f8tensor.config import RECIPES
+
+    for marker in item.iter_markers("kernel"):
+        why = kernel_skip_reason(*marker.args, **marker.kwargs)
+        if why is not None:
+            return why
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    for value in params.values():
+        if isinstance(value, str) and value in RECIPES:
+            why = kernel_skip_reason(value)
+            if why is not None:
+                return why
+    return None
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 

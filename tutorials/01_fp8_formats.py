@@ -39,6 +39,14 @@ for dtype in FLOAT8_DTYPES:
         f"{f.smallest_subnormal:>14.4g} {f.eps:>7g} {f.has_inf!s:>5} {f.has_negative_zero!s:>5}"
     )
 
+# The table's facts, checked on the bytes themselves: only e5m2 stores infinity, and the
+# fnuz formats' 0x80 byte (negative zero elsewhere) is their NaN.
+for dtype in FLOAT8_DTYPES:
+    f = FORMATS[dtype]
+    byte_0x80 = torch.tensor([0x80], dtype=torch.uint8).view(dtype).float()
+    assert f.has_inf == (dtype == torch.float8_e5m2), f"{short(dtype)}: inf"
+    assert bool(byte_0x80.isnan()) == (not f.has_negative_zero) == ("fnuz" in str(dtype)), f"{short(dtype)}: 0x80"
+
 # eps is the gap between 1 and the next number up: 2**-mantissa_bits. torch.finfo agrees,
 # except for e5m2fnuz, where it reports 0.125 although 1.125 cannot be stored.
 finfo_eps = torch.finfo(torch.float8_e5m2fnuz).eps
@@ -67,6 +75,8 @@ print(
     "\n(inf stays a problem even when clamped: Float8Tensor.from_hp turns a non-finite input into NaN\n"
     " instead, so a broken tensor never looks like a tensor full of max values.)"
 )
+broken = Float8Tensor.from_hp(torch.tensor([1.0, float("inf"), -2.0])).to_hp()
+assert broken.isnan().all(), f"from_hp of a tensor holding inf reads back as NaN, not as max values: {broken}"
 
 # ----------------------------------------------------------------------------- 3. rounding
 # Inside the range, values round to the nearest representable number (ties to even). The
@@ -80,6 +90,11 @@ for v in reals:
     for dtype in FLOAT8_DTYPES:
         q = saturated_cast(torch.tensor([v]), dtype).float().item()
         cells.append(f"{q:>10g} ({100 * (q - v) / v:+6.1f}%)")
+        f = FORMATS[dtype]
+        if v > f.max:  # beyond the range: saturated to max
+            assert q == f.max, f"{short(dtype)}: {v} saturates to {f.max}, got {q}"
+        elif v >= f.smallest_normal:  # the normal range: within half a step
+            assert abs(q - v) / v <= f.eps / 2, f"{short(dtype)}: {v} -> {q} is more than eps/2 off"
     print(f"{v:>8g} " + " ".join(f"{c:>18}" for c in cells))
 
 # ----------------------------------------------------------------------------- 4. scaling

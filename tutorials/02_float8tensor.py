@@ -32,6 +32,12 @@ print(f"   data {w8._data.dtype} {tuple(w8._data.shape)}, tensorwise scale {tupl
       f"rowwise scale {tuple(w8_row._scale.shape)}")
 print(f"   it still looks like the weight: dtype={w8.dtype}, shape={tuple(w8.shape)}")
 print(f"   round trip: tensorwise {sqnr(w, w8.to_hp()):.1f} dB, rowwise {sqnr(w, w8_row.to_hp()):.1f} dB\n")
+# One byte per element, the scales' shapes, the weight's own dtype and shape outside; the
+# round trips at e4m3's accuracy (measured 31.5 dB tensorwise, 31.6 dB rowwise).
+assert w8._data.dtype == torch.float8_e4m3fn and w8._data.element_size() == 1
+assert w8._scale.shape == () and w8_row._scale.shape == (256, 1)
+assert (w8.dtype, w8.shape, w8_row.dtype, w8_row.shape) == (w.dtype, w.shape, w.dtype, w.shape)
+assert sqnr(w, w8.to_hp()) >= 29.0 and sqnr(w, w8_row.to_hp()) >= 29.0
 
 # ----------------------------------------------------------------------------- 2. products
 # x @ w8.t() and F.linear run through torch._scaled_mm. The plain operand (x) is cast to FP8
@@ -57,6 +63,7 @@ print("3. Output dtype")
 w8_fp32_out = Float8Tensor.from_hp(w, gemm_config=GemmConfig(out_dtype=torch.float32))
 y32 = x @ w8_fp32_out.t()
 print(f"   GemmConfig(out_dtype=float32): {y32.dtype}, vs fp32 {sqnr(ref_fp32, y32):.1f} dB")
+assert y32.dtype == torch.float32 and sqnr(ref_fp32, y32) >= 26.0  # measured 28.5 dB
 
 # float8_mm takes the output dtype per call, 2D operands. An FP8 output needs its own scale
 # (chosen here from the known output range) and comes back as a Float8Tensor; values beyond
@@ -69,6 +76,9 @@ y_f8 = float8_mm(x2d, w8.t(), out_dtype=torch.float8_e4m3fn, out_scale=out_scale
 print(f"   float8_mm(out_dtype=float32): {y_f32.dtype}, {sqnr(ref2d, y_f32):.1f} dB")
 print(f"   float8_mm(out_dtype=float8_e4m3fn, out_scale={out_scale:.3g}): {type(y_f8).__name__} "
       f"({y_f8._data.dtype}), {sqnr(ref2d, y_f8.to_hp()):.1f} dB")
+# The dtypes asked for; the FP8 output at FP8 accuracy (measured 28.5 and 26.7 dB).
+assert y_f32.dtype == torch.float32 and isinstance(y_f8, Float8Tensor) and y_f8._data.dtype == torch.float8_e4m3fn
+assert sqnr(ref2d, y_f32) >= 26.0 and sqnr(ref2d, y_f8.to_hp()) >= 24.0
 y_sat = float8_mm(x2d, w8.t(), out_dtype=torch.float8_e4m3fn, out_scale=100.0)  # far too large
 sat_data = y_sat._data.float()
 print(f"   with out_scale=100, {100 * (sat_data.abs() == 448).float().mean().item():.0f}% of the outputs saturate "
@@ -107,3 +117,8 @@ y_pad = x_odd @ w_pad.t()
 print(f"   with GemmConfig(pad_inner_dim=True): shape {tuple(y_pad.shape)}, "
       f"{sqnr(x_odd.float() @ w_odd.float().t(), y_pad):.1f} dB vs fp32")
 assert y_pad.shape == (8, 24) and sqnr(x_odd.float() @ w_odd.float().t(), y_pad) >= 24.0  # measured 27.0
+# Exact: the zeros change no scale (amax) and add nothing to the sums, so the padded product
+# is the product of operands padded by hand to K = N = 48, its first 24 columns.
+x_48 = F.pad(x_odd, (0, 8))
+y_by_hand = (x_48 @ Float8Tensor.from_hp(F.pad(w_odd, (0, 8, 0, 24))).t())[:, :24]
+assert torch.equal(y_pad, y_by_hand), "zero padding changes the product"

@@ -85,6 +85,9 @@ convert_to_float8_training(
 )
 print("   converted to FP8:", summarize(linear_names(llama, Float8Linear)))
 print("   kept as nn.Linear:", [n for n, m in llama.named_modules() if type(m) is nn.Linear])
+# Every projection of both layers (4 attention + 3 MLP each) converts; lm_head alone stays.
+assert len(linear_names(llama, Float8Linear)) == 14
+assert [n for n, m in llama.named_modules() if type(m) is nn.Linear] == ["lm_head"]
 
 # Training data: the English text shipped with f8tensor, as bytes.
 text = resources.files("f8tensor").joinpath("data/corpus.txt").read_bytes()
@@ -118,6 +121,10 @@ print(f"   {steps:>6} {bf16_losses[-1]:10.4f} {fp8_losses[-1]:18.4f}")
 # is unchanged apart from the layer types: generate(), save_pretrained() and the rest of
 # the transformers API keep working, and the state_dict keys are those of the original.
 assert set(llama.state_dict()) == set(twin.state_dict())
+# Both learn (measured 5.54 -> 2.74 bf16, 5.54 -> 2.73 FP8), at most 1.2% apart at any step.
+worst = max(abs(a - b) / b for a, b in zip(fp8_losses, bf16_losses))
+assert fp8_losses[-1] < 0.6 * fp8_losses[0] and bf16_losses[-1] < 0.6 * bf16_losses[0], (fp8_losses, bf16_losses)
+assert worst < 0.05, f"FP8 losses up to {worst:.1%} from the bf16 twin's"
 
 # =======================================================================================
 # 2. A small Vision Transformer.
@@ -185,6 +192,8 @@ convert_to_float8_training(
     vit, config=Float8LinearConfig.from_recipe(RECIPE), module_filter_fn=lambda mod, fqn: fqn != "head"
 )
 print("   converted to FP8:", summarize(linear_names(vit, Float8Linear)))
+# qkv, proj, and the two MLP linears of both blocks; the head stays (the Conv2d is no nn.Linear).
+assert len(linear_names(vit, Float8Linear)) == 8 and type(vit.head) is nn.Linear
 
 # Synthetic images: each class has its own smooth colour pattern; an image is its class's
 # pattern plus noise, so there is something to learn.
@@ -215,3 +224,8 @@ def train_vit(model: nn.Module) -> tuple[list[float], float]:
 print(f"   {'':<14} {'first loss':>10} {'last loss':>10} {'held-out accuracy':>18}")
 print(f"   {'bf16 twin':<14} {bf16_losses[0]:10.4f} {bf16_losses[-1]:10.4f} {bf16_acc:18.1%}")
 print(f"   {'FP8 ' + RECIPE:<14} {fp8_losses[0]:10.4f} {fp8_losses[-1]:10.4f} {fp8_acc:18.1%}")
+# Both learn (measured 2.32 -> 1.28 bf16 and 1.30 FP8; held-out accuracy 52% and 53%, chance is
+# 10%), and FP8 lands next to bf16.
+assert fp8_losses[-1] < 0.7 * fp8_losses[0] and bf16_losses[-1] < 0.7 * bf16_losses[0], (fp8_losses, bf16_losses)
+assert abs(fp8_losses[-1] - bf16_losses[-1]) < 0.05 * bf16_losses[-1], (fp8_losses[-1], bf16_losses[-1])
+assert min(fp8_acc, bf16_acc) > 0.3, (fp8_acc, bf16_acc)

@@ -31,6 +31,7 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from f8tensor import (
     Float8ExpertWeight,
+    Float8Linear,
     Float8LinearConfig,
     Float8Tensor,
     convert_to_float8_training,
@@ -58,6 +59,8 @@ for name, granularity in [("per expert row", "rowwise"), ("per expert", (1, 0, 0
           f"   F.linear(x, w8[0]) {sqnr(x[:5] @ w[0].t(), one):5.1f} dB")
     # Measured 28.8-29.6 dB (grouped), 28.4-29.4 dB (one expert): FP8 accuracy either way.
     assert sqnr(reference, y) >= 26.0 and sqnr(x[:5] @ w[0].t(), one) >= 26.0, name
+    # One scale per expert row, per expert, per tensor.
+    assert tuple(w8._scale.shape) == {"rowwise": (E, N, 1), (1, 0, 0): (E, 1, 1), "tensorwise": ()}[granularity]
 
 # ----------------------------------------------------------------------------- 2. gradients
 print("2. gradients of the grouped product (recipe rowwise)")
@@ -86,6 +89,10 @@ convert_to_float8_training(fp8, config=Float8LinearConfig.from_recipe("rowwise")
 experts = [n for n, p in fp8.named_parameters() if isinstance(p, Float8ExpertWeight)]
 router = type(fp8.model.layers[0].mlp.gate.weight).__name__
 print(f"   FP8 expert weights: {len(experts)}, router weight stays a {router}")
+# Every dense linear (4 attention projections per layer and lm_head), both expert weights
+# (gate_up_proj, down_proj) of both layers; every router a plain Parameter.
+assert sum(isinstance(m, Float8Linear) for m in fp8.modules()) == 9
+assert len(experts) == 4 and all(type(layer.mlp.gate.weight) is torch.nn.Parameter for layer in fp8.model.layers)
 
 
 def batches(steps):

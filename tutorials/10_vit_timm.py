@@ -167,6 +167,11 @@ def main() -> None:
     probe = convert_to_float8_training(copy.deepcopy(vit), module_filter_fn=lambda m, fqn: fqn != "head")
     print("   converted:", ", ".join(probe.float8_converted_fqns[:4]), f"... ({len(probe.float8_converted_fqns)} in all)")
     print("   kept: patch_embed.proj (a Conv2d) and head (filtered: the classifier reads the logits)")
+    # The four linears of every block convert (attn.qkv, attn.proj, mlp.fc1, mlp.fc2), nothing else.
+    roles = sorted({".".join(n.split(".")[-2:]) for n in probe.float8_converted_fqns})
+    assert roles == ["attn.proj", "attn.qkv", "mlp.fc1", "mlp.fc2"], roles
+    assert len(probe.float8_converted_fqns) == 4 * args.depth, probe.float8_converted_fqns
+    assert type(probe.head) is nn.Linear and isinstance(probe.patch_embed.proj, nn.Conv2d)
 
     # ===================================================================================
     # 2. Five runs, the same start and the same batches.

@@ -102,6 +102,12 @@ def worker(rank: int, port: int) -> None:
         dist.all_reduce(total)
         losses.append(total.item() / (DP * TP))
 
+    # Block 0's w1 (512, 128): its rows split over tp, then again over dp (FSDP2's shard of the
+    # tp shard), so each rank holds a (128, 128) piece.
+    w1 = model[0].w1.weight
+    rows_sharded = all(getattr(p, "dim", None) == 0 for p in w1.placements)  # Shard(0), FSDP2's strided one
+    local_shape = tuple(w1.to_local().shape)
+    worst = None
     if rank == 0:
         reference = build()
         ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05)
@@ -120,10 +126,14 @@ def worker(rank: int, port: int) -> None:
         print("loss per step, one process: ", " ".join(f"{v:.5f}" for v in ref_losses))
         worst = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
         print(f"largest relative difference: {worst:.2e}")
-        assert worst < 2e-2, worst
     gc.collect()  # free the sharded model before the process group goes (see tutorial 6)
     dist.barrier()
     dist.destroy_process_group()
+    # The claims, checked after the group is gone (a failure never leaves a peer waiting): the
+    # weight sharded over both mesh dims; the losses those of one process (measured at most
+    # 3.1e-4 apart, relative).
+    assert rows_sharded and local_shape == (HIDDEN // (TP * DP), DIM), local_shape
+    assert worst is None or worst < 2e-3, f"2D FP8 losses {worst:.2e} from one process's"
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import torch
 
-from f8tensor.kernels import reference, triton_cast
+from f8tensor.kernels import reference, triton_cast, triton_dequantize
 from f8tensor.kernels.reference import CAST_STATS_FIELDS, block_scale, cast_with_stats
 from f8tensor.layouts import to_column_major
 from f8tensor.scaling import inverse_scale_of, materialized
@@ -66,7 +66,7 @@ def dequantize(data: torch.Tensor, scale: torch.Tensor, block: tuple[int, ...], 
     the fused kernel, for fp32 scales of 1 x b blocks along the last dim, gives the same
     bits, a NaN's payload aside)."""
     if _fused_device(data):
-        fused = triton_cast.maybe_dequantize(data, scale, block, dtype)
+        fused = triton_dequantize.maybe_dequantize(data, scale, block, dtype)
         if fused is not None:
             return fused
     return reference.dequantize(data, scale, block, dtype)

@@ -1,5 +1,5 @@
 """The fused AdamW step: one Triton kernel per parameter tensor (``adamw_step_kernel`` in
-``_triton_kernels.py``), used by :class:`f8tensor.optim.AdamW`.
+``_triton_adamw_kernels.py``), used by :class:`f8tensor.optim.AdamW`.
 
 The torch-ops step reads and writes every tensor several times (about ten elementwise
 passes per FP8 moment: dequantize, lerp, block amax, scale, multiply, stochastic rounding,
@@ -118,7 +118,7 @@ def adamw_step(
                        tables=tables, start=start, master=master, remainder=remainder)  # fmt: skip
         return
     cuda = param.device.type == "cuda"
-    k = _kernels(not cuda or os.environ.get("TRITON_INTERPRET") == "1")
+    k = _kernels(not cuda or os.environ.get("TRITON_INTERPRET") == "1", "_triton_adamw_kernels")
     fp8 = scales is not None
     if scales is not None:
         if exp_avg.dtype != torch.float8_e4m3fn or exp_avg_sq.dtype != torch.float8_e4m3fn:

@@ -78,7 +78,8 @@ def test_linear(x_shape, granularity, with_bias):
     assert_sqnr(_ref(x, w, b), y, MATMUL_MIN_DB)
     if with_bias:
         # The bias is added exactly once: y - F.linear(x, w8) is b, up to bf16 rounding.
-        assert_sqnr(b.expand_as(y), y - F.linear(x, w8), MATMUL_MIN_DB)
+        # The bias, recovered to the output's rounding: measured 45.7-46.5 dB.
+        assert_sqnr(b.expand_as(y), y - F.linear(x, w8), 42.0)
 
 
 @pytest.mark.device_param

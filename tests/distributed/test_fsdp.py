@@ -890,13 +890,15 @@ def test_delayed_scaling_state_agrees_across_ranks(run):
 # FP8 all-gather, every recipe. The forward is the same math as one process's (the gathered
 # bytes are those of its cast), so the first loss agrees to fp32 ulps. In backward, 128x128
 # blocks serve grad_x as they are, and MX re-blocks the gathered 1x32 bytes into 32x1 with
-# power-of-two scales, which is exact for normal FP8 values: both match one process. The
-# rowwise backward (row scales folded into grad_output) rounds differently from one process
-# casting the fp32 weight per column, and a delayed grad_output cast takes each rank's
-# history as the step began where one process accumulating micro-batches updates it in
-# between: those gradients are held to the single-process threshold of test_linear, and
-# the losses follow the one-process run within LOSS_RTOL.
-GRAD_MIN_DB = 17.0
+# power-of-two scales, which is exact for normal FP8 values: both match one process, bit for
+# bit (measured; one process accumulates the two ranks' micro-batches, the reduce-scatter
+# adds the same two partial gradients). The rowwise backward (row scales folded into
+# grad_output) rounds differently from one process casting the fp32 weight per column
+# (measured 26.1 dB at worst), and a delayed grad_output cast takes each rank's history as the
+# step began where one process accumulating micro-batches updates it in between (17.8 dB at
+# worst): those gradients are held to GRAD_MIN_DB, and the losses follow the one-process run
+# within LOSS_RTOL.
+GRAD_MIN_DB = {"rowwise": 23.0, "rowwise_with_gw_hp": 23.0, "delayed": 17.0}
 SAME_BACKWARD = ("blockwise", "mxfp8")
 LOSS_RTOL = 2e-2
 
@@ -943,9 +945,11 @@ def test_fp8_all_gather_every_recipe(ranks2, recipe):
         assert r["losses"][0] == pytest.approx(want[0], rel=PARITY_RTOL)
         for name, g in ref["reference_grads"].items():
             db = _sqnr_db(g, r["first_grads"][name])
-            assert db >= GRAD_MIN_DB, f"{recipe} {name}.grad: {db:.1f} dB < {GRAD_MIN_DB} dB (rank {rank})"
             if recipe in SAME_BACKWARD:
-                assert db >= 100, f"{recipe} {name}.grad: {db:.1f} dB, expected the single-process gradient"
+                assert db == math.inf, f"{recipe} {name}.grad: {db:.1f} dB, expected the single-process gradient"
+            else:
+                min_db = GRAD_MIN_DB[recipe]
+                assert db >= min_db, f"{recipe} {name}.grad: {db:.1f} dB < {min_db} dB (rank {rank})"
         if recipe in SAME_BACKWARD:
             torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(want), rtol=PARITY_RTOL, atol=0)
         else:

@@ -287,7 +287,7 @@ def test_cut_and_uneven_shards_gather_one_process_cast(run, recipe):
 # 139.5 at 3; mxfp8 inf at 2, 156.9 at 3). Rowwise: the gathered weight's row scales are
 # folded into grad_output before its per-token cast (linear_autograd.py), a second rounding
 # (measured minimum: 31.1 dB at 2 ranks, 26.4 at 3).
-GRAD_MIN_DB = {"blockwise": 100.0, "mxfp8": 100.0, "rowwise": 20.0}
+GRAD_MIN_DB = {"blockwise": 132.0, "mxfp8": 132.0, "rowwise": 23.5}
 
 
 @pytest.mark.distributed

@@ -37,8 +37,18 @@ from f8tensor.tensor import to_float8
 from tests.block_reference import RECIPES as DEFINITION
 from tests.block_reference import operand_block, ref_cast
 
-OUTPUT_MIN_DB = 24.0
-GRAD_MIN_DB = 17.0
+# Tensor parallel (2 ranks) against one process, in dB: (output, grad_x, each parameter's
+# gradient). Measured (torch 2.13, CPU): delayed, blockwise and mxfp8 make one process's casts,
+# so only the order of the fp32 sums differs (135.6-150.9 dB), but for blockwise's FP8
+# sequence gather, whose weight gradients measure 27.8 dB; tensorwise 39.3 / 28.1 / 17.6-32.7,
+# rowwise and rowwise_with_gw_hp 39.1 / 30.7 / 19.2-33.7.
+PARITY_MIN_DB = {
+    "tensorwise": (36.0, 25.0, 17.0),
+    "rowwise": (36.0, 27.5, 17.0),
+    "rowwise_with_gw_hp": (36.0, 27.5, 17.0),
+}
+SAME_CASTS_MIN_DB = (130.0, 130.0, 130.0)
+PARITY_MIN_DB_FLOAT8_SP = {"blockwise": (130.0, 130.0, 25.0)}
 D, H, B, S = 128, 256, 2, 16  # 128-multiples: blockwise shards keep whole 128x128 blocks
 # FP8 recipes: FP4 and per-GEMM-format configs are refused on DTensors (see the test below).
 ALL = tuple(r for r, c in RECIPES.items() if not c.uses_gemm_formats)
@@ -364,18 +374,22 @@ def _get(results: list[dict], scenario: str, key) -> dict:
     return got
 
 
-def _assert_parity(got: dict, ref: dict, what: str) -> None:
-    assert_sqnr(ref["y"].float(), got["y"].float(), OUTPUT_MIN_DB, f"{what} output")
-    assert_sqnr(ref["grad_x"].float(), got["grad_x"].float(), GRAD_MIN_DB, f"{what} grad_x")
+def _assert_parity(got: dict, ref: dict, what: str, min_db: tuple[float, float, float]) -> None:
+    y_db, gx_db, grad_db = min_db
+    assert_sqnr(ref["y"].float(), got["y"].float(), y_db, f"{what} output")
+    assert_sqnr(ref["grad_x"].float(), got["grad_x"].float(), gx_db, f"{what} grad_x")
     assert set(ref["grads"]) == set(got["grads"])
     for name in ref["grads"]:
-        assert_sqnr(ref["grads"][name].float(), got["grads"][name].float(), GRAD_MIN_DB, f"{what} {name}.grad")
+        assert_sqnr(ref["grads"][name].float(), got["grads"][name].float(), grad_db, f"{what} {name}.grad")
 
 
 @pytest.mark.parametrize("recipe, kind", _TP_CASES)
 def test_tensor_parallel_matches_one_process(ranks2, recipe, kind):
     ref = _reference(recipe, steps=2 if recipe == "delayed" else 1)
-    _assert_parity(_get(ranks2, "tp_1d", (recipe, kind)), ref, f"{recipe}/{kind}")
+    min_db = PARITY_MIN_DB.get(recipe, SAME_CASTS_MIN_DB)
+    if kind == "float8_sp":
+        min_db = PARITY_MIN_DB_FLOAT8_SP.get(recipe, min_db)
+    _assert_parity(_get(ranks2, "tp_1d", (recipe, kind)), ref, f"{recipe}/{kind}", min_db)
 
 
 def test_sequence_parallel_gather_moves_the_bytes_of_one_process_cast(ranks2):

@@ -231,7 +231,7 @@ def test_blockwise_sequence_parallel_weight_grad_matches_one_process(ranks2):
     x = _blockwise_input(256).requires_grad_()
     (layer(x).float().pow(2).sum() * 0.5).backward()
     # Measured: 129.3 dB (fp32 rounding of the sum across ranks; not bitwise).
-    assert_sqnr(layer.weight.grad, got["grad_w"], 115.0, "grad_w")
+    assert_sqnr(layer.weight.grad, got["grad_w"], 124.0, "grad_w")
 
 
 def test_blockwise_sequence_parallel_refuses_blocks_that_mix_batch_entries(ranks2):

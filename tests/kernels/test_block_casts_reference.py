@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from f8tensor import BLOCK_1x128, BLOCK_128x128, Float8Tensor, MX_1x32, MX_1x32_FLOOR, gemm, sqnr
-from tests.helpers import assert_consistent, assert_sqnr, kernel_skip_reason
+from tests.helpers import assert_consistent, assert_sqnr
 
 E4M3 = torch.float8_e4m3fn
 FMAX = 448.0
@@ -290,6 +290,7 @@ def test_block_matmul_plain_operand_cast_on_the_fly():
 
 
 @pytest.mark.device_param
+@pytest.mark.kernel(blocks=((1, 128), (128, 128), torch.float32))
 def test_block_matmul_3d_activation():
     x = torch.randn(2, 16, 256, dtype=torch.bfloat16)
     w = torch.randn(64, 256, dtype=torch.bfloat16)
@@ -301,10 +302,8 @@ def test_block_matmul_3d_activation():
 
 
 @pytest.mark.gpu
+@pytest.mark.kernel(blocks=((1, 128), (128, 128), torch.float32))
 def test_block_kernel_matches_reference_cuda():
-    why = kernel_skip_reason(blocks=((1, 128), (128, 128), torch.float32))
-    if why is not None:
-        pytest.skip(why)
     a, w = torch.randn(256, 512, device="cuda"), torch.randn(384, 512, device="cuda")
     a8, w8 = Float8Tensor.from_hp(a, granularity=BLOCK_1x128), Float8Tensor.from_hp(w, granularity=BLOCK_128x128)
     ref = a8.to_hp(torch.float32) @ w8.to_hp(torch.float32).t()

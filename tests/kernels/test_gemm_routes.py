@@ -334,8 +334,10 @@ def test_postscale_matches_rowwise_kernel(out_dtype, scaled_mm_calls, precise_po
         _f8(x, E4M3, "rowwise", PRECISE), _f8(w, E4M3, "rowwise", PRECISE).t(), bias=bias, out_dtype=out_dtype
     )
     assert [c["kind"] for c in scaled_mm_calls] == ["rowwise", "tensorwise"]
-    # Equal up to one rounding of the output (bf16: 8 bits, ~48 dB; fp16: 11 bits, ~66 dB).
-    assert_sqnr(kernel.float(), post.float(), 45.0 if out_dtype == torch.bfloat16 else 60.0, "post-scale vs kernel")
+    # The same fp32 sums, scaled and rounded once either way: measured 143.8 dB (bf16) and bit
+    # for bit (fp16) on CPU, where a second rounding to the output dtype would cost ~50 dB
+    # (bf16) or ~66 dB (fp16).
+    assert_sqnr(kernel.float(), post.float(), 135.0, "post-scale vs kernel")
 
 
 def test_fp8_output_goes_through_postscale(scaled_mm_calls):
@@ -437,4 +439,6 @@ def test_rowwise_recipe_backward_on_either_precise_route(recipe, scaled_mm_calls
     assert kinds["kernel"] == [("rowwise", torch.bfloat16, True)] + [("rowwise", torch.bfloat16, False)] * n_precise
     assert kinds["postscale"] == [("rowwise", torch.bfloat16, True)] + [("tensorwise", torch.float32, False)] * n_precise
     for a, b in zip(grads["kernel"], grads["postscale"]):
-        assert_sqnr(a.float(), b.float(), 45.0, f"{recipe} gradient, kernel vs post-scale route")
+        # Measured bit for bit on CPU (another CPU's kernels may order the scaling otherwise:
+        # fp32 round-off, not a second bf16 rounding at ~50 dB).
+        assert_sqnr(a.float(), b.float(), 135.0, f"{recipe} gradient, kernel vs post-scale route")

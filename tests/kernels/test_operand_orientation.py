@@ -94,7 +94,7 @@ def test_linear_gemm_operands_follow_their_contracted_dim(monkeypatch, recipe):
         else:
             # torch._scaled_mm's CPU kernel: its own order of scaling and accumulation.
             # Measured: 138.5 dB (output), 138.5-199 dB (grad_input), 138.5-218 dB (grad_weight).
-            assert_sqnr(want, out.float(), 120.0, f"{recipe} {gemm}")
+            assert_sqnr(want, out.float(), 132.0, f"{recipe} {gemm}")
 
 
 def test_linear_results_are_the_reference_products(monkeypatch):
@@ -251,6 +251,88 @@ def test_grouped_block_recipes_cast_each_expert_like_a_linear(monkeypatch, recip
         assert torch.equal(out.float(), (deqs[0] @ deqs[1]).to(out.dtype).float()), f"{recipe} expert {e} {gemm}"
 
 
+def _assert_batched_operand(op: Float8Tensor, hp: torch.Tensor, gran, side: str, per_expert: bool, what: str):
+    """A 3D operand of a batched GEMM ``A (B, M, K) @ B (B, K, N)``: each batch entry cast with
+    the operand's block (rowwise: per row of A, per column of B), or, for a tensorwise
+    activation or gradient, one scale for the whole 3D tensor (per entry for a weight,
+    ``per_expert``). Returns the reference's dequantized values."""
+    assert isinstance(op, Float8Tensor) and op.shape == hp.shape, f"{what}: {type(op).__name__} {tuple(op.shape)}"
+    assert op._data.dtype == E4M3, f"{what}: {op._data.dtype}"
+    if gran == "T" and not per_expert:
+        data, scale, deq = ref_cast(hp.reshape(-1, hp.shape[-1]), (), E4M3, False)
+        data, deq, want_shape = data.reshape(hp.shape), deq.reshape(hp.shape), ()
+    else:
+        refs = [ref_cast(h, operand_block(gran, side), E4M3, False) for h in hp]
+        data, scale, deq = (torch.stack(r) for r in zip(*refs))
+        b, rows, cols = hp.shape
+        want_shape = (b, 1, 1) if gran == "T" else (b, rows, 1) if side == "A" else (b, 1, cols)
+    got = op._scale.float()
+    assert tuple(got.shape) == want_shape, f"{what}: scale shape {tuple(got.shape)}, the definition's {want_shape}"
+    assert torch.equal(got.reshape(-1), scale.reshape(-1)), f"{what}: scale values differ from the reference's"
+    differ = (op._data.view(torch.uint8) != data.view(torch.uint8)).sum().item()
+    assert differ == 0, f"{what}: {differ} of {data.numel()} FP8 bytes differ from the reference"
+    return deq
+
+
+@pytest.mark.parametrize("stored", ["row_major", "transposed"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_batched_gemm_operands_follow_their_contracted_dim(monkeypatch, recipe, stored):
+    """The batched expert product (``torch.bmm`` over gathered expert weights): in each of
+    its three GEMMs every operand is cast along the dim that GEMM contracts, per batch entry
+    for the weight, including the weight gradient written in a transposed weight's layout."""
+    from f8tensor.moe import _ExpertBmmFn
+
+    b, m, k, n = 3, 32, 64, 48
+    x = torch.stack([spiky((m, k), 40 + i) for i in range(b)])
+    gy = torch.stack([spiky((m, n), 43 + i) for i in range(b)])
+    w_kn = torch.stack([spiky((k, n), 46 + i) for i in range(b)])
+    w = w_kn if stored == "row_major" else w_kn.transpose(1, 2).contiguous().transpose(1, 2)
+    recorder = _Recorder(f8tensor.moe.autograd.batched_mm)
+    monkeypatch.setattr(f8tensor.moe.autograd, "batched_mm", recorder)
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    _ExpertBmmFn.apply(xr, wr, Float8LinearConfig.from_recipe(recipe)).backward(gy)
+    gran = "T" if recipe == "tensorwise" else "R"
+    if stored == "row_major":  # grad_w = x^T (B, K, M) @ grad (B, M, N)
+        wgrad = (x.transpose(1, 2), gy, False)
+    else:  # in the weight's layout: grad^T (B, N, M) @ x (B, M, K), read transposed
+        wgrad = (gy.transpose(1, 2), x, False)
+    gemms = [("output", (x, w_kn, True)), ("grad_input", (gy, w_kn.transpose(1, 2), True)), ("grad_weight", wgrad)]
+    assert len(recorder.calls) == 3
+    for (gemm, (a_hp, b_hp, b_weight)), (args, out) in zip(gemms, recorder.calls):
+        deq_a = _assert_batched_operand(args[0], a_hp, gran, "A", False, f"bmm {recipe} {stored} {gemm} A")
+        deq_b = _assert_batched_operand(args[1], b_hp, gran, "B", b_weight, f"bmm {recipe} {stored} {gemm} B")
+        # The product of the reference casts, rounded once to the kernel's bf16 output:
+        # measured 55.1 (output), 76.4-78.1 (grad_input), 129-130 dB (grad_weight).
+        assert_sqnr(torch.bmm(deq_a, deq_b), out.float(), 52.0, f"bmm {recipe} {stored} {gemm} result")
+
+
+@pytest.mark.parametrize("recipe", ["nvfp4", "mxfp4"])
+def test_grouped_fp4_recipes_block_each_expert_along_its_contracted_dim(monkeypatch, recipe):
+    """FP4 recipes run the experts as a loop of the linear's GEMMs: each expert's operands
+    have their 16- or 32-element blocks along the dim each GEMM contracts (NVFP4's 16x16
+    weight blocks: both dims)."""
+    m, k, n, offs = 64, 128, 96, torch.tensor([32, 64], dtype=torch.int32)
+    x, gy = spiky((m, k), 50), spiky((m, n), 51)
+    w = torch.stack([spiky((k, n), 52 + e) for e in range(2)])
+    recorder = _Recorder(f8tensor.linear_autograd.matmul)
+    monkeypatch.setattr(f8tensor.linear_autograd, "matmul", recorder)
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    float8_grouped_mm(xr, wr, offs, Float8LinearConfig.from_recipe(recipe)).backward(gy)
+    kb = 16 if recipe == "nvfp4" else 32
+    blocks = {"input": (1, kb), "grad_output": (1, kb), "weight": (16, 16) if recipe == "nvfp4" else (1, kb)}
+    order = [("output", 0), ("output", 1), ("grad_input", 1), ("grad_weight", 1), ("grad_input", 0), ("grad_weight", 0)]
+    assert len(recorder.calls) == len(order)
+    for (gemm, e), (args, _) in zip(order, recorder.calls):
+        rows = slice(32 * e, 32 * (e + 1))
+        hp = {"output": (x[rows], w[e]), "grad_input": (gy[rows], w[e].t()), "grad_weight": (gy[rows].t(), x[rows])}
+        for (role, side), op, ref in zip(GEMMS[gemm], args[:2], hp[gemm]):
+            assert is_float4(op), f"{recipe} expert {e} {gemm} {side}: {type(op).__name__}"
+            grid = tuple(math.ceil(s / b) for s, b in zip(ref.shape, operand_block(blocks[role], side)))
+            assert tuple(op._scale.shape) == grid, (
+                f"{recipe} expert {e} {gemm} {side} ({role}): scale {tuple(op._scale.shape)}, want {grid}"
+            )
+
+
 # ----------------------------------------------------------------------------- the CUDA-rules check
 
 
@@ -303,5 +385,6 @@ def test_copy_into_a_cast_with_a_cached_inverse_scale_gives_the_new_product(sour
     want_a = ref_cast(new, (), E4M3, False)[2]
     want_b = ref_cast(b, (), E4M3, False)[2]
     out = torch.mm(dst, b)
-    # torch._scaled_mm's CPU kernel vs the fp32 product of the reference casts: measured 138 dB.
-    assert_sqnr(want_a @ want_b, out, 120.0, f"copy_ from a {source} tensor")
+    # torch._scaled_mm's CPU kernel vs the fp32 product of the reference casts: measured 143.5 dB
+    # (the cached inverse, 8x off, gives 1.2 dB).
+    assert_sqnr(want_a @ want_b, out, 137.0, f"copy_ from a {source} tensor")

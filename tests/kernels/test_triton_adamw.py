@@ -25,9 +25,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 pytest.importorskip("triton", reason="the fused AdamW step needs triton (it ships with CUDA builds of torch)")
 
 from f8tensor import optim
+from f8tensor.block_quantizers import moment_quantizer
 from f8tensor.kernels import triton_adamw
 from f8tensor.optim import AdamW
-from f8tensor.specs import CastSpec
 
 FP8 = torch.float8_e4m3fn
 STATE_DTYPES = (torch.float32, torch.bfloat16, FP8)
@@ -154,8 +154,8 @@ def test_fused_step_is_the_torch_ops_step(rn_sqrt, param_dtype, master, state_dt
 def test_fp8_moments_rounded_to_nearest(rn_sqrt, monkeypatch):
     """With round-to-nearest FP8 moments (``FP8_ROUNDING``) the kernel's requantization is
     the block cast's nearest rounding: the same bits."""
-    nearest = {name: CastSpec(FP8, (1, optim.FP8_BLOCK)) for name in ("exp_avg", "exp_avg_sq")}
-    monkeypatch.setattr(optim, "_FP8_SPECS", nearest)
+    nearest = {name: moment_quantizer(FP8, optim.FP8_BLOCK, "nearest") for name in ("exp_avg", "exp_avg_sq")}
+    monkeypatch.setattr(optim, "_FP8_MOMENTS", nearest)
     for step, models in _lockstep(torch.float32, None, FP8):
         _compare(models, f"step {step}")
 
@@ -294,7 +294,7 @@ def _compile_adamw(arch: int, p: str, g: str, m: str, states: int, master: int, 
 
     from f8tensor.kernels import triton_cast
 
-    kernel = triton_cast._kernels(False).adamw_step_kernel
+    kernel = triton_cast._kernels(False, "_triton_adamw_kernels").adamw_step_kernel
     pointers = {"p_ptr": p, "rem_ptr": "*i16", "g_ptr": g, "m_ptr": m, "v_ptr": m, "ms_ptr": "*fp32",
                 "vs_ptr": "*fp32", "mtab_ptr": "*fp32", "vtab_ptr": "*fp32", "ptab_ptr": "*fp32"}  # fmt: skip
     constants = {

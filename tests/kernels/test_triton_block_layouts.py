@@ -1,5 +1,5 @@
 """The fused 1 x b block cast of N-D tensors in any dense layout, and the fused
-dequantization (``triton_cast.maybe_dequantize``), against the reference, bit for bit.
+dequantization (``triton_dequantize.maybe_dequantize``), against the reference, bit for bit.
 
 These are the two kernels ``save_activations_in_float8`` runs per saved tensor on CUDA.
 On CPU they run under the Triton interpreter (as in ``test_triton_casts.py``); the tests
@@ -19,7 +19,7 @@ pytest.importorskip("triton", reason="the fused casts need triton (it ships with
 from f8tensor import kernels
 from f8tensor.config import CastSpec
 from f8tensor.formats import FLOAT8_DTYPES
-from f8tensor.kernels import reference, triton_cast
+from f8tensor.kernels import reference, triton_cast, triton_dequantize
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 HP_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -157,7 +157,7 @@ def _assert_dequantized_equal(got: torch.Tensor, want: torch.Tensor, what: str) 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_dequantize_matches_reference_for_every_code(name, float8_dtype, dtype):
     data, scale, spec = _every_code_data(name, float8_dtype)
-    got = triton_cast.maybe_dequantize(data, scale, spec.block, dtype)
+    got = triton_dequantize.maybe_dequantize(data, scale, spec.block, dtype)
     assert got is not None, f"no fused dequantization for {name}"
     want = reference.dequantize(data, scale, spec.block, dtype)
     _assert_dequantized_equal(got, want, f"{name} {float8_dtype} -> {dtype}")
@@ -178,7 +178,7 @@ def test_round_trip_of_casts_matches_reference(float8_dtype, dtype):
     spec = CastSpec(float8_dtype, (1, 32))
     got = triton_cast.maybe_cast(hp, spec)
     assert got is not None
-    back = triton_cast.maybe_dequantize(got[0], got[2], spec.block, dtype)
+    back = triton_dequantize.maybe_dequantize(got[0], got[2], spec.block, dtype)
     assert back is not None
     data, scale = reference.cast(hp, spec)
     _assert_dequantized_equal(back, reference.dequantize(data, scale, spec.block, dtype), f"{float8_dtype} {dtype}")

@@ -17,7 +17,7 @@ from f8tensor.linear import Float8Conv1D
 
 # One FP8 linear against fp32: output and gradients (cf. tests/modules/test_linear.py).
 OUTPUT_MIN_DB = 25.0
-GRAD_MIN_DB = 20.0
+GRAD_MIN_DB = 24.0  # a weight or bias gradient of one FP8 layer: measured 27.2-27.4 dB
 # A weight gradient at the bottom of a 2-block GPT-2 whose 8 projections are all FP8: the
 # FP8 errors of the layers above add up in it (measured 21.0 dB at seed 0).
 MODEL_GRAD_MIN_DB = 17.0
@@ -56,7 +56,8 @@ def test_subclass_keeping_linear_forward_converts_and_keeps_its_type():
     assert_sqnr(y_ref, y, OUTPUT_MIN_DB, "subclass output")
     g_ref = torch.autograd.grad(y_ref.sum(), ref[0].weight)[0]
     g = torch.autograd.grad(y.sum(), layer.weight)[0]
-    assert_sqnr(g_ref, g, GRAD_MIN_DB, "subclass grad_weight")
+    # The gradient of y.sum() is ones, exact in e5m2: only x's cast rounds (measured 32.5 dB).
+    assert_sqnr(g_ref, g, 29.0, "subclass grad_weight")
 
 
 def test_summary_line_counts_and_reasons(caplog):

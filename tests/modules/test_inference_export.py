@@ -18,8 +18,9 @@ from torch import nn
 
 from f8tensor import Float8Linear, Float8LinearConfig, Float8Tensor, convert_to_float8_training
 
-# A two-layer model's output through two FP8 products: one rounding more than a matmul.
-MODEL_MIN_DB = 18.0
+# A two-layer model's output through two FP8 products: one rounding more than a matmul
+# (measured 25.4-26.2 dB, eager and exported, tensorwise / rowwise / delayed).
+MODEL_MIN_DB = 23.0
 
 
 class _FP8Weights(nn.Module):

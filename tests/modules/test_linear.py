@@ -21,13 +21,16 @@ from f8tensor import (
     convert_to_float8_training,
     sqnr,
 )
-from tests.helpers import kernel_skip_reason
 
 from linear_utils import DELAYED_BUFFERS, MLP, RECIPE_NAMES, assert_sqnr, fp8_copy, fp8_linear, run_fwd_bwd
 
 # Thresholds of the contract, in dB, against the same layer in high precision.
 OUTPUT_MIN_DB = 24.0
-GRAD_MIN_DB = 17.0
+# One layer's input and weight gradients: measured 23.9 (delayed, e5m2 grad_output) to 29.5 dB
+# (CPU); a two-layer model's first layer, with the second layer's FP8 error in its gradient:
+# 18.9 (grad_input) and 19.8 dB (grad_weight).
+GRAD_MIN_DB = 21.0
+MODEL_GRAD_MIN_DB = 17.0
 # The bias gradient is a high-precision sum of grad_output, as in nn.Linear: bit-identical to
 # the reference on CPU (measured: all 66 bias gradients of this file). On CUDA the two sums may
 # be reduced in another order: fp32/bf16 rounding, far above any FP8 error (unmeasured there).
@@ -189,16 +192,9 @@ def test_autocast_bf16_cpu_with_fp32_model(recipe):
     assert_sqnr(ref.weight.grad, layer.weight.grad, GRAD_MIN_DB, "autocast grad_weight")
 
 
-_FP8_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not _FP8_GPU, reason="needs a CUDA device with FP8 support (compute capability >= 8.9)")
+@pytest.mark.gpu  # tests/conftest.py skips the recipes the kernel rules give this GPU no kernel for
 @pytest.mark.parametrize("recipe", RECIPE_NAMES)
 def test_autocast_bf16_cuda_with_fp32_model(recipe):
-    why = kernel_skip_reason(recipe)  # the kernel rules: blockwise sm90 + CUDA >= 12.9, MX sm100
-    if why is not None:
-        pytest.skip(why)
     ref = nn.Linear(64, 32, device="cuda")
     layer = fp8_linear(ref, recipe)
     x = torch.randn(2, 16, 64, device="cuda")
@@ -408,8 +404,8 @@ def test_convert_pads_unaligned_linear_when_asked(caplog):
     y_ref, gx_ref = run_fwd_bwd(ref, x)
     y, gx = run_fwd_bwd(model, x)
     assert_sqnr(y_ref, y, OUTPUT_MIN_DB, "padded output")
-    assert_sqnr(gx_ref, gx, GRAD_MIN_DB, "padded grad_input")
-    assert_sqnr(ref[0].weight.grad, model[0].weight.grad, GRAD_MIN_DB, "padded grad_weight")
+    assert_sqnr(gx_ref, gx, MODEL_GRAD_MIN_DB, "padded grad_input")
+    assert_sqnr(ref[0].weight.grad, model[0].weight.grad, MODEL_GRAD_MIN_DB, "padded grad_weight")
 
 
 def test_convert_leaves_linear_subclasses_that_override_forward_alone():

@@ -78,9 +78,6 @@ ALLOWED: dict[str, frozenset[str]] = {
     "f8tensor/gemm/front.py": frozenset({"f8tensor.tensor.to_float8"}),
     "f8tensor/gemm/operands.py": frozenset({"f8tensor.tensor.to_float8", "f8tensor.fp4.to_float4"}),
     "f8tensor/ops.py": frozenset({"f8tensor.tensor.to_float8"}),
-    # AdamW's FP8 moments: to move to block_quantizers.moment_quantizer (issue 38), which
-    # casts them bit for bit as these calls do (tests/core/test_block_quantizers.py).
-    "f8tensor/optim.py": frozenset({"f8tensor.kernels.cast", "f8tensor.kernels.dequantize"}),
 }
 
 

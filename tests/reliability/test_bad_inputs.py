@@ -14,12 +14,13 @@ import pickle
 
 import pytest
 import torch
-from helpers import assert_sqnr
+from helpers import MATMUL_E5M2_MIN_DB, MATMUL_MIN_DB, assert_sqnr
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+import f8tensor.linear_autograd
 import f8tensor.tensor
 from f8tensor import (
     BLOCK_1x128,
@@ -174,7 +175,7 @@ def test_deferred_init_resets_delayed_state():
     assert torch.equal(layer.delayed_call_keys, torch.full((8,), -1.0))
     x = torch.randn(8, 32)
     ref = x @ layer.weight.detach().t() + layer.bias.detach()
-    assert_sqnr(ref, layer(x), 20.0, "first step after deferred init")
+    assert_sqnr(ref, layer(x), 25.0, "first step after deferred init")  # measured 27.7 dB
 
 
 def test_deferred_init_resets_stats_buffers():
@@ -322,22 +323,37 @@ def test_fnuz_mixed_with_fn_is_refused_by_the_config(role):
         Float8LinearConfig(**fields)
 
 
-def test_all_fnuz_config_is_fine():
+def test_all_fnuz_config_is_fine(monkeypatch):
     config = Float8LinearConfig(
         input=CastConfig(torch.float8_e4m3fnuz),
         weight=CastConfig(torch.float8_e4m3fnuz),
         grad_output=CastConfig(torch.float8_e5m2fnuz),
     )
-    assert (config.input.dtype, config.weight.dtype, config.grad_output.dtype) == (
-        torch.float8_e4m3fnuz,
-        torch.float8_e4m3fnuz,
-        torch.float8_e5m2fnuz,
-    )
-    # The layer builds with it, and its weight cast uses the fnuz format (CPU has no fnuz GEMM).
-    layer = Float8Linear(32, 16, config=config)
-    w8 = Float8Tensor.from_hp(layer.weight.detach(), config.weight.dtype)
-    assert w8.float8_dtype == torch.float8_e4m3fnuz
-    assert_sqnr(layer.weight.detach(), w8.to_hp(), 28.0, "fnuz weight cast")
+    # The layer trains with it: each of its three GEMMs multiplies fnuz casts (the CPU
+    # reference re-casts them for its kernel), at the formats' accuracy.
+    products = []
+    real = f8tensor.linear_autograd.matmul
+
+    def recorded(a, b, *args, **kwargs):
+        products.append((a._data.dtype, b._data.dtype))
+        return real(a, b, *args, **kwargs)
+
+    monkeypatch.setattr(f8tensor.linear_autograd, "matmul", recorded)
+    torch.manual_seed(0)
+    ref = nn.Linear(32, 16)
+    layer = Float8Linear.from_float(copy.deepcopy(ref), config)
+    x, g = torch.randn(8, 32), torch.randn(8, 16)
+    x_ref, x_f8 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ref(x_ref).backward(g)
+    y = layer(x_f8)
+    y.backward(g)
+    e4, e5 = torch.float8_e4m3fnuz, torch.float8_e5m2fnuz
+    assert products == [(e4, e4), (e5, e4), (e5, e4)], products  # output, grad_input, grad_weight
+    # Measured 27.85 (output), 23.98 (grad_input, an e5m2fnuz operand), 25.69 dB (grad_weight).
+    assert_sqnr(ref(x), y, MATMUL_MIN_DB, "fnuz output")
+    assert_sqnr(x_ref.grad, x_f8.grad, MATMUL_E5M2_MIN_DB, "fnuz grad_input")
+    assert_sqnr(ref.weight.grad, layer.weight.grad, MATMUL_E5M2_MIN_DB, "fnuz grad_weight")
+    assert torch.equal(ref.bias.grad, layer.bias.grad)
 
 
 def test_convert_refuses_a_non_module():
@@ -540,11 +556,19 @@ def test_invalid_configs_are_refused_naming_the_problem(recipe, dtypes, delayed,
         for role, d in zip(("input", "weight", "grad_output"), dtypes)
     }
     history_len, margin = delayed
-    with pytest.raises(ValueError, match=error):
-        config = Float8LinearConfig.from_recipe(
+
+    def config():
+        return Float8LinearConfig.from_recipe(
             recipe, **casts, delayed=DelayedScalingConfig(history_len=history_len, margin=margin), pad_inner_dim=pad
         )
-        Float8Linear(*features, config=config)
+
+    if features == (16, 32):  # a config defect: refused when the config is built
+        with pytest.raises(ValueError, match=error):
+            config()
+    else:  # a valid config, dims it cannot take: refused when the layer is built
+        layer_config = config()
+        with pytest.raises(ValueError, match=error):
+            Float8Linear(*features, config=layer_config)
 
 
 def test_explicit_block_scales_are_range_checked():

@@ -77,7 +77,9 @@ def test_finite_values_near_the_dtype_max_never_dequantize_to_inf(hp_dtype, f8, 
     back = x8.to_hp()
     assert back.dtype == hp_dtype
     assert torch.isfinite(back).all(), f"finite input came back non-finite: {back[~torch.isfinite(back)][:4]}"
-    assert_sqnr(x.double(), back.double(), 10.0, "near-max values")
+    # Measured 31.8 dB everywhere but the MX floor rule, which clips the top of a block by up
+    # to 2x (19.3-26.4 dB).
+    assert_sqnr(x.double(), back.double(), 17.0 if gran is MX_1x32_FLOOR else 29.0, "near-max values")
 
 
 @pytest.mark.parametrize("hp_dtype", HP, ids=dtype_name)
@@ -135,7 +137,7 @@ def test_negative_indices_pick_the_scale_of_their_own_row(name, gran, device):
     if device == "meta":
         return
     pos = torch.tensor([100, 199, 0, 5, 199, 71])
-    assert_sqnr(x[pos], got.to_hp(), 25.0, f"{name} negative ids")
+    assert_sqnr(x[pos], got.to_hp(), 28.0, f"{name} negative ids")  # measured 31.2-32.3 dB
     torch.testing.assert_close(got.to_hp(), w8.to_hp()[pos], rtol=0, atol=0)
 
 
