@@ -436,7 +436,16 @@ class Float8LinearConfig:
     def cast_for(self, gemm: str, operand: str) -> CastConfig | None:
         """The cast of ``operand`` in ``gemm`` (see :data:`GEMMS`): its override if any, else
         the role's CastConfig; ``None``: high precision (``weight_grad_in_hp`` is ``None``
-        for both operands of ``grad_weight``)."""
+        for both operands of ``grad_weight``).
+
+        Raises:
+            ValueError: ``gemm`` is not one of :data:`GEMMS`, or ``operand`` not one it multiplies.
+        """
+        if operand not in GEMMS.get(gemm, ()):
+            raise ValueError(
+                f"cast_for: no operand {operand!r} of GEMM {gemm!r}; the GEMMs and their operands are "
+                + "; ".join(f"{g}: {' and '.join(roles)}" for g, roles in GEMMS.items())
+            )
         for o in self.gemm_overrides:
             if o.gemm == gemm and o.operand == operand:
                 return o.cast

@@ -189,7 +189,10 @@ def _saturation_bound(fmt: Float8Format) -> float:
         return tie  # round-half-to-even sends the tie down to max: not clipped
     # An odd max mantissa sends the tie up, out of range: the tie itself is clipped, so
     # the bound is the fp32 number just below it (callers compare fp32 with ">").
-    return float(torch.nextafter(torch.tensor(tie, dtype=torch.float32), torch.tensor(0.0)))
+    # Both fp32: with torch's default dtype set to float64, a plain tensor(0.0) would promote
+    # the step to float64's neighbour, which is not an fp32 number.
+    f32 = torch.float32
+    return float(torch.nextafter(torch.tensor(tie, dtype=f32), torch.tensor(0.0, dtype=f32)))
 
 
 _SATURATION_BOUNDS: dict[torch.dtype, float] = {dtype: _saturation_bound(fmt) for dtype, fmt in FORMATS.items()}

@@ -39,6 +39,15 @@ def _tensorwise(x: Float8Tensor) -> bool:
 # raises instead of silently mislabelling scales.
 
 
+def _with_defaults(args: Sequence, defaults: Sequence) -> tuple:
+    """``args`` completed with the defaults of the trailing arguments left out.
+
+    aten hands a handler every argument before its schema's ``*`` positionally, dropping
+    trailing ones left at their defaults (``kwargs`` holds keyword-only ones only): a
+    handler reads its positional arguments from ``args`` alone."""
+    return (*args, *defaults[len(args) :])
+
+
 def _view_result(func, args, kwargs, out):
     if torch.is_inference_mode_enabled() and not args[0].is_inference():
         # A view of a normal tensor is a normal tensor, in inference mode too (it shares
@@ -201,8 +210,7 @@ def _as_strided(func, types, args, kwargs):
     applies to every byte. Other blocks: only layouts that permute the tensor's own dims at
     the same storage offset (detach, t, transpose, permute); block and scale are permuted alongside.
     """
-    x, size, stride = args[0], args[1], args[2]
-    offset = args[3] if len(args) > 3 else kwargs.get("storage_offset")
+    x, size, stride, offset = _with_defaults(args, (None, None, None, None))
     data = func(x._data, size, stride, offset)
     if _tensorwise(x):
         return _view_result(func, args, kwargs, x._replace(data=data, block=layout_block((), data.dim())))
@@ -278,8 +286,8 @@ def _check_pieces_cat(tensors: Sequence[Float8Tensor], dim: int) -> None:
 
 
 def _split(func, types, args, kwargs):
-    x, sizes = args[0], args[1]
-    dim = (args[2] if len(args) > 2 else kwargs.get("dim", 0)) % x.dim()
+    x, sizes, dim = _with_defaults(args, (None, None, 0))
+    dim = dim % x.dim()
     datas = func(x._data, sizes, dim)
     out, start = [], 0
     for d in datas:
@@ -293,15 +301,11 @@ implements([aten.split.Tensor, aten.split_with_sizes.default])(_split)
 
 
 def _slice(func, types, args, kwargs):
-    x = args[0]
-    rest = list(args[1:])
-    dim = (rest[0] if rest else kwargs.get("dim", 0)) % x.dim()
-    start = rest[1] if len(rest) > 1 else kwargs.get("start")
-    end = rest[2] if len(rest) > 2 else kwargs.get("end")
-    step = rest[3] if len(rest) > 3 else kwargs.get("step", 1)
-    data = func(x._data, *rest, **kwargs)
-    size = x.shape[dim]
-    start, end, _ = slice(start, end, step).indices(size) if size else (0, 0, 1)
+    x, dim, start, end, step = _with_defaults(args, (None, 0, None, None, 1))
+    dim = dim % x.dim()
+    data = func(x._data, *args[1:])
+    # Clamped to the dim as Python clamps a slice (the same for every step aten allows: >= 1).
+    start, end = slice(start, end).indices(x.shape[dim])[:2]
     scale = _piece_scale(x, dim, start, max(end, start), step)
     return _view_result(func, args, kwargs, x._replace(data=data, scale=scale))
 
@@ -339,7 +343,7 @@ def _index(func, types, args, kwargs):
     (ids,) = indices
     ids = _normalized_ids(ids, x.shape[0])
     data = x._data.view(torch.uint8)[ids].view(x._data.dtype)  # gather through bytes: no FP8 index kernel needed
-    b = x._block[0] if x._block else 0
+    b = x._block[0]  # x has a dim 0 (it is indexed along it): its block has an entry there
     if _tensorwise(x) or b == 0:
         return x._replace(data=data)
     # Each gathered row keeps its own scale row: blocks of b rows become blocks of one.
@@ -381,9 +385,9 @@ def _normalized_ids(ids: torch.Tensor, size: int) -> torch.Tensor:
 
 
 def _cat(func, types, args, kwargs):
-    tensors = list(args[0])
+    tensors, dim = _with_defaults(args, (None, 0))
     first = tensors[0]
-    dim = (args[1] if len(args) > 1 else kwargs.get("dim", 0)) % first.dim()
+    dim = dim % first.dim()
     for t in tensors:
         if not _is_f8(t):
             raise TypeError("cat of Float8Tensors with plain tensors is not supported; call .to_hp() first")

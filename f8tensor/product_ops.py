@@ -12,7 +12,7 @@ from f8tensor.fp4 import Float4Tensor, is_float4
 from f8tensor.gemm import GROUPED_RULES, batched_mm, grouped_mm, matmul
 from f8tensor.gemm.operands import requantize
 from f8tensor.gemm.rules import ALIGN
-from f8tensor.ops import _permuted, _reshaped_meta, _selected
+from f8tensor.ops import _permuted, _reshaped_meta, _selected, _with_defaults
 from f8tensor.specs import axiswise_block, axiswise_dim, layout_block
 from f8tensor.tensor import Float8Tensor, is_float8
 
@@ -89,7 +89,7 @@ def _bmm(func, types, args, kwargs):
     # x @ w.t() with a non-contiguous 3D x reaches here as bmm(x, w.t().expand(B, K, N)):
     # the same matrix for every batch entry, so it folds into one 2D product.
     if b.stride(0) == 0:
-        out = matmul(_flatten_batch(a), _batch_item(b, 0))
+        out = matmul(_flatten_batch(a), _batch_item(b, 0, 0))
         return out.view(batch, a.shape[1], b.shape[2])
     orig = a._orig_dtype if _is_f8(a) else b._orig_dtype
     if orig in GROUPED_RULES[0].out_dtypes and a.shape[2] % ALIGN == 0:
@@ -97,7 +97,7 @@ def _bmm(func, types, args, kwargs):
         # bf16 only: taken when that is the output dtype; fp16/fp32 outputs keep one
         # _scaled_mm per batch entry, which writes them directly.
         return batched_mm(a, b, orig)
-    return torch.stack([matmul(_batch_item(a, i), _batch_item(b, i)) for i in range(batch)])
+    return torch.stack([matmul(_batch_item(a, i, 1), _batch_item(b, i, 0)) for i in range(batch)])
 
 
 implements([aten.bmm.default])(_bmm)
@@ -111,19 +111,15 @@ def _grouped_mm(func, types, args, kwargs):
     scale that varies along K is re-derived along N. Groups may be empty or any size.
     The kernel writes bf16; the result is returned in ``out_dtype`` (default: a's dtype).
     """
-    names = ("mat_a", "mat_b", "offs", "bias", "out_dtype")
-    bound = dict(zip(names, args))
-    bound.update(kwargs)
-    a, b, offs = bound["mat_a"], bound["mat_b"], bound.get("offs")
+    a, b, offs, bias, out_dtype = _with_defaults(args, (None, None, None, None, None))
     if a.dim() != 2 or b.dim() != 3 or offs is None:
         raise NotImplementedError(
             f"Float8Tensor supports _grouped_mm as 2D x 3D with offs (MoE tokens x experts); got "
             f"{a.dim()}D x {b.dim()}D, offs={'None' if offs is None else 'given'}. Call .to_hp() first."
         )
-    if bound.get("bias") is not None:
+    if bias is not None:
         raise NotImplementedError("FP8 _grouped_mm with bias is not supported (torch._scaled_grouped_mm takes none)")
-    out_dtype = bound.get("out_dtype") or (a._orig_dtype if _is_f8(a) else a.dtype)
-    return grouped_mm(a, b, offs, out_dtype)
+    return grouped_mm(a, b, offs, out_dtype or a.dtype)  # a Float8Tensor's dtype is its original one
 
 
 implements([aten._grouped_mm.default])(_grouped_mm)
@@ -145,7 +141,9 @@ def _flatten_batch(x: torch.Tensor) -> torch.Tensor:
     return x._replace(data=data, scale=scale, block=layout_block(() if axis is None else axiswise_block(1, 2), 2))
 
 
-def _batch_item(x: torch.Tensor, i: int) -> torch.Tensor:
+def _batch_item(x: torch.Tensor, i: int, k: int) -> torch.Tensor:
+    """Entry ``i`` of a (B, rows, cols) operand as a 2D one; ``k``: the dim the product
+    contracts over in it (1 for ``a``, 0 for ``b``)."""
     if not _is_f8(x):
         return x[i]
     if x.is_blockwise:
@@ -153,7 +151,9 @@ def _batch_item(x: torch.Tensor, i: int) -> torch.Tensor:
     axis = axiswise_dim(x._scale_block)
     if axis is None:
         return x._replace(data=x._data[i], block=layout_block((), x.dim() - 1))
-    if axis == 0:  # scale was reduced over the batch dim: re-derive along K instead
-        return requantize(x._replace(data=x._data[i], scale=x._scale[0]), 1)
-    scale = x._scale[i if x._scale.shape[0] > 1 else 0]
-    return x._replace(data=x._data[i], scale=scale, block=axiswise_block(axis - 1, x.dim() - 1))
+    if axis == 0:
+        # The scale was reduced over the batch dim: one scale per element of an entry,
+        # which no dense kernel reads. Re-derive it constant along K.
+        return requantize(x._replace(data=x._data[i], scale=x._scale[0], block=x._block[1:]), k)
+    # Block 1 at the batch dim (axis > 0): one scale row per entry.
+    return x._replace(data=x._data[i], scale=x._scale[i], block=axiswise_block(axis - 1, x.dim() - 1))

@@ -70,6 +70,19 @@ def test_saturation_bound_from_the_top_binade(float8_dtype):
     assert at.to(float8_dtype).float().item() == FORMATS[float8_dtype].max
 
 
+@pytest.mark.parametrize("float8_dtype", FLOAT8_DTYPES, ids=dtype_name)
+def test_saturation_bound_is_an_fp32_number_whatever_the_default_dtype(float8_dtype):
+    """The bound is fp32's neighbour of the tie (the products it is compared with are
+    fp32), also when torch's default dtype is float64 at import time."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        bound = formats._saturation_bound(FORMATS[float8_dtype])
+    finally:
+        torch.set_default_dtype(previous)
+    assert bound == _BOUNDS[float8_dtype]
+
+
 # ------------------------------------------------------------ formats: the saturating cast
 
 

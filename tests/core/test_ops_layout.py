@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from helpers import (
@@ -13,7 +15,9 @@ from helpers import (
     float_bits,
 )
 
-from f8tensor import FLOAT8_DTYPES, Float8Tensor, GemmConfig
+from f8tensor import FLOAT8_DTYPES, Float8Tensor, GemmConfig, ops
+from f8tensor.specs import CastSpec
+from f8tensor.tensor import to_float8
 
 # A non-default config and dtype, so that dropped metadata shows.
 GEMM = GemmConfig(out_dtype=torch.float32, pad_inner_dim=True)
@@ -407,6 +411,14 @@ def test_as_strided_tensorwise_any_layout():
     assert torch.equal(float_bits(y._scale), float_bits(x8._scale))
 
 
+def test_as_strided_tensorwise_to_another_rank():
+    """One scale for every byte: any layout, of any rank (the block follows the rank)."""
+    x8 = _f8((4, 6, 32), "tensorwise")
+    y = torch.ops.aten.as_strided.default(x8, (24, 16), (32, 2), 1)
+    assert_consistent(y)
+    assert torch.equal(bits(y._data), bits(x8._data.as_strided((24, 16), (32, 2), 1)))
+
+
 @pytest.mark.parametrize("granularity", GRANULARITIES)
 def test_as_strided_as_a_permutation(granularity):
     x8 = _f8((4, 6, 32), granularity)
@@ -420,3 +432,337 @@ def test_as_strided_rowwise_other_layout_raises():
     x8 = _f8((16, 32), "rowwise")
     with pytest.raises(NotImplementedError, match=r"as_strided of a Float8Tensor scaled along dim 1 is only supported"):
         x8.as_strided((8, 32), (32, 1), 64)
+
+
+# ----------------------------------------------------------------------------- every granularity
+#
+# A layout op moves elements, never values: on a Float8Tensor of any granularity,
+# dequantizing after the op gives, bit for bit, the op applied to the dequantized tensor.
+# The dequantization here is written from the block definition (data / scale, each scale
+# repeated over its block, a partial edge block cut), not with the library's. The blocks
+# are applied to a (4, 6, 72) tensor: 72 is two 32-blocks and a partial one of 8, and the
+# magnitudes differ per index of every dim, so every scale is its own.
+
+_BLOCKS = {
+    "tensorwise": ((), torch.float32),
+    "rows": ((1, 1, 0), torch.float32),
+    "dim1": ((1, 0, 1), torch.float32),
+    "dim0": ((0, 1, 1), torch.float32),
+    "columns": ((0, 0, 1), torch.float32),
+    "1x32": ((1, 1, 32), torch.float32),
+    "2x3x16": ((2, 3, 16), torch.float32),
+    "mx": ((1, 1, 32), torch.float8_e8m0fnu),
+}
+
+
+def _block_f8(name: str, shape=(4, 6, 72)) -> Float8Tensor:
+    block, scale_dtype = _BLOCKS[name]
+    gen = torch.Generator().manual_seed(7)
+    hp = torch.randn(shape, generator=gen)
+    for d, n in enumerate(shape):
+        hp = hp * (2.0 ** (torch.arange(n) % 5 - 2)).reshape([n if i == d else 1 for i in range(len(shape))])
+    return to_float8(hp.to(torch.bfloat16), CastSpec(torch.float8_e4m3fn, block, scale_dtype), gemm=GEMM)
+
+
+def _dq(x8: Float8Tensor) -> torch.Tensor:
+    scale = x8._scale.float()
+    if scale.dim():
+        for d, b in enumerate(x8._block):
+            if b > 1:
+                scale = scale.repeat_interleave(b, dim=d).narrow(d, 0, x8.shape[d])
+    return x8._data.float() / scale
+
+
+def _moves_elements(y: Float8Tensor, expected: torch.Tensor, base: Float8Tensor) -> None:
+    """``y`` dequantizes to ``expected`` bit for bit, and is a consistent Float8Tensor with
+    ``base``'s format, dtypes and GemmConfig."""
+    _keeps_meta(y, base)
+    assert_consistent(y)
+    assert y._scale.dtype == base._scale.dtype
+    assert y.shape == expected.shape
+    assert torch.equal(float_bits(_dq(y)), float_bits(expected))
+
+
+def _along(block: tuple[int, ...], dim: int) -> int:
+    """The block entry along ``dim`` (0 for a tensorwise tensor: the whole dim)."""
+    return block[dim] if block else 0
+
+
+# (op, which blocks it applies to): every case that a block allows, as the layout contract
+# states it: a slice or split piece starts on a block boundary with step 1 along a dim whose
+# block is larger than 1; a reshape keeps the last dim and merges/splits leading dims whose
+# blocks are all 1 or all 0 (tensorwise: anything).
+_ANY = lambda block: True
+_LEAD_MERGES = lambda block: not block or set(block[:2]) in ({1}, {0})
+_LAYOUT_CASES = {
+    "transpose_0_1": (lambda x: x.transpose(0, 1), _ANY),
+    "transpose_-1_-3": (lambda x: x.transpose(-1, -3), _ANY),
+    "transpose_1_1": (lambda x: x.transpose(1, 1), _ANY),
+    "permute_2_0_1": (lambda x: x.permute(2, 0, 1), _ANY),
+    "permute_-2_-1_-3": (lambda x: x.permute(-2, -1, -3), _ANY),
+    "mT": (lambda x: x.mT, _ANY),
+    "reshape_merge": (lambda x: x.reshape(24, 72), _LEAD_MERGES),
+    "view_split": (lambda x: x.view(2, 2, 6, 72), lambda block: _along(block, 0) <= 1),
+    "view_same": (lambda x: x.view(4, 6, 72), _ANY),
+    "reshape_flat": (lambda x: x.reshape(-1), lambda block: not block),
+    "unsqueeze_0": (lambda x: x.unsqueeze(0), _ANY),
+    "unsqueeze_1": (lambda x: x.unsqueeze(1), _ANY),
+    "unsqueeze_-1": (lambda x: x.unsqueeze(-1), _ANY),
+    "unsqueeze_-2": (lambda x: x.unsqueeze(-2), _ANY),
+    "unsqueeze_3": (lambda x: x.unsqueeze(3), _ANY),
+    "cat_unsqueezed": (lambda x: torch.cat([x.unsqueeze(0), x.unsqueeze(0)]), _ANY),
+    "reshape_size1_lead": (lambda x: x[:1].reshape(6, 72), _ANY),
+    "expand_lead": (lambda x: x.expand(3, 4, 6, 72), _ANY),
+    "expand_size1": (lambda x: x[:, :1].expand(2, 4, 5, 72), _ANY),
+    "expand_size1_to_2": (lambda x: x[:, :1].expand(4, 2, 72), _ANY),
+    "select_0_1": (lambda x: x.select(0, 1), _ANY),
+    "select_0_-1": (lambda x: x.select(0, -1), _ANY),
+    "select_0_-4": (lambda x: x.select(0, -4), _ANY),
+    "select_1_5": (lambda x: x.select(1, 5), _ANY),
+    "select_1_4": (lambda x: x.select(1, 4), _ANY),
+    "select_-1_40": (lambda x: x.select(-1, 40), _ANY),
+    "select_2_-3": (lambda x: x.select(2, -3), _ANY),
+    "select_2_-9": (lambda x: x.select(2, -9), _ANY),
+    "slice_0_1_3": (lambda x: x[1:3], lambda block: _along(block, 0) <= 1),
+    "slice_0_2_": (lambda x: x[2:], lambda block: _along(block, 0) <= 2),
+    "slice_0_-2_": (lambda x: x[-2:], lambda block: _along(block, 0) <= 2),
+    "slice_0_step2": (lambda x: x[::2], lambda block: _along(block, 0) <= 1),
+    "slice_0_past_end": (lambda x: x[3:100], lambda block: _along(block, 0) <= 1),
+    "slice_0_empty": (lambda x: x[4:], lambda block: _along(block, 0) <= 1 or 4 % _along(block, 0) == 0),
+    "slice_1_3_": (lambda x: x[:, 3:], lambda block: _along(block, 1) in (0, 1, 3)),
+    "slice_1_1_5_2": (lambda x: x[:, 1:5:2], lambda block: _along(block, 1) <= 1),
+    "slice_2_32_": (lambda x: x[..., 32:], lambda block: _along(block, 2) in (0, 1, 16, 32)),
+    "slice_2_0_40": (lambda x: x[..., :40], _ANY),
+    "slice_2_64_": (lambda x: x[..., 64:], lambda block: _along(block, 2) in (0, 1, 16, 32)),
+    "slice_2_-8_": (lambda x: x[..., -8:], lambda block: _along(block, 2) in (0, 1, 16, 32)),
+    "slice_2_-9_": (lambda x: x[..., -9:], lambda block: _along(block, 2) in (0, 1)),
+    "narrow_2": (lambda x: x.narrow(2, 32, 16), lambda block: _along(block, 2) in (0, 1, 16, 32)),
+    "slice_all": (lambda x: torch.ops.aten.slice.Tensor(x), _ANY),
+    "slice_dim_only": (lambda x: torch.ops.aten.slice.Tensor(x, 2), _ANY),
+    "slice_start_only": (lambda x: torch.ops.aten.slice.Tensor(x, 2, 32), lambda block: _along(block, 2) in (0, 1, 16, 32)),
+    "split_0": (lambda x: x.split(2)[1], lambda block: _along(block, 0) <= 2),
+    "split_1_sizes": (lambda x: x.split([3, 3], 1)[1], lambda block: _along(block, 1) in (0, 1, 3)),
+    "split_-1": (lambda x: x.split(32, -1)[2], lambda block: _along(block, 2) in (0, 1, 16, 32)),
+    "split_2_last": (lambda x: x.split([64, 8], 2)[1], lambda block: _along(block, 2) in (0, 1, 16, 32)),
+    "split_cat_0": (lambda x: torch.cat(x.split(2)[::-1]), lambda block: _along(block, 0) <= 2),
+    "split_cat_-1": (lambda x: torch.cat(x.split(32, -1), -1), _ANY),
+    "split_cat_1_three": (lambda x: torch.cat(x.split(3, 1)[::-1] + x.split(3, 1), 1), lambda block: _along(block, 1) in (0, 1, 3)),
+    "cat_one": (lambda x: torch.cat([x], 2), _ANY),
+    "index_ids": (lambda x: x[torch.tensor([3, 0, -1, 2, -4])], _ANY),
+    "index_no_ids": (lambda x: x[torch.tensor([], dtype=torch.int64)], _ANY),
+    "index_ids_int32": (lambda x: x[torch.tensor([1, -3], dtype=torch.int32)], _ANY),
+    "detach": (lambda x: x.detach(), _ANY),
+    "alias": (lambda x: torch.ops.aten.alias.default(x), _ANY),
+    "clone": (lambda x: x.clone(), _ANY),
+    "contiguous_of_permuted": (lambda x: x.permute(2, 0, 1).contiguous(), _ANY),
+}
+
+
+@pytest.mark.parametrize("case", list(_LAYOUT_CASES))
+@pytest.mark.parametrize("name", list(_BLOCKS))
+def test_layout_ops_move_elements_of_every_granularity(name, case):
+    op, applies = _LAYOUT_CASES[case]
+    x8 = _block_f8(name)
+    if not applies(_BLOCKS[name][0]):
+        with pytest.raises(NotImplementedError, match=r"call \.to_hp\(\)"):
+            op(x8)
+        return
+    _moves_elements(op(x8), op(_dq(x8)), x8)
+
+
+def test_layout_of_a_0_dim_and_a_1_dim_tensor():
+    """Negative dims count from the end of the tensor's own rank (0 and 1 here); ``t`` of
+    fewer than two dims is the tensor itself."""
+    x0 = Float8Tensor.from_hp(torch.tensor(3.0), gemm_config=GEMM)
+    _moves_elements(x0.transpose(-1, -1), _dq(x0).transpose(-1, -1), x0)
+    _moves_elements(x0.unsqueeze(-1), _dq(x0).unsqueeze(-1), x0)
+    _moves_elements(x0.t(), _dq(x0), x0)
+    for granularity in ("tensorwise", (32,)):
+        x1 = Float8Tensor.from_hp(torch.randn(72) * 2.0 ** (torch.arange(72) % 5), granularity=granularity, gemm_config=GEMM)
+        _moves_elements(x1.transpose(0, -1), _dq(x1), x1)
+        _moves_elements(x1.t(), _dq(x1), x1)
+        _moves_elements(x1.unsqueeze(-1), _dq(x1).unsqueeze(-1), x1)
+        _moves_elements(x1.unsqueeze(-2), _dq(x1).unsqueeze(-2), x1)
+
+
+@pytest.mark.parametrize("made_in_inference_mode", [False, True], ids=["normal", "inference"])
+@pytest.mark.parametrize("name", ["tensorwise", "rows", "1x32"])
+def test_views_in_inference_mode_are_tensors_like_their_base(name, made_in_inference_mode):
+    """Under ``torch.inference_mode()`` a view of a normal Float8Tensor is a normal tensor
+    (it shares its base's version counter) and a view of an inference tensor an inference
+    tensor, as for plain tensors; one view or a list of them, the same elements."""
+    if made_in_inference_mode:
+        with torch.inference_mode():
+            x8 = _block_f8(name)
+    else:
+        x8 = _block_f8(name)
+    with torch.inference_mode():
+        views = [x8.transpose(0, 1), x8[1:3], x8.view(2, 2, 6, 72)]
+        pieces = x8.split(2)
+    for y, expected in zip(views, (_dq(x8).transpose(0, 1), _dq(x8)[1:3], _dq(x8).view(2, 2, 6, 72))):
+        assert y.is_inference() is made_in_inference_mode
+        _moves_elements(y, expected, x8)
+    for y, expected in zip(pieces, _dq(x8).split(2)):
+        assert y.is_inference() is made_in_inference_mode
+        _moves_elements(y, expected, x8)
+
+
+# ----------------------------------------------------------------------------- refusals name the problem
+
+
+@pytest.mark.parametrize("name", ["tensorwise", "rows", "dim0", "2x3x16"])
+def test_select_out_of_range_names_the_allowed_range(name):
+    x8 = _block_f8(name)
+    with pytest.raises(IndexError, match=r"^index 4 is out of range for dim 0 of size 4: allowed \[-4, 4\)$"):
+        x8.select(0, 4)
+    with pytest.raises(IndexError, match=r"^index -7 is out of range for dim 1 of size 6: allowed \[-6, 6\)$"):
+        x8.select(-2, -7)
+
+
+@pytest.mark.parametrize("name", ["tensorwise", "rows", "1x32"])
+def test_index_out_of_range_names_the_offending_index(name):
+    x8 = _block_f8(name)
+    with pytest.raises(IndexError, match=r"^index 4 is out of range for dim 0 of size 4: allowed \[-4, 4\)$"):
+        x8[torch.tensor([0, 4, 1])]
+    with pytest.raises(IndexError, match=r"^index -5 is out of range for dim 0 of size 4: allowed \[-4, 4\)$"):
+        x8[torch.tensor([-5, 1])]
+    # Both ends out of range: the low one is named; -size itself is in range.
+    with pytest.raises(IndexError, match=r"^index -6 is out of range"):
+        x8[torch.tensor([7, -6])]
+    with pytest.raises(IndexError, match=r"^index 4 is out of range"):
+        x8[torch.tensor([-4, 4])]
+
+
+def test_index_ids_off_the_host_are_not_checked_there(monkeypatch):
+    """Off the host (a GPU, or traced by torch.compile) the ids are normalized without a
+    host read: negative ones from the end, one below ``-size`` sent to ``size`` (out of
+    range for the gather, which asserts in device code) rather than wrapped twice."""
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    got = ops._normalized_ids(torch.tensor([-1, -4, -5, 0, 3, 9]), 4)
+    assert got.tolist() == [3, 0, 4, 0, 3, 9]
+
+
+@pytest.mark.parametrize(
+    "index",
+    [
+        lambda x: x[torch.tensor([[0, 1]])],
+        lambda x: x[torch.tensor([True, False, True, False])],
+        lambda x: x[torch.tensor([0]), torch.tensor([1])],
+        lambda x: x[:, torch.tensor([1])],
+        lambda x: torch.ops.aten.index.Tensor(x, [None]),
+    ],
+    ids=["2d_ids", "mask", "two_ids", "dim1", "none"],
+)
+def test_index_other_than_one_1d_integer_tensor_is_refused(index):
+    x8 = _block_f8("rows")
+    with pytest.raises(NotImplementedError, match=r"^Float8Tensor supports indexing with one 1D integer tensor along dim 0 \(w8\[ids\]\); call \.to_hp\(\) first$"):
+        index(x8)
+
+
+def test_cat_refusals_name_the_mismatch():
+    x8 = _block_f8("tensorwise")
+    with pytest.raises(TypeError, match=r"^cat of Float8Tensors with plain tensors is not supported; call \.to_hp\(\) first$"):
+        torch.cat([x8, torch.zeros(4, 6, 72, dtype=torch.bfloat16)])
+    with pytest.raises(ValueError, match=r"^cat needs Float8Tensors of one float8 dtype, original dtype, block, scale dtype and GemmConfig$"):
+        torch.cat([x8, _block_f8("rows")])
+    other = Float8Tensor.from_hp(torch.ones(4, 6, 72, dtype=torch.bfloat16), gemm_config=GEMM)
+    with pytest.raises(ValueError, match=r"^cat of Float8Tensors with different scales along the cat dimension cannot be represented without re-quantizing; call \.to_hp\(\) and cast again$"):
+        torch.cat([x8, other])
+
+
+def test_cat_of_pieces_with_equal_scales_in_different_tensors():
+    """Two casts with the same (given) scale concatenate: equal scales, not one scale object."""
+    a, b = torch.randn(4, 32), torch.randn(2, 32)
+    scale = torch.tensor(64.0)
+    a8 = Float8Tensor.from_hp(a, scale=scale.clone(), gemm_config=GEMM)
+    b8 = Float8Tensor.from_hp(b, scale=scale.clone(), gemm_config=GEMM)
+    assert a8._scale is not b8._scale
+    _moves_elements(torch.cat([a8, b8]), torch.cat([_dq(a8), _dq(b8)]), a8)
+
+
+@pytest.mark.parametrize("name", ["1x32", "2x3x16"])
+def test_cat_pieces_must_hold_whole_blocks_but_the_last(name):
+    x8 = _block_f8(name)
+    block = _BLOCKS[name][0]
+    dim = 2 if block[0] == 1 else 0
+    cut = block[dim] // 2
+    whole, part, rest = x8.narrow(dim, 0, block[dim]), x8.narrow(dim, 0, cut), x8.narrow(dim, block[dim], x8.shape[dim] - block[dim])
+    torch.cat([whole, part], dim)  # a partial block last: fine
+    for pieces in ([part, whole], [whole, part, rest]):
+        with pytest.raises(ValueError, match=rf"^cat along dim {dim} of Float8Tensors with block {re.escape(str(block))}: every piece but the last must hold whole blocks \(a multiple of {block[dim]}\); got size {cut}$"):
+            torch.cat(pieces, dim)
+
+
+@pytest.mark.parametrize("name", ["rows", "1x32"])
+def test_as_strided_other_than_a_permutation_is_refused(name):
+    x8 = _block_f8(name)
+    scaling = "scaled along dim 2" if name == "rows" else "with block (1, 1, 32)"
+    message = rf"^as_strided of a Float8Tensor {re.escape(scaling)} is only supported as a permutation of its dims"
+    rows_1_on = x8[1:]  # at storage offset 432
+    cases = [
+        (x8, (6, 72), (72, 1), None),  # another rank
+        (x8, (4, 6, 72), (1, 4, 24), None),  # the same sizes, other strides
+        (rows_1_on, (3, 6, 72), (432, 72, 1), 0),  # its own layout at another offset
+    ]
+    for x, size, stride, offset in cases:
+        with pytest.raises(NotImplementedError, match=message):
+            torch.ops.aten.as_strided.default(x, size, stride, offset)
+
+
+def test_to_and_empty_like_copy_data_and_scale():
+    """``to(dtype)``, ``_to_copy`` and ``empty_like`` give new FP8 bytes and a new scale
+    (nothing shared with the source), on the device asked for; ``memory_format``
+    describes the outer tensor, not the 0-dim scale."""
+    x8 = Float8Tensor.from_hp(torch.randn(2, 3, 4, 32, dtype=torch.bfloat16), gemm_config=GEMM)
+    copies = (
+        x8.to(torch.float16),
+        x8.to("cpu", copy=True),
+        x8.to(memory_format=torch.channels_last),
+        torch.ops.aten._to_copy.default(x8),
+    )
+    for y in copies:
+        assert not _shares_storage(y, x8) and y._scale.data_ptr() != x8._scale.data_ptr()
+        _moves_elements(y, _dq(x8), x8._replace(orig_dtype=y.dtype))
+    assert copies[0].dtype == torch.float16 and copies[3].dtype == torch.bfloat16
+    on_meta = x8.to("meta")
+    assert on_meta._data.device.type == "meta" and on_meta._scale.device.type == "meta"
+    e = torch.empty_like(x8, dtype=torch.float32, memory_format=torch.channels_last)
+    assert e.dtype == torch.float32 and e._orig_dtype == torch.float32 and e.shape == x8.shape
+    assert not _shares_storage(e, x8) and e._scale.data_ptr() != x8._scale.data_ptr()
+    assert e._scale.shape == x8._scale.shape
+    assert torch.empty_like(x8).dtype == torch.bfloat16
+    e_meta = torch.empty_like(x8, device="meta")
+    assert e_meta._data.device.type == "meta" and e_meta._scale.device.type == "meta"
+
+
+def test_empty_like_and_to_refuse_a_dtype_that_is_not_high_precision():
+    x8 = _block_f8("rows")
+    with pytest.raises(TypeError, match=r"^empty_like dtype must have a high-precision floating dtype \(torch.bfloat16, torch.float16, torch.float32\); got torch.float64$"):
+        torch.empty_like(x8, dtype=torch.float64)
+    with pytest.raises(TypeError, match=r"^Float8Tensor.to dtype must have a high-precision floating dtype"):
+        x8.to(torch.int32)
+
+
+@pytest.mark.parametrize("name", ["rows", "mx", "2x3x16"])
+def test_copy_of_a_plain_tensor_casts_it_in_the_destination_format(name):
+    """A plain source is cast afresh, in the destination's original dtype (bf16 here: the
+    fp32 source is rounded to bf16 first, as a fresh cast of the bf16 tensor would be),
+    format, block and scale dtype: the bytes and scale of that fresh cast."""
+    dst = _block_f8(name)
+    src = torch.randn(4, 6, 72) * (1.0 + 2.0**-12)
+    dst.copy_(src)
+    fresh = to_float8(src.to(torch.bfloat16), CastSpec(torch.float8_e4m3fn, _BLOCKS[name][0], _BLOCKS[name][1]))
+    assert torch.equal(bits(dst._data), bits(fresh._data))
+    assert dst._scale.dtype == fresh._scale.dtype
+    assert torch.equal(dst._scale.float(), fresh._scale.float())
+
+
+def test_copy_refusals_name_the_mismatch():
+    x8 = _block_f8("rows")
+    with pytest.raises(ValueError, match=r"^copy_ between Float8Tensors needs one float8 dtype and one granularity \(block\)$"):
+        x8.copy_(_block_f8("1x32"))
+    # A row of a rowwise matrix selected out of it: a view of another rank, conservatively
+    # treated as sharing its scale (the square shape lines its dims up with the base's).
+    square = Float8Tensor.from_hp(torch.randn(16, 16), granularity="rowwise")
+    with pytest.raises(NotImplementedError, match=r"^copy_ into a view of shape \(16,\) of a Float8Tensor of shape \(16, 16\) would change the scale"):
+        square[3].copy_(torch.randn(16))

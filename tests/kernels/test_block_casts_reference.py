@@ -331,14 +331,17 @@ def test_eager_equals_compiled_bitwise():
 
 
 @pytest.mark.parametrize(
-    ("name", "gran"), [("randn", BLOCK_1x128), ("randn", MX_1x32), ("tall", BLOCK_1x128)], ids=["1x128", "mx", "tall"]
+    ("name", "gran"),
+    [("randn", BLOCK_1x128), ("randn", MX_1x32), ("tall", BLOCK_1x128), ("tall", BLOCK_128x128)],
+    ids=["1x128", "mx", "tall", "tall-128x128"],
 )
 def test_eager_equals_compiled_bitwise_with_short_last_blocks(name, gran):
     """One block cast cut short at a dim's end (300 = 2 x 128 + 44 = 9 x 32 + 12; 130 =
-    128 + 2) and its dequantization, alone in a graph, under inductor: the eager bits.
-    Inductor's CPU code (torch 2.13) read a short last block's expanded scale out of bounds
-    (every element past the first block wrong) until ``scaling.expand_block_scale`` indexed
-    it per element under compile. (The four casts of one graph above fuse otherwise.)"""
+    128 + 2; 200 x 130 in 128x128 blocks: both dims) and its dequantization, alone in a
+    graph, under inductor: the eager bits. Inductor's CPU code (torch 2.13) read a short
+    last block's expanded scale out of bounds (every element past the first block wrong)
+    until ``scaling.expand_block_scale`` indexed it per element under compile. (The four
+    casts of one graph above fuse otherwise.)"""
     import torch._dynamo.testing
 
     def cast_and_back(x):

@@ -127,6 +127,34 @@ def test_a_fused_optimizer_step_drops_the_casts():
     _stale_after(step)
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_casts_dropped_between_forward_and_backward_are_made_again(recipe):
+    """Another optimizer's step between a forward and its backward (two models trained in
+    turn) drops every cast of the scope: the backward makes its weight casts again, from
+    the unchanged weight (a tensorwise one with the forward's scale), bit for bit the
+    gradients of casting every time."""
+    x = _batches(1)[0]
+
+    def grads(reuse: bool) -> list[torch.Tensor]:
+        model = _model(recipe)
+        other = nn.Parameter(torch.ones(3))
+        other.grad = torch.ones(3)
+        opt = torch.optim.SGD([other], lr=0.1)
+        xx = x.clone().requires_grad_()
+        with reuse_weight_casts(model) if reuse else contextlib.nullcontext():
+            y = model(xx)
+            if reuse:
+                assert len(weight_casts_of(model[2])) == 1  # forward's cast, about to be dropped
+            opt.step()
+            if reuse:
+                assert len(weight_casts_of(model[2])) == 0
+            y.float().pow(2).mean().backward()
+        return [xx.grad, *(p.grad for p in model.parameters())]
+
+    for got, want in zip(grads(reuse=True), grads(reuse=False)):
+        assert torch.equal(got, want)
+
+
 def test_an_in_place_update_drops_the_casts():
     def update(model):
         with torch.no_grad():

@@ -12,7 +12,7 @@ import torch._dynamo
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from f8tensor import DelayedScalingConfig, Float8Linear, Float8LinearConfig
+from f8tensor import CastConfig, DelayedScalingConfig, Float8Linear, Float8LinearConfig, convert_to_float8_training
 
 from linear_utils import DELAYED_BUFFERS, MLP, assert_sqnr, fp8_copy, grads
 
@@ -213,6 +213,61 @@ def test_gradient_accumulation_with_activation_checkpointing(order):
         assert torch.equal(a.grad, b.grad), name
     for (name, a), b in zip(plain.named_buffers(), ckpt.buffers()):
         assert torch.equal(a, b), name
+
+
+_DELAYED_ROLES = {
+    "all": Float8LinearConfig.from_recipe("delayed"),
+    "input_only": Float8LinearConfig(input=CastConfig(torch.float8_e4m3fn, scaling="delayed")),
+    "weight_only": Float8LinearConfig(weight=CastConfig(torch.float8_e4m3fn, scaling="delayed")),
+}
+
+
+@pytest.mark.parametrize("roles", list(_DELAYED_ROLES))
+def test_interleaved_microbatches_with_activation_checkpointing(roles):
+    # One forward, one backward (a pipeline's order): f1 f2 b1 f3 b2 b3. The backward b1
+    # changes the histories, so f3 casts with new scales, and b2's recomputed forward must
+    # use f2's recorded scales, not the latest call's (f3's): whichever roles are delayed.
+    config = _DELAYED_ROLES[roles]
+    base = MLP()
+    plain, ckpt = (convert_to_float8_training(copy.deepcopy(base), config=config) for _ in range(2))
+    _train(plain, 1)
+    _train(ckpt, 1)
+    xs = [4 * torch.randn(4, 16, 64), torch.randn(4, 16, 64), 0.25 * torch.randn(4, 16, 64)]
+    losses = {"plain": [], "ckpt": []}
+
+    def forward(i):
+        losses["plain"].append(plain(xs[i]).pow(2).mean())
+        losses["ckpt"].append(checkpoint(ckpt, xs[i], use_reentrant=False).pow(2).mean())
+
+    def backward(i):
+        losses["plain"][i].backward()
+        losses["ckpt"][i].backward()
+
+    forward(0)
+    forward(1)
+    backward(0)
+    forward(2)
+    backward(1)
+    backward(2)
+    for (name, a), b in zip(plain.named_parameters(), ckpt.parameters()):
+        assert torch.equal(a.grad, b.grad), name
+    for (name, a), b in zip(plain.named_buffers(), ckpt.buffers()):
+        assert torch.equal(a, b), name
+
+
+def test_an_infinite_delayed_weight_gives_nan_gradients_not_finite_ones():
+    # A delayed scale is decided without this step's weight, so an inf in the weight is not
+    # caught by the scale: the casts turn it into NaN element by element, in forward and in
+    # backward's re-cast (the clamp alone would make it the format's max: finite garbage).
+    layer = _delayed_layer()
+    _train(nn.Sequential(layer), 1)
+    with torch.no_grad():
+        layer.weight[3, 5] = float("inf")
+    x = torch.randn(8, 64, requires_grad=True)
+    y = layer(x)
+    y.backward(torch.ones_like(y))
+    assert torch.isnan(y[:, 3]).all() and torch.isfinite(y[:, :3]).all()
+    assert torch.isnan(x.grad[:, 5]).all() and torch.isfinite(x.grad[:, :5]).all()
 
 
 # ----------------------------------------------------------------------------- state in buffers
