@@ -370,3 +370,15 @@ def skip_without_interpreter(request: pytest.FixtureRequest, problem: Callable[[
         why = problem()
         if why is not None:
             pytest.skip(why)
+
+
+def dequantized(x8: Float8Tensor) -> torch.Tensor:
+    """``x8``'s values in fp32 from its fields alone (a reference independent of the library's
+    dequantization): data / scale, each scale repeated over its block, partial edge blocks
+    cut."""
+    scale = x8._scale.float()
+    if scale.dim():
+        for d, b in enumerate(x8._block):
+            if b > 1:
+                scale = scale.repeat_interleave(b, dim=d).narrow(d, 0, x8.shape[d])
+    return x8._data.float() / scale

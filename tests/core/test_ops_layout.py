@@ -11,6 +11,7 @@ from helpers import (
     assert_bitwise_equal_f8,
     assert_consistent,
     bits,
+    dequantized,
     dtype_name,
     float_bits,
 )
@@ -464,15 +465,6 @@ def _block_f8(name: str, shape=(4, 6, 72)) -> Float8Tensor:
     return to_float8(hp.to(torch.bfloat16), CastSpec(torch.float8_e4m3fn, block, scale_dtype), gemm=GEMM)
 
 
-def _dq(x8: Float8Tensor) -> torch.Tensor:
-    scale = x8._scale.float()
-    if scale.dim():
-        for d, b in enumerate(x8._block):
-            if b > 1:
-                scale = scale.repeat_interleave(b, dim=d).narrow(d, 0, x8.shape[d])
-    return x8._data.float() / scale
-
-
 def _moves_elements(y: Float8Tensor, expected: torch.Tensor, base: Float8Tensor) -> None:
     """``y`` dequantizes to ``expected`` bit for bit, and is a consistent Float8Tensor with
     ``base``'s format, dtypes and GemmConfig."""
@@ -480,7 +472,7 @@ def _moves_elements(y: Float8Tensor, expected: torch.Tensor, base: Float8Tensor)
     assert_consistent(y)
     assert y._scale.dtype == base._scale.dtype
     assert y.shape == expected.shape
-    assert torch.equal(float_bits(_dq(y)), float_bits(expected))
+    assert torch.equal(float_bits(dequantized(y)), float_bits(expected))
 
 
 def _along(block: tuple[int, ...], dim: int) -> int:
@@ -567,22 +559,22 @@ def test_layout_ops_move_elements_of_every_granularity(name, case):
         with pytest.raises(NotImplementedError, match=r"call \.to_hp\(\)"):
             op(x8)
         return
-    _moves_elements(op(x8), op(_dq(x8)), x8)
+    _moves_elements(op(x8), op(dequantized(x8)), x8)
 
 
 def test_layout_of_a_0_dim_and_a_1_dim_tensor():
     """Negative dims count from the end of the tensor's own rank (0 and 1 here); ``t`` of
     fewer than two dims is the tensor itself."""
     x0 = Float8Tensor.from_hp(torch.tensor(3.0), gemm_config=GEMM)
-    _moves_elements(x0.transpose(-1, -1), _dq(x0).transpose(-1, -1), x0)
-    _moves_elements(x0.unsqueeze(-1), _dq(x0).unsqueeze(-1), x0)
-    _moves_elements(x0.t(), _dq(x0), x0)
+    _moves_elements(x0.transpose(-1, -1), dequantized(x0).transpose(-1, -1), x0)
+    _moves_elements(x0.unsqueeze(-1), dequantized(x0).unsqueeze(-1), x0)
+    _moves_elements(x0.t(), dequantized(x0), x0)
     for granularity in ("tensorwise", (32,)):
         x1 = Float8Tensor.from_hp(torch.randn(72) * 2.0 ** (torch.arange(72) % 5), granularity=granularity, gemm_config=GEMM)
-        _moves_elements(x1.transpose(0, -1), _dq(x1), x1)
-        _moves_elements(x1.t(), _dq(x1), x1)
-        _moves_elements(x1.unsqueeze(-1), _dq(x1).unsqueeze(-1), x1)
-        _moves_elements(x1.unsqueeze(-2), _dq(x1).unsqueeze(-2), x1)
+        _moves_elements(x1.transpose(0, -1), dequantized(x1), x1)
+        _moves_elements(x1.t(), dequantized(x1), x1)
+        _moves_elements(x1.unsqueeze(-1), dequantized(x1).unsqueeze(-1), x1)
+        _moves_elements(x1.unsqueeze(-2), dequantized(x1).unsqueeze(-2), x1)
 
 
 @pytest.mark.parametrize("made_in_inference_mode", [False, True], ids=["normal", "inference"])
@@ -599,10 +591,10 @@ def test_views_in_inference_mode_are_tensors_like_their_base(name, made_in_infer
     with torch.inference_mode():
         views = [x8.transpose(0, 1), x8[1:3], x8.view(2, 2, 6, 72)]
         pieces = x8.split(2)
-    for y, expected in zip(views, (_dq(x8).transpose(0, 1), _dq(x8)[1:3], _dq(x8).view(2, 2, 6, 72))):
+    for y, expected in zip(views, (dequantized(x8).transpose(0, 1), dequantized(x8)[1:3], dequantized(x8).view(2, 2, 6, 72))):
         assert y.is_inference() is made_in_inference_mode
         _moves_elements(y, expected, x8)
-    for y, expected in zip(pieces, _dq(x8).split(2)):
+    for y, expected in zip(pieces, dequantized(x8).split(2)):
         assert y.is_inference() is made_in_inference_mode
         _moves_elements(y, expected, x8)
 
@@ -677,7 +669,7 @@ def test_cat_of_pieces_with_equal_scales_in_different_tensors():
     a8 = Float8Tensor.from_hp(a, scale=scale.clone(), gemm_config=GEMM)
     b8 = Float8Tensor.from_hp(b, scale=scale.clone(), gemm_config=GEMM)
     assert a8._scale is not b8._scale
-    _moves_elements(torch.cat([a8, b8]), torch.cat([_dq(a8), _dq(b8)]), a8)
+    _moves_elements(torch.cat([a8, b8]), torch.cat([dequantized(a8), dequantized(b8)]), a8)
 
 
 @pytest.mark.parametrize("name", ["1x32", "2x3x16"])
@@ -722,7 +714,7 @@ def test_to_and_empty_like_copy_data_and_scale():
     )
     for y in copies:
         assert not _shares_storage(y, x8) and y._scale.data_ptr() != x8._scale.data_ptr()
-        _moves_elements(y, _dq(x8), x8._replace(orig_dtype=y.dtype))
+        _moves_elements(y, dequantized(x8), x8._replace(orig_dtype=y.dtype))
     assert copies[0].dtype == torch.float16 and copies[3].dtype == torch.bfloat16
     on_meta = x8.to("meta")
     assert on_meta._data.device.type == "meta" and on_meta._scale.device.type == "meta"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import bits, float_bits
+from helpers import bits, dequantized, float_bits
 
 from f8tensor import GemmConfig
 from f8tensor.fp4 import Float4Tensor, to_float4
@@ -44,22 +44,12 @@ def _same_f8(got: Float8Tensor, expected: Float8Tensor) -> None:
     assert torch.equal(got._scale.float(), expected._scale.float())
 
 
-def _dequantized(x8: Float8Tensor) -> torch.Tensor:
-    """data / scale in fp32, each scale repeated over its block (partial edge blocks cut)."""
-    scale = x8._scale.float()
-    if scale.dim():
-        for d, b in enumerate(x8._block):
-            if b > 1:
-                scale = scale.repeat_interleave(b, dim=d).narrow(d, 0, x8.shape[d])
-    return x8._data.float() / scale
-
-
 def _rederived(x8: Float8Tensor, k: int, float8_dtype: torch.dtype | None = None) -> Float8Tensor:
     """The re-derivation along ``k`` from its definition: the dequantized fp32 values cast
     with one fp32 scale per index of the other dims (max / amax along ``k``)."""
     f8 = float8_dtype or x8._data.dtype
     fmax = torch.finfo(f8).max
-    x32 = _dequantized(x8)
+    x32 = dequantized(x8)
     scale = (fmax / x32.abs().amax(k, keepdim=True).double()).float()
     data = (x32 * scale).clamp(-fmax, fmax).to(f8)
     block = tuple(0 if d == k % x8.dim() else 1 for d in range(x8.dim()))
@@ -170,7 +160,7 @@ def test_the_grouped_kernel_gets_e4m3fn_operands(block):
     # some bytes (9 of them here, per tensor).
     x8 = to_float8(_structured((512, 64)).bfloat16(), CastSpec(E5M2, block), gemm=GEMM)
     got, _ = prepare(x8, torch.randn(64, 16), GROUPED, a_k=1, b_k=0)
-    expected = to_float8(_dequantized(x8), CastSpec(E4M3, block), gemm=GEMM, orig_dtype=torch.bfloat16)
+    expected = to_float8(dequantized(x8), CastSpec(E4M3, block), gemm=GEMM, orig_dtype=torch.bfloat16)
     _same_f8(got, expected)
     assert prepare(x8, torch.randn(64, 16), DENSE, a_k=1, b_k=0)[0] is x8
 

@@ -15,7 +15,7 @@ import re
 
 import pytest
 import torch
-from helpers import assert_consistent, assert_sqnr
+from helpers import assert_consistent, assert_sqnr, dequantized
 from torch import nn
 
 from f8tensor import BlockGranularity, CastConfig, Float8Linear, Float8LinearConfig, GemmConfig, linear_autograd
@@ -36,16 +36,6 @@ def _structured(shape: tuple[int, ...], seed: int) -> torch.Tensor:
     for d, n in enumerate(shape):
         x = x * (2.0 ** (torch.arange(n) % 5 - 2)).reshape([n if i == d else 1 for i in range(len(shape))])
     return x
-
-
-def _dequantized(x8: Float8Tensor) -> torch.Tensor:
-    """data / scale in fp32, each scale repeated over its block."""
-    scale = x8._scale.float()
-    if scale.dim():
-        for d, b in enumerate(x8._block):
-            if b > 1:
-                scale = scale.repeat_interleave(b, dim=d).narrow(d, 0, x8.shape[d])
-    return x8._data.float() / scale
 
 
 # ----------------------------------------------------------------------------- FP8 inputs
@@ -164,7 +154,7 @@ def test_a_rowwise_fp8_weight_with_tensorwise_grad_output_is_cast_again_along_n(
     w8, grad, ((_, gx, _, _), _) = _fp8_weight_step(_MIXED["weight_rowwise_grad_tensorwise"])
     g_scale = (448.0 / grad.float().abs().amax().double()).float()
     g8 = (grad.float() * g_scale).clamp(-448, 448).to(E4M3)
-    w32 = _dequantized(w8)
+    w32 = dequantized(w8)
     col_scale = (448.0 / w32.abs().amax(0, keepdim=True).double()).float()
     w8_cols = (w32 * col_scale).clamp(-448, 448).to(E4M3)
     expected = (g8.double() / g_scale.double()) @ (w8_cols.double() / col_scale.double())
@@ -205,7 +195,7 @@ def test_a_rowwise_fp8_weight_folds_its_row_scales_into_grad_output(recipe, defa
     expected = (g8.double() / token_scale.double()) @ w8._data.double()
     assert gx.dtype == torch.bfloat16
     assert_sqnr(expected, gx.double(), 50.0, "grad_x")
-    assert_sqnr(grad.double() @ _dequantized(w8).double(), gx.double(), 31.0, "grad_x against g @ W")  # 32.3 measured
+    assert_sqnr(grad.double() @ dequantized(w8).double(), gx.double(), 31.0, "grad_x against g @ W")  # 32.3 measured
 
 
 def _block_cast(x32: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
@@ -255,7 +245,7 @@ def test_an_fp8_weight_blocked_along_k_is_cast_again_along_n_from_fp32():
     tiles = CastConfig(E4M3, BlockGranularity((1, 64)))
     config = Float8LinearConfig(input=tiles, weight=tiles, grad_output=tiles, emulate=True)
     w8, grad, ((_, gx, _, _), _) = _fp8_weight_step(config)
-    expected = _block_cast(grad.float(), (1, 64)) @ _block_cast(_dequantized(w8), (64, 1))
+    expected = _block_cast(grad.float(), (1, 64)) @ _block_cast(dequantized(w8), (64, 1))
     assert gx.dtype == torch.bfloat16
     assert_sqnr(expected, gx.double(), 50.0, "grad_x")
 
