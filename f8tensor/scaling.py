@@ -400,9 +400,10 @@ def stochastic_round(
     e = ((x.view(torch.int32) >> 23) & 0xFF) - 127
     e = e.clamp(min=emin)
     ulp = ((e - fmt.mantissa_bits + 127) << 23).view(torch.float32)
-    # x / ulp as x times the spacing's reciprocal, a power of two too (exponent field in
-    # [1, 254] for every e after the clamp): the same exact quotient, without a division.
-    q = x * ((fmt.mantissa_bits + 127 - e) << 23).view(torch.float32)
+    # One division: exact (a power-of-two divisor), and one pass where the spacing's
+    # reciprocal would take three (measured 2x slower on a CPU, and two more kernels in
+    # eager CUDA).
+    q = x / ulp
     lo = torch.floor(q)
     # rand_like for the default generator: under torch.compile(dynamic=True) `rand` of a
     # symbolic shape fails to trace once a generator argument (even None) is passed;

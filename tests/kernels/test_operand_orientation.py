@@ -225,17 +225,26 @@ def test_grouped_gemm_operands_follow_their_contracted_dim(monkeypatch, recipe):
         torch.testing.assert_close(wr.grad[e], want, rtol=2**-7, atol=1e-6, msg=f"grouped grad_weight expert {e}")
 
 
-@pytest.mark.parametrize("recipe", ["blockwise", "mxfp8"])
-def test_grouped_block_recipes_cast_each_expert_like_a_linear(monkeypatch, recipe):
-    """Block recipes run the experts as a loop of the linear's GEMMs: each expert's
-    operands are the reference casts of its own tokens and weight, in every GEMM."""
-    m, k, n, offs = 256, 128, 256, torch.tensor([128, 256], dtype=torch.int32)
-    x, gy = spiky((m, k), 10), spiky((m, n), 11)
-    w = torch.stack([spiky((k, n), 12 + e) for e in range(2)])
+def _grouped_expert_step(monkeypatch, recipe: str, mkn: tuple[int, int, int], seed: int):
+    """Forward and backward of ``float8_grouped_mm`` over two experts of ``m / 2`` tokens each
+    (spiky tokens, gradients and weights from ``seed`` on), recording every product the
+    linear's GEMMs make. Returns ``(x, grad_output, w, recorder)``; ``w`` is ``(2, K, N)``."""
+    m, k, n = mkn
+    offs = torch.tensor([m // 2, m], dtype=torch.int32)
+    x, gy = spiky((m, k), seed), spiky((m, n), seed + 1)
+    w = torch.stack([spiky((k, n), seed + 2 + e) for e in range(2)])
     recorder = _Recorder(f8tensor.linear_autograd.matmul)
     monkeypatch.setattr(f8tensor.linear_autograd, "matmul", recorder)
     xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
     float8_grouped_mm(xr, wr, offs, Float8LinearConfig.from_recipe(recipe)).backward(gy)
+    return x, gy, w, recorder
+
+
+@pytest.mark.parametrize("recipe", ["blockwise", "mxfp8"])
+def test_grouped_block_recipes_cast_each_expert_like_a_linear(monkeypatch, recipe):
+    """Block recipes run the experts as a loop of the linear's GEMMs: each expert's
+    operands are the reference casts of its own tokens and weight, in every GEMM."""
+    x, gy, w, recorder = _grouped_expert_step(monkeypatch, recipe, (256, 128, 256), seed=10)
     assert len(recorder.calls) == 6
     roles = RECIPES[recipe]
     # Forward: expert 0, expert 1; backward runs in reverse: expert 1 then expert 0.
@@ -311,13 +320,7 @@ def test_grouped_fp4_recipes_block_each_expert_along_its_contracted_dim(monkeypa
     """FP4 recipes run the experts as a loop of the linear's GEMMs: each expert's operands
     have their 16- or 32-element blocks along the dim each GEMM contracts (NVFP4's 16x16
     weight blocks: both dims)."""
-    m, k, n, offs = 64, 128, 96, torch.tensor([32, 64], dtype=torch.int32)
-    x, gy = spiky((m, k), 50), spiky((m, n), 51)
-    w = torch.stack([spiky((k, n), 52 + e) for e in range(2)])
-    recorder = _Recorder(f8tensor.linear_autograd.matmul)
-    monkeypatch.setattr(f8tensor.linear_autograd, "matmul", recorder)
-    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
-    float8_grouped_mm(xr, wr, offs, Float8LinearConfig.from_recipe(recipe)).backward(gy)
+    x, gy, w, recorder = _grouped_expert_step(monkeypatch, recipe, (64, 128, 96), seed=50)
     kb = 16 if recipe == "nvfp4" else 32
     blocks = {"input": (1, kb), "grad_output": (1, kb), "weight": (16, 16) if recipe == "nvfp4" else (1, kb)}
     order = [("output", 0), ("output", 1), ("grad_input", 1), ("grad_weight", 1), ("grad_input", 0), ("grad_weight", 0)]

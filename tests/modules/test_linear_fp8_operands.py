@@ -46,6 +46,21 @@ def _structured(shape: tuple[int, ...], seed: int) -> torch.Tensor:
 _DELAYED_WEIGHT = Float8LinearConfig(weight=CastConfig(E4M3, scaling="delayed"))
 
 
+@pytest.fixture
+def products(monkeypatch):
+    """The (a, b) operand pairs of every product the linear's Function multiplies, in call
+    order (forward, grad_input, grad_weight), recorded on the way to the real one."""
+    seen = []
+    real = linear_autograd.matmul
+
+    def spy(a, b, **kwargs):
+        seen.append((a, b))
+        return real(a, b, **kwargs)
+
+    monkeypatch.setattr(linear_autograd, "matmul", spy)
+    return seen
+
+
 @pytest.mark.parametrize("shape", [(256, 128), (2, 96, 128)], ids=["2d", "3d"])
 @pytest.mark.parametrize("recipe", (*RECIPES, "delayed_weight"))
 def test_an_fp8_input_gives_what_its_values_give(recipe, shape):
@@ -83,21 +98,13 @@ def test_an_fp8_input_scaled_other_than_per_token_is_refused(shape, block):
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise"])
-def test_an_fp8_input_becomes_a_consistent_token_matrix_with_the_forward_config(recipe, monkeypatch):
+def test_an_fp8_input_becomes_a_consistent_token_matrix_with_the_forward_config(recipe, products):
     """The (tokens, K) operand made of a 3D FP8 input keeps the container's invariants and
     carries the forward GEMM's config, as the weight does."""
     config = Float8LinearConfig.from_recipe(recipe)
-    seen = []
-    real = linear_autograd.matmul
-
-    def spy(a, b, **kwargs):
-        seen.append((a, b))
-        return real(a, b, **kwargs)
-
-    monkeypatch.setattr(linear_autograd, "matmul", spy)
     x8 = to_float8(_structured((2, 96, 128), 1), config.input.operand_spec(2, ndim=3))
     QuantizedLinearFn.apply(x8, torch.randn(64, 128), None, LinearArgs(config))
-    (a, b), = seen
+    (a, b), = products
     assert_consistent(a)
     assert a.shape == (192, 128) and a._gemm == b._gemm == GemmConfig(use_fast_accum=True)
 
@@ -163,7 +170,7 @@ def test_a_rowwise_fp8_weight_with_tensorwise_grad_output_is_cast_again_along_n(
 
 @pytest.mark.parametrize("default_dtype", [torch.float32, torch.float64], ids=["fp32_default", "fp64_default"])
 @pytest.mark.parametrize("recipe", ["rowwise", "rowwise_with_gw_hp"])
-def test_a_rowwise_fp8_weight_folds_its_row_scales_into_grad_output(recipe, default_dtype, monkeypatch):
+def test_a_rowwise_fp8_weight_folds_its_row_scales_into_grad_output(recipe, default_dtype, products):
     """grad_x = g @ W with W = W8 / s (one scale per row n, the dim grad_x contracts):
     computed as (g / s) @ W8, with g / s cast per token (e4m3, 448 / its amax), so the
     gathered bytes serve as they are. Against that definition, written out here: 55.5 dB
@@ -171,21 +178,13 @@ def test_a_rowwise_fp8_weight_folds_its_row_scales_into_grad_output(recipe, defa
     measured 27.1 dB against it (and 28.9 against g @ W in float64, where the fold
     measured 32.3). The same with torch's default dtype set to float64. The operands of
     that product are consistent Float8Tensors (W8 with a unit 0-dim scale)."""
-    seen = []
-    real = linear_autograd.matmul
-
-    def spy(a, b, **kwargs):
-        seen.append((a, b))
-        return real(a, b, **kwargs)
-
-    monkeypatch.setattr(linear_autograd, "matmul", spy)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(default_dtype)
     try:
         w8, grad, ((_, gx, _, _), _) = _fp8_weight_step(Float8LinearConfig.from_recipe(recipe))
     finally:
         torch.set_default_dtype(previous)
-    g8, w8_unit = seen[1]
+    g8, w8_unit = products[1]
     assert_consistent(g8)
     assert_consistent(w8_unit)
     assert w8_unit._scale.dtype == torch.float32 and w8_unit._scale.item() == 1.0
@@ -212,25 +211,18 @@ def _block_cast(x32: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("recipe", ["rowwise", "mxfp8", "tensorwise"])
-def test_an_fp8_weight_on_another_device(recipe, monkeypatch):
+def test_an_fp8_weight_on_another_device(recipe, products):
     """The FP8-weight paths make nothing on the CPU behind the caller's back: on ``meta``
     (standing for any device) every gradient comes out there, and so does every operand
     of the three products and its scale (a rowwise weight's unit scale in grad_x's fold
     included: a CPU scale beside a GPU operand is what the GPU kernels refuse)."""
-    operands = []
-    real = linear_autograd.matmul
-
-    def spy(a, b, **kwargs):
-        operands.extend((a, b))
-        return real(a, b, **kwargs)
-
-    monkeypatch.setattr(linear_autograd, "matmul", spy)
     config = Float8LinearConfig.from_recipe(recipe)
     w8 = to_float8(torch.randn(256, 128, device="meta"), config.weight.operand_spec(1)).requires_grad_()
     x = torch.randn(64, 128, device="meta", requires_grad=True)
     y = QuantizedLinearFn.apply(x, w8, None, LinearArgs(config))
     y.backward(torch.randn(64, 256, device="meta"))
     assert y.device.type == x.grad.device.type == w8.grad.device.type == "meta"
+    operands = [t for pair in products for t in pair]
     assert len(operands) == 6
     for t in operands:
         assert t.device.type == "meta" and (not isinstance(t, Float8Tensor) or t._scale.device.type == "meta")
@@ -263,7 +255,7 @@ def test_a_delayed_fp8_weight_needs_its_amax():
         QuantizedLinearFn.apply(torch.randn(16, 128), w8, None, LinearArgs(config, delayed))
 
 
-def test_a_delayed_fp8_weight_records_its_scale_and_amax(monkeypatch):
+def test_a_delayed_fp8_weight_records_its_scale_and_amax(products):
     """The gather cast the weight with the history's scale: forward keeps that scale as the
     step's weight scale, backward pushes the whole weight's amax (handed over) into the
     weight's history, as a cast here would have."""
@@ -274,20 +266,12 @@ def test_a_delayed_fp8_weight_records_its_scale_and_amax(monkeypatch):
     w8 = to_float8(w, CastSpec(E4M3), scale=torch.tensor(4.0)).requires_grad_()
     whole_amax = torch.tensor(7.5)  # the gathered weight's, over every rank's shard
     x = torch.randn(16, 128, requires_grad=True)
-    seen = []
-    real = linear_autograd.matmul
-
-    def spy(a, b, **kwargs):
-        seen.append((a, b))
-        return real(a, b, **kwargs)
-
-    monkeypatch.setattr(linear_autograd, "matmul", spy)
     y = QuantizedLinearFn.apply(x, w8, None, LinearArgs(config, delayed, None, whole_amax))
     assert layer.scale_weight.item() == 4.0
     assert layer.amax_history_weight[0].item() == 0.0  # pushed in backward, not forward
     y.backward(torch.randn(16, 256))
     # grad_x multiplies the gathered bytes as they are, with the gather's scale.
-    w8_grad_input = seen[1][1]
+    w8_grad_input = products[1][1]
     assert w8_grad_input._scale.item() == 4.0 and torch.equal(w8_grad_input._data.view(torch.uint8), w8._data.view(torch.uint8))
     assert layer.amax_history_weight[0].item() == 7.5
     assert layer.amax_history_input[0].item() == x.detach().abs().max().item()
