@@ -18,6 +18,9 @@ GEMMs run), after a warm-up step, and measures:
   metadata, :data:`NO_KERNEL_OPS`, are neither counted nor hide the op above them). These
   are CPU counts (a CPU kernel may call sub-kernels a GPU kernel would not have). CUDA:
   the profiler's kernel events, for both.
+- **Python calls**: every Python function call of the fourth step (``sys.setprofile`` "call"
+  events, after three warm-up steps; C functions not counted), in all and in the library
+  measured (f8tensor's or torchao's files), with the library's files in ``--breakdown``.
 - **host time**: wall time per step, the median over interleaved rounds (every variant runs
   ``--steps`` steps, then the next, round after round). On CPU it includes the (tiny)
   arithmetic; it is labelled CPU.
@@ -49,6 +52,7 @@ import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -120,6 +124,54 @@ def count_dispatch_ops(step: Callable[[], None]) -> DispatchOpCounter:
     with counter:
         step()
     return counter
+
+
+class PythonCalls(NamedTuple):
+    """The Python function calls of one step (``sys.setprofile`` "call" events)."""
+
+    total: int
+    by_package: collections.Counter[str]  # top-level package of the called function's file
+    files: collections.Counter[str]  # files of ``package`` (the library measured) with calls
+
+    def within(self, package: str) -> int:
+        return self.by_package[package]
+
+
+def count_python_calls(step: Callable[[], None], package: str = "f8tensor") -> PythonCalls:
+    """Every Python-level call of one step (C calls not counted), by package and by file.
+
+    Args:
+        step: the training step (forward, ``.sum()``, backward).
+        package: the package whose files are listed in ``files``.
+    Returns:
+        :class:`PythonCalls`.
+    """
+    by_package: collections.Counter[str] = collections.Counter()
+    files: collections.Counter[str] = collections.Counter()
+    marker = f"/{package}/"
+
+    def _package(filename: str) -> str:
+        for root in ("site-packages/", "dist-packages/"):
+            if root in filename:
+                return filename.split(root, 1)[1].split("/", 1)[0]
+        if marker in filename:
+            return package
+        return "<other>"
+
+    def profiler(frame, event, arg):
+        if event == "call":
+            filename = frame.f_code.co_filename
+            name = _package(filename)
+            by_package[name] += 1
+            if name == package:
+                files[filename.rsplit(marker, 1)[1]] += 1
+
+    sys.setprofile(profiler)
+    try:
+        step()
+    finally:
+        sys.setprofile(None)
+    return PythonCalls(sum(by_package.values()), by_package, files)
 
 
 def _is_operator(name: str) -> bool:
@@ -199,9 +251,11 @@ def main(argv=None) -> None:
         step = make_step(model, k, device)
         step()  # warm-up: first-call work (lazy init, caches) is not what a step costs
         step()
+        step()  # three warm-up steps in all: the Python calls are counted on the fourth
+        calls = count_python_calls(step, "torchao" if library == "torchao" else "f8tensor")
         ops = count_dispatch_ops(step)
         leaves, kernels, kernel_names = count_leaf_kernels(step, device)
-        counts[library, recipe, k] = (ops, leaves, kernels, kernel_names)
+        counts[library, recipe, k] = (ops, leaves, kernels, kernel_names, calls)
         steps_by_variant[library, recipe, k] = step
 
     timings = C.interleaved(steps_by_variant, rounds, steps, device)
@@ -210,12 +264,15 @@ def main(argv=None) -> None:
     rows = []
     for key in variants:
         library, recipe, k = key
-        ops, leaves, kernels, _ = counts[key]
+        ops, leaves, kernels, _, calls = counts[key]
         t = timings[key]
         us = 1e3 * t.median
         rows.append({
             "library": library, "recipe": recipe, "K": k, "N": k, "M": TOKENS,
             "dispatch_ops": ops.total, "leaf_ops": leaves, "kernels": kernels,
+            "python_calls": calls.total,
+            "library_calls": calls.within("torchao" if library == "torchao" else "f8tensor"),
+            "library_files": len(calls.files),
             "host_us": us, "spread": t.spread, "vs_bf16": us / bf16_us[k],
         })
 
@@ -224,34 +281,43 @@ def main(argv=None) -> None:
     print(f"### {where}: Linear(K -> K, bias=False) bf16, x ({TOKENS}, K), forward + .sum() + backward; host time: "
           f"median of {rounds} x {steps} steps (interleaved rounds)")
     print()
-    headers = ["variant", "K", "dispatch ops", leaf_label, kernel_label, "host us/step", "+-", "vs bf16"]
+    headers = ["variant", "K", "dispatch ops", leaf_label, kernel_label, "Python calls", "in library",
+               "host us/step", "+-", "vs bf16"]
     ao = {r for lib, r, _ in variants if lib == "torchao"}
     table = []
     for r in rows:
         name = "bf16 nn.Linear" if r["library"] == "bf16" else f"{r['library']} {r['recipe']}"
         if r["library"] == "f8tensor+reuse":
             name = f"f8tensor {r['recipe']}, reuse_weight_casts (later micro-batch)"
-        table.append([name, r["K"], r["dispatch_ops"], r["leaf_ops"], r["kernels"],
-                      C.fmt(r["host_us"], 1), "-" if r["spread"] != r["spread"] else C.fmt(100 * r["spread"], 1) + "%",
+        table.append([name, r["K"], r["dispatch_ops"], r["leaf_ops"], r["kernels"], r["python_calls"],
+                      r["library_calls"] if r["library"] != "bf16" else "-", C.fmt(r["host_us"], 1), "-" if r["spread"] != r["spread"] else C.fmt(100 * r["spread"], 1) + "%",
                       C.fmt(r["vs_bf16"], 2) + "x"])
-    print(C.markdown_table(headers, table, numeric=[False] + [True] * 7))
+    print(C.markdown_table(headers, table, numeric=[False] + [True] * 9))
     print()
     # The side by side of issue 26: dispatch ops per recipe, torchao where it runs.
     by = {(r["library"], r["recipe"]): r for r in rows}
-    print("| recipe | f8tensor ops | torchao ops | f8tensor host vs bf16 | torchao host vs bf16 |")
-    print("| --- | ---: | ---: | ---: | ---: |")
+    print("| recipe | f8tensor ops | torchao ops | f8tensor Python calls | torchao Python calls | calls vs torchao "
+          "| f8tensor host vs bf16 | torchao host vs bf16 | host vs torchao |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for recipe in args.recipes:
         f8 = by["f8tensor", recipe]
         t = by.get(("torchao", recipe)) if recipe in ao else None
-        print(f"| {recipe} | {f8['dispatch_ops']} | {t['dispatch_ops'] if t else 'n/a'} | {f8['vs_bf16']:.2f}x | "
-              f"{format(t['vs_bf16'], '.2f') + 'x' if t else 'n/a'} |")
+
+        def na(value, spec="", suffix="", t=t):
+            return format(value, spec) + suffix if t else "n/a"
+
+        print(f"| {recipe} | {f8['dispatch_ops']} | {na(t and t['dispatch_ops'])} | {f8['python_calls']} | "
+              f"{na(t and t['python_calls'])} | {na(t and f8['python_calls'] / t['python_calls'], '.2f', 'x')} | "
+              f"{f8['vs_bf16']:.2f}x | {na(t and t['vs_bf16'], '.2f', 'x')} | {na(t and f8['host_us'] / t['host_us'], '.2f', 'x')} |")
     print()
     if args.breakdown:
         for key in variants:
-            ops, _, _, kernel_names = counts[key]
+            ops, _, _, kernel_names, calls = counts[key]
             print(f"#### {' '.join(str(p) for p in key)}: dispatch ops {ops.total}")
             print(", ".join(f"{n} {c}" for n, c in ops.ops.most_common()))
             print(f"kernels {sum(kernel_names.values())}: " + ", ".join(f"{n} {c}" for n, c in kernel_names.most_common()))
+            print(f"Python calls {calls.total}: " + ", ".join(f"{n} {c}" for n, c in calls.by_package.most_common()))
+            print(f"library files {len(calls.files)}: " + ", ".join(f"{n} {c}" for n, c in calls.files.most_common()))
             print()
     if args.cast_region:
         cast_region(device, rounds, steps)

@@ -113,6 +113,35 @@ def test_ops_per_step_at_most_the_ceiling(recipe, no_rules_check):
     assert kernels <= kernels_max, f"{recipe}: {kernels} kernels (ceiling {kernels_max})"
 
 
+#: recipe -> (Python calls in all, in f8tensor's files) of one eager step, at most (torch 2.13,
+#: CPU, benchmarks/bench_eager_overhead.py's step after three warm-ups). torchao 0.18 on the
+#: same step: tensorwise 416 (116 in torchao), rowwise 423 (120).
+PYTHON_CALL_BUDGETS = {
+    "tensorwise": (549, 367),
+    "rowwise": (663, 521),
+    "rowwise_with_gw_hp": (460, 356),
+    "delayed": (629, 403),
+    "blockwise": (554, 439),
+    "mxfp8": (542, 439),
+}
+
+
+@pytest.mark.skipif(torch.__version__.split("+")[0].rsplit(".", 1)[0] != "2.13",
+                    reason="the budgets count torch 2.13's own Python calls too")
+@pytest.mark.parametrize("recipe", list(PYTHON_CALL_BUDGETS))
+def test_python_calls_at_most_the_budget(recipe, no_rules_check):
+    bench = _bench()
+    device = torch.device("cpu")
+    k = 128 if recipe in bench.WIDE else 64
+    step = bench.make_step(bench.build("f8tensor", recipe, k, device), k, device)
+    for _ in range(3):
+        step()
+    calls = bench.count_python_calls(step)
+    total_max, own_max = PYTHON_CALL_BUDGETS[recipe]
+    assert calls.total <= total_max, f"{recipe}: {calls.total} Python calls (budget {total_max}): {dict(calls.files)}"
+    assert calls.within("f8tensor") <= own_max, f"{recipe}: {calls.within('f8tensor')} in f8tensor (budget {own_max})"
+
+
 def test_bf16_reference_counts(no_rules_check):
     # The harness itself: nn.Linear's step is three mm and a handful of autograd ops, so a
     # harness that counted nothing (or everything twice) shows here.
@@ -122,6 +151,8 @@ def test_bf16_reference_counts(no_rules_check):
     step()
     ops = bench.count_dispatch_ops(step)
     assert ops.ops["mm"] == 3 and 10 <= ops.total <= 16, dict(ops.ops)
+    calls = bench.count_python_calls(step)
+    assert 15 <= calls.total <= 30 and calls.within("f8tensor") == 0, calls
 
 
 # The cheaper scale computations must give the bits of the straightforward ones they

@@ -1,0 +1,57 @@
+"""The bit-identity baseline (tools/bit_identity.py) holds: a refactor that should not change
+numbers changes none. A change of bits on purpose rewrites the baseline in the same commit
+(``python tools/bit_identity.py --write``) and names the change in CHANGELOG.md."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+TOOL = pathlib.Path(__file__).resolve().parents[2] / "tools" / "bit_identity.py"
+BASELINE = TOOL.with_name("bit_identity_baseline.json")
+
+
+def _same_torch() -> bool:
+    written = json.loads(BASELINE.read_text())["torch"]
+    return written.split("+")[0].rsplit(".", 1)[0] == torch.__version__.split("+")[0].rsplit(".", 1)[0]
+
+
+pytestmark = pytest.mark.skipif(not _same_torch(), reason="the baseline was written with another torch minor version")
+
+
+def _check(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "F8TENSOR_CHECK_CUDA_RULES": "0"}
+    return subprocess.run([sys.executable, str(TOOL), "--check", *args], check=False, capture_output=True, text=True, env=env,
+                          timeout=600)
+
+
+def test_eager_runs_bit_identical():
+    done = _check("--eager")
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert "0 missing" in done.stdout
+
+
+def test_compiled_runs_bit_identical():
+    done = _check("--recipes", "tensorwise", "rowwise")
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert ".compiled." in BASELINE.read_text()
+
+
+def test_the_check_fails_on_a_changed_bit(tmp_path):
+    # The check is not a tautology: one digest changed in a copy of the baseline fails it.
+    baseline = json.loads(BASELINE.read_text())
+    key = next(k for k in baseline["digests"] if k.startswith("tensorwise.2d.step0.out"))
+    baseline["digests"][key] = "0" * 16
+    spec = importlib.util.spec_from_file_location("bit_identity", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.BASELINE = tmp_path / "baseline.json"
+    module.BASELINE.write_text(json.dumps(baseline))
+    assert module.main(["--check", "--eager", "--recipes", "tensorwise"]) == 1
