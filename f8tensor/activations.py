@@ -34,6 +34,11 @@ without storing the padding). Left alone (saved as autograd saves them):
   input is a leaf that requires grad) and views of them (the transposed copy a linear
   saves): they are recomputed by every autocast forward and read by the input-gradient
   products, which they would make less exact;
+- per-row statistics: a tensor whose shape is that of a tensor saved before it (under
+  the same context) with the last dim dropped, as attention's logsumexp (B, H, L) is of
+  its q (B, H, L, E), or a ``logsumexp``'s result of its input. Backward exponentiates
+  them against the activations they reduce: the error of an FP8 copy would reach every
+  gradient through the attention;
 - tensors with fewer than ``min_numel`` elements (default :data:`DEFAULT_MIN_NUMEL`,
   65,536: below it a tensor saves at most 64 KiB, less than what two extra kernel
   launches and the bookkeeping cost) and tensors whose last dim is shorter than
@@ -48,8 +53,14 @@ address cannot have been reused by another tensor; a linear's 2D view of a 3D in
 new view object at every call, its base the same tensor). An in-place change bumps the
 version: a tensor changed after it was saved is packed again when saved again, and
 backward refuses to read a copy whose tensor (or the base it is a view of) was changed in
-place since, with the error autograd gives without the context. (A change made only through another view, after the saved
-tensor and its base were both freed, cannot be seen: nothing of theirs is held.)
+place since, with the error autograd gives without the context. (A change made only through
+another view, after the saved tensor and its base were both freed, cannot be seen: nothing
+of theirs is held.)
+
+Every tensor saved under the context is checked so (autograd skips its own version check
+under saved-tensor hooks): one left as it is, a weight included, raises at unpack when it
+was changed in place after the save (a weight updated between forward and backward),
+as autograd does without the context.
 
 Non-finite values stay non-finite: a block holding an inf or a NaN has a non-finite amax
 and comes back NaN as a whole (one element's NaN reaches the other elements of its
@@ -108,6 +119,27 @@ _EAGER_ONLY = (
     "torch.compile traces. Enter the context outside the compiled function (the tensors a compiled "
     "graph saves are then packed around it, in eager), or drop it from the compiled code"
 )
+
+
+class _Kept:
+    """A saved tensor kept as it is, with its version at save: autograd skips its own
+    version check under saved-tensor hooks, so unpack makes it."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self.version = version_counter(tensor)
+
+
+def _modified(t: torch.Tensor, saved: int) -> RuntimeError:
+    """The error autograd gives for a saved tensor changed in place since it was saved."""
+    return RuntimeError(
+        "one of the variables needed for gradient computation has been modified by an inplace operation: a "
+        f"{tuple(t.shape)} {t.dtype} tensor saved (under save_activations_in_float8) at version {saved} is now at "
+        f"version {version_counter(t)}. Change it only after backward (an optimizer step or a weight update "
+        "between forward and backward changes what backward reads)"
+    )
 
 
 class _Restored:
@@ -184,6 +216,9 @@ class _Hooks:
         self.block = block
         self.min_numel = min_numel
         self.cache: _Cache = _Cache()
+        # The shapes of every saved tensor with its last dim dropped: a tensor of one of these
+        # shapes is a per-row statistic of another (attention's logsumexp of its q), kept exact.
+        self.rows: set[torch.Size] = set()
         # How many forwards of modules the policy keeps in high precision are running.
         self.kept_depth = 0
 
@@ -208,8 +243,12 @@ class _Hooks:
     def pack(self, t: torch.Tensor) -> Any:
         if torch.compiler.is_compiling():
             raise RuntimeError(_EAGER_ONLY)
-        if self.kept_depth or not self._eligible(t):
-            return t
+        if t.is_inference():
+            return t  # no version counter (autograd refuses to save one for backward anyway)
+        if t.dim() > 1:
+            self.rows.add(t.shape[:-1])
+        if self.kept_depth or not self._eligible(t) or t.shape in self.rows:
+            return _Kept(t)
         key = (
             t.device,
             t.untyped_storage().data_ptr(),
@@ -250,16 +289,16 @@ class _Hooks:
 
     @staticmethod
     def unpack(packed: Any) -> torch.Tensor:
+        if type(packed) is _Kept:
+            if version_counter(packed.tensor) != packed.version:
+                raise _modified(packed.tensor, packed.version)
+            return packed.tensor
         if not isinstance(packed, _Packed):
             return packed  # type: ignore[no-any-return]
         for ref in packed.refs:
             alive = ref()
             if alive is not None and version_counter(alive) != packed.version:
-                raise RuntimeError(
-                    "one of the variables needed for gradient computation has been modified by an inplace "
-                    f"operation: a {tuple(alive.shape)} {alive.dtype} tensor saved (in FP8, under "
-                    f"save_activations_in_float8) at version {packed.version} is now at version {version_counter(alive)}"
-                )
+                raise _modified(alive, packed.version)
         restored = packed.restored
         hp = restored.tensor
         if hp is None:
@@ -391,6 +430,7 @@ class save_activations_in_float8:
         for handle in handles:
             handle.remove()
         hooks.cache.clear()
+        hooks.rows.clear()
         manager.__exit__(exc_type, exc, tb)
 
     def __repr__(self) -> str:

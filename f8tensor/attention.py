@@ -19,6 +19,12 @@ attention itself (softmax(q k^T) v) stays in high precision. Because an argument
 decline PyTorch's fused ``_native_multi_head_attention`` fast path in eval, so inference
 takes the same FP8 path; a matrix product that reaches dispatch with a wrapped weight
 (which would run in high precision) raises instead.
+
+Tied weights stay one Parameter (:func:`attention_ties`): tied among converted attentions
+(ALBERT-style sharing), one wrapped Parameter; tied to another module (an ``nn.Linear``, an
+embedding), the plain Parameter, whose products in the attention still run in FP8 when
+another of its weights is wrapped (an attention whose weights are all tied elsewhere stays
+in high precision, reported).
 """
 
 from __future__ import annotations
@@ -37,7 +43,13 @@ from f8tensor.linear_autograd import LinearArgs, QuantizedLinearFn
 from f8tensor.weights import RecipeWeight
 from f8tensor.weights import Unwrap as _Unwrap
 
-__all__ = ["Float8AttentionWeight", "attention_config", "attention_weight_names", "wrap_attention"]
+__all__ = [
+    "Float8AttentionWeight",
+    "attention_config",
+    "attention_ties",
+    "attention_weight_names",
+    "wrap_attention",
+]
 
 aten = torch.ops.aten
 
@@ -51,6 +63,51 @@ _CONFIG = "_float8_attention_config"  # nn.MultiheadAttention attribute: the rec
 def attention_weight_names(mha: nn.MultiheadAttention) -> tuple[str, ...]:
     """The dotted names (within ``mha``) of the weights whose products run in FP8."""
     return _PACKED if mha.in_proj_weight is not None else _SEPARATE
+
+
+def attention_ties(
+    model: nn.Module, attentions: list[nn.MultiheadAttention], configs: list[Float8LinearConfig]
+) -> tuple[frozenset[int], list[nn.MultiheadAttention]]:
+    """How ties are kept when ``attentions`` (of ``model``) are converted with ``configs``, as
+    linear layers keep them: one Parameter for every user.
+
+    Returns ``(plain, all_plain)``: the ids of the weights left as they are, tied to a
+    module that is not one of these attention projections (an ``nn.Linear``, an embedding,
+    whose forward reads the Parameter itself), and the attentions whose weights all are
+    (they would run in high precision: the caller leaves them so, reported). A weight
+    tied among the attentions is wrapped once (``shared`` of :func:`wrap_attention`).
+
+    Raises:
+        ValueError: a weight tied between attentions that would follow different configs.
+    """
+    slots: set[tuple[int, str]] = set()
+    recipe: dict[int, tuple[int, Float8LinearConfig]] = {}
+    for i, (mha, config) in enumerate(zip(attentions, configs)):
+        for owner, leaf, p in _weights(mha):
+            slots.add((id(owner), leaf))
+            first, first_config = recipe.setdefault(id(p), (i, config))
+            if first_config != config:
+                raise ValueError(
+                    f"convert_to_float8_training: a weight tied between two nn.MultiheadAttention ({first} and {i} in "
+                    "module order) would follow two configs; give tied attentions one config (nothing was changed)"
+                )
+    plain = frozenset(
+        id(p) for m in model.modules() for name, p in m._parameters.items()
+        if p is not None and id(p) in recipe and (id(m), name) not in slots
+    )
+    all_plain = [mha for mha in attentions if all(id(p) in plain for _, _, p in _weights(mha))]
+    return plain, all_plain
+
+
+def _weights(mha: nn.MultiheadAttention) -> list[tuple[nn.Module, str, nn.Parameter]]:
+    """``(owner, name, parameter)`` for each weight of ``mha`` whose products run in FP8."""
+    out = []
+    for dotted in attention_weight_names(mha):
+        owner, leaf = _owner(mha, dotted)
+        p = owner._parameters[leaf]
+        assert p is not None  # attention_weight_names lists the weights this layout has
+        out.append((owner, leaf, p))
+    return out
 
 
 def attention_config(mha: nn.Module) -> Float8LinearConfig | None:
@@ -206,15 +263,32 @@ def _rewrap_after_load(mha: nn.Module, incompatible_keys: Any) -> None:
             owner._parameters[leaf] = nn.Parameter(Float8AttentionWeight(p.data, config), requires_grad=p.requires_grad)
 
 
-def wrap_attention(mha: nn.MultiheadAttention, config: Float8LinearConfig) -> list[str]:
+def wrap_attention(
+    mha: nn.MultiheadAttention,
+    config: Float8LinearConfig,
+    shared: dict[int, tuple[nn.Parameter, nn.Parameter]] | None = None,
+    plain: frozenset[int] = frozenset(),
+) -> list[str]:
     """Wrap the projection weights of ``mha`` (in place) so that they run in FP8 with
-    ``config``; returns their dotted names within ``mha``."""
+    ``config``; returns their dotted names within ``mha``.
+
+    ``shared``: ``{id(plain Parameter): (it, its wrapped Parameter)}``, one per conversion:
+    a weight tied between attentions (one Parameter) is wrapped once and stays one
+    Parameter. ``plain``: the ids of Parameters left as they are (tied to a module that is
+    not an attention projection); the call still runs their products in FP8 as long as
+    one of its weights is wrapped.
+    """
     names = attention_weight_names(mha)
+    shared = {} if shared is None else shared
     for name in names:
         owner, leaf = _owner(mha, name)
         p = owner._parameters[leaf]
         assert p is not None  # attention_weight_names lists the weights this layout has
-        owner._parameters[leaf] = nn.Parameter(Float8AttentionWeight(p.data, config), requires_grad=p.requires_grad)
+        if id(p) in plain:
+            continue
+        if id(p) not in shared:
+            shared[id(p)] = (p, nn.Parameter(Float8AttentionWeight(p.data, config), requires_grad=p.requires_grad))
+        owner._parameters[leaf] = shared[id(p)][1]
     if _CONFIG not in mha.__dict__:
         mha.register_state_dict_post_hook(_plain_state)
         mha.register_load_state_dict_post_hook(_rewrap_after_load)

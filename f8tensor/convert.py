@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from f8tensor.attention import attention_config, attention_weight_names, wrap_attention
+from f8tensor.attention import attention_config, attention_ties, attention_weight_names, wrap_attention
 from f8tensor.config import GEMMS, Float8LinearConfig
 from f8tensor.distributed.fsdp import Float8AllGatherWeight
 from f8tensor.gemm.blocks import fp4_path
@@ -57,6 +57,7 @@ _SKIP_POLICY = "kept in high precision by the layer policy"
 _SKIP_EXPERTS_FP4 = "expert weights (FP4 and per-GEMM formats run on linear layers only)"
 _SKIP_EXPERTS_NO_CONFIG = "expert weights (convert_with_policy without experts_config)"
 _SKIP_MHA_DELAYED = "nn.MultiheadAttention (delayed scaling is not supported for attention projections)"
+_SKIP_MHA_TIED = "nn.MultiheadAttention whose projection weights are all tied to other modules"
 _SKIP_MHA_FSDP = "nn.MultiheadAttention with FP8 all-gather (its projection weights gather in high precision only)"
 
 _FLOAT8_SUBCLASSES: dict[type, type[Float8Linear]] = {}
@@ -377,6 +378,10 @@ def _convert(
             child_fqn = f"{fqn}.{name}" if fqn else name
             if (config := wants(child, child_fqn, mod)) is not None:
                 swaps.append((mod, name, child_fqn, child, config))
+    plain, all_plain = attention_ties(module, [mha for mha, _, _ in attentions], [c for _, _, c in attentions])
+    if all_plain:
+        skipped.setdefault(_SKIP_MHA_TIED, []).extend(fqn or "<root>" for mha, fqn, _ in attentions if mha in all_plain)
+        attentions = [a for a in attentions if a[0] not in all_plain]
     expert_todo, expert_skipped = _plan_experts(module, experts_config, experts_filter_fn)
     for reason, fqns in expert_skipped.items():
         skipped.setdefault(reason, []).extend(fqns)
@@ -401,8 +406,9 @@ def _convert(
         experts = wrap_experts(expert_todo, experts_config)
         experts_gathered = bool(experts) and experts_config.enable_fsdp_float8_all_gather
     attention: list[str] = []
+    shared: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # one wrapped Parameter per tied weight
     for mha, fqn, config in attentions:
-        attention += [f"{fqn}.{name}" if fqn else name for name in wrap_attention(mha, config)]
+        attention += [f"{fqn}.{name}" if fqn else name for name in wrap_attention(mha, config, shared, plain)]
     if any(config.enable_fsdp_float8_all_gather for *_, config in swaps) or experts_gathered:
         keep_tied_weights_tied(result)
     _disable_encoder_fast_path(result)

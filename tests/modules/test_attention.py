@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from f8tensor import Float8LinearConfig, convert_to_float8_training
+from f8tensor import Float8Linear, Float8LinearConfig, convert_to_float8_training, convert_with_policy
 from f8tensor.attention import Float8AttentionWeight
 from tests.helpers import RanFP8, assert_sqnr
 
@@ -292,3 +292,77 @@ def test_encoder_stack_with_padding_mask_stays_fp8_under_inference_mode():
     with torch.inference_mode(), counter:
         encoder(torch.randn(2, 8, 32), src_key_padding_mask=mask)
     assert counter.fp8 == 8 and counter.hp == []
+
+
+class _Tied(nn.Module):
+    """Attentions with tied weights: ``b`` shares every weight of ``a`` (ALBERT-style), and
+    ``head``, a linear, shares ``a``'s out-projection weight."""
+
+    def __init__(self, share: bool, head: bool) -> None:
+        super().__init__()
+        self.a = nn.MultiheadAttention(32, 2, batch_first=True)
+        self.b = nn.MultiheadAttention(32, 2, batch_first=True) if share else None
+        if self.b is not None:
+            self.b.in_proj_weight, self.b.in_proj_bias = self.a.in_proj_weight, self.a.in_proj_bias
+            self.b.out_proj.weight, self.b.out_proj.bias = self.a.out_proj.weight, self.a.out_proj.bias
+        self.head = nn.Linear(32, 32) if head else None
+        if self.head is not None:
+            self.head.weight = self.a.out_proj.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.a(x, x, x, need_weights=False)[0]
+        if self.b is not None:
+            x = self.b(x, x, x, need_weights=False)[0]
+        return x if self.head is None else self.head(x)
+
+
+@pytest.mark.parametrize(("share", "head"), [(True, False), (False, True), (True, True)])
+def test_tied_attention_weights_stay_tied(share, head):
+    torch.manual_seed(0)
+    ref = _Tied(share, head)
+    model = convert_to_float8_training(copy.deepcopy(ref))
+    params = list(model.parameters())
+    assert len(params) == len(list(ref.parameters()))  # 7, 5 and 7 (untied: 10, 6 and 10)
+    assert isinstance(model.a.in_proj_weight, Float8AttentionWeight)
+    if share:
+        assert model.b.in_proj_weight is model.a.in_proj_weight
+        assert model.b.out_proj.weight is model.a.out_proj.weight
+    if head:  # the linear reads it as it is: one plain Parameter (the attention's products stay FP8)
+        assert model.head.weight is model.a.out_proj.weight
+        assert not isinstance(model.head.weight, Float8AttentionWeight)
+        assert isinstance(model.head, Float8Linear)
+
+    x = torch.randn(2, 8, 32)
+    grad = torch.randn(2, 8, 32)
+    ref(x).backward(grad)
+    counter = _Products(_weights_shapes(ref))
+    with counter:
+        out = model(x)
+    assert counter.fp8 == 2 * (1 + share) + head and counter.hp == []  # the head: a Float8Linear
+    out.backward(grad)
+    assert_sqnr(ref(x), out, 22.0, "output")  # measured 25.2-32.0 dB
+    for (name, rp), p in zip(ref.named_parameters(), params):
+        assert_sqnr(rp.grad, p.grad, 15.0, f"{name} grad")  # measured 17.2-32.2 dB (tied: their summed grads)
+
+    before = [p.detach().clone() for p in params]
+    torch.optim.SGD(params, lr=0.1).step()
+    for p, old in zip(params, before):  # each tied weight moves once, by its summed gradient
+        assert torch.equal(p.detach(), old.add(p.grad, alpha=-0.1))
+
+
+def test_attention_with_every_weight_tied_elsewhere_stays_high_precision(caplog):
+    model = nn.ModuleDict({"mha": nn.MultiheadAttention(32, 2), "qkv": nn.Linear(32, 96), "out": nn.Linear(32, 32)})
+    model.qkv.weight, model.out.weight = model.mha.in_proj_weight, model.mha.out_proj.weight
+    with caplog.at_level("INFO", logger="f8tensor"):
+        convert_to_float8_training(model)
+    assert "1 nn.MultiheadAttention whose projection weights are all tied to other modules [mha]" in caplog.text
+    assert len(list(model.parameters())) == 6
+    assert not any(isinstance(p, Float8AttentionWeight) for p in model.parameters())
+
+
+def test_a_weight_tied_between_attentions_of_two_recipes_is_refused():
+    model = _Tied(share=True, head=False)
+    recipes = {"a": Float8LinearConfig.from_recipe("tensorwise"), "b": Float8LinearConfig.from_recipe("rowwise")}
+    with pytest.raises(ValueError, match="tied between two nn.MultiheadAttention .* would follow two configs"):
+        convert_with_policy(model, lambda mod, fqn: recipes.get(fqn))
+    assert not any(isinstance(p, Float8AttentionWeight) for p in model.parameters())
