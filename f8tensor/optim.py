@@ -323,7 +323,7 @@ class AdamW(torch.optim.Optimizer):
     :data:`COMPILE_MIN_NUMEL` elements with FP8 moments or a ``"remainder"`` or
     ``"stochastic"`` master, when a C++ compiler is found; True: every CPU tensor it takes;
     False: never. The first compiled step compiles (tens of seconds, once per kind of
-    tensor); below the threshold the torch-ops step of FP8 moments costs 20-40 times
+    tensor); below the threshold the torch-ops step of FP8 moments costs tens of times
     torch's AdamW on one CPU thread (about 60 elementwise passes per tensor).
 
     State per parameter: ``step`` (a 0-dim fp32 CPU tensor, as torch's); ``exp_avg`` and
