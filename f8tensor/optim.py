@@ -1,103 +1,17 @@
 """AdamW with fp32, bf16 or 8-bit moments, and lean master weights for bf16 parameters.
 
-:class:`AdamW` has the defaults and the math of ``torch.optim.AdamW`` (decoupled weight
-decay, bias correction); what differs is where the state lives:
-
-- ``state_dtype=torch.float32``: both moments in fp32. For fp32 parameters every step is
-  bit-identical to ``torch.optim.AdamW(foreach=False)`` (the same ops in the same order).
-- ``state_dtype=torch.bfloat16``: both moments stored in bf16 (2 + 2 bytes per parameter);
-  each step widens them to fp32, updates and stores them back rounded to nearest.
-- ``state_dtype=torch.float8_e4m3fn``: both moments ``m`` and ``v`` in e4m3, stored in the
-  parameter's shape, with one fp32 scale per :data:`FP8_BLOCK` (128) consecutive elements of
-  each dim-0 row (the parameter seen as ``(shape[0], numel / shape[0])``; a row's last block
-  may be short): 1 + 1 bytes per parameter plus 2 * 4 / 128 for the scales, 2.0625 in all
-  for rows that are multiples of 128. Both are cast by their block quantizer
-  (:func:`f8tensor.block_quantizers.moment_quantizer`, over :func:`f8tensor.kernels.cast`:
-  rule ``data = saturate(x * scale)``, dynamic scale ``448 / block amax``) with stochastic
-  rounding, and come back through its ``dequantize``. Tensors of one dim or with fewer than
-  :data:`FP8_BLOCK` elements (biases, norms) keep fp32 moments: their states are a rounding
-  error of the model's, and a 1-D tensor sharded by FSDP2 would cut its blocks.
-
-  Blocks along dim-0 rows: FSDP2 shards dim 0, so every shard holds whole rows and its
-  blocks are the blocks one process has; with stochastic draws that are a function of the
-  element's global index (below), a sharded step writes the bits one process writes, on
-  any number of ranks, and a DCP checkpoint reshards without touching a block.
-
-  Stochastic rounding, without generator state (:mod:`f8tensor.optim_draws`): resume is
-  bit-exact with the step counters saved, a shard draws what one process draws.
-
-  Why stochastic rounding, ``v`` as is, blocks of 128, measured (final loss relative to
-  fp32 moments, mean of 3 seeds; 1.0 is fp32). ``tests/modules/test_optim.py``'s MLP (16 -> 64 ->
-  64 -> 4, 150 steps, lr 1e-3): round to nearest 0.917; stochastic rounding of both
-  moments 0.994; stochastic ``v`` only 1.015; bf16 moments 1.000. The demo GPT (``small``,
-  250 steps, bf16 autocast, betas (0.9, 0.95), seeds 0-2; fp32 moments 2.2268 / 2.2490 /
-  2.2241): stochastic +0.31% / +0.02% / -0.56% (mean -0.08%), round to nearest +0.18% /
-  -0.02% / -0.10% (mean +0.02%), both within the seeds' spread. Round to nearest cannot
-  follow ``v``'s slow decay by ``beta2``: a decay of 0.1% per step is far below half an
-  e4m3 spacing (3-6%), so ``v`` sticks and the updates come
-  out too small (the MLP's lower loss, consistently across seeds); stochastic rounding
-  keeps every moment's expectation. Earlier flat-block measurements on a 32 -> 256 -> 256
-  -> 8 MLP: blocks of 32 / 128 / 256 gave 0.942 / 0.950 / 0.957 and ``sqrt(v)`` stored
-  instead 0.911 / 0.918 / 0.920 (half the dynamic range, but each e4m3 spacing then costs
-  twice the relative error in ``v``), so ``v`` is stored as is and 128 keeps an outlier's
-  reach small.
-
-``master_weights`` (bf16 parameters only):
-
-- ``None``: the update is computed in fp32 from the bf16 parameter and written back
-  rounded to nearest (torch's own AdamW on bf16 parameters computes in bf16).
-- ``"stochastic"``: written back with stochastic rounding (unbiased; its draws come from
-  the same seeded table as the FP8 moments', so a resumed or sharded run repeats its bits).
-- ``"remainder"``: the low 16 bits of an fp32 master copy are kept next to the parameter
-  (state ``"master_remainder"``, int16). The bf16 parameter is the master rounded to
-  nearest with ties away from zero (the rounding that makes the pair an exact encoding),
-  so the fp32 master is recovered exactly every step: the trajectory is that of fp32
-  parameters, at 2 extra bytes per parameter instead of 4.
-
-Non-finite gradients propagate as in torch: a NaN or inf gradient element makes its
-moments and its parameter NaN (inf / inf) and the step is not skipped; with FP8 states the
-NaN reaches the whole block of its moments (the block's scale is NaN). No moment is ever
-a finite value computed from a non-finite gradient.
-
-FSDP2 (``fully_shard``) and other DTensor parameters (:mod:`f8tensor.optim_shards`): the
-step runs on the local shards, no collective; the states are DTensors with the parameter's
-placements. A weight wrapper subclass as the local shard (FSDP2 FP8 all-gather) is updated
-in place through its own ops; its moments are plain tensors.
-
-Speed: one pass per tensor where it can be had. The torch-ops path (:func:`_tensor_step`)
-is the reference: about 60 elementwise passes over an FP8-state tensor (dequantization,
-update, block amaxes, stochastic rounding, casts; the moments in rows of one block, so that
-their scales broadcast). Two fused forms give its bits:
-
-- CUDA tensors (a DTensor's local shard included), eager, triton importable: one Triton
-  kernel per tensor (:mod:`f8tensor.kernels.triton_adamw`) reads the parameter (and its
-  remainder), the gradient and both moments once, computes the update in fp32 and writes
-  everything once, requantizing FP8 moments per block with the same seeded draws (a
-  ``NOISE_PERIOD`` table per moment made on the device before the launch). It follows
-  torch's CUDA or CPU rounding of each op; on CPU the one difference is torch's vectorized
-  square root, which is not always correctly rounded (666 of 100003 fp32 inputs 1 ulp off).
-  ``fused=None`` (default): CUDA tensors; ``False``: never; ``True``: also CPU tensors,
-  through the Triton interpreter (the CPU tests' way in; slow).
-- CPU tensors: :func:`_tensor_step` compiled by inductor (``compiled=``), one C++ loop nest
-  per tensor and one graph per kind of tensor (dtype, mode, FP8 rows or flat), never one
-  per shape, step or lr. It writes the torch-ops path's bits with a correctly rounded
-  square root: the compiled code spells out the fused multiply-adds of ATen's CPU lerp and
-  addcmul (:func:`f8tensor.compat.fma`); a ``"remainder"`` parameter that is NaN is
-  stored as bf16's canonical NaN. ``compiled=None`` (default): when a C++ compiler is
-  found, CPU tensors of at least :data:`COMPILE_MIN_NUMEL` (2**20) elements whose
-  torch-ops step is slow (FP8 moments, a ``"remainder"`` or ``"stochastic"`` master); fp32
-  and bf16 moments keep torch's bits (and speed), and small tensors (the demo's, the
-  tests') never pay a compile. The first step compiles (tens of seconds on a small CPU,
-  less from inductor's cache on disk); BENCHMARKS.md ("Optimizer states in 8 bits") has
-  the step times against torch's and torchao's. ``compiled=True``: every CPU tensor it
-  takes (FP8 moments: rows of whole blocks); ``False``: never.
-
-Under ``torch.compile`` the torch-ops path is traced whole: the step counter stays a 0-dim
-tensor (eager reads it as a Python float), the scalars that depend on it are tensors, the
-draw tables come from a custom op that reads the counter when the graph runs
-(``f8tensor::adamw_noise_table``): no graph break, one graph after the step that creates
-the states; inductor gives it the compiled step's bits. No host sync on any path: the step
-counter is a CPU tensor, as torch's, and nothing else is read back.
+:class:`AdamW` has the defaults and the math of ``torch.optim.AdamW``; what differs is
+where the state lives (``state_dtype``: fp32, bf16, or e4m3 with one fp32 scale per 128
+elements of each dim-0 row, stochastically rounded with seeded draws,
+:mod:`f8tensor.optim_draws`) and, for bf16 parameters, how the update is written back
+(``master_weights``: :mod:`f8tensor.optim_master`). fp32 states on fp32 parameters are
+bit-identical to ``torch.optim.AdamW(foreach=False)``. Non-finite values propagate as in
+torch, element by element: an FP8 moment block's scale comes from its finite elements and
+a non-finite element is stored as NaN (e4m3 has no infinity). DTensor parameters (FSDP2)
+step on their local shards (:mod:`f8tensor.optim_shards`). Three paths with the same bits:
+the torch ops (:func:`_tensor_step`), the fused Triton kernel (CUDA tensors,
+:mod:`f8tensor.kernels.triton_adamw`) and that step compiled by inductor for CPU tensors
+(``compiled=``). Measurements: BENCHMARKS.md, "Optimizer states in 8 bits".
 """
 
 from __future__ import annotations
@@ -114,15 +28,20 @@ from f8tensor.compat import cpu_compiler, unlimited_recompiles
 from f8tensor.kernels import triton_adamw
 from f8tensor.optim_draws import NOISE_PERIOD, noise_table, noise_table_at, seed, uniform
 from f8tensor.optim_master import join_master, split_master, stochastic_bf16
-from f8tensor.optim_math import Scalars, compiled_moments, scalars
+from f8tensor.optim_math import (
+    MASTER_WEIGHTS,
+    STATE_DTYPES,
+    TORCH_FIXED_OPTIONS,
+    Scalars,
+    check_group,
+    compiled_moments,
+    scalars,
+)
 from f8tensor.optim_shards import check_fp8_placements, local_shard, row_length, row_offset, wrap_like
+from f8tensor.scaling import block_abs_max
 
 __all__ = ["COMPILE_MIN_NUMEL", "FP8_BLOCK", "MASTER_WEIGHTS", "NOISE_PERIOD", "STATE_DTYPES", "AdamW"]
 
-#: The moment dtypes :class:`AdamW` accepts.
-STATE_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float8_e4m3fn)
-#: The ``master_weights`` values :class:`AdamW` accepts.
-MASTER_WEIGHTS: tuple[str | None, ...] = (None, "stochastic", "remainder")
 #: Elements per fp32 scale of an FP8 moment (along the flattened tensor); also the size
 #: below which a tensor keeps fp32 moments.
 FP8_BLOCK = 128
@@ -145,25 +64,6 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 #: measured 1 ulp off. The kernel tests swap this for a correctly rounded one to compare
 #: the two paths bit for bit.)
 _sqrt = torch.sqrt
-
-
-def _check_hyper(lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
-    if not isinstance(lr, (int, float)) or not lr >= 0.0:
-        raise ValueError(f"lr must be a float >= 0; got {lr!r}")
-    if not isinstance(eps, (int, float)) or not eps >= 0.0:
-        raise ValueError(f"eps must be a float >= 0; got {eps!r}")
-    if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas):
-        raise ValueError(f"betas must be two floats in [0, 1); got {betas!r}")
-    if not isinstance(weight_decay, (int, float)) or not weight_decay >= 0.0:
-        raise ValueError(f"weight_decay must be a float >= 0; got {weight_decay!r}")
-
-
-def _check_options(state_dtype: Any, master_weights: Any) -> None:
-    if state_dtype not in STATE_DTYPES:
-        allowed = ", ".join(str(d) for d in STATE_DTYPES)
-        raise ValueError(f"state_dtype must be one of {allowed}; got {state_dtype!r}")
-    if master_weights not in MASTER_WEIGHTS:
-        raise ValueError(f"master_weights must be one of {MASTER_WEIGHTS}; got {master_weights!r}")
 
 
 # ---------------------------------------------------------------- FP8 moments: one cast each way
@@ -207,12 +107,26 @@ def _quantize_moment(
     """fp32 ``value`` (the parameter's shape) as moment ``name``'s e4m3 data (the same shape)
     and fp32 scales (``view.blocks``): the one cast of every FP8 moment (rule
     ``data = saturate(x * scale)``, dynamic block scale). ``uniform``: the draws of a
-    stochastic rounding, in ``view.data``'s shape."""
-    data, scale = _FP8_MOMENTS[name].quantize(value.view(view.data), uniform=uniform)
+    stochastic rounding, in ``view.data``'s shape.
+
+    A non-finite element stays to itself, as in torch: each block's scale comes from its
+    finite elements, and a non-finite one is stored as NaN (e4m3 has no infinity)."""
+    quantizer, hp = _FP8_MOMENTS[name], value.view(view.data)
+    finite = torch.isfinite(hp)
+    scale = quantizer.scale_for(block_abs_max(torch.where(finite, hp, 0.0), quantizer.spec.block))
+    data, scale = quantizer.quantize(torch.where(finite, hp, math.nan), scale, uniform=uniform)
     return data.view(value.shape), scale.view(view.blocks)
 
 
 # ---------------------------------------------------------------- one tensor's step
+
+
+def _amsgrad(exp_avg_sq: torch.Tensor, max_exp_avg_sq: torch.Tensor | None) -> torch.Tensor:
+    """The second moment the denominator takes: ``exp_avg_sq``, or with amsgrad its running
+    max (updated in place, as torch's)."""
+    if max_exp_avg_sq is None:
+        return exp_avg_sq
+    return torch.maximum(max_exp_avg_sq, exp_avg_sq, out=max_exp_avg_sq)
 
 
 def _tensor_step(
@@ -226,6 +140,7 @@ def _tensor_step(
     start: int | torch.Tensor,
     s: Scalars,
     master_weights: str | None,
+    max_exp_avg_sq: torch.Tensor | None = None,
 ) -> None:
     """One step of one tensor (a parameter or its local shard), in place, in torch ops: the
     torch-ops path, and what :func:`_compiled_step` compiles.
@@ -234,7 +149,7 @@ def _tensor_step(
     :func:`_fp8_view`), else None (fp32 or bf16 moments). ``remainder``: the int16 low halves
     of a ``"remainder"`` master (or their int32 values). ``tables``: the draws (one :data:`NOISE_PERIOD` table each,
     or None) of the two moments' and the parameter's stochastic roundings; ``start``: the
-    global flat index of ``local``'s first element."""
+    global flat index of ``local``'s first element. ``max_exp_avg_sq``: amsgrad's fp32 state."""
     # The fp32 tensor the update is applied to: the parameter itself when it is fp32.
     if local.dtype == torch.float32:
         param = local
@@ -262,7 +177,7 @@ def _tensor_step(
         if exp_avg_state.dtype == torch.float32 and scales is None:
             exp_avg_state.copy_(exp_avg)
             exp_avg_sq_state.copy_(exp_avg_sq)
-        denom = (_sqrt(exp_avg_sq) / s.bias_correction2_sqrt).add_(s.eps)
+        denom = (_sqrt(_amsgrad(exp_avg_sq, max_exp_avg_sq)) / s.bias_correction2_sqrt).add_(s.eps)
         # addcdiv takes a Number: the 0-dim step size multiplies first, as the CPU's addcdiv
         # computes ``p + (s * m) / d`` (two roundings, then the sum's).
         param.add_(exp_avg.mul(s.neg_step_size).div_(denom))
@@ -270,7 +185,7 @@ def _tensor_step(
         # The ops and their order are torch's single-tensor AdamW's (bit-identical in fp32).
         exp_avg.lerp_(grad, 1 - s.beta1)
         exp_avg_sq.mul_(s.beta2).addcmul_(grad, grad, value=1 - s.beta2)
-        denom = (_sqrt(exp_avg_sq) / s.bias_correction2_sqrt).add_(s.eps)
+        denom = (_sqrt(_amsgrad(exp_avg_sq, max_exp_avg_sq)) / s.bias_correction2_sqrt).add_(s.eps)
         param.addcdiv_(exp_avg, denom, value=s.neg_step_size)
 
     if scales is not None:
@@ -348,24 +263,77 @@ def _compiled_step(backend: str) -> Callable[..., None]:
     return torch.compile(_tensor_step, backend=backend, dynamic=True, fullgraph=True, options=options)
 
 
+def _loaded_state(p: torch.Tensor, group: dict[str, Any], saved: dict[str, Any], pid: Any) -> dict[str, Any]:
+    """Saved state ``pid`` as :class:`AdamW` keeps it for ``p`` in ``group``: tensors on
+    ``p``'s device in their saved dtypes, but for the conversions and additions that
+    :meth:`AdamW.load_state_dict` lists. Raises ValueError for a state it cannot take."""
+    out = {k: v.to(device=p.device, copy=True) for k, v in saved.items() if isinstance(v, torch.Tensor)}
+    for name in ("step", "exp_avg", "exp_avg_sq"):
+        if name not in out:
+            raise ValueError(f"the saved state of parameter {pid} has no tensor {name!r}; got keys {sorted(saved)}")
+    out["step"] = saved["step"].detach().to("cpu", torch.float32, copy=True)  # a CPU counter, as torch's
+    state_dtype, e4m3 = group["state_dtype"], torch.float8_e4m3fn
+    fp8 = _uses_fp8(p, state_dtype)
+    want = torch.bfloat16 if state_dtype == torch.bfloat16 else torch.float32
+    for name in ("exp_avg", "exp_avg_sq"):
+        dtype = out[name].dtype
+        if fp8 and (dtype != e4m3 or name + "_scale" not in out):
+            raise ValueError(
+                f"parameter {pid}: state_dtype={e4m3} takes e4m3 {name} with {name}_scale; the saved {name} is "
+                f"{dtype}{'' if name + '_scale' in out else ' without scales'} (load it into an AdamW with "
+                "state_dtype=torch.float32 or torch.bfloat16)"
+            )
+        if not fp8 and dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(
+                f"parameter {pid}: state_dtype={state_dtype} keeps {want} {name}; the saved {name} is {dtype} "
+                f"(load it into an AdamW with state_dtype={dtype})"
+            )
+        if not fp8:
+            out[name] = out[name].to(want)
+    local = local_shard(p)
+    if group["master_weights"] == "remainder" and p.dtype == torch.bfloat16 and "master_remainder" not in out:
+        # A bf16 parameter is the fp32 master whose low half is zero, as a new state's.
+        remainder = torch.zeros(local.shape, dtype=torch.int16, device=local.device)
+        out["master_remainder"] = wrap_like(remainder, p, tuple(p.shape))
+    if group["amsgrad"]:
+        zeros = wrap_like(torch.zeros(local.shape, dtype=torch.float32, device=local.device), p, tuple(p.shape))
+        out["max_exp_avg_sq"] = out["max_exp_avg_sq"].to(torch.float32) if "max_exp_avg_sq" in out else zeros
+    return out
+
+
 # ---------------------------------------------------------------- the optimizer
 
 
 class AdamW(torch.optim.Optimizer):
     """AdamW (``torch.optim.AdamW``'s defaults and math) with moments in ``state_dtype`` and,
-    for bf16 parameters, a choice of ``master_weights``. See the module docstring.
+    for bf16 parameters, a choice of ``master_weights``.
 
-    Group options: ``lr``, ``betas``, ``eps``, ``weight_decay``, ``state_dtype``,
-    ``master_weights`` (a group added later inherits the constructor's unless it sets them).
-    ``fused`` and ``compiled`` (the whole optimizer): None, True or False, see the module
-    docstring's "Speed".
+    Group options (a group added later inherits the constructor's unless it sets them):
+    ``lr``, ``betas``, ``eps``, ``weight_decay``, ``state_dtype``, ``master_weights``, and
+    torch's ``maximize`` (the gradient negated) and ``amsgrad`` (state ``max_exp_avg_sq``,
+    fp32; only with ``state_dtype=torch.float32``; it takes the torch-ops path). Of torch's
+    other group options, ``foreach`` and ``fused`` are accepted at any value and ignored
+    (they pick torch's implementation, not the math), ``capturable=False``,
+    ``differentiable=False`` and ``decoupled_weight_decay=True`` are accepted, and every
+    other value is refused naming the key (:data:`f8tensor.optim_math.TORCH_FIXED_OPTIONS`).
+
+    ``fused`` and ``compiled`` (the whole optimizer): None, True or False. ``fused=None``:
+    the Triton kernel for CUDA tensors; True: also CPU tensors (Triton's interpreter, slow);
+    False: never. ``compiled=None``: the inductor-compiled step for CPU tensors of at least
+    :data:`COMPILE_MIN_NUMEL` elements with FP8 moments or a ``"remainder"`` or
+    ``"stochastic"`` master, when a C++ compiler is found; True: every CPU tensor it takes;
+    False: never. The first compiled step compiles (tens of seconds, once per kind of
+    tensor); below the threshold the torch-ops step of FP8 moments costs tens of times
+    torch's AdamW on one CPU thread (about 60 elementwise passes per tensor).
 
     State per parameter: ``step`` (a 0-dim fp32 CPU tensor, as torch's); ``exp_avg`` and
     ``exp_avg_sq`` (the parameter's shape, in ``state_dtype``: e4m3 data for FP8 states,
-    fp32 for a tensor that keeps fp32 moments); for FP8 states ``exp_avg_scale`` and
-    ``exp_avg_sq_scale`` (fp32, one per block: ``(rows, blocks per row)``); with
-    ``master_weights="remainder"`` ``master_remainder`` (int16, the parameter's shape).
-    Every entry is a plain tensor, so ``state_dict()`` loads with ``torch.load(weights_only=True)``.
+    fp32 for a tensor that keeps fp32 moments: fewer than 128 elements or one dim); for FP8
+    states ``exp_avg_scale`` and ``exp_avg_sq_scale`` (fp32, one per block: ``(rows,
+    blocks per row)``); with ``master_weights="remainder"`` ``master_remainder`` (int16,
+    the parameter's shape); with ``amsgrad`` ``max_exp_avg_sq``. Every entry is a plain
+    tensor, so ``state_dict()`` loads with ``torch.load(weights_only=True)``.
+    ``load_state_dict`` also takes ``torch.optim.AdamW``'s (see there).
     """
 
     def __init__(
@@ -375,21 +343,25 @@ class AdamW(torch.optim.Optimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
+        amsgrad: bool = False,
         *,
+        maximize: bool = False,
         state_dtype: torch.dtype = torch.float32,
         master_weights: str | None = None,
         fused: bool | None = None,
         compiled: bool | None = None,
+        **torch_options: Any,
     ) -> None:
-        _check_hyper(lr, betas, eps, weight_decay)
-        _check_options(state_dtype, master_weights)
+        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay, "amsgrad": amsgrad}
+        defaults |= {"maximize": maximize, "state_dtype": state_dtype, "master_weights": master_weights}
+        for key in torch_options:
+            if key not in TORCH_FIXED_OPTIONS:
+                raise TypeError(f"AdamW got an unexpected keyword argument {key!r}")
+        check_group(defaults | torch_options)
         if fused not in (None, True, False):
             raise ValueError(f"fused must be None (automatic), True or False; got {fused!r}")
         if fused and not triton_adamw.available():
             raise ValueError("fused=True needs triton (it ships with CUDA builds of torch); use fused=None or False")
-        #: None: the fused kernel for CUDA tensors (eager, triton importable); True: wherever
-        #: it takes the tensor (CPU tensors through the Triton interpreter: slow, for tests);
-        #: False: never (the torch-ops path, or the compiled CPU step: ``compiled``).
         self.fused = fused
         if compiled not in (None, True, False):
             raise ValueError(f"compiled must be None (automatic), True or False; got {compiled!r}")
@@ -398,18 +370,23 @@ class AdamW(torch.optim.Optimizer):
                 "compiled=True needs a C++ compiler for inductor's CPU code (g++, or the one CXX names) and none "
                 "is on the PATH; use compiled=None (the torch-ops path without one) or False"
             )
-        #: None: the compiled CPU step where the torch-ops step is slow (see "Speed"), when a
-        #: C++ compiler is found; True: every CPU tensor it takes; False: never.
         self.compiled = compiled
         self._compiler = compiled is not False and cpu_compiler() is not None
-        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
-        super().__init__(params, defaults | {"state_dtype": state_dtype, "master_weights": master_weights})
+        super().__init__(params, defaults | torch_options)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's, refused (the optimizer left as it was) when an option or a parameter is
+        one AdamW does not take."""
         super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        _check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
-        _check_options(group["state_dtype"], group["master_weights"])
+        try:
+            self._check(self.param_groups[-1])
+        except Exception:
+            self.param_groups.pop()
+            raise
+
+    @staticmethod
+    def _check(group: dict[str, Any]) -> None:
+        check_group(group)
         for p in group["params"]:
             if p.is_complex():
                 raise ValueError(f"AdamW takes real parameters; got a {p.dtype} parameter of shape {tuple(p.shape)}")
@@ -447,22 +424,35 @@ class AdamW(torch.optim.Optimizer):
             # A bf16 parameter is an fp32 master whose low half is zero: the remainder starts at 0.
             remainder = torch.zeros(local.shape, dtype=torch.int16, device=local.device)
             state["master_remainder"] = wrap_like(remainder, p, tuple(p.shape))
+        if group["amsgrad"]:
+            state["max_exp_avg_sq"] = wrap_like(torch.zeros_like(state["exp_avg_sq"]), p, tuple(p.shape))
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """torch's, but every state tensor keeps the dtype it was saved in (torch's casts
-        floating-point state to the parameter's dtype, which would undo 8-bit and bf16
-        states and round fp32 moments of a bf16 parameter)."""
-        saved_groups = state_dict["param_groups"]
-        saved_state = state_dict["state"]
-        super().load_state_dict(state_dict)
-        for group, saved in zip(self.param_groups, saved_groups):
-            for p, pid in zip(group["params"], saved["params"]):
-                if pid not in saved_state:
-                    continue
-                for key, value in saved_state[pid].items():
-                    if isinstance(value, torch.Tensor) and key != "step":
-                        self.state[p][key] = value.to(device=p.device, copy=True)
+        """torch's, also for ``torch.optim.AdamW``'s state dicts, and every state tensor
+        keeps the dtype it was saved in (torch's casts floating-point state to the
+        parameter's dtype, which would undo 8-bit and bf16 states).
+
+        A group option missing from the saved groups takes the constructor's value; fp32,
+        bf16 or fp16 moments are converted to the group's fp32 or bf16 ``state_dtype``; a
+        missing ``master_remainder`` or ``max_exp_avg_sq`` starts at zero, as a new state.
+        Raises ValueError naming the option or state that AdamW cannot take (e.g. torch's
+        moments for FP8 states, or e4m3 ones for other states); the optimizer is then
+        left as it was."""
+        groups = [self.defaults | saved for saved in state_dict["param_groups"]]
+        if len(groups) != len(self.param_groups):
+            raise ValueError(
+                f"the state dict has {len(groups)} param groups; this optimizer has {len(self.param_groups)}"
+            )
+        loaded: dict[int, tuple[torch.Tensor, dict[str, Any]]] = {}
+        for group, saved, mine in zip(groups, state_dict["param_groups"], self.param_groups):
+            self._check(group | {"params": mine["params"]})
+            for p, pid in zip(mine["params"], saved["params"]):
+                if pid in state_dict["state"]:
+                    loaded[pid] = p, _loaded_state(p, group, state_dict["state"][pid], pid)
+        super().load_state_dict(state_dict | {"param_groups": groups})
+        for p, entries in loaded.values():
+            self.state[p].update(entries)
 
     # ------------------------------------------------------------ step
 
@@ -494,12 +484,14 @@ class AdamW(torch.optim.Optimizer):
         step_t = state["step"]
         step_t += 1
         local, grad = local_shard(p), local_shard(grad)
+        if group["maximize"]:
+            grad = torch.neg(grad)
         compiling = torch.compiler.is_compiling()
         # Eager: the count as a Python float (a CPU tensor, as torch's: no device sync), for
         # torch's float64 scalar math. Under torch.compile the counter stays a tensor: a
         # read would break the graph, and a constant would recompile every step.
         step = step_t.to(torch.float64) if compiling else step_t.item()
-        if not compiling and self._takes_kernel(local, grad, state):
+        if not compiling and not group["amsgrad"] and self._takes_kernel(local, grad, state):
             self._fused_update(p, local, grad, index, int(step), state, group)
             return
         master_weights = group["master_weights"] if local.dtype == torch.bfloat16 else None
@@ -523,11 +515,12 @@ class AdamW(torch.optim.Optimizer):
             (local_shard(state["exp_avg_scale"]), local_shard(state["exp_avg_sq_scale"])) if fp8 else None,
             local_shard(state["master_remainder"]) if master_weights == "remainder" else None,
             tables, row_offset(p) * row_length(p), scalars(group, step), master_weights,
+            local_shard(state["max_exp_avg_sq"]) if group["amsgrad"] else None,
         )  # fmt: skip
-        if compiling or not self._takes_compiled(local, grad, state, group):
+        if compiling or group["amsgrad"] or not self._takes_compiled(local, grad, state, group):
             _tensor_step(*args)
         else:
-            _run_compiled(*args)
+            _run_compiled(*args[:-1])
 
     # ------------------------------------------------------------ the fused and compiled steps
 

@@ -39,7 +39,10 @@ def seed(param_index: int, step: int, moment: int) -> int:
 
 def noise_table(seed: int, device: torch.device) -> torch.Tensor:
     """The :data:`NOISE_PERIOD` uniform fp32 draws of ``seed`` (the fused kernel indexes
-    it directly; :func:`uniform` lays it over a tensor's elements)."""
+    it directly; :func:`uniform` lays it over a tensor's elements). On the meta device
+    (shapes only, no generator there) an empty table."""
+    if device.type == "meta":
+        return torch.empty(NOISE_PERIOD, dtype=torch.float32, device=device)
     generator = torch.Generator(device=device)
     generator.manual_seed(seed)
     return torch.rand(NOISE_PERIOD, generator=generator, device=device)

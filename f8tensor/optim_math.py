@@ -1,5 +1,6 @@
-"""The arithmetic of one :class:`f8tensor.optim.AdamW` step that is not a cast: the
-scalars of a step, and the moments' update as compiled code computes it.
+"""The arithmetic of one :class:`f8tensor.optim.AdamW` step that is not a cast: a param
+group's options (:func:`check_group`), the scalars of a step, and the moments' update as
+compiled code computes it.
 
 :func:`scalars` gives torch's single-tensor AdamW's scalars (bias corrections, step size)
 as Python floats for the eager path, or as tensors computed from the step counter under
@@ -16,7 +17,68 @@ import torch
 
 from f8tensor.compat import fma
 
-__all__ = ["Scalars", "compiled_moments", "scalars"]
+__all__ = [
+    "MASTER_WEIGHTS",
+    "STATE_DTYPES",
+    "TORCH_FIXED_OPTIONS",
+    "Scalars",
+    "check_group",
+    "compiled_moments",
+    "scalars",
+]
+
+#: The moment dtypes :class:`~f8tensor.optim.AdamW` accepts.
+STATE_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float8_e4m3fn)
+#: The ``master_weights`` values :class:`~f8tensor.optim.AdamW` accepts.
+MASTER_WEIGHTS: tuple[str | None, ...] = (None, "stochastic", "remainder")
+#: ``torch.optim.AdamW``'s param-group options that :class:`~f8tensor.optim.AdamW` takes at
+#: these values only: ``foreach`` and ``fused`` pick torch's implementation, not the math
+#: (no-ops here); ``capturable`` and ``differentiable`` are not implemented; AdamW's weight
+#: decay is decoupled.
+TORCH_FIXED_OPTIONS: dict[str, tuple[bool | None, ...]] = {
+    "foreach": (None, False, True),
+    "fused": (None, False, True),
+    "capturable": (False,),
+    "differentiable": (False,),
+    "decoupled_weight_decay": (True,),
+}
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def check_group(group: dict[str, Any]) -> None:
+    """Raise ValueError naming the first option of ``group`` (a param group with every
+    default filled in) that AdamW does not take, and what it allows."""
+    lr, betas, eps, weight_decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+    if not _number(lr) or not lr >= 0.0:
+        raise ValueError(f"lr must be a float >= 0; got {lr!r}")
+    if not _number(eps) or not eps >= 0.0:
+        raise ValueError(f"eps must be a float >= 0; got {eps!r}")
+    if len(betas) != 2 or not all(_number(b) and 0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"betas must be two floats in [0, 1); got {betas!r}")
+    if not _number(weight_decay) or not weight_decay >= 0.0:
+        raise ValueError(f"weight_decay must be a float >= 0; got {weight_decay!r}")
+    if group["state_dtype"] not in STATE_DTYPES:
+        allowed = ", ".join(str(d) for d in STATE_DTYPES)
+        raise ValueError(f"state_dtype must be one of {allowed}; got {group['state_dtype']!r}")
+    if group["master_weights"] not in MASTER_WEIGHTS:
+        raise ValueError(f"master_weights must be one of {MASTER_WEIGHTS}; got {group['master_weights']!r}")
+    for key in ("amsgrad", "maximize"):
+        if not isinstance(group[key], bool):
+            raise TypeError(f"{key} must be True or False; got {group[key]!r}")
+    if group["amsgrad"] and group["state_dtype"] != torch.float32:
+        raise ValueError(
+            f"amsgrad=True keeps the running max of exp_avg_sq in fp32 and needs state_dtype=torch.float32; got "
+            f"state_dtype={group['state_dtype']} (use amsgrad=False with 8-bit or bf16 moments)"
+        )
+    for option, values in TORCH_FIXED_OPTIONS.items():
+        if option in group and not any(group[option] is value for value in values):
+            raise ValueError(
+                f"f8tensor.optim.AdamW does not implement torch's {option}={group[option]!r}; allowed: "
+                f"{', '.join(repr(v) for v in values)}"
+            )
 
 
 class Scalars(NamedTuple):

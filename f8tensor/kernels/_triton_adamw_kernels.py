@@ -15,8 +15,8 @@ import triton.language as tl
 # The casts' kernels of this file's variant (``..._triton_kernels`` or
 # ``..._triton_kernels_interpreted``), which the loader put in sys.modules first.
 _casts = sys.modules[__name__.replace("_triton_adamw_kernels", "_triton_kernels")]
-_amax, _fp8_bits, _fp32_scale, _magnitude, _scaled = (
-    _casts._amax, _casts._fp8_bits, _casts._fp32_scale, _casts._magnitude, _casts._scaled
+_amax, _fp8_bits, _fp32_scale, _scaled = (
+    _casts._amax, _casts._fp8_bits, _casts._fp32_scale, _casts._scaled
 )  # fmt: skip
 
 
@@ -63,9 +63,11 @@ def _requantize_e4m3(x, ok, u, STOCHASTIC: tl.constexpr, FMAX: tl.constexpr, BIA
                      MBITS: tl.constexpr, EPS: tl.constexpr):  # fmt: skip
     """The block cast of ``x`` ([G, B]: G blocks; ``ok``: the elements that exist): per block
     the amax, the dynamic fp32 scale (``amax_to_scale``'s bits), ``saturate(x * scale)``
-    rounded to nearest or stochastically with the draws ``u``. Returns (bytes, scales)."""
-    s = _fp32_scale(_amax(tl.where(ok, _magnitude(x), 0.0), 1), FMAX, False, EPS)
-    y = _scaled(x, s[:, None])
+    rounded to nearest or stochastically with the draws ``u``. Returns (bytes, scales).
+    The amax is that of the block's finite elements; a non-finite element is stored as NaN."""
+    finite = tl.abs(x) < float("inf")  # False for NaN too
+    s = _fp32_scale(_amax(tl.where(ok & finite, tl.abs(x), 0.0), 1), FMAX, False, EPS)
+    y = tl.where(finite, _scaled(x, s[:, None]), float("nan"))
     if STOCHASTIC:
         # ``stochastic_round`` on the clamped product: exact in fp32 (power-of-two spacings).
         y = tl.where(y > FMAX, FMAX, y)

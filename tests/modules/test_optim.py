@@ -317,14 +317,14 @@ def test_non_finite_gradient_propagates_never_finite_garbage(state_dtype, bad):
     if state_dtype == FP8:
         m = dequantize(s["exp_avg"], s["exp_avg_scale"], (1, FP8_BLOCK), torch.float32)
         v = dequantize(s["exp_avg_sq"], s["exp_avg_sq_scale"], (1, FP8_BLOCK), torch.float32)
-        assert m[0].isnan().all() and v[0].isnan().all()  # the whole block of the bad element
-        assert m[1].isfinite().all() and v[1].isfinite().all()  # the other block untouched
     else:
         m, v = s["exp_avg"], s["exp_avg_sq"]
-        assert not m[0, 5].isfinite() and not v[0, 5].isfinite()
-        assert m[1].isfinite().all() and v[1].isfinite().all()
+    # The bad element's moments only, as torch's (e4m3 keeps an inf as NaN: it has no inf).
+    bad_element = torch.zeros_like(p, dtype=torch.bool)
+    bad_element[0, 5] = True
+    assert torch.equal(m.isfinite(), ~bad_element) and torch.equal(v.isfinite(), ~bad_element)
     assert p[0, 5].isnan()  # as torch: the parameter becomes NaN (inf / inf for an inf gradient)
-    assert p[1].isfinite().all()
+    assert torch.equal(p.isfinite(), ~bad_element)
 
 
 def test_stochastic_draws_are_a_function_of_the_global_element_and_the_seed():
