@@ -24,7 +24,6 @@ extensions = [
     "sphinx.ext.autodoc",
     "sphinx.ext.napoleon",
     "f8tensor_recipes",
-    "f8tensor_readme",
 ]
 
 # Docstrings are Google style ("Args:", "Returns:", "Raises:", "Example:") or prose.

@@ -1,4 +1,4 @@
-"""Tests that kill mutants the rest of the suite let survive (README.md, "Mutation testing").
+"""Tests that kill mutants the rest of the suite let survive (CONTRIBUTING.md, "Mutation testing").
 
 Each test states the mutant class it is for. Expected values are written from the format
 and block definitions, not from the functions under test.

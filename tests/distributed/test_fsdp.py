@@ -987,7 +987,7 @@ def test_mixed_precision_bf16_params(run):
 @pytest.mark.skipif(
     compat.TORCH_VERSION < (2, 12),
     reason="torch 2.11's dynamo asserts (overwrite_tensor_vt_proxy) while it traces QuantizedLinearFn.apply on an "
-    "FSDP2-sharded layer; 2.12+ compiles it (README.md, Version matrix)",
+    "FSDP2-sharded layer; 2.12+ compiles it (docs/versions.rst)",
 )
 def test_compiled_layers_under_fsdp2(ranks2):
     res = _results(ranks2, "compile")

@@ -1,7 +1,7 @@
 """The package's layers: the import-linter contracts of pyproject.toml hold, and no module
 dodges them with an import inside a function.
 
-The layers (top to bottom) and why they are ordered so: README.md, "How it works".
+The layers (top to bottom) and why they are ordered so: docs/how_it_works.rst.
 """
 
 from __future__ import annotations
