@@ -6,9 +6,9 @@ positions through ``F.scaled_dot_product_attention``, RMSNorm, SwiGLU MLP; bf16 
 activations, no autocast), its linears plain (``bf16``) or converted with each recipe.
 Per row:
 
-- *saved*: the bytes one forward leaves alive for backward, read from the allocator's
-  records (``f8tensor.stats.alive_tensor_bytes``: the profiler's memory events, so the
-  FP8 copies the context stores are what is counted; the block's input is made inside the
+- *saved*: the bytes one forward leaves alive for backward, read from the storages
+  the forward creates (``f8tensor.stats.alive_tensor_bytes``, so the FP8 copies the
+  context stores are what is counted; the block's input is made inside the
   measured forward, as a previous layer would make it; parameters are not counted), without
   and with the context (e4m3; ``--block`` elements per scale, default 128; ``--min-numel``,
   default 65,536), and each against the bf16 block without the context.

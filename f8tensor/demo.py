@@ -2,7 +2,7 @@
 
 Run it::
 
-    python -m f8tensor.demo                        # about 90 s on two idle CPU cores
+    python -m f8tensor.demo                        # about 2.5 min on one CPU thread
     python -m f8tensor.demo --recipes bf16,rowwise --steps 400
     python -m f8tensor.demo --help
 
@@ -36,15 +36,27 @@ Activations. ``--fp8-activations`` runs each FP8 recipe's forward and loss under
 tensors autograd saves for backward (norm, GELU, attention and loss inputs, the linear
 inputs a recipe keeps in bf16) are stored in FP8 with a scale per 128 elements.
 
-Columns. *final loss*: mean training loss of the last steps. *tokens/s*: from the median
-step time after a few warm-up steps. *act. MiB*: what one training forward and its loss
-allocate and leave alive for backward (eager; :func:`f8tensor.stats.alive_tensor_bytes`,
-from the allocator's records, so it sees the FP8 copies ``--fp8-activations`` stores),
-excluding parameters and autocast's bf16 copies of them; FP8 data counts with its scales.
-*saturated*: the mean fraction
-of elements clamped at the FP8 maximum per cast, from the numerics telemetry of
+Threads. A CPU run uses one torch thread unless ``--threads N`` or ``OMP_NUM_THREADS``
+asks for more: torch's default, a thread per core, runs many times slower on cores shared
+with other work. A GPU run leaves torch's threads as they are.
+
+Columns. *loss*: mean training loss of the last steps; *vs bf16* its gap to the baseline
+(within about 1% either way: noise, another ``--seed`` moves bf16 itself that much).
+*tokens/s*: from the median step time after a few warm-up steps. *act. MiB*: what one
+training forward and its loss allocate and leave alive for backward (eager;
+:func:`f8tensor.stats.alive_tensor_bytes`, from the storages the forward creates, so it
+sees the FP8 copies ``--fp8-activations`` stores), excluding parameters and autocast's bf16
+copies of them; FP8 data counts with its scales. *saturated*: the mean fraction of
+elements clamped at the FP8 maximum per cast, from the numerics telemetry of
 ``f8tensor.stats``, switched on for one extra step after training so that it costs the
-timed steps nothing (``n/a`` where that telemetry is not available).
+timed steps nothing (``n/a`` where that telemetry is not available). *opt. MiB*: the
+optimizer's state. A column with the same value in every run is left out and its value
+said under the table.
+
+Picture. Left: each run's training loss, bf16 dashed black on top. Right: each recipe's
+loss over bf16's on the same batch, minus 1, in percent, with the band of seed noise
+shaded. Both are exponential moving averages (a spike decays instead of holding a
+window-long plateau).
 """
 
 from __future__ import annotations
@@ -54,11 +66,12 @@ import contextlib
 import copy
 import dataclasses
 import math
+import os
 import shutil
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -334,8 +347,8 @@ def _allowed_runs() -> list[str]:
 
 
 #: The runs of a default demo: bf16 and one recipe per kind of scale (a tensor's, a row's,
-#: a delayed history's, a 1x128 block's), about two minutes on two CPU cores (117 s
-#: measured). The FP4 recipes are the slow ones on a CPU, where their casts are emulated;
+#: a delayed history's, a 1x128 block's), about two and a half minutes on one CPU thread.
+#: The FP4 recipes are the slow ones on a CPU, where their casts are emulated;
 #: ``--recipes all`` runs every recipe.
 DEFAULT_RUNS = (BASELINE, "tensorwise", "rowwise", "delayed", "blockwise")
 
@@ -399,6 +412,14 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     parser.add_argument(
+        "--threads",
+        type=_positive_int,
+        help=(
+            "torch threads of a CPU run (default: 1, or what OMP_NUM_THREADS says; more threads help only "
+            "on idle cores); a GPU run leaves torch's threads as they are"
+        ),
+    )
+    parser.add_argument(
         "--out", type=Path, default=DEFAULT_OUT, help=f"where to write the loss-curve PNG (default: {DEFAULT_OUT})"
     )
     return parser
@@ -446,7 +467,30 @@ def _resolve_device(parser: argparse.ArgumentParser, choice: str, runs: list[str
     return torch.device(choice)
 
 
+def cpu_threads(requested: int | None, environ: Mapping[str, str] = os.environ) -> int | None:
+    """The torch threads a CPU run sets: ``--threads``, else None where ``OMP_NUM_THREADS`` is
+    set (torch already follows it), else 1."""
+    if requested is not None:
+        return requested
+    return None if environ.get("OMP_NUM_THREADS", "").strip() else 1
+
+
+@contextlib.contextmanager
+def _torch_threads(n: int | None) -> Iterator[None]:
+    """Run with ``n`` torch threads (None: as they are), then restore the previous count."""
+    previous = torch.get_num_threads()
+    if n is not None:
+        # A thread per core (torch's default) runs many times slower on cores shared with
+        # other work; the demo asks for more only when the user does.
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the demo with command-line arguments ``argv`` (default: ``sys.argv[1:]``); return 0."""
     parser = build_parser()
     args = parser.parse_args(argv)
     runs = _parse_runs(parser, args.recipes)
@@ -459,58 +503,60 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     steps = args.steps or DEFAULT_STEPS[device.type]
     compile_model = args.compile if args.compile is not None else device.type == "cuda"
+    threads = cpu_threads(args.threads) if device.type == "cpu" else None
+    with _torch_threads(threads):
+        data = load_corpus(device)
+        if size.seq_len >= len(data) - 1:
+            parser.error(f"--seq-len {size.seq_len} is longer than the corpus ({len(data)} bytes)")
 
-    data = load_corpus(device)
-    if size.seq_len >= len(data) - 1:
-        parser.error(f"--seq-len {size.seq_len} is longer than the corpus ({len(data)} bytes)")
+        torch.manual_seed(args.seed)
+        base_model = GPT(size).to(device)
+        # One batch more than the runs train on: the measurements after training use it.
+        starts = batch_starts(len(data), steps + 1, size.batch_size, size.seq_len, args.seed)
+        linears = [(name, m) for name, m in base_model.named_modules() if isinstance(m, nn.Linear)]
+        n_fp8 = sum(keep_lm_head_in_high_precision(m, name) for name, m in linears)
+        n_params = sum(p.numel() for p in base_model.parameters())
+        print(f"f8tensor {f8tensor.__version__} demo: a byte-level GPT on {CORPUS.name} ({len(data):,} bytes)")
+        print(
+            f"  model   {size.n_layers} layers, d_model {size.d_model}, {size.n_heads} heads, "
+            f"{n_params / 1e6:.2f}M parameters"
+        )
+        print(f"  FP8     {n_fp8} of {len(linears)} linears converted (lm_head stays in high precision)")
+        print(
+            f"  batch   {size.batch_size} x {size.seq_len} = {size.batch_size * size.seq_len} tokens/step, "
+            f"{steps} steps per run, seed {args.seed}"
+        )
+        print(
+            f"  device  {_device_name(device)}, bf16 autocast over fp32 master weights, "
+            f"{'torch.compile' if compile_model else 'eager'}"
+        )
+        print(f"  optim   {args.optim}: {OPTIMIZERS[args.optim]}")
+        if args.fp8_activations:
+            print("  act.    FP8 runs save their activations in FP8 (save_activations_in_float8)")
+        print(f"  runs    {', '.join(runs)}", flush=True)
 
-    torch.manual_seed(args.seed)
-    base_model = GPT(size).to(device)
-    # One batch more than the runs train on: the measurements after training use it.
-    starts = batch_starts(len(data), steps + 1, size.batch_size, size.seq_len, args.seed)
-    linears = [(name, m) for name, m in base_model.named_modules() if isinstance(m, nn.Linear)]
-    n_fp8 = sum(keep_lm_head_in_high_precision(m, name) for name, m in linears)
-    n_params = sum(p.numel() for p in base_model.parameters())
-    print(f"f8tensor {f8tensor.__version__} demo: a byte-level GPT on {CORPUS.name} ({len(data):,} bytes)")
-    print(
-        f"  model   {size.n_layers} layers, d_model {size.d_model}, {size.n_heads} heads, "
-        f"{n_params / 1e6:.2f}M parameters"
-    )
-    print(f"  FP8     {n_fp8} of {len(linears)} linears converted (lm_head stays in high precision)")
-    print(
-        f"  batch   {size.batch_size} x {size.seq_len} = {size.batch_size * size.seq_len} tokens/step, "
-        f"{steps} steps per run, seed {args.seed}"
-    )
-    print(
-        f"  device  {_device_name(device)}, bf16 autocast over fp32 master weights, "
-        f"{'torch.compile' if compile_model else 'eager'}"
-    )
-    print(f"  optim   {args.optim}: {OPTIMIZERS[args.optim]}")
-    if args.fp8_activations:
-        print("  act.    FP8 runs save their activations in FP8 (save_activations_in_float8)")
-    print(f"  runs    {', '.join(runs)}", flush=True)
-
-    t_all = time.perf_counter()
-    results = [
-        train_run(name, base_model, data, starts, size, device, compile_model, args.optim, args.fp8_activations)
-        for name in runs
-    ]
-    last = max(1, min(50, steps // 10))
-    print()
-    print(format_table(results, last))
-    print()
-    print(table_notes(results, last, steps, device, args.fp8_activations))
-    title = f"f8tensor demo: {size.n_layers}x{size.d_model} byte-level GPT, {steps} steps, {_device_name(device)}"
-    if plot_losses(results, args.out, title):
-        print(f"loss curves: {args.out}")
-    print(f"total time: {time.perf_counter() - t_all:.0f} s")
-    return 0
+        t_all = time.perf_counter()
+        results = [
+            train_run(name, base_model, data, starts, size, device, compile_model, args.optim, args.fp8_activations)
+            for name in runs
+        ]
+        last = max(1, min(50, steps // 10))
+        print()
+        print(format_table(results, last))
+        print()
+        print(table_notes(results, last, steps, device, args.fp8_activations))
+        title = f"f8tensor demo: {size.n_layers}x{size.d_model} byte-level GPT, {steps} steps, {_device_name(device)}"
+        if plot_losses(results, args.out, title):
+            print(f"loss curves: {args.out}")
+        print(f"total time: {time.perf_counter() - t_all:.0f} s")
+        return 0
 
 
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return f"cuda ({torch.cuda.get_device_name(device)})"
-    return f"cpu ({torch.get_num_threads()} threads)"
+    n = torch.get_num_threads()
+    return f"cpu ({n} thread{'s' if n > 1 else ''})"
 
 
 if __name__ == "__main__":

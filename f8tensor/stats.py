@@ -20,8 +20,8 @@ buffer: the numbers always describe the last step. Reading them is one device sy
 
 :func:`saved_tensor_bytes` measures the other thing FP8 changes: what autograd keeps for
 backward (a Float8Tensor counts as its FP8 data plus its scale). :func:`alive_tensor_bytes`
-measures the same from the allocator's side (what a forward allocated and left alive), which
-also sees what saved-tensor hooks such as ``save_activations_in_float8`` store instead.
+measures the same from the storages a forward creates (those still alive when it returns),
+which also sees what saved-tensor hooks such as ``save_activations_in_float8`` store instead.
 
 This module observes the library; nothing below it imports it.
 """
@@ -36,9 +36,8 @@ from typing import Any, TypeVar
 
 import torch
 from torch import nn
-from torch.profiler import ProfilerActivity, profile
 
-from f8tensor.compat import TorchDispatchMode
+from f8tensor.compat import TorchDispatchMode, tree_map_only
 from f8tensor.kernels import CAST_STATS_FIELDS
 from f8tensor.linear import STATS_BUFFERS, STATS_ROLES, Float8Linear
 
@@ -431,44 +430,62 @@ def alive_tensor_bytes(module: nn.Module, fn: Callable[[], _T]) -> tuple[int, _T
     After a forward that is what autograd keeps for backward, as stored: the FP8 copies
     and scales of :func:`f8tensor.save_activations_in_float8`, the FP8 data and scales
     f8tensor's own Functions save, the high-precision tensors everything else saves. Read
-    from the allocator's records (``torch.profiler`` with ``profile_memory=True``: every
-    allocation and free counted once, on CPU and on CUDA), not from a saved-tensor hook,
-    so it works while such hooks are active (torch applies only the innermost pair, so
-    a counting hook would switch the FP8 ones off or see nothing).
+    from the storages the forward's ops create (a dispatch mode sees every op's result and
+    holds a weak reference to each new storage), not from a saved-tensor hook, so it works
+    while such hooks are active (torch applies only the innermost pair, so a counting hook
+    would switch the FP8 ones off or see nothing).
 
     Left out, as in :func:`saved_tensor_bytes`: ``module``'s parameters (not allocated by a
     forward) and the dtype copies of them made during ``fn`` (autocast's bf16 weights:
-    found by watching ``aten._to_copy`` of a parameter's storage, counted while alive).
-    Also counted: anything else ``fn`` allocates and keeps (a cache filled on a first call,
-    a buffer created lazily): measure a forward that has run before.
+    ``aten._to_copy`` of a parameter's storage). Also counted: anything else ``fn``
+    allocates and keeps (a cache filled on a first call, a buffer created lazily): measure
+    a forward that has run before.
     """
     params = {part.untyped_storage().data_ptr() for p in module.parameters() for part in storage_parts(p)}
-    copies = _ParameterCopies(params)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=activities, profile_memory=True) as prof, copies:
+    watch = _NewStorages(params)
+    with watch:
         out = fn()
-    # Each allocation and free is counted once, on the op that made it (a free outside any
-    # op is a "[memory]" event): the sum is what is still allocated.
-    alive = sum(e.self_cpu_memory_usage + e.self_device_memory_usage for e in prof.events())
     results = [t for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, torch.Tensor)]
-    return alive - tensor_bytes(results) - tensor_bytes(copies.alive()), out
+    seen = {part.untyped_storage().data_ptr() for t in results for part in storage_parts(t)}
+    return watch.alive_bytes(seen), out
 
 
-class _ParameterCopies(TorchDispatchMode):
-    """Records the tensors ``aten._to_copy`` makes from a parameter's storage (weakly)."""
+def _storages(tree: Any) -> list[torch.UntypedStorage]:
+    found: list[torch.UntypedStorage] = []
+    tree_map_only(torch.Tensor, lambda t: found.extend(part.untyped_storage() for part in storage_parts(t)), tree)
+    return found
+
+
+class _NewStorages(TorchDispatchMode):
+    """Records (weakly) each storage an op returns that none of its arguments holds: a new
+    allocation, or a view or in-place result otherwise. ``aten._to_copy`` of a parameter's
+    storage is recorded apart, as a parameter copy."""
 
     def __init__(self, param_storages: set[int]) -> None:
         super().__init__()
         self.param_storages = param_storages
-        self.copies: list[weakref.ReferenceType[torch.Tensor]] = []
+        self.new: list[weakref.ReferenceType[torch.UntypedStorage]] = []
+        self.copies: list[weakref.ReferenceType[torch.UntypedStorage]] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        if func is torch.ops.aten._to_copy.default:
-            src = args[0]
-            if type(src) in (torch.Tensor, nn.Parameter) and src.untyped_storage().data_ptr() in self.param_storages:
-                self.copies.append(weakref.ref(out))
+        held = {s.data_ptr() for s in _storages((args, kwargs))}
+        is_copy = (
+            func is torch.ops.aten._to_copy.default
+            and type(args[0]) in (torch.Tensor, nn.Parameter)
+            and args[0].untyped_storage().data_ptr() in self.param_storages
+        )
+        for s in _storages(out):
+            if s.data_ptr() not in held and s.nbytes() > 0:
+                (self.copies if is_copy else self.new).append(weakref.ref(s))
         return out
 
-    def alive(self) -> list[torch.Tensor]:
-        return [t for t in (ref() for ref in self.copies) if t is not None]
+    def alive_bytes(self, skip: set[int]) -> int:
+        """Bytes of the recorded storages still alive, each once, but copies and ``skip``'s addresses."""
+        skip = skip | {s.data_ptr() for s in (ref() for ref in self.copies) if s is not None}
+        total = 0
+        for s in (ref() for ref in self.new):
+            if s is not None and s.data_ptr() not in skip:
+                skip.add(s.data_ptr())
+                total += s.nbytes()
+        return total

@@ -382,3 +382,31 @@ def dequantized(x8: Float8Tensor) -> torch.Tensor:
             if b > 1:
                 scale = scale.repeat_interleave(b, dim=d).narrow(d, 0, x8.shape[d])
     return x8._data.float() / scale
+
+
+#: The demo table's columns after ``run``, in order; a column can be left out (the same in
+#: every row). A ``vs bf16`` column is read as ``"<the column before it> vs bf16"``.
+DEMO_COLUMNS = ("loss", "vs bf16", "tokens/s", "vs bf16", "act. MiB", "vs bf16", "saturated", "opt. MiB")
+
+
+def demo_table(stdout: str) -> dict[str, dict[str, str]]:
+    """The rows of the demo's table in ``stdout``: run name -> column title -> cell text."""
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("run "))
+    header = lines[start]
+    spans, pos, last = [], len("run"), ""
+    for title in DEMO_COLUMNS:
+        at = header.find(title, pos)
+        if at < 0:
+            continue
+        key = f"{last} vs bf16" if title == "vs bf16" else title
+        last = last if title == "vs bf16" else title
+        spans.append((key, pos, at + len(title)))  # cells are right-aligned under their title
+        pos = at + len(title)
+    rows = {}
+    for line in lines[start + 2 :]:
+        if not line.strip():
+            break
+        name = line.split()[0]
+        rows[name] = {key: line[max(lo, len(name)) : hi].strip() for key, lo, hi in spans}
+    return rows

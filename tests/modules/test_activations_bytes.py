@@ -1,4 +1,4 @@
-"""What save_activations_in_float8 stores, counted from the allocator
+"""What save_activations_in_float8 stores, counted from the storages a forward creates
 (``f8tensor.stats.alive_tensor_bytes``) while the context is active: per recipe, for
 f8tensor's own Functions (FP8 data and scales, never quantized again), and for autocast's
 weight copies (left alone, also when a linear saves them transposed)."""

@@ -5,12 +5,14 @@ from __future__ import annotations
 import copy
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import demo_table
 
 import f8tensor
 import f8tensor.stats
@@ -36,34 +38,31 @@ def _run_demo(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     )
 
 
-def _table_rows(stdout: str) -> dict[str, list[str]]:
-    lines = stdout.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith("run ") and "final loss" in line)
-    rows = {}
-    for line in lines[start + 2 :]:
-        if not line.strip():
-            break
-        name, *cells = line.split()
-        rows[name] = cells
-    return rows
-
-
 def test_tiny_run_prints_a_row_per_run_and_writes_the_png(tmp_path):
     png = tmp_path / "curves" / "loss.png"
     proc = _run_demo(tmp_path, "--size", "tiny", "--steps", "6", "--recipes", "all", "--out", str(png))
     assert proc.returncode == 0, proc.stderr
-    rows = _table_rows(proc.stdout)
+    rows = demo_table(proc.stdout)
     assert list(rows) == ALL_RUNS
     for name, cells in rows.items():
-        loss, _, tokens_per_s, _, saved_mib, _, saturated, _optim_mib = cells
-        assert math.isfinite(float(loss)) and 0 < float(loss) < 10, (name, cells)
-        assert math.isfinite(float(tokens_per_s)) and float(tokens_per_s) > 0, (name, cells)
-        assert float(saved_mib) > 0, (name, cells)
-        assert saturated == "n/a" or saturated.endswith("%"), (name, cells)
-    assert rows["tensorwise"][1].endswith("%") and rows["tensorwise"][3].endswith("x")
+        assert math.isfinite(float(cells["loss"])) and 0 < float(cells["loss"]) < 10, (name, cells)
+        assert math.isfinite(float(cells["tokens/s"])) and float(cells["tokens/s"]) > 0, (name, cells)
+        assert float(cells["act. MiB"]) > 0, (name, cells)
+        assert cells["saturated"] in ("-", "n/a") or cells["saturated"].endswith("%"), (name, cells)
+    assert rows["tensorwise"]["loss vs bf16"].endswith("%") and rows["tensorwise"]["tokens/s vs bf16"].endswith("x")
+    # The optimizer state is the same in every run: said once under the table, no column.
+    assert "opt. MiB" not in rows["bf16"]
+    assert re.search(r"^opt\. MiB +\d+\.\d\d in every run", proc.stdout, re.MULTILINE)
+    # The table and its notes fit 80 columns, with the longest run names.
+    report = proc.stdout[proc.stdout.index("\nrun ") + 1 : proc.stdout.index("loss curves:")]
+    assert max(map(len, report.splitlines())) <= 80, report
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert f"loss curves: {png}" in proc.stdout
     assert "step 6/6" in proc.stderr  # progress, as plain lines: stderr is not a terminal here
+    # The act. MiB measurement starts no profiler, whose start and stop lines went to
+    # stderr, a pair per run ("USDT:... profiler_start").
+    noise = [line for line in proc.stderr.splitlines() if "USDT" in line or "profiler" in line]
+    assert noise == [], noise
 
 
 def _fails_with(capsys, argv: list[str]) -> str:
@@ -95,7 +94,7 @@ def test_empty_recipe_list_is_refused(capsys):
     assert "--recipes is empty" in _fails_with(capsys, ["--recipes", ","])
 
 
-@pytest.mark.parametrize("flag", ["--steps", "--batch-size", "--seq-len"])
+@pytest.mark.parametrize("flag", ["--steps", "--batch-size", "--seq-len", "--threads"])
 def test_non_positive_counts_are_refused(capsys, flag):
     assert "must be a positive integer, got 0" in _fails_with(capsys, [flag, "0"])
 
@@ -186,3 +185,64 @@ def test_each_recipe_has_one_colour_in_both_panels(tmp_path, monkeypatch):
     colours = [{line.get_label(): line.get_color() for line in ax.get_lines() if not line.get_label().startswith("_")} for ax in (left, right)]
     assert set(colours[1]) == {"tensorwise", "rowwise"}
     assert all(colours[0][name] == colour for name, colour in colours[1].items())
+
+
+# --- threads: one on a CPU unless asked ---------------------------------------------
+
+
+@pytest.fixture
+def threads_seen(monkeypatch, tmp_path):
+    """Runs the demo's main with a stub for training; returns the torch threads each run saw."""
+    seen: list[int] = []
+
+    def train_run(name, *args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return demo.RunResult(name, [2.0, 1.0], 100.0, 1, None, 0.1, 1)
+
+    monkeypatch.setattr(demo, "train_run", train_run)
+    monkeypatch.chdir(tmp_path)  # the PNG goes to ./out
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)  # as torch's default on a 2-core machine
+    yield seen
+    torch.set_num_threads(previous)
+
+
+def _main(*argv: str) -> None:
+    assert demo.main(["--device", "cpu", "--size", "tiny", "--steps", "2", "--recipes", "bf16,tensorwise", *argv]) == 0
+
+
+def test_a_cpu_run_uses_one_thread_by_default(threads_seen, monkeypatch, capsys):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    _main()
+    assert threads_seen == [1, 1]
+    out = capsys.readouterr().out
+    assert "device  cpu (1 thread)," in out
+    assert "1 CPU thread (--threads N for more)" in " ".join(out.split())
+    assert torch.get_num_threads() == 2  # the caller's count, back after the run
+
+
+def test_threads_flag_sets_the_cpu_threads(threads_seen, monkeypatch, capsys):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the flag wins over the environment
+    _main("--threads", "3")
+    assert threads_seen == [3, 3]
+    assert "device  cpu (3 threads)," in capsys.readouterr().out
+
+
+def test_omp_num_threads_is_left_to_torch(threads_seen, monkeypatch):
+    # torch reads OMP_NUM_THREADS when it starts: the demo keeps the count it set (2 here).
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    _main()
+    assert threads_seen == [2, 2]
+
+
+@pytest.mark.parametrize(
+    ("requested", "environ", "expected"),
+    [
+        (None, {}, 1),
+        (None, {"OMP_NUM_THREADS": ""}, 1),
+        (None, {"OMP_NUM_THREADS": "4"}, None),
+        (2, {"OMP_NUM_THREADS": "4"}, 2),
+    ],
+)
+def test_cpu_threads(requested, environ, expected):
+    assert demo.cpu_threads(requested, environ) == expected

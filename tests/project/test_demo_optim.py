@@ -4,21 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import demo_table
 
 from f8tensor import demo
 from f8tensor.optim import FP8_BLOCK, AdamW
-
-
-def _table_rows(stdout: str) -> dict[str, list[str]]:
-    lines = stdout.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith("run ") and "opt. MiB" in line)
-    rows = {}
-    for line in lines[start + 2 :]:
-        if not line.strip():
-            break
-        name, *cells = line.split()
-        rows[name] = cells
-    return rows
 
 
 def test_optim_flag_builds_the_optimizer_it_names():
@@ -57,7 +46,7 @@ def test_tiny_run_with_fp8_states_prints_the_optimizer_column(capsys, tmp_path):
     assert demo.main([*argv, "--optim", "adamw-fp8"]) == 0
     out = capsys.readouterr().out
     assert "optim   adamw-fp8: f8tensor.optim.AdamW, FP8 (e4m3) moments" in out
-    fp8_mib = float(_table_rows(out)["bf16"][-1])
+    fp8_mib = float(demo_table(out)["bf16"]["opt. MiB"])  # one row: every column shown
     model = demo.GPT(demo.SIZES["tiny"])
     # Every 2-D weight's moments in FP8 (1 + 1 bytes, plus 8 bytes of scales per 128-wide
     # row block), the 1-D biases and norms in fp32: about a quarter of fp32 AdamW's 8 bytes.
