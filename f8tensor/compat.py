@@ -165,7 +165,13 @@ def scaled_mm(
     than its reference kernel at test sizes), fnuz operands (oneDNN refuses them) and outer-
     vector scales on a torch without a rowwise CPU kernel (:data:`HAS_CPU_ROWWISE_SCALED_MM`).
     While torch.export traces, the call stays ``aten._scaled_mm``: an exported program runs
-    where it is loaded."""
+    where it is loaded.
+
+    Raises:
+        RuntimeError, ValueError: on a CPU, or with K = 0 (products computed here), what
+            ``torch._scaled_mm`` refuses on CUDA (:func:`_check_scaled_mm_args`)."""
+    if mat1.device.type == "cpu" or mat1.shape[-1] == 0:
+        _check_scaled_mm_args(mat1, mat2, scale_a, scale_b, bias, out_dtype)
     if mat1.shape[-1] == 0:
         # K = 0 (an empty batch's weight gradient contracts over no tokens): the product is
         # zeros (+ the bias). torch's CPU per-tensor kernel returns its output uninitialized
@@ -190,6 +196,40 @@ def scaled_mm(
     return _SCALED_MM(mat1, mat2, scale_a, scale_b, **kwargs)
 
 
+#: The operand dtypes :func:`scaled_mm` takes: torch's FP8 formats (the fnuz pair computed
+#: by :func:`cpu_scaled_mm` on a CPU; on a GPU only ROCm has them).
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2, *_FNUZ)
+_OUT = (torch.bfloat16, torch.float16, torch.float32, *_FP8)
+
+
+def _check_scaled_mm_args(mat1, mat2, scale_a, scale_b, bias=None, out_dtype=None) -> None:
+    """Raise what ``torch._scaled_mm`` raises on CUDA (``ScaledBlas.cpp``, torch 2.11-2.14)
+    unless: 2-D FP8 operands with a common K, fp32 scales of one element each (tensorwise) or
+    ``(M, 1)`` and ``(1, N)`` (rowwise), a bias of N elements, a float or FP8 output. Sizes go into a message only
+    once it is raised (formatting a torch.compile(dynamic=True) size pins it). The kernels'
+    alignment, layout and bias-dtype rules are ``f8tensor.gemm``'s check mode."""
+    if mat1.dim() != 2 or mat2.dim() != 2:
+        raise RuntimeError(f"mat1 and mat2 must be matrices (2-D); got shapes {tuple(mat1.shape)} and {tuple(mat2.shape)}")
+    if mat1.dtype not in _FP8 or mat2.dtype not in _FP8:
+        names = ", ".join(str(d) for d in _FP8)
+        raise RuntimeError(f"mat1 and mat2 must be FP8 ({names}); got {mat1.dtype} and {mat2.dtype}")
+    (m, k), n = mat1.shape, mat2.shape[1]
+    if mat2.shape[0] != k:
+        raise RuntimeError(f"mat1 and mat2 shapes cannot be multiplied ({m}x{k} and {mat2.shape[0]}x{n})")
+    if scale_a.dtype != torch.float32 or scale_b.dtype != torch.float32:
+        raise ValueError(f"scale_a and scale_b must be float32; got {scale_a.dtype} and {scale_b.dtype}")
+    tensorwise = scale_a.numel() == 1 and scale_b.numel() == 1
+    if not tensorwise and (tuple(scale_a.shape) != (m, 1) or tuple(scale_b.shape) != (1, n)):
+        raise ValueError(
+            f"Invalid scaling configuration: scale_a {tuple(scale_a.shape)} and scale_b {tuple(scale_b.shape)} "
+            f"for ({m}x{k}) @ ({k}x{n}); allowed: one element each (tensorwise), or ({m}, 1) and (1, {n}) (rowwise)"
+        )
+    if bias is not None and bias.numel() != n:
+        raise RuntimeError(f"Bias must be size {n} (N) but got shape {tuple(bias.shape)}")
+    if out_dtype is not None and out_dtype not in _OUT:
+        raise RuntimeError(f"out_dtype must be one of {', '.join(map(str, _OUT))}; got {out_dtype}")
+
+
 @torch.library.custom_op("f8tensor::cpu_scaled_mm", mutates_args=(), device_types="cpu")
 def cpu_scaled_mm(mat1: torch.Tensor, mat2: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor) -> torch.Tensor:
     """An FP8 product on a CPU, in fp32, computed as torch's reference CPU kernel computes it:
@@ -198,6 +238,7 @@ def cpu_scaled_mm(mat1: torch.Tensor, mat2: torch.Tensor, scale_a: torch.Tensor,
     measured). Outer-vector scales (``(M, 1)``, ``(1, N)``) multiply the fp32 product instead,
     the rowwise epilogue's order. A custom op, so that torch.compile keeps the product whole
     (eager's bits) instead of re-fusing its parts."""
+    _check_scaled_mm_args(mat1, mat2, scale_a, scale_b)  # as the fake kernel: an (M, N) result
     # Deliberate fp32 throughout: FP8 values are exact in it. The operands' layouts as given
     # (the reference kernel's GEMM sees them so too; its bits depend on them).
     if scale_a.numel() == 1 and scale_b.numel() == 1:
@@ -209,6 +250,7 @@ def cpu_scaled_mm(mat1: torch.Tensor, mat2: torch.Tensor, scale_a: torch.Tensor,
 
 @cpu_scaled_mm.register_fake
 def _(mat1, mat2, scale_a, scale_b):
+    _check_scaled_mm_args(mat1, mat2, scale_a, scale_b)
     return mat1.new_empty((mat1.shape[0], mat2.shape[1]), dtype=torch.float32)
 
 

@@ -100,8 +100,8 @@ class ScalingType(str, enum.Enum):
 class CastConfig:
     """How one operand (input, weight or grad_output) of a Float8Linear is cast.
 
-    ``granularity``: ``"tensorwise"``, ``"rowwise"`` or a :class:`BlockGranularity` (or a
-    block tuple). A block is written for the operand laid out as ``(rows, contracted)``:
+    ``granularity``: ``"tensorwise"``, ``"rowwise"``, a :class:`BlockGranularity` (or a
+    block tuple), or a name of :data:`~f8tensor.specs.GRANULARITY_NAMES`. A block is written for the operand laid out as ``(rows, contracted)``:
     ``(1, 128)`` tiles run along the dimension its GEMM contracts, so the same config is
     re-oriented for each of the three GEMMs (e.g. along the tokens in the weight-gradient
     GEMM). ``rounding``: ``"nearest"`` (round to nearest even, the default) or
@@ -341,7 +341,10 @@ class Float8LinearConfig:
     - ``enable_fsdp_float8_all_gather``: under FSDP2, all-gather weights in FP8 (every
       weight cast; see ``distributed/fsdp.py`` for what each gathers).
     - ``collect_stats``: record saturation/underflow telemetry per cast (see ``stats.py``).
-    - ``emulate``: on CUDA, run block-scaled GEMMs on the reference path (see :class:`GemmConfig`).
+    - ``emulate``: run block-scaled GEMMs (blockwise, MXFP8, NVFP4, MXFP4) on the reference
+      path instead of a kernel (see :class:`GemmConfig`). No CPU has those kernels: there
+      they are emulated either way, and with ``emulate=False`` the first such product of
+      each kind in a process warns once (a ``UserWarning``); ``emulate=True`` is silent.
     - ``gemm_overrides``: per-GEMM formats, overriding the role's CastConfig in one GEMM
       (:class:`GemmOverride`; a dict ``{("grad_weight", "input"): None, ...}`` is accepted):
       e.g. MXFP8 forward, NVFP4 grad_input, high-precision grad_weight. See :meth:`cast_for`.

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from f8tensor.formats import E8M0, E8M0_MAX_EXP, E8M0_MIN_EXP, FORMATS, format_number
 from f8tensor.specs import E8M0_SCALE_MODES, HISTORY_REDUCTIONS
@@ -247,12 +248,14 @@ def _blocked(x: torch.Tensor, block: tuple[int, ...]) -> torch.Tensor:
     """
     pads: list[int] = []
     shape: list[int] = []
+    # A symbolic size (torch.compile(dynamic=True)) is never compared (a guard would mean one
+    # graph per token count): it is padded to whole blocks, the same amax.
     for size, b in zip(x.shape, block):
-        extent = size if b == 0 or b > size else b
+        extent = size if b == 0 or statically_known_true(b > size) else b
         count = 1 if b == 0 else -(-size // b)
         pads.append(count * extent - size)
         shape += [count, extent]
-    if any(pads):
+    if not all(statically_known_true(pad == 0) for pad in pads):
         # F.pad takes (last-dim-left, last-dim-right, ...): pad on the right only.
         flat = [p for pad in reversed(pads) for p in (0, pad)]
         x = torch.nn.functional.pad(x, flat)
@@ -356,23 +359,23 @@ def expand_block_scale(scale: torch.Tensor, block: tuple[int, ...], shape: tuple
     if scale.dtype != torch.float32:
         scale = scale.to(torch.float32)
     for d, b in enumerate(block):
-        # A block larger than the dim is one partial block: repeat its entry over the dim
-        # only (expanding to the block's size would materialize it).
-        b = min(b, shape[d])
-        # One block spanning the whole dim: its single entry broadcasts as it is.
-        if b > 1 and scale.shape[d] != 1:
-            n = scale.shape[d]
-            if n * b != shape[d] and torch.compiler.is_compiling():
-                # A short last block, compiled: one index per element, the same values.
-                # Inductor's CPU code (torch 2.13) reads the expanded, reshaped and narrowed
-                # view below out of bounds past the first block (garbage in the cast).
-                scale = scale.index_select(d, torch.arange(shape[d], device=scale.device) // b)
-                continue
-            sizes = list(scale.shape)
-            scale = scale.unsqueeze(d + 1).expand(*sizes[: d + 1], b, *sizes[d + 1 :])
-            scale = scale.reshape(*sizes[:d], n * b, *sizes[d + 1 :])
-            if n * b != shape[d]:
-                scale = scale.narrow(d, 0, shape[d])
+        n = scale.shape[d]
+        # One block spanning the whole dim (a block larger than the dim included): its single
+        # entry broadcasts as it is. A symbolic size is never compared (no guard: one graph
+        # for every token count); it takes the indexed path below, the same values.
+        if b <= 1 or statically_known_true(n == 1):
+            continue
+        if not statically_known_true(n * b == shape[d]) and torch.compiler.is_compiling():
+            # A short last block (or a symbolic size), compiled: one index per element.
+            # Inductor's CPU code (torch 2.13) reads the expanded, reshaped and narrowed
+            # view below out of bounds past the first block (garbage in the cast).
+            scale = scale.index_select(d, torch.arange(shape[d], device=scale.device) // b)
+            continue
+        sizes = list(scale.shape)
+        scale = scale.unsqueeze(d + 1).expand(*sizes[: d + 1], b, *sizes[d + 1 :])
+        scale = scale.reshape(*sizes[:d], n * b, *sizes[d + 1 :])
+        if n * b != shape[d]:
+            scale = scale.narrow(d, 0, shape[d])
     return scale
 
 

@@ -28,6 +28,7 @@ __all__ = [
     "DEFAULT_GEMM",
     "E8M0_SCALE_MODES",
     "FP4_CAST_DTYPE",
+    "GRANULARITY_NAMES",
     "HISTORY_REDUCTIONS",
     "ROUNDING_MODES",
     "BLOCK_1x128",
@@ -179,16 +180,48 @@ MXFP4_1x32 = BlockGranularity((1, 32), E8M0, "rceil")
 FP4_BLOCKS = {NVFP4_SCALE: ((1, 16), (16, 16)), E8M0: ((1, 32),)}
 
 
+#: The named granularities, by the string :func:`parse_granularity` takes for each:
+#: :class:`Granularity`'s values and the names of the block constants above (the constants
+#: themselves are taken too). A bad granularity's error lists these names.
+GRANULARITY_NAMES: dict[str, Granularity | BlockGranularity] = {
+    **{g.value: g for g in Granularity},
+    "BLOCK_1x128": BLOCK_1x128,
+    "BLOCK_128x128": BLOCK_128x128,
+    "MX_1x32": MX_1x32,
+    "MX_1x32_FLOOR": MX_1x32_FLOOR,
+    "NVFP4_1x16": NVFP4_1x16,
+    "NVFP4_16x16": NVFP4_16x16,
+    "MXFP4_1x32": MXFP4_1x32,
+}
+
+
 def parse_granularity(value: object) -> Granularity | BlockGranularity:
-    """``"tensorwise"``, ``"rowwise"``, a :class:`Granularity`, a :class:`BlockGranularity`
-    or a block tuple such as ``(1, 128)`` -> the canonical object."""
+    """A granularity -> the canonical object.
+
+    Args:
+        value: a name of :data:`GRANULARITY_NAMES` (``"tensorwise"``, ``"rowwise"``,
+            ``"MX_1x32"``, ...), a :class:`Granularity`, a :class:`BlockGranularity` (such as
+            :data:`BLOCK_1x128`) or a block tuple such as ``(1, 128)`` (fp32 scales).
+
+    Raises:
+        TypeError: a block shape given as a list.
+        ValueError: anything else (the message lists every accepted form), or an invalid block.
+    """
+    if isinstance(value, Granularity):
+        return value
     if isinstance(value, BlockGranularity):
         return value.validated()
     if isinstance(value, tuple):
         return BlockGranularity(tuple(value)).validated()
     if isinstance(value, list):
         raise TypeError(f"a block shape is a tuple, not a list; got {value!r}")
-    return Granularity.parse(value)
+    if isinstance(value, str) and value in GRANULARITY_NAMES:
+        return GRANULARITY_NAMES[value]
+    names = ", ".join(repr(name) for name in GRANULARITY_NAMES)
+    raise ValueError(
+        f"granularity must be one of {names} (a name, or the f8tensor constant of that name), a "
+        f"BlockGranularity, or a block tuple such as (1, 128); got {value!r}"
+    )
 
 
 def block_scale_shape(shape: tuple[int, ...], block: tuple[int, ...]) -> tuple[int, ...]:
@@ -327,10 +360,12 @@ class GemmConfig(NamedTuple):
     - ``use_fast_accum``: Hopper's faster, less precise FP8 accumulation (ignored on CPU).
     - ``pad_inner_dim``: zero-pad K and N up to multiples of 16 (what ``torch._scaled_mm``
       requires) instead of raising.
-    - ``emulate``: on CUDA, compute block-scaled products (1x128, 128x128, MX) with the
+    - ``emulate``: compute block-scaled products (1x128, 128x128, MX, FP4) with the
       reference path (dequantize per block in fp32, fp32 matmul) instead of the
-      ``torch.nn.functional.scaled_mm`` kernels, e.g. on a GPU or build without them.
-      CPU always uses the reference path for block scales.
+      ``torch.nn.functional.scaled_mm`` kernels, e.g. on a GPU or build without them. A
+      device with no such kernel (every CPU) runs the reference path either way; with
+      ``emulate=False`` it warns once per process and kind of product (a ``UserWarning``
+      saying the products are emulated), with ``emulate=True`` it is silent.
 
     An immutable NamedTuple rather than a dataclass: it is Float8Tensor metadata, and
     torch.compile reads and builds it on tensors created inside the graph, where dynamo

@@ -27,11 +27,14 @@ rows say so.
 
 from __future__ import annotations
 
+import warnings
 from typing import cast
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from f8tensor import compat
+from f8tensor.formats import E8M0
 from f8tensor.fp4 import Float4Tensor, is_float4
 from f8tensor.gemm.check import block_scaled_mm, check_active, record_block_reference, record_block_refusal
 from f8tensor.gemm.operands import col_major, inverse_scale, prepare_fp4, row_major
@@ -46,6 +49,32 @@ def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+#: The kinds of product already said to be emulated (one warning per process and kind).
+_WARNED_EMULATED: set[str] = set()
+
+
+def _warn_emulated(kind: str, device: torch.device) -> None:
+    """The rule for a product with no kernel on ``device`` (every CPU) and ``emulate`` off:
+    it runs the reference path, said once per process and ``kind`` by a ``UserWarning``.
+    Eager only: a trace reads no Python state (the eager call or the CUDA run says it)."""
+    if torch.compiler.is_compiling() or kind in _WARNED_EMULATED:
+        return
+    _WARNED_EMULATED.add(kind)
+    warnings.warn(
+        f"f8tensor: {kind} products have no {device.type} kernel; they run emulated (dequantized per "
+        "block in fp32, an fp32 matmul). Pass emulate=True (Float8LinearConfig or GemmConfig) to ask "
+        "for that and silence this warning.",
+        UserWarning,
+        stacklevel=2,
+    )
+
+
+def _known_zero(n: int | torch.SymInt) -> bool:
+    """Whether the size ``n`` is 0 without a guard: a symbolic size (torch.compile(dynamic=
+    True)) is padded by its amount, possibly 0, in one graph for every token count."""
+    return statically_known_true(n == 0)
+
+
 def product(
     a8: Float8Tensor, b8: Float8Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype, gemm: GemmConfig
 ) -> torch.Tensor:
@@ -55,6 +84,8 @@ def product(
     on_cuda = a8._data.device.type == "cuda"
     if on_cuda and not gemm.emulate:
         return _kernel_mm(rule, a8, b8, bias, out_dtype, gemm)
+    if not gemm.emulate:
+        _warn_emulated("MXFP8 (e8m0 block scales)" if scale_dtype == E8M0 else "block-scaled FP8", a8._data.device)
     if rule is not None and _takes_operands(rule, a8, b8) and not gemm.emulate:
         pads = _padding(rule, a8, b8, gemm, traced=False)
         # The operand the kernel would take, its outer rows padded: the reference reads it
@@ -105,19 +136,20 @@ def _padding(
         for dim, multiple in rule.compile_align:
             multiples[dim] = max(multiples[dim], multiple)
     pads = {dim: (-sizes[dim]) % multiples[dim] for dim in sizes}
-    free = {"M": rule.align_m}  # padded whatever the config says
-    wrong = [
-        f"{dim}={sizes[dim]} (a multiple of {multiples[dim]})"
-        for dim in sizes
-        if pads[dim] and multiples[dim] != free.get(dim)
-    ]
-    if wrong and not gemm.pad_inner_dim:
-        why = "" if not traced else " under torch.compile on this torch (its meta registration floor-divides by 128)"
-        raise ValueError(
-            f"FP8 block-scaled matmul ({rule.name} kernel) of ({m}x{k}) @ ({k}x{n}) needs {', '.join(wrong)}{why}. "
-            f"Use such shapes, or ask for zero padding with GemmConfig(pad_inner_dim=True) / "
-            f"Float8LinearConfig(pad_inner_dim=True)."
-        )
+    # Under torch.compile(dynamic=True) a size is a symbol: reading a pad as a bool, or
+    # formatting a size, guards on it (one graph per token count). Padding asked for (and
+    # M's own) pads by the symbolic amount, read nowhere; only a refusal reads them.
+    if not gemm.pad_inner_dim:
+        refusable = [dim for dim in sizes if dim != "M" or multiples["M"] != rule.align_m]
+        wrong = [dim for dim in refusable if pads[dim]]
+        if wrong:
+            needs = ", ".join(f"{dim}={sizes[dim]} (a multiple of {multiples[dim]})" for dim in wrong)
+            why = "" if not traced else " under torch.compile on this torch (its meta registration floor-divides by 128)"
+            raise ValueError(
+                f"FP8 block-scaled matmul ({rule.name} kernel) of ({m}x{k}) @ ({k}x{n}) needs {needs}{why}. "
+                f"Use such shapes, or ask for zero padding with GemmConfig(pad_inner_dim=True) / "
+                f"Float8LinearConfig(pad_inner_dim=True)."
+            )
     return pads["M"], pads["K"], pads["N"]
 
 
@@ -128,7 +160,7 @@ def _outer_rows_padded(
     a: the row's ``align_m``), and the padding left for :func:`_kernel_args` (K, N, and M of
     a 128x128 a). The new rows: zero bytes, scale 1 (finite; 0 / 1 dequantizes to 0)."""
     pm = pads[0]
-    if not pm or rule.block_a[0] != 1:
+    if rule.block_a[0] != 1 or _known_zero(pm):
         return a8, pads
     rows, cols = a8._scale.shape
     padded = a8._replace(data=_pad_bytes(a8._data, pm, 0), scale=_pad_scale(a8._scale, rows + pm, cols))
@@ -175,7 +207,7 @@ def _swizzle_32_4_4(scale: torch.Tensor) -> torch.Tensor:
     rows, cols = scale.shape
     pr, pc = _round_up(rows, 128), _round_up(cols, 4)
     raw = scale.view(torch.uint8)
-    if (pr, pc) != (rows, cols):
+    if not (_known_zero(pr - rows) and _known_zero(pc - cols)):
         # Pad bytes: 127 is 2**0 in e8m0, a harmless 1 for the padding's zero data (in
         # e4m3fn 127 is NaN: pad with 0 there).
         pad = 127 if scale.dtype == torch.float8_e8m0fnu else 0
@@ -187,7 +219,7 @@ def _swizzle_32_4_4(scale: torch.Tensor) -> torch.Tensor:
 def _pad_scale(inv: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     """A 2-D inverse scale grown to (rows, cols) with 1 (the padding's data is zero)."""
     pr, pc = rows - inv.shape[0], cols - inv.shape[1]
-    if not (pr or pc):
+    if _known_zero(pr) and _known_zero(pc):
         return inv
     if inv.dtype == torch.float32:
         return torch.nn.functional.pad(inv, (0, pc, 0, pr), value=1.0)
@@ -227,9 +259,9 @@ def _kernel_args(rule: BlockScaledMMRule, a8: Float8Tensor, b8: Float8Tensor, pa
     scales in their layouts; ``pads`` (M, K, N) zeros added (see :func:`_padding`)."""
     pm, pk, pn = pads
     a_data, b_data = row_major(a8._data), col_major(b8._data)
-    if pm or pk:
+    if not (_known_zero(pm) and _known_zero(pk)):
         a_data = _pad_bytes(a_data, pm, pk)
-    if pk or pn:
+    if not (_known_zero(pk) and _known_zero(pn)):
         b_data = _pad_bytes(b_data.t(), pn, pk).t()
     return (a_data, b_data, *_block_kernel_scales(rule, a8, b8, pads))
 
@@ -267,7 +299,7 @@ def _kernel_mm(
         swizzle_a=swz, swizzle_b=swz, output_dtype=out_dtype,
         use_fast_accum=gemm.use_fast_accum and rule.fast_accum,
     )
-    if pads[0] or pads[2] or a8_kernel is not a8:
+    if not (_known_zero(pads[0]) and _known_zero(pads[2])) or a8_kernel is not a8:
         out = out[: a8.shape[0], : b8.shape[1]]
     if bias is not None:
         out = out + bias.to(out_dtype)
@@ -285,6 +317,9 @@ def fp4_product(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out
     in fp32, one cast. On CUDA otherwise the sm100 kernel of
     :data:`~f8tensor.gemm.rules.FP4_SCALED_MM_RULES` (unverified: no sm100 machine)."""
     kernel = a.device.type == "cuda" and not gemm.emulate
+    if not (kernel or gemm.emulate):
+        kinds = sorted({x._kind.upper() for x in (a, b) if is_float4(x)})
+        _warn_emulated("/".join(kinds) or "FP4", a.device)
     a4, b4 = prepare_fp4(a, b, a_k=1, b_k=0, kernel=kernel)
     if kernel:
         # prepare_fp4 with kernel=True returns two Float4Tensors (it raises otherwise).

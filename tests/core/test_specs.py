@@ -74,7 +74,12 @@ def test_block_granularity_validation_in_full():
 def test_granularity_parsing_refusals_in_full():
     with pytest.raises(TypeError, match=_full("a block shape is a tuple, not a list; got [1, 128]")):
         specs.parse_granularity([1, 128])
-    with pytest.raises(ValueError, match=_full("granularity must be one of 'tensorwise', 'rowwise'; got 'columnwise'")):
+    every = (
+        "granularity must be one of 'tensorwise', 'rowwise', 'BLOCK_1x128', 'BLOCK_128x128', 'MX_1x32', "
+        "'MX_1x32_FLOOR', 'NVFP4_1x16', 'NVFP4_16x16', 'MXFP4_1x32' (a name, or the f8tensor constant of that "
+        "name), a BlockGranularity, or a block tuple such as (1, 128); got 'columnwise'"
+    )
+    with pytest.raises(ValueError, match=_full(every)):
         specs.parse_granularity("columnwise")
     assert specs.parse_granularity("rowwise") is Granularity.ROWWISE
     assert specs.parse_granularity((1, 32)) == BlockGranularity((1, 32))
@@ -94,3 +99,17 @@ def test_gemm_config_validation_in_full():
             GemmConfig(**{field: 1}).validated()  # type: ignore[arg-type]
     ok = GemmConfig(torch.bfloat16, True, True, True)
     assert ok.validated() is ok
+
+
+def test_every_named_granularity_parses_and_is_listed_in_the_error():
+    # The error is written from the table the parser reads: each name it lists parses, by
+    # name and as the constant of that name.
+    with pytest.raises(ValueError, match=r"granularity must be one of") as refused:
+        specs.parse_granularity("MX1x32")
+    for name, granularity in specs.GRANULARITY_NAMES.items():
+        assert repr(name) in str(refused.value)
+        assert specs.parse_granularity(name) == granularity
+        constant = getattr(specs, name, None)
+        assert specs.parse_granularity(constant if constant is not None else granularity) == granularity
+    blocks = {name for name in specs.__all__ if isinstance(getattr(specs, name), BlockGranularity)}
+    assert blocks <= set(specs.GRANULARITY_NAMES)  # every public block constant is named
