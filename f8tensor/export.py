@@ -64,6 +64,8 @@ _GRANULARITY: dict[str, Granularity | BlockGranularity] = {
     "block": BLOCK_128x128,
 }
 _E8M0_BIAS = 127
+# The names model.save_pretrained writes: one file, or an index naming its shards.
+_WEIGHTS, _INDEX = "model.safetensors", "model.safetensors.index.json"
 
 
 def _is_pretrained_model(model: object) -> bool:
@@ -238,7 +240,9 @@ def save_fp8_pretrained(
 
     Every cast is made and checked before anything is written; the files are written into
     a temporary directory beside ``save_directory`` and moved in at the end, so a failure
-    leaves no partial directory.
+    leaves no partial directory. Into an existing directory, it replaces the weights an earlier
+    save wrote (``model.safetensors``, or the index and the shards it names) and keeps every
+    other file.
 
     Raises:
         TypeError: ``model`` is not a transformers ``PreTrainedModel``, or a weight to write
@@ -336,12 +340,35 @@ def _write(model: Any, save_directory: str, state: dict, quant_config: dict, max
         if not os.path.isdir(save_directory):
             os.replace(staging, save_directory)
             return
-        for name in os.listdir(save_directory):  # shards of an earlier save that this one does not replace
-            if name.startswith("model") and name.endswith((".safetensors", ".index.json")) and not os.path.exists(
-                os.path.join(staging, name)
-            ):
-                os.remove(os.path.join(save_directory, name))
-        for name in os.listdir(staging):
+        written = set(os.listdir(staging))
+        stale = _previous_weights(save_directory) - written
+        for name in written:
             os.replace(os.path.join(staging, name), os.path.join(save_directory, name))
+        for name in stale:
+            os.remove(os.path.join(save_directory, name))
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _previous_weights(directory: str) -> set[str]:
+    """The weight files an earlier save wrote into ``directory``: the single file
+    (model.safetensors), the index, and the shards that index names. Any other file, however
+    named (model_ema.safetensors, an adapter's index), is the user's and is kept."""
+    found = {name for name in (_WEIGHTS, _INDEX) if os.path.isfile(os.path.join(directory, name))}
+    if _INDEX not in found:
+        return found
+    try:
+        with open(os.path.join(directory, _INDEX)) as f:
+            shards = set(json.load(f)["weight_map"].values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return found  # an index that names no shards readably: remove none of them
+    for name in shards:
+        # Only safetensors files inside the directory: an index never reaches outside it.
+        if (
+            isinstance(name, str)
+            and name.endswith(".safetensors")
+            and os.path.basename(name) == name
+            and os.path.isfile(os.path.join(directory, name))
+        ):
+            found.add(name)
+    return found
