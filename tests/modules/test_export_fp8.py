@@ -518,3 +518,55 @@ def test_an_earlier_index_removes_nothing_outside_the_directory_nor_a_non_weight
     save_fp8_pretrained(_llama(), out, format="fp8_block")
     assert (tmp_path / "outside.safetensors").read_bytes() == b"not the checkpoint's"
     assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "model.safetensors", "notes.txt"]
+
+
+@pytest.mark.parametrize("strategy", ["tensor", "channel", "block"])
+def test_expert_scales_are_what_compressed_tensors_initializes_and_decompresses(strategy, tmp_path):
+    """Each FP8 weight of the Qwen3-MoE export, experts included: its tensors are the
+    compressor's parameter names, its scale has the shape compressed-tensors registers on a
+    Linear of that weight's shape, and the compressor's own decompression gives the cast's
+    dequantized weight bit for bit."""
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors import FloatQuantizationCompressor
+    from compressed_tensors.quantization import (
+        QuantizationConfig,
+        initialize_module_for_quantization,
+        preset_name_to_scheme,
+    )
+    from safetensors.torch import load_file
+
+    torch.manual_seed(0)
+    model = _qwen3_moe()
+    out = str(tmp_path / "export")
+    save_fp8_pretrained(model, out, format="compressed_tensors", strategy=strategy)
+    scheme = QuantizationConfig.model_validate(_json(os.path.join(out, "config.json"))["quantization_config"])
+    scheme = scheme.config_groups["group_0"]
+    if strategy != "tensor":  # compressed-tensors' own scheme of that strategy (it has no dynamic-token tensor preset)
+        preset = preset_name_to_scheme({"channel": "FP8_DYNAMIC", "block": "FP8_BLOCK"}[strategy], ["Linear"])
+        assert scheme.model_dump() == preset.model_dump()
+    state = load_file(os.path.join(out, "model.safetensors"))
+    fp8 = {k.rsplit(".", 1)[0] for k, v in state.items() if v.dtype == torch.float8_e4m3fn}
+    experts = model.model.layers[0].mlp.experts
+    half = experts.gate_up_proj.shape[1] // 2
+    rows = {"gate_proj": slice(0, half), "up_proj": slice(half, None)}
+    checked = 0
+    for module in sorted(fp8):
+        names = {k.rsplit(".", 1)[1] for k in state if k.rsplit(".", 1)[0] == module}
+        assert names == set(FloatQuantizationCompressor.compression_param_names(scheme)), module
+        n, k = state[f"{module}.weight"].shape
+        with torch.device("meta"):
+            linear = torch.nn.Linear(k, n, bias=False)
+        initialize_module_for_quantization(linear, scheme)
+        assert state[f"{module}.weight_scale"].shape == linear.weight_scale.shape, module
+        if ".experts." not in module:
+            continue
+        e, part = int(module.split(".")[-2]), module.split(".")[-1]
+        # one cast per expert tensor, as training casts it: gate and up are rows of one cast
+        fused = experts.down_proj if part == "down_proj" else experts.gate_up_proj
+        want = _dequantized(fused[e].detach(), GRANULARITY[strategy])[rows.get(part, slice(None))]
+        got = FloatQuantizationCompressor.decompress(
+            {"weight": state[f"{module}.weight"], "weight_scale": state[f"{module}.weight_scale"]}, scheme
+        )["weight"]
+        assert torch.equal(got, want), module
+        checked += 1
+    assert checked == 3 * experts.gate_up_proj.shape[0]
