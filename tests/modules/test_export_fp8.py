@@ -469,3 +469,104 @@ def test_a_second_export_into_the_same_directory_leaves_no_stale_shard(tmp_path)
     assert [f for f in files if f.endswith(".safetensors")] == ["model.safetensors"], files
     assert "model.safetensors.index.json" not in files and "notes.txt" in files
     assert _load(str(tmp_path / "out"), "fp8_block") is not None
+
+
+# The user's files beside a checkpoint, named like its weights; no save of save_fp8_pretrained writes them.
+_USERS = {
+    "model_ema.safetensors": b"ema weights",
+    "model-lora.safetensors": b"adapter weights",
+    "model-lora.safetensors.index.json": b'{"weight_map": {"a": "model-lora.safetensors"}}',
+    "model.index.json": b"{}",
+}
+
+
+@pytest.mark.parametrize(("first", "second"), [("100KB", "150KB"), ("150KB", "100KB"), ("50GB", "100KB")],
+                         ids=["3-to-2-shards", "2-to-3-shards", "single-to-3-shards"])
+def test_a_second_export_keeps_the_users_files_and_drops_only_its_own_stale_shards(first, second, tmp_path):
+    out = tmp_path / "out"
+    torch.manual_seed(0)
+    save_fp8_pretrained(_llama(), out, format="fp8_block", max_shard_size=first)
+    before = {f for f in os.listdir(out) if f.endswith(".safetensors")}
+    for name, data in _USERS.items():
+        (out / name).write_bytes(data)
+    torch.manual_seed(1)
+    model = _llama()
+    save_fp8_pretrained(model, out, format="fp8_block", max_shard_size=second)
+
+    index = _json(out / "model.safetensors.index.json")
+    shards = set(index["weight_map"].values())
+    assert len(shards) != len(before - {"model.safetensors"})  # the two saves differ in their shard count
+    assert {n: (out / n).read_bytes() for n in _USERS} == _USERS  # the user's files, byte for byte
+    weights = {f for f in os.listdir(out) if f.endswith(".safetensors")}
+    assert weights == shards | {"model_ema.safetensors", "model-lora.safetensors"}, sorted(weights)
+    loaded, info = _load(str(out), "fp8_block")
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    # the second save's weights: high precision as saved, FP8 as its dequantized cast
+    assert torch.equal(loaded.model.embed_tokens.weight, model.model.embed_tokens.weight)
+    w = model.model.layers[0].mlp.down_proj.weight.detach()
+    assert torch.equal(loaded.model.layers[0].mlp.down_proj.weight, _dequantized(w, BLOCK_128x128))
+
+
+def test_an_earlier_index_removes_nothing_outside_the_directory_nor_a_non_weight_file(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (tmp_path / "outside.safetensors").write_bytes(b"not the checkpoint's")
+    (out / "notes.txt").write_text("mine")
+    (out / "model-00001-of-00001.safetensors").write_bytes(b"stale shard")
+    weight_map = {"a": "../outside.safetensors", "b": "notes.txt", "c": "model-00001-of-00001.safetensors"}
+    (out / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    save_fp8_pretrained(_llama(), out, format="fp8_block")
+    assert (tmp_path / "outside.safetensors").read_bytes() == b"not the checkpoint's"
+    assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "model.safetensors", "notes.txt"]
+
+
+@pytest.mark.parametrize("strategy", ["tensor", "channel", "block"])
+def test_expert_scales_are_what_compressed_tensors_initializes_and_decompresses(strategy, tmp_path):
+    """Each FP8 weight of the Qwen3-MoE export, experts included: its tensors are the
+    compressor's parameter names, its scale has the shape compressed-tensors registers on a
+    Linear of that weight's shape, and the compressor's own decompression gives the cast's
+    dequantized weight bit for bit."""
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors import FloatQuantizationCompressor
+    from compressed_tensors.quantization import (
+        QuantizationConfig,
+        initialize_module_for_quantization,
+        preset_name_to_scheme,
+    )
+    from safetensors.torch import load_file
+
+    torch.manual_seed(0)
+    model = _qwen3_moe()
+    out = str(tmp_path / "export")
+    save_fp8_pretrained(model, out, format="compressed_tensors", strategy=strategy)
+    scheme = QuantizationConfig.model_validate(_json(os.path.join(out, "config.json"))["quantization_config"])
+    scheme = scheme.config_groups["group_0"]
+    if strategy != "tensor":  # compressed-tensors' own scheme of that strategy (it has no dynamic-token tensor preset)
+        preset = preset_name_to_scheme({"channel": "FP8_DYNAMIC", "block": "FP8_BLOCK"}[strategy], ["Linear"])
+        assert scheme.model_dump() == preset.model_dump()
+    state = load_file(os.path.join(out, "model.safetensors"))
+    fp8 = {k.rsplit(".", 1)[0] for k, v in state.items() if v.dtype == torch.float8_e4m3fn}
+    experts = model.model.layers[0].mlp.experts
+    half = experts.gate_up_proj.shape[1] // 2
+    rows = {"gate_proj": slice(0, half), "up_proj": slice(half, None)}
+    checked = 0
+    for module in sorted(fp8):
+        names = {k.rsplit(".", 1)[1] for k in state if k.rsplit(".", 1)[0] == module}
+        assert names == set(FloatQuantizationCompressor.compression_param_names(scheme)), module
+        n, k = state[f"{module}.weight"].shape
+        with torch.device("meta"):
+            linear = torch.nn.Linear(k, n, bias=False)
+        initialize_module_for_quantization(linear, scheme)
+        assert state[f"{module}.weight_scale"].shape == linear.weight_scale.shape, module
+        if ".experts." not in module:
+            continue
+        e, part = int(module.split(".")[-2]), module.split(".")[-1]
+        # one cast per expert tensor, as training casts it: gate and up are rows of one cast
+        fused = experts.down_proj if part == "down_proj" else experts.gate_up_proj
+        want = _dequantized(fused[e].detach(), GRANULARITY[strategy])[rows.get(part, slice(None))]
+        got = FloatQuantizationCompressor.decompress(
+            {"weight": state[f"{module}.weight"], "weight_scale": state[f"{module}.weight_scale"]}, scheme
+        )["weight"]
+        assert torch.equal(got, want), module
+        checked += 1
+    assert checked == 3 * experts.gate_up_proj.shape[0]
