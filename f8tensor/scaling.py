@@ -250,12 +250,13 @@ def _blocked(x: torch.Tensor, block: tuple[int, ...]) -> torch.Tensor:
     shape: list[int] = []
     # A symbolic size (torch.compile(dynamic=True)) is never compared (a guard would mean one
     # graph per token count): it is padded to whole blocks, the same amax.
+    traced = torch.compiler.is_compiling()
     for size, b in zip(x.shape, block):
-        extent = size if b == 0 or statically_known_true(b > size) else b
+        extent = size if b == 0 or (statically_known_true(b > size) if traced else b > size) else b
         count = 1 if b == 0 else -(-size // b)
         pads.append(count * extent - size)
         shape += [count, extent]
-    if not all(statically_known_true(pad == 0) for pad in pads):
+    if not all(statically_known_true(pad == 0) for pad in pads) if traced else any(pads):
         # F.pad takes (last-dim-left, last-dim-right, ...): pad on the right only.
         flat = [p for pad in reversed(pads) for p in (0, pad)]
         x = torch.nn.functional.pad(x, flat)
@@ -358,14 +359,17 @@ def expand_block_scale(scale: torch.Tensor, block: tuple[int, ...], shape: tuple
     """
     if scale.dtype != torch.float32:
         scale = scale.to(torch.float32)
+    traced = torch.compiler.is_compiling()
     for d, b in enumerate(block):
-        n = scale.shape[d]
         # One block spanning the whole dim (a block larger than the dim included): its single
-        # entry broadcasts as it is. A symbolic size is never compared (no guard: one graph
-        # for every token count); it takes the indexed path below, the same values.
-        if b <= 1 or statically_known_true(n == 1):
+        # entry broadcasts as it is. Traced, a symbolic size is never compared (no guard: one
+        # graph for every token count); it takes the indexed path below, the same values.
+        if b <= 1:
             continue
-        if not statically_known_true(n * b == shape[d]) and torch.compiler.is_compiling():
+        n = scale.shape[d]
+        if statically_known_true(n == 1) if traced else n == 1:
+            continue
+        if traced and not statically_known_true(n * b == shape[d]):
             # A short last block (or a symbolic size), compiled: one index per element.
             # Inductor's CPU code (torch 2.13) reads the expanded, reshaped and narrowed
             # view below out of bounds past the first block (garbage in the cast).

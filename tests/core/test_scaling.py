@@ -215,3 +215,14 @@ def test_materialized_under_tracing_lays_a_plain_tensor_out_where_computed(monke
     assert torch.equal(got, cm) and got.stride() == (1, 3) and got.data_ptr() == cm.data_ptr()
     param = torch.nn.Parameter(torch.randn(4, 6).t())
     assert scaling.materialized(param) is param
+
+
+def test_expand_block_scale_of_a_tensorwise_scale_broadcasts():
+    # A 0-dim scale with the tensorwise block: nothing to expand (tutorial 08 reads it so).
+    from f8tensor.scaling import expand_block_scale
+    from f8tensor.tensor import Float8Tensor
+
+    x = torch.randn(32, 64)
+    x8 = Float8Tensor.from_hp(x)
+    expanded = expand_block_scale(x8._scale, x8._block, tuple(x.shape))
+    assert torch.equal(torch.broadcast_to(expanded, x.shape), torch.broadcast_to(x8._scale.float(), x.shape))

@@ -1,0 +1,78 @@
+"""What a compiled Llama-shaped block costs dynamo and inductor, per recipe, must not grow
+(``benchmarks/bench_compile_counts.py``: guards, graph breaks and generated CPU kernels).
+
+A count above its budget fails; a change that lowers a count lowers its budget in the same
+commit (and BENCHMARKS.md's table). Marked ``slow``: CI's second part runs them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import sys
+
+import pytest
+import torch
+
+BENCH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
+
+#: variant -> (guards, CPU kernels of forward + backward), at most (torch 2.13, CPU).
+#: bf16's are the reference the ratios are taken against (169 guards, 13 kernels).
+BUDGETS = {
+    "bf16": (169, 13),
+    "tensorwise": (1154, 17),
+    "rowwise": (1512, 20),
+    "rowwise_with_gw_hp": (1164, 20),
+    "delayed": (1286, 17),
+    "blockwise": (1851, 24),
+    "mxfp8": (1889, 52),
+}
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(torch.__version__.split("+")[0].rsplit(".", 1)[0] != "2.13",
+                       reason="the budgets count torch 2.13's guards and kernels"),
+]
+
+
+def _bench():
+    sys.path.insert(0, str(BENCH))
+    try:
+        spec = importlib.util.spec_from_file_location("bench_compile_counts", BENCH / "bench_compile_counts.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(BENCH))
+    return module
+
+
+@pytest.fixture
+def no_rules_check():
+    from f8tensor import gemm
+
+    check = gemm.rules_check_installed()
+    if check is None:
+        yield
+        return
+    raising = check.raise_on_violation
+    gemm.uninstall_rules_check()
+    try:
+        yield
+    finally:
+        gemm.install_rules_check(raise_on_violation=raising)
+
+
+@pytest.mark.parametrize("variant", list(BUDGETS))
+def test_compiled_block_within_budget(variant, no_rules_check):
+    bench = _bench()
+    sys.path.insert(0, str(BENCH))
+    try:
+        import _common as C
+    finally:
+        sys.path.remove(str(BENCH))
+    which = C.Variant("bf16", "") if variant == "bf16" else C.Variant("f8tensor", variant)
+    counts = bench.measure(which)
+    guards_max, kernels_max = BUDGETS[variant]
+    assert counts["breaks"] == 0 and counts["graphs"] == 1, counts
+    assert counts["guards"] <= guards_max, f"{variant}: {counts['guards']} guards (budget {guards_max})"
+    assert counts["kernels"] <= kernels_max, f"{variant}: {counts['kernels']} kernels (budget {kernels_max})"
