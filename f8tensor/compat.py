@@ -170,7 +170,9 @@ def scaled_mm(
     Raises:
         RuntimeError, ValueError: on a CPU, or with K = 0 (products computed here), what
             ``torch._scaled_mm`` refuses on CUDA (:func:`_check_scaled_mm_args`)."""
-    if mat1.device.type == "cpu" or mat1.shape[-1] == 0:
+    if (mat1.device.type == "cpu" or mat1.shape[-1] == 0) and not torch.compiler.is_compiling():
+        # Traced, the ops' own fake kernels check (aten's meta kernel, cpu_scaled_mm's below):
+        # the same refusals without guards on the checks' Python.
         _check_scaled_mm_args(mat1, mat2, scale_a, scale_b, bias, out_dtype)
     if mat1.shape[-1] == 0:
         # K = 0 (an empty batch's weight gradient contracts over no tokens): the product is

@@ -20,12 +20,12 @@ BENCH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
 #: bf16's are the reference the ratios are taken against (169 guards, 13 kernels).
 BUDGETS = {
     "bf16": (169, 13),
-    "tensorwise": (1154, 17),
-    "rowwise": (1512, 20),
-    "rowwise_with_gw_hp": (1164, 20),
-    "delayed": (1286, 17),
-    "blockwise": (1851, 24),
-    "mxfp8": (1889, 52),
+    "tensorwise": (1175, 17),
+    "rowwise": (1533, 20),
+    "rowwise_with_gw_hp": (1178, 20),
+    "delayed": (1307, 17),
+    "blockwise": (1865, 24),
+    "mxfp8": (1903, 52),
 }
 
 pytestmark = [
@@ -74,5 +74,5 @@ def test_compiled_block_within_budget(variant, no_rules_check):
     counts = bench.measure(which)
     guards_max, kernels_max = BUDGETS[variant]
     assert counts["breaks"] == 0 and counts["graphs"] == 1, counts
-    assert counts["guards"] <= guards_max, f"{variant}: {counts['guards']} guards (budget {guards_max})"
-    assert counts["kernels"] <= kernels_max, f"{variant}: {counts['kernels']} kernels (budget {kernels_max})"
+    assert counts["guards"] <= guards_max and counts["kernels"] <= kernels_max, (
+        f"{variant}: {counts['guards']} guards, {counts['kernels']} kernels (budgets {guards_max}, {kernels_max})")
