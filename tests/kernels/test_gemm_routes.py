@@ -191,12 +191,7 @@ def test_env_var_checks_products_and_import_changes_nothing():
     )
     out = _run_with_env(raising, "1")
     assert out.returncode == 0 and out.stdout.strip() == "refused True", out.stderr[-2000:]
-    recording = "; ".join([
-        "import torch, f8tensor",
-        "x8, w8 = (f8tensor.Float8Tensor.from_hp(torch.randn(n, 64), granularity='rowwise') for n in (32, 48))",
-        "f8tensor.float8_mm(x8, w8.t(), out_dtype=torch.bfloat16)",
-        "print(f8tensor.gemm.rules_check_installed().calls, f8tensor.gemm.rules_check_installed().take())",
-    ])
+    recording = "import torch, f8tensor; x8, w8 = (f8tensor.Float8Tensor.from_hp(torch.randn(n, 64), granularity='rowwise') for n in (32, 48)); f8tensor.float8_mm(x8, w8.t(), out_dtype=torch.bfloat16); print(f8tensor.gemm.rules_check_installed().calls, f8tensor.gemm.rules_check_installed().take())"
     out = _run_with_env(recording, "record")
     assert out.returncode == 0 and out.stdout.strip() == "1 []", out.stderr[-2000:]
 

@@ -17,11 +17,10 @@ import pytest
 import torch
 import torch._dynamo
 import torch.nn.functional as F
+from helpers import assert_sqnr
 from torch import nn
 
 from f8tensor import Float8LinearConfig, convert_to_float8_training
-
-from helpers import assert_sqnr
 
 # Compiled against eager, same FP8 recipe, in dB. Not bitwise: inductor keeps the fused
 # LayerNorm/GELU results in fp32 where eager rounds them to bf16 before the FP8 cast, so

@@ -228,10 +228,10 @@ def test_reduce_overhead_training_matches_eager(recipe):
     # (delayed scaling mutates its buffers in place, which the graphs must replay).
     import copy
 
+    from torch._dynamo.utils import counters
+
     from f8tensor import Float8LinearConfig, convert_to_float8_training
     from f8tensor.stats import sqnr
-
-    from torch._dynamo.utils import counters
 
     torch.manual_seed(0)
     mlp = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256)).cuda().bfloat16()
