@@ -114,7 +114,7 @@ def _compiled_shape(index: int) -> None:
         traced.append(output.args[0][0].meta["example_value"].shape)
         return gm.forward
 
-    call = ACCEPTED[index]
+    call = ACCEPTED[index].values[0]
     torch._dynamo.reset()
     compiled = torch.compile(_call, backend=backend, fullgraph=True)
     out = compiled(call)
