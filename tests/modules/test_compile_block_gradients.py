@@ -6,7 +6,7 @@ LayerNorm -> fc1 -> GELU -> fc2 -> residual), bf16 autocast, tensorwise or delay
 inductor re-derived the column-major copy of that saved input from the bf16 activation in
 tiled loops fused into one large kernel, and wrote NaN bytes for the proj and fc1 inputs:
 their weight gradients were NaN (each half of the block alone compiled correctly). See
-``f8tensor.quantizers.column_major_copy``.
+``f8tensor.quant.quantizers.column_major_copy``.
 """
 
 from __future__ import annotations
@@ -17,11 +17,10 @@ import pytest
 import torch
 import torch._dynamo
 import torch.nn.functional as F
+from helpers import assert_sqnr
 from torch import nn
 
 from f8tensor import Float8LinearConfig, convert_to_float8_training
-
-from helpers import assert_sqnr
 
 # Compiled against eager, same FP8 recipe, in dB. Not bitwise: inductor keeps the fused
 # LayerNorm/GELU results in fp32 where eager rounds them to bf16 before the FP8 cast, so

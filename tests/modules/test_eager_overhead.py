@@ -36,8 +36,8 @@ import pytest
 import torch
 
 from f8tensor import compat
-from f8tensor.formats import E8M0, FORMATS
-from f8tensor.scaling import EPS, _floor_pow2_f64, amax_to_e8m0_scale, amax_to_scale
+from f8tensor.quant.formats import E8M0, FORMATS
+from f8tensor.quant.scaling import EPS, _floor_pow2_f64, amax_to_e8m0_scale, amax_to_scale
 
 BENCH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
 
@@ -228,10 +228,10 @@ def test_reduce_overhead_training_matches_eager(recipe):
     # (delayed scaling mutates its buffers in place, which the graphs must replay).
     import copy
 
+    from torch._dynamo.utils import counters
+
     from f8tensor import Float8LinearConfig, convert_to_float8_training
     from f8tensor.stats import sqnr
-
-    from torch._dynamo.utils import counters
 
     torch.manual_seed(0)
     mlp = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256)).cuda().bfloat16()
