@@ -6,11 +6,11 @@
 """
 
 from f8tensor.tensor import float8 as _float8
-from f8tensor.tensor.float8 import *  # noqa: F403
+from f8tensor.tensor.float8 import *
 from f8tensor.tensor.float8 import Float8Tensor, _rebuild_float8_tensor, cast_to_float8, cast_to_float8_with_stats
 
 __all__ = ["Float8Tensor", "_rebuild_float8_tensor", "cast_to_float8", "cast_to_float8_with_stats"]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> object:
     return getattr(_float8, name)
