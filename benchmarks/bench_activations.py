@@ -49,7 +49,7 @@ from f8tensor import (
     save_activations_in_float8,
     sqnr,
 )
-from f8tensor.activations import DEFAULT_MIN_NUMEL
+from f8tensor.nn.activations import DEFAULT_MIN_NUMEL
 from f8tensor.stats import alive_tensor_bytes
 
 BASELINE = "bf16"

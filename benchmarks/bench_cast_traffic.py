@@ -473,8 +473,8 @@ def eager_kernels(fn: Callable[[], object]) -> int:
 
 def f8tensor_cast_kernels(recipe: str, s: Shape) -> int:
     """Eager kernels of f8tensor's forward cast of x for ``recipe``."""
-    from f8tensor.config import GemmConfig
-    from f8tensor.quantizers import cast_operand
+    from f8tensor.quant.config import GemmConfig
+    from f8tensor.quant.quantizers import cast_operand
 
     layer = build_layer("f8tensor", recipe, s)
     cfg = layer.config

@@ -332,9 +332,9 @@ def cast_region(device: torch.device, rounds: int, steps: int) -> None:
     """One tensorwise cast at the tiny shape: eager reference ops vs a compiled region (vs
     the fused kernels on CUDA), host time per call in interleaved rounds."""
     from f8tensor import kernels
-    from f8tensor.config import CastSpec
     from f8tensor.kernels import reference
-    from f8tensor.scaling import inverse_scale_of
+    from f8tensor.quant.config import CastSpec
+    from f8tensor.quant.scaling import inverse_scale_of
 
     spec = CastSpec(torch.float8_e4m3fn)
     x = torch.randn(TOKENS, 64, device=device, dtype=torch.bfloat16)

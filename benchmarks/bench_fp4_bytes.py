@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from f8tensor import Float8Linear, Float8LinearConfig
-from f8tensor.fp4 import to_float4
 from f8tensor.kernels.fp4 import FP4Spec
 from f8tensor.stats import saved_tensor_bytes
+from f8tensor.tensor.fp4 import to_float4
 
 M, K, N = 512, 256, 256
 

@@ -1,7 +1,7 @@
 """What the random Hadamard transform does to the NVFP4 weight-gradient product's SQNR.
 
 ``grad_W = g.t() @ x`` with both operands cast to NVFP4 in 1x16 blocks along the tokens (the
-contraction dim), with and without the 16x16 transform (``f8tensor.hadamard.apply_rht``) on
+contraction dim), with and without the 16x16 transform (``f8tensor.quant.hadamard.apply_rht``) on
 both, each against the fp64 product. Input classes: Gaussian; a few outlier tokens (3-20x,
 in x only, in both at independent tokens, in both at the same tokens); an outlier token in x
 and another in g inside every 16-block ("crossed"); Student-t values (heavy tails per
@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from f8tensor import Float4Tensor, demo
-from f8tensor.hadamard import apply_rht
+from f8tensor.quant.hadamard import apply_rht
 
 T, D = 1024, 64
 

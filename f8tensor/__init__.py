@@ -12,10 +12,23 @@ first FP8 product (``f8tensor.gemm.check.install_from_env``).
 
 import torch
 
-from f8tensor import ops as _ops  # noqa: F401  (fills Float8Tensor's op table)
-from f8tensor import product_ops as _product_ops  # noqa: F401  (the op table's matrix products)
-from f8tensor.activations import save_activations_in_float8
-from f8tensor.config import (
+from f8tensor._moved import install_old_paths
+from f8tensor.convert import (
+    block_policy,
+    convert_to_float8_training,
+    convert_with_policy,
+    keep_last_blocks_in_hp,
+    set_forward_in_high_precision,
+    set_gemm_formats,
+)
+from f8tensor.distributed import dtensor as _dtensor  # noqa: F401  (registers Float8Linear's DTensor product)
+from f8tensor.distributed.fsdp import Float8AllGatherWeight, precompute_float8_scales_for_fsdp
+from f8tensor.gemm import float8_mm
+from f8tensor.moe import Float8ExpertWeight, convert_experts_to_float8, float8_grouped_mm
+from f8tensor.nn.activations import save_activations_in_float8
+from f8tensor.nn.linear import Float8Linear
+from f8tensor.nn.weight_cache import reuse_weight_casts
+from f8tensor.quant.config import (
     FP4_CAST_DTYPE,
     RECIPES,
     BLOCK_1x128,
@@ -34,21 +47,7 @@ from f8tensor.config import (
     NVFP4_16x16,
     ScalingType,
 )
-from f8tensor.convert import (
-    block_policy,
-    convert_to_float8_training,
-    convert_with_policy,
-    keep_last_blocks_in_hp,
-    set_forward_in_high_precision,
-    set_gemm_formats,
-)
-from f8tensor.distributed import dtensor as _dtensor  # noqa: F401  (registers Float8Linear's DTensor product)
-from f8tensor.distributed.fsdp import Float8AllGatherWeight, precompute_float8_scales_for_fsdp
-from f8tensor.formats import FLOAT8_DTYPES, FORMATS, Float8Format, float8_max, saturation_bound
-from f8tensor.fp4 import Float4Tensor
-from f8tensor.gemm import float8_mm
-from f8tensor.linear import Float8Linear
-from f8tensor.moe import Float8ExpertWeight, convert_experts_to_float8, float8_grouped_mm
+from f8tensor.quant.formats import FLOAT8_DTYPES, FORMATS, Float8Format, float8_max, saturation_bound
 from f8tensor.stats import (
     STATS_FIELDS,
     Float8SaturationWarning,
@@ -57,8 +56,10 @@ from f8tensor.stats import (
     format_float8_stats,
     sqnr,
 )
-from f8tensor.tensor import Float8Tensor, _LegacyFloat8Tensor, _rebuild_float8_tensor
-from f8tensor.weight_cache import reuse_weight_casts
+from f8tensor.tensor import ops as _ops  # noqa: F401  (fills Float8Tensor's op table)
+from f8tensor.tensor import product_ops as _product_ops  # noqa: F401  (the op table's matrix products)
+from f8tensor.tensor.float8 import Float8Tensor, _LegacyFloat8Tensor, _rebuild_float8_tensor
+from f8tensor.tensor.fp4 import Float4Tensor
 
 if torch.distributed.is_available():  # the parallel styles subclass torch.distributed's
     from f8tensor.distributed.tp import Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
@@ -121,8 +122,9 @@ __all__ = [
 # from before it name the class itself: under that name weights_only loading gets a
 # subclass that cannot be constructed directly and becomes a Float8Tensor only once
 # __setstate__ has validated its fields (GemmConfig is one of them).
-# GemmConfig and Granularity moved from f8tensor.config to f8tensor.specs: checkpoints
-# written before name them under the old module, and load under both names.
+# GemmConfig and Granularity moved from f8tensor.config to f8tensor.specs and then to
+# f8tensor.quant.specs: checkpoints written before name them under an old module, and load
+# under every name.
 torch.serialization.add_safe_globals(
     [
         _rebuild_float8_tensor,
@@ -131,5 +133,9 @@ torch.serialization.add_safe_globals(
         Granularity,
         (GemmConfig, "f8tensor.config.GemmConfig"),
         (Granularity, "f8tensor.config.Granularity"),
+        (GemmConfig, "f8tensor.specs.GemmConfig"),
+        (Granularity, "f8tensor.specs.Granularity"),
     ]
 )
+
+install_old_paths()

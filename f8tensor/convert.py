@@ -18,14 +18,14 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from f8tensor.attention import attention_config, attention_ties, attention_weight_names, wrap_attention
-from f8tensor.config import GEMMS, Float8LinearConfig
 from f8tensor.distributed.fsdp import Float8AllGatherWeight
 from f8tensor.gemm.blocks import fp4_path
 from f8tensor.gemm.rules import ALIGN
-from f8tensor.linear import FP4_ALIGN, Float8Conv1D, Float8Linear, check_config, dims_ok, is_transposed_linear
 from f8tensor.moe import Float8ExpertWeight, expert_path, plan_experts, wrap_experts
-from f8tensor.policies import BLOCK_PATTERN, block_policy, keep_last_blocks_in_hp  # noqa: F401  (re-exported)
+from f8tensor.nn.attention import attention_config, attention_ties, attention_weight_names, wrap_attention
+from f8tensor.nn.linear import FP4_ALIGN, Float8Conv1D, Float8Linear, check_config, dims_ok, is_transposed_linear
+from f8tensor.quant.config import GEMMS, Float8LinearConfig
+from f8tensor.quant.policies import BLOCK_PATTERN, block_policy, keep_last_blocks_in_hp  # noqa: F401  (re-exported)
 
 _FSDPModule: type | None
 if torch.distributed.is_available():
@@ -214,7 +214,7 @@ def convert_to_float8_training(
     :class:`Float8Conv1D`, weight layout kept; see ``TRANSPOSED_LINEAR_CLASSES``). A linear
     layer's child modules stay with it. ``nn.MultiheadAttention`` stays itself, same state
     dict: its projection weights (``in_proj_weight`` or ``q/k/v_proj_weight``, and
-    ``out_proj.weight``) become :class:`~f8tensor.attention.Float8AttentionWeight`, whose
+    ``out_proj.weight``) become :class:`~f8tensor.nn.attention.Float8AttentionWeight`, whose
     products run in FP8 in training and inference (one decision per attention:
     ``module_filter_fn`` and the policy see the ``nn.MultiheadAttention``, not its
     ``out_proj``; delayed recipes and FP8 all-gather leave it in high precision, reported).

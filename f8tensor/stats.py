@@ -39,7 +39,7 @@ from torch import nn
 
 from f8tensor.compat import TorchDispatchMode, tree_map_only
 from f8tensor.kernels import CAST_STATS_FIELDS
-from f8tensor.linear import STATS_BUFFERS, STATS_ROLES, Float8Linear
+from f8tensor.nn.linear import STATS_BUFFERS, STATS_ROLES, Float8Linear
 
 __all__ = [
     "STATS_FIELDS",
@@ -155,7 +155,7 @@ def float8_stats(model: nn.Module, *, history: bool = False) -> dict[str, float]
     ``grad_output`` and ``field`` one of :data:`STATS_FIELDS`:
 
     - ``saturated_frac`` / ``saturated_count``: elements clipped at the format's max
-      (scaled magnitude above :func:`~f8tensor.formats.saturation_bound`; max itself is
+      (scaled magnitude above :func:`~f8tensor.quant.formats.saturation_bound`; max itself is
       representable and does not count, nor does a value that rounds to max anyway).
     - ``underflow_frac`` / ``underflow_count``: non-zero in high precision, zero in FP8.
     - ``amax``: ``max |value|`` of the high-precision operand. ``scale``: the scale used

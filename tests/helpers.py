@@ -15,7 +15,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from f8tensor import FLOAT8_DTYPES, Float8Linear, Float8Tensor, sqnr, weights
+from f8tensor import FLOAT8_DTYPES, Float8Linear, Float8Tensor, sqnr
+from f8tensor.tensor import weights
 
 HP_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 E4M3_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
@@ -82,8 +83,8 @@ def kernel_skip_reason(
     ``(block_a, block_b, scale_dtype)`` of one block-scaled product ``A (M, K) @ B (K, N)``.
     """
     from f8tensor import Float8LinearConfig, compat
-    from f8tensor.config import is_blockwise
     from f8tensor.gemm.rules import CudaBuild, block_rule_for, fp4_rule_for
+    from f8tensor.quant.config import is_blockwise
 
     if not torch.cuda.is_available():
         return "needs CUDA (no CUDA device available)"
@@ -127,7 +128,7 @@ def gpu_test_skip_reason(item) -> str | None:
     run on this GPU although the test is right (None: it can), as :func:`kernel_skip_reason`
     says for the products its ``kernel`` markers name and for every recipe named in its
     parameters (a GPU test runs them on the GPU). tests/conftest.py skips on it."""
-    from f8tensor.config import RECIPES
+    from f8tensor.quant.config import RECIPES
 
     for marker in item.iter_markers("kernel"):
         why = kernel_skip_reason(*marker.args, **marker.kwargs)

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from f8tensor import FLOAT8_DTYPES, FORMATS, Float8Tensor, sqnr
-from f8tensor.formats import saturated_cast
+from f8tensor.quant.formats import saturated_cast
 
 torch.manual_seed(0)
 

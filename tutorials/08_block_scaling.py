@@ -37,7 +37,7 @@ from f8tensor import (
     saturation_bound,
     sqnr,
 )
-from f8tensor.scaling import expand_block_scale
+from f8tensor.quant.scaling import expand_block_scale
 
 torch.set_num_threads(1)
 torch.manual_seed(0)

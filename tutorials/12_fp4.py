@@ -48,9 +48,9 @@ from f8tensor import (
     set_forward_in_high_precision,
     sqnr,
 )
-from f8tensor.config import GEMMS
-from f8tensor.hadamard import apply_rht
 from f8tensor.kernels.fp4 import E2M1_VALUES
+from f8tensor.quant.config import GEMMS
+from f8tensor.quant.hadamard import apply_rht
 
 torch.set_num_threads(1)
 torch.manual_seed(0)

@@ -25,7 +25,7 @@ def activation_casts(ctx: Ctx) -> None:
     import torch
 
     from f8tensor import Float8LinearConfig, convert_to_float8_training, save_activations_in_float8
-    from f8tensor.block_quantizers import BlockQuantizer
+    from f8tensor.quant.block_quantizers import BlockQuantizer
 
     size = ctx.pick("100m", "quick")
     cfg = M.SIZES[size]

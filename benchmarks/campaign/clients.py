@@ -114,8 +114,8 @@ def accelerate_fsdp2(ctx: Ctx) -> None:
     from accelerate.state import AcceleratorState
     from accelerate.utils import FullyShardedDataParallelPlugin
 
-    from f8tensor.attention import Float8AttentionWeight
     from f8tensor.distributed.fsdp import Float8AllGatherWeight
+    from f8tensor.nn.attention import Float8AttentionWeight
 
     gpu = ctx.device.type == "cuda"
     if gpu:  # accelerate takes FSDP only in a distributed launch: a one-rank one

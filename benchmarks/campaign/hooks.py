@@ -12,7 +12,7 @@ from .runner import Ctx
 #: (item name, the module that will hold the feature, what the check will measure)
 HOOKS = (
     ("fused_optimizer_step", "f8tensor.optim", "an optimizer step over fp32 / bf16 / FP8 states vs torch.optim.AdamW"),
-    ("fp8_activation_casts", "f8tensor.activations", "FP8 saved activations: bytes saved and step time vs bf16"),
+    ("fp8_activation_casts", "f8tensor.nn.activations", "FP8 saved activations: bytes saved and step time vs bf16"),
     ("accelerate_fsdp2_plugin", "accelerate", "accelerate's FSDP2 plugin, f8tensor weights: mapping, wrappers, loss"),
 )
 

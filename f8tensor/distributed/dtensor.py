@@ -3,7 +3,7 @@
 Under ``parallelize_module`` a ``Float8Linear``'s weight and bias are DTensors and its
 input usually is one too (torch's ``ColwiseParallel`` makes a replicated DTensor of it,
 ``RowwiseParallel`` a last-dim-sharded one). :func:`dtensor_linear` runs
-:class:`~f8tensor.linear_autograd.QuantizedLinearFn` on the local shards and wraps its result
+:class:`~f8tensor.nn.linear_autograd.QuantizedLinearFn` on the local shards and wraps its result
 as a DTensor whose placements follow the product's algebra, mesh dim by mesh dim. This
 module sits above ``linear`` and registers :func:`dtensor_linear` there
 (``linear.set_dtensor_linear``) when imported; a layer on plain tensors never comes here.
@@ -47,9 +47,9 @@ import torch
 import torch.distributed as dist
 
 from f8tensor.compat import dtensor_local
-from f8tensor.config import CastConfig
-from f8tensor.linear import set_dtensor_linear
-from f8tensor.linear_autograd import LinearArgs, QuantizedLinearFn
+from f8tensor.nn.linear import set_dtensor_linear
+from f8tensor.nn.linear_autograd import LinearArgs, QuantizedLinearFn
+from f8tensor.quant.config import CastConfig
 
 if dist.is_available():
     from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard

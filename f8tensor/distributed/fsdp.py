@@ -9,7 +9,7 @@ makes that all-gather move FP8 bytes instead of bf16/fp32 ones, for every recipe
   dtype every backend moves; gloo refuses the float8 dtypes), plus, where the scales vary
   along the rows, the shard's scales.
 - ``fsdp_post_all_gather`` views the gathered bytes as FP8 again and builds the
-  :class:`~f8tensor.tensor.Float8Tensor` that ``Float8Linear`` takes as its weight; from
+  :class:`~f8tensor.tensor.float8.Float8Tensor` that ``Float8Linear`` takes as its weight; from
   the second all-gather on it refreshes that same tensor in place (``out=``), so the
   unsharded parameter is one object for the whole run.
 
@@ -76,12 +76,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from f8tensor.block_quantizers import BlockQuantizer, weight_gather_quantizer
 from f8tensor.compat import DISABLED_TORCH_FUNCTION, dtensor_local, preserve_version_counter
-from f8tensor.config import CastConfig
-from f8tensor.scaling import amax_to_scale, block_amax, delayed_scale, tensor_amax
-from f8tensor.tensor import Float8Tensor
-from f8tensor.weights import HighPrecisionWeight, WriteCount
+from f8tensor.quant.block_quantizers import BlockQuantizer, weight_gather_quantizer
+from f8tensor.quant.config import CastConfig
+from f8tensor.quant.scaling import amax_to_scale, block_amax, delayed_scale, tensor_amax
+from f8tensor.tensor.float8 import Float8Tensor
+from f8tensor.tensor.weights import HighPrecisionWeight, WriteCount
 
 if dist.is_available():
     from torch.distributed.tensor import DTensor, Shard
@@ -129,14 +129,14 @@ class Float8AllGatherWeight(HighPrecisionWeight):
     """A high-precision weight whose FSDP2 all-gather moves FP8 bytes.
 
     For every op it behaves like the plain tensor it wraps (optimizer steps, ``copy_``,
-    ``zero_``, DTensor sharding, checkpoints: see :class:`~f8tensor.weights.HighPrecisionWeight`);
+    ``zero_``, DTensor sharding, checkpoints: see :class:`~f8tensor.tensor.weights.HighPrecisionWeight`);
     only FSDP's all-gather hooks differ. Fields:
 
     - ``_hp``: the plain bf16/fp16/fp32 tensor (the whole weight, or a rank's shard).
-    - ``_cast``: the weight's :class:`~f8tensor.config.CastConfig` (FP8 dtype, granularity,
+    - ``_cast``: the weight's :class:`~f8tensor.quant.config.CastConfig` (FP8 dtype, granularity,
       scaling, power-of-2 rounding), any recipe's.
     - ``_source``: for a delayed cast, its :class:`DelayedWeightSource`; else ``None``.
-    - ``_writes``: a :class:`~f8tensor.weights.WriteCount` shared with every wrapper that
+    - ``_writes``: a :class:`~f8tensor.tensor.weights.WriteCount` shared with every wrapper that
       views the same data; each op that writes into any of them (optimizer steps,
       ``copy_``, ``load_state_dict``, checkpoint loads) counts, whichever subclass
       dispatched it.
@@ -437,7 +437,7 @@ def _all_reduce_max(t: torch.Tensor, mesh: DeviceMesh) -> None:
     """In place: the elementwise max of the amaxes ``t`` over every rank of ``mesh`` (any
     number of dims). A NaN amax becomes inf first: MAX collectives may drop a NaN (gloo
     keeps ``max(nan, x)`` but not ``max(x, nan)``), inf always wins, and the scale of an inf
-    amax is the NaN scale of a NaN one (:func:`~f8tensor.scaling.amax_to_scale`), so a NaN
+    amax is the NaN scale of a NaN one (:func:`~f8tensor.quant.scaling.amax_to_scale`), so a NaN
     on one rank still makes the whole weight (or block) NaN, as in one process."""
     if mesh.size() == 1:
         return

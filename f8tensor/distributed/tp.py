@@ -9,7 +9,7 @@ communication allows it:
 - :class:`Float8ColwiseParallel`: ``ColwiseParallel`` whose sequence-parallel input
   all-gather (``input_layouts=Shard(d)``) moves the input cast to FP8, 1 byte per element
   (as ``torch.uint8``, which every backend moves), plus its scales; the gathered
-  :class:`~f8tensor.tensor.Float8Tensor` feeds the layer's GEMM as is. An input that is
+  :class:`~f8tensor.tensor.float8.Float8Tensor` feeds the layer's GEMM as is. An input that is
   already gathered in FP8 (by :class:`PrepareFloat8ModuleInput`) is taken as torch takes it.
 - :class:`PrepareFloat8ModuleInput`: ``PrepareModuleInput`` whose ``Shard(d) ->
   Replicate()`` redistributions gather in FP8 the same way: gather once for a module
@@ -51,13 +51,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 
-from f8tensor.block_quantizers import input_gather_quantizer
 from f8tensor.compat import colwise_prepare_input, dtensor_local, functional_all_reduce_max, waited
-from f8tensor.config import CastConfig, Float8LinearConfig
-from f8tensor.formats import FLOAT8_DTYPES
-from f8tensor.linear import NOT_ON_DTENSORS, Float8Linear
-from f8tensor.scaling import tensor_amax
-from f8tensor.tensor import Float8Tensor
+from f8tensor.nn.linear import NOT_ON_DTENSORS, Float8Linear
+from f8tensor.quant.block_quantizers import input_gather_quantizer
+from f8tensor.quant.config import CastConfig, Float8LinearConfig
+from f8tensor.quant.formats import FLOAT8_DTYPES
+from f8tensor.quant.scaling import tensor_amax
+from f8tensor.tensor.float8 import Float8Tensor
 
 __all__ = ["Float8ColwiseParallel", "Float8RowwiseParallel", "PrepareFloat8ModuleInput", "float8_all_gather"]
 
@@ -123,7 +123,7 @@ def float8_all_gather(
 ) -> Float8Tensor:
     """``x`` (a ``Shard(dim)`` DTensor over the 1D ``mesh``, or its local shard) all-gathered
     as FP8 bytes with the scales of ``cast`` (see the module docstring): a plain
-    :class:`~f8tensor.tensor.Float8Tensor` of the full shape, differentiable.
+    :class:`~f8tensor.tensor.float8.Float8Tensor` of the full shape, differentiable.
 
     ``grad_placement``: what the gradient of the returned tensor is, as in
     ``DTensor.to_local(grad_placements=...)``: ``Partial()`` (the default: the consumers

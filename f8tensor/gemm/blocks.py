@@ -34,13 +34,13 @@ import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from f8tensor import compat
-from f8tensor.formats import E8M0
-from f8tensor.fp4 import Float4Tensor, is_float4
 from f8tensor.gemm.check import block_scaled_mm, check_active, record_block_reference, record_block_refusal
 from f8tensor.gemm.operands import col_major, inverse_scale, prepare_fp4, row_major
 from f8tensor.gemm.rules import BLOCK_SCALED_MM_RULES, BlockScaledMMRule, CudaBuild, block_rule_for, fp4_rule_for
-from f8tensor.specs import GemmConfig
-from f8tensor.tensor import Float8Tensor, dequantize
+from f8tensor.quant.formats import E8M0
+from f8tensor.quant.specs import GemmConfig
+from f8tensor.tensor.float8 import Float8Tensor, dequantize
+from f8tensor.tensor.fp4 import Float4Tensor, is_float4
 
 __all__ = ["fp4_path", "fp4_product", "product"]
 

@@ -19,8 +19,8 @@ import torch
 from f8tensor.gemm.check import scaled_mm
 from f8tensor.gemm.operands import col_major, inverse_scale, kernel_scale, row_major
 from f8tensor.gemm.rules import ALIGN
-from f8tensor.specs import GemmConfig, is_tensorwise
-from f8tensor.tensor import Float8Tensor
+from f8tensor.quant.specs import GemmConfig, is_tensorwise
+from f8tensor.tensor.float8 import Float8Tensor
 
 __all__ = [
     "Route",

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import torch
 
-from f8tensor.formats import FLOAT8_DTYPES, check_hp_dtype
-from f8tensor.fp4 import is_float4
 from f8tensor.gemm.blocks import fp4_product
 from f8tensor.gemm.blocks import product as block_product
 from f8tensor.gemm.dense import product as dense_product
 from f8tensor.gemm.operands import BLOCKS, DENSE, check_devices, prepare
-from f8tensor.specs import DEFAULT_GEMM, CastSpec, GemmConfig
-from f8tensor.tensor import check_scale_values, is_float8, scale_from_number, to_float8
+from f8tensor.quant.formats import FLOAT8_DTYPES, check_hp_dtype
+from f8tensor.quant.specs import DEFAULT_GEMM, CastSpec, GemmConfig
+from f8tensor.tensor.float8 import check_scale_values, is_float8, scale_from_number, to_float8
+from f8tensor.tensor.fp4 import is_float4
 
 __all__ = ["float8_mm", "matmul"]
 

@@ -35,11 +35,11 @@ from typing import cast
 import torch
 
 from f8tensor import compat
-from f8tensor.config import Float8LinearConfig
-from f8tensor.formats import FLOAT8_DTYPES
 from f8tensor.gemm.check import check_grouped_rules
 from f8tensor.gemm.operands import GROUPED, col_major, inverse_scale, kernel_scale, prepare, row_major
 from f8tensor.gemm.rules import ALIGN, GROUPED_RULES, CudaBuild, grouped_rule_for
+from f8tensor.quant.config import Float8LinearConfig
+from f8tensor.quant.formats import FLOAT8_DTYPES
 
 __all__ = [
     "MAX_GROUPS",

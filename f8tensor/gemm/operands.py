@@ -10,7 +10,7 @@ of operands (at least one a Float8Tensor) into such a pair:
    rounding, and the product stays in FP8);
 3. an operand of another format is re-cast to e4m3fn where the kernel multiplies nothing else.
 
-Products with an FP4 operand (:class:`~f8tensor.fp4.Float4Tensor`) are prepared by
+Products with an FP4 operand (:class:`~f8tensor.tensor.fp4.Float4Tensor`) are prepared by
 :func:`prepare_fp4`: a plain operand is cast to the FP4 operand's format with its K block;
 for the sm100 kernels both operands are FP4 of one kind, packed along K, with per-row
 (1x16 / 1x32) scales: 2D weight blocks are expanded to rows, which is lossless.
@@ -26,14 +26,14 @@ from typing import NamedTuple
 
 import torch
 
-from f8tensor.formats import E8M0, check_hp_dtype, e4m3_like
-from f8tensor.fp4 import Float4Tensor, is_float4, to_float4
 from f8tensor.gemm.check import is_col_major, is_row_major
 from f8tensor.kernels.fp4 import FP4Spec
-from f8tensor.layouts import to_column_major
-from f8tensor.scaling import inverse_scale_of
-from f8tensor.specs import CastSpec, axiswise_block, constant_along, is_tensorwise
-from f8tensor.tensor import Float8Tensor, dequantize, is_float8, to_float8
+from f8tensor.kernels.layouts import to_column_major
+from f8tensor.quant.formats import E8M0, check_hp_dtype, e4m3_like
+from f8tensor.quant.scaling import inverse_scale_of
+from f8tensor.quant.specs import CastSpec, axiswise_block, constant_along, is_tensorwise
+from f8tensor.tensor.float8 import Float8Tensor, dequantize, is_float8, to_float8
+from f8tensor.tensor.fp4 import Float4Tensor, is_float4, to_float4
 
 __all__ = [
     "BLOCKS",

@@ -14,7 +14,6 @@ from typing import Any
 import torch
 
 from f8tensor import compat
-from f8tensor.formats import FLOAT8_DTYPES
 from f8tensor.gemm.rules import (
     GROUPED_RULES,
     ROCM_BUILDS,
@@ -25,6 +24,7 @@ from f8tensor.gemm.rules import (
     GroupedMMRule,
     rule_for,
 )
+from f8tensor.quant.formats import FLOAT8_DTYPES
 
 __all__ = ["block_scaled_mm_violations", "check_grouped_rules", "grouped_mm_violations", "is_col_major", "is_row_major", "scaled_mm_violations", "violations_on_supported_builds"]
 

@@ -39,9 +39,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from f8tensor.config import Float8LinearConfig
 from f8tensor.convert import convert_to_float8_training
-from f8tensor.linear import Float8Linear
+from f8tensor.nn.linear import Float8Linear
+from f8tensor.quant.config import Float8LinearConfig
 
 __all__ = ["float8_state_dict", "from_pretrained_float8", "load_float8_state"]
 

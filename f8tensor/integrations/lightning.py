@@ -31,9 +31,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from f8tensor.config import Float8LinearConfig
 from f8tensor.convert import convert_to_float8_training
-from f8tensor.linear import Float8Conv1D, Float8Linear
+from f8tensor.nn.linear import Float8Conv1D, Float8Linear
+from f8tensor.quant.config import Float8LinearConfig
 
 try:
     from lightning.pytorch.plugins.precision import Precision

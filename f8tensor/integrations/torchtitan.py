@@ -69,9 +69,9 @@ except ModuleNotFoundError as exc:  # absent: say so and how to install it (READ
         name="torchtitan",
     ) from exc
 
-from f8tensor.config import RECIPES, Float8LinearConfig
 from f8tensor.gemm.rules import ALIGN
-from f8tensor.linear import Float8Linear
+from f8tensor.nn.linear import Float8Linear
+from f8tensor.quant.config import RECIPES, Float8LinearConfig
 
 __all__ = ["OVERRIDE_FQNS", "F8TensorLinear", "F8TensorLinearConverter", "f8tensor_float8_linear"]
 

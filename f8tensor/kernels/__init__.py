@@ -1,6 +1,6 @@
 """Raw casts: a high-precision tensor and a cast spec in, FP8 data and scales out.
 
-Below the tensor (``f8tensor.tensor`` wraps what these return in a Float8Tensor), so that
+Below the tensor (``f8tensor.tensor.float8`` wraps what these return in a Float8Tensor), so that
 ``from_hp``, every Float8Linear and expert cast, and the operand preparation of every
 product use the same casts. Four functions, each the one place its kind of call goes:
 
@@ -30,10 +30,10 @@ from typing import NamedTuple
 import torch
 
 from f8tensor.kernels import reference, triton_cast, triton_dequantize
+from f8tensor.kernels.layouts import to_column_major
 from f8tensor.kernels.reference import CAST_STATS_FIELDS, block_scale, cast_with_stats
-from f8tensor.layouts import to_column_major
-from f8tensor.scaling import inverse_scale_of, materialized
-from f8tensor.specs import CastSpec
+from f8tensor.quant.scaling import inverse_scale_of, materialized
+from f8tensor.quant.specs import CastSpec
 
 __all__ = ["CAST_STATS_FIELDS", "GemmCast", "block_scale", "cast", "cast_for_gemm", "cast_with_stats", "dequantize"]
 

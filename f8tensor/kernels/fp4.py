@@ -41,7 +41,7 @@ from typing import NamedTuple
 
 import torch
 
-from f8tensor.formats import E8M0, FLOAT4_X2
+from f8tensor.quant.formats import E8M0, FLOAT4_X2
 
 __all__ = [
     "E2M1_MAX",

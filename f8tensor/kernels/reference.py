@@ -1,7 +1,7 @@
 """The reference casts: torch ops only, the same bits eager and under torch.compile.
 
 :func:`cast` is every FP8 cast of the library: a high-precision tensor and a
-:class:`~f8tensor.config.CastSpec` (and optionally a given scale) in, the FP8 data and its
+:class:`~f8tensor.quant.config.CastSpec` (and optionally a given scale) in, the FP8 data and its
 scale out; :func:`cast_with_stats` also measures what the cast did; :func:`dequantize` is
 the way back. Scale semantics, one rule per block (see ``scaling.py``)::
 
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from f8tensor.formats import E8M0, format_number, saturated_cast, saturation_bound
-from f8tensor.scaling import (
+from f8tensor.quant.formats import E8M0, format_number, saturated_cast, saturation_bound
+from f8tensor.quant.scaling import (
     amax_to_e8m0_scale,
     amax_to_scale,
     block_abs_max,
@@ -23,7 +23,7 @@ from f8tensor.scaling import (
     stochastic_round,
     tensor_amax,
 )
-from f8tensor.specs import CastSpec, is_axiswise, is_tensorwise
+from f8tensor.quant.specs import CastSpec, is_axiswise, is_tensorwise
 
 __all__ = ["CAST_STATS_FIELDS", "block_scale", "cast", "cast_with_stats", "dequantize"]
 
@@ -44,7 +44,7 @@ def cast(
     With ``scale=None`` the scale is dynamic (the current amax of ``hp``, per block);
     otherwise ``scale`` is used as is (0-dim for a tensorwise spec, else the block's scale
     shape, in ``spec.scale_dtype``). ``generator``: for stochastic rounding; ``uniform``:
-    the draws of a stochastic rounding given instead (see :func:`~f8tensor.scaling.stochastic_round`).
+    the draws of a stochastic rounding given instead (see :func:`~f8tensor.quant.scaling.stochastic_round`).
     """
     data, scale, _, _, _ = _cast(hp, spec, scale, generator, need_amax=False, uniform=uniform)
     return data, scale
@@ -73,7 +73,7 @@ def cast_with_stats(
     ``hp``: a float64 vector laid out as :data:`CAST_STATS_FIELDS`:
 
     - ``saturated_count``: elements whose FP8 value the clamp set, i.e. scaled magnitude
-      above :func:`~f8tensor.formats.saturation_bound` (max itself, and values that round
+      above :func:`~f8tensor.quant.formats.saturation_bound` (max itself, and values that round
       to max anyway, are not saturated). NaN is never counted.
     - ``underflow_count``: elements non-zero in ``hp`` and zero in FP8 (flushed to zero:
       scaled magnitude at most half the smallest subnormal, where round-to-nearest-even

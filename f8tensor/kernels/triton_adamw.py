@@ -40,7 +40,7 @@ from typing import NamedTuple
 import torch
 
 from f8tensor.kernels.triton_cast import _format, _kernels, available
-from f8tensor.scaling import EPS
+from f8tensor.quant.scaling import EPS
 
 __all__ = ["AdamWScalars", "adamw_step", "available", "supports"]
 

@@ -49,10 +49,10 @@ from typing import NamedTuple
 
 import torch
 
-from f8tensor.formats import E8M0, FORMATS
-from f8tensor.layouts import empty_column_major
-from f8tensor.scaling import EPS
-from f8tensor.specs import CastSpec
+from f8tensor.kernels.layouts import empty_column_major
+from f8tensor.quant.formats import E8M0, FORMATS
+from f8tensor.quant.scaling import EPS
+from f8tensor.quant.specs import CastSpec
 
 __all__ = [
     "BOTH",

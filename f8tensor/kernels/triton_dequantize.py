@@ -14,7 +14,6 @@ import os
 
 import torch
 
-from f8tensor.formats import FORMATS
 from f8tensor.kernels.triton_cast import (
     _GROUP_ROWS,
     _MAX_BLOCK,
@@ -30,6 +29,7 @@ from f8tensor.kernels.triton_cast import (
     _scale_shape,
     enabled,
 )
+from f8tensor.quant.formats import FORMATS
 
 __all__ = ["fused_dequantize", "maybe_dequantize"]
 

@@ -11,7 +11,7 @@ and its ``__torch_function__`` routes ``F.linear``, ``torch.bmm``, ``torch._grou
 and both backward GEMMs are FP8, through gemm's front doors for grouped and batched
 products (:func:`f8tensor.gemm.grouped_mm`, :func:`f8tensor.gemm.batched_mm`).
 
-Scaling, per :class:`~f8tensor.config.Float8LinearConfig` (``input``, ``weight``,
+Scaling, per :class:`~f8tensor.quant.config.Float8LinearConfig` (``input``, ``weight``,
 ``grad_output`` granularities; recipes ``tensorwise`` and ``rowwise``):
 
 - weights: tensorwise = one scale per expert; rowwise = one scale per expert row of the
@@ -24,11 +24,11 @@ Scaling, per :class:`~f8tensor.config.Float8LinearConfig` (``input``, ``weight``
   ``torch._scaled_grouped_mm`` multiplies no e5m2 (the tensorwise recipe's e5m2 gradients
   apply to the loop path, which runs through ``Float8Linear``'s GEMMs).
 
-Every cast takes a :class:`~f8tensor.config.CastSpec` from :meth:`CastConfig.operand_spec`
+Every cast takes a :class:`~f8tensor.quant.config.CastSpec` from :meth:`CastConfig.operand_spec`
 (:func:`_spec`) and goes through the quantizer layer: the operands of a grouped or batched
-product through :func:`f8tensor.quantizers.quantize`, the linear's one cast entry point; the
+product through :func:`f8tensor.quant.quantizers.quantize`, the linear's one cast entry point; the
 weight-gradient product's per-group casts (raw bytes and scales) through a
-:class:`~f8tensor.block_quantizers.BlockQuantizer`.
+:class:`~f8tensor.quant.block_quantizers.BlockQuantizer`.
 
 Block granularities (``blockwise``: 1x128 activations and gradients, 128x128 weights;
 ``mxfp8``: 1x32 e8m0) and stochastic rounding: the grouped kernel takes one fp32 scale per

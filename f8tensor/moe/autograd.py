@@ -10,21 +10,21 @@ from typing import Any, cast
 import torch
 
 from f8tensor import compat
-from f8tensor.block_quantizers import BlockQuantizer
 from f8tensor.compat import grouped_mm as hp_grouped_mm
-from f8tensor.config import CastConfig, Float8LinearConfig
 from f8tensor.gemm import batched_mm, grouped_mm, scaled_grouped_mm
 from f8tensor.gemm.check import is_col_major, is_row_major
 from f8tensor.gemm.grouped import KERNEL_OUT, grouped_kernel_available
 from f8tensor.gemm.operands import col_major, kernel_scale, row_major
 from f8tensor.gemm.rules import ALIGN, CudaBuild, block_rule_for
-from f8tensor.linear_autograd import LinearArgs
-from f8tensor.linear_autograd import QuantizedLinearFn as _QuantizedLinearFn  # looked up at call time, here
-from f8tensor.ops import _permuted
-from f8tensor.quantizers import quantize
-from f8tensor.scaling import segment_amax
-from f8tensor.specs import CastSpec, is_tensorwise
-from f8tensor.tensor import Float8Tensor
+from f8tensor.nn.linear_autograd import LinearArgs
+from f8tensor.nn.linear_autograd import QuantizedLinearFn as _QuantizedLinearFn  # looked up at call time, here
+from f8tensor.quant.block_quantizers import BlockQuantizer
+from f8tensor.quant.config import CastConfig, Float8LinearConfig
+from f8tensor.quant.quantizers import quantize
+from f8tensor.quant.scaling import segment_amax
+from f8tensor.quant.specs import CastSpec, is_tensorwise
+from f8tensor.tensor.float8 import Float8Tensor
+from f8tensor.tensor.ops import _permuted
 
 __all__ = ["expert_path", "per_expert_loop"]
 

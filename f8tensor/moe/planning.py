@@ -10,11 +10,11 @@ from collections.abc import Callable, Iterator
 
 from torch import nn
 
-from f8tensor.config import Float8LinearConfig
 from f8tensor.gemm.rules import ALIGN
 from f8tensor.moe.autograd import expert_path
 from f8tensor.moe.state import _EXPERT_CONFIGS, _plain_expert_state, _rewrap_after_load
 from f8tensor.moe.weight import Float8ExpertWeight, _register_hf_fallback
+from f8tensor.quant.config import Float8LinearConfig
 
 __all__ = ["convert_experts_to_float8", "plan_experts", "wrap_experts"]
 

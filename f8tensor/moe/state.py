@@ -10,13 +10,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from f8tensor.config import Float8LinearConfig
 from f8tensor.moe.weight import Float8ExpertWeight
+from f8tensor.quant.config import Float8LinearConfig
 
 
 def _rebuild_expert_parameter(hp: torch.Tensor, config: Float8LinearConfig, requires_grad: bool) -> nn.Parameter:
     """Unpickling a :class:`Float8ExpertWeight` parameter pickled before
-    :class:`~f8tensor.weights.RecipeWeight` (whole-model pickles of earlier releases)."""
+    :class:`~f8tensor.tensor.weights.RecipeWeight` (whole-model pickles of earlier releases)."""
     return nn.Parameter(Float8ExpertWeight(hp, config), requires_grad=requires_grad)
 
 

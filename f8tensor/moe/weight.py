@@ -12,13 +12,13 @@ from typing import Any
 import torch
 
 from f8tensor.compat import GROUPED_MM_FUNCTIONS, is_op_of_namespace
-from f8tensor.config import Float8LinearConfig
 from f8tensor.gemm.grouped import validate_grouped_mm_args
-from f8tensor.linear_autograd import LinearArgs
-from f8tensor.linear_autograd import QuantizedLinearFn as _QuantizedLinearFn  # looked up at call time, here
 from f8tensor.moe.autograd import _expert_loop, _ExpertBmmFn, _GroupedMMFn, per_expert_loop
-from f8tensor.weights import RecipeWeight
-from f8tensor.weights import Unwrap as _Unwrap
+from f8tensor.nn.linear_autograd import LinearArgs
+from f8tensor.nn.linear_autograd import QuantizedLinearFn as _QuantizedLinearFn  # looked up at call time, here
+from f8tensor.quant.config import Float8LinearConfig
+from f8tensor.tensor.weights import RecipeWeight
+from f8tensor.tensor.weights import Unwrap as _Unwrap
 
 __all__ = ["Float8ExpertWeight", "float8_grouped_mm"]
 
@@ -128,7 +128,7 @@ class Float8ExpertWeight(RecipeWeight):
     Fields: ``_hp``, the plain bf16/fp16/fp32 tensor (E, N, K), or a view/piece of it;
     ``_config``, the :class:`Float8LinearConfig` its GEMMs follow (dynamic scaling, any
     granularity: block recipes take the per-expert loop, see :func:`per_expert_loop`).
-    Every op behaves as on ``_hp`` (see :class:`~f8tensor.weights.HighPrecisionWeight`);
+    Every op behaves as on ``_hp`` (see :class:`~f8tensor.tensor.weights.HighPrecisionWeight`);
     views, expert selection and copies stay wrapped so that the product they reach
     (``F.linear``, ``bmm``, ``grouped_mm``) knows to run in FP8. A ``state_dict`` holds the
     plain tensor; a parameter pickles wrapped (whole-model copies stay FP8); setting its

@@ -30,8 +30,8 @@ def _worker(rank, world, port, out):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import DTensor
 
-    from f8tensor.attention import Float8AttentionWeight
     from f8tensor.distributed.fsdp import Float8AllGatherWeight
+    from f8tensor.nn.attention import Float8AttentionWeight
 
     width, blocks, heads, batch, tokens, steps = clients.DRY_SIZES
     xs, target = clients.toy_data(steps, batch, tokens, width)

@@ -21,8 +21,8 @@ from torch import nn
 pytest.importorskip("accelerate", reason="pip install accelerate (or pip install 'f8tensor[integrations]')")
 
 from f8tensor import Float8LinearConfig, convert_to_float8_training
-from f8tensor.attention import Float8AttentionWeight
 from f8tensor.distributed.fsdp import Float8AllGatherWeight
+from f8tensor.nn.attention import Float8AttentionWeight
 from tests.helpers import FP8Products, free_port, init_gloo, run_processes
 
 

@@ -1,4 +1,4 @@
-"""Block quantizers (f8tensor/block_quantizers.py): each storage role's cast against a
+"""Block quantizers (f8tensor/quant/block_quantizers.py): each storage role's cast against a
 reference written from its definition, bit for bit, and its way back.
 
 The roles: optimizer moments (e4m3, 128 elements of each dim-0 row per scale, stochastic
@@ -16,7 +16,7 @@ import torch
 from helpers import assert_sqnr, bits, float_bits, scale_bits
 
 from f8tensor import BLOCK_128x128, Float8LinearConfig, Float8Tensor, Granularity, MX_1x32
-from f8tensor.block_quantizers import (
+from f8tensor.quant.block_quantizers import (
     BlockQuantizer,
     activation_quantizer,
     export_quantizer,
@@ -24,8 +24,8 @@ from f8tensor.block_quantizers import (
     moment_quantizer,
     weight_gather_quantizer,
 )
-from f8tensor.scaling import block_amax, tensor_amax
-from f8tensor.specs import CastSpec
+from f8tensor.quant.scaling import block_amax, tensor_amax
+from f8tensor.quant.specs import CastSpec
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0

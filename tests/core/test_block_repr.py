@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from f8tensor import BLOCK_1x128, BLOCK_128x128, BlockGranularity, Float8Tensor, Granularity, MX_1x32
-from f8tensor.specs import layout_block, spec_block
+from f8tensor.quant.specs import layout_block, spec_block
 from tests.helpers import assert_bitwise_equal_f8, assert_consistent
 
 E8M0 = torch.float8_e8m0fnu

@@ -353,7 +353,7 @@ def test_repr_transposed_rowwise_3d():
 def test_axiswise_amax_matches_one_pass_aminmax(hp_dtype, shape):
     # tensor_amax takes amin and amax separately along a dim on CPU (faster there than
     # aminmax): the same bits as the one-pass reduction, NaN, inf, -0.0 and zero rows included.
-    from f8tensor.scaling import tensor_amax
+    from f8tensor.quant.scaling import tensor_amax
 
     x = (torch.randn(shape) * 10).to(hp_dtype)
     flat = x.view(-1)

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from f8tensor import FLOAT8_DTYPES, FORMATS, Float8Tensor
-from f8tensor.scaling import EPS
+from f8tensor.quant.scaling import EPS
 
 # fp32 rounding in x * scale and data / scale, relative.
 FP32_SLACK = 2.0**-21

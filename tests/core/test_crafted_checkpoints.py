@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from f8tensor import BLOCK_1x128, BlockGranularity, Float8Tensor, GemmConfig, MX_1x32
-from f8tensor.formats import E8M0
+from f8tensor.quant.formats import E8M0
 from f8tensor.tensor import _SERIAL_VERSION, _rebuild_float8_tensor
 
 FIXTURE = pathlib.Path(__file__).resolve().parents[1] / "data" / "float8_tensor_v0.pt"

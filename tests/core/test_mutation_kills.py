@@ -10,8 +10,8 @@ import pytest
 import torch
 from helpers import dtype_name
 
-from f8tensor import formats
-from f8tensor.formats import FLOAT8_DTYPES, FORMATS, Float8Format
+from f8tensor.quant import formats
+from f8tensor.quant.formats import FLOAT8_DTYPES, FORMATS, Float8Format
 
 # ------------------------------------------------------------ formats: the import-time tables
 #
@@ -127,6 +127,6 @@ def test_check_hp_dtype_names_the_input_by_default():
     ],
 )
 def test_axiswise_dim_from_the_block_definition(block, expected):
-    from f8tensor.specs import axiswise_dim
+    from f8tensor.quant.specs import axiswise_dim
 
     assert axiswise_dim(block) == expected

@@ -16,9 +16,9 @@ from helpers import (
     float_bits,
 )
 
-from f8tensor import FLOAT8_DTYPES, Float8Tensor, GemmConfig, ops
-from f8tensor.specs import CastSpec
-from f8tensor.tensor import to_float8
+from f8tensor import FLOAT8_DTYPES, Float8Tensor, GemmConfig
+from f8tensor.quant.specs import CastSpec
+from f8tensor.tensor import ops, to_float8
 
 # A non-default config and dtype, so that dropped metadata shows.
 GEMM = GemmConfig(out_dtype=torch.float32, pad_inner_dim=True)

@@ -20,10 +20,10 @@ from helpers import (
 )
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from f8tensor import FLOAT8_DTYPES, FORMATS, Float8Tensor, GemmConfig, float8_mm, product_ops, sqnr
-from f8tensor.fp4 import Float4Tensor
-from f8tensor.specs import CastSpec
-from f8tensor.tensor import to_float8
+from f8tensor import FLOAT8_DTYPES, FORMATS, Float8Tensor, GemmConfig, float8_mm, sqnr
+from f8tensor.quant.specs import CastSpec
+from f8tensor.tensor import product_ops, to_float8
+from f8tensor.tensor.fp4 import Float4Tensor
 
 aten = torch.ops.aten
 

@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 
-from f8tensor import scaling
+from f8tensor.quant import scaling
 
 E4M3, E5M2, E8M0 = torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu
 
@@ -219,7 +219,7 @@ def test_materialized_under_tracing_lays_a_plain_tensor_out_where_computed(monke
 
 def test_expand_block_scale_of_a_tensorwise_scale_broadcasts():
     # A 0-dim scale with the tensorwise block: nothing to expand (tutorial 08 reads it so).
-    from f8tensor.scaling import expand_block_scale
+    from f8tensor.quant.scaling import expand_block_scale
     from f8tensor.tensor import Float8Tensor
 
     x = torch.randn(32, 64)

@@ -9,8 +9,8 @@ import re
 import pytest
 import torch
 
-from f8tensor import specs
-from f8tensor.specs import BlockGranularity, CastSpec, GemmConfig, Granularity
+from f8tensor.quant import specs
+from f8tensor.quant.specs import BlockGranularity, CastSpec, GemmConfig, Granularity
 
 E4M3, E8M0 = torch.float8_e4m3fn, torch.float8_e8m0fnu
 

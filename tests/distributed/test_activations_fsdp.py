@@ -20,7 +20,7 @@ from helpers import free_port, init_gloo, run_processes
 from torch import nn
 
 from f8tensor import Float8LinearConfig, convert_to_float8_training, save_activations_in_float8, sqnr
-from f8tensor.block_quantizers import BlockQuantizer
+from f8tensor.quant.block_quantizers import BlockQuantizer
 
 D, TOKENS, WORLD = 128, 256, 2  # TOKENS per rank
 

@@ -44,7 +44,7 @@ from f8tensor import (
     compat,
     precompute_float8_scales_for_fsdp,
 )
-from f8tensor.scaling import tensor_amax
+from f8tensor.quant.scaling import tensor_amax
 from f8tensor.tensor import cast_to_float8
 
 DIMS = (32, 64, 16, 1)
@@ -261,7 +261,7 @@ def test_rowwise_gathered_weight_backward_folds_its_row_scales():
     """The weight FSDP hands over after a rowwise FP8 all-gather (one scale per row) gives
     grad_x through (g / s) @ W8: as accurate as one process casting the fp32 weight per
     column (measured 28.6-28.7 dB both, against fp64), in grad_output's dtype."""
-    from f8tensor.linear_autograd import LinearArgs, QuantizedLinearFn
+    from f8tensor.nn.linear_autograd import LinearArgs, QuantizedLinearFn
     from f8tensor.tensor import to_float8
 
     cfg = _config("rowwise")
@@ -507,9 +507,9 @@ def _gathered_matches_single_process_cast(model: nn.Module, recipe: str) -> list
     one process as the recipe's definition states it (test_orientation.ref_cast, not the
     operand_spec under test; delayed: with the scale of the layer's history, which the
     gather used)?"""
-    from f8tensor.config import CastSpec
     from f8tensor.kernels import cast
-    from f8tensor.scaling import delayed_scale
+    from f8tensor.quant.config import CastSpec
+    from f8tensor.quant.scaling import delayed_scale
     from tests.block_reference import RECIPES as DEFINITION
     from tests.block_reference import operand_block, ref_cast
 

@@ -37,8 +37,8 @@ from f8tensor import (
     Float8Tensor,
     precompute_float8_scales_for_fsdp,
 )
-from f8tensor.block_quantizers import weight_gather_quantizer
 from f8tensor.kernels import cast
+from f8tensor.quant.block_quantizers import weight_gather_quantizer
 
 BATCH = 4  # rows per rank
 LR = 0.05

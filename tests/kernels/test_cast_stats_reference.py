@@ -16,9 +16,9 @@ import pytest
 import torch
 from helpers import dtype_name
 
-from f8tensor.formats import E8M0, FLOAT8_DTYPES
 from f8tensor.kernels import reference
-from f8tensor.specs import CastSpec
+from f8tensor.quant.formats import E8M0, FLOAT8_DTYPES
+from f8tensor.quant.specs import CastSpec
 
 E4M3 = torch.float8_e4m3fn
 FIELDS = {name: i for i, name in enumerate(reference.CAST_STATS_FIELDS)}

@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 import torch
 
-from f8tensor.fp4 import Float4Tensor
 from f8tensor.kernels.fp4 import (
     E2M1_VALUES,
     FP4Spec,
@@ -24,6 +23,7 @@ from f8tensor.kernels.fp4 import (
     pack_e2m1,
     unpack_e2m1,
 )
+from f8tensor.tensor.fp4 import Float4Tensor
 
 md = pytest.importorskip("ml_dtypes")
 

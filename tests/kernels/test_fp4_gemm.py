@@ -9,11 +9,11 @@ import torch
 
 import f8tensor  # noqa: F401  (fills the op tables)
 from f8tensor import Float8Tensor
-from f8tensor.fp4 import Float4Tensor
 from f8tensor.gemm import matmul
 from f8tensor.gemm.blocks import _fp4_kernel_args, _swizzle_32_4_4
 from f8tensor.gemm.operands import prepare_fp4
 from f8tensor.gemm.rules import BLOCK_SCALED_MM_RULES, FP4_SCALED_MM_RULES, fp4_rule_for
+from f8tensor.tensor.fp4 import Float4Tensor
 
 
 def sqnr(ref: torch.Tensor, approx: torch.Tensor) -> float:

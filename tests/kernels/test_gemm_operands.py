@@ -14,12 +14,12 @@ import torch
 from helpers import bits, dequantized, float_bits
 
 from f8tensor import GemmConfig
-from f8tensor.fp4 import Float4Tensor, to_float4
 from f8tensor.gemm import operands
 from f8tensor.gemm.operands import BLOCKS, DENSE, GROUPED, prepare, prepare_fp4, requantize
 from f8tensor.kernels.fp4 import FP4Spec
-from f8tensor.specs import CastSpec
+from f8tensor.quant.specs import CastSpec
 from f8tensor.tensor import Float8Tensor, to_float8
+from f8tensor.tensor.fp4 import Float4Tensor, to_float4
 
 E4M3, E5M2, E8M0 = torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu
 GEMM = GemmConfig(out_dtype=torch.float32, pad_inner_dim=True)

@@ -25,10 +25,10 @@ import math
 import pytest
 import torch
 
-import f8tensor.linear_autograd
 import f8tensor.moe.autograd
+import f8tensor.nn.linear_autograd
 from f8tensor import Float8Linear, Float8LinearConfig, Float8Tensor, float8_grouped_mm
-from f8tensor.fp4 import is_float4
+from f8tensor.tensor.fp4 import is_float4
 from tests.block_reference import E4M3, E5M2, E8M0, GEMMS, RECIPES, operand_block, ref_cast, spiky  # noqa: F401
 from tests.helpers import assert_sqnr
 
@@ -68,8 +68,8 @@ def _linear_run(monkeypatch, recipe: str, m: int = 256, k: int = 384, n: int = 1
     with torch.no_grad():
         layer.weight.copy_(w)
     fp8 = Float8Linear.from_float(layer, Float8LinearConfig.from_recipe(recipe))
-    recorder = _Recorder(f8tensor.linear_autograd.matmul)
-    monkeypatch.setattr(f8tensor.linear_autograd, "matmul", recorder)
+    recorder = _Recorder(f8tensor.nn.linear_autograd.matmul)
+    monkeypatch.setattr(f8tensor.nn.linear_autograd, "matmul", recorder)
     xr = x.clone().requires_grad_()
     fp8(xr).backward(gy)
     names = ["output", "grad_input"] + ([] if recipe == "rowwise_with_gw_hp" else ["grad_weight"])
@@ -233,8 +233,8 @@ def _grouped_expert_step(monkeypatch, recipe: str, mkn: tuple[int, int, int], se
     offs = torch.tensor([m // 2, m], dtype=torch.int32)
     x, gy = spiky((m, k), seed), spiky((m, n), seed + 1)
     w = torch.stack([spiky((k, n), seed + 2 + e) for e in range(2)])
-    recorder = _Recorder(f8tensor.linear_autograd.matmul)
-    monkeypatch.setattr(f8tensor.linear_autograd, "matmul", recorder)
+    recorder = _Recorder(f8tensor.nn.linear_autograd.matmul)
+    monkeypatch.setattr(f8tensor.nn.linear_autograd, "matmul", recorder)
     xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
     float8_grouped_mm(xr, wr, offs, Float8LinearConfig.from_recipe(recipe)).backward(gy)
     return x, gy, w, recorder

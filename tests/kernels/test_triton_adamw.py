@@ -25,9 +25,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 pytest.importorskip("triton", reason="the fused AdamW step needs triton (it ships with CUDA builds of torch)")
 
 from f8tensor import optim
-from f8tensor.block_quantizers import moment_quantizer
 from f8tensor.kernels import triton_adamw
 from f8tensor.optim import AdamW
+from f8tensor.quant.block_quantizers import moment_quantizer
 
 FP8 = torch.float8_e4m3fn
 STATE_DTYPES = (torch.float32, torch.bfloat16, FP8)

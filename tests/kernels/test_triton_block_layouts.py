@@ -17,9 +17,9 @@ from helpers import interpreter_problem, skip_without_interpreter
 pytest.importorskip("triton", reason="the fused casts need triton (it ships with CUDA builds of torch)")
 
 from f8tensor import kernels
-from f8tensor.config import CastSpec
-from f8tensor.formats import FLOAT8_DTYPES
 from f8tensor.kernels import reference, triton_cast, triton_dequantize
+from f8tensor.quant.config import CastSpec
+from f8tensor.quant.formats import FLOAT8_DTYPES
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 HP_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

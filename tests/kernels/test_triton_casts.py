@@ -20,10 +20,10 @@ from helpers import interpreter_problem, skip_without_interpreter
 pytest.importorskip("triton", reason="the fused casts need triton (it ships with CUDA builds of torch)")
 
 from f8tensor import kernels
-from f8tensor.config import CastSpec
-from f8tensor.formats import E8M0, FLOAT8_DTYPES, FORMATS
 from f8tensor.kernels import reference, triton_cast
-from f8tensor.scaling import inverse_scale_of
+from f8tensor.quant.config import CastSpec
+from f8tensor.quant.formats import E8M0, FLOAT8_DTYPES, FORMATS
+from f8tensor.quant.scaling import inverse_scale_of
 
 E4M3 = torch.float8_e4m3fn
 HP_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from f8tensor import RECIPES, Float8Linear, Float8LinearConfig, save_activations_in_float8
-from f8tensor.block_quantizers import BlockQuantizer
+from f8tensor.quant.block_quantizers import BlockQuantizer
 from f8tensor.stats import alive_tensor_bytes, saved_tensor_bytes
 
 M, K, N = 512, 256, 256

@@ -18,15 +18,9 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 from torch.utils.checkpoint import checkpoint
 
-from f8tensor import (
-    Float8LinearConfig,
-    Float8Tensor,
-    activations,
-    convert_to_float8_training,
-    save_activations_in_float8,
-    sqnr,
-)
-from f8tensor.block_quantizers import BlockQuantizer
+from f8tensor import Float8LinearConfig, Float8Tensor, convert_to_float8_training, save_activations_in_float8, sqnr
+from f8tensor.nn import activations
+from f8tensor.quant.block_quantizers import BlockQuantizer
 
 D, TOKENS = 128, 2048
 

@@ -21,10 +21,11 @@ from torch import nn
 
 pytest.importorskip("triton", reason="the fused casts need triton (it ships with CUDA builds of torch)")
 
-from f8tensor import activations, kernels, save_activations_in_float8
-from f8tensor.block_quantizers import BlockQuantizer
-from f8tensor.config import CastSpec
+from f8tensor import kernels, save_activations_in_float8
 from f8tensor.kernels import reference, triton_cast
+from f8tensor.nn import activations
+from f8tensor.quant.block_quantizers import BlockQuantizer
+from f8tensor.quant.config import CastSpec
 
 KERNELS = (
     "amax_partials_kernel",

@@ -10,7 +10,7 @@ from helpers import assert_sqnr
 from torch import nn
 
 from f8tensor import save_activations_in_float8
-from f8tensor.block_quantizers import BlockQuantizer
+from f8tensor.quant.block_quantizers import BlockQuantizer
 
 D, TOKENS = 128, 512
 

@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from f8tensor import Float8Linear, Float8LinearConfig, convert_to_float8_training, convert_with_policy
-from f8tensor.attention import Float8AttentionWeight
+from f8tensor.nn.attention import Float8AttentionWeight
 from tests.helpers import RanFP8, assert_sqnr
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -6,7 +6,7 @@ LayerNorm -> fc1 -> GELU -> fc2 -> residual), bf16 autocast, tensorwise or delay
 inductor re-derived the column-major copy of that saved input from the bf16 activation in
 tiled loops fused into one large kernel, and wrote NaN bytes for the proj and fc1 inputs:
 their weight gradients were NaN (each half of the block alone compiled correctly). See
-``f8tensor.quantizers.column_major_copy``.
+``f8tensor.quant.quantizers.column_major_copy``.
 """
 
 from __future__ import annotations

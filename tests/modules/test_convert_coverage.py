@@ -13,7 +13,7 @@ from helpers import assert_sqnr
 from torch import nn
 
 from f8tensor import Float8Linear, Float8LinearConfig, convert_to_float8_training
-from f8tensor.linear import Float8Conv1D
+from f8tensor.nn.linear import Float8Conv1D
 
 # One FP8 linear against fp32: output and gradients (cf. tests/modules/test_linear.py).
 OUTPUT_MIN_DB = 25.0

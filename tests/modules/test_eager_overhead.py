@@ -36,8 +36,8 @@ import pytest
 import torch
 
 from f8tensor import compat
-from f8tensor.formats import E8M0, FORMATS
-from f8tensor.scaling import EPS, _floor_pow2_f64, amax_to_e8m0_scale, amax_to_scale
+from f8tensor.quant.formats import E8M0, FORMATS
+from f8tensor.quant.scaling import EPS, _floor_pow2_f64, amax_to_e8m0_scale, amax_to_scale
 
 BENCH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
 

@@ -410,7 +410,7 @@ def test_matching_recipe_exports_the_bytes_the_training_forward_multiplies(recip
     # product, against the file: the same FP8 bytes, and scales the exact inverses.
     from safetensors.torch import load_file
 
-    import f8tensor.linear_autograd
+    import f8tensor.nn.linear_autograd
 
     torch.manual_seed(0)
     model = _llama().float()
@@ -419,13 +419,13 @@ def test_matching_recipe_exports_the_bytes_the_training_forward_multiplies(recip
     )
     layer = model.model.layers[0].mlp.down_proj
     seen = []
-    real = f8tensor.linear_autograd.matmul
+    real = f8tensor.nn.linear_autograd.matmul
 
     def recording(a, b, *args, **kwargs):
         seen.append(b)
         return real(a, b, *args, **kwargs)
 
-    monkeypatch.setattr(f8tensor.linear_autograd, "matmul", recording)
+    monkeypatch.setattr(f8tensor.nn.linear_autograd, "matmul", recording)
     x = torch.randn(2, 128, layer.in_features)
     with torch.no_grad():
         layer(x)

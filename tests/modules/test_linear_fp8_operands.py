@@ -18,11 +18,12 @@ import torch
 from helpers import assert_consistent, assert_sqnr, dequantized
 from torch import nn
 
-from f8tensor import BlockGranularity, CastConfig, Float8Linear, Float8LinearConfig, GemmConfig, linear_autograd
-from f8tensor.linear import _DELAYED_BUFFERS
-from f8tensor.linear_autograd import LinearArgs, QuantizedLinearFn
-from f8tensor.quantizers import DelayedBuffers
-from f8tensor.specs import CastSpec
+from f8tensor import BlockGranularity, CastConfig, Float8Linear, Float8LinearConfig, GemmConfig
+from f8tensor.nn import linear_autograd
+from f8tensor.nn.linear import _DELAYED_BUFFERS
+from f8tensor.nn.linear_autograd import LinearArgs, QuantizedLinearFn
+from f8tensor.quant.quantizers import DelayedBuffers
+from f8tensor.quant.specs import CastSpec
 from f8tensor.tensor import Float8Tensor, to_float8
 
 E4M3 = torch.float8_e4m3fn

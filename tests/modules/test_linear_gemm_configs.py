@@ -15,9 +15,10 @@ import torch
 from helpers import assert_sqnr
 from torch import nn
 
-from f8tensor import CastConfig, Float8Linear, Float8LinearConfig, GemmConfig, linear_autograd
-from f8tensor.config import GEMMS
+from f8tensor import CastConfig, Float8Linear, Float8LinearConfig, GemmConfig
 from f8tensor.kernels import reference
+from f8tensor.nn import linear_autograd
+from f8tensor.quant.config import GEMMS
 from f8tensor.tensor import to_float8
 
 E4M3 = torch.float8_e4m3fn

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from f8tensor import Float8Linear, Float8LinearConfig, convert_to_float8_training
-from f8tensor.config import CastConfig
 from f8tensor.moe import Float8ExpertWeight, expert_path, float8_grouped_mm, per_expert_loop
+from f8tensor.quant.config import CastConfig
 from tests.helpers import assert_sqnr
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from f8tensor import Float8LinearConfig, float8_grouped_mm
 from f8tensor.moe import _ExpertBmmFn
-from f8tensor.scaling import segment_amax
+from f8tensor.quant.scaling import segment_amax
 from tests.helpers import assert_sqnr
 
 aten = torch.ops.aten

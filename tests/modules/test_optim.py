@@ -9,10 +9,11 @@ import pytest
 import torch
 from torch import nn
 
-from f8tensor import convert_to_float8_training, optim_draws
+from f8tensor import convert_to_float8_training
 from f8tensor.kernels import dequantize
 from f8tensor.optim import FP8_BLOCK, NOISE_PERIOD, AdamW
-from f8tensor.optim_master import join_master, split_master
+from f8tensor.optim import draws as optim_draws
+from f8tensor.optim.master import join_master, split_master
 
 FP8 = torch.float8_e4m3fn
 

@@ -19,8 +19,10 @@ from torch import nn
 from torch._dynamo.testing import CompileCounter
 from torch._dynamo.utils import counters
 
-from f8tensor import compat, optim, optim_draws, optim_master
+from f8tensor import compat, optim
 from f8tensor.optim import COMPILE_MIN_NUMEL, AdamW
+from f8tensor.optim import draws as optim_draws
+from f8tensor.optim import master as optim_master
 
 FP8 = torch.float8_e4m3fn
 MODES = [

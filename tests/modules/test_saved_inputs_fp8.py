@@ -16,9 +16,9 @@ import pytest
 import torch
 from torch import nn
 
-import f8tensor.linear_autograd
+import f8tensor.nn.linear_autograd
 from f8tensor import Float8Linear, Float8LinearConfig
-from f8tensor.quantizers import Quantizer
+from f8tensor.quant.quantizers import Quantizer
 from f8tensor.stats import sqnr
 from f8tensor.tensor import Float8Tensor, dequantize, to_float8
 
@@ -59,7 +59,7 @@ def _step(recipe: str, *, weight_grad: bool = True, seed: int = 0):
 
 
 def _keep_bf16_input(monkeypatch):
-    monkeypatch.setattr(f8tensor.linear_autograd, "_records_backward", lambda ctx: False)
+    monkeypatch.setattr(f8tensor.nn.linear_autograd, "_records_backward", lambda ctx: False)
 
 
 @pytest.mark.parametrize("recipe", FP8_RECIPES)

@@ -29,7 +29,7 @@ from f8tensor import (
     format_float8_stats,
     saturation_bound,
 )
-from f8tensor.scaling import amax_to_scale
+from f8tensor.quant.scaling import amax_to_scale
 from f8tensor.tensor import CAST_STATS_FIELDS, cast_to_float8, cast_to_float8_with_stats
 
 # expecttest is absent from some environments (a GPU machine's stock Python): skip, do not error.

@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import f8tensor
 from f8tensor import Float8Linear, Float8LinearConfig, convert_to_float8_training, reuse_weight_casts
-from f8tensor.weight_cache import weight_casts_of
+from f8tensor.nn.weight_cache import weight_casts_of
 
 REUSABLE = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise", "mxfp8")
 K = 128  # whole 1x128 / 128x128 blocks for every recipe
@@ -273,7 +273,7 @@ def test_hugging_face_conv1d_keys_on_its_parameter():
     # Float8Conv1D hands the product a fresh transposed view each forward: the cache keys on
     # the (in, out) Parameter itself, so the view's cast is reused, and dropped when it changes.
     pytorch_utils = pytest.importorskip("transformers.pytorch_utils")
-    from f8tensor.linear import Float8Conv1D
+    from f8tensor.nn.linear import Float8Conv1D
 
     torch.manual_seed(0)
     conv = pytorch_utils.Conv1D(K, K).bfloat16()

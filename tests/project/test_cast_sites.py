@@ -37,17 +37,17 @@ RAW_CASTS = frozenset(
         "f8tensor.kernels.reference.block_scale",
         "f8tensor.kernels.fp4.cast_fp4",
         "f8tensor.kernels.fp4.dequantize_fp4",
-        "f8tensor.tensor.to_float8",
-        "f8tensor.tensor.to_float8_for_gemm",
-        "f8tensor.tensor.to_float8_with_stats",
-        "f8tensor.tensor.cast_to_float8",
-        "f8tensor.tensor.cast_to_float8_with_stats",
-        "f8tensor.tensor.Float8Tensor.from_hp",
+        "f8tensor.tensor.float8.to_float8",
+        "f8tensor.tensor.float8.to_float8_for_gemm",
+        "f8tensor.tensor.float8.to_float8_with_stats",
+        "f8tensor.tensor.float8.cast_to_float8",
+        "f8tensor.tensor.float8.cast_to_float8_with_stats",
+        "f8tensor.tensor.float8.Float8Tensor.from_hp",
         "f8tensor.Float8Tensor.from_hp",
-        "f8tensor.fp4.to_float4",
-        "f8tensor.fp4.to_float4_with_stats",
-        "f8tensor.fp4.from_hp_fp4",
-        "f8tensor.fp4.Float4Tensor.from_hp",
+        "f8tensor.tensor.fp4.to_float4",
+        "f8tensor.tensor.fp4.to_float4_with_stats",
+        "f8tensor.tensor.fp4.from_hp_fp4",
+        "f8tensor.tensor.fp4.Float4Tensor.from_hp",
         "f8tensor.Float4Tensor.from_hp",
     }
 )
@@ -58,26 +58,26 @@ CAST_MODULES = ("f8tensor/kernels/",)
 #: module -> the raw casts it may name (exactly these), and why.
 ALLOWED: dict[str, frozenset[str]] = {
     # The quantizer layer: the linear's roles and the one entry point of GEMM operand casts.
-    "f8tensor/quantizers.py": frozenset(
-        {"f8tensor.tensor.to_float8_for_gemm", "f8tensor.tensor.to_float8_with_stats",
-         "f8tensor.fp4.to_float4", "f8tensor.fp4.to_float4_with_stats"}
+    "f8tensor/quant/quantizers.py": frozenset(
+        {"f8tensor.tensor.float8.to_float8_for_gemm", "f8tensor.tensor.float8.to_float8_with_stats",
+         "f8tensor.tensor.fp4.to_float4", "f8tensor.tensor.fp4.to_float4_with_stats"}
     ),
     # The quantizer layer: the roles kept as raw bytes and scales.
-    "f8tensor/block_quantizers.py": frozenset(
+    "f8tensor/quant/block_quantizers.py": frozenset(
         {"f8tensor.kernels.cast", "f8tensor.kernels.dequantize", "f8tensor.kernels.block_scale"}
     ),
     # The tensor classes: their own casts (from_hp, to_float8, ...) wrap the raw ones.
-    "f8tensor/tensor.py": frozenset(
+    "f8tensor/tensor/float8.py": frozenset(
         {"f8tensor.kernels.cast", "f8tensor.kernels.cast_for_gemm", "f8tensor.kernels.cast_with_stats",
          "f8tensor.kernels.dequantize"}
     ),
-    "f8tensor/fp4.py": frozenset({"f8tensor.kernels.fp4.cast_fp4", "f8tensor.kernels.fp4.dequantize_fp4"}),
+    "f8tensor/tensor/fp4.py": frozenset({"f8tensor.kernels.fp4.cast_fp4", "f8tensor.kernels.fp4.dequantize_fp4"}),
     # Below the quantizer layer (they cannot import it): the products' own re-casts. An
     # FP8 output with the caller's scale (float8_mm); an operand re-cast in the block or
     # format its kernel takes; copy_ of a high-precision tensor into a Float8Tensor.
-    "f8tensor/gemm/front.py": frozenset({"f8tensor.tensor.to_float8"}),
-    "f8tensor/gemm/operands.py": frozenset({"f8tensor.tensor.to_float8", "f8tensor.fp4.to_float4"}),
-    "f8tensor/ops.py": frozenset({"f8tensor.tensor.to_float8"}),
+    "f8tensor/gemm/front.py": frozenset({"f8tensor.tensor.float8.to_float8"}),
+    "f8tensor/gemm/operands.py": frozenset({"f8tensor.tensor.float8.to_float8", "f8tensor.tensor.fp4.to_float4"}),
+    "f8tensor/tensor/ops.py": frozenset({"f8tensor.tensor.float8.to_float8"}),
 }
 
 
@@ -128,8 +128,8 @@ def test_the_check_resolves_names_through_imports():
         "import torch\n"
         "from f8tensor import kernels\n"
         "from f8tensor.kernels import dequantize as back\n"
-        "import f8tensor.tensor as T\n"
-        "from f8tensor.tensor import Float8Tensor, dequantize\n"
+        "import f8tensor.tensor.float8 as T\n"
+        "from f8tensor.tensor.float8 import Float8Tensor, dequantize\n"
         "def f(x, spec):\n"
         "    cast(int, x); torch.cast = 1; dequantize(x)\n"
         "    kernels.cast(x, spec); back(x, x, (), None); T.to_float8(x, spec)\n"
@@ -138,8 +138,8 @@ def test_the_check_resolves_names_through_imports():
     assert raw_casts_named(source, "f8tensor") == {
         "f8tensor.kernels.cast",
         "f8tensor.kernels.dequantize",
-        "f8tensor.tensor.to_float8",
-        "f8tensor.tensor.Float8Tensor.from_hp",
+        "f8tensor.tensor.float8.to_float8",
+        "f8tensor.tensor.float8.Float8Tensor.from_hp",
     }
     assert raw_casts_named("from .kernels import cast\n", "f8tensor.moe") == set()
     assert raw_casts_named("from ..kernels import cast\n", "f8tensor.moe") == {"f8tensor.kernels.cast"}

@@ -12,9 +12,9 @@ import torch
 from helpers import demo_table
 
 import f8tensor
-from f8tensor import demo_report
 from f8tensor.demo import ABLATIONS
-from f8tensor.demo_report import RunResult, ema, format_table, table_notes
+from f8tensor.demo import report as demo_report
+from f8tensor.demo.report import RunResult, ema, format_table, table_notes
 
 CPU = torch.device("cpu")
 

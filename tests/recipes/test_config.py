@@ -23,9 +23,9 @@ from f8tensor import (
     NVFP4_1x16,
     ScalingType,
 )
-from f8tensor import config as config_module
-from f8tensor.config import MAX_HISTORY_LEN, CastSpec, max_margin
-from f8tensor.recipes import RECIPE_FIELDS
+from f8tensor.quant import config as config_module
+from f8tensor.quant.config import MAX_HISTORY_LEN, CastSpec, max_margin
+from f8tensor.quant.recipes import RECIPE_FIELDS
 
 from linear_utils import RECIPE_NAMES
 

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from f8tensor import BlockGranularity, CastConfig, Float8Linear, Float8LinearConfig, gemm
-from f8tensor.config import DelayedScalingConfig
+from f8tensor.quant.config import DelayedScalingConfig
 from tests.helpers import assert_sqnr
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny GEMMs: threads only add waiting

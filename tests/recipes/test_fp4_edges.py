@@ -22,7 +22,7 @@ from f8tensor import (
     convert_to_float8_training,
 )
 from f8tensor.compat import scaled_mm
-from f8tensor.hadamard import apply_rht, rht_signs
+from f8tensor.quant.hadamard import apply_rht, rht_signs
 
 
 def sqnr(ref: torch.Tensor, approx: torch.Tensor) -> float:

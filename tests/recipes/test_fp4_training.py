@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import f8tensor
-import f8tensor.quantizers
+import f8tensor.quant.quantizers
 from f8tensor import (
     FP4_CAST_DTYPE,
     CastConfig,
@@ -27,9 +27,9 @@ from f8tensor import (
     keep_last_blocks_in_hp,
     set_forward_in_high_precision,
 )
-from f8tensor.hadamard import apply_rht
 from f8tensor.kernels.fp4 import FP4Spec, cast_fp4
-from f8tensor.quantizers import cast_gemm_operand
+from f8tensor.quant.hadamard import apply_rht
+from f8tensor.quant.quantizers import cast_gemm_operand
 
 
 def sqnr(ref: torch.Tensor, approx: torch.Tensor) -> float:
@@ -109,13 +109,13 @@ def test_layer_transforms_both_wgrad_operands_with_one_rotation(monkeypatch):
     along the tokens, the contraction dim, for both): their product is ``g.t() @ x`` up to
     fp32 rounding, and without ``hadamard_wgrad`` the operands are ``g`` and ``x`` as they are."""
     seen = []
-    real = f8tensor.quantizers.cast_gemm_operand
+    real = f8tensor.quant.quantizers.cast_gemm_operand
 
     def recording(hp, cast, contracted_dim, *args, **kwargs):
         seen.append((hp.detach().clone(), contracted_dim))
         return real(hp, cast, contracted_dim, *args, **kwargs)
 
-    monkeypatch.setattr(f8tensor.quantizers, "cast_gemm_operand", recording)
+    monkeypatch.setattr(f8tensor.quant.quantizers, "cast_gemm_operand", recording)
     torch.manual_seed(0)
     x = torch.randn(64, 128)
     x[torch.arange(5, 64, 16)] *= 20  # token outliers: a transform that skipped one operand would show

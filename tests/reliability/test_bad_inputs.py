@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-import f8tensor.linear_autograd
+import f8tensor.nn.linear_autograd
 import f8tensor.tensor
 from f8tensor import (
     BLOCK_1x128,
@@ -332,13 +332,13 @@ def test_all_fnuz_config_is_fine(monkeypatch):
     # The layer trains with it: each of its three GEMMs multiplies fnuz casts (the CPU
     # reference re-casts them for its kernel), at the formats' accuracy.
     products = []
-    real = f8tensor.linear_autograd.matmul
+    real = f8tensor.nn.linear_autograd.matmul
 
     def recorded(a, b, *args, **kwargs):
         products.append((a._data.dtype, b._data.dtype))
         return real(a, b, *args, **kwargs)
 
-    monkeypatch.setattr(f8tensor.linear_autograd, "matmul", recorded)
+    monkeypatch.setattr(f8tensor.nn.linear_autograd, "matmul", recorded)
     torch.manual_seed(0)
     ref = nn.Linear(32, 16)
     layer = Float8Linear.from_float(copy.deepcopy(ref), config)

@@ -147,7 +147,7 @@ def test_two_layer_mlp_compiles_with_dynamic_shapes(recipe):
 def test_eps_literals_equal_eps():
     import inspect
 
-    from f8tensor import scaling
+    from f8tensor.quant import scaling
 
     assert scaling.EPS == 2.0**-100
     assert inspect.getsource(scaling).count("clamp(min=2.0**-100)") == 3

@@ -21,10 +21,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-from f8tensor.formats import FLOAT8_DTYPES, FORMATS
-from f8tensor.hadamard import check_rht_seed
-from f8tensor.recipes import CAST_ROLES, RECIPE_FIELDS
-from f8tensor.specs import (  # noqa: F401  (the vocabulary, re-exported: importable from here as before)
+from f8tensor.quant.formats import FLOAT8_DTYPES, FORMATS
+from f8tensor.quant.hadamard import check_rht_seed
+from f8tensor.quant.recipes import CAST_ROLES, RECIPE_FIELDS
+from f8tensor.quant.specs import (  # noqa: F401  (the vocabulary, re-exported: importable from here as before)
     DEFAULT_GEMM,
     E8M0_SCALE_MODES,
     FP4_BLOCKS,
@@ -101,7 +101,7 @@ class CastConfig:
     """How one operand (input, weight or grad_output) of a Float8Linear is cast.
 
     ``granularity``: ``"tensorwise"``, ``"rowwise"``, a :class:`BlockGranularity` (or a
-    block tuple), or a name of :data:`~f8tensor.specs.GRANULARITY_NAMES`. A block is written for the operand laid out as ``(rows, contracted)``:
+    block tuple), or a name of :data:`~f8tensor.quant.specs.GRANULARITY_NAMES`. A block is written for the operand laid out as ``(rows, contracted)``:
     ``(1, 128)`` tiles run along the dimension its GEMM contracts, so the same config is
     re-oriented for each of the three GEMMs (e.g. along the tokens in the weight-gradient
     GEMM). ``rounding``: ``"nearest"`` (round to nearest even, the default) or
@@ -355,7 +355,7 @@ class Float8LinearConfig:
     - ``four_over_six``: NVFP4 casts also try each block with 4 as its largest value and
       keep the encoding with the lower error.
 
-    Configs with an FP4 cast or a GEMM override run :class:`~f8tensor.linear_autograd.QuantizedLinearFn` (its per-GEMM-formats path)
+    Configs with an FP4 cast or a GEMM override run :class:`~f8tensor.nn.linear_autograd.QuantizedLinearFn` (its per-GEMM-formats path)
     (dynamic scaling only).
 
     Raises:

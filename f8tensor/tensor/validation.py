@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 
 from f8tensor.compat import is_fake
-from f8tensor.formats import E8M0, SCALE_DTYPES, check_float8_dtype, check_hp_dtype
-from f8tensor.specs import (
+from f8tensor.quant.formats import E8M0, SCALE_DTYPES, check_float8_dtype, check_hp_dtype
+from f8tensor.quant.specs import (
     DEFAULT_GEMM,
     ROUNDING_MODES,
     BlockGranularity,
@@ -245,7 +245,7 @@ def check_given_scale(
     scale: torch.Tensor | float, hp: torch.Tensor, block: tuple[int, ...], scale_dtype: torch.dtype
 ) -> torch.Tensor:
     """A scale given to ``Float8Tensor.from_hp`` for ``hp`` cast with ``block`` (a
-    :class:`~f8tensor.config.CastSpec` block: ``()`` tensorwise) and ``scale_dtype``.
+    :class:`~f8tensor.quant.config.CastSpec` block: ``()`` tensorwise) and ``scale_dtype``.
     Returns it as the cast takes it (a tensorwise scale 0-dim)."""
     if not isinstance(scale, torch.Tensor):
         # A number is an fp32 scale (range-checked in fp32); an MX granularity then refuses

@@ -1,6 +1,6 @@
 """Block quantizers: the casts whose results are kept as raw FP8 bytes and scales.
 
-A :class:`~f8tensor.quantizers.Quantizer` casts a linear's operands for its GEMMs and hands
+A :class:`~f8tensor.quant.quantizers.Quantizer` casts a linear's operands for its GEMMs and hands
 them over as Float8Tensors. The roles here keep what they cast as plain tensors (FP8 data
 and its scales, in their own state or buffers), or build a tensor from bytes a collective
 moved. Each role has one :class:`BlockQuantizer`, built from its config:
@@ -40,8 +40,8 @@ from typing import NamedTuple
 import torch
 
 from f8tensor import kernels
-from f8tensor.config import CastConfig
-from f8tensor.specs import BlockGranularity, CastSpec, Granularity, layout_block
+from f8tensor.quant.config import CastConfig
+from f8tensor.quant.specs import BlockGranularity, CastSpec, Granularity, layout_block
 
 __all__ = [
     "BlockQuantizer",
@@ -56,7 +56,7 @@ __all__ = [
 class BlockQuantizer(NamedTuple):
     """One storage role's cast and its way back.
 
-    Fields: ``spec``, the :class:`~f8tensor.specs.CastSpec` of every cast (format, block,
+    Fields: ``spec``, the :class:`~f8tensor.quant.specs.CastSpec` of every cast (format, block,
     scale dtype, rounding); ``dtype``, what :meth:`dequantize` returns unless told otherwise;
     ``rows``: the tensor is cast as ``(shape[0], numel / shape[0])``, its dim-0 rows (2 dims
     or more; the data comes back in the tensor's shape, the scales in that 2D view's).

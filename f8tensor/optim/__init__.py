@@ -3,12 +3,12 @@
 :class:`AdamW` has the defaults and the math of ``torch.optim.AdamW``; what differs is
 where the state lives (``state_dtype``: fp32, bf16, or e4m3 with one fp32 scale per 128
 elements of each dim-0 row, stochastically rounded with seeded draws,
-:mod:`f8tensor.optim_draws`) and, for bf16 parameters, how the update is written back
-(``master_weights``: :mod:`f8tensor.optim_master`). fp32 states on fp32 parameters are
+:mod:`f8tensor.optim.draws`) and, for bf16 parameters, how the update is written back
+(``master_weights``: :mod:`f8tensor.optim.master`). fp32 states on fp32 parameters are
 bit-identical to ``torch.optim.AdamW(foreach=False)``. Non-finite values propagate as in
 torch, element by element: an FP8 moment block's scale comes from its finite elements and
 a non-finite element is stored as NaN (e4m3 has no infinity). DTensor parameters (FSDP2)
-step on their local shards (:mod:`f8tensor.optim_shards`). Three paths with the same bits:
+step on their local shards (:mod:`f8tensor.optim.shards`). Three paths with the same bits:
 the torch ops (:func:`_tensor_step`), the fused Triton kernel (CUDA tensors,
 :mod:`f8tensor.kernels.triton_adamw`) and that step compiled by inductor for CPU tensors
 (``compiled=``). Measurements: BENCHMARKS.md, "Optimizer states in 8 bits".
@@ -23,12 +23,12 @@ from typing import Any, NamedTuple
 
 import torch
 
-from f8tensor.block_quantizers import BlockQuantizer, moment_quantizer
 from f8tensor.compat import cpu_compiler, unlimited_recompiles
 from f8tensor.kernels import triton_adamw
-from f8tensor.optim_draws import NOISE_PERIOD, noise_table, noise_table_at, seed, uniform
-from f8tensor.optim_master import join_master, split_master, stochastic_bf16
-from f8tensor.optim_math import (
+from f8tensor.optim.draws import NOISE_PERIOD, noise_table, noise_table_at, seed, uniform
+from f8tensor.optim.master import join_master, split_master, stochastic_bf16
+from f8tensor.optim.shards import check_fp8_placements, local_shard, row_length, row_offset, wrap_like
+from f8tensor.optim.step_math import (
     MASTER_WEIGHTS,
     STATE_DTYPES,
     TORCH_FIXED_OPTIONS,
@@ -37,8 +37,8 @@ from f8tensor.optim_math import (
     compiled_moments,
     scalars,
 )
-from f8tensor.optim_shards import check_fp8_placements, local_shard, row_length, row_offset, wrap_like
-from f8tensor.scaling import block_abs_max
+from f8tensor.quant.block_quantizers import BlockQuantizer, moment_quantizer
+from f8tensor.quant.scaling import block_abs_max
 
 __all__ = ["COMPILE_MIN_NUMEL", "FP8_BLOCK", "MASTER_WEIGHTS", "NOISE_PERIOD", "STATE_DTYPES", "AdamW"]
 
@@ -315,7 +315,7 @@ class AdamW(torch.optim.Optimizer):
     other group options, ``foreach`` and ``fused`` are accepted at any value and ignored
     (they pick torch's implementation, not the math), ``capturable=False``,
     ``differentiable=False`` and ``decoupled_weight_decay=True`` are accepted, and every
-    other value is refused naming the key (:data:`f8tensor.optim_math.TORCH_FIXED_OPTIONS`).
+    other value is refused naming the key (:data:`f8tensor.optim.step_math.TORCH_FIXED_OPTIONS`).
 
     ``fused`` and ``compiled`` (the whole optimizer): None, True or False. ``fused=None``:
     the Triton kernel for CUDA tensors; True: also CPU tensors (Triton's interpreter, slow);

@@ -6,21 +6,21 @@ operand once for the GEMM that reads it, writes the layouts its consumers read (
 ``column_major``, also the weight-gradient GEMM's column-major copy, from the same pass
 where the cast is fused), and owns the role's state: the delayed amax history and the
 step's scale, the telemetry buffer, and for the weight the reused casts of a
-``reuse_weight_casts`` scope. :class:`~f8tensor.linear_autograd.QuantizedLinearFn` holds
+``reuse_weight_casts`` scope. :class:`~f8tensor.nn.linear_autograd.QuantizedLinearFn` holds
 the three quantizers between forward and backward.
 
 Below them: :func:`cast_operand` (a role's FP8 cast, dynamic or delayed, any granularity:
 :meth:`CastConfig.operand_spec` gives each GEMM operand its :class:`CastSpec`) and
 :func:`cast_gemm_operand` (FP8 or FP4, dynamic, for configs that name a format per GEMM)
 both end in :func:`quantize`, the one cast entry point; every column-major copy of a
-cast is :func:`column_major_copy`'s (its buffer from :mod:`f8tensor.layouts`).
+cast is :func:`column_major_copy`'s (its buffer from :mod:`f8tensor.kernels.layouts`).
 
 The layer's buffers travel as :class:`DelayedBuffers` (the delayed-scaling buffers) and
 :class:`StatsBuffers` (its telemetry), each ``None`` when the config does not use it.
 
 The roles that keep raw FP8 bytes and scales rather than Float8Tensors (optimizer moments,
 saved activations, the FSDP2 and TP gathers, MoE's per-group casts, export) have their
-quantizers beside these, in :mod:`f8tensor.block_quantizers`.
+quantizers beside these, in :mod:`f8tensor.quant.block_quantizers`.
 """
 
 from __future__ import annotations
@@ -31,12 +31,12 @@ from typing import Any, NamedTuple
 import torch
 
 from f8tensor.compat import current_graph_task_id, functional_all_reduce_max
-from f8tensor.config import DEFAULT_GEMM, CastConfig, CastSpec, Float8LinearConfig, GemmConfig, is_tensorwise
-from f8tensor.fp4 import Float4Tensor, to_float4, to_float4_with_stats
 from f8tensor.kernels.fp4 import FP4Spec
-from f8tensor.layouts import to_column_major
-from f8tensor.scaling import delayed_scale, materialized, push_amax, tensor_amax
-from f8tensor.tensor import Float8Tensor, to_float8_for_gemm, to_float8_with_stats, with_inverse_scale
+from f8tensor.kernels.layouts import to_column_major
+from f8tensor.quant.config import DEFAULT_GEMM, CastConfig, CastSpec, Float8LinearConfig, GemmConfig, is_tensorwise
+from f8tensor.quant.scaling import delayed_scale, materialized, push_amax, tensor_amax
+from f8tensor.tensor.float8 import Float8Tensor, to_float8_for_gemm, to_float8_with_stats, with_inverse_scale
+from f8tensor.tensor.fp4 import Float4Tensor, to_float4, to_float4_with_stats
 
 __all__ = [
     "DelayedBuffers",
@@ -134,7 +134,7 @@ def cast_operand(
     over ``contracted_dim`` (see :meth:`CastConfig.operand_spec`).
 
     Returns the FP8 tensor; for a delayed cast the current amax, which the caller pushes
-    into ``history`` (see :class:`~f8tensor.linear_autograd.QuantizedLinearFn`), for a dynamic cast ``None``; and with
+    into ``history`` (see :class:`~f8tensor.nn.linear_autograd.QuantizedLinearFn`), for a dynamic cast ``None``; and with
     ``column_major`` (the weight-gradient GEMM's config) the tensor's column-major twin,
     written by the same cast where the cast is fused (else None).
     Delayed: the scale comes from ``history`` and is also written to ``scale_buffer``;
@@ -261,7 +261,7 @@ def column_major_copy(f8: Float8Tensor, gemm: GemmConfig | None = None) -> Float
     """``f8`` (2D) with its FP8 bytes laid out column-major: the layout the weight-gradient
     GEMM takes for both operands (it contracts over the tokens, dim 0).
 
-    Written as a copy into a column-major buffer (:func:`f8tensor.layouts.to_column_major`),
+    Written as a copy into a column-major buffer (:func:`f8tensor.kernels.layouts.to_column_major`),
     which inductor fuses into the cast that produced ``f8``: one pass over the
     high-precision tensor stores both layouts. (Left to the GEMM's operand preparation
     (``gemm.operands.col_major``), the transposed copy becomes a pass of its own that casts

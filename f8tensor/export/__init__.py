@@ -17,7 +17,7 @@ f8tensor's ``_scale`` (hp -> data): each is the fp32 reciprocal of the cast's ``
 (an e8m0 code is negated around the bias: 2**-(c - 127) is code 254 - c, exactly), so a
 loader's dequantization is ``_data.float() * reciprocal(_scale)`` bit for bit. The bytes
 come from the format's block quantizer
-(:func:`~f8tensor.block_quantizers.export_quantizer`, over the library's one cast, the one
+(:func:`~f8tensor.quant.block_quantizers.export_quantizer`, over the library's one cast, the one
 ``Float8Tensor.from_hp`` makes), applied to each weight as stored (the fp32 master where
 parameters are fp32): where the format matches the layer's recipe they are the bytes its
 training forward multiplies.
@@ -54,11 +54,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from f8tensor.block_quantizers import export_quantizer
-from f8tensor.formats import check_hp_dtype
-from f8tensor.linear import Float8Linear
 from f8tensor.moe import Float8ExpertWeight
-from f8tensor.specs import BLOCK_128x128, BlockGranularity, Granularity, MX_1x32
+from f8tensor.nn.linear import Float8Linear
+from f8tensor.quant.block_quantizers import export_quantizer
+from f8tensor.quant.formats import check_hp_dtype
+from f8tensor.quant.specs import BLOCK_128x128, BlockGranularity, Granularity, MX_1x32
 
 __all__ = ["FORMATS", "STRATEGIES", "save_fp8_pretrained"]
 

@@ -8,8 +8,8 @@ rebuild), the casts that wrap ``kernels``' raw data and scales in one
 :func:`cast_to_float8_with_stats`), and the autograd Functions into and out of it, whose
 backward passes the gradient through unchanged.
 
-Checkpoints name ``f8tensor.tensor._rebuild_float8_tensor`` (and, before it existed,
-``f8tensor.tensor.Float8Tensor``): both stay defined here.
+Checkpoints name ``f8tensor.tensor.float8._rebuild_float8_tensor`` (and, before it existed,
+``f8tensor.tensor.float8.Float8Tensor``): both stay defined here.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from typing_extensions import TypeIs
 
 from f8tensor import kernels
 from f8tensor.compat import called_by_weights_only_load, is_fake, make_wrapper_subclass
-from f8tensor.formats import E8M0, SCALE_DTYPES, check_hp_dtype
 from f8tensor.kernels import CAST_STATS_FIELDS
-from f8tensor.scaling import inverse_scale_of
-from f8tensor.specs import (
+from f8tensor.quant.formats import E8M0, SCALE_DTYPES, check_hp_dtype
+from f8tensor.quant.scaling import inverse_scale_of
+from f8tensor.quant.specs import (
     DEFAULT_GEMM,
     BlockGranularity,
     CastSpec,
@@ -36,8 +36,8 @@ from f8tensor.specs import (
     layout_block,
     spec_block,
 )
-from f8tensor.subclass import OpHandler, QuantizedTensor
-from f8tensor.validation import (
+from f8tensor.tensor.subclass import OpHandler, QuantizedTensor
+from f8tensor.tensor.validation import (
     SERIAL_VERSION,
     check_given_scale,
     check_scale_values,
@@ -105,7 +105,7 @@ class Float8Tensor(QuantizedTensor):
     - ``_orig_dtype``: the high-precision dtype (also the outer dtype).
     - ``_gemm``: the :class:`GemmConfig` used when this tensor enters a matrix product.
 
-    Derived, read-only: :attr:`_scale_block` (the block in :class:`~f8tensor.config.CastSpec`'s
+    Derived, read-only: :attr:`_scale_block` (the block in :class:`~f8tensor.quant.config.CastSpec`'s
     spelling, ``()`` for tensorwise: what the predicates of ``config`` read), and the
     public :attr:`granularity`, :attr:`axiswise_dim` (the old spelling: ``None`` for
     tensorwise, ``d`` for a block that is 0 at ``d`` and 1 elsewhere; block-scaled tensors
@@ -274,7 +274,7 @@ class Float8Tensor(QuantizedTensor):
 
     @property
     def _scale_block(self) -> tuple[int, ...]:
-        """The block in :class:`~f8tensor.config.CastSpec`'s spelling: ``()`` for a tensorwise
+        """The block in :class:`~f8tensor.quant.config.CastSpec`'s spelling: ``()`` for a tensorwise
         (0-dim) scale, else ``_block``. What the predicates of ``config`` read, and what a
         cast that reproduces this tensor's granularity is given."""
         return spec_block(self._block, self._scale.dim())
@@ -414,7 +414,7 @@ def _rebuild_float8_tensor(version: object, fields: object) -> torch.Tensor:
 
 
 class _LegacyFloat8Tensor(Float8Tensor):
-    """What ``weights_only=True`` loading knows as ``f8tensor.tensor.Float8Tensor``.
+    """What ``weights_only=True`` loading knows as ``f8tensor.tensor.float8.Float8Tensor``.
 
     Checkpoints written before :meth:`Float8Tensor.__reduce_ex__` name the class: they
     rebuild an empty wrapper of it and restore its attributes through ``__setstate__``,
@@ -595,3 +595,10 @@ class _ToHP(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
         return grad, None
+
+
+
+# Checkpoints name the class and the rebuild function by their path before the package was
+# cut by concern (f8tensor.tensor re-exports both).
+Float8Tensor.__module__ = "f8tensor.tensor"
+_rebuild_float8_tensor.__module__ = "f8tensor.tensor"

@@ -2,7 +2,7 @@
 
 Forward ``y = x @ W.t() + b``; backward ``grad_x = grad_y @ W`` and
 ``grad_W = grad_y.t() @ x``, each operand cast per the :class:`Float8LinearConfig`
-(the autograd Function is :class:`f8tensor.linear_autograd.QuantizedLinearFn`). The layers own
+(the autograd Function is :class:`f8tensor.nn.linear_autograd.QuantizedLinearFn`). The layers own
 their state: delayed-scaling buffers, telemetry buffers, and, with FP8 all-gather, a
 weight of type :class:`~f8tensor.distributed.fsdp.Float8AllGatherWeight`. Converting a
 model is ``convert.py``'s.
@@ -22,15 +22,15 @@ import torch
 from torch import nn
 
 from f8tensor.compat import dtensor_local, is_fake
-from f8tensor.config import Float8LinearConfig
 from f8tensor.distributed.fsdp import DelayedWeightSource, DTensor, Float8AllGatherWeight, wrap_weight
-from f8tensor.formats import HP_DTYPES
 from f8tensor.gemm.rules import ALIGN
 from f8tensor.kernels import CAST_STATS_FIELDS
-from f8tensor.linear_autograd import LinearArgs, QuantizedLinearFn
-from f8tensor.quantizers import DelayedBuffers, StatsBuffers
-from f8tensor.tensor import Float8Tensor
-from f8tensor.weight_cache import WeightCasts, drop_weight_casts, weight_casts_of
+from f8tensor.nn.linear_autograd import LinearArgs, QuantizedLinearFn
+from f8tensor.nn.weight_cache import WeightCasts, drop_weight_casts, weight_casts_of
+from f8tensor.quant.config import Float8LinearConfig
+from f8tensor.quant.formats import HP_DTYPES
+from f8tensor.quant.quantizers import DelayedBuffers, StatsBuffers
+from f8tensor.tensor.float8 import Float8Tensor
 
 __all__ = [
     "STATS_BUFFERS",
@@ -142,7 +142,7 @@ class Float8Linear(nn.Linear):
     operand (``amax_history_input``, ``..._weight``, ``..._grad_output``) and the input and
     weight scales of the current step (``scale_input``, ``scale_weight``), all fp32 and
     all in ``state_dict`` so a resumed run continues bit for bit. The histories grow by
-    one entry per backward (see :class:`~f8tensor.linear_autograd.QuantizedLinearFn`); forwards alone
+    one entry per backward (see :class:`~f8tensor.nn.linear_autograd.QuantizedLinearFn`); forwards alone
     leave them as is.
 
     With ``config.collect_stats`` the layer also holds ``float8_stats_input``,

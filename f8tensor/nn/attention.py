@@ -38,10 +38,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from f8tensor.compat import multi_head_attention_forward_with
-from f8tensor.config import Float8LinearConfig
-from f8tensor.linear_autograd import LinearArgs, QuantizedLinearFn
-from f8tensor.weights import RecipeWeight
-from f8tensor.weights import Unwrap as _Unwrap
+from f8tensor.nn.linear_autograd import LinearArgs, QuantizedLinearFn
+from f8tensor.quant.config import Float8LinearConfig
+from f8tensor.tensor.weights import RecipeWeight
+from f8tensor.tensor.weights import Unwrap as _Unwrap
 
 __all__ = [
     "Float8AttentionWeight",
@@ -192,7 +192,7 @@ class Float8AttentionWeight(RecipeWeight):
     Fields: ``_hp``, the plain bf16/fp16/fp32 (out, in) matrix, or a view of it;
     ``_config``, the :class:`Float8LinearConfig` its GEMMs follow (dynamic scaling; FP8 or
     per-GEMM formats). Every other op behaves as on ``_hp`` (optimizer steps, ``copy_``,
-    checkpoint loads; see :class:`~f8tensor.weights.HighPrecisionWeight`). A state dict
+    checkpoint loads; see :class:`~f8tensor.tensor.weights.HighPrecisionWeight`). A state dict
     holds the plain tensor; a parameter pickles wrapped (whole-model copies stay FP8).
 
     Raises:

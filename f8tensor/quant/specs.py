@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from f8tensor.formats import E8M0, FLOAT4_X2, FLOAT8_DTYPES, HP_DTYPES, SCALE_DTYPES
+from f8tensor.quant.formats import E8M0, FLOAT4_X2, FLOAT8_DTYPES, HP_DTYPES, SCALE_DTYPES
 
 __all__ = [
     "DEFAULT_GEMM",
@@ -168,7 +168,7 @@ MX_1x32 = BlockGranularity((1, 32), E8M0, "rceil")
 MX_1x32_FLOOR = BlockGranularity((1, 32), E8M0, "floor")
 
 
-#: The dtype of an FP4 :class:`~f8tensor.config.CastConfig` (``torch.float4_e2m1fn_x2``: packed E2M1); its
+#: The dtype of an FP4 :class:`~f8tensor.quant.config.CastConfig` (``torch.float4_e2m1fn_x2``: packed E2M1); its
 #: granularity says which FP4 format: :data:`NVFP4_1x16`, :data:`NVFP4_16x16` or :data:`MXFP4_1x32`.
 FP4_CAST_DTYPE = FLOAT4_X2
 #: NVFP4: E2M1 with one e4m3fn scale per 16 elements along K, plus an fp32 tensor scale.
@@ -258,7 +258,7 @@ class CastSpec(NamedTuple):
     - ``rounding``: ``"nearest"`` or ``"stochastic"``.
 
     A NamedTuple for the reason given at :class:`GemmConfig`. Library code builds it from
-    validated configs (:meth:`~f8tensor.config.CastConfig.operand_spec`) or from a Float8Tensor's own fields;
+    validated configs (:meth:`~f8tensor.quant.config.CastConfig.operand_spec`) or from a Float8Tensor's own fields;
     the public entry points (``Float8Tensor.from_hp``) validate what users pass.
     """
 

@@ -4,7 +4,7 @@ Under ``with f8tensor.save_activations_in_float8():`` every tensor that autograd
 backward (through ``torch.autograd.graph.saved_tensors_hooks``) and that qualifies is
 stored as FP8 data with one fp32 scale per ``block`` consecutive elements of its last dim,
 and dequantized to its own dtype when backward reads it. Each tensor is cast by its block
-quantizer (:func:`f8tensor.block_quantizers.activation_quantizer`: a block of ``(1, ...,
+quantizer (:func:`f8tensor.quant.block_quantizers.activation_quantizer`: a block of ``(1, ...,
 1, block)``, ``data = saturate(x * scale)``, dynamic scale ``float8_max / block amax``,
 round to nearest), through f8tensor's one block cast (:func:`f8tensor.kernels.cast`), and
 comes back through the same quantizer (:func:`f8tensor.kernels.dequantize`). On CUDA
@@ -103,9 +103,9 @@ from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 from typing_extensions import Self
 
-from f8tensor.block_quantizers import BlockQuantizer, activation_quantizer
 from f8tensor.compat import version_counter, view_base
-from f8tensor.formats import FLOAT8_DTYPES
+from f8tensor.quant.block_quantizers import BlockQuantizer, activation_quantizer
+from f8tensor.quant.formats import FLOAT8_DTYPES
 
 __all__ = ["COMPRESSED_DTYPES", "DEFAULT_MIN_NUMEL", "save_activations_in_float8"]
 
@@ -328,8 +328,8 @@ class save_activations_in_float8:
     ``min_numel``: the smallest tensor compressed (default :data:`DEFAULT_MIN_NUMEL`,
     an int >= 0). ``model`` and ``module_filter_fn(module, fqn) -> bool``: the per-module
     policy (``False`` keeps what that module and its submodules save as it is; see
-    :mod:`f8tensor.activations`). Which tensors are compressed, what is left alone and why:
-    see the module docstring of :mod:`f8tensor.activations`.
+    :mod:`f8tensor.nn.activations`). Which tensors are compressed, what is left alone and why:
+    see the module docstring of :mod:`f8tensor.nn.activations`.
 
     Reusable and re-entrant: each ``with`` installs a fresh pair of hooks and its own
     per-storage cache; the cache is dropped at exit (the packed copies live on in the

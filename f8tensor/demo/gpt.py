@@ -15,7 +15,7 @@ from torch import nn
 
 __all__ = ["CORPUS", "GPT", "SIZES", "VOCAB", "Size", "batch_starts", "get_batch", "keep_lm_head_in_high_precision", "load_corpus"]
 
-CORPUS = Path(__file__).resolve().parent / "data" / "corpus.txt"
+CORPUS = Path(__file__).resolve().parents[1] / "data" / "corpus.txt"
 VOCAB = 256  # byte-level: every byte is a token, no tokenizer to ship
 
 

@@ -1,6 +1,6 @@
 """Float4Tensor: packed E2M1 data with NVFP4 or MXFP4 block scales, and its layout ops.
 
-Why a sibling class rather than a new block spec on :class:`~f8tensor.tensor.Float8Tensor`:
+Why a sibling class rather than a new block spec on :class:`~f8tensor.tensor.float8.Float8Tensor`:
 
 - **The data is not the tensor's shape.** Two elements share a byte along one dim, so the
   payload of a ``(M, K)`` tensor is ``(M, K/2)``. Every layout handler of Float8Tensor
@@ -14,8 +14,8 @@ Why a sibling class rather than a new block spec on :class:`~f8tensor.tensor.Flo
   multiplier. One class with both conventions would make every reader of ``_scale`` ask
   which one it holds.
 - **What stays shared** is everything above the container: the cast specs come from the
-  same :class:`~f8tensor.config.CastConfig` (an FP4 format is a dtype plus a block
-  granularity, see :data:`~f8tensor.config.NVFP4_1x16`), the products go through the same
+  same :class:`~f8tensor.quant.config.CastConfig` (an FP4 format is a dtype plus a block
+  granularity, see :data:`~f8tensor.quant.config.NVFP4_1x16`), the products go through the same
   front door (``gemm.matmul``, one operand preparation in ``gemm/operands.py``), and the
   layers, recipes and converter are the FP8 ones.
 
@@ -45,10 +45,10 @@ import torch
 from typing_extensions import TypeIs
 
 from f8tensor.compat import make_wrapper_subclass_shaped, return_and_correct_aliasing
-from f8tensor.formats import check_hp_dtype
 from f8tensor.kernels.fp4 import FP4Spec, cast_fp4, dequantize_fp4, pack_e2m1, unpack_e2m1
-from f8tensor.specs import DEFAULT_GEMM, GemmConfig
-from f8tensor.subclass import OpHandler, QuantizedTensor
+from f8tensor.quant.formats import check_hp_dtype
+from f8tensor.quant.specs import DEFAULT_GEMM, GemmConfig
+from f8tensor.tensor.subclass import OpHandler, QuantizedTensor
 
 __all__ = ["Float4Tensor", "from_hp_fp4", "is_float4", "to_float4", "to_float4_with_stats"]
 

@@ -28,8 +28,8 @@ import torch
 from torch import nn
 
 from f8tensor.compat import disable_torch_function_subclass, make_wrapper_subclass, tree_map_only, written_arguments
-from f8tensor.formats import HP_DTYPES
-from f8tensor.tensor import Float8Tensor
+from f8tensor.quant.formats import HP_DTYPES
+from f8tensor.tensor.float8 import Float8Tensor
 
 __all__ = ["HighPrecisionWeight", "Unwrap", "WriteCount", "check_dtype_change"]
 

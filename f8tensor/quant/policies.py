@@ -11,8 +11,8 @@ from collections.abc import Callable
 
 from torch import nn
 
-from f8tensor.config import Float8LinearConfig
-from f8tensor.linear import is_transposed_linear
+from f8tensor.nn.linear import is_transposed_linear
+from f8tensor.quant.config import Float8LinearConfig
 
 __all__ = ["BLOCK_PATTERN", "block_policy", "keep_last_blocks_in_hp"]
 

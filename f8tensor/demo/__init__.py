@@ -81,7 +81,7 @@ from torch import nn
 import f8tensor
 import f8tensor.stats
 from f8tensor import FP4_CAST_DTYPE, CastConfig, Float8LinearConfig, NVFP4_1x16, convert_to_float8_training
-from f8tensor.demo_gpt import (  # noqa: F401  (re-exported: the demo's model and data)
+from f8tensor.demo.gpt import (  # noqa: F401  (re-exported: the demo's model and data)
     CORPUS,
     DEFAULT_SIZE,
     DEFAULT_STEPS,
@@ -94,7 +94,7 @@ from f8tensor.demo_gpt import (  # noqa: F401  (re-exported: the demo's model an
     keep_lm_head_in_high_precision,
     load_corpus,
 )
-from f8tensor.demo_report import BASELINE, RunResult, format_table, plot_losses, table_notes
+from f8tensor.demo.report import BASELINE, RunResult, format_table, plot_losses, table_notes
 from f8tensor.optim import AdamW
 
 __all__ = ["GPT", "SIZES", "RunResult", "keep_lm_head_in_high_precision", "main"]

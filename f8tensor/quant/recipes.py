@@ -1,7 +1,7 @@
 """The named recipes, as data: each one is the fields of a
-:class:`~f8tensor.config.Float8LinearConfig`, a role's cast written as the keyword arguments
-of its :class:`~f8tensor.config.CastConfig`. ``config`` builds and validates them
-(:data:`f8tensor.config.RECIPES`, :meth:`~f8tensor.config.Float8LinearConfig.from_recipe`);
+:class:`~f8tensor.quant.config.Float8LinearConfig`, a role's cast written as the keyword arguments
+of its :class:`~f8tensor.quant.config.CastConfig`. ``config`` builds and validates them
+(:data:`f8tensor.quant.config.RECIPES`, :meth:`~f8tensor.quant.config.Float8LinearConfig.from_recipe`);
 this module holds the choices and where they come from, in the words of ``specs``.
 """
 
@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from f8tensor.specs import (
+from f8tensor.quant.specs import (
     FP4_CAST_DTYPE,
     BLOCK_1x128,
     BLOCK_128x128,

@@ -1,5 +1,5 @@
 """The Float8Tensor op table, layout ops on data and scale (the matrix products are in
-:mod:`f8tensor.product_ops`, which registers them in the same table).
+:mod:`f8tensor.tensor.product_ops`, which registers them in the same table).
 
 Every handler has the signature ``handler(func, types, args, kwargs)`` and is registered
 with ``Float8Tensor.implements``, called after the ``def`` (not as a decorator) so that the
@@ -16,9 +16,9 @@ from collections.abc import Sequence
 import torch
 
 from f8tensor.compat import return_and_correct_aliasing, view_base
-from f8tensor.formats import FLOAT8_DTYPES, check_hp_dtype
-from f8tensor.specs import CastSpec, axiswise_dim, is_tensorwise, layout_block, varies_along
-from f8tensor.tensor import Float8Tensor, dequantize, is_float8, to_float8
+from f8tensor.quant.formats import FLOAT8_DTYPES, check_hp_dtype
+from f8tensor.quant.specs import CastSpec, axiswise_dim, is_tensorwise, layout_block, varies_along
+from f8tensor.tensor.float8 import Float8Tensor, dequantize, is_float8, to_float8
 
 __all__: list[str] = []
 

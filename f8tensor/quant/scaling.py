@@ -8,7 +8,7 @@ so ``scale = float8_max / amax``. Tensorwise scales are 0-dim; axiswise (rowwise
 scales keep the reduced dimension as size 1 and broadcast against the data.
 
 Block scales (1x128, 128x128, MX 1x32, any block shape: see
-:class:`f8tensor.config.BlockGranularity`) follow the same rule per block: the amax is
+:class:`f8tensor.quant.config.BlockGranularity`) follow the same rule per block: the amax is
 taken over each block, and the scale has one entry per block (``ceil(size / b)`` along a
 dim with block ``b``, 1 along a dim with block 0). e8m0 scales are powers of two stored
 as ``torch.float8_e8m0fnu`` with the same meaning (the multiplier hp -> data).
@@ -24,8 +24,8 @@ import math
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from f8tensor.formats import E8M0, E8M0_MAX_EXP, E8M0_MIN_EXP, FORMATS, format_number
-from f8tensor.specs import E8M0_SCALE_MODES, HISTORY_REDUCTIONS
+from f8tensor.quant.formats import E8M0, E8M0_MAX_EXP, E8M0_MIN_EXP, FORMATS, format_number
+from f8tensor.quant.specs import E8M0_SCALE_MODES, HISTORY_REDUCTIONS
 
 __all__ = [
     "EPS",

@@ -1,20 +1,20 @@
 """The Float8Tensor op table's matrix products: handlers that unpack aten's arguments (and,
 for ``bmm``, pick the batch layout) and hand the product to ``gemm``'s front door.
 
-Registered with ``Float8Tensor.implements`` after each ``def``, as in :mod:`f8tensor.ops`
+Registered with ``Float8Tensor.implements`` after each ``def``, as in :mod:`f8tensor.tensor.ops`
 (whose layout helpers the batch handlers use)."""
 
 from __future__ import annotations
 
 import torch
 
-from f8tensor.fp4 import Float4Tensor, is_float4
 from f8tensor.gemm import GROUPED_RULES, batched_mm, grouped_mm, matmul
 from f8tensor.gemm.operands import requantize
 from f8tensor.gemm.rules import ALIGN
-from f8tensor.ops import _permuted, _reshaped_meta, _selected, _with_defaults
-from f8tensor.specs import axiswise_block, axiswise_dim, layout_block
-from f8tensor.tensor import Float8Tensor, is_float8
+from f8tensor.quant.specs import axiswise_block, axiswise_dim, layout_block
+from f8tensor.tensor.float8 import Float8Tensor, is_float8
+from f8tensor.tensor.fp4 import Float4Tensor, is_float4
+from f8tensor.tensor.ops import _permuted, _reshaped_meta, _selected, _with_defaults
 
 __all__ = ["transpose_2d"]
 

@@ -2,14 +2,14 @@
 
 :class:`QuantizedLinearFn` is the one Function for ``Float8Linear``, the FP8 experts and the
 attention projections, whatever the config: per-tensor, rowwise, block-scaled, MX and
-delayed recipes (each operand cast per its role's :class:`~f8tensor.config.CastConfig`),
+delayed recipes (each operand cast per its role's :class:`~f8tensor.quant.config.CastConfig`),
 and configs that name a format per GEMM or use FP4 (each operand of each GEMM cast per
 :meth:`Float8LinearConfig.cast_for`). It takes the tensors ``x``, ``weight``, ``bias`` and
 one :class:`LinearArgs`, which holds everything else a call needs. DTensors are handled
 above, by :mod:`f8tensor.distributed.dtensor`, which runs this Function on local shards.
 
 The casts, the column-major layout the weight-gradient GEMM reads and the per-role state
-(delayed histories, telemetry buffers) are :mod:`f8tensor.quantizers`'.
+(delayed histories, telemetry buffers) are :mod:`f8tensor.quant.quantizers`'.
 """
 
 from __future__ import annotations
@@ -18,13 +18,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-from f8tensor.config import CastSpec, Float8LinearConfig, GemmConfig
-from f8tensor.fp4 import Float4Tensor, is_float4
-from f8tensor.fp4 import transpose_2d as transpose_2d_fp4
 from f8tensor.gemm import matmul
-from f8tensor.hadamard import RHT_SIZE, apply_rht
-from f8tensor.product_ops import transpose_2d
-from f8tensor.quantizers import (
+from f8tensor.quant.config import CastSpec, Float8LinearConfig, GemmConfig
+from f8tensor.quant.hadamard import RHT_SIZE, apply_rht
+from f8tensor.quant.quantizers import (
     DelayedBuffers,
     StatsBuffers,
     cast_second_operand,
@@ -36,8 +33,11 @@ from f8tensor.quantizers import (
     recorded_scales,
     sync_amax,
 )
-from f8tensor.scaling import tensor_amax
-from f8tensor.tensor import Float8Tensor, dequantize
+from f8tensor.quant.scaling import tensor_amax
+from f8tensor.tensor.float8 import Float8Tensor, dequantize
+from f8tensor.tensor.fp4 import Float4Tensor, is_float4
+from f8tensor.tensor.fp4 import transpose_2d as transpose_2d_fp4
+from f8tensor.tensor.product_ops import transpose_2d
 
 __all__ = ["LinearArgs", "NoDoubleBackward", "QuantizedLinearFn"]
 

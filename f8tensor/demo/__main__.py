@@ -1,0 +1,5 @@
+"""``python -m f8tensor.demo``."""
+
+from f8tensor.demo import main
+
+main()

@@ -1,0 +1,1 @@
+"""FP8 quantization: formats, the block vocabulary, configs, recipes, scaling and quantizers."""

@@ -1,0 +1,16 @@
+"""The quantized tensor subclasses, their op tables and the weight wrappers.
+
+``f8tensor.tensor`` keeps the names that checkpoints and scripts use
+(``Float8Tensor``, ``_rebuild_float8_tensor``, ``cast_to_float8``, ...): every name of
+:mod:`f8tensor.tensor.float8` is importable from here.
+"""
+
+from f8tensor.tensor import float8 as _float8
+from f8tensor.tensor.float8 import *
+from f8tensor.tensor.float8 import Float8Tensor, _rebuild_float8_tensor, cast_to_float8, cast_to_float8_with_stats
+
+__all__ = ["Float8Tensor", "_rebuild_float8_tensor", "cast_to_float8", "cast_to_float8_with_stats"]
+
+
+def __getattr__(name: str) -> object:
+    return getattr(_float8, name)
