@@ -1,15 +1,9 @@
 """The one module that reaches into PyTorch's private APIs: thin, named wrappers.
 
-f8tensor supports torch 2.11-2.14. Everything it needs that PyTorch does not offer as a
-public API (the FP8 GEMM ops, the tensor-subclass machinery, a few autograd and
-distributed internals) is reached from here and nowhere else, so that a torch release
-that moves one of them is a change to one entry of this file. Each entry says what it is
-and since which torch release it exists. ``tests/project/test_private_api.py`` checks the rule:
-no other module of the package names a private torch attribute or module.
-
-It also knows what each supported release has (``TORCH_VERSION`` and the ``HAS_*`` flags
-below, each measured on that release's CPU build or read from its sources; README.md,
-"Version matrix"), so that the package decides from data, never by catching an error.
+f8tensor supports torch 2.11-2.14; each entry names what it wraps and since which release,
+so a torch that moves one is a change here (``tests/project/test_private_api.py`` holds the
+rule). ``TORCH_VERSION`` and the ``HAS_*`` flags say what each release has, so the package
+decides from data, never by catching an error.
 """
 
 from __future__ import annotations
@@ -77,9 +71,6 @@ __all__ = [
     "written_arguments",
 ]
 
-# ----------------------------------------------------------------------- what each release has
-
-
 def _release(version: str) -> tuple[int, int]:
     major, minor = version.split("+")[0].split(".")[:2]
     return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
@@ -88,66 +79,45 @@ def _release(version: str) -> tuple[int, int]:
 #: (major, minor) of the installed torch.
 TORCH_VERSION: tuple[int, int] = _release(torch.__version__)
 
-#: Whether the CPU ``torch._scaled_mm`` takes rowwise (outer-vector) scales: from 2.12. On
-#: 2.11 it is per-tensor only (``Blas.cpp``: "Now _scaled_mm only supports per-tensor
-#: scaling for CPU backend", an internal assert); :func:`scaled_mm` then computes a rowwise
-#: call with the per-tensor kernel and the outer scales after (the rowwise epilogue's order).
+#: Whether the CPU ``torch._scaled_mm`` takes rowwise scales (from 2.12).
 HAS_CPU_ROWWISE_SCALED_MM: bool = TORCH_VERSION >= (2, 12)
 
-#: Whether ``torch._scaled_mm_v2`` (``F.scaled_mm``) has a CPU kernel: from 2.12 (tensorwise
-#: and rowwise only; no release has block-scaled CPU kernels, so f8tensor's block products
-#: take the reference path on CPU in every release).
+#: Whether ``F.scaled_mm`` has a CPU kernel (from 2.12; never block-scaled).
 HAS_CPU_SCALED_MM_V2: bool = TORCH_VERSION >= (2, 12)
 
-#: Whether ``torch._grouped_mm``'s meta registration (what torch.compile traces) takes fp32
-#: operands: no release 2.11-2.14 does ("Expected inputs of BF16 type"); eager CPU does.
+#: Whether ``torch._grouped_mm``'s meta registration takes fp32 (none of 2.11-2.14).
 HAS_GROUPED_MM_FP32_META: bool = False
 
-#: Whether inductor has a fused multiply-add prim (``torch._inductor.inductor_prims.fma``,
-#: added in early 2026 for eager parity of lerp and addcmul; read from the module, not the
-#: version number): its CPU and GPU code emit one fused multiply-add per element.
+#: Whether inductor has the ``inductor_prims.fma`` prim (read from the module).
 HAS_INDUCTOR_FMA: bool = hasattr(_inductor_prims, "fma")
 
-#: Whether the meta registration of ``F.scaled_mm`` (torch.compile's tracing of a CUDA call)
-#: floor-divides K, M, N by 128 for the DeepSeek scales, refusing dims that are not multiples
-#: of 128 (``_check_scaled_mm_sizes_v2``, 2.11-2.13); 2.14's meta is shape-only.
+#: Whether ``F.scaled_mm``'s meta refuses DeepSeek-scale dims not multiples of 128 (2.11-2.13).
 META_FLOORS_BLOCK_SCALES: bool = TORCH_VERSION < (2, 14)
 
 
 def assert_async(condition: torch.Tensor, message: str) -> None:
-    """``torch._assert_async(condition, message)`` (torch >= 1.11; the message from 2.1): a
-    device-side check of a one-element boolean tensor, no host sync; on CPU it raises at
-    once. Traceable by torch.compile.
+    """``torch._assert_async(condition, message)``: a device-side check, no host sync; traceable.
 
     Raises:
-        RuntimeError: on CPU, ``condition`` is False (with ``message``); on CUDA a false
-            condition stops the device, and the error surfaces at the next synchronisation.
+        RuntimeError: on CPU, ``condition`` is False; on CUDA at the next synchronisation.
     """
     torch._assert_async(condition, message)
 
 
-# ----------------------------------------------------------------------- FP8 GEMM ops
-#
-# The originals, captured when f8tensor is imported: ``install_rules_check`` may later
-# replace ``torch._scaled_mm`` / ``F.scaled_mm`` with checking wrappers for a user's own
-# calls, while f8tensor's products are checked where gemm makes them (exactly once).
+# The originals, captured at import: install_rules_check may later wrap the public names.
 
-#: AMD's FP8 formats (oneDNN's CPU kernel refuses them; see :func:`scaled_mm`).
 _FNUZ = (torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
-#: ``torch._scaled_mm`` (torch >= 2.1; the ``scale_a``/``scale_b`` signature since 2.4).
+#: ``torch._scaled_mm`` (torch >= 2.4 signature).
 _SCALED_MM = torch._scaled_mm
-#: ``torch.nn.functional.scaled_mm``: public, torch >= 2.10; block-scaled (1x128, 128x128,
-#: MX) kernels by named scaling recipes. ``None`` on a build without it.
+#: ``F.scaled_mm`` (torch >= 2.10), else None.
 _F_SCALED_MM = getattr(torch.nn.functional, "scaled_mm", None)
-#: ``torch._scaled_grouped_mm`` (torch >= 2.8): grouped FP8 GEMMs (CUDA sm90/sm100).
+#: ``torch._scaled_grouped_mm`` (torch >= 2.8).
 _SCALED_GROUPED_MM = torch._scaled_grouped_mm
-#: ``torch._grouped_mm`` (torch >= 2.8; CPU kernels from 2.9): grouped high-precision GEMMs.
+#: ``torch._grouped_mm`` (torch >= 2.8, CPU from 2.9).
 _GROUPED_MM = torch._grouped_mm
 
 
-#: Whether :func:`scaled_mm` sends the CPU products it lists to :func:`cpu_scaled_mm` (the
-#: default) or every product to ``torch._scaled_mm`` (False: for a benchmark that reads
-#: compiled CPU graphs as a GPU runs them, one ``_scaled_mm`` per product).
+#: False: every CPU product to ``torch._scaled_mm`` (benchmarks of compiled graphs).
 CPU_PRODUCTS_IN_FP32: bool = True
 
 
@@ -156,28 +126,19 @@ def scaled_mm(
     bias: torch.Tensor | None = None, scale_result: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
     use_fast_accum: bool = False, **kwargs: Any,
 ) -> torch.Tensor:
-    """``torch._scaled_mm`` (the original op). ``kwargs``: passed through (inductor's CPU
-    extern-kernel call adds ``out=``).
+    """``torch._scaled_mm`` (the original op); ``kwargs`` pass through (inductor adds ``out=``).
 
-    On a CPU the product runs as :func:`cpu_scaled_mm` (one op in eager and compiled graphs,
-    the same bits in both) where torch's own kernel is slow or refuses: per-tensor scales
-    (torch hands those to oneDNN on CPUs with AMX or AVX512-FP16, measured about 400x slower
-    than its reference kernel at test sizes), fnuz operands (oneDNN refuses them) and outer-
-    vector scales on a torch without a rowwise CPU kernel (:data:`HAS_CPU_ROWWISE_SCALED_MM`).
-    While torch.export traces, the call stays ``aten._scaled_mm``: an exported program runs
-    where it is loaded.
+    On a CPU, per-tensor, fnuz and (before 2.12) rowwise products run as :func:`cpu_scaled_mm`,
+    not torch's slow or refusing kernels; torch.export keeps ``aten._scaled_mm``.
 
     Raises:
-        RuntimeError, ValueError: on a CPU, or with K = 0 (products computed here), what
-            ``torch._scaled_mm`` refuses on CUDA (:func:`_check_scaled_mm_args`)."""
+        RuntimeError, ValueError: on CPU or with K = 0, what ``torch._scaled_mm`` refuses on CUDA.
+    """
     if (mat1.device.type == "cpu" or mat1.shape[-1] == 0) and not torch.compiler.is_compiling():
-        # Traced, the ops' own fake kernels check (aten's meta kernel, cpu_scaled_mm's below):
-        # the same refusals without guards on the checks' Python.
+        # Traced, the fake kernels check: no guards on this Python.
         _check_scaled_mm_args(mat1, mat2, scale_a, scale_b, bias, out_dtype)
     if mat1.shape[-1] == 0:
-        # K = 0 (an empty batch's weight gradient contracts over no tokens): the product is
-        # zeros (+ the bias). torch's CPU per-tensor kernel returns its output uninitialized
-        # then (torch 2.13), so no kernel is asked.
+        # K = 0: zeros (+ bias); torch 2.13's CPU kernel returns uninitialized memory.
         acc = torch.zeros(mat1.shape[0], mat2.shape[1], dtype=torch.float32, device=mat1.device)
         return _fp32_epilogue(acc, bias, out_dtype or mat1.dtype, kwargs.get("out"))
     if (
@@ -198,18 +159,15 @@ def scaled_mm(
     return _SCALED_MM(mat1, mat2, scale_a, scale_b, **kwargs)
 
 
-#: The operand dtypes :func:`scaled_mm` takes: torch's FP8 formats (the fnuz pair computed
-#: by :func:`cpu_scaled_mm` on a CPU; on a GPU only ROCm has them).
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2, *_FNUZ)
 _OUT = (torch.bfloat16, torch.float16, torch.float32, *_FP8)
 
 
 def _check_scaled_mm_args(mat1, mat2, scale_a, scale_b, bias=None, out_dtype=None) -> None:
-    """Raise what ``torch._scaled_mm`` raises on CUDA (``ScaledBlas.cpp``, torch 2.11-2.14)
-    unless: 2-D FP8 operands with a common K, fp32 scales of one element each (tensorwise) or
-    ``(M, 1)`` and ``(1, N)`` (rowwise), a bias of N elements, a float or FP8 output. Sizes go into a message only
-    once it is raised (formatting a torch.compile(dynamic=True) size pins it). The kernels'
-    alignment, layout and bias-dtype rules are ``f8tensor.gemm``'s check mode."""
+    """Raise what ``torch._scaled_mm`` raises on CUDA (``ScaledBlas.cpp``, 2.11-2.14).
+
+    Sizes enter a message only once raised (formatting a dynamic size pins it).
+    """
     if mat1.dim() != 2 or mat2.dim() != 2:
         raise RuntimeError(f"mat1 and mat2 must be matrices (2-D); got shapes {tuple(mat1.shape)} and {tuple(mat2.shape)}")
     if mat1.dtype not in _FP8 or mat2.dtype not in _FP8:
@@ -234,15 +192,11 @@ def _check_scaled_mm_args(mat1, mat2, scale_a, scale_b, bias=None, out_dtype=Non
 
 @torch.library.custom_op("f8tensor::cpu_scaled_mm", mutates_args=(), device_types="cpu")
 def cpu_scaled_mm(mat1: torch.Tensor, mat2: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor) -> torch.Tensor:
-    """An FP8 product on a CPU, in fp32, computed as torch's reference CPU kernel computes it:
-    the exact fp32 values times their per-tensor scales, one fp32 product (with the bias in
-    fp32 and one cast after, :func:`scaled_mm`'s epilogue: bitwise that kernel's result,
-    measured). Outer-vector scales (``(M, 1)``, ``(1, N)``) multiply the fp32 product instead,
-    the rowwise epilogue's order. A custom op, so that torch.compile keeps the product whole
-    (eager's bits) instead of re-fusing its parts."""
-    _check_scaled_mm_args(mat1, mat2, scale_a, scale_b)  # as the fake kernel: an (M, N) result
-    # Deliberate fp32 throughout: FP8 values are exact in it. The operands' layouts as given
-    # (the reference kernel's GEMM sees them so too; its bits depend on them).
+    """An FP8 product on a CPU in fp32, bitwise torch's reference CPU kernel; a custom op so
+    compile keeps it whole (eager's bits).
+    """
+    _check_scaled_mm_args(mat1, mat2, scale_a, scale_b)  # as the fake kernel
+    # Deliberate fp32: FP8 values are exact in it. Layouts as given: the reference's bits depend on them.
     if scale_a.numel() == 1 and scale_b.numel() == 1:
         acc = (mat1.float() * scale_a.float()) @ (mat2.float() * scale_b.float())
     else:
@@ -259,8 +213,7 @@ def _(mat1, mat2, scale_a, scale_b):
 def _fp32_epilogue(
     acc: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype, out: torch.Tensor | None
 ) -> torch.Tensor:
-    """The fp32 product ``acc`` (scales applied) plus the bias in fp32, one cast, into ``out``
-    when the caller (inductor's extern-kernel call) gave one."""
+    """``acc`` plus the bias in fp32, one cast, into ``out`` if given."""
     if bias is not None:
         acc = acc + bias.float()
     result = acc.to(out_dtype)
@@ -268,8 +221,7 @@ def _fp32_epilogue(
 
 
 def set_scaled_mm(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """Make ``torch._scaled_mm`` ``fn`` (the rules check's wrapper for a user's own calls, or
-    the function it replaced); returns what it was."""
+    """Make ``torch._scaled_mm`` ``fn``; returns what it was."""
     previous, torch._scaled_mm = torch._scaled_mm, fn
     return previous
 
@@ -280,10 +232,10 @@ def has_block_scaled_mm() -> bool:
 
 
 def block_scaled_mm(*args: Any, **kwargs: Any) -> torch.Tensor:
-    """``torch.nn.functional.scaled_mm`` (the original function; public, torch >= 2.10).
+    """``torch.nn.functional.scaled_mm`` (the original; torch >= 2.10).
 
     Raises:
-        RuntimeError: this torch has no ``F.scaled_mm`` (the message names the version).
+        RuntimeError: this torch has no ``F.scaled_mm``.
     """
     if _F_SCALED_MM is None:
         raise RuntimeError(f"torch.nn.functional.scaled_mm needs torch >= 2.10; this is torch {torch.__version__}")
@@ -300,13 +252,10 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Te
     return _GROUPED_MM(a, b, offs=offs)
 
 
-#: The functions a model calls for a grouped GEMM: ``torch._grouped_mm`` (torch >= 2.8) and
-#: the public ``torch.nn.functional.grouped_mm`` where it exists (torch >= 2.10).
+#: The functions a model calls for a grouped GEMM.
 GROUPED_MM_FUNCTIONS: tuple[Callable[..., torch.Tensor], ...] = (_GROUPED_MM,) + (
     (torch.nn.functional.grouped_mm,) if hasattr(torch.nn.functional, "grouped_mm") else ()
 )
-
-# ----------------------------------------------------------------------- tensor subclasses
 
 _WEIGHTS_ONLY_LOAD_CODE: types.CodeType | None
 try:  # torch >= 2.1: the unpickler of torch.load(weights_only=True)
@@ -318,17 +267,13 @@ except (ImportError, AttributeError):  # pragma: no cover - older torch
 
 
 def called_by_weights_only_load() -> bool:
-    """Whether the caller's caller is ``torch.load(weights_only=True)``'s unpickler itself
-    (its NEWOBJ or REDUCE calling an allowlisted class with a checkpoint's arguments).
-    One frame lookup, no tensor op."""
+    """Whether the caller's caller is ``torch.load(weights_only=True)``'s unpickler."""
     return _WEIGHTS_ONLY_LOAD_CODE is not None and sys._getframe(2).f_code is _WEIGHTS_ONLY_LOAD_CODE
 
 
 
 def make_wrapper_subclass(cls: type, like: torch.Tensor, *, dtype: torch.dtype, requires_grad: bool) -> Any:
-    """``torch.Tensor._make_wrapper_subclass`` (torch >= 1.12; the documented way to build a
-    wrapper subclass): an instance of ``cls`` with ``like``'s shape, strides, storage
-    offset, layout and device, and the outer ``dtype``."""
+    """``torch.Tensor._make_wrapper_subclass`` (torch >= 1.12) with ``like``'s geometry, outer ``dtype``."""
     return torch.Tensor._make_wrapper_subclass(
         cls,
         like.shape,
@@ -344,38 +289,33 @@ def make_wrapper_subclass(cls: type, like: torch.Tensor, *, dtype: torch.dtype, 
 def make_wrapper_subclass_shaped(
     cls: type, shape: tuple[int, ...], strides: tuple[int, ...], *, device: torch.device, dtype: torch.dtype
 ) -> Any:
-    """:func:`make_wrapper_subclass` with an outer shape and strides of its own (packed FP4
-    data holds two elements per byte, so its shape is not the outer one)."""
+    """:func:`make_wrapper_subclass` with its own outer shape and strides (packed FP4)."""
     return torch.Tensor._make_wrapper_subclass(
         cls, shape, strides=strides, dtype=dtype, layout=torch.strided, device=device, requires_grad=False
     )
 
 
-#: ``torch._C._disabled_torch_function_impl`` (torch >= 1.7): a subclass's
-#: ``__torch_function__`` that leaves every call to ``__torch_dispatch__``.
+#: A ``__torch_function__`` leaving every call to ``__torch_dispatch__`` (torch >= 1.7).
 DISABLED_TORCH_FUNCTION: Any = torch._C._disabled_torch_function_impl
 
 
 def disable_torch_function_subclass():
-    """``torch._C.DisableTorchFunctionSubclass()`` (torch >= 2.0): a context in which
-    subclasses' ``__torch_function__`` is skipped (call the plain function)."""
+    """``torch._C.DisableTorchFunctionSubclass()`` (torch >= 2.0)."""
     return torch._C.DisableTorchFunctionSubclass()
 
 
 def return_and_correct_aliasing(func: Any, args: Any, kwargs: Any, out: Any) -> Any:
-    """``torch.utils._python_dispatch.return_and_correct_aliasing`` (torch >= 2.1): give a
-    view op's subclass result the aliasing its schema promises (autograd, functionalization)."""
+    """``torch.utils._python_dispatch.return_and_correct_aliasing`` (torch >= 2.1)."""
     return _return_and_correct_aliasing(func, args, kwargs, out)
 
 
 def tree_map_only(cls: type | tuple[type, ...], fn: Callable[[Any], Any], tree: Any) -> Any:
-    """``torch.utils._pytree.tree_map_only`` (torch >= 2.0): ``fn`` on the leaves of type ``cls``."""
+    """``torch.utils._pytree.tree_map_only`` (torch >= 2.0)."""
     return _pytree.tree_map_only(cls, fn, tree)
 
 
 def is_fake(t: torch.Tensor) -> bool:
-    """Whether ``t`` holds no values (a ``FakeTensor`` of torch.compile's tracing, from
-    ``torch._subclasses.fake_tensor``, torch >= 2.0; or a meta tensor)."""
+    """Whether ``t`` holds no values (a ``FakeTensor`` or a meta tensor)."""
     return isinstance(t, FakeTensor) or t.device.type == "meta"
 
 
@@ -385,8 +325,7 @@ def view_base(t: torch.Tensor) -> torch.Tensor | None:
 
 
 def written_arguments(func: Any, args: tuple, kwargs: dict) -> Iterator[Any]:
-    """The arguments an aten op writes into (its schema's ``Tensor(a!)``: in-place and
-    ``out=`` arguments), read from ``OpOverload._schema`` (torch >= 1.13)."""
+    """The arguments an aten op writes into (``Tensor(a!)`` in ``OpOverload._schema``)."""
     where = _WRITES.get(func)
     if where is None:
         where = tuple(
@@ -404,14 +343,10 @@ _WRITES: dict[Any, tuple[tuple[int, str], ...]] = {}
 
 
 def is_op_of_namespace(func: Any, namespace: str) -> bool:
-    """Whether ``func`` is a ``torch.ops.<namespace>`` op, overload packet or overload
-    (``torch._ops.OpOverloadPacket`` / ``OpOverload``, torch >= 1.13)."""
+    """Whether ``func`` is a ``torch.ops.<namespace>`` op, packet or overload."""
     if isinstance(func, torch._ops.OpOverloadPacket):
         return func._qualified_op_name.startswith(f"{namespace}::")
     return isinstance(func, torch._ops.OpOverload) and func.namespace == namespace
-
-
-# ----------------------------------------------------------------------- autograd
 
 
 def current_graph_task_id() -> int:
@@ -420,63 +355,46 @@ def current_graph_task_id() -> int:
 
 
 def preserve_version_counter(t: torch.Tensor):
-    """``torch.autograd._unsafe_preserve_version_counter`` (torch >= 2.1): a context in which
-    writes to ``t`` leave its version counter (autograd's saved-tensor check) unchanged."""
+    """``torch.autograd._unsafe_preserve_version_counter`` (torch >= 2.1)."""
     return torch.autograd._unsafe_preserve_version_counter(t)
 
 
 def version_counter(t: torch.Tensor) -> int:
-    """``Tensor._version`` (torch >= 1.0): the count of in-place writes to ``t`` autograd has
-    seen (writes through ``t.data`` and under ``preserve_version_counter`` are not counted)."""
+    """``Tensor._version``: in-place writes autograd has seen (not through ``.data``)."""
     return t._version
 
 
 def is_functorch_wrapped(t: torch.Tensor) -> bool:
-    """``torch._C._functorch.is_functorch_wrapped_tensor`` (torch >= 2.0): ``t`` is a
-    ``torch.func`` transform's wrapper (``grad``, ``vmap``), valid inside that transform only."""
+    """``torch._C._functorch.is_functorch_wrapped_tensor`` (torch >= 2.0)."""
     return torch._C._functorch.is_functorch_wrapped_tensor(t)
 
 
-# ----------------------------------------------------------------------- distributed
-
-
 def functional_all_reduce_max(t: torch.Tensor, group: Any) -> torch.Tensor:
-    """``torch.distributed._functional_collectives.all_reduce(t, "max", group)`` (torch >=
-    2.1): an all-reduce that returns a new tensor, traceable by torch.compile; waited (see
-    :func:`waited`).
+    """A traceable MAX all-reduce (``_functional_collectives``, torch >= 2.1), waited.
 
-    NaN-preserving: a MAX collective may drop a NaN that one rank holds (gloo measured:
-    ``max(nan, 1)`` is nan, ``max(1, nan)`` is 1), which would give every rank a finite
-    amax, hence a finite scale, where one process casting the whole tensor gets NaN. The
-    NaN flags are reduced beside the values in the same collective (``[t, isnan(t)]``,
-    NaN counted as inf in the values) and put back after, so the result is what one
-    process computes: NaN where any rank had NaN, else the largest value (inf included).
+    NaN-preserving: NaN flags travel beside the values (a MAX collective may drop a NaN), so
+    the result is what one process computes.
     """
     n = t.numel()
     flags = t.isnan()
     inf = float("inf")
-    values = torch.nan_to_num(t, nan=inf, posinf=inf, neginf=-inf)  # nan_to_num's defaults would clamp inf
+    values = torch.nan_to_num(t, nan=inf, posinf=inf, neginf=-inf)  # defaults would clamp inf
     packed = torch.cat([values.reshape(-1), flags.reshape(-1).to(t.dtype)])
     out = waited(_funcol.all_reduce(packed, "max", group))
     return torch.where(out[n:] > 0, torch.full_like(out[:n], float("nan")), out[:n]).reshape(t.shape)
 
 
 def waited(t: torch.Tensor) -> torch.Tensor:
-    """``t`` with its collective finished: eager functional collectives (and DTensor's
-    ``redistribute``/``full_tensor``, which use them) return an ``AsyncCollectiveTensor``
-    (torch >= 2.1) whose collective runs until its first use, and a view of one stays one.
-    One that is stored (inside a ``Float8Tensor``, as a gradient) or never used can still be
-    in flight when the process group is destroyed, and gloo then aborts the process at exit
-    ("terminate called without an active exception"). Traced code gets plain tensors (the
-    compiler places the waits): they pass through."""
+    """``t`` with its collective finished (an ``AsyncCollectiveTensor`` is waited).
+
+    One left in flight at process-group teardown makes gloo abort the process.
+    """
     if isinstance(t, _funcol.AsyncCollectiveTensor):
         return t.wait()
     return t
 
 
-#: The c10d ops (``torch.distributed``'s collectives and point-to-point ops) that can write
-#: into a tensor argument. Their schemas carry no alias annotation, so autograd's version
-#: counter never sees these writes (torch 2.x).
+#: c10d ops that write a tensor argument unseen by version counters (no alias annotation).
 _C10D_WRITING_OPS = (
     "broadcast_", "allreduce_", "allreduce_coalesced_", "reduce_", "allgather_", "_allgather_base_",
     "allgather_coalesced_", "allgather_into_tensor_coalesced_", "reduce_scatter_", "_reduce_scatter_base_",
@@ -486,13 +404,10 @@ _C10D_WRITING_OPS = (
 
 
 def watch_c10d_writes(callback: Callable[[list[torch.Tensor]], None]) -> Callable[[], None]:
-    """Call ``callback(tensors)`` (every tensor argument, written or read) before each
-    ``torch.distributed`` collective or receive runs, until the returned function is called.
+    """Call ``callback(tensors)`` before each ``torch.distributed`` collective or receive.
 
-    A kernel for the ``ADInplaceOrView`` dispatch key of each c10d op (``torch.library``,
-    torch >= 2.0; those ops have none of their own): it calls back, then dispatches on below
-    that key, so the collective itself runs unchanged. Ops another library already claimed
-    at that key are not watched."""
+    An ``ADInplaceOrView`` kernel per c10d op; returns the function that removes them.
+    """
     if not torch.distributed.is_available():
         return lambda: None
     lib = torch.library.Library("c10d", "IMPL")  # noqa: TOR901 (kernels for existing ops)
@@ -517,9 +432,7 @@ def watch_c10d_writes(callback: Callable[[list[torch.Tensor]], None]) -> Callabl
 
 
 def cpu_compiler() -> str | None:
-    """The C++ compiler inductor builds CPU code with, when one is on the PATH: the names
-    of ``torch._inductor.config.cpp.cxx`` (torch >= 2.0; ``CXX`` or ``g++``; a None entry
-    is a conda download inductor makes only when asked to), else None."""
+    """The C++ compiler on the PATH inductor builds CPU code with, else None."""
     names = _inductor_config.cpp.cxx
     for name in names if isinstance(names, (list, tuple)) else (names,):
         if name and shutil.which(name):
@@ -528,54 +441,35 @@ def cpu_compiler() -> str | None:
 
 
 def fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """``a * b + c`` rounded once, for compiled code: ``inductor_prims.fma`` (see
-    :data:`HAS_INDUCTOR_FMA`), which inductor turns into a fused multiply-add on CPU and
-    GPU. Run eagerly (or by a non-inductor backend) the prim rounds twice, as does the
-    fallback on a release without it."""
+    """``a * b + c`` rounded once in compiled code (``inductor_prims.fma``); eager rounds twice."""
     if HAS_INDUCTOR_FMA:
         return _inductor_prims.fma(a, b, c)
     return a * b + c
 
 
 def unlimited_recompiles() -> Any:
-    """``torch._dynamo.utils.disable_cache_limit()`` (torch >= 2.1): a context in which dynamo
-    compiles a function once more for every new set of guards, past its recompile limit (8
-    per function by default, after which a ``fullgraph=True`` function fails). For a
-    function whose graphs are bounded by configurations, never by shapes or steps: the
-    optimizer's compiled step (one graph per dtype and mode)."""
+    """``torch._dynamo.utils.disable_cache_limit()``: for graphs bounded by configs, not shapes."""
     return torch._dynamo.utils.disable_cache_limit()
 
 
 def dtensor_local(t: Any) -> torch.Tensor:
-    """``DTensor._local_tensor`` (torch >= 2.4): a DTensor's local shard itself (the object
-    FSDP2 keeps; ``to_local()`` would return a differentiable alias)."""
+    """``DTensor._local_tensor`` (torch >= 2.4): the shard itself, not a differentiable alias."""
     return t._local_tensor
 
 
 def colwise_prepare_input(input_layouts: Any, desired_input_layouts: Any, mod: Any, inputs: Any, device_mesh: Any) -> Any:
-    """``ColwiseParallel._prepare_input_fn`` (torch >= 2.3): the input move torch's column
-    style hooks before the layer. f8tensor's ``Float8ColwiseParallel`` overrides that hook
-    (the name ``ColwiseParallel._apply`` registers) and falls back to torch's own here."""
+    """``ColwiseParallel._prepare_input_fn`` (torch >= 2.3), torch's own input hook."""
     return ColwiseParallel._prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh)
 
 
-# ----------------------------------------------------------------------- PyTorch's attention
-
-#: The functions of ``torch.nn.functional`` through which ``multi_head_attention_forward``
-#: reaches its projections (it calls the two in-projection helpers; all three call ``linear``).
+#: The functions through which ``multi_head_attention_forward`` calls ``linear``.
 _MHA_FUNCTIONS = ("_in_projection_packed", "_in_projection", "multi_head_attention_forward")
 
 
 def multi_head_attention_forward_with(linear: Callable[..., torch.Tensor]) -> Callable[..., Any]:
-    """``F.multi_head_attention_forward`` with every ``linear`` it calls (directly and through
-    ``_in_projection_packed`` / ``_in_projection``) replaced by ``linear(x, w, b=None)``.
+    """``F.multi_head_attention_forward`` with every ``linear`` it calls replaced.
 
-    PyTorch's own code: its bytecode, rebound to a copy of ``torch.nn.functional``'s globals
-    in which ``linear`` (and the helpers) are the replacements, so masks, dropout,
-    ``bias_k``/``bias_v``, ``add_zero_attn``, ``need_weights`` and the attention itself behave
-    exactly as in the release that runs. Present in torch 2.11-2.14 under these names; a
-    release whose functions no longer call ``linear`` by that name is refused (its
-    projections would bypass the replacement silently).
+    PyTorch's own bytecode, rebound to globals where ``linear`` is the replacement.
 
     Raises:
         NotImplementedError: one of the functions no longer names ``linear``.

@@ -1,30 +1,10 @@
 """PyTorch's own attention in FP8: the projection weights of ``nn.MultiheadAttention``.
 
-``nn.MultiheadAttention`` never calls a linear layer: its forward hands the packed
-``in_proj_weight`` (or ``q/k/v_proj_weight`` when ``kdim``/``vdim`` differ from
-``embed_dim``) and ``out_proj.weight`` to ``F.multi_head_attention_forward``, which
-multiplies them with ``F.linear``. The converter wraps those weights as
-:class:`Float8AttentionWeight`; the module stays an ``nn.MultiheadAttention`` with the same
-attributes and the same state dict (plain tensors, same keys and shapes).
-
-How the products reach FP8: a wrapped weight has a ``__torch_function__``, so
-``F.multi_head_attention_forward`` hands the whole call to it. It runs a copy of PyTorch's
-own function (same code, see :func:`_fp8_attention_forward`) whose ``linear`` is the FP8
-linear of the weight's recipe, with the weights passed as the plain tensors they wrap
-(gradients pass through to the parameters). Every product of the call's projections runs
-in FP8 (the packed self-attention product, the q and kv slices of cross-attention, the
-three separate products, the out-projection), forward and both backward GEMMs; the
-attention itself (softmax(q k^T) v) stays in high precision. Because an argument has a
-``__torch_function__``, ``nn.MultiheadAttention`` (and ``nn.TransformerEncoderLayer``)
-decline PyTorch's fused ``_native_multi_head_attention`` fast path in eval, so inference
-takes the same FP8 path; a matrix product that reaches dispatch with a wrapped weight
-(which would run in high precision) raises instead.
-
-Tied weights stay one Parameter (:func:`attention_ties`): tied among converted attentions
-(ALBERT-style sharing), one wrapped Parameter; tied to another module (an ``nn.Linear``, an
-embedding), the plain Parameter, whose products in the attention still run in FP8 when
-another of its weights is wrapped (an attention whose weights are all tied elsewhere stays
-in high precision, reported).
+The converter wraps the projection weights as :class:`Float8AttentionWeight`; the module,
+its attributes and its state dict stay as they were. A wrapped weight's ``__torch_function__``
+runs a copy of ``F.multi_head_attention_forward`` whose ``linear`` is FP8 (forward and both
+backward GEMMs); softmax(q k^T) v stays in high precision. Invariant: a product that would
+run in high precision with a wrapped weight raises, never upcasts silently.
 """
 
 from __future__ import annotations
@@ -68,17 +48,13 @@ def attention_weight_names(mha: nn.MultiheadAttention) -> tuple[str, ...]:
 def attention_ties(
     model: nn.Module, attentions: list[nn.MultiheadAttention], configs: list[Float8LinearConfig]
 ) -> tuple[frozenset[int], list[nn.MultiheadAttention]]:
-    """How ties are kept when ``attentions`` (of ``model``) are converted with ``configs``, as
-    linear layers keep them: one Parameter for every user.
+    """How ties are kept when ``attentions`` of ``model`` are converted: one Parameter per user.
 
-    Returns ``(plain, all_plain)``: the ids of the weights left as they are, tied to a
-    module that is not one of these attention projections (an ``nn.Linear``, an embedding,
-    whose forward reads the Parameter itself), and the attentions whose weights all are
-    (they would run in high precision: the caller leaves them so, reported). A weight
-    tied among the attentions is wrapped once (``shared`` of :func:`wrap_attention`).
-
+    Returns:
+        ``(plain, all_plain)``: ids of weights tied outside these projections (left plain), and
+        the attentions whose weights all are (left in high precision, reported).
     Raises:
-        ValueError: a weight tied between attentions that would follow different configs.
+        ValueError: a weight tied between attentions with different configs.
     """
     slots: set[tuple[int, str]] = set()
     recipe: dict[int, tuple[int, Float8LinearConfig]] = {}
@@ -175,8 +151,7 @@ _ROUTES: dict[Any, Callable[[tuple, dict], Any]] = {
     F.linear: _route_linear,
 }
 
-# Products that reach dispatch (below the routes above) would run in high precision, and the
-# fused attention kernel would read the weights directly: refused, never silently upcast.
+# Products reaching dispatch would run in high precision: refused, never silently upcast.
 _REFUSED = frozenset(
     {
         aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.matmul.default,
@@ -189,17 +164,13 @@ _REFUSED = frozenset(
 class Float8AttentionWeight(RecipeWeight):
     """A projection weight of ``nn.MultiheadAttention`` whose products run in FP8.
 
-    Fields: ``_hp``, the plain bf16/fp16/fp32 (out, in) matrix, or a view of it;
-    ``_config``, the :class:`Float8LinearConfig` its GEMMs follow (dynamic scaling; FP8 or
-    per-GEMM formats). Every other op behaves as on ``_hp`` (optimizer steps, ``copy_``,
-    checkpoint loads; see :class:`~f8tensor.tensor.weights.HighPrecisionWeight`). A state dict
-    holds the plain tensor; a parameter pickles wrapped (whole-model copies stay FP8).
+    Fields: ``_hp``, the plain (out, in) matrix; ``_config``, its :class:`Float8LinearConfig`.
+    Every other op acts on ``_hp``; a state dict holds the plain tensor.
 
     Raises:
-        NotImplementedError: a matrix product that would run in high precision with it
-            (``torch.mm``, ``@``, the fused attention kernel).
+        NotImplementedError: a matrix product that would run in high precision with it.
         ValueError: one attention call with weights of two recipes.
-        TypeError: its data set to a tensor of another dtype (``model.double()``).
+        TypeError: its data set to a tensor of another dtype.
     """
 
     _config: Float8LinearConfig
@@ -269,14 +240,11 @@ def wrap_attention(
     shared: dict[int, tuple[nn.Parameter, nn.Parameter]] | None = None,
     plain: frozenset[int] = frozenset(),
 ) -> list[str]:
-    """Wrap the projection weights of ``mha`` (in place) so that they run in FP8 with
-    ``config``; returns their dotted names within ``mha``.
+    """Wrap ``mha``'s projection weights in place for ``config``; returns their dotted names.
 
-    ``shared``: ``{id(plain Parameter): (it, its wrapped Parameter)}``, one per conversion:
-    a weight tied between attentions (one Parameter) is wrapped once and stays one
-    Parameter. ``plain``: the ids of Parameters left as they are (tied to a module that is
-    not an attention projection); the call still runs their products in FP8 as long as
-    one of its weights is wrapped.
+    Args:
+        shared: ``{id(plain): (plain, wrapped)}`` so a tied weight is wrapped once.
+        plain: ids of Parameters left as they are (tied to another module).
     """
     names = attention_weight_names(mha)
     shared = {} if shared is None else shared

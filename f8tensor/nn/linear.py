@@ -1,15 +1,9 @@
 """Float8Linear and Float8Conv1D: linear layers whose three GEMMs run in FP8.
 
-Forward ``y = x @ W.t() + b``; backward ``grad_x = grad_y @ W`` and
-``grad_W = grad_y.t() @ x``, each operand cast per the :class:`Float8LinearConfig`
-(the autograd Function is :class:`f8tensor.nn.linear_autograd.QuantizedLinearFn`). The layers own
-their state: delayed-scaling buffers, telemetry buffers, and, with FP8 all-gather, a
-weight of type :class:`~f8tensor.distributed.fsdp.Float8AllGatherWeight`. Converting a
-model is ``convert.py``'s.
-
-On DTensors (tensor and sequence parallel) the forward hands over to the product that
-:mod:`f8tensor.distributed.dtensor` registers here (:func:`set_dtensor_linear`): that
-module sits above this one and wraps the same Function.
+Each operand is cast per the :class:`Float8LinearConfig` in
+:class:`f8tensor.nn.linear_autograd.QuantizedLinearFn`. The layers own their state
+(delayed-scaling and telemetry buffers, an FP8 all-gather weight); on DTensors the forward
+hands over to the product :mod:`f8tensor.distributed.dtensor` registers (:func:`set_dtensor_linear`).
 """
 
 from __future__ import annotations
@@ -41,32 +35,21 @@ __all__ = [
     "set_dtensor_linear",
 ]
 
-# Delayed-scaling buffers (DelayedBuffers' fields): one amax history per operand role, and
-# the scales the current step used for input and weight (re-used if activation
-# checkpointing re-runs forward), then the recorded calls: the scales of each of the last
-# _CALLS forwards of a step, keyed by the input's amax. A layer called several times per
-# step under activation checkpointing recomputes each call with its own scales (the 0-dim
-# buffers above only hold the latest call's). The key is free (the delayed input cast
-# measures it anyway) and a recompute reproduces it bit for bit; calls with equal keys
-# share a history, hence a scale. Not persistent: they only link a forward to its
-# recompute within one step.
+# Recorded calls: the scales of the last _CALLS forwards, keyed by the input's amax, so a
+# checkpointed recompute of each call uses its own scales. Not persistent.
 _DELAYED_BUFFERS = DelayedBuffers._fields
 _HISTORY_BUFFERS = _DELAYED_BUFFERS[:3]
 _SCALE_BUFFERS = _DELAYED_BUFFERS[3:5]
 _CALL_KEYS, _CALL_SCALES = _DELAYED_BUFFERS[5:]
 _CALLS = 8
-# Cast telemetry (config.collect_stats): one float64 vector per operand role, laid out as
-# CAST_STATS_FIELDS. Not persistent: it describes the last step, not the model. Separate
-# buffers, not rows of one: each cast overwrites a whole tensor, which every AOTAutograd
-# partitioner handles (an in-place write to a row of a buffer in backward trips the
-# default partitioner of torch 2.13).
+# Telemetry: separate buffers, not rows of one (a row write in backward trips torch
+# 2.13's default partitioner). Not persistent.
 STATS_ROLES = ("input", "weight", "grad_output")
 STATS_BUFFERS = StatsBuffers._fields
 
 
 def _fresh_state(name: str, like: torch.Tensor, device: torch.device | str | None = None) -> torch.Tensor:
-    """A buffer as a newly built layer has it: empty history, unit scale, no recorded call
-    (key -1: an amax is never negative), telemetry NaN (not measured)."""
+    """A buffer as a newly built layer has it: empty history, unit scale, no call (key -1), NaN telemetry."""
     if name in STATS_BUFFERS:
         return torch.full_like(like, torch.nan, device=device)
     fill = 1.0 if name in _SCALE_BUFFERS or name == _CALL_SCALES else -1.0 if name == _CALL_KEYS else 0.0
@@ -74,21 +57,18 @@ def _fresh_state(name: str, like: torch.Tensor, device: torch.device | str | Non
 
 
 
-#: Why an FP4 or per-GEMM-format layer refuses tensor/sequence parallel (said the same way
-#: by the layer and by the FP8 styles of distributed.tp).
+#: Why an FP4 or per-GEMM-format layer refuses tensor/sequence parallel.
 NOT_ON_DTENSORS = (
     "FP4 and per-GEMM-format configs do not run on DTensors (tensor or sequence parallel) yet; "
     "use an FP8 recipe for the parallelized layers, or leave them unparallelized"
 )
 
-#: ``(x, weight, bias, args) -> y``: the linear product on DTensors, which
-#: :mod:`f8tensor.distributed.dtensor` (a layer above this one) registers when imported.
+#: The linear product on DTensors, registered from above by :mod:`f8tensor.distributed.dtensor`.
 _DTENSOR_LINEAR: list[Callable[[Any, Any, Any, LinearArgs], torch.Tensor]] = []
 
 
 def set_dtensor_linear(fn: Callable[[Any, Any, Any, LinearArgs], torch.Tensor]) -> None:
-    """Register ``fn`` as the product a ``Float8Linear`` runs when an operand is a DTensor
-    (:mod:`f8tensor.distributed.dtensor` does, once, when imported)."""
+    """Register ``fn`` as the product a ``Float8Linear`` runs on DTensor operands."""
     _DTENSOR_LINEAR[:] = [fn]
 
 
@@ -116,16 +96,14 @@ def _is_own_input_cast(x: Float8Tensor, config: Float8LinearConfig) -> bool:
 
 
 def _check_delayed_state(state_dict: dict, prefix: str) -> None:
-    """Refuse a delayed-scaling state that would poison training: an amax history holds
-    finite amaxes >= 0 only (0: an empty entry), a scale buffer a positive finite fp32
-    number. Every later delayed cast would otherwise get a NaN (or negative) scale and the
-    first optimizer step destroy the weights. Read on the host: loading is not a hot path
-    (one sync per buffer); meta and fake tensors (no values) are not read."""
+    """Refuse a delayed-scaling state that would poison training (non-finite or negative).
+
+    Read on the host (loading is no hot path); meta and fake tensors are skipped.
+    """
     for name in (*_HISTORY_BUFFERS, *_SCALE_BUFFERS):
         value = state_dict.get(prefix + name)
         if not isinstance(value, torch.Tensor) or value.device.type == "meta" or is_fake(value):
             continue
-        # A sharded (DTensor) buffer: each rank checks its own shard.
         v = (value.to_local() if isinstance(value, DTensor) else value).detach().float()
         ok = torch.isfinite(v) & ((v >= 0) if name in _HISTORY_BUFFERS else (v >= torch.finfo(torch.float32).tiny))
         if not bool(ok.all()):
@@ -137,24 +115,17 @@ def _check_delayed_state(state_dict: dict, prefix: str) -> None:
 class Float8Linear(nn.Linear):
     """A drop-in ``nn.Linear`` whose forward and backward GEMMs run in FP8.
 
-    Parameters are those of ``nn.Linear`` (same names, shapes, dtypes), so state dicts
-    move freely between the two. Delayed scaling adds buffers: one amax history per
-    operand (``amax_history_input``, ``..._weight``, ``..._grad_output``) and the input and
-    weight scales of the current step (``scale_input``, ``scale_weight``), all fp32 and
-    all in ``state_dict`` so a resumed run continues bit for bit. The histories grow by
-    one entry per backward (see :class:`~f8tensor.nn.linear_autograd.QuantizedLinearFn`); forwards alone
-    leave them as is.
-
-    With ``config.collect_stats`` the layer also holds ``float8_stats_input``,
-    ``..._weight`` and ``..._grad_output``: non-persistent float64 vectors laid out as
-    ``CAST_STATS_FIELDS``, overwritten by each cast, NaN until the first one. Read them
-    through :func:`f8tensor.float8_stats`; switch them with :meth:`set_collect_stats`.
+    Parameters are ``nn.Linear``'s, so state dicts move freely between the two. Delayed
+    scaling adds fp32 buffers ``amax_history_{input,weight,grad_output}`` and
+    ``scale_{input,weight}``, saved so a resumed run continues bit for bit; histories grow
+    once per backward, never in forward. ``config.collect_stats`` adds non-persistent
+    ``float8_stats_*`` buffers, NaN until measured (:func:`f8tensor.float8_stats`,
+    :meth:`set_collect_stats`).
 
     Raises:
-        TypeError: ``config`` is not a :class:`~f8tensor.Float8LinearConfig`, or the weight's
-            dtype is not bf16, fp16 or fp32 at forward.
-        ValueError: dimensions FP8 GEMMs cannot take (not multiples of 16) without
-            ``pad_inner_dim``.
+        TypeError: ``config`` is not a :class:`~f8tensor.Float8LinearConfig`, or a weight dtype
+            other than bf16, fp16 or fp32.
+        ValueError: dimensions not multiples of 16 without ``pad_inner_dim``.
 
     Example:
         >>> from f8tensor import Float8Linear, Float8LinearConfig
@@ -198,12 +169,7 @@ class Float8Linear(nn.Linear):
             self.register_buffer(name, empty, persistent=False)
 
     def set_collect_stats(self, enabled: bool = True) -> None:
-        """Switch cast telemetry on (fresh NaN buffers) or off (buffers removed).
-
-        Replaces ``config`` with a copy whose ``collect_stats`` is ``enabled``; a compiled
-        model recompiles once (off compiles the telemetry-free graph again). Call between
-        steps, never inside forward.
-        """
+        """Switch cast telemetry on (fresh NaN buffers) or off; call between steps, not in forward."""
         if not isinstance(enabled, bool):
             raise TypeError(f"enabled must be a bool; got {enabled!r}")
         self.config = dataclasses.replace(self.config, collect_stats=enabled)
@@ -215,10 +181,7 @@ class Float8Linear(nn.Linear):
 
     @classmethod
     def from_float(cls, linear: nn.Linear, config: Float8LinearConfig | None = None) -> Float8Linear:
-        """A Float8Linear sharing ``linear``'s parameters (the same Parameter objects,
-        so an optimizer built before the swap keeps working; with
-        ``enable_fsdp_float8_all_gather`` the weight is a new Parameter over the same
-        storage, and the optimizer is built after ``fully_shard`` anyway)."""
+        """A Float8Linear sharing ``linear``'s Parameter objects (an existing optimizer keeps working)."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"from_float expects an nn.Linear; got {type(linear).__name__}")
         if linear.weight.dtype not in HP_DTYPES:
@@ -238,12 +201,7 @@ class Float8Linear(nn.Linear):
         return new
 
     def reset_parameters(self) -> None:
-        """``nn.Linear``'s initialization, and fresh delayed-scaling and telemetry state.
-
-        The deferred-initialization path (build on ``torch.device("meta")``, ``to_empty``,
-        then ``reset_parameters()``, as FSDP2 and torchtitan do) leaves buffers as
-        uninitialized memory; this sets them as a newly built layer has them.
-        """
+        """``nn.Linear``'s initialization, and fresh buffers (for meta-device deferred init)."""
         super().reset_parameters()
         with torch.no_grad():
             for name, buf in self._buffers.items():  # empty while nn.Linear.__init__ calls this
@@ -256,8 +214,7 @@ class Float8Linear(nn.Linear):
             raise TypeError(f"Float8Linear expects a tensor input; got {type(x).__name__}")
         f8 = dtensor_local(x) if isinstance(x, DTensor) and isinstance(dtensor_local(x), Float8Tensor) else x
         if isinstance(f8, Float8Tensor):
-            # Accepted only as this layer's own input cast would write it (an input gathered
-            # in FP8 by the sequence-parallel styles of distributed.tp); never re-cast.
+            # Only as this layer's own input cast writes it (distributed.tp); never re-cast.
             if not _is_own_input_cast(f8, self.config):
                 raise TypeError(
                     "Float8Linear casts its input itself: pass a high-precision tensor (call .to_hp() first). "
@@ -277,9 +234,8 @@ class Float8Linear(nn.Linear):
             raise TypeError(f"Float8Linear input must be a floating tensor of dtype {allowed}; got {x.dtype}{hint}")
         if x.dim() == 0:
             raise ValueError("Float8Linear input must have at least one dimension (..., in_features); got a 0-dim tensor")
-        # Also what fixes in_features under torch.compile(dynamic=True): the GEMMs' alignment
-        # rules read it, and torch 2.11's dynamo asserts when the first such read (a guard
-        # that makes it a constant) happens inside the autograd Function rather than here.
+        # Also fixes in_features under dynamic=True: torch 2.11's dynamo asserts if first read
+        # inside the autograd Function.
         if x.shape[-1] != self.in_features:
             raise ValueError(
                 f"Float8Linear input must have in_features={self.in_features} as its last dimension; got shape {tuple(x.shape)}"
@@ -295,9 +251,7 @@ class Float8Linear(nn.Linear):
         """The forward with ``weight`` as the (out, in) matrix (Float8Conv1D passes a view)."""
         bias: torch.Tensor | None = self.bias
         device_type = x.device.type if isinstance(x, torch.Tensor) else None
-        # Autocast exists for some device types only (not meta): ask only where it does.
-        # While compiling, the device is a real one; torch 2.11's dynamo cannot trace
-        # torch.amp.is_autocast_available (torch._C._is_autocast_available), so do not ask it.
+        # Not for meta; not while compiling (torch 2.11 cannot trace is_autocast_available).
         if torch.compiler.is_compiling():
             available = device_type != "meta"
         else:
@@ -309,8 +263,7 @@ class Float8Linear(nn.Linear):
             and x.is_floating_point()
         )
         if autocast:
-            # What nn.Linear does under autocast: compute in the autocast dtype. The weight
-            # stays in its own dtype and is cast to FP8 straight from it.
+            # As nn.Linear under autocast; the weight is cast to FP8 from its own dtype.
             dtype = torch.get_autocast_dtype(device_type)
             x = x.to(dtype)
             bias = None if bias is None else bias.to(dtype)
@@ -323,8 +276,7 @@ class Float8Linear(nn.Linear):
         if bias is not None and bias.dtype != x.dtype:
             bias = bias.to(x.dtype)
         if self.in_features == 0 or self.out_features == 0:
-            # Nothing to quantize: an empty product is zeros (plus the bias), as nn.Linear
-            # computes it, in high precision.
+            # An empty product: nn.Linear's, in high precision.
             return nn.functional.linear(x, weight.to(x.dtype), bias)
         delayed = DelayedBuffers(*(getattr(self, name) for name in _DELAYED_BUFFERS)) if self.config.any_delayed else None
         stats = StatsBuffers(*(getattr(self, name) for name in STATS_BUFFERS)) if self.config.collect_stats else None
@@ -336,16 +288,14 @@ class Float8Linear(nn.Linear):
         # A delayed weight gathered in FP8 by FSDP2: its shard's amax, left here by the gather.
         weight_amax = self.__dict__.get("fsdp_weight_amax") if delayed is not None and self.config.enable_fsdp_float8_all_gather else None
         if on_dtensors:
-            # A DTensor weight is never cached (reuse_weight_casts): no weight_casts there.
             return _dtensor_linear_of()(x, weight, bias, LinearArgs(self.config, delayed, stats, weight_amax))
         return QuantizedLinearFn.apply(x, weight, bias, LinearArgs(self.config, delayed, stats, weight_amax, self._weight_casts()))
 
-    #: Inside f8tensor.reuse_weight_casts, this layer keeps its weight's casts (weight_cache.py).
+    #: Opts in to f8tensor.reuse_weight_casts.
     reuses_weight_casts = True
 
     def _weight_casts(self) -> tuple[WeightCasts, torch.Tensor] | None:
-        """(the cache, the parameter it is keyed on) inside a reuse_weight_casts scope, for a
-        weight cast that gives the same bytes every time (dynamic, round-to-nearest); else None."""
+        """(cache, parameter) inside a reuse_weight_casts scope for a dynamic, round-to-nearest weight; else None."""
         casts = weight_casts_of(self)
         if casts is None:
             return None
@@ -365,17 +315,10 @@ class Float8Linear(nn.Linear):
         unexpected_keys: list[str],
         error_msgs: list[str],
     ) -> None:
-        # The rule for the delayed-scaling state (PyTorch's for what is missing, plus one case;
-        # a module never learns whether the load is strict: PyTorch passes strict=True here):
-        # - the dict holds this layer's weight and none of its delayed state: a high-precision
-        #   weight (a plain nn.Linear checkpoint) replaces the one the state described. Those
-        #   buffers start fresh and are not missing, so a strict load of it works.
-        # - otherwise (the dict does not name the weight, or holds some delayed state) what
-        #   it lacks is left untouched and reported missing, as for any module: a partial
-        #   load never touches a layer it does not name.
-        # `state_dict` is load_state_dict's own copy. (Non-persistent buffers, the telemetry,
-        # are never loaded.) The fresh buffers go where the loaded weight is:
-        # load_state_dict(assign=True) into a model built on meta would otherwise keep them there.
+        # A module never learns whether the load is strict. A plain nn.Linear checkpoint (weight,
+        # no delayed state) starts the buffers fresh, not missing, so a strict load works;
+        # otherwise what is lacking stays and is reported missing (a partial load touches
+        # nothing it does not name). Fresh buffers go where the loaded weight is (assign=True on meta).
         loaded = state_dict.get(prefix + "weight")
         device = loaded.device if isinstance(loaded, torch.Tensor) else None
         persistent = [(n, b) for n, b in self.named_buffers(recurse=False) if n not in self._non_persistent_buffers_set]
@@ -393,9 +336,7 @@ class Float8Linear(nn.Linear):
         drop_weight_casts(self)
 
     def _keep_fsdp_weight(self) -> None:
-        """Re-wrap a weight that was replaced by a plain tensor (load_state_dict(assign=True),
-        torch.save of the whole model, copy.deepcopy) while the config asks for FP8 all-gather:
-        the 1-byte all-gather must not silently turn off."""
+        """Re-wrap a weight replaced by a plain tensor: FP8 all-gather must not silently turn off."""
         weight = self._parameters.get("weight")
         # A DTensor (after fully_shard) is FSDP's to manage.
         managed = isinstance(weight, (Float8AllGatherWeight, DTensor))
@@ -413,10 +354,8 @@ class Float8Linear(nn.Linear):
         self._keep_fsdp_weight()
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Float8Linear:
-        # model.to(dtype) / .bfloat16() / .half() cast every floating buffer, but the
-        # delayed-scaling state is fp32 by the scale semantics (a bf16 history rounds the
-        # amax, a bf16 scale is refused by _scaled_mm): it follows device moves and keeps
-        # its dtype.
+        # Delayed state stays fp32 through model.to(dtype) (a bf16 history rounds the amax,
+        # _scaled_mm refuses a bf16 scale): it follows device moves only.
         state = {name: buf for name in _DELAYED_BUFFERS if (buf := self._buffers.get(name)) is not None}
         self._check_weight_dtype_change(fn)
         drop_weight_casts(self)
@@ -428,11 +367,10 @@ class Float8Linear(nn.Linear):
         return self
 
     def _check_weight_dtype_change(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        """Refuse, before anything changes, a conversion (``model.double()``, ``model.to(torch.float64)``)
-        that would turn an FP8 all-gather weight into a dtype no FP8 cast starts from: the
-        wrapper would claim the new dtype and keep its old tensor (or, sharded, silently become
-        a plain weight). ``fn`` is probed on an empty tensor of the weight's dtype and device
-        (what ``Module._apply`` would do to the weight, without touching it)."""
+        """Refuse, before anything changes, converting an FP8 all-gather weight to a non-hp dtype.
+
+        ``fn`` is probed on an empty tensor of the weight's dtype and device.
+        """
         weight = self._parameters.get("weight")
         local = weight.to_local() if isinstance(weight, DTensor) else weight
         if not isinstance(local, Float8AllGatherWeight):
@@ -468,8 +406,7 @@ def check_config(config: Float8LinearConfig | None) -> Float8LinearConfig:
 
 def dims_ok(in_features: int, out_features: int, config: Float8LinearConfig) -> bool:
     if config.any_fp4:
-        # FP4 blocks tile the dims exactly (no padding of packed blocks): 32 covers MXFP4's
-        # blocks and NVFP4's 16 (and 16x16).
+        # FP4 blocks tile the dims exactly: 32 covers MXFP4 and NVFP4 blocks.
         return in_features % FP4_ALIGN == 0 and out_features % FP4_ALIGN == 0
     return config.pad_inner_dim or (in_features % ALIGN == 0 and out_features % ALIGN == 0)
 
@@ -490,9 +427,7 @@ def _check_dims(in_features: int, out_features: int, config: Float8LinearConfig)
         )
 
 
-# Modules that compute exactly a linear map with a transposed weight, (in, out), named by
-# where they are defined: the core imports none of the libraries they come from.
-# Hugging Face's Conv1D (GPT-2, GPT-J's ancestors, ...): forward = addmm(bias, x, weight).
+# Linear maps with an (in, out) weight, named by module: the core imports none of them.
 TRANSPOSED_LINEAR_CLASSES: frozenset[tuple[str, str]] = frozenset({("transformers.pytorch_utils", "Conv1D")})
 
 
@@ -505,12 +440,9 @@ def is_transposed_linear(mod: nn.Module) -> bool:
 
 
 class Float8Conv1D(Float8Linear):
-    """Hugging Face ``Conv1D`` in FP8: ``y = x @ weight + bias`` with ``weight`` of shape
-    ``(in_features, out_features)``.
+    """Hugging Face ``Conv1D`` in FP8: ``y = x @ weight + bias``, ``weight`` (in, out).
 
-    The parameter keeps Conv1D's layout (and is the very same Parameter object), so
-    ``state_dict``, ``save_pretrained`` and an optimizer built before the swap are
-    unaffected; the FP8 GEMMs see its transpose, the ``(out, in)`` weight of a linear.
+    The Parameter keeps Conv1D's layout (the very same object); the GEMMs see its transpose.
     """
 
     @classmethod

@@ -1,14 +1,8 @@
-"""The user configs: frozen objects, read by every module that casts or multiplies.
+"""The user configs: frozen dataclasses that compare by value, so they serve as compile guards.
 
-Configs are immutable and compare by value, so they can ride along as torch.compile
-guards: ``dataclasses.dataclass(frozen=True)`` (``dataclasses.replace`` derives variants).
-Validation says what is wrong and what is allowed.
-
-The words they are written in (granularities, :class:`CastSpec`, :class:`GemmConfig`, the
-predicates on a block) are in ``specs`` and re-exported here; the named recipes' choices
-are in ``recipes``, built here into :data:`RECIPES`. :meth:`CastConfig.operand_spec` turns
-a user's granularity into a spec's block for one GEMM operand: linear layers, experts and
-grouped products all ask it.
+Validation says what is wrong and what is allowed. The vocabulary (granularities,
+:class:`CastSpec`, :class:`GemmConfig`) is ``specs``'s, re-exported here; recipes are built
+into :data:`RECIPES`. :meth:`CastConfig.operand_spec` is the one place a granularity becomes a block.
 """
 
 from __future__ import annotations
@@ -81,12 +75,7 @@ __all__ = [
 
 
 class ScalingType(str, enum.Enum):
-    """Where a cast's scale comes from.
-
-    ``DYNAMIC``: the current tensor's amax (one extra read of the tensor, never stale).
-    ``DELAYED``: the amax history of earlier steps (can clip a sudden outlier; the
-    current amax is still measured, to extend the history).
-    """
+    """Where a cast's scale comes from: the current amax (dynamic) or an amax history (delayed)."""
 
     DYNAMIC = "dynamic"
     DELAYED = "delayed"
@@ -100,18 +89,12 @@ class ScalingType(str, enum.Enum):
 class CastConfig:
     """How one operand (input, weight or grad_output) of a Float8Linear is cast.
 
-    ``granularity``: ``"tensorwise"``, ``"rowwise"``, a :class:`BlockGranularity` (or a
-    block tuple), or a name of :data:`~f8tensor.quant.specs.GRANULARITY_NAMES`. A block is written for the operand laid out as ``(rows, contracted)``:
-    ``(1, 128)`` tiles run along the dimension its GEMM contracts, so the same config is
-    re-oriented for each of the three GEMMs (e.g. along the tokens in the weight-gradient
-    GEMM). ``rounding``: ``"nearest"`` (round to nearest even, the default) or
-    ``"stochastic"`` (unbiased; draws from torch's global generator, so runs repeat under
-    ``torch.manual_seed``), in any recipe, typically for ``grad_output``.
+    A block granularity is written for the operand as ``(rows, contracted)`` and re-oriented
+    per GEMM. ``rounding``: ``"nearest"`` or ``"stochastic"`` (torch's global generator).
 
     Raises:
         TypeError: ``dtype`` is not an FP8 dtype, or a flag is not a bool.
-        ValueError: an unknown granularity, scaling or rounding, or delayed scaling with a
-            granularity other than tensorwise.
+        ValueError: an unknown granularity, scaling or rounding, or delayed non-tensorwise scaling.
 
     Example:
         >>> from f8tensor import CastConfig
@@ -174,15 +157,10 @@ class CastConfig:
         return "nvfp4" if gran.scale_dtype == NVFP4_SCALE else "mxfp4"
 
     def operand_spec(self, contracted_dim: int, *, ndim: int = 2, per_expert: bool = False) -> CastSpec:
-        """The :class:`CastSpec` of a GEMM operand with ``ndim`` dims whose product contracts
-        over ``contracted_dim`` (one of the last two dims): the one place a granularity
-        becomes a block, for linear layers, experts and grouped products alike.
+        """The :class:`CastSpec` of a GEMM operand of ``ndim`` dims contracted over ``contracted_dim``.
 
-        Tensorwise: ``()``. Rowwise: 0 on the contracted dim, 1 elsewhere. A block, written
-        for the operand laid out as ``(rows, contracted)``, is oriented so that its second
-        entry runs along the contracted dim (a 1x128 tile becomes 128x1, 128 tokens long, in
-        the weight-gradient GEMM); leading dims get 1. ``per_expert``: the leading dims index
-        expert matrices, each with its own scales (tensorwise is then one scale per expert).
+        A block's second entry runs along the contracted dim; leading dims get 1, or with
+        ``per_expert`` index expert matrices with scales of their own.
         """
         lead = ndim - 2
         contracted = contracted_dim % ndim - lead
@@ -218,17 +196,12 @@ class CastConfig:
 _E4M3 = torch.float8_e4m3fn
 _E5M2 = torch.float8_e5m2
 
-#: The longest amax history: each layer keeps three fp32 histories and every delayed cast
-#: reduces a whole window, so the window's cost grows with it, while an amax from
-#: thousands of steps back says little about today's tensors. 1024 steps is 4 KiB per
-#: history (10**9 would be 4 GB each).
+#: The longest amax history: every delayed cast reduces the whole window.
 MAX_HISTORY_LEN = 1024
 
 
 def max_margin(float8_dtype: torch.dtype) -> int:
-    """The largest delayed-scaling margin for ``float8_dtype``: the amax, scaled to
-    ``max / 2**margin``, must stay a normal number of the format, or the whole tensor
-    flushes towards zero (margin 14 already leaves e4m3fn only its smallest binades)."""
+    """The largest delayed-scaling margin that keeps the amax a normal number of the format."""
     fmt = FORMATS[float8_dtype]
     return math.floor(math.log2(fmt.max / fmt.smallest_normal))
 
@@ -238,14 +211,10 @@ _MAX_ANY_MARGIN = max(max_margin(d) for d in FLOAT8_DTYPES)
 
 @dataclasses.dataclass(frozen=True)
 class DelayedScalingConfig:
-    """The amax history of delayed scaling (defaults: 16 steps, max).
-
-    ``history_len`` in ``[1, MAX_HISTORY_LEN]``; ``margin``: headroom of ``2**margin``
-    below the format's max, an int from 0 up to :func:`max_margin` of the formats that
-    use it (checked by :class:`Float8LinearConfig`, which knows them).
+    """The amax history of delayed scaling (defaults: 16 steps, max, margin 0).
 
     Raises:
-        ValueError: a history length below 1, an unknown reduction or a negative margin.
+        ValueError: ``history_len`` outside ``[1, MAX_HISTORY_LEN]``, an unknown reduction or a negative margin.
     """
 
     history_len: int = 16
@@ -271,8 +240,7 @@ class DelayedScalingConfig:
             )
 
 
-#: The three GEMMs of a linear layer and the operand roles each multiplies:
-#: ``forward`` y = x @ W.t(); ``grad_input`` grad_x = grad_y @ W; ``grad_weight`` grad_W = grad_y.t() @ x.
+#: The three GEMMs of a linear layer and the operand roles each multiplies.
 GEMMS: dict[str, tuple[str, str]] = {
     "forward": ("input", "weight"),
     "grad_input": ("grad_output", "weight"),
@@ -281,11 +249,7 @@ GEMMS: dict[str, tuple[str, str]] = {
 
 
 class GemmOverride(NamedTuple):
-    """The format of one operand of one GEMM, overriding that role's :class:`CastConfig`:
-    ``gemm`` one of :data:`GEMMS`, ``operand`` one of its roles, ``cast`` a CastConfig (any
-    FP8 granularity, NVFP4, MXFP4) or ``None`` (high precision: the whole GEMM then runs in
-    the layer's dtype, since a product of one plain and one quantized operand would cast the
-    plain one anyway). A NamedTuple so that configs stay hashable compile guards."""
+    """The cast of one operand of one GEMM, overriding its role's; ``None``: that GEMM in high precision."""
 
     gemm: str
     operand: str
@@ -299,8 +263,7 @@ _OVERRIDES_FORM = (
 
 
 def _parse_overrides(value: dict[Any, Any] | Iterable[Any], field: str = "gemm_overrides") -> tuple[GemmOverride, ...]:
-    """``{(gemm, operand): cast}`` or an iterable of :class:`GemmOverride` -> a sorted tuple.
-    Every error names ``field`` (the argument as the caller spelled it) and the allowed form."""
+    """``{(gemm, operand): cast}`` or :class:`GemmOverride` tuples -> a sorted tuple; errors name ``field``."""
     if isinstance(value, dict):
         items = list(value.items())
     elif isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
@@ -333,35 +296,21 @@ class Float8LinearConfig:
     """Everything a Float8Linear needs to know; build one with :meth:`from_recipe`.
 
     - ``input``, ``weight``, ``grad_output``: per-operand :class:`CastConfig`.
-    - ``weight_grad_in_hp``: compute ``grad_W = grad_y.t() @ x`` in high precision.
-    - ``delayed``: history settings, used by operands with ``scaling="delayed"``.
+    - ``weight_grad_in_hp``: compute ``grad_W`` in high precision.
+    - ``delayed``: history settings for operands with ``scaling="delayed"``.
     - ``pad_inner_dim``: zero-pad K and N to multiples of 16 instead of refusing a layer.
-    - ``use_fast_accum``: Hopper fast accumulation in the forward GEMM (backward GEMMs
-      always accumulate precisely).
-    - ``enable_fsdp_float8_all_gather``: under FSDP2, all-gather weights in FP8 (every
-      weight cast; see ``distributed/fsdp.py`` for what each gathers).
-    - ``collect_stats``: record saturation/underflow telemetry per cast (see ``stats.py``).
-    - ``emulate``: run block-scaled GEMMs (blockwise, MXFP8, NVFP4, MXFP4) on the reference
-      path instead of a kernel (see :class:`GemmConfig`). No CPU has those kernels: there
-      they are emulated either way, and with ``emulate=False`` the first such product of
-      each kind in a process warns once (a ``UserWarning``); ``emulate=True`` is silent.
-    - ``gemm_overrides``: per-GEMM formats, overriding the role's CastConfig in one GEMM
-      (:class:`GemmOverride`; a dict ``{("grad_weight", "input"): None, ...}`` is accepted):
-      e.g. MXFP8 forward, NVFP4 grad_input, high-precision grad_weight. See :meth:`cast_for`.
-    - ``hadamard_wgrad``: the random Hadamard transform (16x16, random signs from
-      ``hadamard_seed``, an int in ``[0, 2**64 - 1]``) on both operands of the weight-gradient GEMM along the tokens,
-      before an FP4 cast: outliers are spread over their 16-block, and the product is
-      unchanged in exact arithmetic. On in recipe ``"nvfp4"``.
-    - ``four_over_six``: NVFP4 casts also try each block with 4 as its largest value and
-      keep the encoding with the lower error.
-
-    Configs with an FP4 cast or a GEMM override run :class:`~f8tensor.nn.linear_autograd.QuantizedLinearFn` (its per-GEMM-formats path)
-    (dynamic scaling only).
+    - ``use_fast_accum``: Hopper fast accumulation in the forward GEMM.
+    - ``enable_fsdp_float8_all_gather``: under FSDP2, all-gather weights in FP8.
+    - ``collect_stats``: saturation/underflow telemetry per cast.
+    - ``emulate``: block-scaled GEMMs on the reference path; a device without their kernels
+      (every CPU) emulates them anyway and warns once unless this is set.
+    - ``gemm_overrides``: per-GEMM formats (see :meth:`cast_for`).
+    - ``hadamard_wgrad``, ``hadamard_seed``: the random Hadamard transform before FP4 wgrad casts.
+    - ``four_over_six``: NVFP4 casts also try 4 as each block's largest value.
 
     Raises:
-        TypeError: a field of the wrong type (e.g. ``input`` not a :class:`CastConfig`).
-        ValueError: a combination the GEMMs cannot run (see the message), e.g. FP4 casts with
-            delayed scaling; a ``hadamard_seed`` outside ``[0, 2**64 - 1]``.
+        TypeError: a field of the wrong type.
+        ValueError: a combination the GEMMs cannot run (the message says which).
     """
 
     input: CastConfig = CastConfig(_E4M3)
@@ -433,16 +382,14 @@ class Float8LinearConfig:
 
     @property
     def uses_gemm_formats(self) -> bool:
-        """Whether this config runs the per-GEMM-formats linear (FP4 casts or overrides)."""
+        """Whether this config runs the per-GEMM-formats linear."""
         return bool(self.gemm_overrides) or self.any_fp4
 
     def cast_for(self, gemm: str, operand: str) -> CastConfig | None:
-        """The cast of ``operand`` in ``gemm`` (see :data:`GEMMS`): its override if any, else
-        the role's CastConfig; ``None``: high precision (``weight_grad_in_hp`` is ``None``
-        for both operands of ``grad_weight``).
+        """The cast of ``operand`` in ``gemm``: its override, else the role's; ``None``: high precision.
 
         Raises:
-            ValueError: ``gemm`` is not one of :data:`GEMMS`, or ``operand`` not one it multiplies.
+            ValueError: an unknown ``gemm``, or an ``operand`` it does not multiply.
         """
         if operand not in GEMMS.get(gemm, ()):
             raise ValueError(
@@ -457,30 +404,18 @@ class Float8LinearConfig:
         return getattr(self, operand)
 
     def with_gemm_formats(self, overrides: dict | tuple = (), **fields: Any) -> Float8LinearConfig:
-        """A copy with ``overrides`` merged into :attr:`gemm_overrides` (and top-level
-        ``fields`` replaced): ``config.with_gemm_formats({("forward", "input"): None,
-        ("forward", "weight"): None})`` runs the forward GEMM in high precision."""
+        """A copy with ``overrides`` merged into :attr:`gemm_overrides` and ``fields`` replaced."""
         merged = {(o.gemm, o.operand): o.cast for o in self.gemm_overrides}
         merged.update({(o[0], o[1]): o[2] for o in _parse_overrides(overrides, "with_gemm_formats(overrides) (merged into gemm_overrides)")})
-        # The field's own form (a sorted tuple), as __post_init__ would parse the dict.
         return dataclasses.replace(self, gemm_overrides=_parse_overrides(merged), **fields)
 
     @classmethod
     def from_recipe(cls, name: str, **overrides: Any) -> Float8LinearConfig:
-        """A named recipe: ``"tensorwise"``, ``"rowwise"``, ``"rowwise_with_gw_hp"``, ``"delayed"``,
-        ``"blockwise"`` (DeepSeek-V3: 1x128 input and grad_output, 128x128 weight, e4m3, fp32
-        scales), ``"mxfp8"`` (every operand 1x32 along its GEMM's contracted dim, e4m3,
-        e8m0 scales with the RCEIL exponent), ``"nvfp4"`` (NVFP4 1x16 input and grad_output,
-        16x16 weight blocks, stochastic rounding of gradients, random Hadamard transform in
-        the weight-gradient GEMM) or ``"mxfp4"`` (MXFP4 1x32 everywhere, stochastic rounding
-        of gradients).
-
-        Keyword overrides replace top-level fields (e.g. ``pad_inner_dim=True``).
-        The :doc:`recipes` page tabulates every recipe.
+        """A named recipe (see :doc:`recipes`), with top-level fields replaced by ``overrides``.
 
         Raises:
             ValueError: an unknown recipe name, or an override the config refuses.
-            TypeError: an override that names no field of :class:`Float8LinearConfig`.
+            TypeError: an override that names no field.
 
         Example:
             >>> from f8tensor import Float8LinearConfig
@@ -510,5 +445,5 @@ def _recipe(fields: dict[str, Any]) -> Float8LinearConfig:
     return Float8LinearConfig(**built)
 
 
-#: The named recipes (their choices and sources: ``recipes.py``), each a validated config.
+#: The named recipes (``recipes.py``), validated.
 RECIPES: dict[str, Float8LinearConfig] = {name: _recipe(fields) for name, fields in RECIPE_FIELDS.items()}

@@ -1,7 +1,6 @@
-"""Layer policies: which config each linear layer of a model gets, as a function of its name.
-:func:`keep_last_blocks_in_hp` (a ``module_filter_fn``) and :func:`block_policy` (a policy
-for :func:`~f8tensor.convert_with_policy`) find a model's transformer blocks by name; the
-converter (``convert``) applies what they return.
+"""Layer policies: which config each linear layer of a model gets, by its name.
+
+Transformer blocks are found by name (:data:`BLOCK_PATTERN`); ``convert`` applies the result.
 """
 
 from __future__ import annotations
@@ -26,16 +25,13 @@ def _block_index(fqn: str, pattern: str) -> int | None:
 
 
 def keep_last_blocks_in_hp(model: nn.Module, n: int, *, block_pattern: str = BLOCK_PATTERN) -> Callable[[nn.Module, str], bool]:
-    """A ``module_filter_fn`` that leaves the layers of the last ``n`` blocks in high precision
-    (the NVFP4 recipe's ~15% of blocks kept in bf16). Blocks are found by ``block_pattern``
-    (default: ``layers.<i>``, ``h.<i>``, ``blocks.<i>``); layers outside any block are converted."""
+    """A ``module_filter_fn`` keeping the last ``n`` blocks (by ``block_pattern``) in high precision."""
     _check_block_args("keep_last_blocks_in_hp", model, "n", n, block_pattern)
     return _keep_last_blocks(model, n, block_pattern)
 
 
 def _check_block_args(fn: str, model: object, count_name: str, count: object, block_pattern: object) -> None:
-    """Validate the arguments shared by :func:`keep_last_blocks_in_hp` and :func:`block_policy`,
-    each error naming the argument (as the caller spelled it) and what is allowed."""
+    """Validate the arguments shared by :func:`keep_last_blocks_in_hp` and :func:`block_policy`."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"{fn}: model must be an nn.Module; got {type(model).__name__}")
     if isinstance(count, bool) or not isinstance(count, int) or count < 0:
@@ -70,16 +66,13 @@ def block_policy(
     block_pattern: str = BLOCK_PATTERN,
 ) -> Callable[[nn.Module, str], Float8LinearConfig | None]:
     """A layer policy for :func:`convert_with_policy`: ``config`` for every linear layer,
-    except the layers of the last ``hp_last_blocks`` blocks (high precision: ``None``) and,
-    with ``edge_config``, the first and the last linear layer of the model (e.g. an FP8
-    recipe around an FP4 body).
+    except the last ``hp_last_blocks`` blocks (``None``: high precision) and, with
+    ``edge_config``, the model's first and last linear layer.
 
     Raises:
-        TypeError: ``model`` is not an ``nn.Module``, ``config`` or ``edge_config`` is not a
-            :class:`~f8tensor.Float8LinearConfig` (``edge_config`` may be ``None``), or
-            ``block_pattern`` is not a string.
-        ValueError: ``hp_last_blocks`` is not an int >= 0, or ``block_pattern`` is not a
-            regular expression with a group capturing the block index."""
+        TypeError: ``model``, ``config``, ``edge_config`` or ``block_pattern`` of the wrong type.
+        ValueError: ``hp_last_blocks`` is not an int >= 0, or ``block_pattern`` has no index group.
+    """
     _check_block_args("block_policy", model, "hp_last_blocks", hp_last_blocks, block_pattern)
     for arg, value in (("config", config), ("edge_config", edge_config)):
         if not isinstance(value, Float8LinearConfig) and not (arg == "edge_config" and value is None):
