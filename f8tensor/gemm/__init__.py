@@ -1,29 +1,12 @@
-"""FP8 matrix products: one front door, the CUDA rules, one file per concern.
+"""FP8 matrix products: one front door for every device, and the CUDA rules as data.
 
-Every FP8 product f8tensor makes goes through here, on every device, so that the CPU
-suite vouches for the GPU builds: CPU kernels accept products that GPU kernels refuse.
-
-==============  ==========================================================================
-file            concern
-==============  ==========================================================================
-``rules``       the CUDA rules as data, one module per kernel family: supported builds,
-                rule rows of ``torch._scaled_mm``, the block-scaled ``F.scaled_mm`` kernels
-                and ``torch._scaled_grouped_mm``, each citing the PyTorch sources it was
-                read from
-``violations``  the checkers, one per kind: what a build would refuse in a call
-``check``       the check mode (:func:`install_rules_check`, :func:`rules_check`,
-                ``F8TENSOR_CHECK_CUDA_RULES``)
-``operands``    the one operand preparation: plain operands cast like the other one,
-                re-quantization along K, e4m3 re-casts, layouts, inverse scales
-``dense``       tensorwise and rowwise products: routes (:func:`choose_route`)
-``blocks``      block-scaled products (1x128, 128x128, MX) and their reference path
-``grouped``     grouped and batched products (MoE) and their reference op
-``front``       the front door of 2D products: :func:`matmul`, :func:`float8_mm`
-==============  ==========================================================================
-
-Each file imports only those above it in this table (``tests/project/test_layering.py``). A new
-kind adds rule rows, a checker, and a module next to ``dense``/``blocks``/``grouped``
-that takes prepared operands; the front door sends it there.
+Modules, each importing only those listed before it (``tests/project/test_layering.py``):
+``rules`` (the rule tables), ``violations`` (the checkers), ``check`` (the check mode:
+:func:`install_rules_check`, :func:`rules_check`), ``operands`` (the one operand
+preparation), ``dense`` (tensorwise and rowwise routes, :func:`choose_route`), ``blocks``
+(block-scaled), ``grouped`` (grouped and batched), ``front`` (:func:`matmul`,
+:func:`float8_mm`). The CPU suite vouches for GPU builds because every product is checked
+against the rules on every device.
 """
 
 from __future__ import annotations

@@ -1,28 +1,12 @@
-"""Block-scaled FP8 products (1x128, 128x128, MX 1x32): the kernels and the reference path.
+"""Block-scaled FP8 products (1x128, 128x128, MX 1x32) and FP4: the kernels and the reference.
 
-A product with a block-scaled operand (see Float8Tensor's ``_block``) comes here from the
-front door. On CPU, and on CUDA with ``GemmConfig(emulate=True)``, it is the reference
-computation: each operand dequantized per block in fp32, an fp32 matmul, the bias added in
-fp32, one cast (the numbers the GPU kernels compute up to accumulation order). On CUDA
+On CPU, and on CUDA with ``GemmConfig(emulate=True)``, a product is the reference:
+operands dequantized per block in fp32, an fp32 matmul and bias, one cast. On CUDA
 otherwise it is ``torch.nn.functional.scaled_mm`` with the scale layouts of
-:data:`~f8tensor.gemm.rules.BLOCK_SCALED_MM_RULES` (the MX scales swizzled), or a clear
-error where no supported build has the kernel. With the check mode on, the reference path
-checks the call the CUDA branch would make, built by the same code (:func:`_kernel_args`),
-and records a product no kernel takes (the CUDA branch's error) as a violation.
-
-Sizes (:func:`_padding`, one decision for both paths): K and N must be multiples of the
-row's ``align_k``/``align_n`` (16) in every kernel call; a CUDA call traced by
-torch.compile on a torch whose meta floor-divides the DeepSeek scales (2.11-2.13) also
-needs the row's ``compile_align`` (K, and M or N of a 128x128 operand, multiples of 128).
-With ``GemmConfig(pad_inner_dim=True)`` the operands are zero-padded (the scales padded with
-1, the result sliced back), else the product is refused with the dim and the multiple, on
-CPU as on CUDA (``emulate=True`` asks for no kernel, so for no size rule). M, the rows of
-a 1x128 a (the token count), is padded to the row's ``align_m`` (16; cuBLASLt refused
-M=15) whatever the config says (:func:`_outer_rows_padded`): zero rows with scale 1,
-sliced off the result. The reference path dequantizes that padded operand as well (and
-multiplies its first M rows), so the CPU suite builds and checks the padded call the CUDA
-branch sends. The DeepSeek kernels take no fast accumulation (cuBLASLt refuses it); the
-rows say so.
+:data:`~f8tensor.gemm.rules.BLOCK_SCALED_MM_RULES`, or a clear error where no supported
+build has the kernel. Both paths share one size decision (:func:`_padding`) and build the
+kernel's arguments with the same code (:func:`_kernel_args`), so the CPU suite checks the
+exact (padded) call the CUDA branch sends.
 """
 
 from __future__ import annotations
@@ -54,9 +38,7 @@ _WARNED_EMULATED: set[str] = set()
 
 
 def _warn_emulated(kind: str, device: torch.device) -> None:
-    """The rule for a product with no kernel on ``device`` (every CPU) and ``emulate`` off:
-    it runs the reference path, said once per process and ``kind`` by a ``UserWarning``.
-    Eager only: a trace reads no Python state (the eager call or the CUDA run says it)."""
+    """Warn once per process and ``kind`` that a product with no kernel on ``device`` runs emulated (eager only)."""
     if torch.compiler.is_compiling() or kind in _WARNED_EMULATED:
         return
     _WARNED_EMULATED.add(kind)
@@ -70,8 +52,7 @@ def _warn_emulated(kind: str, device: torch.device) -> None:
 
 
 def _known_zero(n: int | torch.SymInt) -> bool:
-    """Whether the size ``n`` is 0 without a guard: a symbolic size (torch.compile(dynamic=
-    True)) is padded by its amount, possibly 0, in one graph for every token count."""
+    """Whether size ``n`` is 0 without a guard (a symbolic size is padded by its amount, maybe 0)."""
     return statically_known_true(n == 0)
 
 
@@ -88,8 +69,7 @@ def product(
         _warn_emulated("MXFP8 (e8m0 block scales)" if scale_dtype == E8M0 else "block-scaled FP8", a8._data.device)
     if rule is not None and _takes_operands(rule, a8, b8) and not gemm.emulate:
         pads = _padding(rule, a8, b8, gemm, traced=False)
-        # The operand the kernel would take, its outer rows padded: the reference reads it
-        # too (the checked call and the numbers come from the same padded operand).
+        # The reference reads the same padded operand the checked call uses.
         a8_kernel, pads = _outer_rows_padded(rule, a8, pads)
         if check_active():
             fast = gemm.use_fast_accum and rule.fast_accum
@@ -97,15 +77,13 @@ def product(
         if a8_kernel is not a8:
             return _reference_mm(a8_kernel, b8, bias, out_dtype, rows=a8.shape[0])
     elif not gemm.emulate and check_active():
-        # No kernel takes these operands: the CUDA branch would raise (_kernel_mm). The
-        # check records every block-scaled product, so this one as what it is, refused.
+        # No kernel takes these operands (the CUDA branch raises): record it as refused.
         record_block_refusal(_refusal(rule, a8, b8))
     return _reference_mm(a8, b8, bias, out_dtype)
 
 
 def _refusal(rule: BlockScaledMMRule | None, a8: Float8Tensor, b8: Float8Tensor) -> str:
-    """Why no block-scaled kernel takes ``a8 @ b8``: no row for their blocks and scale dtypes,
-    or a row whose kernel takes other operand dtypes. The CUDA branch's error, in words."""
+    """Why no block-scaled kernel takes ``a8 @ b8``, in words (the CUDA branch's error)."""
     if rule is None:
         allowed = "; ".join(
             f"{r.name}: a block {r.block_a}, b block {r.block_b}, {_name(r.scale_dtype)} scales"
@@ -123,12 +101,12 @@ def _refusal(rule: BlockScaledMMRule | None, a8: Float8Tensor, b8: Float8Tensor)
 def _padding(
     rule: BlockScaledMMRule, a8: Float8Tensor, b8: Float8Tensor, gemm: GemmConfig, *, traced: bool
 ) -> tuple[int, int, int]:
-    """Zeros to add to (M, K, N) for ``rule``'s kernel: none when the sizes are legal; M
-    padded to the row's ``align_m`` always (the outer rows of a 1x128 a, whose count is the
-    batch's token count: zero rows change no other row of the product); K and N (and M
-    beyond ``align_m``) padded if ``gemm.pad_inner_dim`` asks for it, else a ``ValueError``
-    naming each dim and its multiple. ``traced``: a CUDA call traced by torch.compile (the
-    meta registration's own multiples apply on torch 2.11-2.13)."""
+    """Zeros to add to (M, K, N) for ``rule``'s kernel.
+
+    M is always padded to the row's ``align_m`` (zero rows change no other row); K and N only
+    with ``gemm.pad_inner_dim``, else a ``ValueError`` names each dim and its multiple.
+    ``traced``: a CUDA call traced by torch.compile (the meta's own multiples may apply).
+    """
     (m, k), n = a8.shape, b8.shape[1]
     sizes = {"M": m, "K": k, "N": n}
     multiples = {"M": rule.align_m, "K": rule.align_k, "N": rule.align_n}
@@ -136,9 +114,8 @@ def _padding(
         for dim, multiple in rule.compile_align:
             multiples[dim] = max(multiples[dim], multiple)
     pads = {dim: (-sizes[dim]) % multiples[dim] for dim in sizes}
-    # Under torch.compile(dynamic=True) a size is a symbol: reading a pad as a bool, or
-    # formatting a size, guards on it (one graph per token count). Padding asked for (and
-    # M's own) pads by the symbolic amount, read nowhere; only a refusal reads them.
+    # Under dynamic shapes reading a pad guards on it (a graph per token count): only a
+    # refusal reads them.
     if not gemm.pad_inner_dim:
         refusable = [dim for dim in sizes if dim != "M" or multiples["M"] != rule.align_m]
         wrong = [dim for dim in refusable if pads[dim]]
@@ -156,16 +133,14 @@ def _padding(
 def _outer_rows_padded(
     rule: BlockScaledMMRule, a8: Float8Tensor, pads: tuple[int, int, int]
 ) -> tuple[Float8Tensor, tuple[int, int, int]]:
-    """``a8`` grown by the M padding of ``pads`` when its blocks are single rows (a 1x128
-    a: the row's ``align_m``), and the padding left for :func:`_kernel_args` (K, N, and M of
-    a 128x128 a). The new rows: zero bytes, scale 1 (finite; 0 / 1 dequantizes to 0)."""
+    """``a8`` grown by the M padding of a 1x128 a (zero bytes, scale 1), and the padding left."""
     pm = pads[0]
     if rule.block_a[0] != 1 or _known_zero(pm):
         return a8, pads
     rows, cols = a8._scale.shape
     padded = a8._replace(data=_pad_bytes(a8._data, pm, 0), scale=_pad_scale(a8._scale, rows + pm, cols))
     inv = None if torch.compiler.is_compiling() else a8._inv_scale
-    if inv is not None:  # the cast's own 1 / scale, grown alike (the same values, bit for bit)
+    if inv is not None:  # the cast's own 1 / scale, grown alike
         padded._inv_scale = _pad_scale(inv, rows + pm, cols)
     return padded, (0, pads[1], pads[2])
 
@@ -175,14 +150,9 @@ def _reference_mm(
 ) -> torch.Tensor:
     """The reference: dequantize per block in fp32, fp32 matmul, fp32 bias, one cast.
 
-    Deliberate fp32 throughout: it is what the block-scaled kernels accumulate in (they
-    apply each K-block's scales to its fp32 partial sum), so the results agree up to the
-    order of accumulation.
-
-    ``rows``: the product of ``a8``'s first rows only (``a8`` padded for the kernel by
-    :func:`_outer_rows_padded`). The padding's zero rows change no other row of a product,
-    but a CPU BLAS may order a row's sums by the row count (MKL does for a single row):
-    leaving them out of the matmul keeps the bits of the unpadded product.
+    Deliberate fp32: what the block-scaled kernels accumulate in. ``rows``: multiply only
+    ``a8``'s first rows (``a8`` was padded): a CPU BLAS may order sums by the row count, so
+    leaving the padding out keeps the unpadded product's bits.
     """
     a = dequantize(a8, torch.float32)
     if rows is not None:
@@ -198,18 +168,16 @@ def _round_up(x: int, m: int) -> int:
 
 
 def _swizzle_32_4_4(scale: torch.Tensor) -> torch.Tensor:
-    """An (R, C) one-byte scale (e8m0 for 1x32, e4m3fn for NVFP4's 1x16) in the tiled layout
-    cuBLAS reads for block scaling.
+    """A one-byte (R, C) scale in cuBLAS's tiled block-scale layout.
 
-    Padded to 128-row x 4-column tiles (tiles in row-major order); inside a tile, the
-    entry at (r, c) lands at offset ``(r % 32) * 16 + (r // 32) * 4 + c``.
+    Padded to 128 x 4 tiles in row-major order; inside a tile, (r, c) lands at
+    ``(r % 32) * 16 + (r // 32) * 4 + c``.
     """
     rows, cols = scale.shape
     pr, pc = _round_up(rows, 128), _round_up(cols, 4)
     raw = scale.view(torch.uint8)
     if not (_known_zero(pr - rows) and _known_zero(pc - cols)):
-        # Pad bytes: 127 is 2**0 in e8m0, a harmless 1 for the padding's zero data (in
-        # e4m3fn 127 is NaN: pad with 0 there).
+        # Pad byte: 127 is 2**0 in e8m0; in e4m3fn 127 is NaN, so 0 there.
         pad = 127 if scale.dtype == torch.float8_e8m0fnu else 0
         raw = torch.nn.functional.pad(raw, (0, pc - cols, 0, pr - rows), value=pad)
     tiles = raw.reshape(pr // 128, 4, 32, pc // 4, 4).permute(0, 3, 2, 1, 4)
@@ -228,8 +196,7 @@ def _pad_scale(inv: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
 
 
 def _block_kernel_scales(rule: BlockScaledMMRule, a8: Float8Tensor, b8: Float8Tensor, pads=(0, 0, 0)):
-    """The two scale tensors in the layouts ``rule`` names (see its ``scale_a``/``scale_b``),
-    for the operands padded by ``pads`` (M, K, N)."""
+    """The two scale tensors in ``rule``'s layouts, for operands padded by ``pads`` (M, K, N)."""
     (m, k), n = a8.shape, b8.shape[1]
     m, k, n = m + pads[0], k + pads[1], n + pads[2]
     (ba_m, ba_k), (bb_k, bb_n) = rule.block_a, rule.block_b
@@ -255,8 +222,7 @@ def _takes_operands(rule: BlockScaledMMRule, a8: Float8Tensor, b8: Float8Tensor)
 
 
 def _kernel_args(rule: BlockScaledMMRule, a8: Float8Tensor, b8: Float8Tensor, pads=(0, 0, 0)):
-    """The operands and scales of ``rule``'s kernel call: A row-major, B column-major, the
-    scales in their layouts; ``pads`` (M, K, N) zeros added (see :func:`_padding`)."""
+    """The operands (A row-major, B column-major, padded by ``pads``) and scales of ``rule``'s kernel."""
     pm, pk, pn = pads
     a_data, b_data = row_major(a8._data), col_major(b8._data)
     if not (_known_zero(pm) and _known_zero(pk)):
@@ -306,16 +272,15 @@ def _kernel_mm(
     return out
 
 
-# ===================================================================== FP4 (NVFP4, MXFP4)
+# FP4 (NVFP4, MXFP4)
 
 
 def fp4_product(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype, gemm: GemmConfig) -> torch.Tensor:
     """``a (M, K) @ b (K, N)`` (+ ``bias``) where at least one operand is a Float4Tensor.
 
-    On CPU, and on CUDA with ``emulate``, the reference: each operand dequantized per block
-    in fp32 (a plain one cast to the FP4 operand's format first), an fp32 matmul, the bias
-    in fp32, one cast. On CUDA otherwise the sm100 kernel of
-    :data:`~f8tensor.gemm.rules.FP4_SCALED_MM_RULES` (unverified: no sm100 machine)."""
+    The reference on CPU or with ``emulate``; otherwise the sm100 kernel of
+    :data:`~f8tensor.gemm.rules.FP4_SCALED_MM_RULES` (unverified).
+    """
     kernel = a.device.type == "cuda" and not gemm.emulate
     if not (kernel or gemm.emulate):
         kinds = sorted({x._kind.upper() for x in (a, b) if is_float4(x)})
@@ -333,9 +298,7 @@ def fp4_product(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out
 
 
 def fp4_path(kind_a: str | None, kind_b: str | None, device: torch.device | str, emulate: bool) -> str:
-    """The path :func:`fp4_product` takes on ``device`` for operands of these FP4 kinds
-    (``"nvfp4"``, ``"mxfp4"``; ``None``: an FP8 or plain operand), in words: the conversion
-    report's. The same decision as :func:`fp4_product` and :func:`_fp4_kernel_mm`."""
+    """The path :func:`fp4_product` takes for these FP4 kinds (None: FP8 or plain), in words."""
     device = torch.device(device)
     if device.type != "cuda" or emulate:
         why = "emulate=True" if device.type == "cuda" else f"no FP4 kernel on {device.type}"
@@ -361,8 +324,7 @@ def _dequantized(x: Float4Tensor | Float8Tensor) -> torch.Tensor:
 
 
 def _fp4_kernel_args(a4: Float4Tensor, b4: Float4Tensor):
-    """The FP4 kernel's operands and scale lists: A (M, K/2) row-major, B (K/2, N) column-major,
-    block scales swizzled (b's read per column: (N, K/block)), NVFP4's global scales beside them."""
+    """The FP4 kernel's operands and scale lists (NVFP4's global scales beside the block scales)."""
     sa, sb = _swizzle_32_4_4(a4._scale.contiguous()), _swizzle_32_4_4(b4._scale.t().contiguous())
     if a4._kind == "nvfp4":
         return row_major(a4._data), col_major(b4._data), [sa, a4._global_scale.reshape(1)], [sb, b4._global_scale.reshape(1)]

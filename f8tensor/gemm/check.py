@@ -1,32 +1,12 @@
 """The CUDA-rules check: the checkers of the three kinds of FP8 GEMM, and the check mode.
 
-CPU kernels accept products that GPU kernels refuse. The checkers (``violations``,
-re-exported here) read the rows of ``rules`` and say what a build would refuse in one call,
-as a list of messages (``[]``: legal), one function per kind: :func:`scaled_mm_violations`
-(and :func:`violations_on_supported_builds`, merged over every supported build),
-:func:`block_scaled_mm_violations`, :func:`grouped_mm_violations`.
-
-The check mode records (or raises at) every call f8tensor makes that a supported build
-would refuse. It is switched on explicitly, never by ``import f8tensor``:
-
-- :func:`install_rules_check` (``raise_on_violation=False`` records only; the test suite
-  does this), or the context manager :func:`rules_check`. These also wrap
-  ``torch._scaled_mm`` and ``torch.nn.functional.scaled_mm`` for calls a user makes
-  directly: the wrappers are :func:`checked_scaled_mm` and
-  :func:`checked_functional_scaled_mm`, names a traceback shows.
-- ``F8TENSOR_CHECK_CUDA_RULES=1|record|0`` (:data:`RULES_CHECK_ENV`), read by
-  :func:`install_from_env` at f8tensor's first FP8 product (not at import), so
-  ``F8TENSOR_CHECK_CUDA_RULES=1 python script.py`` checks every product the script makes
-  through f8tensor (torch's own functions stay as they are). An explicit
-  install/uninstall before that first product takes precedence over the variable.
-
-gemm sends every call through :func:`scaled_mm` and :func:`block_scaled_mm` (which check
-the exact arguments when the mode is on, then call ``compat``), and on the block reference
-path checks the arguments the CUDA branch would send (:func:`record_block_reference`), or
-records the product as refused where no kernel takes it (:func:`record_block_refusal`).
-Under torch.compile the checks run while the graph is traced, without a graph break:
-the checked calls are ``torch.compiler.allow_in_graph`` functions, and whether the mode
-is on is read once per trace (:func:`check_active`).
+The checkers (from ``violations``) read the rows of ``rules`` and list what a build would
+refuse in one call (``[]``: legal). The check mode records or raises at every call a
+supported build would refuse; it is switched on explicitly (:func:`install_rules_check`,
+:func:`rules_check`, or :data:`RULES_CHECK_ENV` read at the first FP8 product), never by
+import. gemm calls :func:`scaled_mm` and :func:`block_scaled_mm`, which check when the
+mode is on. Under torch.compile the checked calls are ``allow_in_graph`` and the mode is
+read once per trace (:func:`check_active`), so checking adds no graph break.
 """
 
 from __future__ import annotations
@@ -80,16 +60,13 @@ __all__ = [
 ]
 
 
-# ===================================================================== the check mode
-
 
 class CudaRuleViolation(AssertionError):
     """A ``torch._scaled_mm`` call that a supported NVIDIA build would refuse."""
 
 
 class _RulesCheck:
-    """The state of the check mode: whether it is on, the wrapped torch functions, and what
-    it recorded."""
+    """The check mode's state: on or off, the wrapped torch functions, what it recorded."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -123,9 +100,7 @@ _CHECK = _RulesCheck()
 
 @torch.compiler.assume_constant_result
 def check_active() -> bool:
-    """Whether the check mode is on: read by gemm at every product (the first one also reads
-    :data:`RULES_CHECK_ENV`, see :func:`install_from_env`). Under torch.compile it is read
-    once, when the graph is traced."""
+    """Whether the check mode is on (the first call reads :data:`RULES_CHECK_ENV`); constant per trace."""
     if not _CHECK.env_read:
         install_from_env()
     return _CHECK.active
@@ -149,7 +124,8 @@ def checked_scaled_mm(
 ):
     """``torch._scaled_mm``, after checking the call against every supported build.
 
-    ``kwargs``: passed through (inductor's CPU extern-kernel call adds ``out=``)."""
+    ``kwargs`` pass through (inductor's CPU extern-kernel call adds ``out=``).
+    """
     problems = violations_on_supported_builds(
         mat1, mat2, scale_a, scale_b, bias, scale_result, out_dtype, use_fast_accum
     )
@@ -158,23 +134,22 @@ def checked_scaled_mm(
     return compat.scaled_mm(mat1, mat2, scale_a, scale_b, **kwargs)
 
 
-# Inductor registers the extern kernel it captures under the function's ``__name__`` and its
-# generated code calls ``extern_kernels._scaled_mm``: when inductor is first imported while
-# the wrapper is installed, the wrapper must answer to torch's name. A traceback still shows
-# ``checked_scaled_mm`` (it reads the code object's name, not ``__name__``).
+# Inductor's generated code calls ``extern_kernels._scaled_mm`` by the captured function's
+# ``__name__``: the wrapper must answer to torch's name.
 checked_scaled_mm.__name__ = "_scaled_mm"
 
 
 @torch.compiler.allow_in_graph
 def checked_functional_scaled_mm(mat_a, mat_b, scale_a, scale_recipe_a, scale_b, scale_recipe_b, *args, **kwargs):
-    """``torch.nn.functional.scaled_mm`` (torch >= 2.10), checked like ``_scaled_mm`` for
-    the recipes the tables have rows for; any other recipe is reported until a row covers it."""
+    """``torch.nn.functional.scaled_mm``, checked against the table rows for its recipes.
+
+    A recipe pair with no row is reported as a violation.
+    """
     recipes = {str(getattr(r, "name", r)).lower() for r in (scale_recipe_a, scale_recipe_b)}
     single = not isinstance(scale_a, (list, tuple)) and not isinstance(scale_b, (list, tuple))
     block_rule = block_rule_by_recipes(scale_recipe_a, scale_recipe_b, mat_a.dtype) if single else None
     if block_rule is not None:
-        # Block-scaled kernels exist on some builds only; gemm refuses the others up front
-        # (blocks.py), so a call is checked against its own row's layouts.
+        # gemm refuses builds without the kernel up front: check against the row's layouts only.
         fast = kwargs.get("use_fast_accum", args[5] if len(args) > 5 else False)
         problems = block_scaled_mm_violations(mat_a, mat_b, scale_a, scale_b, block_rule, use_fast_accum=fast)
         summary = {"kind": block_rule.name, "mat1": mat_a.dtype, "mat2": mat_b.dtype}
@@ -193,10 +168,10 @@ def checked_functional_scaled_mm(mat_a, mat_b, scale_a, scale_recipe_a, scale_b,
 
 @torch.compiler.allow_in_graph
 def record_block_reference(rule_name: str, mat_a, mat_b, scale_a, scale_b, use_fast_accum: bool = False) -> None:
-    """Check the ``torch.nn.functional.scaled_mm`` call the CUDA branch would make for a
-    block-scaled product that runs on the reference path (arguments built by the same code).
-    The operands are real CPU tensors or fake ones, never CUDA: the compile-time rules of a
-    CUDA trace are enforced where the CUDA branch decides its padding (``blocks.py``)."""
+    """Check the ``F.scaled_mm`` call the CUDA branch would make for a reference-path product.
+
+    The operands are CPU or fake tensors; compile-time rules of a CUDA trace are enforced in ``blocks.py``.
+    """
     rule = next(r for r in BLOCK_SCALED_MM_RULES if r.name == rule_name)
     problems = block_scaled_mm_violations(mat_a, mat_b, scale_a, scale_b, rule, use_fast_accum=use_fast_accum)
     summary = {"kind": rule.name, "mat1": mat_a.dtype, "mat2": mat_b.dtype, "reference": True}
@@ -205,37 +180,35 @@ def record_block_reference(rule_name: str, mat_a, mat_b, scale_a, scale_b, use_f
 
 @torch.compiler.allow_in_graph
 def record_block_refusal(reason: str) -> None:
-    """Record a block-scaled product on the reference path that no kernel takes (no row of
-    :data:`~f8tensor.gemm.rules.BLOCK_SCALED_MM_RULES` for its blocks, scale dtypes and
-    operand dtypes): on CUDA it raises, so every supported build refuses it."""
+    """Record a reference-path block-scaled product that no kernel takes (CUDA would raise)."""
     _CHECK.record("torch.nn.functional.scaled_mm (reference path)", {"kind": "no kernel", "reference": True}, [reason])
 
 
 def scaled_mm(mat1, mat2, scale_a, scale_b, *, bias=None, out_dtype=None, use_fast_accum=False) -> torch.Tensor:
-    """``torch._scaled_mm`` as gemm calls it: through ``compat``, checked first when the check
-    mode is on."""
+    """``torch._scaled_mm`` through ``compat``, checked first when the check mode is on."""
     if check_active():
         return checked_scaled_mm(mat1, mat2, scale_a, scale_b, bias=bias, out_dtype=out_dtype, use_fast_accum=use_fast_accum)
     return compat.scaled_mm(mat1, mat2, scale_a, scale_b, bias=bias, out_dtype=out_dtype, use_fast_accum=use_fast_accum)
 
 
 def block_scaled_mm(mat_a, mat_b, scale_a, recipe_a, scale_b, recipe_b, **kwargs: Any) -> torch.Tensor:
-    """``torch.nn.functional.scaled_mm`` as gemm calls it: through ``compat``, checked first
-    when the check mode is on."""
+    """``torch.nn.functional.scaled_mm`` through ``compat``, checked first when the check mode is on."""
     if check_active():
         return checked_functional_scaled_mm(mat_a, mat_b, scale_a, recipe_a, scale_b, recipe_b, **kwargs)
     return compat.block_scaled_mm(mat_a, mat_b, scale_a, recipe_a, scale_b, recipe_b, **kwargs)
 
 
 def install_rules_check(*, raise_on_violation: bool = True) -> _RulesCheck:
-    """Switch the check mode on: every FP8 GEMM f8tensor makes is checked against the
-    supported builds and recorded (``.calls``, ``.violations``; ``.take()`` drains them),
-    then runs. With ``raise_on_violation`` a violation raises :class:`CudaRuleViolation`
-    at the call. Also wraps ``torch._scaled_mm`` (and ``torch.nn.functional.scaled_mm``)
-    with :func:`checked_scaled_mm` / :func:`checked_functional_scaled_mm`, so a user's
-    direct calls are checked too. Idempotent; :func:`uninstall_rules_check` undoes it.
-    Under torch.compile the checked calls are opaque to dynamo (``allow_in_graph``): they
-    check the fake tensors the graph is traced with, without a graph break.
+    """Switch the check mode on (idempotent; :func:`uninstall_rules_check` undoes it).
+
+    Every FP8 GEMM f8tensor makes is checked and recorded (``.calls``, ``.violations``,
+    ``.take()``), and ``torch._scaled_mm`` / ``F.scaled_mm`` are wrapped so direct calls are
+    checked too.
+
+    Args:
+        raise_on_violation: raise :class:`CudaRuleViolation` at a violating call (else record only).
+    Returns:
+        The check mode's state.
     """
     _CHECK.raise_on_violation = raise_on_violation
     _CHECK.active = _CHECK.env_read = True
@@ -265,8 +238,7 @@ def rules_check_installed() -> _RulesCheck | None:
 
 @contextlib.contextmanager
 def rules_check(*, raise_on_violation: bool = True) -> Iterator[_RulesCheck]:
-    """The check mode for a block of code: ``with rules_check() as check: ...``; the state
-    before (on or off, raising or recording) is restored after.
+    """The check mode for a block of code; the state before is restored after.
 
     Example:
         >>> from f8tensor import Float8Tensor, float8_mm, gemm
@@ -288,21 +260,18 @@ def rules_check(*, raise_on_violation: bool = True) -> Iterator[_RulesCheck]:
             uninstall_rules_check()
 
 
-#: The environment switch, read by :func:`install_from_env` at f8tensor's first FP8
-#: product: "1"/"raise" checks and raises at a violation; "record" only records; "0" or
-#: unset leaves the check off.
+#: The environment switch: "1"/"raise" raises at a violation, "record" records, "0"/unset is off.
 RULES_CHECK_ENV = "F8TENSOR_CHECK_CUDA_RULES"
 
 
 def install_from_env() -> None:
-    """Switch the check mode on if :data:`RULES_CHECK_ENV` asks for it. gemm calls this once,
-    at f8tensor's first FP8 product; an explicit :func:`install_rules_check` or
-    :func:`uninstall_rules_check` before that wins over the variable. The env mode checks
-    f8tensor's own products; it does not wrap torch's functions.
+    """Switch the check mode on if :data:`RULES_CHECK_ENV` asks for it (f8tensor's products only).
+
+    An explicit install or uninstall before the first FP8 product wins over the variable.
 
     Raises:
-        ValueError: the variable holds something other than ``1``/``on``/``true``/``yes``/
-            ``raise``, ``record``, or ``0``/``off``/``false``/``no``/empty."""
+        ValueError: the variable is not one of 1/on/true/yes/raise, record, 0/off/false/no/empty.
+    """
     _CHECK.env_read = True
     mode = os.environ.get(RULES_CHECK_ENV, "").strip().lower()
     if mode in ("", "0", "off", "false", "no"):

@@ -1,11 +1,9 @@
 """Dense FP8 products: tensorwise and rowwise scales on ``torch._scaled_mm``.
 
-:func:`choose_route` sends every such product, from the operands' dtypes and
-granularities, the output dtype and fast accumulation (never by catching an error), to a
-kernel that is legal on every supported build (:class:`Route`); :func:`product` makes the
-call: layouts, K/N padding, the inverse scales in the kernel's shape, a fused or a later
-bias. Which route precise-accumulation rowwise products take is a setting of the build
-(:func:`use_precise_rowwise_route`, :func:`set_precise_rowwise_route`).
+:func:`choose_route` picks, from dtypes, granularities, output dtype and fast accumulation
+(never by catching an error), a kernel legal on every supported build (:class:`Route`);
+:func:`product` makes the call. The route of precise-accumulation rowwise products is a
+setting of the build (:func:`use_precise_rowwise_route`).
 """
 
 from __future__ import annotations
@@ -44,40 +42,31 @@ class Route(str, enum.Enum):
     ROWWISE = "rowwise"
     #: The rowwise kernel on ``(B^T A^T)^T``: an e5m2 second operand becomes the first.
     ROWWISE_SWAPPED = "rowwise_swapped"
-    #: cuBLASLt with the rowwise sides' scales set to 1 and an fp32 output, then one
-    #: elementwise ``acc * a_inv[:, None] * b_inv[None, :]`` (+ bias, cast). Legal on every
-    #: build: the route of the products the rowwise kernels refuse (an fp32 output on the
-    #: CUTLASS builds, an e5m2 ``b`` that cannot be swapped), and, when asked for with
-    #: :func:`set_precise_rowwise_route`, of precise-accumulation rowwise products.
+    #: cuBLASLt with rowwise scales set to 1 and an fp32 output, then the outer scales
+    #: (+ bias, cast). Legal on every build: the route of what the rowwise kernels refuse.
     TENSORWISE_POSTSCALE = "tensorwise_postscale"
 
 
-# The route of a rowwise product that accumulates precisely (use_fast_accum=False, as the
-# rowwise recipes' backward GEMMs do) and asks for a bf16/fp16 output. Both routes are
-# legal on every supported build. Default: the rowwise kernel. The post-scale route writes
-# the fp32 product and reads it back (+9 MiB per training step of Linear(512 -> 1024) on
-# 2048 tokens, benchmarks/bench_cast_traffic.py) and costs one more kernel per GEMM; it was
-# the usual remedy for the CUTLASS kernel's slow precise-accumulation schedule (cu126/cu128
-# wheels, sm89), while on cu130 sm90 the rowwise product runs on cuBLASLt with the same
-# accumulation as the tensorwise kernel. Which is faster on a given build and shape is a
-# GPU timing: benchmarks/bench_routes.py measures both.
-# It belongs to the build, not to a tensor (so it is not part of GemmConfig or of any
-# checkpoint): set it for a block of code with use_precise_rowwise_route(...), or with
-# set_precise_rowwise_route(...). Stored at module level, like torch.backends flags, not in a
-# thread-local: autograd runs backward (where the precise products are) on its own device
-# threads, and torch.compile guards on this value (a change recompiles).
+# The route of precise-accumulation rowwise products: a property of the build, not of a
+# tensor or checkpoint. Module-level like torch.backends flags, not thread-local: autograd
+# runs backward on its own threads; torch.compile guards on it.
 _PRECISE_ROWWISE = {"route": "kernel"}
 _PRECISE_ROWWISE_CHOICES = ("kernel", "postscale")
 
 
 def set_precise_rowwise_route(route: str) -> str:
-    """Choose how rowwise products with precise accumulation and a bf16/fp16 output run:
-    ``"kernel"`` (the rowwise kernel, default) or ``"postscale"`` (the tensorwise kernel
-    with an fp32 output and one scaling pass after). Returns the previous choice.
+    """Choose the route of precise-accumulation rowwise products with a bf16/fp16 output.
 
-    Products the rowwise kernels refuse take the post-scale route whatever is set here.
-    Read when a product is traced or run: set it before ``torch.compile`` traces a model
-    (a change afterwards recompiles).
+    Products the rowwise kernels refuse take the post-scale route whatever is set. Set it
+    before ``torch.compile`` traces (a change recompiles).
+
+    Args:
+        route: ``"kernel"`` (the rowwise kernel, default) or ``"postscale"`` (tensorwise
+            kernel, fp32 output, one scaling pass after).
+    Returns:
+        The previous choice.
+    Raises:
+        ValueError: ``route`` is neither.
     """
     previous, _PRECISE_ROWWISE["route"] = _PRECISE_ROWWISE["route"], _checked_precise_route(route)
     return previous
@@ -96,10 +85,11 @@ def precise_rowwise_route() -> str:
 
 @contextlib.contextmanager
 def use_precise_rowwise_route(route: str) -> Iterator[None]:
-    """Run rowwise products with precise accumulation on ``route`` (``"kernel"`` or
-    ``"postscale"``, see :func:`set_precise_rowwise_route`) inside the block; the choice
-    before is restored after. Products traced by torch.compile inside the block are
-    compiled for this route (a compiled function is guarded on it)."""
+    """Run precise-accumulation rowwise products on ``route`` inside the block, then restore.
+
+    Args:
+        route: ``"kernel"`` or ``"postscale"`` (see :func:`set_precise_rowwise_route`).
+    """
     previous = set_precise_rowwise_route(route)
     try:
         yield
@@ -123,20 +113,20 @@ def choose_route(
 ) -> Route:
     """The kernel route for ``(M, K) @ (K, N)`` FP8 operands of these dtypes.
 
-    ``rowwise``: either operand has one scale per row/column. Decided from the arguments
-    (and :func:`precise_rowwise_route`) alone, so that the choice is the
-    same on every device and build:
+    Decided from the arguments alone, so the same on every device and build: tensorwise
+    operands take :attr:`Route.TENSORWISE`; rowwise ones with a bf16/fp16 output (bf16 for
+    fnuz) take the rowwise kernel (:attr:`Route.ROWWISE` for an e4m3 ``b``, else
+    :attr:`Route.ROWWISE_SWAPPED` for an e4m3 ``a`` and ``M % 16 == 0``) unless precise
+    accumulation is routed to post-scale; every other product takes
+    :attr:`Route.TENSORWISE_POSTSCALE`.
 
-    - both tensorwise: :attr:`Route.TENSORWISE`;
-    - rowwise with a bf16/fp16 output (bf16 only for fnuz operands, the ROCm rule), fast
-      accumulation or precise (unless ``precise_route`` is ``"postscale"``): the rowwise
-      kernel, :attr:`Route.ROWWISE` when ``b`` is e4m3, else :attr:`Route.ROWWISE_SWAPPED`
-      when ``a`` is e4m3 and ``M`` is a multiple of 16 (``M`` becomes the swapped product's N);
-    - every other rowwise product (fp32 output, an e5m2 ``b`` that cannot be swapped,
-      precise accumulation with ``precise_route="postscale"``): :attr:`Route.TENSORWISE_POSTSCALE`.
-
-    ``precise_route``: ``"kernel"`` or ``"postscale"``; None reads
-    :func:`precise_rowwise_route`.
+    Args:
+        a_dtype, b_dtype: the operands' FP8 dtypes.
+        rowwise: either operand has one scale per row/column.
+        out_dtype: the output dtype.
+        use_fast_accum: fast accumulation.
+        m: the rows of ``a``.
+        precise_route: ``"kernel"`` or ``"postscale"``; None reads :func:`precise_rowwise_route`.
     """
     if not rowwise:
         return Route.TENSORWISE
@@ -156,9 +146,10 @@ def product(
 ) -> torch.Tensor:
     """``a8 (M, K) @ b8 (K, N)`` (+ ``bias``) on the route :func:`choose_route` picks.
 
-    The operands come from ``operands.prepare(..., DENSE)``: scales constant along K."""
+    The operands come from ``operands.prepare(..., DENSE)``: scales constant along K.
+    """
     (m, k), n = a8.shape, b8.shape[1]
-    # Layouts the kernels take: A row-major, B column-major. FP8 copies are 1 byte/element.
+    # Layouts the kernels take: A row-major, B column-major.
     a_data, b_data = row_major(a8._data), col_major(b8._data)
 
     pad_k, pad_n = (-k) % ALIGN, (-n) % ALIGN
@@ -190,9 +181,8 @@ def product(
         b_vec = torch.nn.functional.pad(b_vec, (0, pad_n), value=1.0)
     if route is Route.ROWWISE:
         return _fused_bias_mm(a_data, b_data, a_vec, b_vec, bias, out_dtype, gemm.use_fast_accum, pad_n)
-    # Route.ROWWISE_SWAPPED: (A B)^T = B^T A^T: B^T is (N, K) row-major and A^T is (K, M)
-    # column-major, both views of the bytes we have. The bias runs along the swapped
-    # product's rows, so it is added after the kernel.
+    # Route.ROWWISE_SWAPPED: (A B)^T = B^T A^T, both views of the bytes we have; the bias
+    # runs along the swapped product's rows, so it is added after.
     out_t = scaled_mm(
         b_data.t(),
         a_data.t(),
@@ -208,8 +198,7 @@ def product(
 
 
 def _fused_bias_mm(a_data, b_data, scale_a, scale_b, bias, out_dtype, use_fast_accum, pad_n):
-    """One ``_scaled_mm`` call; the bias is fused when the kernels take it (1-D, same
-    bf16/fp16 dtype as the output, no N padding), else added afterwards."""
+    """One ``_scaled_mm`` call, the bias fused where the kernels take it, else added after."""
     fuse_bias = (
         bias is not None and not pad_n and bias.dim() == 1 and bias.dtype == out_dtype and out_dtype in (_BF16, _FP16)
     )
@@ -232,11 +221,8 @@ def _fused_bias_mm(a_data, b_data, scale_a, scale_b, bias, out_dtype, use_fast_a
 def _postscaled_mm(a_data, b_data, a_rows, b_cols, a_inv, b_inv, m, n, bias, out_dtype, use_fast_accum):
     """:attr:`Route.TENSORWISE_POSTSCALE`: the tensorwise kernel, fp32 out, outer scales after.
 
-    A tensorwise side passes its own scale to the kernel; a rowwise side (``a_rows`` /
-    ``b_cols``: its inverse scale, else None) passes 1 and is applied in fp32 afterwards,
-    in the order the rowwise kernel's epilogue uses (``acc * a_inv`` then ``* b_inv``),
-    then the bias in fp32, then one cast. Deliberate fp32 intermediate: the rowwise
-    kernel's epilogue is fp32 as well.
+    A rowwise side (``a_rows``/``b_cols``, else None) passes 1 to the kernel and is applied
+    after in the rowwise epilogue's order and precision (fp32), then the bias, then one cast.
     """
     one = torch.ones((), dtype=torch.float32, device=a_data.device)
     acc = scaled_mm(
@@ -248,8 +234,7 @@ def _postscaled_mm(a_data, b_data, a_rows, b_cols, a_inv, b_inv, m, n, bias, out
         use_fast_accum=use_fast_accum,
     )
     out = acc if acc.shape[1] == n else acc[:, :n]
-    # The first product allocates (the kernel's output may be a padded view); the rest
-    # run in place on that fresh tensor: one fp32 M x N buffer besides the kernel's.
+    # The first product allocates (the kernel output may be a padded view); the rest run in place.
     if a_rows is not None:
         out = out * kernel_scale(a_rows, (m, 1), (m, 1))
     if b_cols is not None:
@@ -261,8 +246,7 @@ def _postscaled_mm(a_data, b_data, a_rows, b_cols, a_inv, b_inv, m, n, bias, out
 
 
 def _pad_bytes(x: torch.Tensor, pad_rows: int, pad_cols: int) -> torch.Tensor:
-    # Pad through uint8: constant_pad_nd has no FP8 kernels, and the zero byte is +0.0 in
-    # all four formats (0x80 would be NaN in the fnuz ones).
+    # Through uint8: no FP8 pad kernel; byte 0 is +0.0 in all four formats (0x80 is NaN in fnuz).
     raw = torch.nn.functional.pad(x.contiguous().view(torch.uint8), (0, pad_cols, 0, pad_rows))
     return raw.view(x.dtype)
 

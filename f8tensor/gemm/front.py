@@ -1,11 +1,8 @@
-"""The front door of every 2D FP8 product: :func:`matmul` (library code) and :func:`float8_mm`
-(the public entry, with an explicit output dtype and an optional FP8 output).
+"""The front door of every 2D FP8 product: :func:`matmul` (library) and :func:`float8_mm` (public).
 
-One way in: the operands are prepared once (``operands.prepare``), checked against the
-rules every GPU build enforces (:func:`_check_operand_dtypes`, on every device), their
-GemmConfigs merged, and the product handed to ``dense`` (tensorwise and rowwise scales)
-or ``blocks`` (any block-scaled operand). Grouped and batched products have theirs in
-``grouped.py``.
+Operands are prepared once (``operands.prepare``), checked against the rules every GPU
+build enforces on every device (:func:`_check_operand_dtypes`), their GemmConfigs merged,
+and the product handed to ``dense`` or ``blocks``.
 """
 
 from __future__ import annotations
@@ -38,13 +35,14 @@ def float8_mm(
 ) -> torch.Tensor:
     """``a @ b`` (2D) on FP8 tensor cores, with an explicit output dtype.
 
-    At least one operand is a Float8Tensor; a plain one is cast on the fly (dynamic
-    scale, the other operand's granularity). ``out_dtype``: bf16, fp16 or fp32 are
-    written straight from the fp32 accumulator (default: ``a``'s original dtype). An FP8
-    ``out_dtype`` needs ``out_scale`` and returns a Float8Tensor with that scale; the
-    product is saturated into range, never overflowed; a non-finite one (an inf in
-    ``bias``) becomes NaN, never the format's max.
-
+    Args:
+        a, b: at least one a Float8Tensor; a plain one is cast like the other.
+        bias: optional high-precision bias.
+        out_dtype: bf16/fp16/fp32 (default ``a``'s original dtype), or an FP8 dtype: then a
+            Float8Tensor scaled by ``out_scale``, saturated, non-finite values kept as NaN.
+        out_scale: the FP8 output's scale.
+    Returns:
+        The ``(M, N)`` product.
     Raises:
         TypeError: neither operand is a Float8Tensor, or a dtype is not allowed.
         ValueError: an FP8 ``out_dtype`` without ``out_scale`` (or the reverse).
@@ -60,10 +58,8 @@ def float8_mm(
     out_scale = _check_float8_mm_args(a, b, bias, out_dtype, out_scale)
     if out_scale is not None:
         orig = a._orig_dtype if is_float8(a) else a.dtype
-        # Accumulate and add the bias in fp32, then one saturating cast: the only rounding
-        # to FP8 is the one asked for (and no FP8 output is asked of the kernel, which the
-        # rowwise kernels refuse). The clamp would turn an inf into the format's max: keep
-        # it non-finite (NaN, the one non-finite value all four formats have).
+        # fp32 accumulator and bias, then one saturating cast (rowwise kernels refuse FP8
+        # output). An inf becomes NaN, not the clamp's max: NaN exists in all four formats.
         acc = matmul(a, b, bias=bias, out_dtype=torch.float32)
         acc = torch.where(torch.isinf(acc), torch.nan, acc)
         assert out_dtype is not None  # _check_float8_mm_args: an out_scale comes with an FP8 out_dtype
@@ -78,7 +74,7 @@ def _check_float8_mm_args(
     out_dtype: torch.dtype | None,
     out_scale: torch.Tensor | float | None,
 ) -> torch.Tensor | None:
-    """float8_mm's arguments, checked at its entry; returns the 0-dim fp32 out_scale (FP8 output) or None."""
+    """Check float8_mm's arguments; returns the 0-dim fp32 ``out_scale`` or None."""
     for name, t in (("a", a), ("b", b)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"float8_mm: {name} must be a tensor; got {type(t).__name__}")
@@ -117,16 +113,18 @@ def matmul(
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """``a (M, K) @ b (K, N)`` (+ ``bias``) in FP8: the way every 2D product goes (the op
-    table's ``mm``/``addmm``, Float8Linear's three GEMMs, :func:`float8_mm`).
+    """``a (M, K) @ b (K, N)`` (+ ``bias``) in FP8: the way every 2D product goes.
 
-    ``out_dtype``: default the operands' GemmConfig's, else ``a``'s original dtype. An FP4
-    operand (Float4Tensor) takes ``blocks.fp4_product``, whose operands ``prepare_fp4`` prepares.
-    Returns the ``(M, N)`` product in ``out_dtype``.
-
+    Args:
+        a, b: the operands (an FP4 operand takes ``blocks.fp4_product``).
+        bias: optional bias.
+        out_dtype: default the GemmConfig's, else ``a``'s original dtype.
+    Returns:
+        The ``(M, N)`` product in ``out_dtype``.
     Raises:
-        RuntimeError: operands that are not 2D, or whose inner dims differ (torch's words).
-        ValueError: operands (or ``bias``) on different devices, both named."""
+        RuntimeError: operands not 2D, or inner dims that differ.
+        ValueError: operands (or ``bias``) on different devices.
+    """
     _check_devices(a, b, bias)
     if is_float4(a) or is_float4(b):
         return _fp4_matmul(a, b, bias, out_dtype)
@@ -160,8 +158,6 @@ def _fp4_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out
 
 
 def _check_devices(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> None:
-    # Metadata only, no sync; the operands' devices are checked by operands.prepare, for
-    # every kind of product.
     check_devices(a, b)
     if bias is not None and bias.device != a.device:
         raise ValueError(f"FP8 matmul bias is on {bias.device}, the operands on {a.device}: they must share a device")
@@ -175,8 +171,7 @@ def _nvidia_cuda(device: torch.device) -> bool:
 
 
 def _check_operand_dtypes(a: torch.dtype, b: torch.dtype, device: torch.device | None = None) -> None:
-    # Rules of every GPU build, enforced on every device (CPU kernels would accept these),
-    # so a model that runs on CPU runs unchanged on a GPU.
+    # Rules of every GPU build, enforced on every device: CPU kernels would accept these.
     if "e5m2" in str(a) and "e5m2" in str(b):
         raise ValueError(
             f"FP8 matmul of two e5m2 operands ({a} x {b}) is not supported by torch._scaled_mm on "

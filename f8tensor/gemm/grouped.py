@@ -1,31 +1,12 @@
 """Grouped and batched FP8 products (MoE): ``torch._scaled_grouped_mm`` and its CPU reference.
 
-Two front doors for Float8Tensor operands, through the one operand preparation
-(``operands.prepare(..., GROUPED)``: e4m3fn operands, fp32 scales constant along K):
-
-- :func:`grouped_mm`: ``a (M, K) @ b[g] (K, N)`` for the rows of each group (tokens sorted
-  by expert, ``offs`` their cumulative counts): an MoE layer's forward and input gradient;
-- :func:`batched_mm`: ``a (B, M, K) @ b (B, K, N)`` in one call (``bmm``).
-
-And the raw kernel entry, :func:`scaled_grouped_mm`, with the signature of the kernel it
-stands for (``(a, b, scale_a, scale_b, offs, out_dtype)``, scales as dequantization
-factors; its three forms are described at :class:`~f8tensor.gemm.rules.GroupedMMRule`):
-the rules (:data:`~f8tensor.gemm.rules.GROUPED_RULES`) are checked on every call, on every
-device, and an illegal call is refused up front (``ValueError``), so a model tested on CPU
-makes only calls a GPU accepts. On CUDA devices that have the kernel the call goes to
-``torch._scaled_grouped_mm``; everywhere else to ``f8tensor::scaled_grouped_mm_reference``,
-an exact emulation (products of the FP8 values accumulated in fp32, then the two
-dequantization factors, then one rounding to ``out_dtype``: the kernel's epilogue order).
-It is a custom op, opaque to torch.compile, so token counts that change every step
-recompile nothing. On sm89 and sm100 there is no FP8 grouped kernel in torch 2.11-2.14
-(``GROUPED_RULES`` has an sm90 row only): the reference op runs there.
-
-Entry checks (:func:`validate_grouped_mm_args`, :func:`check_grouped_dims`): the dims every
-GEMM of the product and its gradients contracts over, checked when the product is called
-(so N fails in forward, not in backward), and ``float8_grouped_mm``'s arguments, as
-``Float8Linear`` checks its own. Offsets values: eager on a CPU tensor; on CUDA and under
-torch.compile through ``torch._assert_async`` (a device-side check: no host sync, no graph
-break; a bad value stops the device, as the kernel's own device asserts would).
+:func:`grouped_mm` (``a (M, K) @ b[g] (K, N)`` per group of rows) and :func:`batched_mm`
+(``bmm``) prepare Float8Tensor operands (``operands.prepare(..., GROUPED)``) and call
+:func:`scaled_grouped_mm`. That checks :data:`~f8tensor.gemm.rules.GROUPED_RULES` on every
+device and refuses an illegal call up front, so a model tested on CPU makes only calls a
+GPU accepts; it runs the kernel where one exists (sm90), else the custom op
+``f8tensor::scaled_grouped_mm_reference``: an exact emulation in the kernel's epilogue
+order, opaque to torch.compile so changing token counts recompile nothing.
 """
 
 from __future__ import annotations
@@ -60,9 +41,13 @@ KERNEL_OUT = torch.bfloat16
 
 
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """``a (M, K) @ b[g] (K, N)`` for the rows of group ``g`` (``offs``: cumulative row
-    counts; groups may be empty or of any size), in FP8; at least one operand a Float8Tensor
-    (a plain one is cast like the other). Returned in ``out_dtype``."""
+    """``a (M, K) @ b[g] (K, N)`` for the rows of group ``g``, in FP8, returned in ``out_dtype``.
+
+    Args:
+        a, b: the operands, at least one a Float8Tensor (a plain one is cast like the other).
+        offs: cumulative row counts (groups may be empty).
+        out_dtype: the result's dtype.
+    """
     a8, b8 = prepare(a, b, GROUPED, a_k=1, b_k=1)
     (m, k), (g, _, n) = a8.shape, b8.shape
     check_grouped_dims(k, n, "grouped product")
@@ -73,9 +58,7 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, out_dtype: 
 
 
 def batched_mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """``a (B, M, K) @ b (B, K, N)`` in one grouped-kernel call, in FP8: scales per batch
-    row / column. Returned in ``out_dtype``. More than :data:`MAX_GROUPS` batch entries (the
-    per-token route of an MoE layer reaches that) run as several calls of at most that many."""
+    """``a (B, M, K) @ b (B, K, N)`` in FP8, in one kernel call per :data:`MAX_GROUPS` entries."""
     a8, b8 = prepare(a, b, GROUPED, a_k=2, b_k=1)
     (bsz, m, _), n = a8.shape, b8.shape[2]
     a_inv = kernel_scale(inverse_scale(a8), (bsz, m, 1), (bsz, m))
@@ -93,11 +76,12 @@ def batched_mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torc
 
 
 def check_grouped_dims(k: int, n: int, what: str) -> None:
-    """Refuse a grouped product whose contraction dim ``k`` or output dim ``n`` is not a
-    multiple of 16: the kernel checks both on the host (``mat_a.size(-1)``, ``mat_b``'s
-    dims), and the input gradient contracts over ``n``. Called at the entry of a product, so
-    a bad N fails in forward, not in backward. ``what`` names the product in the message.
+    """Refuse a grouped product whose K or N is not a multiple of 16 (so N fails in forward).
 
+    Args:
+        k: the contraction dim.
+        n: the output dim (the input gradient contracts over it).
+        what: names the product in the message.
     Raises:
         ValueError: ``k`` or ``n`` is not a multiple of 16 (each wrong dim named).
 
@@ -122,23 +106,21 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def validate_grouped_mm_args(x: torch.Tensor, w: torch.Tensor, offs: object, config: object) -> torch.Tensor:
-    """The checks ``Float8Linear`` makes, for ``x (M, K) @ w[g] (K, N)`` grouped by ``offs``:
-    shapes, high-precision float dtypes (int, bool, FP8, complex refused by name), K and N
-    multiples of 16, ``config`` a :class:`Float8LinearConfig`, and ``offs``: an integer
-    tensor or a list/tuple of ints, 1-D, one entry per group, non-decreasing, in [0, M].
-    Returns ``offs`` as an int32 tensor on ``x``'s device.
+    """The checks ``Float8Linear`` makes, for ``x (M, K) @ w[g] (K, N)`` grouped by ``offs``.
 
-    Offsets values: on a CPU tensor outside torch.compile they are checked here (a clear
-    ``ValueError``); on a CUDA tensor, and while compiling, by ``torch._assert_async`` (no host
-    sync, no graph break: a bad value stops the device with this message).
+    Offsets values are checked here on a CPU tensor in eager; on CUDA and while compiling by
+    ``torch._assert_async`` (no host sync, no graph break).
 
+    Args:
+        x, w: bf16/fp16/fp32 tensors, ``x (M, K)``, ``w (G, K, N)``; K and N multiples of 16.
+        offs: an integer tensor or list of ints, ``(G,)``, non-decreasing, in [0, M].
+        config: a :class:`Float8LinearConfig`.
+    Returns:
+        ``offs`` as an int32 tensor on ``x``'s device.
     Raises:
-        TypeError: ``config`` is not a :class:`~f8tensor.Float8LinearConfig`; ``x`` or ``w``
-            is not a tensor, or not bf16/fp16/fp32 (the wrong kind named); ``offs`` is
-            neither an integer tensor nor a list/tuple of ints.
-        ValueError: shapes other than ``x (M, K)``, ``w (G, K, N)``, ``offs (G,)``; ``offs``
-            on another device than ``x``; K or N not a multiple of 16; ``offs`` decreasing
-            or outside [0, M] (a CPU tensor; see above for CUDA).
+        TypeError: ``config``, ``x``, ``w`` or ``offs`` of the wrong type or dtype (named).
+        ValueError: wrong shapes, ``offs`` on another device, K or N not a multiple of 16, or
+            ``offs`` decreasing or outside [0, M].
 
     Example:
         >>> from f8tensor import Float8LinearConfig
@@ -184,8 +166,7 @@ def validate_grouped_mm_args(x: torch.Tensor, w: torch.Tensor, offs: object, con
     m = x.shape[0]
     if offs.numel():
         o = offs.to(torch.int64)
-        # Values on the host: a plain CPU tensor outside any tracing (a FakeTensor, or the
-        # FunctionalTensor of a custom op's trace, holds none).
+        # Values on the host: a plain CPU tensor outside tracing (fake tensors hold none).
         if offs.device.type == "cpu" and type(offs) is torch.Tensor and not torch.compiler.is_compiling():
             if bool((o[1:] < o[:-1]).any()) or int(o[0]) < 0 or int(o[-1]) > m:
                 raise ValueError(
@@ -198,8 +179,7 @@ def validate_grouped_mm_args(x: torch.Tensor, w: torch.Tensor, offs: object, con
 
 
 def grouped_kernel_available(device: torch.device) -> bool:
-    """Whether ``torch._scaled_grouped_mm`` runs on ``device`` (a build a row of
-    :data:`~f8tensor.gemm.rules.GROUPED_RULES` covers: CUDA sm90)."""
+    """Whether ``torch._scaled_grouped_mm`` runs on ``device`` (a build a grouped rule covers)."""
     if device.type != "cuda" or torch.version.hip is not None:
         return False
     cuda = cast("tuple[int, int]", tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2]))
@@ -211,14 +191,13 @@ def scaled_grouped_mm(
     a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
     offs: torch.Tensor | None = None, out_dtype: torch.dtype = KERNEL_OUT,
 ) -> torch.Tensor:
-    """The grouped FP8 product (see the module docstring), rules checked, routed by device."""
+    """``torch._scaled_grouped_mm``'s signature and forms (:class:`~f8tensor.gemm.rules.GroupedMMRule`): rules checked, routed by device."""
     check_grouped_rules(a, b, scale_a, scale_b, offs, out_dtype)
     if grouped_kernel_available(a.device):
         out = compat.scaled_grouped_mm(a, b, scale_a, scale_b, offs, out_dtype)
         if b.dim() == 2:
             assert offs is not None  # check_grouped_rules: the 2D-by-2D form takes offs
-            # The weight-gradient form's output is allocated with empty_strided: a group with
-            # no rows is not provably written by the kernel. Zero it (the reference does too).
+            # The output is empty_strided: an empty group may be left unwritten. Zero it.
             sizes = torch.diff(offs, prepend=offs.new_zeros(1))
             out = torch.where((sizes > 0)[:, None, None], out, 0.0)
         return out
@@ -259,7 +238,7 @@ def _grouped(af: torch.Tensor, bf: torch.Tensor, offs: torch.Tensor) -> torch.Te
     if af.device.type == "cpu":
         out = compat.grouped_mm(af, bf, offs)
         if bf.dim() == 2:
-            # Groups with no rows contribute nothing: make that explicit (never stale memory).
+            # Empty groups: zeros, never stale memory.
             sizes = torch.diff(offs, prepend=offs.new_zeros(1))
             out = torch.where((sizes > 0)[:, None, None], out, 0.0)
         return out

@@ -1,23 +1,12 @@
 """Operand preparation, once for every product kind (dense, block-scaled, grouped).
 
-A kernel takes FP8 operands whose scales it can read (:class:`Takes`): the dense kernels
-one scale per tensor or per row/column (constant along K), the block-scaled kernels blocks,
-the grouped kernel fp32 per-row scales of e4m3fn operands. :func:`prepare` turns any pair
-of operands (at least one a Float8Tensor) into such a pair:
-
-1. a plain operand is cast like the other one (its e4m3 format, its granularity along K);
-2. an operand whose scale varies along K is re-quantized along the other axis (one extra
-   rounding, and the product stays in FP8);
-3. an operand of another format is re-cast to e4m3fn where the kernel multiplies nothing else.
-
-Products with an FP4 operand (:class:`~f8tensor.tensor.fp4.Float4Tensor`) are prepared by
-:func:`prepare_fp4`: a plain operand is cast to the FP4 operand's format with its K block;
-for the sm100 kernels both operands are FP4 of one kind, packed along K, with per-row
-(1x16 / 1x32) scales: 2D weight blocks are expanded to rows, which is lossless.
-
-And the layouts the kernels read: :func:`row_major`, :func:`col_major` (FP8 copies only
-where needed), :func:`inverse_scale` (the dequantization factor ``1 / scale``) and
-:func:`kernel_scale` (that factor broadcast and laid out as a kernel reads it).
+:func:`prepare` turns any pair of operands (at least one a Float8Tensor) into one the
+kernel kind reads (:class:`Takes`): a plain operand is cast like the other (its e4m3
+format and granularity along K); an operand whose scale varies along K is re-quantized
+along the other axis; another format is re-cast to e4m3fn where the kernel takes only
+that. :func:`prepare_fp4` does the same for FP4 operands. Also the layouts the kernels
+read (:func:`row_major`, :func:`col_major`) and their scales (:func:`inverse_scale`,
+:func:`kernel_scale`).
 """
 
 from __future__ import annotations
@@ -52,9 +41,7 @@ __all__ = [
 
 
 class Takes(NamedTuple):
-    """What a kind of kernel reads: ``blocks`` (block scales along K; otherwise only one
-    scale per tensor or per row/column, constant along K), ``fp32_scales`` (fp32 scales
-    only), ``e4m3fn`` (e4m3fn operands only)."""
+    """What a kind of kernel reads: block scales, fp32 scales only, e4m3fn operands only."""
 
     blocks: bool = False
     fp32_scales: bool = False
@@ -70,8 +57,16 @@ GROUPED = Takes(fp32_scales=True, e4m3fn=True)
 
 
 def prepare(a: torch.Tensor, b: torch.Tensor, takes: Takes, *, a_k: int, b_k: int) -> tuple[Float8Tensor, Float8Tensor]:
-    """Both operands of ``a @ b`` as Float8Tensors a kernel of kind ``takes`` reads; ``a_k``
-    and ``b_k`` are the dims each contracts over. At least one must be a Float8Tensor."""
+    """Both operands of ``a @ b`` as Float8Tensors a kernel of kind ``takes`` reads.
+
+    Args:
+        a, b: the operands, at least one a Float8Tensor.
+        takes: the kernel kind.
+        a_k, b_k: the dims each contracts over.
+    Raises:
+        TypeError: neither operand is a Float8Tensor.
+        ValueError: the operands are on different devices.
+    """
     check_devices(a, b)
     ref, ref_k = (a, a_k) if is_float8(a) else (b, b_k)
     if not is_float8(ref):
@@ -86,10 +81,11 @@ def prepare(a: torch.Tensor, b: torch.Tensor, takes: Takes, *, a_k: int, b_k: in
 def prepare_fp4(
     a: torch.Tensor, b: torch.Tensor, *, a_k: int, b_k: int, kernel: bool
 ) -> tuple[Float4Tensor | Float8Tensor, Float4Tensor | Float8Tensor]:
-    """Both operands of ``a @ b`` (at least one a Float4Tensor): a plain one cast to the FP4
-    operand's kind with its block along K (packed along K); a Float8Tensor kept (the
-    reference path dequantizes each operand per block). With ``kernel``: both FP4 of one
-    kind, packed along K, one scale per row and K-block (what the sm100 kernels read)."""
+    """Both operands of ``a @ b`` (at least one a Float4Tensor), a plain one cast to the FP4 kind.
+
+    With ``kernel``: both FP4 of one kind, packed along K, one scale per row and K-block
+    (what the sm100 kernels read), else a ``ValueError``.
+    """
     check_devices(a, b)
     ref, ref_k = (a, a_k) if is_float4(a) else (b, b_k)
     if not is_float4(ref):
@@ -120,8 +116,7 @@ def _cast_like_fp4(x: torch.Tensor, k: int, ref: Float4Tensor, ref_k: int) -> Fl
 
 
 def _fp4_rows(x: Float4Tensor, k: int) -> Float4Tensor:
-    """``x`` packed along ``k`` with one scale per row and K-block (a 16x16 block's scale
-    repeated over its 16 rows: the same values, as the kernels read them)."""
+    """``x`` packed along ``k`` with one scale per row and K-block (block scales repeated: lossless)."""
     x = x.repacked(k)
     other = 1 - k % 2
     rows = x._block[other]
@@ -133,17 +128,17 @@ def _fp4_rows(x: Float4Tensor, k: int) -> Float4Tensor:
 
 
 def check_devices(a: torch.Tensor, b: torch.Tensor) -> None:
-    """Both operands of a product on one device, else an error naming both. Metadata only
-    (no sync); checked before anything runs: a CPU kernel handed a meta operand returns
-    uninitialised memory, and a plain operand is cast on its own device."""
+    """Refuse operands on two devices (metadata only, before anything runs).
+
+    Raises:
+        ValueError: ``a`` and ``b`` are on different devices (both named).
+    """
     if a.device != b.device:
         raise ValueError(f"FP8 matmul operands must be on one device; got a on {a.device}, b on {b.device}")
 
 
 def _cast_like(x: torch.Tensor, k: int, ref: Float8Tensor, ref_k: int, takes: Takes) -> Float8Tensor:
-    """A plain operand cast with a dynamic scale, in the e4m3 format of ``ref``'s family
-    (cuBLASLt refuses e5m2 x e5m2) and with ``ref``'s granularity along K: tensorwise, or one
-    scale per row/column constant along K, or (for block kernels) ``ref``'s K block."""
+    """A plain operand cast dynamically in ``ref``'s e4m3 format with ``ref``'s granularity along K."""
     check_hp_dtype(x.dtype, "the plain operand of an FP8 matmul")
     block: tuple[int, ...]
     if is_tensorwise(ref._scale_block):
@@ -157,11 +152,9 @@ def _cast_like(x: torch.Tensor, k: int, ref: Float8Tensor, ref_k: int, takes: Ta
 
 
 def _fit(x: Float8Tensor, k: int, takes: Takes) -> Float8Tensor:
-    """``x`` re-quantized where its scale varies along K (or its scales or format are ones
-    the kernel does not read)."""
+    """``x`` re-quantized where its scale varies along K, or its scales or format are unread."""
     if not takes.blocks and x._scale.dtype == E8M0 and constant_along(x._scale_block, k):
-        # A tensorwise/axiswise e8m0 scale (a BlockGranularity with 0 entries): powers of two,
-        # exact in fp32, which the dense and grouped kernels read. No re-rounding of the data.
+        # A tensorwise/axiswise e8m0 scale is exact in fp32: no re-rounding of the data.
         x = x._replace(scale=x._scale.to(torch.float32))
     fits = constant_along(x._scale_block, k) and (not takes.fp32_scales or x._scale.dtype == torch.float32)
     if not takes.blocks and not fits:
@@ -181,23 +174,19 @@ def _fit(x: Float8Tensor, k: int, takes: Takes) -> Float8Tensor:
 def requantize(x: Float8Tensor, k: int) -> Float8Tensor:
     """``x`` cast again with one fp32 scale per index of its other dims, constant along ``k``.
 
-    Deliberate upcast to fp32 between the two roundings, not to the original dtype."""
+    Deliberate upcast to fp32 between the two roundings, not to the original dtype.
+    """
     spec = CastSpec(x._data.dtype, axiswise_block(k, x.dim()))
     return to_float8(dequantize(x, torch.float32), spec, gemm=x._gemm, orig_dtype=x._orig_dtype)
 
 
-# ===================================================================== layouts and scales
 
 
 def row_major(t: torch.Tensor) -> torch.Tensor:
-    """``t`` with its last two dims stored row-major as the kernels check it: an FP8 copy
-    only if they are not (in standard strides: ``.contiguous()`` alone would keep a size-1
-    dim's short stride, which the grouped kernel's stride rule refuses)."""
+    """``t`` with its last two dims in standard row-major strides (an FP8 copy only if needed)."""
     if torch.compiler.is_compiling():
-        # Dynamo cannot read the strides of a tensor made inside the graph when they are
-        # symbolic; inductor lays out such intermediates in standard strides anyway. A size-1
-        # dim (static under dynamo, which specializes 0 and 1) may keep its short stride
-        # through .contiguous(): copy to standard strides then.
+        # Symbolic strides are unreadable under dynamo; inductor uses standard strides. A
+        # size-1 dim may keep a short stride through .contiguous() (the grouped kernel refuses it).
         if t.shape[-2] == 1:
             return t.clone(memory_format=torch.contiguous_format)
         return t.contiguous()
@@ -205,30 +194,24 @@ def row_major(t: torch.Tensor) -> torch.Tensor:
 
 
 def col_major(t: torch.Tensor) -> torch.Tensor:
-    """``t`` with its last two dims stored column-major (an FP8 copy only if they are not):
-    the layout every kernel's second operand needs."""
+    """``t`` with its last two dims column-major (an FP8 copy only if needed)."""
     if torch.compiler.is_compiling():
         tt = t.transpose(-2, -1)  # see row_major
         if t.shape[-1] == 1:
             return tt.clone(memory_format=torch.contiguous_format).transpose(-2, -1)
-        # .contiguous() is a no-op on a contiguous tensor; no stride is read here (see
-        # scaling.materialized: dynamo cannot read them in a backward with dynamic shapes).
+        # No stride read here: dynamo cannot read them in a dynamic-shape backward.
         return tt.contiguous().transpose(-2, -1)
     if is_col_major(t):
         return t
-    # One copy into a column-major buffer (batch dims contiguous over the matrices).
     return to_column_major(t)
 
 
 def inverse_scale(x: Float8Tensor) -> torch.Tensor:
-    """``1 / x._scale``, the dequantization factor the kernels take, in the scale's dtype:
-    exact for e8m0 (powers of two; the reciprocal is taken in fp32). The one its cast
-    computed when there is one (eager: ``tensor.with_inverse_scale``), else computed here."""
+    """``1 / x._scale`` in the scale's dtype (exact for e8m0), the cast's own where it kept one."""
     inv = None if torch.compiler.is_compiling() else x._inv_scale
     return inverse_scale_of(x._scale) if inv is None else inv
 
 
 def kernel_scale(inverse: torch.Tensor, expand_to: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
-    """An inverse scale as a kernel reads it: broadcast over ``expand_to`` (a 0-dim one
-    to every entry), viewed as ``shape``, contiguous."""
+    """An inverse scale broadcast over ``expand_to``, viewed as ``shape``, contiguous."""
     return inverse.expand(expand_to).reshape(shape).contiguous()

@@ -1,9 +1,7 @@
-"""The checkers of the three kinds of FP8 GEMM: given a call's arguments and a build, what
-the rows of ``rules`` say that build would refuse, as a list of messages (``[]``: legal):
-:func:`scaled_mm_violations` (and :func:`violations_on_supported_builds`, merged over every
-supported build), :func:`block_scaled_mm_violations`, :func:`grouped_mm_violations`
-(:func:`check_grouped_rules` raises them). Plain functions of their arguments; the check
-mode that calls them on every product is ``check``.
+"""The checkers of the three kinds of FP8 GEMM: what a build's rule rows would refuse in a call.
+
+Each returns a list of messages (``[]``: legal). Plain functions of their arguments; the
+check mode that calls them on every product is ``check``.
 """
 
 from __future__ import annotations
@@ -43,7 +41,7 @@ def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
-# ===================================================================== layouts
+# layouts
 
 
 def is_row_major(t: torch.Tensor) -> bool:
@@ -75,7 +73,7 @@ def _scale_and_layout_violations(
     return out
 
 
-# ===================================================================== torch._scaled_mm
+# torch._scaled_mm
 
 
 def _scaling_kind(mat1: torch.Tensor, mat2: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor) -> str:
@@ -165,11 +163,9 @@ def _build_groups(builds: tuple[CudaBuild, ...]) -> list[tuple[CudaBuild, list[C
 
 
 def violations_on_supported_builds(mat1: torch.Tensor, mat2: torch.Tensor, *args: Any, **kwargs: Any) -> list[str]:
-    """:func:`scaled_mm_violations` on every supported build, merged: each message once,
-    with the builds that refuse it (``[]``: legal everywhere).
+    """:func:`scaled_mm_violations` on every supported build, each message once with its builds.
 
-    Products of fnuz operands are checked against :data:`ROCM_BUILDS` (the only GPUs
-    that have those formats), all others against :data:`SUPPORTED_BUILDS`.
+    fnuz products are checked against :data:`ROCM_BUILDS`, others against :data:`SUPPORTED_BUILDS`.
     """
     builds = ROCM_BUILDS if mat1.dtype in _FNUZ or mat2.dtype in _FNUZ else SUPPORTED_BUILDS
     found: dict[str, list[CudaBuild]] = {}
@@ -179,21 +175,18 @@ def violations_on_supported_builds(mat1: torch.Tensor, mat2: torch.Tensor, *args
     return [f"{msg} [refused on {len(b)} of {len(builds)} builds, e.g. {b[0].name}]" for msg, b in found.items()]
 
 
-# ===================================================================== block-scaled F.scaled_mm
+# block-scaled F.scaled_mm
 
 
 def block_scaled_mm_violations(
     mat_a: torch.Tensor, mat_b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, rule: BlockScaledMMRule,
     *, use_fast_accum: bool = False, traced: bool | None = None,
 ) -> list[str]:
-    """What ``rule``'s kernel would refuse in this ``torch.nn.functional.scaled_mm`` call:
-    operand dtypes and layouts, M, K and N multiples, fast accumulation, scale dtypes and the
-    scale sizes of its row.
+    """What ``rule``'s kernel would refuse in this ``torch.nn.functional.scaled_mm`` call.
 
-    ``traced``: the call is traced by torch.compile on a CUDA build, so the meta
-    registration's own rules apply too (the row's ``compile_align`` on the releases of its
-    ``compile_torch``: a build of any of them would refuse). ``None``: traced when the
-    operands are fake CUDA tensors (what a CUDA compile traces)."""
+    ``traced``: traced by torch.compile on CUDA, so the row's ``compile_align`` applies too;
+    None: traced when the operands are fake CUDA tensors.
+    """
     out = []
     where = f"block-scaled {rule.name}"
     for label, t in (("mat_a", mat_a), ("mat_b", mat_b)):
@@ -240,15 +233,14 @@ def block_scaled_mm_violations(
     return out
 
 
-# ===================================================================== torch._scaled_grouped_mm
+# torch._scaled_grouped_mm
 
 
 def grouped_mm_violations(
     a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, offs: torch.Tensor | None,
     out_dtype: torch.dtype, rule: GroupedMMRule = GROUPED_RULES[0],
 ) -> list[str]:
-    """What ``rule``'s kernel would refuse in this ``torch._scaled_grouped_mm`` call ([] when
-    it is legal). Every row of :data:`GROUPED_RULES` has the same limits; the first is the default."""
+    """What ``rule``'s kernel would refuse in this ``torch._scaled_grouped_mm`` call."""
     out = []
     allowed = tuple(sorted(rule.operand_dtypes, key=str))
     if a.dtype not in rule.operand_dtypes or b.dtype not in rule.operand_dtypes:
@@ -299,9 +291,7 @@ def grouped_mm_violations(
 
 
 def _offs_value_violations(offs: torch.Tensor, grouped: int) -> list[str]:
-    """The kernel's device-side asserts on ``offs`` (non-decreasing, >= 0, at most the
-    grouped dim), checked where the values are on the host (CPU, not traced): no sync, no
-    graph break. On CUDA the kernel asserts them on the device (see ``grouped.py``)."""
+    """The kernel's device asserts on ``offs``, checked where the values are on the host."""
     if torch.compiler.is_compiling() or offs.device.type != "cpu" or type(offs) is not torch.Tensor or offs.numel() == 0:
         return []
     o = offs.to(torch.int64)
@@ -326,13 +316,11 @@ def _grouped_scale_shapes(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor |
 
 
 def check_grouped_rules(a, b, scale_a, scale_b, offs, out_dtype) -> None:
-    """Raise ``ValueError`` naming the rules a call to ``torch._scaled_grouped_mm`` would
-    break. Grouped calls are refused up front, on every device and whether the check mode
-    is on or not: a model tested on CPU makes only grouped calls a GPU accepts. Returns
-    None when the call obeys every row of :data:`~f8tensor.gemm.rules.GROUPED_RULES`.
+    """Refuse a ``torch._scaled_grouped_mm`` call that breaks a rule, on every device.
 
     Raises:
-        ValueError: every broken rule, in one message (see :func:`grouped_mm_violations`)."""
+        ValueError: every broken rule, in one message (see :func:`grouped_mm_violations`).
+    """
     problems = grouped_mm_violations(a, b, scale_a, scale_b, offs, out_dtype)
     if problems:
         raise ValueError("FP8 grouped GEMM: " + "; ".join(problems))

@@ -1,26 +1,11 @@
 """Raw casts: a high-precision tensor and a cast spec in, FP8 data and scales out.
 
-Below the tensor (``f8tensor.tensor.float8`` wraps what these return in a Float8Tensor), so that
-``from_hp``, every Float8Linear and expert cast, and the operand preparation of every
-product use the same casts. Four functions, each the one place its kind of call goes:
-
-- :func:`cast`: ``(hp, spec, scale=None) -> (data, scale)``;
-- :func:`cast_for_gemm`: the same, with what a step's GEMMs read written by the same
-  cast: the data column-major, or a column-major copy too (the layout the
-  weight-gradient GEMM takes), and a per-tensor scale's inverse;
-- :func:`cast_with_stats`: the same, plus the telemetry vector (:data:`CAST_STATS_FIELDS`);
-- :func:`dequantize`: ``(data, scale, block, dtype) -> hp``;
-- :func:`block_scale`: block amaxes -> the scales a dynamic block cast takes (for amaxes
-  agreed elsewhere, e.g. across FSDP ranks).
-
-Two implementations with the same bits: the torch-ops reference
-(:mod:`f8tensor.kernels.reference`; the same bits eager and under torch.compile, where
-inductor fuses each cast into one pass) and, for eager CUDA tensors, the fused Triton
-kernels (:mod:`f8tensor.kernels.triton_cast`: two kernels for a tensorwise cast, one for
-every per-row or per-block cast; one for :func:`dequantize` of 1 x b block scales along
-the last dim). The choice is made here, per call: the fused path where it applies (see
-``triton_cast``; ``F8TENSOR_FUSED_CASTS=0`` switches it off), the reference everywhere
-else, the CPU included. ``cast_with_stats`` is the reference's.
+Below the tensor layer, so that every cast in the package goes through :func:`cast`,
+:func:`cast_for_gemm` (plus the layouts a step's GEMMs read), :func:`cast_with_stats`,
+:func:`dequantize` or :func:`block_scale`. Two implementations give the same bits: the
+torch-ops reference (:mod:`f8tensor.kernels.reference`, eager and compiled) and, for eager
+CUDA tensors, the fused Triton kernels (:mod:`f8tensor.kernels.triton_cast`;
+``F8TENSOR_FUSED_CASTS=0`` switches them off). The choice is made here, per call.
 """
 
 from __future__ import annotations
@@ -39,8 +24,7 @@ __all__ = ["CAST_STATS_FIELDS", "GemmCast", "block_scale", "cast", "cast_for_gem
 
 
 def _fused_device(t: torch.Tensor) -> bool:
-    """Whether ``t`` is on a device whose calls try the fused kernels first: CUDA. (The
-    tests point this at the CPU to run the same routing through the Triton interpreter.)"""
+    """Whether ``t``'s calls try the fused kernels first (CUDA; tests point it at the CPU)."""
     return t.is_cuda
 
 
@@ -52,8 +36,7 @@ def cast(
     generator: torch.Generator | None = None,
     uniform: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``hp`` cast per ``spec``: ``(data, scale)`` (see :func:`f8tensor.kernels.reference.cast`;
-    the fused kernels give the same bits)."""
+    """``hp`` cast per ``spec``: ``(data, scale)`` (see :func:`f8tensor.kernels.reference.cast`)."""
     if _fused_device(hp):
         fused = triton_cast.maybe_cast(hp, spec, scale)
         if fused is not None:
@@ -62,9 +45,7 @@ def cast(
 
 
 def dequantize(data: torch.Tensor, scale: torch.Tensor, block: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """``data / scale`` per block, in ``dtype`` (see :func:`f8tensor.kernels.reference.dequantize`;
-    the fused kernel, for fp32 scales of 1 x b blocks along the last dim, gives the same
-    bits, a NaN's payload aside)."""
+    """``data / scale`` per block, in ``dtype`` (see :func:`f8tensor.kernels.reference.dequantize`)."""
     if _fused_device(data):
         fused = triton_dequantize.maybe_dequantize(data, scale, block, dtype)
         if fused is not None:
@@ -73,10 +54,7 @@ def dequantize(data: torch.Tensor, scale: torch.Tensor, block: tuple[int, ...], 
 
 
 class GemmCast(NamedTuple):
-    """What :func:`cast_for_gemm` returns: the FP8 data (column-major with
-    ``layouts="column_major"``), its column-major copy (``layouts="both"``, else None), the
-    scale, and its inverse where the cast computed it (the fused kernels: every scale; the
-    reference in eager mode: a per-tensor scale; else None)."""
+    """What :func:`cast_for_gemm` returns: data, its column-major copy or None, scale, inverse or None."""
 
     data: torch.Tensor
     column_major: torch.Tensor | None
@@ -93,19 +71,17 @@ def cast_for_gemm(
 ) -> GemmCast:
     """:func:`cast` with what the GEMMs of a training step read, from the same pass.
 
-    ``layouts``: ``"natural"`` (the data as :func:`cast` lays it out), ``"both"`` (also a
-    column-major copy, strides ``(1, rows)``: the layout the weight-gradient GEMM takes) or
-    ``"column_major"`` (the data itself column-major: a cast only that GEMM reads); the
-    last two for 2D tensors. The scale's inverse, the factor the GEMMs read, comes with it
-    where computing it here saves work: from the fused kernels for every scale, from the
-    reference for a per-tensor scale (which two GEMMs read) in eager mode (under
-    torch.compile inductor places the reciprocal); else ``inverse`` is None.
-
-    Fused (eager CUDA, see :mod:`~f8tensor.kernels.triton_cast`): the cast kernel writes
-    every layout asked for and the inverse in its one pass (``"both"`` for tensorwise and
-    tile casts; ``"column_major"`` for every granularity) and the inverse in its one pass.
-    Otherwise the reference cast, a copy of its bytes into a column-major buffer (under
-    torch.compile, inductor writes the copy from the cast's own loop) and a reciprocal.
+    Args:
+        hp: the tensor to cast.
+        spec: the cast spec.
+        scale: a given scale, else dynamic.
+        layouts: ``"natural"``, ``"both"`` (plus a column-major copy, for the weight-gradient
+            GEMM) or ``"column_major"`` (the data itself); the last two for 2D tensors.
+    Returns:
+        A :class:`GemmCast`; ``inverse`` is set where computing it here saves work (fused
+        kernels; a per-tensor scale in eager).
+    Raises:
+        ValueError: unknown ``layouts``, or a non-2D tensor with a column-major layout.
     """
     code = _LAYOUTS.get(layouts)
     if code is None:

@@ -1,24 +1,11 @@
 """The Triton kernels of the fused casts (imported on demand by ``triton_cast.py``).
 
-Every kernel sees a 2D problem ``(R, C)`` with arbitrary element strides for its input and
-each output (a column-wise cast is a row cast of the transposed views), and writes FP8 data
-as ``uint8`` into a byte view of the FP8 output: the bits are computed here with integer
-arithmetic (:func:`_fp8_bits`), not by the backend's float -> FP8 conversion. Scale math
-follows ``scaling.py`` bit for bit: the amax widened to float64, clamped to ``EPS``, its
-float64 reciprocal times the format's max (``fmax / t`` is ``reciprocal(t) * fmax`` in
-torch), rounded once to fp32; power-of-two scales keep the exponent bits; a non-finite
-amax gives the positive NaN (``0x7FC00000``); e8m0 exponents from the float64 bits.
-
-NaN in the input is read as an infinite magnitude by the amax (both give a NaN scale, which
-is all the scale needs to know), so every max is an ordinary max and no NaN-propagation
-rule of a backend matters. No atomics: the tensorwise amax goes through a partials buffer
-that the cast kernel reduces itself, in the same order every time.
-
-The fused AdamW step's kernel (``_triton_adamw_kernels.py``, launched by
-``triton_adamw.py``) calls the FP8 rounding and scale helpers of this file.
-
-This file is loaded twice at most: once compiled, once under the Triton interpreter
-(``TRITON_INTERPRET=1``, which ``triton.jit`` reads when it decorates), for CPU tensors.
+Every kernel sees a 2D problem ``(R, C)`` with arbitrary strides and writes FP8 data as
+``uint8`` bytes computed with integer arithmetic (:func:`_fp8_bits`), not the backend's
+conversion. Scale math follows ``scaling.py`` bit for bit (float64 reciprocal, one
+rounding to fp32). NaN reads as an infinite magnitude in the amax (both give a NaN
+scale), so every max is an ordinary max. No atomics: partial amaxes are reduced in a
+fixed order. Loaded at most twice: compiled, and under the Triton interpreter for CPU.
 """
 
 from __future__ import annotations
@@ -32,16 +19,11 @@ NAN_BITS = tl.constexpr(0x7FC00000)
 
 @triton.jit
 def _fp8_bits(p, FMAX: tl.constexpr, BIAS: tl.constexpr, MBITS: tl.constexpr, FNUZ: tl.constexpr):
-    """``saturate(p)`` as FP8 bytes (int32 in 0..255), round to nearest even.
+    """``saturate(p)`` as FP8 bytes (int32 in 0..255), round to nearest even, as torch converts.
 
-    ``p``: fp32 products. Clamped to ``[-FMAX, FMAX]`` first (NaN kept, as ``clamp`` keeps
-    it); then, on the magnitude's bits: normal FP8 values by re-biasing the exponent and
-    rounding the dropped mantissa bits half-to-even (a carry into the exponent is the
-    next binade, as it should be); subnormal FP8 values by shifting the full fp32
-    significand right to units of the smallest subnormal, rounded the same way (a carry to
-    ``2**MBITS`` is the smallest normal's code). NaN: ``0x7F`` with the sign (e4m3fn,
-    e5m2), ``0x80`` (fnuz); ``-0`` and negative values that round to 0 are ``0x80`` where
-    the format has a negative zero, ``0x00`` in fnuz formats: what torch's conversion gives.
+    Normal values re-bias the exponent and round the dropped mantissa bits half to even;
+    subnormals shift the full significand to units of the smallest subnormal. NaN is
+    ``0x7F`` with the sign (``0x80`` in fnuz); a negative zero is ``0x80``, ``0x00`` in fnuz.
     """
     p = tl.where(p > FMAX, FMAX, p)
     p = tl.where(p < -FMAX, -FMAX, p)

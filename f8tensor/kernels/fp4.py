@@ -1,37 +1,17 @@
 """The FP4 casts: E2M1 elements with NVFP4 or MXFP4 block scales, packed two per byte.
 
-Written from two descriptions, in this package's own terms:
-
-- **E2M1** (OCP Microscaling spec v1.0, section 5.3.3): 1 sign, 2 exponent, 1 mantissa
-  bit, exponent bias 1, no infinity, no NaN. The 8 magnitudes are
-  ``0, 0.5, 1, 1.5, 2, 3, 4, 6`` (codes 0..7; code 1 is the one subnormal); bit 3 is the
-  sign, so ``-0`` exists (code 8).
-- **MXFP4** (the same spec, sections 5 and 6.3): one e8m0 scale ``X = 2**e`` per 32
-  consecutive elements along the contraction dim; ``x ~= e2m1 * X``. ``e`` follows the
-  spec's rule ``floor(log2(amax)) - emax_elem`` (``emax_elem = 2``: ``"floor"``, which can
-  clip the top of a block from 6 up to just under 8) or the smallest power of two that
-  keeps ``amax / X <= 6`` (``"rceil"``, the default: nothing saturates).
-- **NVFP4** (NVIDIA's description of the Blackwell format): one ``float8_e4m3fn`` scale per
-  16 consecutive elements plus one fp32 scale per tensor, so that the block scales use
-  e4m3's range: ``g = amax_tensor / (448 * 6)``, block scale ``s = e4m3(amax_block / 6 / g)``
-  (round to nearest), ``x ~= e2m1 * s * g``. ``four_over_six``: each block is also encoded
-  with 4 as its largest value (``s = e4m3(amax_block / 4 / g)``), and the encoding with
-  the lower squared error is kept.
+- E2M1 (OCP MX spec v1.0, 5.3.3): magnitudes ``0, 0.5, 1, 1.5, 2, 3, 4, 6`` (codes 0..7),
+  bit 3 the sign; no inf, no NaN.
+- MXFP4: one e8m0 scale ``2**e`` per 32 elements along K (``"rceil"``: nothing saturates;
+  ``"floor"``: the spec's rule).
+- NVFP4: one e4m3fn scale per 16 elements and one fp32 tensor scale
+  ``g = amax / (448 * 6)``; ``four_over_six`` also tries 4 as a block's top value.
 
 Scales here are **decode** factors (``x ~= e2m1 * block_scale * global_scale``), as the
-specs and the sm100 kernels spell them; FP8 casts store the reciprocal (see ``reference.py``).
-
-Elements are rounded to nearest, ties to even (the rule the specs give for conversions),
-or stochastically (round up with probability equal to the distance from the lower
-neighbour in units of the spacing: unbiased). Values beyond 6 saturate to 6. A block with
-an infinity or NaN gets a NaN scale (e4m3fn 0x7F, e8m0 0xFF), so it dequantizes to NaN,
-never to finite garbage; NVFP4's tensor amax is taken over the finite values, so the other
-blocks keep their scales. A block whose NVFP4 scale rounds to zero (its amax more than
-``2**9 * 448`` times below the tensor's) is flushed to zeros. Dequantizing saturates to the
-target dtype's finite range (a finite value near the dtype's max can round up past it).
-
-Packing (what ``torch.float4_e2m1fn_x2`` and PyTorch's FP4 kernels read): along one dim,
-element ``2i`` in the low nibble and ``2i + 1`` in the high nibble of byte ``i``.
+specs and kernels spell them; FP8 casts store the reciprocal. Rounding is to nearest even
+(or stochastic), saturating at 6. A block holding inf or NaN gets a NaN scale, so it
+dequantizes to NaN, never finite garbage. Packing: element ``2i`` in the low nibble of
+byte ``i``, ``2i + 1`` in the high one.
 """
 
 from __future__ import annotations
@@ -67,11 +47,9 @@ E2M1_MAX = 6.0
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 #: e4m3fn's largest value: NVFP4's block-scale range.
 _E4M3_MAX = 448.0
-#: A scaled magnitude above this is *saturated*: round-to-nearest would leave the format
-#: (the tie 7 between 6 and the absent 8 would round up to 8, 6's mantissa being odd).
+#: A scaled magnitude above this is *saturated* (the tie 7 would round up to the absent 8).
 _SATURATION_BOUND = math.nextafter(7.0, 0.0)
-#: A scaled magnitude at most this rounds to zero (half the smallest subnormal, 0.5; the
-#: tie goes to 0, whose mantissa is even).
+#: A scaled magnitude at most this rounds to zero (the tie goes to even 0).
 _FLUSH_BOUND = 0.25
 
 #: Layout of the vector :func:`cast_fp4` returns with ``stats=True`` (the FP8 casts' own).
@@ -82,13 +60,11 @@ class FP4Spec(NamedTuple):
     """One FP4 cast, as data.
 
     - ``kind``: ``"nvfp4"`` or ``"mxfp4"``.
-    - ``block``: one entry per dim of the tensor cast, each dividing its size: ``b``
-      consecutive elements along that dim share a scale (``(1, 16)``: NVFP4 1x16 along the
-      last dim; ``(16, 16)``: 2D weight blocks; ``(1, 32)``: MXFP4).
-    - ``pack_dim``: the dim two elements share a byte along (the contraction dim; even size).
+    - ``block``: per dim, the elements sharing a scale (``(1, 16)``, ``(16, 16)``, ``(1, 32)``).
+    - ``pack_dim``: the dim two elements share a byte along (K; even size).
     - ``scale_mode``: MXFP4's exponent rule, ``"rceil"`` or ``"floor"``.
     - ``rounding``: ``"nearest"`` or ``"stochastic"``.
-    - ``four_over_six``: NVFP4 only, see the module docstring.
+    - ``four_over_six``: NVFP4 only: keep the lower-error of tops 6 and 4 per block.
     """
 
     kind: str
@@ -103,24 +79,20 @@ class FP4Spec(NamedTuple):
         return torch.float8_e4m3fn if self.kind == NVFP4 else E8M0
 
 
-# ----------------------------------------------------------------- elements
 
 
 def e2m1_encode(x: torch.Tensor, rounding: str = "nearest", generator: torch.Generator | None = None) -> torch.Tensor:
     """fp32 values (already scaled) -> E2M1 codes (uint8, 0..15), saturating at 6.
 
-    The E2M1 grid has spacing 0.5 on ``[0, 2)``, 1 on ``[2, 4)`` and 2 on ``[4, 6]``, each a
-    power of two, so ``step * round(|x| / step)`` (``torch.round``: ties to even) is
-    round-to-nearest-even on the grid: an even multiple of the step is an even mantissa.
-    NaN encodes as 0 here; the casts mark its block through the scale.
+    The grid's spacings are powers of two, so ``step * round(|x| / step)`` is round-to-nearest-even
+    on it. NaN encodes as 0; the casts mark its block through the scale.
     """
     mag = torch.nan_to_num(x.abs(), nan=0.0).clamp(max=E2M1_MAX)
     step = torch.where(mag < 2.0, 0.5, torch.where(mag < 4.0, 1.0, 2.0))
     units = mag / step  # exact: a division by a power of two
     if rounding == "stochastic":
         low = units.floor()
-        # As scaling.stochastic_round: rand_like for the default generator traces under
-        # torch.compile(dynamic=True), where `rand` given generator=None does not.
+        # rand_like traces under torch.compile(dynamic=True); rand(generator=None) does not.
         if generator is None:
             draw = torch.rand_like(units, dtype=torch.float32, memory_format=torch.contiguous_format)
         else:
@@ -141,8 +113,7 @@ def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
 
 
 def pack_e2m1(codes: torch.Tensor, dim: int) -> torch.Tensor:
-    """Codes (uint8) -> bytes, two codes per byte along ``dim`` (``2i`` low nibble, ``2i+1``
-    high), in ``FLOAT4_X2`` (``torch.float4_e2m1fn_x2``)."""
+    """Codes (uint8) -> ``FLOAT4_X2`` bytes, two per byte along ``dim`` (``2i`` low nibble)."""
     dim = dim % codes.dim()
     if codes.shape[dim] % 2:
         raise ValueError(f"FP4 packs two values per byte along dim {dim}: its size must be even; got {tuple(codes.shape)}")
@@ -160,7 +131,6 @@ def unpack_e2m1(packed: torch.Tensor, dim: int) -> torch.Tensor:
     return codes.movedim(-1, dim)
 
 
-# ----------------------------------------------------------------- blocks
 
 
 def _blocked(x: torch.Tensor, block: tuple[int, ...]) -> torch.Tensor:
@@ -191,12 +161,11 @@ def _expand(scale: torch.Tensor, ndim: int) -> torch.Tensor:
 def _e8m0_decode_scale(amax: torch.Tensor, mode: str) -> torch.Tensor:
     """MXFP4's ``X = 2**e`` per block, as fp32, NaN for a non-finite amax.
 
-    From ``amax = m * 2**p`` (frexp, ``m`` in [0.5, 1)), exactly, with no division by 6:
-    ``"floor"``: ``floor(log2 amax) - emax_elem = p - 1 - 2``; ``"rceil"``: the smallest ``e``
-    with ``amax / 2**e <= 6``, ``ceil(log2(amax / 6)) = p - 3`` when ``m <= 0.75`` (``amax <=
-    6 * 2**(p-3)``), else ``p - 2``. (A float division by 6 would round, and frexp of the
-    quotient could then pick the wrong binade; an int32 -> float64 conversion has no
-    vectorized form in inductor's CPU code, so the exponent stays in float32, exact.)"""
+    Computed exactly from frexp's exponent (no division by 6, which would round and could
+    pick the wrong binade): ``"floor"``: ``p - 3``; ``"rceil"``: ``p - 3`` when the mantissa is
+    at most 0.75, else ``p - 2``. Kept in float32 (inductor's CPU code has no vectorized
+    int32 -> float64).
+    """
     a = amax if amax.dtype in (torch.float32, torch.float64) else amax.to(torch.float32)
     finite = torch.isfinite(a)
     a = torch.where(finite & (a > 0), a, 1.0)
@@ -210,8 +179,7 @@ def _e8m0_decode_scale(amax: torch.Tensor, mode: str) -> torch.Tensor:
 
 def _encode_blocks(x, denom, rounding, generator):
     """codes and the fp32 values they were rounded from, for blocks of ``x`` with decode ``denom``."""
-    # A zero denominator (an NVFP4 block scale that rounded to 0) flushes its block to
-    # zeros that keep their signs (x * 0).
+    # A zero denominator (an NVFP4 scale rounded to 0) flushes to signed zeros.
     scaled = torch.where(denom > 0, x / torch.where(denom > 0, denom, 1.0), x * 0.0)
     return e2m1_encode(scaled, rounding, generator), scaled
 
@@ -223,12 +191,12 @@ def cast_fp4(
     generator: torch.Generator | None = None,
     stats: bool = False,
 ):
-    """``hp`` cast per ``spec``: ``(packed, block_scale, global_scale)``, plus the stats vector
-    (laid out as :data:`FP4_STATS_FIELDS`, float64) with ``stats=True``.
+    """``hp`` cast per ``spec``: ``(packed, block_scale, global_scale)`` (+ stats with ``stats=True``).
 
-    ``packed``: ``FLOAT4_X2`` bytes, ``hp``'s shape with ``spec.pack_dim`` halved.
-    ``block_scale``: one per block (shape ``size // block`` per dim), e4m3fn (NVFP4) or
-    e8m0 (MXFP4), decode factors. ``global_scale``: 0-dim fp32 decode factor (1 for MXFP4).
+    Returns:
+        ``packed``: ``FLOAT4_X2`` bytes, ``spec.pack_dim`` halved; ``block_scale``: one per
+        block, e4m3fn (NVFP4) or e8m0 (MXFP4); ``global_scale``: 0-dim fp32 (1 for MXFP4);
+        all decode factors. The stats vector is laid out as :data:`FP4_STATS_FIELDS`.
     """
     if spec.kind not in (NVFP4, MXFP4):
         raise ValueError(f"FP4Spec.kind must be {NVFP4!r} or {MXFP4!r}; got {spec.kind!r}")
@@ -264,8 +232,7 @@ def cast_fp4(
 
 
 def _nvfp4_blocks(x, amax, global_scale, top, ndim, rounding, generator):
-    """NVFP4 block scales that map each block's amax to ``top`` (6, or 4 for four-over-six),
-    then the codes."""
+    """NVFP4 block scales mapping each block's amax to ``top`` (6, or 4), then the codes."""
     # Saturating: four-over-six's scale to 4 can exceed e4m3's 448 for the largest blocks.
     wanted = (torch.where(torch.isfinite(amax), amax, 0.0) / top / global_scale).clamp(max=_E4M3_MAX)
     block_scale = wanted.to(torch.float8_e4m3fn)
@@ -287,16 +254,11 @@ def dequantize_fp4(
     pack_dim: int,
     dtype: torch.dtype,
 ) -> torch.Tensor:
-    """``e2m1 * block_scale * global_scale`` in fp32, saturated to ``dtype``'s finite range,
-    then cast to ``dtype``.
+    """``e2m1 * block_scale * global_scale`` in fp32, saturated to ``dtype``'s range, cast.
 
-    Saturating, as the FP8 dequantize does (``reference.dequantize``): E2M1 keeps one
-    mantissa bit in every binade, so a value within a quarter of a binade below the
-    dtype's max (fp16 60000, bf16 or fp32 max) rounds up to the next power of two whatever
-    the block scale (MXFP4's powers of two: ``4 * 2**e``), which lies beyond the dtype's
-    range (fp16 65536, fp32 2**128). No scale choice leaves room for it; the way back
-    clamps instead. A block whose input held an inf or NaN has a NaN scale and stays NaN
-    (clamp keeps NaN): never finite. One elementwise op, no host sync."""
+    Saturating as the FP8 dequantize does: a value near the dtype's max may round up past it.
+    A block with a NaN scale stays NaN.
+    """
     values = e2m1_decode(unpack_e2m1(packed, pack_dim))
     # Deliberate upcast of the e4m3/e8m0 scales: exact in fp32.
     scale = block_scale.to(torch.float32) * global_scale

@@ -1,34 +1,16 @@
-"""The fused AdamW step: one Triton kernel per parameter tensor (``adamw_step_kernel`` in
-``_triton_adamw_kernels.py``), used by :class:`f8tensor.optim.AdamW`.
+"""The fused AdamW step: one Triton kernel per parameter tensor, used by :class:`f8tensor.optim.AdamW`.
 
-The torch-ops step reads and writes every tensor several times (about ten elementwise
-passes per FP8 moment: dequantize, lerp, block amax, scale, multiply, stochastic rounding,
-conversion). The kernel reads the parameter (and the int16 remainder of a "remainder"
-master), the gradient and both moments once, dequantizes FP8 moments with their block
-scales, computes the update in fp32, and writes the parameter, the remainder and the
-moments once, requantizing FP8 moments in the same program (the block amax, the scale, the
-saturating cast; one program holds whole blocks, so no block spans two programs). The
-stochastic rounding reads the same seeded tables of draws as the torch-ops path
-(``NOISE_PERIOD`` entries per moment and step, made by torch's generator on the device
-before the launch), so both paths write the same bits.
+The kernel reads parameter, gradient and moments once, dequantizes FP8 moments with their
+block scales, updates in fp32 and writes everything once, requantizing FP8 moments in the
+same program (a program holds whole blocks). Stochastic rounding reads the same seeded
+tables of draws as the torch-ops path, so both write the same bits.
 
-Bits: the kernel repeats torch's op sequence and rounding (see the kernel's comments):
-every division and square root correctly rounded (``div_rn``, ``sqrt_rn``; a compiled
-``/`` or ``sqrt`` may be approximate on GPUs), floating-point contraction off except the
-multiply-adds torch's own kernels fuse (lerp, addcmul, and CUDA's addcdiv). torch's CPU
-and CUDA kernels round two ops differently, and the kernel follows the device it runs for:
-
-- ``x / scalar``: the CPU divides; CUDA multiplies by the fp32 reciprocal.
-- ``addcdiv``: the CPU computes ``p + (s * m) / d``; CUDA ``fma(s, m / d, p)``.
-
-On CPU tensors the kernel runs under the Triton interpreter (``TRITON_INTERPRET=1``, the
-same file loaded a second time, as the fused casts do), with the CPU's rounding, which the
-CPU tests compare bit for bit with the torch-ops path. Differences that remain, by design:
-a NaN's payload and sign (bf16 NaN is stored as ``0x7FC0``, FP8 NaN as ``0x7F``/``0xFF``
-after the sign of whichever NaN the arithmetic produced; both paths agree on which
-elements are NaN).
-
-Host work per call: a handful of Python float conversions, no device read (no sync).
+Bits: the kernel repeats torch's op sequence and rounding (correctly rounded ``div_rn``
+and ``sqrt_rn``; contraction only where torch fuses), following the device it runs for:
+``x / scalar`` divides on CPU but multiplies by the fp32 reciprocal on CUDA; ``addcdiv``
+is ``p + (s * m) / d`` on CPU, ``fma(s, m / d, p)`` on CUDA. On CPU tensors it runs under
+the Triton interpreter, compared bit for bit with the torch-ops path; only a NaN's payload
+and sign may differ. No device read on the host (no sync).
 """
 
 from __future__ import annotations

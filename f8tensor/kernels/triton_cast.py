@@ -1,41 +1,15 @@
-"""Fused FP8 casts: Triton kernels behind one ``torch.library.custom_op``.
+"""Fused FP8 casts: Triton kernels behind one ``torch.library.custom_op`` (``f8tensor::fused_cast``).
 
-A cast in torch ops is an amax reduction, a handful of scalar ops for the scale, a
-multiply, a clamp and a conversion: about eight kernels in eager CUDA (inductor fuses them
-under torch.compile, which is why compiled code keeps :mod:`~f8tensor.kernels.reference`).
-Here a cast is, by construction:
+A tensorwise cast is two kernels (partial amaxes, then one pass that reduces them in a
+fixed order, computes the scale and writes data, scale and an optional column-major
+copy); rowwise and block casts are one kernel each. The custom op gives dispatch,
+torch.compile and export one op with known outputs; the Triton interpreter runs the same
+kernels on CPU, so the CPU suite checks them bit for bit against the reference. FP8
+rounding is integer arithmetic on the fp32 bits: exact and backend-independent.
 
-- tensorwise: two kernels. A partial-amax kernel writes one max per program into a
-  partials buffer; the cast kernel reduces the partials itself (every program, the same
-  order: deterministic, no atomics), computes the scale, writes the scale, the FP8 data
-  and, on request, the column-major copy the weight-gradient GEMM takes, in one pass. A
-  given (delayed) scale: the cast kernel alone.
-- rowwise (axiswise along the last dim, or along dim 0 of a 2D tensor), 1 x b blocks
-  (1x128, MX 1x32 with e8m0 scales, also b x 1 on the transposed view) and br x bc blocks
-  (128x128, with the column-major copy on request): one kernel each, which measures each
-  row's or block's amax, computes and stores its scale and writes the data.
-
-Why this mechanism:
-
-- ``torch.library.custom_op`` (``f8tensor::fused_cast``, with a fake implementation):
-  dispatch, torch.compile and export see one op with known output shapes and strides,
-  not Python that launches kernels.
-- Triton: it ships with every CUDA build of torch, so there is nothing to build or install.
-- The Triton interpreter (``TRITON_INTERPRET=1``) runs the same kernels on CPU tensors, so
-  the CPU test suite checks them bit for bit against the reference. The interpreter's own
-  float -> FP8 conversion is wrong, which is one reason for the next point.
-- FP8 rounding in integer arithmetic on the fp32 bits (``_triton_kernels._fp8_bits``):
-  exact and backend-independent (no fp8 conversion instruction, no float rounding trick a
-  compiler could contract into an FMA), for all four formats with their bias, range, NaN
-  and negative-zero rules. Scale math in float64, as ``scaling.py`` does it.
-
-The fused path is taken by :func:`f8tensor.kernels.cast` only when all hold: the input is
-a plain CUDA tensor, triton imports, not compiling, round-to-nearest, a granularity the
-kernels cover (:func:`plan`) on an input they can view as 2D, and ``F8TENSOR_FUSED_CASTS``
-is not ``0``. Everything else, the CPU above all, stays on the reference.
-``cast_with_stats`` stays on the reference.
-
-The way back is :mod:`~f8tensor.kernels.triton_dequantize`, on the same kernels module.
+:func:`f8tensor.kernels.cast` takes this path only for a plain CUDA tensor, outside
+compilation, with round-to-nearest, a granularity :func:`plan` covers, triton importable
+and ``F8TENSOR_FUSED_CASTS`` not ``0``; everything else runs the reference.
 """
 
 from __future__ import annotations

@@ -1,5 +1,4 @@
-"""The rows of the block-scaled kernels of ``torch.nn.functional.scaled_mm`` (1x128,
-128x128, MX; and the FP4 rows, NVFP4 and MXFP4 on sm100) and their lookups."""
+"""The rows of the block-scaled ``F.scaled_mm`` kernels (1x128, 128x128, MX, FP4) and their lookups."""
 
 from __future__ import annotations
 
@@ -12,26 +11,18 @@ from f8tensor.gemm.rules.builds import _E4M3, _FP32, ALIGN, Builds
 
 __all__ = ["BLOCK_SCALED_MM_RULES", "FP4_SCALED_MM_RULES", "BlockScaledMMRule", "block_rule_by_recipes", "block_rule_for", "fp4_rule_for"]
 
-# ===================================================================== block-scaled F.scaled_mm
 
 
 @dataclasses.dataclass(frozen=True)
 class BlockScaledMMRule:
     """One block-scaled kernel of ``torch.nn.functional.scaled_mm`` (one row of the table).
 
-    ``block_a`` is the block of ``mat_a`` (M, K) and ``block_b`` that of ``mat_b`` (K, N),
-    in f8tensor's per-dim spelling; ``recipe_a``/``recipe_b`` name the
-    ``torch.nn.functional.ScalingType`` members; ``scale_a``/``scale_b`` describe the
-    scale tensors the kernel reads (shape, strides, swizzle), which
-    :func:`_block_kernel_scales` builds from f8tensor's scales.
-
-    Sizes: ``align_k`` divides K and ``align_n`` divides N (``mat_b``'s both dims) in every
-    eager call; ``align_m`` divides M (the outer, non-contracted dim of ``mat_a``: 16 where
-    ``mat_a`` is 1x128-scaled, whose scale tensor's leading dim is M fp32 values; f8tensor
-    pads M with zero rows up to it, see ``blocks.py``); ``k_per_element`` is 2 for the packed FP4 dtype (K counts unpacked
-    values). ``compile_align``: (dim, multiple) pairs that the meta registration of the
-    torch releases ``compile_torch`` also asks for when ``torch.compile`` traces a CUDA call
-    (it floor-divides K, M, N by 128 where the kernel rounds up); eager calls do not.
+    ``block_a``/``block_b``: the blocks of ``mat_a`` (M, K) and ``mat_b`` (K, N);
+    ``recipe_a``/``recipe_b``: ``ScalingType`` member names; ``scale_a``/``scale_b``: the
+    scale layouts the kernel reads. ``align_k``, ``align_n``, ``align_m`` divide K, N, M in
+    every eager call (``blocks.py`` pads M); ``k_per_element`` is 2 for packed FP4.
+    ``compile_align``: (dim, multiple) pairs the meta of the releases ``compile_torch`` also
+    asks for under ``torch.compile`` (it floor-divides by 128 where the kernel rounds up).
     """
 
     name: str
@@ -54,9 +45,7 @@ class BlockScaledMMRule:
     compile_torch: tuple[tuple[int, int], ...] = ()
 
 
-#: The releases whose ``_check_scaled_mm_sizes_v2`` (the meta registration torch.compile
-#: traces with) floor-divides the DeepSeek scale sizes; 2.14's ``meta_scaled_mm_v2`` is
-#: shape-only.
+#: The releases whose ``_check_scaled_mm_sizes_v2`` meta floor-divides the DeepSeek scale sizes.
 _META_FLOOR_TORCH = ((2, 11), (2, 12), (2, 13))
 
 _DEEPSEEK_BUILDS = Builds(min_cuda=(12, 9), min_sm=(9, 0), max_sm=(9, 0))
@@ -88,11 +77,7 @@ _DEEPSEEK_SOURCES = (
     ),
 ) + _V2_SOURCES
 
-# The outer (non-contracted) dim of a 1x128-scaled operand. Measured once: M=15 refused
-# (the GPU campaign's 15-token Linear); M=256 and the other multiples of 16 it ran passed.
-# Whether cuBLASLt asks for M % 4 (a 16-byte leading dim of the (M, ceil(K/128)) fp32 scale
-# tensor, strides (1, M)) or M % 16 is not measured: the rows ask for the conservative 16,
-# for M of a 1x128 a (align_m) and, through align_n (16 already), for N of a 1x128 b.
+# The outer dim of a 1x128-scaled operand: M % 16 asked (conservative; M % 4 not ruled out).
 _OUTER_1x128_SOURCE = (
     "measured: H100, torch 2.11+cu130, cuBLAS of CUDA 13.0: M=15 with a 1x128 a refused "
     "(CUBLAS_STATUS_NOT_SUPPORTED from cublasLtMatmulAlgoGetHeuristic); M=256 accepted. "
@@ -100,8 +85,8 @@ _OUTER_1x128_SOURCE = (
     "M % 4 is not ruled out)"
 )
 
-# The DeepSeek-V3 kernels differ only in their blocks and scale layouts; named by block.
-_TILE_SCALES = "(M, ceil(K/128)), strides (1, M)"  # 1x128 a: one scale per row and K-block
+# The DeepSeek-V3 kernels differ only in their blocks and scale layouts.
+_TILE_SCALES = "(M, ceil(K/128)), strides (1, M)"  # 1x128 a
 _BLOCK_SCALES = "(round_up(ceil(K/128), 4), ceil({}/128)), strides (1, round_up(ceil(K/128), 4))"  # 128x128
 _DEEPSEEK = BlockScaledMMRule(
     name="1x128 x 128x128",
@@ -116,7 +101,7 @@ _DEEPSEEK = BlockScaledMMRule(
     builds=_DEEPSEEK_BUILDS,
     fast_accum=False,  # cuBLASLt refuses fast accumulation with 1x128 and 128x128 scales
     sources=(*_DEEPSEEK_SOURCES, _OUTER_1x128_SOURCE),
-    align_m=ALIGN,  # the 1x128 a's rows: see _OUTER_1x128_SOURCE
+    align_m=ALIGN,
     compile_align=(("K", 128), ("N", 128)),
     compile_torch=_META_FLOOR_TORCH,
 )
@@ -129,16 +114,15 @@ _MXFP8 = dataclasses.replace(
     recipe_b="BlockWise1x32",
     block_a=(1, 32),
     block_b=(32, 1),
-    # check_mxfp8_recipe takes e4m3fn only (the v1 _scaled_mm path would take e5m2; the v2
-    # path f8tensor calls does not); the meta lets e5m2 through, only an eager GPU call refuses.
+    # check_mxfp8_recipe takes e4m3fn only; the meta lets e5m2 through, an eager GPU call refuses.
     operand_dtypes=frozenset({_E4M3}),
     scale_dtype=torch.float8_e8m0fnu,
     scale_a=_MX_SCALES.format("M", 32, "e8m0"),
     scale_b=_MX_SCALES.format("N", 32, "e8m0"),
-    # Blackwell (sm100) and later: no build in SUPPORTED_BUILDS (sm89, sm90) has it.
+    # sm100 and later: no supported build has it.
     builds=Builds(min_cuda=(12, 8), min_sm=(10, 0)),
-    fast_accum=False,  # _scaled_mxfp8_mxfp8 passes use_fast_accum=false to the GEMM
-    align_m=1,  # the MX scales are padded to 128 rows by the swizzle; M free
+    fast_accum=False,
+    align_m=1,  # the swizzle pads MX scales to 128 rows
     compile_align=(),  # the meta's MX counts round up, as the kernel's do
     compile_torch=(),
     sources=(
@@ -169,8 +153,7 @@ _FP4_SOURCES = (
     ),
 )
 
-#: The table. The FP4 rows are the kernels of FP4 products (:data:`FP4_SCALED_MM_RULES`,
-#: unverified); :func:`block_rule_for` finds a row by blocks, scale dtype and operand dtype.
+#: The table, FP4 rows included (unverified); :func:`block_rule_for` looks a row up.
 BLOCK_SCALED_MM_RULES: tuple[BlockScaledMMRule, ...] = (
     _DEEPSEEK,
     dataclasses.replace(
@@ -180,7 +163,7 @@ BLOCK_SCALED_MM_RULES: tuple[BlockScaledMMRule, ...] = (
     dataclasses.replace(
         _DEEPSEEK, name="128x128 x 1x128", recipe_a="BlockWise128x128", recipe_b="BlockWise1x128",
         block_a=(128, 128), block_b=(128, 1), scale_a=_BLOCK_SCALES.format("M"),
-        align_m=1,  # a 128x128 a's scale has round_up(ceil(K/128), 4) rows; its 1x128 b's N: align_n
+        align_m=1,  # a 128x128 a's scale rows count K-blocks, not M
         scale_b="(N, ceil(K/128)), strides (1, N)", compile_align=(("K", 128), ("M", 128)),
     ),
     _MXFP8,
@@ -188,8 +171,7 @@ BLOCK_SCALED_MM_RULES: tuple[BlockScaledMMRule, ...] = (
         _MXFP8,
         name="MXFP4 1x32 x 1x32",
         operand_dtypes=frozenset({_FP4}),
-        # _check_mxfp4_support: dprops->major == 10 ("only supported in CUDA for B200/B300"),
-        # an MSLK build; bf16 output; the bias argument is not passed on (add it after).
+        # _check_mxfp4_support: sm100 only, bf16 output, bias not passed on (added after).
         builds=Builds(min_cuda=(12, 8), min_sm=(10, 0), max_sm=(10, 99)),
         k_per_element=2,
         # The 2.11-2.13 meta checks the packed size(1) % 16, i.e. unpacked K % 32.
@@ -210,8 +192,7 @@ BLOCK_SCALED_MM_RULES: tuple[BlockScaledMMRule, ...] = (
         block_a=(1, 16),
         block_b=(16, 1),
         operand_dtypes=frozenset({_FP4}),
-        # Block scales e4m3fn; the two-level form adds one fp32 global scale per side
-        # (scale_a=[blocks, global], recipes [BlockWise1x16, TensorWise], two swizzle entries).
+        # The two-level form adds one fp32 TensorWise global scale per side.
         scale_dtype=_E4M3,
         scale_a=_MX_SCALES.format("M", 16, "e4m3fn"),
         scale_b=_MX_SCALES.format("N", 16, "e4m3fn"),
@@ -233,8 +214,7 @@ BLOCK_SCALED_MM_RULES: tuple[BlockScaledMMRule, ...] = (
 def block_rule_for(
     block_a: tuple[int, ...], block_b: tuple[int, ...], scale_dtype: torch.dtype, operand_dtype: torch.dtype | None = None
 ) -> BlockScaledMMRule | None:
-    """The row whose operand blocks and scale dtype are these (and that takes
-    ``operand_dtype``, when given; else the first such row), or None."""
+    """The row with these blocks and scale dtype (taking ``operand_dtype`` when given), or None."""
     for rule in BLOCK_SCALED_MM_RULES:
         same = (rule.block_a, rule.block_b, rule.scale_dtype) == (tuple(block_a), tuple(block_b), scale_dtype)
         if same and (operand_dtype is None or operand_dtype in rule.operand_dtypes):
@@ -243,8 +223,7 @@ def block_rule_for(
 
 
 def block_rule_by_recipes(recipe_a: Any, recipe_b: Any, operand_dtype: torch.dtype | None = None) -> BlockScaledMMRule | None:
-    """The row of ``torch.nn.functional.scaled_mm``'s scaling recipes (members or names), or
-    None; ``operand_dtype`` tells MXFP8 from MXFP4 (same recipes)."""
+    """The row of these scaling recipes, or None; ``operand_dtype`` tells MXFP8 from MXFP4."""
     names = tuple(str(getattr(r, "name", r)) for r in (recipe_a, recipe_b))
     matches = [rule for rule in BLOCK_SCALED_MM_RULES if (rule.recipe_a, rule.recipe_b) == names]
     for rule in matches:
@@ -253,17 +232,10 @@ def block_rule_by_recipes(recipe_a: Any, recipe_b: Any, operand_dtype: torch.dty
     return matches[0] if matches else None
 
 
-# ===================================================================== FP4 F.scaled_mm (sm100)
-#
-# Unverified on hardware (no sm100 machine was available): the FP4 rows of
-# BLOCK_SCALED_MM_RULES are read from the sources they cite; the scale layout they name is
-# unit-tested on CPU (tests/kernels/test_fp4_gemm.py). Operands: ``torch.float4_e2m1fn_x2``, two E2M1
-# values per byte along K (element 2i in the low nibble: ``common_quantized.py : pack_uint4``),
-# ``mat_a`` (M, K/2) row-major, ``mat_b`` (K/2, N) column-major; K is counted unpacked.
-# NVFP4 passes a second, TensorWise, fp32 global scale per operand (two swizzle entries).
+# FP4 rows: unverified on hardware, read from the sources they cite. Two E2M1 values per
+# byte along K (element 2i in the low nibble); K is counted unpacked.
 
-#: The FP4 rows of :data:`BLOCK_SCALED_MM_RULES` (NVFP4, then MXFP4): the products of
-#: ``Float4Tensor`` operands on CUDA without ``emulate``.
+#: The FP4 rows of :data:`BLOCK_SCALED_MM_RULES` (NVFP4, then MXFP4).
 FP4_SCALED_MM_RULES: tuple[BlockScaledMMRule, ...] = tuple(
     next(r for r in BLOCK_SCALED_MM_RULES if r.name == name) for name in ("NVFP4 1x16 x 1x16", "MXFP4 1x32 x 1x32")
 )

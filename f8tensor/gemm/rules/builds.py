@@ -1,6 +1,4 @@
-"""The builds the rules are written for: :class:`CudaBuild`, the supported torch releases
-and builds, :class:`Builds` (a set of builds as data), the one alignment constant
-:data:`ALIGN`, and the names of scale shapes the rows share."""
+"""Supported builds, :class:`Builds` (a set of builds as data) and the alignment :data:`ALIGN`."""
 
 from __future__ import annotations
 
@@ -17,20 +15,14 @@ _E4M3_FNUZ = torch.float8_e4m3fnuz
 _E5M2_FNUZ = torch.float8_e5m2fnuz
 _BF16, _FP16, _FP32 = torch.bfloat16, torch.float16, torch.float32
 
-#: K (mat1.size(1) == mat2.size(0)) and N (mat2.size(1)) of a ``torch._scaled_mm`` call
-#: must be multiples of this; so must a layer's dimensions, an expert GEMM's contraction
-#: dim and each group that cuts a grouped GEMM's contraction dim. The one alignment constant.
+#: K and N of a ``torch._scaled_mm`` call (and each group cutting a grouped GEMM's K) must
+#: be multiples of this.
 ALIGN = 16
 
 # ===================================================================== builds
 
 class CudaBuild(NamedTuple):
-    """One GPU build f8tensor supports: a torch release, its toolkit, a GPU arch.
-
-    ``platform="cuda"``: ``cuda`` is the wheel's CUDA version, ``sm`` the compute
-    capability. ``platform="rocm"``: ``cuda`` is the ROCm version and ``sm`` the gfx
-    arch's digits ((9, 42) for gfx942).
-    """
+    """One GPU build: torch release, toolkit (CUDA or ROCm version), arch (sm, or gfx digits)."""
 
     torch_version: tuple[int, int]
     cuda: tuple[int, int]
@@ -45,14 +37,10 @@ class CudaBuild(NamedTuple):
         return f"torch {t[0]}.{t[1]} cu{c[0]}{c[1]} sm{s[0]}{s[1]}"
 
 
-#: The torch releases f8tensor supports (README.md, "Version matrix"): 2.11 to the newest
-#: installable one.
+#: The torch releases f8tensor supports.
 SUPPORTED_TORCH: tuple[tuple[int, int], ...] = ((2, 11), (2, 12), (2, 13), (2, 14))
 
-#: Every NVIDIA build whose rules every f8tensor ``_scaled_mm`` call must obey. The wheels
-#: of torch 2.11-2.14 exist for CUDA 12.6, 12.8 and 13.0 (2.14's cu126 wheel: not
-#: verified); FP8 tensor cores start at sm89 (Ada: L4, L40S, RTX 4090) and sm90 (Hopper:
-#: H100, H200).
+#: Every NVIDIA build whose rules each ``_scaled_mm`` call must obey (FP8 starts at sm89).
 SUPPORTED_BUILDS: tuple[CudaBuild, ...] = tuple(
     CudaBuild(t, c, s)
     for t in SUPPORTED_TORCH
@@ -60,8 +48,7 @@ SUPPORTED_BUILDS: tuple[CudaBuild, ...] = tuple(
     for s in ((8, 9), (9, 0))
 )
 
-#: The fnuz formats run on AMD MI300 (gfx942) only; their products are checked against
-#: these builds instead (f8tensor refuses fnuz products on NVIDIA devices up front).
+#: The builds fnuz products are checked against (AMD MI300, gfx942).
 ROCM_BUILDS: tuple[CudaBuild, ...] = tuple(CudaBuild(t, (6, 4), (9, 42), "rocm") for t in SUPPORTED_TORCH)
 
 
@@ -85,7 +72,7 @@ class Builds:
 
 ALL_BUILDS = Builds()
 
-# torch._scaled_mm's scale shapes, named as PyTorch's checks name them.
+# Scale shapes, named as PyTorch's checks name them.
 SCALE_ONE = "1 element"  # tensorwise: numel() == 1
 SCALE_ROWS = "(M, 1)"  # rowwise scale_a
 SCALE_COLS = "(1, N)"  # rowwise scale_b

@@ -1,5 +1,4 @@
-"""The rows of ``torch._scaled_grouped_mm`` (MoE grouped and batched products) and their
-lookup (:func:`grouped_rule_for`)."""
+"""The rows of ``torch._scaled_grouped_mm`` and :func:`grouped_rule_for`."""
 
 from __future__ import annotations
 
@@ -11,24 +10,16 @@ from f8tensor.gemm.rules.builds import _BF16, _E4M3, _FP32, ALIGN, Builds, CudaB
 
 __all__ = ["GROUPED_RULES", "GroupedMMRule", "grouped_rule_for"]
 
-# ===================================================================== torch._scaled_grouped_mm
 
 
 @dataclasses.dataclass(frozen=True)
 class GroupedMMRule:
     """What ``torch._scaled_grouped_mm`` accepts on a set of builds (one row of the table).
 
-    Its three forms: 2D x 3D with ``offs`` (an MoE layer's forward and input gradient: ``a``
-    (M, K) tokens sorted by group, ``b`` (G, K, N), ``offs`` (G,) cumulative counts; scales
-    (M,) and (G, N)), 2D x 2D with ``offs`` (the weights' gradient: groups cut the
-    contraction dim; scales (G*K,) and (G*N,)) and 3D x 3D without (``bmm``; scales (B, M)
-    and (B, N)). The scales are dequantization factors, as ``torch._scaled_mm`` takes them.
-
-    ``align``: ``a.size(-1)``, ``b.size(-2)`` and ``b.size(-1)`` (K and N; in 2D x 2D the
-    padded total of the grouped dim) are multiples of it, in every form. ``max_groups``:
-    the most groups (``offs.size(0)``, ``b.size(0)`` of 2D x 3D, ``a.size(0)`` of 3D x 3D) one
-    call takes. ``offs`` values (non-decreasing, at most the grouped dim) are device-side
-    asserts in the kernel, checked by f8tensor where they are on the host.
+    Forms: 2D x 3D with ``offs`` (scales (M,), (G, N)), 2D x 2D with ``offs`` (groups cut
+    K; scales (G*K,), (G*N,)) and 3D x 3D without (scales (B, M), (B, N)); scales are
+    dequantization factors. ``align`` divides K and N in every form; ``max_groups`` bounds
+    the groups of one call. ``offs`` values are device asserts, checked on the host.
     """
 
     op: str
@@ -74,12 +65,8 @@ _GROUPED_SOURCES = (
     ),
 )
 
-#: The rows of ``torch._scaled_grouped_mm`` (torch 2.11-2.14): Hopper only. The host gate
-#: admits sm100 too, but these releases build the FP8 grouped kernel for sm90 alone (an
-#: sm100 call fails in the kernel launch); sm89 has no grouped kernel. Where no row
-#: applies, f8tensor runs the reference op. Groups that cut M (2D x 3D) may have any size,
-#: 0 included; groups that cut the contraction dim (2D x 2D) a multiple of 16 rows each
-#: (f8tensor pads them, see ``f8tensor.moe``).
+#: The rows of ``torch._scaled_grouped_mm``: sm90 only (the kernel is built for sm90 alone);
+#: elsewhere f8tensor runs the reference op. Groups cutting K are padded to 16 rows.
 GROUPED_RULES: tuple[GroupedMMRule, ...] = (
     GroupedMMRule(
         op="torch._scaled_grouped_mm",

@@ -1,5 +1,4 @@
-"""The rows of ``torch._scaled_mm`` (tensorwise and rowwise), NVIDIA and ROCm, and their
-lookup (:func:`rule_for`)."""
+"""The rows of ``torch._scaled_mm`` (tensorwise and rowwise) and :func:`rule_for`."""
 
 from __future__ import annotations
 
@@ -26,16 +25,14 @@ from f8tensor.gemm.rules.builds import (
 
 __all__ = ["ROCM_ROWWISE_NOTE", "SCALED_MM_RULES", "STRICTEST_BUILDS", "ScaledMMRule", "rule_for"]
 
-# ===================================================================== torch._scaled_mm
 
 
 @dataclasses.dataclass(frozen=True)
 class ScaledMMRule:
     """What one scaling kind of one op accepts on a set of builds (one row of the table).
 
-    ``bias_dtypes`` maps each output dtype to the bias dtypes allowed with it; an output
-    dtype missing from it takes no bias. ``refused_pairs``: (mat1, mat2) dtype pairs that
-    are refused even though each dtype alone is allowed.
+    ``bias_dtypes`` maps an output dtype to its allowed bias dtypes (missing: no bias);
+    ``refused_pairs`` are (mat1, mat2) dtype pairs refused though each dtype is allowed.
     """
 
     op: str
@@ -68,8 +65,7 @@ _NO_E5M2_PAIR = frozenset({(_E5M2, _E5M2)})
 # cuBLASLt bias: bf16 or fp16, matching a bf16/fp16 output; none with an fp32 output.
 _BIAS = ((_BF16, frozenset({_BF16})), (_FP16, frozenset({_FP16})))
 
-# Rowwise everywhere but cu130 sm90: the CUTLASS f8f8bf16_rowwise kernel (sm89, and sm90
-# with cu126/cu128). The other NVIDIA rows are written as their differences from it.
+# Rowwise everywhere but cu130 sm90; the other NVIDIA rows are differences from it.
 _CUTLASS_ROWWISE = ScaledMMRule(
     op="torch._scaled_mm",
     kind="rowwise",
@@ -78,8 +74,7 @@ _CUTLASS_ROWWISE = ScaledMMRule(
     mat1_dtypes=_OPERANDS,
     mat2_dtypes=frozenset({_E4M3}),
     refused_pairs=_NO_E5M2_PAIR,
-    # The 2.11-2.13 wheels refuse fp32 here ("Only bf16 and fp16 high precision output
-    # types are supported for row-wise scaling"); later sources add fp32.
+    # The 2.11-2.13 wheels refuse an fp32 output here; later sources add it.
     out_dtypes=frozenset({_BF16, _FP16}),
     scale_dtype=_FP32,
     scale_a_shape=SCALE_ROWS,
@@ -91,7 +86,7 @@ _CUTLASS_ROWWISE = ScaledMMRule(
     align_n=ALIGN,
     align_m=1,  # M is free: the kernel pads scale_a to a multiple of 256 itself
     bias_dtypes=_BIAS,
-    fast_accum=True,  # both schedules exist; without fast accumulation the slow one runs
+    fast_accum=True,
     sources=(
         (
             "aten/src/ATen/native/cuda/RowwiseScaledMM.cu: check_inputs (a e4m3fn/e5m2, b e4m3fn, fp32 "
@@ -102,8 +97,7 @@ _CUTLASS_ROWWISE = ScaledMMRule(
     ),
 )
 
-#: The table. Rows are looked up in order: the first row whose op, kind and builds match
-#: a call is the one that applies (so a narrower row precedes the general one).
+#: The table; the first row whose op, kind and builds match a call applies (narrow rows first).
 SCALED_MM_RULES: tuple[ScaledMMRule, ...] = (
     # Tensorwise x tensorwise: cuBLASLt on every build.
     dataclasses.replace(
@@ -123,8 +117,7 @@ SCALED_MM_RULES: tuple[ScaledMMRule, ...] = (
             "torch/_meta_registrations.py: _check_scaled_mm_sizes (row-major self, column-major mat2 on CUDA)",
         ),
     ),
-    # Rowwise on cuBLASLt: CUDA >= 12.9 (the cu130 wheels) on sm90 only. It takes an fp32
-    # output and an e5m2 mat2; the CUTLASS kernel does neither.
+    # Rowwise on cuBLASLt: CUDA >= 12.9 on sm90 only; takes fp32 output and e5m2 mat2.
     dataclasses.replace(
         _CUTLASS_ROWWISE,
         kernel="cuBLASLt (outer-vector scales)",
@@ -141,8 +134,7 @@ SCALED_MM_RULES: tuple[ScaledMMRule, ...] = (
     _CUTLASS_ROWWISE,
 )
 
-#: One line for readers (kept from the first version of this module; the ROCm rows of the
-#: table below are what the checker reads).
+#: A summary for readers; the checker reads the ROCm rows of the table.
 ROCM_ROWWISE_NOTE = "ROCm rowwise: mat2 e4m3fnuz (e4m3fn on non-fnuz archs), bf16 output only"
 
 _ROCM = Builds(platform="rocm")
@@ -154,8 +146,7 @@ _ROCM_SOURCES = (
     ),
 )
 SCALED_MM_RULES += (
-    # ROCm MI300 (gfx942): the fnuz formats. The e5m2 x e5m2 refusal is NVIDIA-only in
-    # PyTorch; f8tensor refuses that pair everywhere, so the row keeps it.
+    # ROCm gfx942, fnuz. PyTorch refuses e5m2 x e5m2 only on NVIDIA; f8tensor everywhere.
     dataclasses.replace(
         SCALED_MM_RULES[0],
         kernel="hipBLASLt",
@@ -178,8 +169,7 @@ SCALED_MM_RULES += (
     ),
 )
 
-#: Builds that between them carry every restriction of the table: sm89 (CUTLASS rowwise,
-#: any CUDA) and sm90 with cu128 (CUTLASS rowwise, Hopper). cu130 on sm90 only relaxes.
+#: Builds that between them carry every restriction of the table (cu130 sm90 only relaxes).
 STRICTEST_BUILDS: tuple[CudaBuild, ...] = (CudaBuild((2, 11), (12, 6), (8, 9)), CudaBuild((2, 13), (12, 8), (9, 0)))
 
 
