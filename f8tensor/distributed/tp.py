@@ -202,7 +202,7 @@ class PrepareFloat8ModuleInput(PrepareModuleInput):
         ValueError: FP4 or per-GEMM formats; layers of the module that cast their input
             differently (at ``parallelize_module``).
 
-A layer given a gathered input of another cast raises ``TypeError``: never re-cast.
+    A layer given a gathered input of another cast raises ``TypeError``: never re-cast.
     """
 
     def __init__(self, *, config: Float8LinearConfig | None = None, **kwargs: Any) -> None:
