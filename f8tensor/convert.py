@@ -1,9 +1,8 @@
-"""The model converter: ``convert_to_float8_training`` swaps every linear map of a model for its
-FP8 twin and wraps expert weights, and reports what it did.
+"""The model converter: ``convert_to_float8_training`` swaps every linear map for its FP8
+twin, wraps expert weights, and reports what it did.
 
-The only module that knows every kind of weight: ``Float8Linear`` (and ``nn.Linear``
-subclasses mixed with it), ``Float8Conv1D``, FP8 expert weights (``f8tensor.moe``) and the FSDP2
-FP8 all-gather wrapper (``distributed/fsdp.py``, whose tied weights it keeps tied).
+The only module that knows every kind of weight (FP8 linears, ``Float8Conv1D``, expert
+weights, the FSDP2 FP8 all-gather wrapper, whose tied weights it keeps tied).
 """
 
 from __future__ import annotations
@@ -64,25 +63,20 @@ _FLOAT8_SUBCLASSES: dict[type, type[Float8Linear]] = {}
 
 
 def _new_float8_subclass_instance(base: type) -> nn.Module:
-    """Unpickling a converted ``nn.Linear`` subclass: an empty instance of its FP8 class
-    (made again in this process), whose ``__dict__`` pickle then restores."""
+    """Unpickle a converted ``nn.Linear`` subclass: an empty instance of its FP8 class."""
     cls = _float8_subclass(base)
     return cls.__new__(cls)
 
 
 def _reduce_float8_subclass(self: nn.Module, protocol: int) -> tuple:
-    # The class is made at run time, so pickle cannot find it by name: pickle the base
-    # class (importable) and the state instead.
+    # A run-time class: pickle its (importable) base and the state.
     return (_new_float8_subclass_instance, (type(self)._float8_base,), self.__dict__.copy())  # type: ignore[attr-defined]  # set by _float8_subclass
 
 
 def _float8_subclass(cls: type) -> type[Float8Linear]:
     """``Float8Linear`` mixed into an ``nn.Linear`` subclass that keeps ``nn.Linear.forward``.
 
-    The converted layer stays an instance of ``cls`` (methods such as a library's
-    ``init_weights`` and ``isinstance`` checks keep working) while ``Float8Linear``'s
-    forward comes first in the MRO. One class per ``cls``, cached; its instances pickle
-    (``torch.save(model)``, ``copy.deepcopy``) through ``cls``.
+    The layer stays an instance of ``cls``; one cached class per ``cls``, pickled through ``cls``.
     """
     if cls is nn.Linear:
         return Float8Linear
@@ -102,7 +96,6 @@ def _convert_linear(mod: nn.Linear, config: Float8LinearConfig) -> Float8Linear:
     new = Float8Linear.from_float(mod, config)
     if type(mod) is not nn.Linear:
         new.__class__ = _float8_subclass(type(mod))
-        # The subclass's own attributes (set by its __init__ or its library), as they were.
         for key, value in vars(mod).items():
             vars(new).setdefault(key, value)
     _keep_children(mod, new)
@@ -110,8 +103,7 @@ def _convert_linear(mod: nn.Linear, config: Float8LinearConfig) -> Float8Linear:
 
 
 def _keep_children(old: nn.Module, new: nn.Module) -> None:
-    """Child modules, and parameters and buffers other than weight and bias, move to ``new``
-    (a linear layer holding sub-modules keeps them)."""
+    """Child modules, and parameters and buffers other than weight and bias, move to ``new``."""
     for key, child in old._modules.items():
         new._modules.setdefault(key, child)
     for key, param in old._parameters.items():
@@ -147,11 +139,9 @@ def _check_same_recipe(
     module_filter_fn: Callable[[nn.Module, str], bool] | None,
     experts_filter_fn: Callable[[nn.Module, str], bool] | None,
 ) -> tuple[list[str], list[str]]:
-    """``(same, kept)``: the fqns already converted with the config they would get now
-    (``layer_config(mod, fqn)`` for layers, ``experts_config`` for expert weights), and those
-    FP8 with another config that this call's filters do not select (left as they are: one
-    model may hold several recipes, a layer at a time). A layer or expert weight FP8 with
-    another config that the filters select is refused, by name (nothing changes)."""
+    """``(same, kept)``: fqns already FP8 with the config they would get now, and those with
+    another config the filters leave out. Another config the filters select is refused.
+    """
     same: list[str] = []
     kept: list[str] = []
     other: list[str] = []
@@ -190,10 +180,10 @@ def _check_same_recipe(
 
 
 def _disable_encoder_fast_path(module: nn.Module) -> None:
-    """``nn.TransformerEncoderLayer`` in eval under ``no_grad`` takes PyTorch's fused fast path,
-    which reads every weight directly (no FP8 GEMM runs). A layer holding FP8 linears is
-    sent down its standard path: ``activation_relu_or_gelu`` only chooses the fast path's
-    activation, and a false value is one of the fast path's own conditions to decline."""
+    """Send a ``TransformerEncoderLayer`` holding FP8 linears down its standard path.
+
+    Its fused fast path reads the weights directly; a false ``activation_relu_or_gelu`` declines it.
+    """
     for m in module.modules():
         if isinstance(m, nn.TransformerEncoderLayer) and any(isinstance(c, Float8Linear) for c in m.children()):
             m.activation_relu_or_gelu = 0
@@ -208,54 +198,29 @@ def convert_to_float8_training(
 ) -> nn.Module:
     """Swap every module that computes a linear map for its FP8 twin, in place.
 
-    Converted: ``nn.Linear`` and its subclasses that keep ``nn.Linear.forward`` (e.g.
-    torchtitan's ``Linear``; the new layer is a ``Float8Linear`` that is still an
-    instance of the subclass, and pickles), and Hugging Face's ``Conv1D`` (as
-    :class:`Float8Conv1D`, weight layout kept; see ``TRANSPOSED_LINEAR_CLASSES``). A linear
-    layer's child modules stay with it. ``nn.MultiheadAttention`` stays itself, same state
-    dict: its projection weights (``in_proj_weight`` or ``q/k/v_proj_weight``, and
-    ``out_proj.weight``) become :class:`~f8tensor.nn.attention.Float8AttentionWeight`, whose
-    products run in FP8 in training and inference (one decision per attention:
-    ``module_filter_fn`` and the policy see the ``nn.MultiheadAttention``, not its
-    ``out_proj``; delayed recipes and FP8 all-gather leave it in high precision, reported).
-    Left alone, and reported: ``nn.Linear`` subclasses that override ``forward`` (they may
-    not compute ``x @ W.t() + b``), layers ``module_filter_fn`` rejects, and layers whose
-    dimensions FP8 GEMMs cannot take (not multiples of 16) unless ``config.pad_inner_dim``.
-    An ``nn.TransformerEncoderLayer`` or ``nn.MultiheadAttention`` holding FP8 weights no
-    longer takes PyTorch's fused inference fast path (which would bypass them).
+    Converted: ``nn.Linear`` and subclasses keeping its ``forward`` (still instances of the
+    subclass), Hugging Face's ``Conv1D`` (as :class:`Float8Conv1D`), the projection weights of
+    ``nn.MultiheadAttention`` (:class:`~f8tensor.nn.attention.Float8AttentionWeight`, one
+    decision per attention), and expert weights (:class:`~f8tensor.moe.Float8ExpertWeight`).
+    Left alone and reported: subclasses overriding ``forward``, filtered layers, and dims that
+    are not multiples of 16 (32 for FP4) unless ``config.pad_inner_dim``. Everything is checked
+    and every filter called before the model changes; converting again with the same config
+    changes nothing. Logs one summary line on the ``"f8tensor"`` logger and warns when no layer
+    is FP8 or an FP4 GEMM has no path.
 
-    ``module_filter_fn(mod, fqn) -> bool`` chooses among the candidates (``fqn`` is the
-    dotted name, e.g. ``"layers.0.mlp.down_proj"``). Everything is checked, and every
-    filter called, before the model changes. Refused: a model already sharded by FSDP2's
-    ``fully_shard`` (convert first), and layers or expert weights already FP8 with another
-    config that the filters select (named). Converting again with the same config counts
-    the FP8 layers as converted and changes nothing (Lightning calls its precision
-    plugin's conversion in every ``setup``); FP8 layers with another config that the
-    filters leave out stay as they are, so a model can take one recipe per layer in
-    several calls.
+    Args:
+        module: the model (or one linear layer).
+        config: the recipe (default: tensorwise).
+        module_filter_fn: ``(mod, fqn) -> bool``, which layers to convert.
+        experts_filter_fn: ``(experts_module, param_fqn) -> bool``, which expert weights.
 
-    Logs one summary line on the ``"f8tensor"`` logger (converted N of M linear layers,
-    skipped with reasons, the path the expert GEMMs take, the path each FP4 GEMM takes on
-    the layer's device: the reference product, sm100 ``F.scaled_mm``, or none) and warns
-    when no layer is FP8, or when an FP4 GEMM has no path (CUDA without the kernel and
-    ``emulate`` off: the first product would raise). FP4 recipes convert layers whose dims
-    are multiples of 32 (whole blocks); expert weights stay in high precision under them.
-    Returns ``module`` (or the new layer, when ``module`` is itself a linear); the names of
-    the FP8 layers are on the result as ``float8_converted_fqns`` (a tuple; ``""`` for a
-    bare layer).
-
-    Mixture-of-experts weights (3D parameters of an experts module, as transformers stores
-    them) become :class:`~f8tensor.moe.Float8ExpertWeight`: their grouped, batched and
-    per-expert GEMMs run in FP8 with the recipe's granularity (see :mod:`f8tensor.moe`;
-    routers stay high precision). ``experts_filter_fn(experts_module, param_fqn) -> bool``
-    chooses which; return False for all to keep every expert in high precision. Their names
-    join the summary and ``float8_converted_fqns``.
+    Returns:
+        ``module`` (or the new layer), with ``float8_converted_fqns``, the names of its FP8 layers.
 
     Raises:
-        TypeError: ``module`` is not an ``nn.Module``, a filter is not callable, or
-            ``config`` is not a :class:`~f8tensor.Float8LinearConfig`.
-        ValueError: the model is already sharded by ``fully_shard``, or already holds FP8
-            layers or expert weights converted with another config (named).
+        TypeError: ``module`` is not an ``nn.Module``, a filter is not callable, or a bad ``config``.
+        ValueError: the model is already sharded by ``fully_shard``, or holds FP8 layers or
+            expert weights converted with another config (named).
 
     Example:
         >>> from torch import nn
@@ -281,9 +246,11 @@ def _convert(
     module_filter_fn: Callable[[nn.Module, str], bool] | None,
     experts_filter_fn: Callable[[nn.Module, str], bool] | None,
 ) -> nn.Module:
-    """The converter: plan (every check, filter and policy call; nothing changed), then apply.
-    ``layer_config(mod, fqn)`` is a candidate layer's config (``None``: high precision);
-    expert weights take ``experts_config`` (``None``: none converted)."""
+    """The converter: plan (every check, filter and policy call), then apply.
+
+    ``layer_config(mod, fqn)``: a candidate's config (``None``: high precision);
+    ``experts_config``: the expert weights' (``None``: none converted).
+    """
     _check_not_sharded(module)
     already, kept = _check_same_recipe(module, layer_config, experts_config, module_filter_fn, experts_filter_fn)
     skipped: dict[str, list[str]] = {}
@@ -333,12 +300,10 @@ def _convert(
     attention_candidates = 0
 
     def attention_wants(mha: nn.MultiheadAttention, fqn: str) -> Float8LinearConfig | None:
-        """The config the projections of ``mha`` run with, or None (counted and, when skipped,
-        reported). One decision for the attention: its in-projection (packed or q/k/v) and
-        its ``out_proj`` share the recipe ``module_filter_fn`` / the policy give ``mha``."""
+        """The config of ``mha``'s projections (one decision for the attention), or None."""
         nonlocal attention_candidates
         if attention_config(mha) is not None:
-            return None  # already FP8: counted by _check_same_recipe
+            return None
         attention_candidates += 1
         name = fqn or "<root>"
         if module_filter_fn is not None and not module_filter_fn(mha, fqn):
@@ -426,9 +391,7 @@ def _convert(
 def _plan_experts(
     module: nn.Module, config: Float8LinearConfig | None, experts_filter_fn: Callable[[nn.Module, str], bool] | None
 ) -> tuple[list, dict[str, list[str]]]:
-    """:func:`~f8tensor.moe.plan_experts`, except that expert weights take FP8 casts only:
-    under an FP4 or per-GEMM config, or none (a layer policy without ``experts_config``), they
-    stay in high precision and are reported."""
+    """:func:`~f8tensor.moe.plan_experts`; FP4, per-GEMM or no config keeps experts high precision (reported)."""
     if config is not None and not config.uses_gemm_formats:
         return plan_experts(module, config, experts_filter_fn)
     todo, _ = plan_experts(module, Float8LinearConfig(), None)
@@ -437,9 +400,7 @@ def _plan_experts(
 
 
 def _fp4_gemm_paths(config: Float8LinearConfig, device: torch.device) -> list[str]:
-    """``"<gemms> <path>"`` for the GEMMs of ``config`` with an FP4 operand, grouped by the
-    path ``blocks.fp4_product`` takes on ``device`` (``"forward/grad_input reference
-    (...)"``); FP8 and high-precision GEMMs are not listed."""
+    """``"<gemms> <path>"`` for ``config``'s GEMMs with an FP4 operand on ``device``."""
     by_path: dict[str, list[str]] = {}
     for gemm, (ra, rb) in GEMMS.items():
         a, b = config.cast_for(gemm, ra), config.cast_for(gemm, rb)
@@ -454,9 +415,7 @@ def _report_conversion(
     already: list[str], expert_path: str | None, kept: list[str], fp4_paths: dict[str, list[str]] | None = None,
     attention: list[str] | None = None, attention_modules: int = 0, attention_candidates: int = 0,
 ) -> None:
-    """One summary line; a warning (also through ``warnings``) when no layer is FP8.
-    ``fp4_paths``: the layers whose GEMMs take each FP4 product path; a path with no kernel
-    behind it (CUDA without one, emulate off) is also a warning."""
+    """Log one summary line; warn when no layer is FP8 or an FP4 path has no kernel."""
 
     def names(fqns: list[str]) -> str:
         return ", ".join(fqns[:4]) + (f", ... ({len(fqns) - 4} more)" if len(fqns) > 4 else "")
@@ -491,13 +450,8 @@ def _report_conversion(
 def keep_tied_weights_tied(module: nn.Module) -> None:
     """Undo the untying that wrapping weights for FP8 all-gather causes, in place.
 
-    ``wrap_weight`` gives a converted layer a new Parameter over the same storage; a weight
-    tied to another module (an embedding and its lm_head) would become two Parameters,
-    which an optimizer then updates twice per step. Tied only among FP8 layers: they share
-    one wrapped Parameter. Tied to anything else (an embedding looks rows up in high
-    precision, which an FP8 all-gathered weight cannot serve): every user gets the one plain
-    Parameter back, and those FP8 layers all-gather that weight in high precision (their
-    config says so; a warning names them).
+    Tied among FP8 layers only: one wrapped Parameter. Tied to anything else: the one plain
+    Parameter for every user, and those FP8 layers all-gather it in high precision (warned).
     """
     users: dict[tuple, list[tuple[nn.Module, str, nn.Parameter]]] = {}
     for mod in module.modules():
@@ -544,12 +498,18 @@ def convert_with_policy(
     module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
     experts_filter_fn: Callable[[nn.Module, str], bool] | None = None,
 ) -> nn.Module:
-    """:func:`convert_to_float8_training` with a config per layer: ``policy(mod, fqn)`` returns
-    the layer's config, or ``None`` to keep it in high precision (reported as skipped by the
-    layer policy). One plan for the whole model, checked before it changes (every policy
-    and filter call, every config), then applied; a layer already FP8 with a config other
-    than its policy's is refused. Expert weights take ``experts_config`` (an FP8 recipe;
-    ``None``: they stay in high precision, reported)."""
+    """:func:`convert_to_float8_training` with a config per layer.
+
+    Args:
+        module: the model.
+        policy: ``(mod, fqn) -> Float8LinearConfig | None`` (None: high precision, reported).
+        experts_config: the expert weights' FP8 recipe (None: high precision, reported).
+        module_filter_fn, experts_filter_fn: as in :func:`convert_to_float8_training`.
+
+    Raises:
+        TypeError: a bad module, policy or filter.
+        ValueError: a layer already FP8 with another config than its policy's.
+    """
     if not isinstance(module, nn.Module):
         raise TypeError(f"convert_with_policy expects an nn.Module; got {type(module).__name__}")
     for fn_name, fn in (("policy", policy), ("module_filter_fn", module_filter_fn), ("experts_filter_fn", experts_filter_fn)):
@@ -563,13 +523,14 @@ def convert_with_policy(
 
 
 def set_gemm_formats(model: nn.Module, overrides: dict) -> int:
-    """Merge per-GEMM format ``overrides`` (see ``Float8LinearConfig.gemm_overrides``) into
-    the config of every Float8Linear of a running model. Parameters, buffers and the
-    optimizer are untouched (the layers stay the same objects). Returns how many layers changed.
+    """Merge per-GEMM format ``overrides`` into every Float8Linear's config, all or nothing.
 
-    All or nothing: every layer's new config is built (and validated) before any layer is
-    switched, so a layer that refuses the overrides (e.g. a delayed-scaling one) raises with
-    the model unchanged."""
+    Returns:
+        How many layers changed.
+
+    Raises:
+        TypeError, ValueError: a layer refuses the overrides (named; no layer changed).
+    """
     planned = []
     for name, mod in model.named_modules():
         if isinstance(mod, Float8Linear):
@@ -583,7 +544,9 @@ def set_gemm_formats(model: nn.Module, overrides: dict) -> int:
 
 
 def set_forward_in_high_precision(model: nn.Module) -> int:
-    """Run the forward GEMM of every Float8Linear in high precision from now on (the NVFP4
-    recipe's late-training switch: the last stretch of tokens with a bf16 forward); the
-    backward GEMMs keep their formats. Returns how many layers changed."""
+    """Run every Float8Linear's forward GEMM in high precision from now on (backward keeps its formats).
+
+    Returns:
+        How many layers changed.
+    """
     return set_gemm_formats(model, {("forward", "input"): None, ("forward", "weight"): None})

@@ -2,61 +2,15 @@
 
 Run it::
 
-    python -m f8tensor.demo                        # about 2.5 min on one CPU thread
+    python -m f8tensor.demo
     python -m f8tensor.demo --recipes bf16,rowwise --steps 400
-    python -m f8tensor.demo --help
 
-What it does. A byte-level GPT (token and position embeddings, pre-norm transformer
-blocks with causal self-attention and an MLP, every projection an ``nn.Linear``) learns
-to continue the English text shipped in ``f8tensor/data/corpus.txt``. It is trained once
-per run: ``bf16`` first (the baseline), then once per FP8 recipe, where
-:func:`f8tensor.convert_to_float8_training` swaps the linears of the transformer blocks
-for :class:`f8tensor.Float8Linear` with ``Float8LinearConfig.from_recipe(name)``. Every run
-starts from the same initial weights and sees the same batches in the same order, so
-what differs between the rows of the final table is the precision of the matrix products
-and nothing else. The table goes to stdout (progress to stderr) and the loss curves to a
-PNG.
-
-Precision. Every run keeps fp32 master weights and an fp32 AdamW state, and runs forward
-and backward under ``torch.autocast(dtype=torch.bfloat16)``. That is the usual mixed
-precision on a GPU; the CPU does the same, so that the baseline is "bf16" on both and
-there is one code path to read. Under autocast a ``Float8Linear`` takes its input in
-bf16 and casts the fp32 master weight straight to FP8. Embeddings, layer norms, the
-attention itself, the loss and ``lm_head`` run exactly as in the baseline: ``lm_head`` is
-kept out of FP8 by the ``module_filter_fn`` (:func:`keep_lm_head_in_high_precision`),
-because the logits decide the loss directly and the layer is a small share of the work.
-
-Hardware. On a CPU there is no FP8 matrix unit: ``torch._scaled_mm`` runs a reference
-kernel, so the tokens/s column there shows what the casts cost, not a speed-up. On an
-NVIDIA GPU with compute capability 8.9 or more (Ada, Hopper, Blackwell) ``--device auto``
-picks it, the default model is larger (``--size medium``) and the step is compiled.
-
-Activations. ``--fp8-activations`` runs each FP8 recipe's forward and loss under
-:func:`f8tensor.save_activations_in_float8` (the bf16 baseline stays as it is): the
-tensors autograd saves for backward (norm, GELU, attention and loss inputs, the linear
-inputs a recipe keeps in bf16) are stored in FP8 with a scale per 128 elements.
-
-Threads. A CPU run uses one torch thread unless ``--threads N`` or ``OMP_NUM_THREADS``
-asks for more: torch's default, a thread per core, runs many times slower on cores shared
-with other work. A GPU run leaves torch's threads as they are.
-
-Columns. *loss*: mean training loss of the last steps; *vs bf16* its gap to the baseline
-(within about 1% either way: noise, another ``--seed`` moves bf16 itself that much).
-*tokens/s*: from the median step time after a few warm-up steps. *act. MiB*: what one
-training forward and its loss allocate and leave alive for backward (eager;
-:func:`f8tensor.stats.alive_tensor_bytes`, from the storages the forward creates, so it
-sees the FP8 copies ``--fp8-activations`` stores), excluding parameters and autocast's bf16
-copies of them; FP8 data counts with its scales. *saturated*: the mean fraction of
-elements clamped at the FP8 maximum per cast, from the numerics telemetry of
-``f8tensor.stats``, switched on for one extra step after training so that it costs the
-timed steps nothing (``n/a`` where that telemetry is not available). *opt. MiB*: the
-optimizer's state. A column with the same value in every run is left out and its value
-said under the table.
-
-Picture. Left: each run's training loss, bf16 dashed black on top. Right: each recipe's
-loss over bf16's on the same batch, minus 1, in percent, with the band of seed noise
-shaded. Both are exponential moving averages (a spike decays instead of holding a
-window-long plateau).
+A byte-level GPT learns to continue ``f8tensor/data/corpus.txt``, once per run: ``bf16``
+first, then each FP8 recipe on the transformer blocks' linears (``lm_head`` stays high
+precision). Every run starts from the same weights and sees the same batches, so the rows
+of the table differ only in the precision of the matrix products. fp32 master weights and
+AdamW state, bf16 autocast. On a CPU ``torch._scaled_mm`` is a reference kernel: tokens/s
+shows what the casts cost, not a speed-up. The table goes to stdout, loss curves to a PNG.
 """
 
 from __future__ import annotations
@@ -102,8 +56,7 @@ __all__ = ["GPT", "SIZES", "RunResult", "keep_lm_head_in_high_precision", "main"
 DEFAULT_OUT = Path("out") / "f8tensor_demo_loss.png"
 
 
-#: NVFP4 with one of its tricks switched off each (``--recipes nvfp4,nvfp4_no_rht,...``):
-#: what each trick buys. Not in the default run list.
+#: NVFP4 with one trick off each (``--recipes nvfp4,nvfp4_no_rht,...``); not run by default.
 _NVFP4 = Float8LinearConfig.from_recipe("nvfp4")
 ABLATIONS: dict[str, Float8LinearConfig] = {
     "nvfp4_no_rht": dataclasses.replace(_NVFP4, hadamard_wgrad=False),
@@ -140,15 +93,12 @@ def saved_activation_bytes(
     return f8tensor.stats.alive_tensor_bytes(model, forward_and_loss)[0]
 
 
-# --- saturation: the one place that reads f8tensor.stats telemetry -------------------
 
 
 def _saturation_rate(model: nn.Module, probe_step: Callable[[], object]) -> float | None:
     """Mean fraction of values clamped at the FP8 maximum per cast, or None (shown as n/a).
 
-    Telemetry stays off while training, so it costs the tokens/s column nothing: it is
-    switched on for ``probe_step`` (one more forward and backward on a batch not trained
-    on, no optimizer step) and read once. None where this f8tensor has no per-layer telemetry.
+    Telemetry is on only for ``probe_step`` (one untrained batch), so training costs nothing.
     """
     stats = f8tensor.stats
     if not (hasattr(stats, "enable_float8_stats") and hasattr(stats, "float8_stats")):
@@ -223,8 +173,7 @@ DEFAULT_OPTIM = "adamw"
 
 #: The demo's AdamW hyperparameters (every ``--optim`` choice, and a benchmark's own builder).
 ADAMW_BETAS, ADAMW_WEIGHT_DECAY = (0.9, 0.95), 0.1
-#: An optimizer of the caller's: ``(params, lr) -> optimizer`` (a benchmark's, e.g. another
-#: library's 8-bit AdamW on the same runs).
+#: An optimizer of the caller's: ``(params, lr) -> optimizer``.
 OptimizerBuilder = Callable[[Iterable[torch.Tensor], float], torch.optim.Optimizer]
 
 
@@ -265,12 +214,8 @@ def train_run(
 ) -> RunResult:
     """Train a copy of ``base_model`` in ``name`` ("bf16" or an FP8 recipe), then measure it.
 
-    ``fp8_activations``: an FP8 recipe's forward and loss run under
-    :func:`f8tensor.save_activations_in_float8` (the baseline never does).
-
-    ``starts`` holds one row per step plus one: the last batch is not trained on; the
-    saturation is measured on it (a batch the delayed-scaling history has not seen, as
-    a next step's would be).
+    ``fp8_activations``: an FP8 recipe's forward and loss save activations in FP8. ``starts``
+    has one row more than steps: the saturation is measured on that last, untrained batch.
     """
     model = copy.deepcopy(base_model)
     if name != BASELINE:
@@ -346,10 +291,7 @@ def _allowed_runs() -> list[str]:
     return [BASELINE, *f8tensor.RECIPES]
 
 
-#: The runs of a default demo: bf16 and one recipe per kind of scale (a tensor's, a row's,
-#: a delayed history's, a 1x128 block's), about two and a half minutes on one CPU thread.
-#: The FP4 recipes are the slow ones on a CPU, where their casts are emulated;
-#: ``--recipes all`` runs every recipe.
+#: The default runs: bf16 and one recipe per kind of scale (``--recipes all``: every recipe).
 DEFAULT_RUNS = (BASELINE, "tensorwise", "rowwise", "delayed", "blockwise")
 
 
@@ -480,8 +422,7 @@ def _torch_threads(n: int | None) -> Iterator[None]:
     """Run with ``n`` torch threads (None: as they are), then restore the previous count."""
     previous = torch.get_num_threads()
     if n is not None:
-        # A thread per core (torch's default) runs many times slower on cores shared with
-        # other work; the demo asks for more only when the user does.
+        # A thread per core is slow on shared cores: more only when asked.
         torch.set_num_threads(n)
     try:
         yield

@@ -1,41 +1,20 @@
 """The FP8 linear product on DTensors: tensor and sequence parallel below the styles.
 
-Under ``parallelize_module`` a ``Float8Linear``'s weight and bias are DTensors and its
-input usually is one too (torch's ``ColwiseParallel`` makes a replicated DTensor of it,
-``RowwiseParallel`` a last-dim-sharded one). :func:`dtensor_linear` runs
-:class:`~f8tensor.nn.linear_autograd.QuantizedLinearFn` on the local shards and wraps its result
-as a DTensor whose placements follow the product's algebra, mesh dim by mesh dim. This
-module sits above ``linear`` and registers :func:`dtensor_linear` there
-(``linear.set_dtensor_linear``) when imported; a layer on plain tensors never comes here.
+:func:`dtensor_linear` runs ``QuantizedLinearFn`` on the local shards and wraps the result
+with the placements of the product's algebra (registered in ``linear`` on import):
 
-==========================  ===================  ===================  ==================
-input ``x``                 weight ``W`` (N, K)  output ``y``         bias
-==========================  ===================  ===================  ==================
-``Replicate``               ``Shard(0)``         ``Shard(-1)``        ``Shard(0)``
-``Shard(-1)``               ``Shard(1)``         ``Partial``          added after, once
-``Shard(d)``, d < last      ``Replicate``        ``Shard(d)``         ``Replicate``
-``Replicate``               ``Replicate``        ``Replicate``        ``Replicate``
-==========================  ===================  ===================  ==================
+===============  ===============  ===============  ================
+input ``x``      weight (N, K)    output ``y``     bias
+===============  ===============  ===============  ================
+``Replicate``    ``Shard(0)``     ``Shard(-1)``    ``Shard(0)``
+``Shard(-1)``    ``Shard(1)``     ``Partial``      added after, once
+``Shard(d)``     ``Replicate``    ``Shard(d)``     ``Replicate``
+``Replicate``    ``Replicate``    ``Replicate``    ``Replicate``
+===============  ===============  ===============  ================
 
-Any other input placement is first redistributed to the one the weight needs (a
-``Partial`` input is reduced; an input sharded on K meets a weight sharded on N as a
-replicated one), as DTensor's own ``linear`` would. The gradients come back with the
-placements of the math: the input's gradient is ``Partial`` where the weight is sharded
-on N, the weight's where the tokens are sharded.
-
-A plain tensor as the input of a layer whose weight is a DTensor stands for a replicated
-one (a ``Float8Tensor`` gathered in FP8 by :mod:`f8tensor.distributed.tp` is one); its
-gradient is handed back unreduced (a ``Partial`` sum where the weight is sharded on N),
-which the gather's backward reduces.
-
-Scales. Each rank casts its own shards: a tensorwise or rowwise scale then covers one
-shard of what it covers in one process (finer, never coarser). Delayed scaling reduces
-every amax over all ranks (``quantizers.sync_amax``), so the histories, hence the
-scales, agree across the tensor-parallel group as across data parallelism. A true block
-(1x128, 128x128, MX 1x32) is never cut by a shard: every shard boundary along a blocked
-dim must fall on a block boundary, so each rank's blocks are blocks of the full tensor and
-cast to the very bytes one process would write; shapes that make that impossible raise
-a ``ValueError`` naming the layer, the dim and the sizes.
+Other input placements are redistributed first; a plain input stands for a replicated one.
+Each rank casts its own shards; a block (1x128, 128x128, MX) is never cut by a shard, so
+each rank writes the bytes one process would (else ``ValueError``).
 """
 
 from __future__ import annotations
@@ -53,19 +32,19 @@ from f8tensor.quant.config import CastConfig
 
 if dist.is_available():
     from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
-else:  # a torch build without torch.distributed: nothing is ever a DTensor
+else:
     DTensor = ()  # type: ignore[misc,assignment]  # isinstance(x, ()) is always False
 
 __all__ = ["check_blocks_unbroken", "check_token_blocks_unbroken", "dtensor_linear"]
 
 
 def dtensor_linear(x, weight, bias, args: LinearArgs) -> torch.Tensor:
-    """``QuantizedLinearFn.apply(x, weight, bias, args)`` where one of ``x``, ``weight``,
-    ``bias`` is a DTensor: the Function on the local shards, its result a DTensor (see the
-    module docstring). A DTensor weight is never cached: ``args.weight_casts`` is ignored."""
+    """``QuantizedLinearFn.apply(x, weight, bias, args)`` on local shards, the result a DTensor.
+
+    A DTensor weight is never cached: ``args.weight_casts`` is ignored.
+    """
     config, delayed, stats = args.config, args.delayed, args.stats
-    # parallelize_module replicates a layer's buffers as DTensors: the Function updates
-    # the delayed-scaling and telemetry buffers in place, through their local tensors.
+    # Buffers are replicated DTensors: the Function updates their local tensors in place.
     if delayed is not None:
         delayed = type(delayed)(*(_local_buffer(b) for b in delayed))
     if stats is not None:
@@ -156,7 +135,7 @@ def dtensor_linear(x, weight, bias, args: LinearArgs) -> torch.Tensor:
 
 
 def _local_buffer(t: torch.Tensor) -> torch.Tensor:
-    """A replicated buffer's local tensor (the storage itself), or the plain buffer."""
+    """A replicated buffer's local tensor, or the plain buffer."""
     return dtensor_local(t) if isinstance(t, DTensor) else t
 
 
@@ -173,13 +152,11 @@ def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:
 
 
 def _check_operands(config, mesh, x_shape, x_pl, w_shape, w_pl, y_pl) -> None:
-    """Every GEMM operand's shards keep its blocks whole (see :func:`check_blocks_unbroken`)."""
+    """Every GEMM operand's shards keep its blocks whole."""
     x2 = (math.prod(x_shape[:-1]), x_shape[-1])
     layer = f"Float8Linear(in_features={w_shape[1]}, out_features={w_shape[0]})"
     y_shape = (*x_shape[:-1], w_shape[0])
-    # The GEMMs see the 2D views (tokens, features): a shard of a leading dim of x (the
-    # tokens) is checked here against the blocks along the tokens, on the N-D shape; the
-    # 2D check then sees only the feature shards.
+    # Token shards are checked on the N-D shape; the 2D checks see only feature shards.
     check_token_blocks_unbroken(f"{layer} input", config.input, x_shape, x_pl, mesh)
     check_token_blocks_unbroken(f"{layer} grad_output", config.grad_output, y_shape, y_pl, mesh)
 
@@ -192,16 +169,11 @@ def _check_operands(config, mesh, x_shape, x_pl, w_shape, w_pl, y_pl) -> None:
 
 
 def check_token_blocks_unbroken(what: str, cast: CastConfig, shape: Sequence[int], placements, mesh) -> None:
-    """Raise ``ValueError`` unless each rank's blocks along the tokens (the rows of the
-    ``(prod(shape[:-1]), shape[-1])`` view a GEMM reads, e.g. the 128-token blocks of the
-    blockwise weight gradient) are blocks of one process's view of the full tensor.
+    """Raise ``ValueError`` unless each rank's token blocks are blocks of the full tokens view.
 
-    A shard of a leading dim ``d`` gives a rank, for each index of the dims before ``d``,
-    one run of ``chunk * prod(shape[d+1:-1])`` rows; the rank's view concatenates its runs.
-    Its blocks are one process's only where every run boundary, counted in the full view,
-    falls on a block boundary (the end of the view aside). ``Shard(1)`` of a (B, S, K) input
-    with B > 1 needs every rank's share of S to hold whole blocks: otherwise a rank's block
-    would mix batch entries where one process's does not."""
+    Every run boundary of a rank's rows in the ``(prod(shape[:-1]), shape[-1])`` view must
+    fall on a block boundary (a rank's block must not mix batch entries).
+    """
     row_blocks = {b for spec in (cast.operand_spec(1), cast.operand_spec(0)) for b, along in _true_blocks(spec.block) if along == 0}
     if not row_blocks:
         return
@@ -234,10 +206,7 @@ def check_token_blocks_unbroken(what: str, cast: CastConfig, shape: Sequence[int
 
 
 def check_blocks_unbroken(what: str, cast: CastConfig, shape: Sequence[int], placements, mesh) -> None:
-    """Raise ``ValueError`` unless every shard of a 2D operand (``shape``, sharded per
-    ``placements`` over ``mesh``, torch.chunk sizes) starts on a block boundary of each
-    block size this operand is cast with (both GEMM orientations). Tensorwise and rowwise
-    casts have no such boundary (their scale may cover a shard; see the module docstring)."""
+    """Raise ``ValueError`` unless every shard of a 2D operand starts on a block boundary."""
     blocks = {b for spec in (cast.operand_spec(1), cast.operand_spec(0)) for b in _true_blocks(spec.block)}
     if not blocks:
         return

@@ -1,32 +1,8 @@
 """f8tensor with Hugging Face ``transformers``, ``accelerate`` and the ``Trainer``.
 
-**Train** (accelerate's FP8 backends are a closed list, so f8tensor is not one of
-them: convert the model yourself, *then* hand it over)::
-
-    model = AutoModelForCausalLM.from_config(config)            # or from_pretrained
-    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe("rowwise"),
-                               module_filter_fn=lambda m, fqn: fqn != "lm_head")
-    # accelerate:
-    accelerator = Accelerator(mixed_precision="bf16")            # not mixed_precision="fp8"
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    # or the HF Trainer (it prepares the model itself):
-    Trainer(model=model, args=TrainingArguments(..., bf16=True), ...).train()
-
-Converting first matters: ``prepare`` may wrap the model (DDP, FSDP2), and the optimizer
-must see the converted model's parameters (the same objects, in f8tensor's case).
-Checkpoints keep plain weights, so ``save_pretrained`` output loads into an unconverted
-model too.
-
-**Load back with the scaling state.** With delayed scaling, ``save_pretrained`` writes
-each converted layer's amax histories and scales next to its weights.
-``from_pretrained`` builds plain ``nn.Linear`` layers, reports those entries as
-unexpected keys and drops them. :func:`from_pretrained_float8` loads the model,
-converts it with the same recipe and filter, then loads the FP8 scaling state from the
-saved files, bit for bit::
-
-    model = from_pretrained_float8(AutoModelForCausalLM, "out/checkpoint",
-                                   config=Float8LinearConfig.from_recipe("delayed"),
-                                   module_filter_fn=lambda m, fqn: fqn != "lm_head")
+Convert the model first, then hand it to ``accelerator.prepare`` or the ``Trainer`` with
+bf16 (accelerate's FP8 backends are a closed list). ``from_pretrained`` drops delayed
+scaling's state; :func:`from_pretrained_float8` converts and loads it back, bit for bit.
 """
 
 from __future__ import annotations
@@ -50,8 +26,7 @@ _SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 
 def float8_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The FP8 scaling state of ``model``: every persistent buffer of its Float8Linear
-    layers (amax histories, scales), keyed as in ``model.state_dict()``."""
+    """The persistent buffers of ``model``'s Float8Linear layers, keyed as in ``state_dict()``."""
     state: dict[str, torch.Tensor] = {}
     for fqn, mod in model.named_modules():
         if isinstance(mod, Float8Linear):
@@ -87,16 +62,17 @@ def _read_safetensors(path: str | os.PathLike, keys: set[str]) -> dict[str, torc
 def load_float8_state(model: nn.Module, path: str | os.PathLike, *, strict: bool = True) -> list[str]:
     """Load the FP8 scaling state saved by ``save_pretrained`` into a converted ``model``.
 
-    Reads only the Float8Linear buffers (the weights are ``from_pretrained``'s business)
-    from ``model.safetensors`` or a sharded ``model.safetensors.index.json`` checkpoint
-    in the directory ``path``. ``strict``: every buffer must be in the files (a checkpoint
-    saved from a model converted with the same recipe and filter); otherwise the missing
-    ones keep their fresh state and are returned.
+    Args:
+        model: the converted model.
+        path: a directory with ``model.safetensors`` or a sharded index.
+        strict: every buffer must be in the files; otherwise missing ones keep their fresh state.
+
+    Returns:
+        The missing buffer names.
 
     Raises:
-        KeyError: ``strict`` and some FP8 buffers of ``model`` are not in the files.
-        ValueError: a saved buffer's shape differs from the model's (another
-            ``delayed.history_len``).
+        KeyError: ``strict`` and FP8 buffers missing from the files.
+        ValueError: a saved buffer's shape differs (another ``delayed.history_len``).
     """
     wanted = float8_state_dict(model)
     found = _read_safetensors(path, set(wanted))
@@ -115,7 +91,7 @@ def load_float8_state(model: nn.Module, path: str | os.PathLike, *, strict: bool
                     f"{key}: saved shape {tuple(value.shape)}, model has {tuple(buf.shape)} "
                     f"(a different delayed.history_len?)"
                 )
-            buf.copy_(value)  # the buffers are fp32 on both sides: a bitwise copy
+            buf.copy_(value)  # fp32 on both sides: a bitwise copy
     return missing
 
 
@@ -130,11 +106,11 @@ def from_pretrained_float8(
 ) -> nn.Module:
     """``model_cls.from_pretrained(path)``, converted to FP8, with its scaling state.
 
-    ``model_cls``: a transformers model class (``AutoModelForCausalLM``,
-    ``LlamaForCausalLM``, ...). ``path``: a local directory written by
-    ``save_pretrained``. ``config`` and ``module_filter_fn``: as when the model was
-    converted for training. Dynamic recipes have no scaling state: this is then
-    ``from_pretrained`` followed by :func:`~f8tensor.convert_to_float8_training`.
+    Args:
+        model_cls: a transformers model class.
+        path: a local directory written by ``save_pretrained``.
+        config, module_filter_fn: as when the model was converted for training.
+        strict: as in :func:`load_float8_state`.
     """
     model = model_cls.from_pretrained(path, **from_pretrained_kwargs)
     model = convert_to_float8_training(model, config=config, module_filter_fn=module_filter_fn)

@@ -1,25 +1,8 @@
-"""f8tensor in Lightning: a ``Precision`` plugin.
+"""f8tensor in Lightning: the ``Float8Precision`` plugin.
 
-::
-
-    import lightning as L
-    from f8tensor import Float8LinearConfig
-    from f8tensor.integrations.lightning import Float8Precision
-
-    trainer = L.Trainer(plugins=[Float8Precision(Float8LinearConfig.from_recipe("rowwise"),
-                                                 module_filter_fn=lambda m, fqn: "head" not in fqn)])
-    trainer.fit(lit_module)
-
-``convert_module`` swaps the LightningModule's linear layers for FP8 ones (Lightning
-calls it before ``configure_optimizers``, and the parameters are the same objects
-anyway); ``forward_context`` runs every step under ``torch.autocast`` in bf16 (or
-``autocast_dtype``), so that the rest of the model computes in half precision around
-the FP8 matrix products, as the ``"bf16-mixed"`` precision does. Pass
-``autocast_dtype=None`` to run the rest in the parameters' own dtype.
-
-Works with ``lightning`` (``lightning.pytorch``) or, when only that is installed, the
-standalone ``pytorch_lightning`` package: the plugin subclasses whichever ``Precision``
-the Trainer checks against. Use it with one of them in a process, not both.
+``convert_module`` converts the LightningModule; ``forward_context`` runs each step under
+bf16 (or ``autocast_dtype``) autocast around the FP8 products. Works with ``lightning`` or
+the standalone ``pytorch_lightning`` (one of them per process).
 """
 
 from __future__ import annotations
@@ -54,8 +37,7 @@ _RNG_STATE = "f8tensor_rng_state"  # torch's global CPU generator, for stochasti
 
 
 def _fp8_state_keys(module: nn.Module) -> list[str]:
-    """The state_dict keys that only FP8 layers have (persistent buffers of Float8Linear /
-    Float8Conv1D: delayed scaling's histories and scales); an unconverted model has none."""
+    """The state_dict keys only FP8 layers have (their persistent buffers)."""
     keys: list[str] = []
     for fqn, mod in module.named_modules():
         if isinstance(mod, (Float8Linear, Float8Conv1D)):
@@ -69,17 +51,16 @@ _AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
 class Float8Precision(Precision):
     """FP8 linear layers (f8tensor) with the rest of the model under autocast.
 
-    ``config``: the :class:`Float8LinearConfig` (default: tensorwise).
-    ``module_filter_fn``: as for :func:`f8tensor.convert_to_float8_training`.
-    ``autocast_dtype``: bf16 (default), fp16, or ``None`` for no autocast. fp16 needs a
-    gradient scaler, which this plugin does not run: prefer bf16.
-    ``device``: the autocast device type (``"cuda"``, ``"cpu"``).
+    Args:
+        config: the :class:`Float8LinearConfig` (default: tensorwise).
+        module_filter_fn: as for :func:`f8tensor.convert_to_float8_training`.
+        autocast_dtype: bf16 (default), fp16 (no gradient scaler runs) or ``None``.
+        device: the autocast device type.
 
     Raises:
         TypeError: ``config`` is not a :class:`~f8tensor.Float8LinearConfig`.
         ValueError: ``autocast_dtype`` is not bf16, fp16 or None.
-        RuntimeError: at resume, the checkpoint's FP8 state does not match the converted
-            model (another recipe or ``module_filter_fn``).
+        RuntimeError: at resume, the checkpoint's FP8 state does not match the model.
     """
 
     def __init__(
@@ -103,16 +84,12 @@ class Float8Precision(Precision):
         self.precision = {torch.bfloat16: "bf16-mixed", torch.float16: "16-mixed", None: "32-true"}[autocast_dtype]  # type: ignore[assignment]  # Lightning's literals
 
     def convert_module(self, module: nn.Module) -> nn.Module:
-        # Lightning calls this in every strategy.setup (fit, then validate, ...): converting
-        # again with the same config counts the FP8 layers and changes nothing.
+        # Called in every setup: the same config again changes nothing.
         self._module = convert_to_float8_training(module, config=self.config, module_filter_fn=self.module_filter_fn)
         return self._module
 
-    # Resuming (``fit(ckpt_path=...)``): Lightning loads the model's state_dict before it calls
-    # convert_module, into the still unconverted model, which has no FP8 state (delayed
-    # scaling's amax histories and scales). So a checkpoint keeps that state under the
-    # plugin's key, not in ``state_dict``, and the plugin loads it once the model is converted
-    # (Lightning restores the precision plugin's state after setup, before the first step).
+    # Lightning loads state_dict before convert_module, into the unconverted model: the FP8 state
+    # travels under the plugin's key and is loaded once the model is converted.
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint.get("state_dict")
@@ -120,8 +97,7 @@ class Float8Precision(Precision):
             return
         checkpoint[_FP8_STATE] = {key: state.pop(key) for key in _fp8_state_keys(self._module) if key in state}
         if self._stochastic():
-            # Stochastic rounding draws from torch's global generator: a resume that should
-            # repeat the uninterrupted run needs it where the checkpoint was taken.
+            # Stochastic rounding draws from the global generator: save it to resume exactly.
             checkpoint[_RNG_STATE] = torch.get_rng_state()
 
     def _stochastic(self) -> bool:

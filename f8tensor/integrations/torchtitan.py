@@ -1,51 +1,12 @@
-"""f8tensor in torchtitan (>= 0.3): FP8 linears chosen through torchtitan's own config tree.
+"""f8tensor in torchtitan (>= 0.3): FP8 linears chosen through torchtitan's config tree.
 
-torchtitan builds a model from a tree of ``Config`` dataclasses; low-precision training
-rewrites that tree before anything is built. Two ways in, both registered in
-torchtitan's own registries under f8tensor's names:
-
-1. A model converter, listed with the model, like torchtitan's own::
-
-       from f8tensor.integrations.torchtitan import F8TensorLinearConverter
-       from torchtitan.models.llama3 import model_registry
-
-       spec = model_registry("8B", converters=[
-           F8TensorLinearConverter.Config(recipe="rowwise", filter_fqns=["lm_head"]),
-       ])
-
-2. A config override, switched on from the command line without editing any
-   config_registry function::
-
-       --override.imports f8tensor.integrations.torchtitan.f8tensor_float8_linear
-       # with options: ('f8tensor.integrations.torchtitan.f8tensor_float8_linear',
-       #                {"recipe": "delayed"})
-
-   It converts the attention, feed-forward and shared-expert linears of the transformer
-   blocks (:data:`OVERRIDE_FQNS`) and leaves the embedding, the output projection and the
-   MoE router gates in high precision.
-
-Either way, each converted ``Linear.Config`` becomes a :class:`F8TensorLinear.Config`:
-the same fields (``param_init``, sharding, ...) plus f8tensor's ``Float8LinearConfig``,
-and the built module is an f8tensor ``Float8Linear`` that satisfies torchtitan's
-``Module`` protocol. Only configs whose module keeps ``nn.Linear.forward`` convert (as
-in :func:`f8tensor.convert_to_float8_training`); ``filter_fqns`` entries are matched as
-substrings of the module's dotted name, as torchtitan's float8 converter does. MoE
-router gates stay in high precision unless ``convert_routers=True`` (the log line says so).
-
-With ``enable_fsdp_float8_all_gather=True``, call
-:func:`f8tensor.precompute_float8_scales_for_fsdp` after each ``optimizer.step()``
-(e.g. from ``ModelSpec.post_optimizer_build_fn``'s hook) to compute all weight scales
-with one all-reduce; it is optional.
-
-Tensor parallel: torchtitan 0.3.0 shards through its own ``ShardingConfig`` tree
-(``torchtitan.models.common.decoder_sharding``), not through ``ParallelStyle`` objects, so
-there is no place in its parallelize path to put f8tensor's styles. Its TP runs converted
-layers as it is (``Float8Linear`` takes DTensors), with bf16 collectives. To all-gather the
-sequence-parallel inputs in FP8, apply f8tensor's styles on the TP mesh yourself::
-
-    from f8tensor import Float8ColwiseParallel, Float8RowwiseParallel
-    parallelize_module(model, tp_mesh, {"layers.*.feed_forward.w1": Float8ColwiseParallel(input_layouts=Shard(1)),
-                                        "layers.*.feed_forward.w2": Float8RowwiseParallel(output_layouts=Shard(1))})
+Two ways in: :class:`F8TensorLinearConverter` in a model's ``converters=[...]``, or the
+override ``--override.imports f8tensor.integrations.torchtitan.f8tensor_float8_linear``
+(the block linears of :data:`OVERRIDE_FQNS`). Each converted ``Linear.Config`` becomes an
+:class:`F8TensorLinear.Config` building a ``Float8Linear``. ``filter_fqns`` match as
+substrings; MoE router gates stay high precision unless ``convert_routers=True``.
+torchtitan's TP runs converted layers with bf16 collectives; for FP8 gathers apply
+f8tensor's styles yourself.
 """
 
 from __future__ import annotations
@@ -75,21 +36,14 @@ from f8tensor.quant.config import RECIPES, Float8LinearConfig
 
 __all__ = ["OVERRIDE_FQNS", "F8TensorLinear", "F8TensorLinearConverter", "f8tensor_float8_linear"]
 
-#: The linears the config override converts: torchtitan's block linears by their names
-#: (attention, dense feed-forward, MoE shared experts), which leaves the MoE router gates
-#: (``layers.*.moe.router.gate``) in high precision, as the converter does by default.
-#: fnmatch globs cannot exclude a name, hence a list.
+#: The linears the override converts (router gates excluded; fnmatch cannot exclude, hence a list).
 OVERRIDE_FQNS = ["layers.*.attention.*", "layers.*.feed_forward.*", "layers.*.shared_experts.*"]
 
 logger = logging.getLogger("f8tensor")
 
 
 class F8TensorLinear(Float8Linear, Module):
-    """An f8tensor ``Float8Linear`` built from a torchtitan config.
-
-    Subclasses torchtitan's ``Module`` (not its ``Linear``, whose constructor takes a
-    config) so that ``init_states`` and ``param_init`` work as for any torchtitan layer.
-    """
+    """An f8tensor ``Float8Linear`` built from a torchtitan config (a torchtitan ``Module``)."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(Linear.Config):

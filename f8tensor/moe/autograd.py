@@ -1,7 +1,4 @@
-"""The expert GEMMs in FP8: the grouped (2D x 3D, ``offs``) and batched (``bmm``) autograd
-Functions, whose forward and both backward products go through gemm's front doors, and the
-per-expert loop of ``Float8Linear``'s Function that block recipes take (see ``f8tensor.moe``).
-"""
+"""The expert GEMMs in FP8: the grouped and batched autograd Functions and the per-expert loop."""
 
 from __future__ import annotations
 
@@ -34,10 +31,11 @@ __all__ = ["expert_path", "per_expert_loop"]
 
 
 def _spec(cast: CastConfig, contracted_dim: int, *, ndim: int = 2, per_expert: bool = False) -> CastSpec:
-    """The cast of one operand of a grouped/batched expert GEMM contracted over
-    ``contracted_dim``: e4m3 (what the grouped kernel multiplies, grad_output included),
-    round-to-nearest, the scales of :meth:`CastConfig.operand_spec` (``per_expert``: a
-    weight, one scale set per expert). Block recipes never get here (:func:`per_expert_loop`)."""
+    """The cast of one grouped/batched GEMM operand contracted over ``contracted_dim``.
+
+    Always e4m3 (the grouped kernel multiplies no e5m2) and round-to-nearest; ``per_expert``:
+    one scale set per expert. Block recipes never get here.
+    """
     if cast.blockwise:
         raise ValueError(f"block-scaled expert GEMMs run per expert (per_expert_loop); got {cast}")
     spec = cast.operand_spec(contracted_dim, ndim=ndim, per_expert=per_expert)
@@ -45,49 +43,39 @@ def _spec(cast: CastConfig, contracted_dim: int, *, ndim: int = 2, per_expert: b
 
 
 def _stored_transposed(t: torch.Tensor) -> bool:
-    """Whether ``t``'s last two dims are stored column-major (and not also row-major): an
-    expert weight stored (E, N, K) and multiplied as its (E, K, N) transposed view, the
-    layout of Hugging Face experts and of ``torch._grouped_mm(x, w.transpose(-2, -1))``."""
+    """Whether ``t``'s last two dims are stored column-major only (an (E, N, K) weight seen as (E, K, N))."""
     return t.dim() >= 2 and is_col_major(t) and not is_row_major(t)
 
 
 def _cast_stored(t: torch.Tensor, spec: CastSpec, scale: torch.Tensor | None = None) -> Float8Tensor:
-    """``t`` (3D) cast per ``spec``, reduced and written in the order its bytes are stored.
-    A transposed view (see :func:`_stored_transposed`) is cast as the tensor it views, with
-    the block (and a given scale) transposed too, and the result transposed back: the same
-    bits (amax is exact in any order, the cast is elementwise), but a per-expert amax reads
-    the weight along its rows instead of across them (a reduction over a transposed view
-    walks memory with a stride of K elements), and the FP8 bytes come out column-major, as
-    the kernels read their second operand, with no copy."""
+    """``t`` (3D) cast per ``spec`` in the order its bytes are stored.
+
+    A transposed view is cast as the tensor it views and transposed back: the same bits, a
+    contiguous amax, and column-major FP8 bytes with no copy.
+    """
     if not _stored_transposed(t):
         return quantize(t, spec, scale=scale)[0]
     b = spec.block
     swapped = spec._replace(block=(*b[:-2], b[-1], b[-2])) if b else spec
     natural = quantize(t.transpose(-2, -1), swapped, scale=None if scale is None else scale.transpose(-2, -1))[0]
-    # Rebuilt from its fields rather than through the tensor's own ``transpose``: under
-    # ``torch.export``'s tracing a view op on a Float8Tensor made inside this Function
-    # returns NotImplemented (the export of a converted MoE model failed so).
+    # Rebuilt from fields: torch.export's trace returns NotImplemented for a view op here.
     perm = [*range(t.dim() - 2), t.dim() - 1, t.dim() - 2]
     return _permuted(natural, natural._data.transpose(-2, -1), perm)
 
 
 def _cast_weight(w: torch.Tensor, cast: CastConfig, scale: torch.Tensor | None = None) -> Float8Tensor:
-    """An expert weight ``w`` (E, K, N), contracted over K, cast per expert (:func:`_spec`)
-    in its stored order (:func:`_cast_stored`)."""
+    """An expert weight (E, K, N) cast per expert in its stored order."""
     return _cast_stored(w, _spec(cast, 1, ndim=3, per_expert=True), scale)
 
 
 def per_expert_loop(config: Float8LinearConfig) -> bool:
-    """Whether ``config``'s expert GEMMs run as a per-expert loop of ``Float8Linear``'s GEMMs:
-    block scales or stochastic rounding on any operand, which the grouped kernel's one fp32
-    scale per row / column cannot express (see the module docstring). Otherwise they run
-    as one grouped (or batched) FP8 product.
+    """Whether ``config``'s expert GEMMs run as a per-expert loop of ``Float8Linear``'s GEMMs.
+
+    True for block scales or stochastic rounding, which no grouped kernel takes.
 
     Example:
         >>> from f8tensor import Float8LinearConfig
         >>> from f8tensor.moe import per_expert_loop
-        >>> per_expert_loop(Float8LinearConfig.from_recipe("rowwise"))
-        False
         >>> per_expert_loop(Float8LinearConfig.from_recipe("blockwise"))
         True
     """
@@ -95,13 +83,10 @@ def per_expert_loop(config: Float8LinearConfig) -> bool:
 
 
 def expert_path(config: Float8LinearConfig, device: torch.device | str) -> str:
-    """The path ``config``'s expert GEMMs take on ``device``, in words (the line
-    :func:`~f8tensor.convert_to_float8_training` logs): the grouped FP8 kernel, its emulation,
-    or a per-expert loop (see :func:`per_expert_loop`) with or without a block-scaled kernel.
-    ``device``: a ``torch.device`` or its name.
+    """The path ``config``'s expert GEMMs take on ``device`` (a device or its name), in words.
 
     Raises:
-        RuntimeError: ``device`` is not a device name torch knows.
+        RuntimeError: an unknown device name.
 
     Example:
         >>> from f8tensor import Float8LinearConfig
@@ -121,7 +106,7 @@ def expert_path(config: Float8LinearConfig, device: torch.device | str) -> str:
 
 
 def _block_kernel_here(config: Float8LinearConfig, device: torch.device) -> bool:
-    """Whether the forward's block-scaled product has a kernel on ``device`` (the block rules)."""
+    """Whether the forward's block-scaled product has a kernel on ``device``."""
     a = config.input.operand_spec(1)
     b = config.weight.operand_spec(1)
     rule = block_rule_for(a.block, b.block, a.scale_dtype) if a.scale_dtype == b.scale_dtype else None
@@ -132,16 +117,15 @@ def _block_kernel_here(config: Float8LinearConfig, device: torch.device) -> bool
 
 
 def _expert_loop(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor | None, config: Float8LinearConfig) -> torch.Tensor:
-    """The per-expert loop: ``x[rows of g] @ w[g]`` through ``Float8Linear``'s Function.
+    """``x[rows of g] @ w[g]`` per expert through ``Float8Linear``'s Function.
 
-    ``offs`` given: ``x`` (M, K) sorted by group, ``w`` (G, K, N) (rows past ``offs[-1]``
-    give zeros, as the grouped kernel leaves them); ``offs`` None: a batched product, ``x``
-    (B, M, K) and ``w`` (B, K, N). Autograd runs each piece's backward: its two FP8 GEMMs.
+    ``offs`` given: x (M, K) sorted by group, w (G, K, N), rows past ``offs[-1]`` give zeros;
+    ``offs`` None: a batched product (B, M, K) @ (B, K, N).
     """
     if offs is None:
         pieces = [_QuantizedLinearFn.apply(x[b], w[b].transpose(0, 1), None, LinearArgs(config)) for b in range(x.shape[0])]
         return torch.stack(pieces) if pieces else x.new_zeros(0, x.shape[1], w.shape[2])
-    ends = offs.tolist()  # the host sync of this path (see the module docstring)
+    ends = offs.tolist()  # this path's one host sync (a graph break under compile)
     pieces, start = [], 0
     for g, end in enumerate(ends):
         if end > start:
@@ -164,12 +148,11 @@ def _check_contraction(k: int, what: str) -> None:
 
 
 def _pad_groups(offs: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Row positions that give every group a multiple of 16 rows (for grouping along K).
+    """Row positions that give every group a multiple of 16 rows.
 
-    Returns ``dest`` (M,): where each row goes; ``padded_offs`` (G,) int32; the padded row
-    count P (a static bound, so no host sync and no recompilation when counts change).
-    Rows past ``offs[-1]`` (tokens routed to no local expert) go to the last row, beyond
-    every group: the kernel never reads them.
+    Returns:
+        ``dest`` (M,), ``padded_offs`` (G,) int32, and a static row count P (no host sync).
+        Rows past ``offs[-1]`` go to the last row, which the kernel never reads.
     """
     g = offs.shape[0]
     o = offs.to(torch.int64)
@@ -195,22 +178,18 @@ def _scatter_rows(t: torch.Tensor, dest: torch.Tensor, p: int) -> torch.Tensor:
 
 
 def _group_cast(t: torch.Tensor, offs: torch.Tensor, g: int, spec: CastSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """(P, C) rows grouped by ``offs`` (padded: every offset and P multiples of 16, see
-    :func:`_pad_groups`), cast by the role's block quantizer: FP8 data and a (G, C) scale
-    (rowwise: per group and column, from the amax of the group's rows). Tensorwise: one
-    scale for the tensor, broadcast to (G, C)."""
+    """(P, C) padded rows cast per group: FP8 data and a (G, C) scale."""
     p, c = t.shape
     quantizer = BlockQuantizer(spec)
     if is_tensorwise(spec.block):
         data, scale = quantizer.quantize(t)
         return data, scale.expand(g, c)
     o = offs.to(torch.int64)
-    # The groups' row counts and, last, the rows past offs[-1] (no group): whole 16-row chunks.
+    # The groups' row counts, then the rows past offs[-1].
     lengths = torch.diff(o, prepend=o.new_zeros(1), append=o.new_full((1,), p))
     amax = segment_amax(t, lengths, rows_per_chunk=ALIGN)  # (G + 1, C)
     scale = quantizer.scale_for(amax)
-    gid = torch.searchsorted(o, torch.arange(p, device=t.device), right=True)  # G: no group
-    # Each row with its group's scales: a given scale per element (block (1, 1)).
+    gid = torch.searchsorted(o, torch.arange(p, device=t.device), right=True)
     data, _ = quantizer.with_block((1, 1)).quantize(t, scale[gid])
     return data, scale[:g]
 
@@ -225,13 +204,8 @@ def _grouped_wgrad(
 ) -> torch.Tensor:
     """FP8 ``x[group].t() @ grad[group]`` per group: (G, K, N), in bf16.
 
-    ``x``: the high-precision input, or ``(x8, scale)`` saved by a tensorwise forward (the
-    same bytes the forward multiplied: no second cast, half the saved bytes of bf16).
-    ``transposed``: the weight is stored (G, N, K) (see :func:`_stored_transposed`): the
-    kernel computes ``grad[group].t() @ x[group]`` (G, N, K) and the result is its (G, K, N)
-    view, so the gradient has the weight's own layout and autograd stores it as it is
-    (a gradient laid out otherwise than its parameter is copied into the parameter's
-    layout, a transposing copy of the whole weight gradient every step).
+    ``x``: high precision, or the forward's tensorwise ``(x8, scale)``. ``transposed``: the
+    result is laid out as a (G, N, K)-stored weight, so autograd makes no transposing copy.
     """
     m = grad.shape[0]
     dest, poffs, p = _pad_groups(offs, m)
@@ -250,12 +224,10 @@ def _grouped_wgrad(
 
 
 class _GroupedMMFn(torch.autograd.Function):
-    """``y = grouped_mm(x, w, offs)`` with x (M, K) sorted by expert and w (G, K, N), all GEMMs FP8.
+    """``y = grouped_mm(x, w, offs)``, x (M, K) sorted by expert, w (G, K, N); all GEMMs FP8.
 
-    Saved for backward: w (the parameter's own view: no extra memory), offs, for a
-    tensorwise weight its per-expert scales (backward re-casts the very same bytes), and x:
-    with a tensorwise input its FP8 bytes and scale (the weight-gradient GEMM takes them as
-    they are), else in high precision (re-cast per expert group there).
+    Saves x's FP8 bytes for a tensorwise input (else x), and a tensorwise weight's scales, so
+    backward multiplies the forward's bytes.
     """
 
     @staticmethod
@@ -264,7 +236,6 @@ class _GroupedMMFn(torch.autograd.Function):
     ) -> torch.Tensor:
         _check_contraction(x.shape[1], "forward")
         x8 = quantize(x, _spec(config.input, 1))[0]
-        # weights: per expert (tensorwise) or per expert and output feature (rowwise), constant along K
         w8 = _cast_weight(w, config.weight)
         out = grouped_mm(x8, w8, offs, KERNEL_OUT)
         keep_fp8_x = not config.input.rowwise and not config.weight_grad_in_hp
@@ -286,13 +257,11 @@ class _GroupedMMFn(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             _check_contraction(n, "input gradient")
             g8 = quantize(grad, _spec(config.grad_output, 1))[0]
-            # (G, N, K): contraction over N; rowwise: per expert and input feature, constant
-            # along N; tensorwise: the forward's per-expert scales, the same bytes.
+            # (G, N, K), contracted over N; tensorwise reuses the forward's scales.
             wt = w.transpose(-2, -1)
             wt8 = _cast_weight(wt, config.weight, scale=None if ws is None else ws.transpose(-2, -1))
             grad_x = grouped_mm(g8, wt8, offs, KERNEL_OUT).to(x_dtype)
         if ctx.needs_input_grad[1]:
-            # The gradient in the weight's own layout (see _grouped_wgrad).
             transposed = _stored_transposed(w)
             if config.weight_grad_in_hp:
                 dest, poffs, p = _pad_groups(offs, x.shape[0])
@@ -311,7 +280,7 @@ class _GroupedMMFn(torch.autograd.Function):
 
 
 def _bmm_fp8(a: torch.Tensor, b: torch.Tensor, a_spec: CastSpec, b_spec: CastSpec) -> torch.Tensor:
-    """FP8 ``a (B, M, K) @ b (B, K, N)``, each cast per its spec (scales constant along K)."""
+    """FP8 ``a (B, M, K) @ b (B, K, N)``, each cast per its spec."""
     k = a.shape[2]
     pad = (-k) % ALIGN  # only the weight-gradient GEMM of one-token batches needs it (K = M = 1)
     if pad:
@@ -321,10 +290,9 @@ def _bmm_fp8(a: torch.Tensor, b: torch.Tensor, a_spec: CastSpec, b_spec: CastSpe
 
 
 class _ExpertBmmFn(torch.autograd.Function):
-    """``x (B, M, K) @ w (B, K, N)`` where w holds one expert matrix per batch entry, all GEMMs FP8.
+    """``x (B, M, K) @ w (B, K, N)``, one expert matrix per batch entry; all GEMMs FP8.
 
-    Weight scales: per batch entry (tensorwise; a gathered expert keeps its expert's
-    amax) or per entry and output column (rowwise). Activation scales: per tensor or per row.
+    Weight scales per entry (tensorwise) or per entry and output column (rowwise).
     """
 
     @staticmethod
@@ -347,7 +315,7 @@ class _ExpertBmmFn(torch.autograd.Function):
             grad_x = _bmm_fp8(grad, w.transpose(1, 2), _spec(c.grad_output, 2, ndim=3), w_spec).to(x.dtype)
         if ctx.needs_input_grad[1]:  # x^T (B, K, M) @ grad (B, M, N): contraction over M
             if _stored_transposed(w):
-                # In w's own layout (see _grouped_wgrad): grad^T (B, N, M) @ x (B, M, K), viewed (B, K, N).
+                # In w's own layout.
                 a_spec, b_spec = _spec(c.grad_output, 2, ndim=3), _spec(c.input, 1, ndim=3)
                 grad_w = _bmm_fp8(grad.transpose(1, 2), x, a_spec, b_spec).transpose(1, 2).to(w.dtype)
             else:

@@ -1,7 +1,4 @@
-"""Converting a model's experts: which 3D parameters are expert weights, which of them a
-config can run in FP8 (:func:`plan_experts`, without changing the model), and the wrapping
-itself (:func:`wrap_experts`, :func:`convert_experts_to_float8`).
-"""
+"""Converting a model's experts: which 3D parameters are expert weights, and wrapping them."""
 
 from __future__ import annotations
 
@@ -91,12 +88,17 @@ def convert_experts_to_float8(
 ) -> list[str]:
     """Wrap every expert weight of ``module`` as a :class:`Float8ExpertWeight`, in place.
 
-    An expert weight is a 3D parameter whose first dim is its module's ``num_experts``
-    (how transformers' experts modules store them). Routers and gates (2D) are never
-    touched. ``experts_filter_fn(experts_module, param_fqn) -> bool`` chooses which
-    convert. Weights whose last two dims are not multiples of 16 stay high precision
-    (logged), and so does every expert weight under a delayed recipe (logged, only when
-    the model has expert weights). Returns the converted parameter names.
+    An expert weight is a 3D parameter whose first dim is its module's ``num_experts``. Weights
+    whose last two dims are not multiples of 16, and all under a delayed recipe, stay high
+    precision (logged).
+
+    Args:
+        module: the model.
+        config: the recipe.
+        experts_filter_fn: ``(experts_module, param_fqn) -> bool``, which to convert.
+
+    Returns:
+        The converted parameter names.
 
     Raises:
         TypeError: ``experts_filter_fn`` is neither None nor callable.

@@ -114,8 +114,7 @@ def _register_hf_fallback() -> None:
     _ROUTES[op.default] = _route_hf_fallback
 
 
-# Matrix products that reach dispatch (below the routes above) would run in high precision:
-# refused, never silently upcast.
+# Products reaching dispatch would run in high precision: refused.
 _GEMMS = frozenset(
     {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten._grouped_mm.default}
 )
@@ -123,26 +122,20 @@ _GEMMS = frozenset(
 
 
 class Float8ExpertWeight(RecipeWeight):
-    """A high-precision expert weight whose matrix products run in FP8.
+    """A high-precision expert weight (E, N, K) whose matrix products run in FP8.
 
-    Fields: ``_hp``, the plain bf16/fp16/fp32 tensor (E, N, K), or a view/piece of it;
-    ``_config``, the :class:`Float8LinearConfig` its GEMMs follow (dynamic scaling, any
-    granularity: block recipes take the per-expert loop, see :func:`per_expert_loop`).
-    Every op behaves as on ``_hp`` (see :class:`~f8tensor.tensor.weights.HighPrecisionWeight`);
-    views, expert selection and copies stay wrapped so that the product they reach
-    (``F.linear``, ``bmm``, ``grouped_mm``) knows to run in FP8. A ``state_dict`` holds the
-    plain tensor; a parameter pickles wrapped (whole-model copies stay FP8); setting its
-    data to a plain tensor of another dtype (``model.double()``) is refused.
+    Fields: ``_hp``, the plain tensor (or a piece of it); ``_config``, the
+    :class:`Float8LinearConfig` of its GEMMs (dynamic scaling). Views, expert selection and
+    copies stay wrapped so the product they reach runs in FP8; a ``state_dict`` holds the plain
+    tensor, a parameter pickles wrapped.
 
     Raises:
-        NotImplementedError: a product this weight cannot run in FP8 (it names the op and the
-            ways an expert weight multiplies), instead of a silent high-precision product.
-        TypeError: its data set to a tensor of another dtype (``model.double()``).
+        NotImplementedError: a product it cannot run in FP8 (named), never a silent upcast.
+        TypeError: its data set to another dtype (``model.double()``).
     """
 
     _config: Float8LinearConfig
 
-    # Ops whose result is still (a piece of) the weight: views, indexing of experts, copies.
     VIEWS = frozenset(
         {
             aten.detach.default, aten.alias.default, aten.view.default, aten._unsafe_view.default,
@@ -158,13 +151,12 @@ class Float8ExpertWeight(RecipeWeight):
         }
     )
 
-    # FSDP2: RecipeWeight's hooks gather in high precision and wrap the gathered experts again.
 
     @classmethod
     def _route(cls, func: Any) -> Any:
         route = _ROUTES.get(func)
         if route is None and is_op_of_namespace(func, "transformers"):
-            _register_hf_fallback()  # weights wrapped by hand, not by the converter
+            _register_hf_fallback()  # weights wrapped by hand
             route = _ROUTES.get(func)
         return route
 
@@ -185,29 +177,24 @@ class Float8ExpertWeight(RecipeWeight):
 def float8_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, config: Float8LinearConfig | None = None) -> torch.Tensor:
     """``torch._grouped_mm(x, w, offs=offs)`` in FP8, differentiable in ``x`` and ``w``.
 
-    ``x`` (M, K): tokens sorted by expert; ``w`` (G, K, N): a plain tensor or a
-    :class:`Float8ExpertWeight` (then its config is used); ``offs`` (G,): cumulative token
-    counts (an integer tensor or a list of ints; groups may be empty or of any size).
-    ``config``: the recipe for a plain ``w`` (default: tensorwise). Validated like
-    ``Float8Linear``'s inputs (:func:`f8tensor.gemm.grouped.validate_grouped_mm_args`): K and
-    N multiples of 16 (checked here, in forward), bf16/fp16/fp32 operands.
+    Args:
+        x: (M, K) tokens sorted by expert.
+        w: (G, K, N), a plain tensor or a :class:`Float8ExpertWeight` (then its config).
+        offs: (G,) cumulative token counts, an integer tensor or list; groups may be empty.
+        config: the recipe for a plain ``w`` (default: tensorwise).
 
     Raises:
-        TypeError: ``x`` or ``w`` not a bf16/fp16/fp32 tensor, ``offs`` neither an integer
-            tensor nor a list of ints, or ``config`` not a :class:`Float8LinearConfig`.
-        ValueError: shapes that are not ``(M, K)``, ``(G, K, N)``, ``(G,)``; K or N not a
-            multiple of 16; ``offs`` decreasing or outside [0, M] (on CPU at once; on CUDA
-            and under ``torch.compile`` by an asynchronous device assert).
+        TypeError: ``x``/``w`` not bf16/fp16/fp32, a bad ``offs`` or ``config``.
+        ValueError: bad shapes; K or N not a multiple of 16; ``offs`` decreasing or outside
+            [0, M] (on CUDA and under compile by an asynchronous assert).
 
     Example:
         >>> from f8tensor import float8_grouped_mm
         >>> x = torch.randn(48, 32, dtype=torch.bfloat16, requires_grad=True)
         >>> w = torch.randn(3, 32, 64, dtype=torch.bfloat16, requires_grad=True)
         >>> offs = torch.tensor([16, 16, 48], dtype=torch.int32)  # expert 1 gets no token
-        >>> y = float8_grouped_mm(x, w, offs)
-        >>> y.sum().backward()
-        >>> y.shape, x.grad.shape, w.grad.shape
-        (torch.Size([48, 64]), torch.Size([48, 32]), torch.Size([3, 32, 64]))
+        >>> float8_grouped_mm(x, w, offs).shape
+        torch.Size([48, 64])
     """
     if isinstance(w, Float8ExpertWeight):
         config = w._config if config is None else config

@@ -1,17 +1,12 @@
 """AdamW with fp32, bf16 or 8-bit moments, and lean master weights for bf16 parameters.
 
-:class:`AdamW` has the defaults and the math of ``torch.optim.AdamW``; what differs is
-where the state lives (``state_dtype``: fp32, bf16, or e4m3 with one fp32 scale per 128
-elements of each dim-0 row, stochastically rounded with seeded draws,
-:mod:`f8tensor.optim.draws`) and, for bf16 parameters, how the update is written back
-(``master_weights``: :mod:`f8tensor.optim.master`). fp32 states on fp32 parameters are
-bit-identical to ``torch.optim.AdamW(foreach=False)``. Non-finite values propagate as in
-torch, element by element: an FP8 moment block's scale comes from its finite elements and
-a non-finite element is stored as NaN (e4m3 has no infinity). DTensor parameters (FSDP2)
-step on their local shards (:mod:`f8tensor.optim.shards`). Three paths with the same bits:
-the torch ops (:func:`_tensor_step`), the fused Triton kernel (CUDA tensors,
-:mod:`f8tensor.kernels.triton_adamw`) and that step compiled by inductor for CPU tensors
-(``compiled=``). Measurements: BENCHMARKS.md, "Optimizer states in 8 bits".
+:class:`AdamW` has ``torch.optim.AdamW``'s defaults and math; what differs is where the
+state lives (``state_dtype``; e4m3 moments with one fp32 scale per 128 elements of a row,
+stochastically rounded by :mod:`f8tensor.optim.draws`) and how a bf16 parameter's update is
+written back (:mod:`f8tensor.optim.master`). fp32 states on fp32 parameters are
+bit-identical to ``torch.optim.AdamW(foreach=False)``; non-finite values propagate element
+by element as in torch. The torch ops, the Triton kernel and the inductor-compiled CPU step
+give the same bits.
 """
 
 from __future__ import annotations
@@ -46,23 +41,19 @@ __all__ = ["COMPILE_MIN_NUMEL", "FP8_BLOCK", "MASTER_WEIGHTS", "NOISE_PERIOD", "
 #: below which a tensor keeps fp32 moments.
 FP8_BLOCK = 128
 
-#: How each FP8 moment is rounded to e4m3 (see the module docstring for the measurements).
+#: How each FP8 moment is rounded to e4m3 (measurements: BENCHMARKS.md).
 FP8_ROUNDING: dict[str, str] = {"exp_avg": "stochastic", "exp_avg_sq": "stochastic"}
-# Each moment's block quantizer: the blocks run along each row of the parameter seen as
-# (dim 0, everything else), so a shard along dim 0 (FSDP2's) holds whole rows and its
-# blocks are the one-process blocks.
+# Blocks run along each row of the parameter as (dim 0, rest): a dim-0 shard holds whole rows.
 _FP8_MOMENTS: dict[str, BlockQuantizer] = {
     name: moment_quantizer(torch.float8_e4m3fn, FP8_BLOCK, rounding) for name, rounding in FP8_ROUNDING.items()
 }
-#: ``compiled=None``: the smallest CPU tensor that takes the compiled step (see "Speed").
+#: ``compiled=None``: the smallest CPU tensor that takes the compiled step.
 COMPILE_MIN_NUMEL = 1 << 20
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
-#: The square root of the torch-ops step: torch's own. (CUDA's is correctly rounded, and so
-#: is the fused kernel's; the CPU's vectorized one is not always: 666 of 100003 fp32 inputs
-#: measured 1 ulp off. The kernel tests swap this for a correctly rounded one to compare
-#: the two paths bit for bit.)
+#: torch's sqrt: the CPU's vectorized one is not always correctly rounded (CUDA's and the
+#: kernel's are); the kernel tests swap in a correctly rounded one.
 _sqrt = torch.sqrt
 
 
@@ -70,16 +61,15 @@ _sqrt = torch.sqrt
 
 
 def _uses_fp8(p: torch.Tensor, state_dtype: torch.dtype) -> bool:
-    """FP8 moments for tensors of two or more dims and at least :data:`FP8_BLOCK` elements;
-    the rest (biases, norms, scalars) keep fp32 moments."""
+    """FP8 moments for tensors of 2+ dims and at least :data:`FP8_BLOCK` elements."""
     return state_dtype == torch.float8_e4m3fn and p.dim() >= 2 and p.numel() >= FP8_BLOCK
 
 
 class _Fp8View(NamedTuple):
-    """The 2D views an FP8 moment is cast in, of its data and of its scales (stored as
-    ``blocks``: ``(rows, blocks per row)``). Rows of whole blocks are seen one block per
-    row, ``(numel / 128, 128)``, scales ``(numel / 128, 1)``: the scales broadcast instead
-    of being expanded over the elements. Other rows (a short last block) as they are."""
+    """The 2D shapes an FP8 moment's data and scales are cast in, and its ``blocks`` (stored scales).
+
+    Rows of whole blocks are seen one block per row, so the scales broadcast.
+    """
 
     data: tuple[int, int]
     scale: tuple[int, int]
@@ -96,21 +86,18 @@ def _fp8_view(shape: tuple[int, ...]) -> _Fp8View:
 
 
 def _dequantize_moment(data: torch.Tensor, scale: torch.Tensor, view: _Fp8View) -> torch.Tensor:
-    """An FP8 moment (e4m3 ``data`` in the parameter's shape, its fp32 block ``scale``) in fp32,
-    in the parameter's shape: the one way back of every FP8 moment."""
+    """An FP8 moment in fp32, in the parameter's shape: the one way back."""
     return _FP8_MOMENTS["exp_avg"].dequantize(data.view(view.data), scale.view(view.scale)).view(data.shape)
 
 
 def _quantize_moment(
     value: torch.Tensor, name: str, uniform: torch.Tensor | None, view: _Fp8View
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 ``value`` (the parameter's shape) as moment ``name``'s e4m3 data (the same shape)
-    and fp32 scales (``view.blocks``): the one cast of every FP8 moment (rule
-    ``data = saturate(x * scale)``, dynamic block scale). ``uniform``: the draws of a
-    stochastic rounding, in ``view.data``'s shape.
+    """fp32 ``value`` as moment ``name``'s e4m3 data and fp32 block scales: the one cast.
 
-    A non-finite element stays to itself, as in torch: each block's scale comes from its
-    finite elements, and a non-finite one is stored as NaN (e4m3 has no infinity)."""
+    A block's scale comes from its finite elements; a non-finite one is stored as NaN (e4m3 has
+    no infinity). ``uniform``: stochastic rounding's draws.
+    """
     quantizer, hp = _FP8_MOMENTS[name], value.view(view.data)
     finite = torch.isfinite(hp)
     scale = quantizer.scale_for(block_abs_max(torch.where(finite, hp, 0.0), quantizer.spec.block))
@@ -122,8 +109,7 @@ def _quantize_moment(
 
 
 def _amsgrad(exp_avg_sq: torch.Tensor, max_exp_avg_sq: torch.Tensor | None) -> torch.Tensor:
-    """The second moment the denominator takes: ``exp_avg_sq``, or with amsgrad its running
-    max (updated in place, as torch's)."""
+    """``exp_avg_sq``, or with amsgrad its running max (updated in place)."""
     if max_exp_avg_sq is None:
         return exp_avg_sq
     return torch.maximum(max_exp_avg_sq, exp_avg_sq, out=max_exp_avg_sq)
@@ -142,15 +128,15 @@ def _tensor_step(
     master_weights: str | None,
     max_exp_avg_sq: torch.Tensor | None = None,
 ) -> None:
-    """One step of one tensor (a parameter or its local shard), in place, in torch ops: the
-    torch-ops path, and what :func:`_compiled_step` compiles.
+    """One step of one tensor (a parameter or its local shard), in place, in torch ops.
 
-    ``scales``: FP8 moments' block scales (the states then e4m3 data, cast in the views of
-    :func:`_fp8_view`), else None (fp32 or bf16 moments). ``remainder``: the int16 low halves
-    of a ``"remainder"`` master (or their int32 values). ``tables``: the draws (one :data:`NOISE_PERIOD` table each,
-    or None) of the two moments' and the parameter's stochastic roundings; ``start``: the
-    global flat index of ``local``'s first element. ``max_exp_avg_sq``: amsgrad's fp32 state."""
-    # The fp32 tensor the update is applied to: the parameter itself when it is fp32.
+    Args:
+        scales: FP8 moments' block scales, else None.
+        remainder: a ``"remainder"`` master's int16 low halves (or int32 values).
+        tables: the draw tables of the two moments' and the parameter's roundings, or None.
+        start: the global flat index of ``local``'s first element.
+        max_exp_avg_sq: amsgrad's fp32 state.
+    """
     if local.dtype == torch.float32:
         param = local
     elif master_weights == "remainder":
@@ -178,8 +164,7 @@ def _tensor_step(
             exp_avg_state.copy_(exp_avg)
             exp_avg_sq_state.copy_(exp_avg_sq)
         denom = (_sqrt(_amsgrad(exp_avg_sq, max_exp_avg_sq)) / s.bias_correction2_sqrt).add_(s.eps)
-        # addcdiv takes a Number: the 0-dim step size multiplies first, as the CPU's addcdiv
-        # computes ``p + (s * m) / d`` (two roundings, then the sum's).
+        # addcdiv takes a Number: multiply by the 0-dim step size first, as the CPU's addcdiv does.
         param.add_(exp_avg.mul(s.neg_step_size).div_(denom))
     else:
         # The ops and their order are torch's single-tensor AdamW's (bit-identical in fp32).
@@ -226,37 +211,33 @@ def _run_compiled(
 ) -> None:
     """:func:`_tensor_step` through :func:`_compiled_step`, one graph for every shape.
 
-    Every tensor is seen in rows of one block (FP8 moments; others when they divide into
-    them: one draw-table offset per row) or flat, the scales as a column; detached (a view's
-    base shape would be guarded on). The offset and the step's scalars are tensors, no
-    constants to specialize on (fp32, as the eager ops round the Python floats)."""
+    Tensors are seen in rows of one block or flat, detached; the offset and scalars are fp32
+    tensors, so nothing specializes.
+    """
     flat = (-1, FP8_BLOCK) if scales is not None or local.numel() % FP8_BLOCK == 0 else (-1,)
     tensors = [t.view(flat).detach() for t in (local, grad, exp_avg_state, exp_avg_sq_state)]
     scales = None if scales is None else (scales[0].view(-1, 1).detach(), scales[1].view(-1, 1).detach())
-    # The int16 remainder widened to int32 around the compiled step: inductor's CPU code
-    # vectorizes no loop that touches int16, and this one is every pass over the tensor.
+    # int16 widened to int32: inductor's CPU code vectorizes no loop touching int16.
     wide = None if remainder is None else remainder.view(flat).to(torch.int32)
     s = s._replace(
         bias_correction2_sqrt=torch.tensor(s.bias_correction2_sqrt, dtype=torch.float32),
         neg_step_size=torch.tensor(s.neg_step_size, dtype=torch.float32),
     )
     offset = torch.tensor(start, dtype=torch.int64)
-    with unlimited_recompiles():  # one graph per dtype and mode, never one per shape or step
+    with unlimited_recompiles():  # one graph per dtype and mode
         _compiled_step(_COMPILE_BACKEND)(*tensors, scales, wide, tables, offset, s, master_weights)
     if remainder is not None and wide is not None:
-        remainder.copy_(wide.view(remainder.shape))  # int32 -> int16: the low 16 bits, the value
+        remainder.copy_(wide.view(remainder.shape))
 
 
-#: The backend of the compiled CPU step (the tests swap in a cheaper one to check the logic).
+#: The compiled CPU step's backend (tests swap in a cheaper one).
 _COMPILE_BACKEND = "inductor"
 
 
 @functools.cache
 def _compiled_step(backend: str) -> Callable[..., None]:
-    """:func:`_tensor_step` compiled once for every shape (``dynamic=True``; the Python
-    float scalars are graph inputs, so neither a new step nor a new lr recompiles)."""
-    # The draw tables' indices are in range by construction (a remainder by the period), so
-    # inductor's per-index bounds assertion is left out of this graph.
+    """:func:`_tensor_step` compiled once for every shape and scalar."""
+    # Draw-table indices are in range by construction: no bounds assertion.
     options: dict[str, str | int | bool | Callable[..., Any]] | None = None
     if backend == "inductor":
         options = {"assert_indirect_indexing": False}
@@ -264,14 +245,16 @@ def _compiled_step(backend: str) -> Callable[..., None]:
 
 
 def _loaded_state(p: torch.Tensor, group: dict[str, Any], saved: dict[str, Any], pid: Any) -> dict[str, Any]:
-    """Saved state ``pid`` as :class:`AdamW` keeps it for ``p`` in ``group``: tensors on
-    ``p``'s device in their saved dtypes, but for the conversions and additions that
-    :meth:`AdamW.load_state_dict` lists. Raises ValueError for a state it cannot take."""
+    """Saved state ``pid`` as :class:`AdamW` keeps it for ``p`` in ``group``.
+
+    Raises:
+        ValueError: a state it cannot take.
+    """
     out = {k: v.to(device=p.device, copy=True) for k, v in saved.items() if isinstance(v, torch.Tensor)}
     for name in ("step", "exp_avg", "exp_avg_sq"):
         if name not in out:
             raise ValueError(f"the saved state of parameter {pid} has no tensor {name!r}; got keys {sorted(saved)}")
-    out["step"] = saved["step"].detach().to("cpu", torch.float32, copy=True)  # a CPU counter, as torch's
+    out["step"] = saved["step"].detach().to("cpu", torch.float32, copy=True)
     state_dtype, e4m3 = group["state_dtype"], torch.float8_e4m3fn
     fp8 = _uses_fp8(p, state_dtype)
     want = torch.bfloat16 if state_dtype == torch.bfloat16 else torch.float32
@@ -305,35 +288,28 @@ def _loaded_state(p: torch.Tensor, group: dict[str, Any], saved: dict[str, Any],
 
 
 class AdamW(torch.optim.Optimizer):
-    """AdamW (``torch.optim.AdamW``'s defaults and math) with moments in ``state_dtype`` and,
-    for bf16 parameters, a choice of ``master_weights``.
+    """AdamW (``torch.optim.AdamW``'s defaults and math) with moments in ``state_dtype``.
 
-    Group options (a group added later inherits the constructor's unless it sets them):
-    ``lr``, ``betas``, ``eps``, ``weight_decay``, ``state_dtype``, ``master_weights``, and
-    torch's ``maximize`` (the gradient negated) and ``amsgrad`` (state ``max_exp_avg_sq``,
-    fp32; only with ``state_dtype=torch.float32``; it takes the torch-ops path). Of torch's
-    other group options, ``foreach`` and ``fused`` are accepted at any value and ignored
-    (they pick torch's implementation, not the math), ``capturable=False``,
-    ``differentiable=False`` and ``decoupled_weight_decay=True`` are accepted, and every
-    other value is refused naming the key (:data:`f8tensor.optim.step_math.TORCH_FIXED_OPTIONS`).
+    Args:
+        params: parameters or groups; a later group inherits the constructor's options.
+        lr, betas, eps, weight_decay, amsgrad, maximize: torch's (amsgrad only with fp32 states).
+        state_dtype: the moments' dtype, in :data:`STATE_DTYPES`.
+        master_weights: a bf16 parameter's write-back, in :data:`MASTER_WEIGHTS`, or None.
+        fused: None: the Triton kernel for CUDA tensors; True: also CPU (slow); False: never.
+        compiled: None: the inductor step for CPU tensors of at least
+            :data:`COMPILE_MIN_NUMEL` elements whose torch-ops step is slow; True: every
+            CPU tensor; False: never.
+        torch_options: torch's ``foreach``/``fused`` (ignored) and the fixed values of
+            :data:`f8tensor.optim.step_math.TORCH_FIXED_OPTIONS`.
 
-    ``fused`` and ``compiled`` (the whole optimizer): None, True or False. ``fused=None``:
-    the Triton kernel for CUDA tensors; True: also CPU tensors (Triton's interpreter, slow);
-    False: never. ``compiled=None``: the inductor-compiled step for CPU tensors of at least
-    :data:`COMPILE_MIN_NUMEL` elements with FP8 moments or a ``"remainder"`` or
-    ``"stochastic"`` master, when a C++ compiler is found; True: every CPU tensor it takes;
-    False: never. The first compiled step compiles (tens of seconds, once per kind of
-    tensor); below the threshold the torch-ops step of FP8 moments costs tens of times
-    torch's AdamW on one CPU thread (about 60 elementwise passes per tensor).
+    Raises:
+        TypeError: an unknown keyword.
+        ValueError: a bad option value, naming the key.
 
-    State per parameter: ``step`` (a 0-dim fp32 CPU tensor, as torch's); ``exp_avg`` and
-    ``exp_avg_sq`` (the parameter's shape, in ``state_dtype``: e4m3 data for FP8 states,
-    fp32 for a tensor that keeps fp32 moments: fewer than 128 elements or one dim); for FP8
-    states ``exp_avg_scale`` and ``exp_avg_sq_scale`` (fp32, one per block: ``(rows,
-    blocks per row)``); with ``master_weights="remainder"`` ``master_remainder`` (int16,
-    the parameter's shape); with ``amsgrad`` ``max_exp_avg_sq``. Every entry is a plain
-    tensor, so ``state_dict()`` loads with ``torch.load(weights_only=True)``.
-    ``load_state_dict`` also takes ``torch.optim.AdamW``'s (see there).
+    State per parameter (plain tensors: ``state_dict()`` loads with ``weights_only=True``):
+    ``step`` (0-dim fp32, CPU), ``exp_avg``, ``exp_avg_sq``; for FP8 states ``exp_avg_scale``,
+    ``exp_avg_sq_scale`` (``(rows, blocks per row)``); ``master_remainder`` (int16);
+    ``max_exp_avg_sq``.
     """
 
     def __init__(
@@ -417,11 +393,9 @@ class AdamW(torch.optim.Optimizer):
         else:
             dtype = torch.bfloat16 if state_dtype == torch.bfloat16 else torch.float32
             for name in ("exp_avg", "exp_avg_sq"):
-                # torch.zeros, not zeros_like: a weight wrapper subclass (FSDP2 FP8 all-gather)
-                # must not make its moments wrappers too.
+                # torch.zeros: a weight wrapper must not make its moments wrappers.
                 state[name] = wrap_like(torch.zeros(local.shape, dtype=dtype, device=local.device), p, tuple(p.shape))
         if group["master_weights"] == "remainder":
-            # A bf16 parameter is an fp32 master whose low half is zero: the remainder starts at 0.
             remainder = torch.zeros(local.shape, dtype=torch.int16, device=local.device)
             state["master_remainder"] = wrap_like(remainder, p, tuple(p.shape))
         if group["amsgrad"]:
@@ -429,16 +403,14 @@ class AdamW(torch.optim.Optimizer):
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """torch's, also for ``torch.optim.AdamW``'s state dicts, and every state tensor
-        keeps the dtype it was saved in (torch's casts floating-point state to the
-        parameter's dtype, which would undo 8-bit and bf16 states).
+        """torch's, also for ``torch.optim.AdamW``'s, keeping each state tensor's saved dtype.
 
-        A group option missing from the saved groups takes the constructor's value; fp32,
-        bf16 or fp16 moments are converted to the group's fp32 or bf16 ``state_dtype``; a
-        missing ``master_remainder`` or ``max_exp_avg_sq`` starts at zero, as a new state.
-        Raises ValueError naming the option or state that AdamW cannot take (e.g. torch's
-        moments for FP8 states, or e4m3 ones for other states); the optimizer is then
-        left as it was."""
+        A missing group option takes the constructor's value; fp32/bf16/fp16 moments convert to an
+        fp32 or bf16 ``state_dtype``; a missing ``master_remainder`` or ``max_exp_avg_sq`` starts at 0.
+
+        Raises:
+            ValueError: an option or state AdamW cannot take; the optimizer is left as it was.
+        """
         groups = [self.defaults | saved for saved in state_dict["param_groups"]]
         if len(groups) != len(self.param_groups):
             raise ValueError(
@@ -465,7 +437,7 @@ class AdamW(torch.optim.Optimizer):
         index = -1
         for group in self.param_groups:
             for p in group["params"]:
-                index += 1  # the parameter's position: part of its stochastic rounding's seed
+                index += 1  # part of the rounding's seed
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse:
@@ -479,17 +451,15 @@ class AdamW(torch.optim.Optimizer):
     def _update(
         self, p: torch.Tensor, grad: torch.Tensor, index: int, state: dict[str, Any], group: dict[str, Any]
     ) -> None:
-        """One step of one parameter, on its local shard: every op is elementwise or per row
-        block, so a sharded step makes no collective and computes what one process does."""
+        """One step of one parameter on its local shard (elementwise: no collective)."""
         step_t = state["step"]
         step_t += 1
         local, grad = local_shard(p), local_shard(grad)
         if group["maximize"]:
             grad = torch.neg(grad)
         compiling = torch.compiler.is_compiling()
-        # Eager: the count as a Python float (a CPU tensor, as torch's: no device sync), for
-        # torch's float64 scalar math. Under torch.compile the counter stays a tensor: a
-        # read would break the graph, and a constant would recompile every step.
+        # Eager: the count as a Python float (a CPU tensor: no sync). Compiled: a tensor (a read
+        # breaks the graph, a constant recompiles every step).
         step = step_t.to(torch.float64) if compiling else step_t.item()
         if not compiling and not group["amsgrad"] and self._takes_kernel(local, grad, state):
             self._fused_update(p, local, grad, index, int(step), state, group)
@@ -536,10 +506,7 @@ class AdamW(torch.optim.Optimizer):
     def _takes_compiled(
         self, local: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: dict[str, Any]
     ) -> bool:
-        """Whether ``local`` takes the compiled CPU step: plain contiguous CPU tensors (FP8
-        moments: rows of whole blocks), with ``compiled=True``; with None, when a C++
-        compiler is found, tensors of at least :data:`COMPILE_MIN_NUMEL` elements whose
-        torch-ops step is slow (FP8 moments, a "remainder" or "stochastic" master)."""
+        """Whether ``local`` takes the compiled CPU step (plain contiguous CPU tensors)."""
         if not self._compiler or local.numel() == 0:
             return False
         fp8 = "exp_avg_scale" in state
@@ -564,8 +531,7 @@ class AdamW(torch.optim.Optimizer):
         state: dict[str, Any],
         group: dict[str, Any],
     ) -> None:
-        """:meth:`_update` by one kernel launch (``f8tensor.kernels.triton_adamw``): the same
-        ops, seeds and draws, on the local shard."""
+        """:meth:`_update` by one Triton launch: the same ops, seeds and draws."""
         beta1, beta2 = group["betas"]
         scalars = triton_adamw.AdamWScalars(group["lr"], beta1, beta2, group["eps"], group["weight_decay"], step)
         master_weights = group["master_weights"] if local.dtype == torch.bfloat16 else None

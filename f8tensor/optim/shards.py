@@ -1,11 +1,7 @@
-"""DTensor parameters in :class:`f8tensor.optim.AdamW`: local shards, row offsets, states
-with the parameter's placements.
+"""DTensor parameters in :class:`f8tensor.optim.AdamW`: local shards, row offsets, states.
 
-Every op of a step is elementwise or per row block, so a step runs on the local shards and
-makes no collective; the states are DTensors with the parameter's mesh and placements, so
-``torch.distributed.checkpoint`` saves and reshards them. FP8 moments keep one scale per
-128 elements of each dim-0 row: a DTensor parameter with FP8 states must be sharded on
-dim 0 (FSDP2's) or replicated, so that a shard holds whole rows.
+A step is elementwise or per row block, so it runs on local shards with no collective;
+states are DTensors placed like their parameter. FP8 states need dim-0 shards or replication.
 """
 
 from __future__ import annotations
@@ -17,15 +13,14 @@ from f8tensor.compat import dtensor_local
 
 if dist.is_available():
     from torch.distributed.tensor import DTensor, Replicate, Shard
-else:  # a torch build without torch.distributed: nothing is ever a DTensor
+else:
     DTensor = ()  # type: ignore[misc,assignment]  # isinstance(x, ()) is always False
 
 __all__ = ["check_fp8_placements", "local_shard", "row_length", "row_offset", "wrap_like"]
 
 
 def local_shard(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (the tensor FSDP2 keeps; in-place updates reach the
-    parameter), any other tensor itself."""
+    """A DTensor's local shard (updates in place reach the parameter), else the tensor."""
     return dtensor_local(t) if isinstance(t, DTensor) else t
 
 
@@ -42,14 +37,11 @@ def check_fp8_placements(p: torch.Tensor) -> None:
 
 
 def row_offset(p: torch.Tensor) -> int:
-    """The global index of the first dim-0 row of ``p``'s local shard (0 for a plain tensor).
-
-    DTensor's ``Shard(0)`` splits as ``torch.chunk`` does, one mesh dim after the other:
-    chunks of ``ceil(rows / n)``, the last ones short or empty."""
+    """The global index of the first dim-0 row of ``p``'s local shard (torch.chunk splits)."""
     if not isinstance(p, DTensor):
         return 0
     coordinate = p.device_mesh.get_coordinate()
-    if coordinate is None:  # this rank is not in the mesh
+    if coordinate is None:
         return 0
     offset, rows = 0, p.shape[0]
     for mesh_dim, placement in enumerate(p.placements):
@@ -63,8 +55,7 @@ def row_offset(p: torch.Tensor) -> int:
 
 
 def wrap_like(local: torch.Tensor, p: torch.Tensor, global_shape: tuple[int, ...]) -> torch.Tensor:
-    """``local`` as a DTensor with ``p``'s mesh and placements (no collective), when ``p``
-    is one; ``local`` itself otherwise."""
+    """``local`` as a DTensor placed like ``p`` when ``p`` is one (no collective)."""
     if not isinstance(p, DTensor):
         return local
     stride = torch.empty(global_shape, device="meta").stride()
@@ -74,5 +65,5 @@ def wrap_like(local: torch.Tensor, p: torch.Tensor, global_shape: tuple[int, ...
 
 
 def row_length(p: torch.Tensor) -> int:
-    """The elements of one dim-0 row of ``p`` (the stride of a shard's offset)."""
+    """The elements of one dim-0 row of ``p``."""
     return p.numel() // p.shape[0] if p.dim() and p.shape[0] else 0

@@ -1,12 +1,7 @@
-"""The arithmetic of one :class:`f8tensor.optim.AdamW` step that is not a cast: a param
-group's options (:func:`check_group`), the scalars of a step, and the moments' update as
-compiled code computes it.
+"""The arithmetic of an :class:`f8tensor.optim.AdamW` step that is not a cast.
 
-:func:`scalars` gives torch's single-tensor AdamW's scalars (bias corrections, step size)
-as Python floats for the eager path, or as tensors computed from the step counter under
-``torch.compile``, where the counter stays a tensor. :func:`compiled_moments` is
-``lerp_`` and ``mul_`` + ``addcmul_`` of the moments with the eager CPU kernels' roundings,
-for compiled code.
+Group options (:func:`check_group`), torch's step scalars (:func:`scalars`), and the moments'
+update with the eager CPU kernels' roundings for compiled code (:func:`compiled_moments`).
 """
 
 from __future__ import annotations
@@ -31,10 +26,8 @@ __all__ = [
 STATE_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float8_e4m3fn)
 #: The ``master_weights`` values :class:`~f8tensor.optim.AdamW` accepts.
 MASTER_WEIGHTS: tuple[str | None, ...] = (None, "stochastic", "remainder")
-#: ``torch.optim.AdamW``'s param-group options that :class:`~f8tensor.optim.AdamW` takes at
-#: these values only: ``foreach`` and ``fused`` pick torch's implementation, not the math
-#: (no-ops here); ``capturable`` and ``differentiable`` are not implemented; AdamW's weight
-#: decay is decoupled.
+#: ``torch.optim.AdamW``'s group options taken at these values only (``foreach``/``fused``
+#: pick an implementation and are ignored).
 TORCH_FIXED_OPTIONS: dict[str, tuple[bool | None, ...]] = {
     "foreach": (None, False, True),
     "fused": (None, False, True),
@@ -49,8 +42,7 @@ def _number(x: Any) -> bool:
 
 
 def check_group(group: dict[str, Any]) -> None:
-    """Raise ValueError naming the first option of ``group`` (a param group with every
-    default filled in) that AdamW does not take, and what it allows."""
+    """Raise ``ValueError`` naming the first option of ``group`` AdamW does not take, and what it allows."""
     lr, betas, eps, weight_decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
     if not _number(lr) or not lr >= 0.0:
         raise ValueError(f"lr must be a float >= 0; got {lr!r}")
@@ -82,9 +74,7 @@ def check_group(group: dict[str, Any]) -> None:
 
 
 class Scalars(NamedTuple):
-    """One step's hyperparameters as the ops take them: Python floats, except under
-    ``torch.compile``, where the two that depend on the step counter are 0-dim fp32 tensors
-    computed from it (the counter stays a tensor in the graph)."""
+    """One step's hyperparameters: Python floats, or under compile 0-dim fp32 tensors for the step-dependent two."""
 
     lr: float
     beta1: float
@@ -96,10 +86,7 @@ class Scalars(NamedTuple):
 
 
 def scalars(group: dict[str, Any], step: float | torch.Tensor) -> Scalars:
-    """torch's single-tensor AdamW's scalars for ``step`` (after the increment), in float64:
-    Python floats in eager mode; under compile a float64 tensor (0-dim pow, division and
-    square root give the Python floats' fp32 values: 160,000 (beta, step) pairs checked),
-    rounded to fp32 as torch rounds a Python scalar for an fp32 op."""
+    """torch's single-tensor AdamW's scalars for ``step`` in float64, rounded to fp32 under compile."""
     beta1, beta2 = group["betas"]
     bias_correction1 = 1 - beta1**step
     bias_correction2 = 1 - beta2**step
@@ -114,13 +101,12 @@ def scalars(group: dict[str, Any], step: float | torch.Tensor) -> Scalars:
 def compiled_moments(
     grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, s: Scalars
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``lerp_`` and ``mul_`` + ``addcmul_`` of the moments as compiled code computes them
-    with the eager CPU kernels' roundings: ATen's vectorized CPU lerp is
-    ``fma(w, end - start, start)`` (``fma(w - 1, end - start, end)`` for ``w >= 0.5``) and
-    its addcmul ``fma(value * t1, t2, self)``, fused multiply-adds that inductor's own
-    lowerings of lerp and addcmul do not emit on CPU; :func:`~f8tensor.compat.fma` does."""
-    # The scalars as fp32 tensors, as the eager kernels convert them; the weight's branch
-    # and ``w - 1`` (exact) in fp32, as the kernel computes them.
+    """The moments' ``lerp_`` and ``mul_`` + ``addcmul_`` with the eager CPU kernels' roundings.
+
+    ATen's CPU lerp and addcmul are fused multiply-adds that inductor's lowerings do not emit
+    on CPU; :func:`~f8tensor.compat.fma` does.
+    """
+    # fp32 scalars and branch, as the eager kernel computes them.
     w = torch.full((), 1 - s.beta1, dtype=torch.float32, device=grad.device)
     small = w.abs() < 0.5
     exp_avg = fma(torch.where(small, w, w - 1), grad - exp_avg, torch.where(small, exp_avg, grad))

@@ -1,8 +1,6 @@
 """The quantized tensor subclasses, their op tables and the weight wrappers.
 
-``f8tensor.tensor`` keeps the names that checkpoints and scripts use
-(``Float8Tensor``, ``_rebuild_float8_tensor``, ``cast_to_float8``, ...): every name of
-:mod:`f8tensor.tensor.float8` is importable from here.
+Every name of :mod:`f8tensor.tensor.float8` is importable from here (checkpoints name it).
 """
 
 from f8tensor.tensor import float8 as _float8

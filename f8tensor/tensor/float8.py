@@ -1,15 +1,11 @@
 """Float8Tensor: raw FP8 data, its scale and the dtype it stands for.
 
-The tensor is a plain container: it never decides a scale (``scaling.py`` does, inside the
-casts of ``kernels``) and its ops live in a table filled by ``ops.py``. This module owns the
-container (fields, flatten/unflatten, the dispatch table, pickling and the checkpoint
-rebuild), the casts that wrap ``kernels``' raw data and scales in one
-(:func:`to_float8`, and the keyword adapters :func:`cast_to_float8` /
-:func:`cast_to_float8_with_stats`), and the autograd Functions into and out of it, whose
-backward passes the gradient through unchanged.
+The tensor is a plain container: it never decides a scale (``scaling.py`` does, inside
+``kernels``' casts) and its ops live in a table filled by ``ops.py``. This module owns the
+container, the casts that wrap ``kernels``' output in one (:func:`to_float8`), and the
+autograd Functions into and out of it, whose backward passes the gradient through.
 
-Checkpoints name ``f8tensor.tensor.float8._rebuild_float8_tensor`` (and, before it existed,
-``f8tensor.tensor.float8.Float8Tensor``): both stay defined here.
+Checkpoints name ``f8tensor.tensor.Float8Tensor`` and ``f8tensor.tensor._rebuild_float8_tensor``.
 """
 
 from __future__ import annotations
@@ -65,9 +61,6 @@ __all__ = [
     "with_inverse_scale",
 ]
 
-# SCALE_DTYPES (fp32, e8m0fnu for MX) is defined in formats.py, next to E8M0, and
-# re-exported here: the dtypes a Float8Tensor's ``_scale`` may have. check_scale_values and
-# scale_from_number live in validation.py and are re-exported for the same reason.
 
 #: The checkpoint format :meth:`Float8Tensor.__reduce_ex__` writes (see ``validation.py``).
 _SERIAL_VERSION = SERIAL_VERSION
@@ -76,52 +69,33 @@ _SERIAL_VERSION = SERIAL_VERSION
 class Float8Tensor(QuantizedTensor):
     """An FP8 tensor that behaves like the high-precision tensor it was cast from.
 
-    Outer (visible) dtype: the original dtype (bf16, fp16 or fp32); outer shape and
-    strides: those of the data. Fields:
+    Outer dtype: the original dtype; outer shape and strides: the data's. Fields:
 
-    - ``_data``: the FP8 payload, any of the four torch float8 dtypes.
-    - ``_block``: which elements share one scale, one entry per dim of ``_data``: ``b > 0``
-      means ``b`` consecutive elements along that dim share a scale (the last block of a dim
-      may be partial), ``0`` that the whole dim shares it (so slicing along it keeps the
-      block). Every granularity is a block:
+    - ``_data``: the FP8 payload.
+    - ``_block``: per dim of ``_data``, ``b > 0``: ``b`` consecutive elements share a scale
+      (the last block may be partial); ``0``: the whole dim does.
 
-      ========================  ==================  ==========================
-      granularity               ``_block``          ``_scale`` shape
-      ========================  ==================  ==========================
-      tensorwise                ``(0, 0)``          ``()`` (0-dim)
-      rowwise on (M, K)         ``(1, 0)``          ``(M, 1)``
-      per column (axis 0)       ``(0, 1)``          ``(1, K)``
-      1x128 (activations)       ``(1, 128)``        ``(M, ceil(K/128))``
-      128x128 (weights)         ``(128, 128)``      ``(ceil(M/128), ceil(K/128))``
-      MX 1x32                   ``(1, 32)``         ``(M, ceil(K/32))``, e8m0
-      per expert (E, N, K)      ``(1, 0, 0)``       ``(E, 1, 1)``
-      ========================  ==================  ==========================
+      ===========  ==========  ===============================
+      granularity  _block      _scale shape (sizes rounded up)
+      ===========  ==========  ===============================
+      tensorwise   (0, 0)      ()
+      rowwise      (1, 0)      (M, 1)
+      per column   (0, 1)      (1, K)
+      1x128        (1, 128)    (M, K/128)
+      128x128      (128, 128)  (M/128, K/128)
+      MX 1x32      (1, 32)     (M, K/32), e8m0
+      per expert   (1, 0, 0)   (E, 1, 1)
+      ===========  ==========  ===============================
 
-    - ``_scale``: fp32, or ``torch.float8_e8m0fnu`` (MX: powers of two). Tensorwise: a 0-dim
-      tensor; otherwise same ndim as ``_data`` with ``ceil(size / b)`` entries along a dim
-      with block ``b`` and 1 along a dim with block 0. One rule per block:
-      ``_data = saturate(hp.float() * _scale)``, ``hp ~= _data.float() / _scale``. An e8m0
-      scale stores this same multiplier (the reciprocal of the OCP spec's shared scale X).
-    - ``_orig_dtype``: the high-precision dtype (also the outer dtype).
-    - ``_gemm``: the :class:`GemmConfig` used when this tensor enters a matrix product.
+    - ``_scale``: fp32 or e8m0; ``_data = saturate(hp * _scale)``, ``hp ~= _data / _scale``.
+    - ``_orig_dtype``: the high-precision dtype.
+    - ``_gemm``: the :class:`GemmConfig` of its matrix products.
 
-    Derived, read-only: :attr:`_scale_block` (the block in :class:`~f8tensor.quant.config.CastSpec`'s
-    spelling, ``()`` for tensorwise: what the predicates of ``config`` read), and the
-    public :attr:`granularity`, :attr:`axiswise_dim` (the old spelling: ``None`` for
-    tensorwise, ``d`` for a block that is 0 at ``d`` and 1 elsewhere; block-scaled tensors
-    raise, so no code written for the old granularities mistakes a block scale for a per-row
-    one), :attr:`is_blockwise` and :attr:`block`.
-
-    Build one with :meth:`from_hp`; get the high-precision values back with :meth:`to_hp`.
-    Metadata is immutable and compares by value, so ``__tensor_flatten__`` and
-    ``__tensor_unflatten__`` are exact inverses (torch.compile relies on it).
+    Metadata is immutable, so flatten and unflatten are exact inverses.
 
     Raises:
-        NotImplementedError: an op with no FP8 handler (it names the op; call :meth:`to_hp`
-            first for a high-precision result), instead of a silent dequantization.
-        IndexError: an index outside ``[-size, size)``.
-        ValueError: an FP8 matrix product of operands (or a bias) on different devices;
-            :attr:`axiswise_dim` of a block-scaled tensor.
+        NotImplementedError: an op with no FP8 handler (it names the op).
+        ValueError: operands on different devices; :attr:`axiswise_dim` of a block scale.
 
     Example:
         >>> from f8tensor import Float8Tensor
@@ -136,8 +110,7 @@ class Float8Tensor(QuantizedTensor):
     _block: tuple[int, ...]
     _gemm: GemmConfig
 
-    # The op table: aten overload -> handler(func, types, args, kwargs). Filled by ops.py;
-    # read by QuantizedTensor.__torch_dispatch__, which refuses any other op with this message.
+    # aten overload -> handler; filled by ops.py.
     _OPS: ClassVar[dict[Any, OpHandler]] = {}
     _UNSUPPORTED: ClassVar[str] = (
         "Float8Tensor does not support {func}. FP8 data only takes part in matrix "
@@ -145,13 +118,8 @@ class Float8Tensor(QuantizedTensor):
         "compute in high precision."
     )
 
-    #: ``1 / _scale`` as the GEMMs read it, when the library's own cast computed it (once
-    #: for every product of the tensor: :func:`with_inverse_scale`; or in the fused cast
-    #: kernel's pass: :func:`to_float8_for_gemm`; eager only, else None).
-    #: A cache, not a field: never flattened, pickled or compared, and carried by
-    #: :meth:`_replace` only while ``_scale`` stays the very same tensor. Only fresh
-    #: temporaries of a training step carry one (never a tensor whose scale may later be
-    #: written in place, such as an FSDP2 gather's output).
+    #: ``1 / _scale`` from the library's own cast (eager only): a cache, not a field, kept by
+    #: :meth:`_replace` only while ``_scale`` is the same tensor, never on scales written in place.
     _inv_scale: torch.Tensor | None = None
 
     @staticmethod
@@ -163,11 +131,8 @@ class Float8Tensor(QuantizedTensor):
         block: tuple[int, ...] | None = None,
         gemm: GemmConfig = DEFAULT_GEMM,
     ) -> Float8Tensor:
-        # The library builds through here with fields that are right by construction:
-        # unchecked (the eager hot path). Only torch.load(weights_only=True) calling the class
-        # itself (possible once a user allowlists it: add_safe_globals([Float8Tensor])) would
-        # build one from a checkpoint's fields: those are checked like the safe path's. Never
-        # under compile (the frame test is skipped there, so it does not graph-break).
+        # Unchecked on the hot path; only torch.load(weights_only=True) calling the class itself gets
+        # the fields checked (never under compile: the frame test would graph-break).
         if not torch.compiler.is_compiling() and called_by_weights_only_load():
             if block is None and isinstance(data, torch.Tensor):
                 block = layout_block((), data.dim())
@@ -176,7 +141,6 @@ class Float8Tensor(QuantizedTensor):
         self._data = data
         self._scale = scale
         self._orig_dtype = orig_dtype
-        # None: tensorwise, for data of any ndim.
         self._block = layout_block((), data.dim()) if block is None else block
         self._gemm = gemm
         return self
@@ -197,34 +161,24 @@ class Float8Tensor(QuantizedTensor):
     ) -> Float8Tensor:
         """Cast a bf16/fp16/fp32 tensor to FP8 (saturating), differentiably.
 
-        ``granularity``: ``"tensorwise"`` (one scale), ``"rowwise"`` (one scale per row,
-        along the last dim), or a block: :data:`~f8tensor.BLOCK_1x128`,
-        :data:`~f8tensor.BLOCK_128x128`, :data:`~f8tensor.MX_1x32` (e8m0 scales), any
-        :class:`~f8tensor.BlockGranularity`, or a tuple such as ``(1, 128)`` (fp32 scales;
-        applied to the trailing dims, leading dims get 1). Sizes that are not multiples of
-        the block get a partial last block. ``scale``: used as is when given (a float, a
-        0-dim tensor, or a tensor of the granularity's scale shape, see the class
-        docstring); otherwise the current amax sets it. ``gemm_config``: how matrix products
-        with this tensor run. ``power_of_2_scale``: round a computed fp32 scale down to a
-        power of two. ``rounding``: ``"nearest"`` (round to nearest even) or ``"stochastic"``
-        (unbiased; ``generator`` makes it reproducible). The gradient flows to ``hp`` unchanged.
+        Args:
+            hp: the tensor to cast.
+            float8_dtype: the FP8 dtype.
+            granularity: ``"tensorwise"``, ``"rowwise"``, a :class:`~f8tensor.BlockGranularity` or a block.
+            scale: used as is when given; else the amax sets it.
+            gemm_config: how matrix products with the result run.
+            power_of_2_scale: round a computed scale down to a power of two.
+            rounding: ``"nearest"`` or ``"stochastic"`` (with ``generator``).
+            generator: the random source of stochastic rounding.
 
         Raises:
-            TypeError: ``hp`` is not bf16/fp16/fp32 (or is already a Float8Tensor), or
-                ``float8_dtype`` is not an FP8 dtype.
-            ValueError: an unknown granularity or rounding, or a ``scale`` of the wrong
-                shape or with non-finite or non-positive values.
+            TypeError: ``hp`` is not bf16/fp16/fp32, or ``float8_dtype`` is not FP8.
+            ValueError: an unknown granularity or rounding, or a bad ``scale``.
 
         Example:
             >>> from f8tensor import Float8Tensor
-            >>> w = torch.randn(64, 32, dtype=torch.bfloat16)
-            >>> w8 = Float8Tensor.from_hp(w)
-            >>> w8.shape, w8.dtype, w8._data.dtype, w8._scale.shape
-            (torch.Size([64, 32]), torch.bfloat16, torch.float8_e4m3fn, torch.Size([]))
-            >>> Float8Tensor.from_hp(w, granularity="rowwise")._scale.shape
+            >>> Float8Tensor.from_hp(torch.randn(64, 32), granularity="rowwise")._scale.shape
             torch.Size([64, 1])
-            >>> (torch.randn(8, 32, dtype=torch.bfloat16) @ w8.t()).shape
-            torch.Size([8, 64])
         """
         if isinstance(hp, Float8Tensor):
             raise TypeError("from_hp expects a high-precision tensor; got a Float8Tensor (call .to_hp() first)")
@@ -240,22 +194,12 @@ class Float8Tensor(QuantizedTensor):
 
         Raises:
             TypeError: ``dtype`` is not bf16, fp16 or fp32.
-
-        Example:
-            >>> from f8tensor import Float8Tensor, sqnr
-            >>> w = torch.randn(64, 32)
-            >>> back = Float8Tensor.from_hp(w).to_hp()
-            >>> back.dtype, type(back) is torch.Tensor, sqnr(w, back) > 25
-            (torch.float32, True, True)
         """
         if dtype is not None:
             check_hp_dtype(dtype, "to_hp dtype")
         return _ToHP.apply(self, dtype)
 
-    # Python's `@` turns a TypeError raised inside Tensor.__matmul__ (our message for, say,
-    # an int operand) into NotImplemented and then into "unsupported operand type(s)".
-    # Overriding both sides on the subclass makes Python call them first, and our error
-    # comes through as raised.
+    # Python turns a TypeError inside Tensor.__matmul__ into NotImplemented; overriding both sides keeps ours.
     def __matmul__(self, other: Any) -> torch.Tensor:  # type: ignore[override]
         if not isinstance(other, torch.Tensor):
             return NotImplemented
@@ -274,33 +218,29 @@ class Float8Tensor(QuantizedTensor):
 
     @property
     def _scale_block(self) -> tuple[int, ...]:
-        """The block in :class:`~f8tensor.quant.config.CastSpec`'s spelling: ``()`` for a tensorwise
-        (0-dim) scale, else ``_block``. What the predicates of ``config`` read, and what a
-        cast that reproduces this tensor's granularity is given."""
+        """The block in :class:`~f8tensor.quant.config.CastSpec`'s spelling: ``()`` for tensorwise."""
         return spec_block(self._block, self._scale.dim())
 
     @property
     def is_blockwise(self) -> bool:
-        """True for a true block scale (1x128, 128x128, MX, ...), False for tensorwise/axiswise."""
+        """True for a block scale (1x128, 128x128, MX, ...)."""
         return is_blockwise(self._scale_block)
 
     @property
     def block(self) -> tuple[int, ...]:
-        """The per-dim block (see the class docstring)."""
+        """The per-dim block."""
         return self._block
 
     @property
     def granularity(self) -> Granularity | BlockGranularity:
-        """``Granularity.TENSORWISE`` / ``ROWWISE`` (any axis) for the old granularities, else
-        the :class:`BlockGranularity` (full per-dim block, scale dtype)."""
+        """``Granularity.TENSORWISE`` / ``ROWWISE``, else the :class:`BlockGranularity`."""
         if self.is_blockwise:
             return BlockGranularity(self._block, self._scale.dtype)
         return Granularity.TENSORWISE if self._scale.dim() == 0 else Granularity.ROWWISE
 
     @property
     def axiswise_dim(self) -> int | None:
-        """The old spelling of the block: ``None`` for tensorwise, ``d`` for an axiswise block
-        (0 at ``d``, 1 elsewhere). Raises for a true block."""
+        """``None`` for tensorwise, ``d`` for an axiswise block; raises for a block scale."""
         if self.is_blockwise:
             raise ValueError(
                 f"a block-scaled Float8Tensor (block {self._block}) has no axiswise_dim; read ._block "
@@ -308,7 +248,6 @@ class Float8Tensor(QuantizedTensor):
             )
         return axiswise_dim(self._scale_block)
 
-    #: The name ``axiswise_dim`` had before it was public (kept for code that reads it).
     _axiswise_dim = axiswise_dim
 
     @property
@@ -335,14 +274,7 @@ class Float8Tensor(QuantizedTensor):
     # ----------------------------------------------------------------- serialization
 
     def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:  # type: ignore[override]
-        """Pickle (``torch.save``, ``pickle``, ``copy.deepcopy``) as plain fields rebuilt by
-        :func:`_rebuild_float8_tensor`, the one validating way back.
-
-        The FP8 bytes travel as a ``uint8`` tensor holding exactly this tensor's elements (a
-        slice or ``split`` piece is copied out of its larger storage; a dense layout keeps
-        its strides): ``uint8`` pickles everywhere, where FP8 storages do not always.
-        Attributes other than the fields (and ``nn.Parameter``'s mark) are not saved.
-        """
+        """Pickle as plain fields, the FP8 bytes as ``uint8`` (FP8 storages do not pickle everywhere)."""
         return (_rebuild_float8_tensor, (_SERIAL_VERSION, self._serial_fields()))
 
     def _serial_fields(self) -> dict[str, Any]:
@@ -360,15 +292,14 @@ class Float8Tensor(QuantizedTensor):
         return new
 
     def __setstate__(self, state: Any) -> None:
-        """Checkpoints written before :meth:`__reduce_ex__` existed: a wrapper rebuilt from its
-        outer size and strides, then its attributes. Every field is validated here."""
+        """Restore a checkpoint written before :meth:`__reduce_ex__`, validating every field."""
         outer = (self.dtype, tuple(self.shape), self.stride(), self.storage_offset(), self.device)
         data, scale, orig_dtype, block, gemm, is_param = legacy_state_fields(state, outer)
         self._data, self._scale = data, scale
         self._orig_dtype, self._block, self._gemm = orig_dtype, block, gemm
         if is_param:
             self._is_param = True
-        if type(self) is not Float8Tensor:  # _LegacyFloat8Tensor, see there
+        if type(self) is not Float8Tensor:
             self.__class__ = Float8Tensor
 
     def __repr__(self) -> str:  # type: ignore[override]
@@ -402,10 +333,7 @@ class Float8Tensor(QuantizedTensor):
 
 
 def _rebuild_float8_tensor(version: object, fields: object) -> torch.Tensor:
-    """Unpickle a Float8Tensor (``torch.load``, with ``weights_only=True`` too; ``pickle``;
-    ``copy.deepcopy``): every field is validated (``validation.checkpoint_fields``) before
-    the tensor exists. Checkpoints name this function: it stays defined in this module.
-    Returns the Float8Tensor, or an ``nn.Parameter`` over it when one was saved."""
+    """Unpickle a Float8Tensor (or its ``nn.Parameter``), validating every field first."""
     data, scale, orig_dtype, block, gemm, requires_grad, is_param = checkpoint_fields(version, fields)
     out = Float8Tensor(data, scale, orig_dtype, block, gemm)
     if is_param:
@@ -414,12 +342,9 @@ def _rebuild_float8_tensor(version: object, fields: object) -> torch.Tensor:
 
 
 class _LegacyFloat8Tensor(Float8Tensor):
-    """What ``weights_only=True`` loading knows as ``f8tensor.tensor.float8.Float8Tensor``.
+    """What ``weights_only=True`` loading knows as ``f8tensor.tensor.Float8Tensor``.
 
-    Checkpoints written before :meth:`Float8Tensor.__reduce_ex__` name the class: they
-    rebuild an empty wrapper of it and restore its attributes through ``__setstate__``,
-    which validates them and turns the object into a Float8Tensor. Constructing the class
-    directly (pickle's NEWOBJ), which would skip that validation, is refused.
+    ``__setstate__`` validates it into a Float8Tensor; direct construction is refused.
     """
 
     @staticmethod
@@ -434,7 +359,7 @@ class _LegacyFloat8Tensor(Float8Tensor):
 
 
 def is_float8(x: object) -> TypeIs[Float8Tensor]:
-    """Whether ``x`` is a Float8Tensor (a type check narrows ``x`` by it)."""
+    """Whether ``x`` is a Float8Tensor."""
     return isinstance(x, Float8Tensor)
 
 
@@ -450,10 +375,7 @@ def to_float8(
     orig_dtype: torch.dtype | None = None,
     generator: torch.Generator | None = None,
 ) -> Float8Tensor:
-    """``hp`` cast per ``spec`` (``kernels.cast``), unchecked and without autograd: the cast
-    library code calls. ``scale``: used as is when given (dynamic otherwise); ``gemm``:
-    the product config the result carries; ``orig_dtype``: what it stands for (default
-    ``hp``'s dtype)."""
+    """``hp`` cast per ``spec``, unchecked and without autograd (the library's cast)."""
     data, scale = kernels.cast(hp, spec, scale, generator=generator)
     return Float8Tensor(data, scale, orig_dtype or hp.dtype, layout_block(spec.block, hp.dim()), gemm)
 
@@ -467,11 +389,7 @@ def to_float8_for_gemm(
     layouts: str = "natural",
     column_major_gemm: GemmConfig | None = None,
 ) -> tuple[Float8Tensor, Float8Tensor | None]:
-    """:func:`to_float8` through ``kernels.cast_for_gemm``: the FP8 tensor and, with
-    ``layouts="both"``, its column-major twin (config ``column_major_gemm``, default
-    ``gemm``), else None. ``layouts="column_major"``: the tensor's own bytes column-major.
-    Both carry the scale's inverse where the cast computed it (``kernels.cast_for_gemm``;
-    see :func:`with_inverse_scale`)."""
+    """:func:`to_float8` and, with ``layouts='both'``, the column-major twin (else None)."""
     out = kernels.cast_for_gemm(hp, spec, scale, layouts=layouts)
     block = layout_block(spec.block, hp.dim())
     f8 = Float8Tensor(out.data, out.scale, hp.dtype, block, gemm)
@@ -486,11 +404,10 @@ def to_float8_for_gemm(
 
 
 def with_inverse_scale(f8: Float8Tensor) -> Float8Tensor:
-    """``f8`` (a fresh cast of the library's own) carrying ``1 / f8._scale``, computed once
-    here for every product that reads it instead of once per product, when its scale is
-    per tensor (a tensor that two GEMMs of a step read, transposed or not; an axiswise or
-    block scale serves one GEMM, whose operand preparation computes its inverse). Eager
-    only: under torch.compile it returns ``f8`` as is (inductor places the reciprocal)."""
+    """``f8`` carrying ``1 / f8._scale`` for a per-tensor scale, computed once for every product.
+
+    Eager only: under torch.compile ``f8`` is returned as is.
+    """
     if f8._scale.dim() == 0 and not torch.compiler.is_compiling():
         f8._inv_scale = inverse_scale_of(f8._scale)
     return f8
@@ -506,7 +423,7 @@ def to_float8_with_stats(
     orig_dtype: torch.dtype | None = None,
     generator: torch.Generator | None = None,
 ) -> tuple[Float8Tensor, torch.Tensor]:
-    """:func:`to_float8`, also measuring what the cast did (see :func:`cast_to_float8_with_stats`)."""
+    """:func:`to_float8`, also returning the cast's statistics."""
     data, scale, stats = kernels.cast_with_stats(hp, spec, scale, amax=amax, generator=generator)
     return Float8Tensor(data, scale, orig_dtype or hp.dtype, layout_block(spec.block, hp.dim()), gemm), stats
 
@@ -526,13 +443,9 @@ def cast_to_float8(
     rounding: str = "nearest",
     generator: torch.Generator | None = None,
 ) -> Float8Tensor:
-    """The cast itself, unchecked and without autograd, in keywords (a spec is built and
-    :func:`to_float8` called).
+    """The cast in keywords, unchecked and without autograd.
 
-    Granularity: ``block`` (a full per-dim block, see :class:`Float8Tensor`), or the old
-    spelling ``axiswise_dim`` (``None``: tensorwise). With ``scale=None`` the scale is
-    dynamic (the current amax of ``hp``, per block). ``scale_dtype``/``scale_mode``: fp32 or
-    e8m0 scales (and the e8m0 exponent rule); ``rounding``: ``"nearest"`` or ``"stochastic"``.
+    Granularity: ``block``, or ``axiswise_dim`` (``None``: tensorwise). ``scale=None``: dynamic.
     """
     spec = keyword_spec(hp.dim(), float8_dtype, axiswise_dim, block, power_of_2_scale, scale_dtype, scale_mode, rounding)
     return to_float8(hp, spec, scale=scale, gemm=gemm, orig_dtype=orig_dtype, generator=generator)
@@ -554,15 +467,13 @@ def cast_to_float8_with_stats(
     rounding: str = "nearest",
     generator: torch.Generator | None = None,
 ) -> tuple[Float8Tensor, torch.Tensor]:
-    """:func:`cast_to_float8`, also measuring what the cast did to ``hp``: bitwise the same
-    Float8Tensor, and a float64 vector laid out as :data:`CAST_STATS_FIELDS` (what each
-    entry means: :func:`f8tensor.kernels.cast_with_stats`)."""
+    """:func:`cast_to_float8`, also returning a float64 vector laid out as :data:`CAST_STATS_FIELDS`."""
     spec = keyword_spec(hp.dim(), float8_dtype, axiswise_dim, block, power_of_2_scale, scale_dtype, scale_mode, rounding)
     return to_float8_with_stats(hp, spec, scale=scale, amax=amax, gemm=gemm, orig_dtype=orig_dtype, generator=generator)
 
 
 def dequantize(f8: Float8Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``_data / _scale`` in fp32 per block, then cast to ``dtype`` (default: the original dtype)."""
+    """``_data / _scale`` in fp32 per block, cast to ``dtype`` (default: the original)."""
     return kernels.dequantize(f8._data, f8._scale, f8._block, dtype or f8._orig_dtype)
 
 
@@ -577,8 +488,7 @@ class _FromHP(torch.autograd.Function):
         generator: torch.Generator | None,
     ) -> Float8Tensor:
         if scale is not None:
-            # An explicit scale skips the amax pass that would otherwise catch inf inputs:
-            # keep them non-finite (NaN) rather than saturating them to a finite max.
+            # No amax pass here to catch inf: make it NaN rather than saturate it.
             hp = torch.where(torch.isinf(hp), torch.nan, hp)
         return to_float8(hp, spec, scale=scale, gemm=gemm, generator=generator)
 
@@ -598,7 +508,6 @@ class _ToHP(torch.autograd.Function):
 
 
 
-# Checkpoints name the class and the rebuild function by their path before the package was
-# cut by concern (f8tensor.tensor re-exports both).
+# Checkpoints name these by their old path.
 Float8Tensor.__module__ = "f8tensor.tensor"
 _rebuild_float8_tensor.__module__ = "f8tensor.tensor"

@@ -1,39 +1,10 @@
 """Float4Tensor: packed E2M1 data with NVFP4 or MXFP4 block scales, and its layout ops.
 
-Why a sibling class rather than a new block spec on :class:`~f8tensor.tensor.float8.Float8Tensor`:
-
-- **The data is not the tensor's shape.** Two elements share a byte along one dim, so the
-  payload of a ``(M, K)`` tensor is ``(M, K/2)``. Every layout handler of Float8Tensor
-  (``ops.py``: views, slices, splits, cat, transposes, FSDP pre/post all-gather) rebuilds
-  from ``_data`` with the outer shape equal to the data's; each would need a branch for a
-  packed dim, and a missed one would silently mis-shape FP4 data. Here the few layout ops
-  FP4 needs are written once, knowing the packed dim, and any other op fails.
-- **Two-level scales with the other convention.** NVFP4 carries an fp32 tensor scale next
-  to its e4m3 block scales, and both FP4 formats (and the sm100 kernels) use decode factors
-  (``x ~= e2m1 * block_scale * global_scale``), where Float8Tensor stores the reciprocal
-  multiplier. One class with both conventions would make every reader of ``_scale`` ask
-  which one it holds.
-- **What stays shared** is everything above the container: the cast specs come from the
-  same :class:`~f8tensor.quant.config.CastConfig` (an FP4 format is a dtype plus a block
-  granularity, see :data:`~f8tensor.quant.config.NVFP4_1x16`), the products go through the same
-  front door (``gemm.matmul``, one operand preparation in ``gemm/operands.py``), and the
-  layers, recipes and converter are the FP8 ones.
-
-Fields:
-
-- ``_data``: ``FLOAT4_X2`` (``torch.float4_e2m1fn_x2``) bytes; the outer shape with
-  ``_pack_dim`` halved (element ``2i`` in the low nibble).
-- ``_scale``: one decode factor per block, ``float8_e4m3fn`` (NVFP4) or ``float8_e8m0fnu``
-  (MXFP4); shape ``size // block`` per dim.
-- ``_global_scale``: 0-dim fp32 decode factor (NVFP4's tensor scale; 1 for MXFP4).
-- ``_block``: elements per scale along each dim (they tile the tensor exactly).
-- ``_pack_dim``: the dim two elements share a byte along (non-negative).
-- ``_kind``: ``"nvfp4"`` or ``"mxfp4"``; ``_orig_dtype``; ``_gemm`` (a GemmConfig).
-
-Layout ops move the scales with the data: ``t``/``transpose`` (the packed dim and the
-block move too), ``detach``, ``clone``, slices along a dim at block boundaries (the packed
-dim: also at byte boundaries), views that merge or split unblocked leading dims. A view or
-slice that would split a packed byte or a block raises ``ValueError`` saying which.
+A sibling of Float8Tensor, not a block spec of it: the payload's shape differs from the
+tensor's (two elements a byte) and its scales are decode factors
+(``x ~= e2m1 * block_scale * global_scale``), where Float8Tensor stores the reciprocal.
+Layout ops move the scales with the data; a view or slice that would split a packed byte or
+a block raises ``ValueError``, and any other op is refused.
 """
 
 from __future__ import annotations
@@ -61,8 +32,18 @@ def _outer_strides(data: torch.Tensor, pack_dim: int) -> tuple[int, ...]:
 
 
 class Float4Tensor(QuantizedTensor):
-    """An FP4 tensor (NVFP4 or MXFP4) that stands for a high-precision one; see the module
-    docstring for its fields and why it is not a Float8Tensor."""
+    """An FP4 tensor (NVFP4 or MXFP4) that stands for a high-precision one.
+
+    Fields:
+
+    - ``_data``: ``torch.float4_e2m1fn_x2`` bytes, the outer shape with ``_pack_dim`` halved
+      (element ``2i`` in the low nibble).
+    - ``_scale``: one decode factor per block, e4m3 (NVFP4) or e8m0 (MXFP4).
+    - ``_global_scale``: 0-dim fp32 decode factor (1 for MXFP4).
+    - ``_block``: elements per scale along each dim (they tile the tensor exactly).
+    - ``_pack_dim``: the dim two elements share a byte along.
+    - ``_kind``: ``"nvfp4"`` or ``"mxfp4"``; ``_orig_dtype``; ``_gemm``.
+    """
 
     _data: torch.Tensor
     _scale: torch.Tensor
@@ -121,26 +102,25 @@ class Float4Tensor(QuantizedTensor):
         four_over_six: bool = False,
         generator: torch.Generator | None = None,
     ) -> Float4Tensor:
-        """Cast a bf16/fp16/fp32 tensor to FP4, differentiably (the gradient passes through).
+        """Cast a bf16/fp16/fp32 tensor to FP4, differentiably.
 
-        ``block``: default one scale per 16 (NVFP4) or 32 (MXFP4) elements along the last
-        dim; ``pack_dim``: the dim two elements share a byte along.
+        Args:
+            block: default 16 (NVFP4) or 32 (MXFP4) elements along the last dim.
+            pack_dim: the dim two elements share a byte along.
 
         Raises:
-            TypeError: ``hp`` is not a bf16/fp16/fp32 tensor; ``four_over_six`` not a bool;
-                ``generator`` not a ``torch.Generator``.
-            ValueError: an unknown ``kind``, ``scale_mode`` or ``rounding``; ``pack_dim`` not an
-                int in ``[-ndim, ndim)`` or along an odd-sized dim; ``block`` not one int
-                ``>= 0`` per dim (0: the whole dim), or not tiling the tensor exactly."""
+            TypeError: ``hp`` is not bf16/fp16/fp32; a bad ``four_over_six`` or ``generator``.
+            ValueError: an unknown ``kind``, ``scale_mode`` or ``rounding``; a bad ``pack_dim`` or
+                ``block`` (one int ``>= 0`` per dim, tiling the tensor).
+        """
         return from_hp_fp4(hp, kind, block=block, pack_dim=pack_dim, scale_mode=scale_mode, rounding=rounding,
                            four_over_six=four_over_six, generator=generator)
 
     def to_hp(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Dequantize to a plain tensor in the original dtype (or ``dtype``), differentiably;
-        values saturate to the dtype's finite range (a block that held inf or NaN is NaN).
+        """Dequantize to the original dtype (or ``dtype``), differentiably; a block with inf or NaN is NaN.
 
         Raises:
-            TypeError: ``dtype`` is not bf16, fp16 or fp32 (as ``Float8Tensor.to_hp``).
+            TypeError: ``dtype`` is not bf16, fp16 or fp32.
         """
         if dtype is not None:
             check_hp_dtype(dtype, "to_hp dtype")
@@ -156,9 +136,7 @@ class Float4Tensor(QuantizedTensor):
         return unpack_e2m1(self._data, self._pack_dim)
 
     def repacked(self, pack_dim: int) -> Float4Tensor:
-        """The same codes packed along ``pack_dim`` (lossless: a nibble shuffle; the scales
-        stay). What a kernel that contracts over another dim needs (2D 16x16 weight blocks
-        quantize both layouts of a weight identically, so the weight is cast once)."""
+        """The same codes packed along ``pack_dim`` (lossless; the scales stay)."""
         pack_dim = pack_dim % self.dim()
         if pack_dim == self._pack_dim:
             return self

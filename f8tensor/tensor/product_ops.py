@@ -1,8 +1,4 @@
-"""The Float8Tensor op table's matrix products: handlers that unpack aten's arguments (and,
-for ``bmm``, pick the batch layout) and hand the product to ``gemm``'s front door.
-
-Registered with ``Float8Tensor.implements`` after each ``def``, as in :mod:`f8tensor.tensor.ops`
-(whose layout helpers the batch handlers use)."""
+"""The Float8Tensor op table's matrix products, handed to ``gemm``'s front door."""
 
 from __future__ import annotations
 
@@ -44,7 +40,7 @@ def _addmm(func, types, args, kwargs):
     out = matmul(a, b)
     if alpha != 1:
         out = out * alpha
-    # torch semantics: with beta == 0 the input is ignored entirely (NaN in it included).
+    # torch semantics: beta == 0 ignores the input, NaN included.
     return out if beta == 0 else out + beta * bias.to(out.dtype)
 
 
@@ -52,13 +48,9 @@ implements([aten.addmm.default])(_addmm)
 
 
 def _composite_product(func, types, args, kwargs):
-    """``matmul`` and ``linear``, which reach the table only undecomposed.
+    """``matmul`` and ``linear``, which arrive whole under inference_mode and in export decompositions.
 
-    With autograd on, PyTorch decomposes both into ``t``/``view``/``mm``/``bmm`` before
-    dispatch. Under ``torch.inference_mode()`` and in ``ExportedProgram.run_decompositions()``
-    they arrive whole: run PyTorch's own decomposition (their CompositeImplicitAutograd
-    kernel), whose pieces land on the handlers of this table. So every product keeps
-    the semantics (broadcasting, 1D operands, bias) of its high-precision twin.
+    PyTorch's own decomposition runs, so its pieces land on this table's handlers.
     """
     return func.decompose(*args, **kwargs)
 
@@ -66,7 +58,6 @@ def _composite_product(func, types, args, kwargs):
 implements([aten.matmul.default, aten.linear.default])(_composite_product)
 
 
-# Float4Tensor's products take the same handlers (its layout ops live in fp4.py).
 for _op, _handler in ((aten.mm.default, _mm), (aten.addmm.default, _addmm)):
     Float4Tensor.implements([_op])(_handler)
 Float4Tensor.implements([aten.matmul.default, aten.linear.default])(_composite_product)
@@ -75,10 +66,8 @@ Float4Tensor.implements([aten.matmul.default, aten.linear.default])(_composite_p
 def transpose_2d(x: Float8Tensor) -> Float8Tensor:
     """``x.t()`` for a 2D Float8Tensor, built directly instead of dispatched.
 
-    For library code that makes a Float8Tensor and multiplies with it in one traced
-    region: torch.export's pre-dispatch trace does not hand ops on a subclass created
-    inside it to ``__torch_dispatch__`` ("Unable to cast NotImplemented to Tensor").
-    The result is not registered as a view of ``x`` for autograd: use it on temporaries.
+    torch.export's pre-dispatch trace does not dispatch ops on a subclass made inside it. Not
+    an autograd view of ``x``: use it on temporaries.
     """
     return _permuted(x, x._data.t(), (1, 0))
 
@@ -86,16 +75,13 @@ def transpose_2d(x: Float8Tensor) -> Float8Tensor:
 def _bmm(func, types, args, kwargs):
     a, b = args
     batch = a.shape[0]
-    # x @ w.t() with a non-contiguous 3D x reaches here as bmm(x, w.t().expand(B, K, N)):
-    # the same matrix for every batch entry, so it folds into one 2D product.
+    # x @ w.t() with a non-contiguous x: one matrix for every entry folds into one 2D product.
     if b.stride(0) == 0:
         out = matmul(_flatten_batch(a), _batch_item(b, 0, 0))
         return out.view(batch, a.shape[1], b.shape[2])
     orig = a._orig_dtype if _is_f8(a) else b._orig_dtype
     if orig in GROUPED_RULES[0].out_dtypes and a.shape[2] % ALIGN == 0:
-        # One batched FP8 kernel (torch._scaled_grouped_mm's 3D x 3D form), which writes
-        # bf16 only: taken when that is the output dtype; fp16/fp32 outputs keep one
-        # _scaled_mm per batch entry, which writes them directly.
+        # The batched kernel writes bf16 only; other dtypes take one product per entry.
         return batched_mm(a, b, orig)
     return torch.stack([matmul(_batch_item(a, i, 1), _batch_item(b, i, 0)) for i in range(batch)])
 
@@ -104,12 +90,9 @@ implements([aten.bmm.default])(_bmm)
 
 
 def _grouped_mm(func, types, args, kwargs):
-    """``torch._grouped_mm(a, b, offs)``: a (M, K) tokens sorted by group, b (G, K, N), in FP8.
+    """``torch._grouped_mm(a, b, offs)`` in FP8: a (M, K) tokens sorted by group, b (G, K, N).
 
-    The form MoE layers use (2D x 3D with ``offs``). ``b``'s scale: one per tensor, or per
-    group and output column (a rowwise (G, N, K) weight after ``transpose(-2, -1)``); a
-    scale that varies along K is re-derived along N. Groups may be empty or any size.
-    The kernel writes bf16; the result is returned in ``out_dtype`` (default: a's dtype).
+    A scale of ``b`` that varies along K is re-derived along N; the result is in ``out_dtype``.
     """
     a, b, offs, bias, out_dtype = _with_defaults(args, (None, None, None, None, None))
     if a.dim() != 2 or b.dim() != 3 or offs is None:
@@ -119,7 +102,7 @@ def _grouped_mm(func, types, args, kwargs):
         )
     if bias is not None:
         raise NotImplementedError("FP8 _grouped_mm with bias is not supported (torch._scaled_grouped_mm takes none)")
-    return grouped_mm(a, b, offs, out_dtype or a.dtype)  # a Float8Tensor's dtype is its original one
+    return grouped_mm(a, b, offs, out_dtype or a.dtype)
 
 
 implements([aten._grouped_mm.default])(_grouped_mm)
@@ -142,8 +125,7 @@ def _flatten_batch(x: torch.Tensor) -> torch.Tensor:
 
 
 def _batch_item(x: torch.Tensor, i: int, k: int) -> torch.Tensor:
-    """Entry ``i`` of a (B, rows, cols) operand as a 2D one; ``k``: the dim the product
-    contracts over in it (1 for ``a``, 0 for ``b``)."""
+    """Entry ``i`` of a (B, rows, cols) operand; ``k``: the dim it contracts over."""
     if not _is_f8(x):
         return x[i]
     if x.is_blockwise:
@@ -152,8 +134,6 @@ def _batch_item(x: torch.Tensor, i: int, k: int) -> torch.Tensor:
     if axis is None:
         return x._replace(data=x._data[i], block=layout_block((), x.dim() - 1))
     if axis == 0:
-        # The scale was reduced over the batch dim: one scale per element of an entry,
-        # which no dense kernel reads. Re-derive it constant along K.
+        # A scale reduced over the batch dim: re-derive it constant along K.
         return requantize(x._replace(data=x._data[i], scale=x._scale[0], block=x._block[1:]), k)
-    # Block 1 at the batch dim (axis > 0): one scale row per entry.
     return x._replace(data=x._data[i], scale=x._scale[i], block=axiswise_block(axis - 1, x.dim() - 1))

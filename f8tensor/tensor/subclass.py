@@ -1,8 +1,7 @@
-"""The base of the library's quantized tensor subclasses (:class:`~f8tensor.Float8Tensor`,
-:class:`~f8tensor.Float4Tensor`): each class owns an op table, filled through
-:meth:`QuantizedTensor.implements`, and ``__torch_dispatch__`` looks an op up there or
-refuses it, naming it (an op with no handler is never silently run in high precision).
-No import and no allocation on that path: eager speed is decided there.
+"""The base of the quantized tensor subclasses: each class owns an op table.
+
+``__torch_dispatch__`` runs an op's handler or refuses it by name (never silently in high
+precision); no import and no allocation on that path.
 """
 
 from __future__ import annotations
@@ -25,9 +24,7 @@ _NO_KWARGS: types.MappingProxyType[str, Any] = types.MappingProxyType({})
 class QuantizedTensor(torch.Tensor):
     """A tensor subclass whose ops are its own table's handlers.
 
-    A subclass sets ``_OPS = {}`` (its own table: subclasses of it share it unless they set
-    their own) and ``_UNSUPPORTED``, the refusal's message with ``{func}`` for the op.
-    ``__torch_function__`` is disabled: every op reaches dispatch.
+    A subclass sets ``_OPS = {}`` and ``_UNSUPPORTED`` (the refusal, ``{func}`` for the op).
     """
 
     _OPS: ClassVar[dict[Any, OpHandler]]
