@@ -72,6 +72,10 @@ ALLOWED: dict[str, frozenset[str]] = {
          "f8tensor.kernels.dequantize"}
     ),
     "f8tensor/tensor/fp4.py": frozenset({"f8tensor.kernels.fp4.cast_fp4", "f8tensor.kernels.fp4.dequantize_fp4"}),
+    # The package re-exports the casts that scripts name as f8tensor.tensor.cast_to_float8.
+    "f8tensor/tensor/__init__.py": frozenset(
+        {"f8tensor.tensor.float8.cast_to_float8", "f8tensor.tensor.float8.cast_to_float8_with_stats"}
+    ),
     # Below the quantizer layer (they cannot import it): the products' own re-casts. An
     # FP8 output with the caller's scale (float8_mm); an operand re-cast in the block or
     # format its kernel takes; copy_ of a high-precision tensor into a Float8Tensor.

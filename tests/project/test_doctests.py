@@ -36,6 +36,7 @@ PUBLIC_MODULES = (
     "f8tensor.quant.policies",
     "f8tensor.quant.specs",
     "f8tensor.stats",
+    "f8tensor.tensor",
     "f8tensor.tensor.float8",
     "f8tensor.nn.weight_cache",
 )

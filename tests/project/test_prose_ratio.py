@@ -6,8 +6,8 @@ import importlib.util
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-#: The ratio at most; lower it with every change that lowers the ratio (the aim is 0.6).
-MAX_RATIO = 0.91
+#: The ratio at most (0.45 measured); lower it with every change that lowers the ratio.
+MAX_RATIO = 0.46
 
 
 def _tool():
