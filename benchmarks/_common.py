@@ -57,22 +57,39 @@ class BenchArgumentParser(argparse.ArgumentParser):
     def __init__(self, description: str | None, recipes: Sequence[str] = F8_RECIPES, **kwargs: Any) -> None:
         super().__init__(description=description, formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
         self.f8_recipes = tuple(recipes)  # what --recipes accepts (and its default)
-        self.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
-                          help="auto: cuda when available, else cpu")
+        self.add_argument(
+            "--device", default="auto", choices=("auto", "cpu", "cuda"), help="auto: cuda when available, else cpu"
+        )
         self.add_argument("--csv", metavar="PATH", help="also write the rows to this CSV file")
         self.add_argument("--quick", action="store_true", help="tiny sizes, few steps: a smoke run in seconds")
-        self.add_argument("--recipes", default=",".join(recipes),
-                          help=f"f8tensor recipes, comma-separated, or 'none' (default: all of {', '.join(recipes)})")
-        self.add_argument("--torchao-recipes", default=",".join(TORCHAO_RECIPES),
-                          help=f"torchao.float8 recipes, comma-separated, or 'none' (default: {', '.join(TORCHAO_RECIPES)})")
-        self.add_argument("--no-torchao", action="store_true",
-                          help=f"skip the torchao column (as does {NO_TORCHAO_ENV}=1, or torchao not being installed)")
-        self.add_argument("--threads", type=int, default=None,
-                          help="CPU threads for torch (default: 1 on CPU, so that shared machines give stable figures)")
+        self.add_argument(
+            "--recipes",
+            default=",".join(recipes),
+            help=f"f8tensor recipes, comma-separated, or 'none' (default: all of {', '.join(recipes)})",
+        )
+        self.add_argument(
+            "--torchao-recipes",
+            default=",".join(TORCHAO_RECIPES),
+            help=f"torchao.float8 recipes, comma-separated, or 'none' (default: {', '.join(TORCHAO_RECIPES)})",
+        )
+        self.add_argument(
+            "--no-torchao",
+            action="store_true",
+            help=f"skip the torchao column (as does {NO_TORCHAO_ENV}=1, or torchao not being installed)",
+        )
+        self.add_argument(
+            "--threads",
+            type=int,
+            default=None,
+            help="CPU threads for torch (default: 1 on CPU, so that shared machines give stable figures)",
+        )
 
     def add_modes(self, default: str = "eager,compiled") -> None:
-        self.add_argument("--modes", default=default,
-                          help="eager, compiled, or both, comma-separated (compiled: torch.compile, inductor)")
+        self.add_argument(
+            "--modes",
+            default=default,
+            help="eager, compiled, or both, comma-separated (compiled: torch.compile, inductor)",
+        )
         self.add_argument("--no-compile", action="store_true", help="same as --modes eager")
 
     def parse_args(self, argv: Sequence[str] | None = None) -> argparse.Namespace:  # type: ignore[override]
@@ -101,7 +118,9 @@ def parse_list(value: str, allowed: Sequence[str], flag: str, parser: argparse.A
     items = [v.strip() for v in value.split(",") if v.strip()]
     for item in items:
         if item not in allowed:
-            parser.error(f"{flag}: unknown value {item!r}; choose from {', '.join(allowed)} (comma-separated) or 'none'")
+            parser.error(
+                f"{flag}: unknown value {item!r}; choose from {', '.join(allowed)} (comma-separated) or 'none'"
+            )
     return list(dict.fromkeys(items))
 
 
@@ -112,12 +131,16 @@ def resolve_device(name: str, parser: argparse.ArgumentParser | None = None) -> 
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda":
         if not torch.cuda.is_available():
-            fail("--device cuda: no CUDA device is available (this torch build: "
-                 f"{torch.__version__}, CUDA {torch.version.cuda}); use --device cpu")
+            fail(
+                "--device cuda: no CUDA device is available (this torch build: "
+                f"{torch.__version__}, CUDA {torch.version.cuda}); use --device cpu"
+            )
         cap = torch.cuda.get_device_capability()
         if cap < (8, 9):
-            fail(f"--device cuda: FP8 matmuls need compute capability >= 8.9 (Ada, Hopper, Blackwell); "
-                 f"{torch.cuda.get_device_name()} has {cap[0]}.{cap[1]}")
+            fail(
+                f"--device cuda: FP8 matmuls need compute capability >= 8.9 (Ada, Hopper, Blackwell); "
+                f"{torch.cuda.get_device_name()} has {cap[0]}.{cap[1]}"
+            )
     return torch.device(name)
 
 
@@ -167,7 +190,9 @@ def torchao_version() -> str | None:
 def f8tensor_convert(model: torch.nn.Module, recipe: str, module_filter_fn=None) -> torch.nn.Module:
     from f8tensor import Float8LinearConfig, convert_to_float8_training
 
-    return convert_to_float8_training(model, config=Float8LinearConfig.from_recipe(recipe), module_filter_fn=module_filter_fn)
+    return convert_to_float8_training(
+        model, config=Float8LinearConfig.from_recipe(recipe), module_filter_fn=module_filter_fn
+    )
 
 
 def torchao_convert(float8: Any, model: torch.nn.Module, recipe: str, module_filter_fn=None) -> torch.nn.Module:
@@ -277,8 +302,9 @@ def label(key: Any) -> str:
     return " ".join(str(k.name if isinstance(k, Variant) else k) for k in (key if isinstance(key, tuple) else (key,)))
 
 
-def profile_steps(step: Callable[[], Any], device: torch.device, out_dir: str, title: str, steps: int = 3,
-                  rows: int = 15) -> None:
+def profile_steps(
+    step: Callable[[], Any], device: torch.device, out_dir: str, title: str, steps: int = 3, rows: int = 15
+) -> None:
     """Profile ``steps`` calls of ``step``: print the ops (CPU) or kernels (CUDA) with the most
     self time, and write a Chrome trace (``chrome://tracing``, Perfetto) into ``out_dir``."""
     from torch.profiler import ProfilerActivity, profile
@@ -430,8 +456,10 @@ def git_commit() -> str:
     if commit is None:
         given = os.environ.get("F8TENSOR_COMMIT", "").strip()
         return f"{given} (from F8TENSOR_COMMIT; no git checkout here)" if given else "unknown (not a git checkout)"
-    dirty = _run(["git", "status", "--porcelain", "--untracked-files=no", "--", str(where), str(Path(__file__).parent)],
-                 cwd=where)
+    dirty = _run(
+        ["git", "status", "--porcelain", "--untracked-files=no", "--", str(where), str(Path(__file__).parent)],
+        cwd=where,
+    )
     return commit + ("+dirty" if dirty else "")
 
 
@@ -457,18 +485,31 @@ def environment(device: torch.device, torchao_note: str = "") -> dict[str, str]:
     }
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        env["gpu"] = (f"{props.name} (sm_{props.major}{props.minor}, {props.total_memory / 2**30:.0f} GiB, "
-                      f"{props.multi_processor_count} SMs)")
+        env["gpu"] = (
+            f"{props.name} (sm_{props.major}{props.minor}, {props.total_memory / 2**30:.0f} GiB, "
+            f"{props.multi_processor_count} SMs)"
+        )
         # Keys differ in their first word: write_csv names the env_* columns by it.
-        queries = {"driver": "driver_version", "power limit / max": "power.limit,power.max_limit",
-                   "clocks sm / max sm / mem / max mem": "clocks.sm,clocks.max.sm,clocks.mem,clocks.max.mem"}
+        queries = {
+            "driver": "driver_version",
+            "power limit / max": "power.limit,power.max_limit",
+            "clocks sm / max sm / mem / max mem": "clocks.sm,clocks.max.sm,clocks.mem,clocks.max.mem",
+        }
         for key, query in queries.items():
-            smi = _run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader",
-                        f"--id={device.index or torch.cuda.current_device()}"])
+            smi = _run(
+                [
+                    "nvidia-smi",
+                    f"--query-gpu={query}",
+                    "--format=csv,noheader",
+                    f"--id={device.index or torch.cuda.current_device()}",
+                ]
+            )
             env[key] = smi or "unknown (nvidia-smi did not answer)"
     else:
-        env["note"] = ("CPU figures: CPUs have no FP8 matrix units (torch._scaled_mm widens FP8 to fp32 and "
-                       "multiplies in software), so ratios show the FP8 path's overhead, not GPU speed-ups")
+        env["note"] = (
+            "CPU figures: CPUs have no FP8 matrix units (torch._scaled_mm widens FP8 to fp32 and "
+            "multiplies in software), so ratios show the FP8 path's overhead, not GPU speed-ups"
+        )
     return env
 
 
@@ -497,7 +538,10 @@ def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], numeri
     """A Markdown table; numeric columns are right-aligned."""
     rows = [list(r) for r in rows]
     if numeric is None:
-        numeric = [all(isinstance(r[i], (int, float)) or r[i] in ("-", "") for r in rows) and bool(rows) for i in range(len(headers))]
+        numeric = [
+            all(isinstance(r[i], (int, float)) or r[i] in ("-", "") for r in rows) and bool(rows)
+            for i in range(len(headers))
+        ]
     lines = ["| " + " | ".join(headers) + " |", "| " + " | ".join("---:" if n else "---" for n in numeric) + " |"]
     for r in rows:
         lines.append("| " + " | ".join(c if isinstance(c, str) else fmt(c) for c in r) + " |")
@@ -508,7 +552,9 @@ def write_csv(path: str | None, rows: list[dict[str, Any]], env: dict[str, str])
     """One row per measurement; the environment repeats in every row (columns ``env_*``)."""
     if not path:
         return
-    env_cols = {f"env_{k.split(' ')[0] if k != 'f8tensor commit' else 'commit'}": v for k, v in env.items() if k != "note"}
+    env_cols = {
+        f"env_{k.split(' ')[0] if k != 'f8tensor commit' else 'commit'}": v for k, v in env.items() if k != "note"
+    }
     full = [{**row, **env_cols} for row in rows]
     fields = list(dict.fromkeys(k for row in full for k in row))
     Path(path).parent.mkdir(parents=True, exist_ok=True)

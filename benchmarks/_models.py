@@ -35,8 +35,10 @@ class LlamaConfig:
         return self.dim // self.heads
 
     def describe(self) -> str:
-        return (f"dim {self.dim}, {self.layers} layers, {self.heads} heads ({self.kv_heads} KV), "
-                f"SwiGLU {self.ffn}, vocab {self.vocab}; batch {self.batch} x seq {self.seq}")
+        return (
+            f"dim {self.dim}, {self.layers} layers, {self.heads} heads ({self.kv_heads} KV), "
+            f"SwiGLU {self.ffn}, vocab {self.vocab}; batch {self.batch} x seq {self.seq}"
+        )
 
 
 SIZES: dict[str, LlamaConfig] = {
@@ -174,8 +176,9 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def synthetic_batches(cfg: LlamaConfig, steps: int, device: torch.device, seed: int = 1234,
-                      successors: int = 4) -> torch.Tensor:
+def synthetic_batches(
+    cfg: LlamaConfig, steps: int, device: torch.device, seed: int = 1234, successors: int = 4
+) -> torch.Tensor:
     """``(steps, batch, seq + 1)`` int64 token ids from a fixed sparse Markov chain.
 
     Each token has ``successors`` possible next tokens (a fixed random table), drawn

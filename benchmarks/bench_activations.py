@@ -75,7 +75,9 @@ def _measure(model: nn.Module, x0: torch.Tensor, cos: torch.Tensor, sin: torch.T
     return alive_tensor_bytes(model, forward)[0]
 
 
-def _grads(model: nn.Module, x0: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, context) -> dict[str, torch.Tensor]:
+def _grads(
+    model: nn.Module, x0: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, context
+) -> dict[str, torch.Tensor]:
     model.zero_grad(set_to_none=True)
     torch.manual_seed(2)  # the same stochastic rounding (FP4 recipes) with and without the context
     with context():
@@ -115,10 +117,14 @@ def _times(model, x0, cos, sin, rounds: int, device: torch.device, context) -> t
 
 def main(argv=None) -> None:
     parser = C.BenchArgumentParser(__doc__.splitlines()[0], recipes=RECIPES)
-    parser.add_argument("--size", choices=list(M.SIZES), help="block shapes (default: tiny on CPU, 100m on CUDA; --quick: quick)")
+    parser.add_argument(
+        "--size", choices=list(M.SIZES), help="block shapes (default: tiny on CPU, 100m on CUDA; --quick: quick)"
+    )
     parser.add_argument("--rounds", type=int, default=3, help="timed steps per variant and context (interleaved)")
     parser.add_argument("--block", type=int, help="the context's block (default: 128; --quick: 32)")
-    parser.add_argument("--min-numel", type=int, help=f"the context's min_numel (default: {DEFAULT_MIN_NUMEL:,}; --quick: 0)")
+    parser.add_argument(
+        "--min-numel", type=int, help=f"the context's min_numel (default: {DEFAULT_MIN_NUMEL:,}; --quick: 0)"
+    )
     args = parser.parse_args(argv)
     try:
         block = args.block if args.block is not None else (32 if args.quick else 128)
@@ -138,8 +144,10 @@ def main(argv=None) -> None:
 
     env = C.environment(device, args.torchao_note)
     C.print_environment(env, "Activations in FP8: saved bytes and gradient SQNR of one transformer block")
-    print(f"Block: {size} ({cfg.describe()}), {tokens:,} tokens, bf16 weights and activations, eager; "
-          f"context: save_activations_in_float8(block={block}, min_numel={min_numel:,}).\n")
+    print(
+        f"Block: {size} ({cfg.describe()}), {tokens:,} tokens, bf16 weights and activations, eager; "
+        f"context: save_activations_in_float8(block={block}, min_numel={min_numel:,}).\n"
+    )
     variants = [BASELINE, *args.recipes]
     progress = C.Progress(len(variants), "bench_activations")
     rows, csv_rows = [], []
@@ -159,16 +167,51 @@ def main(argv=None) -> None:
         linear = 1.0 if name == BASELINE else _linear_input_ratio(name, cfg.dim, tokens, device)
         t_without, t_with = _times(model, x0, cos, sin, rounds, device, context)
         assert bf16_bytes is not None
-        rows.append([name, alone, f"{alone / bf16_bytes:.3f}x", packed, f"{packed / bf16_bytes:.3f}x", f"{linear:.3f}x",
-                     f"{total:.1f}", f"{per[worst]:.1f} ({worst})", f"{t_without * 1e3:.1f}", f"{t_with * 1e3:.1f}"])
-        csv_rows.append({"variant": name, "size": size, "tokens": tokens, "saved_bytes": alone, "saved_bytes_context": packed,
-                         "saved_vs_bf16": alone / bf16_bytes, "saved_context_vs_bf16": packed / bf16_bytes,
-                         "linear_input_vs_bf16": linear, "grad_sqnr_db": total, "worst_param": worst,
-                         "worst_param_sqnr_db": per[worst], "step_ms": t_without * 1e3, "step_context_ms": t_with * 1e3})
+        rows.append(
+            [
+                name,
+                alone,
+                f"{alone / bf16_bytes:.3f}x",
+                packed,
+                f"{packed / bf16_bytes:.3f}x",
+                f"{linear:.3f}x",
+                f"{total:.1f}",
+                f"{per[worst]:.1f} ({worst})",
+                f"{t_without * 1e3:.1f}",
+                f"{t_with * 1e3:.1f}",
+            ]
+        )
+        csv_rows.append(
+            {
+                "variant": name,
+                "size": size,
+                "tokens": tokens,
+                "saved_bytes": alone,
+                "saved_bytes_context": packed,
+                "saved_vs_bf16": alone / bf16_bytes,
+                "saved_context_vs_bf16": packed / bf16_bytes,
+                "linear_input_vs_bf16": linear,
+                "grad_sqnr_db": total,
+                "worst_param": worst,
+                "worst_param_sqnr_db": per[worst],
+                "step_ms": t_without * 1e3,
+                "step_context_ms": t_with * 1e3,
+            }
+        )
         progress.update(name)
     progress.close()
-    headers = ["variant", "saved", "vs bf16", "saved (context)", "vs bf16", "linear input vs bf16",
-               "grad SQNR (dB)", "worst parameter (dB)", "step ms", "step ms (context)"]
+    headers = [
+        "variant",
+        "saved",
+        "vs bf16",
+        "saved (context)",
+        "vs bf16",
+        "linear input vs bf16",
+        "grad SQNR (dB)",
+        "worst parameter (dB)",
+        "step ms",
+        "step ms (context)",
+    ]
     print(C.markdown_table(headers, rows))
     C.write_csv(args.csv, csv_rows, env)
 

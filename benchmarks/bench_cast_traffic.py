@@ -90,12 +90,34 @@ from f8tensor.stats import saved_tensor_bytes
 
 MIB = 2**20
 _DTYPE_BYTES = {
-    "at::BFloat16": 2, "at::Half": 2, "float": 4, "double": 8, "int64_t": 8, "int32_t": 4, "bool": 1,
-    "at::Float8_e4m3fn": 1, "at::Float8_e5m2": 1, "at::Float8_e4m3fnuz": 1, "at::Float8_e5m2fnuz": 1,
-    "uint8_t": 1, "int8_t": 1,
+    "at::BFloat16": 2,
+    "at::Half": 2,
+    "float": 4,
+    "double": 8,
+    "int64_t": 8,
+    "int32_t": 4,
+    "bool": 1,
+    "at::Float8_e4m3fn": 1,
+    "at::Float8_e5m2": 1,
+    "at::Float8_e4m3fnuz": 1,
+    "at::Float8_e5m2fnuz": 1,
+    "uint8_t": 1,
+    "int8_t": 1,
 }
-_TORCH_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "int64": 8, "int32": 4, "bool": 1,
-                "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1, "uint8": 1}
+_TORCH_BYTES = {
+    "bfloat16": 2,
+    "float16": 2,
+    "float32": 4,
+    "float64": 8,
+    "int64": 8,
+    "int32": 4,
+    "bool": 1,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2fnuz": 1,
+    "uint8": 1,
+}
 _GEMMS = ("_scaled_mm", "mm", "addmm", "bmm", "_scaled_grouped_mm")
 
 
@@ -127,7 +149,7 @@ def _call_args(text: str, start: int) -> tuple[list[str], int]:
         depth += text[i] == "("
         depth -= text[i] == ")"
         if depth == 0:
-            return _split_args(text[start + 1:i]), i + 1
+            return _split_args(text[start + 1 : i]), i + 1
     raise ValueError("unbalanced parentheses in generated code")
 
 
@@ -187,9 +209,14 @@ def _accesses(body: str, pointers: list[str]) -> tuple[set[str], set[str]]:
     loads, stores = set(), set()
     for name in pointers:
         for m in re.finditer(rf"(?<![\w]){re.escape(name)}(?![\w])", body):
-            before = body[max(0, m.start() - 8):m.start()]
-            after = body[m.end():m.end() + 200]
-            if before.endswith(".store(") or after.startswith("[") and re.match(r"\[[^\]]*\]\s*=(?!=)", after) or _is_transpose_dst(body, m.start()):
+            before = body[max(0, m.start() - 8) : m.start()]
+            after = body[m.end() : m.end() + 200]
+            if (
+                before.endswith(".store(")
+                or after.startswith("[")
+                and re.match(r"\[[^\]]*\]\s*=(?!=)", after)
+                or _is_transpose_dst(body, m.start())
+            ):
                 stores.add(name)
             else:
                 loads.add(name)
@@ -267,8 +294,13 @@ class GraphCode:
     def full_size_bytes(self, threshold: int) -> int:
         """Bytes of the buffers of at least ``threshold`` elements (x, W, grad_y and their
         copies), the part the floors count; the rest are scales, amax partials, scalars."""
-        return sum(n for p in self.passes for d in (p.reads, p.writes) for b, n in d.items()
-                   if self.buffers.get(b) is not None and self.buffers[b].numel >= threshold)
+        return sum(
+            n
+            for p in self.passes
+            for d in (p.reads, p.writes)
+            for b, n in d.items()
+            if self.buffers.get(b) is not None and self.buffers[b].numel >= threshold
+        )
 
     def passes_over(self, buffer: str | None) -> int:
         return 0 if buffer is None else sum(buffer in p.reads for p in self.passes)
@@ -281,11 +313,13 @@ def parse_graph_code(code: str, element_threshold: int) -> GraphCode:
     (x, W, grad_y or a copy of one), for the per-element float64 check.
     """
     kernels_src: dict[str, tuple[list[str], str]] = {}
-    for m in re.finditer(r"^(cpp_fused_\w+) = async_compile\.cpp_pybinding\(\[(.*?)\], r'''(.*?)'''", code, re.DOTALL | re.MULTILINE):
+    for m in re.finditer(
+        r"^(cpp_fused_\w+) = async_compile\.cpp_pybinding\(\[(.*?)\], r'''(.*?)'''", code, re.DOTALL | re.MULTILINE
+    ):
         types = [t.strip().strip("'\"") for t in m.group(2).split(",")]
         kernels_src[m.group(1)] = (types, m.group(3))
-    call_src = code[code.index("    def call(self, args):"):]
-    call_src = call_src[:call_src.index("\nrunner = ") if "\nrunner = " in call_src else len(call_src)]
+    call_src = code[code.index("    def call(self, args):") :]
+    call_src = call_src[: call_src.index("\nrunner = ") if "\nrunner = " in call_src else len(call_src)]
     buffers: dict[str, Buffer] = {}
     # Graph inputs: their shapes and dtypes in get_args().
     for m in re.finditer(r"(\w+) = rand_strided\((\([^)]*\)), \([^)]*\), device='\w+', dtype=torch\.(\w+)\)", code):
@@ -319,14 +353,14 @@ def parse_graph_code(code: str, element_threshold: int) -> GraphCode:
         kernels.append(name)
         args, _ = _call_args(call_src, m.end() - 1)
         types, src = kernels_src[name]
-        params = re.findall(r"[\w:]+\s*\*\s*(\w+)\s*[,)]", src[:src.index("{")])
+        params = re.findall(r"[\w:]+\s*\*\s*(\w+)\s*[,)]", src[: src.index("{")])
         bound: dict[str, tuple[str, Buffer]] = {}
         for param, ctype, arg in zip(params, types, args):
             buf_name, buf = resolve(arg)
             itemsize = _DTYPE_BYTES.get(ctype.replace("const ", "").replace("*", "").strip())
             buf = Buffer(buf.numel if buf else 1, (buf.itemsize if buf and buf.itemsize else itemsize))
             bound[param] = (buf_name, buf)
-        body = src[src.index("{"):]
+        body = src[src.index("{") :]
         passes.extend(_kernel_passes(name, body, bound, element_threshold))
     ret = re.search(r"^\s+return \((.*)\)\s*$", call_src, re.MULTILINE)
     outputs = _split_args(ret.group(1)) if ret else []
@@ -345,7 +379,7 @@ def _kernel_passes(kernel: str, body: str, bound: dict[str, tuple[str, Buffer]],
             groups.append([loop])
     out = []
     for group in groups:
-        text = "".join(body[lp.start:lp.end + 1] for lp in group)
+        text = "".join(body[lp.start : lp.end + 1] for lp in group)
         loads, stores = _accesses(text, pointers)
         reads = {bound[p][0]: bound[p][1].nbytes for p in loads}
         writes = {bound[p][0]: bound[p][1].nbytes for p in stores}
@@ -359,9 +393,9 @@ def _own_text(body: str, loop: Loop) -> str:
     """A loop's body without the bodies of the loops inside it."""
     pieces, pos = [], loop.start
     for child in loop.children:
-        pieces.append(body[pos:body.rfind("for", pos, child.start)])
+        pieces.append(body[pos : body.rfind("for", pos, child.start)])
         pos = child.end + 1
-    pieces.append(body[pos:loop.end])
+    pieces.append(body[pos : loop.end])
     return "".join(pieces)
 
 
@@ -455,8 +489,25 @@ def eager_kernels(fn: Callable[[], object]) -> int:
     """ATen kernels ``fn`` launches (views, which launch none, left out)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    views = {"view", "_unsafe_view", "t", "transpose", "permute", "expand", "reshape", "alias", "detach",
-             "as_strided", "slice", "select", "unsqueeze", "squeeze", "_reshape_alias", "split", "lift_fresh"}
+    views = {
+        "view",
+        "_unsafe_view",
+        "t",
+        "transpose",
+        "permute",
+        "expand",
+        "reshape",
+        "alias",
+        "detach",
+        "as_strided",
+        "slice",
+        "select",
+        "unsqueeze",
+        "squeeze",
+        "_reshape_alias",
+        "split",
+        "lift_fresh",
+    }
 
     class Count(TorchDispatchMode):
         n = 0
@@ -480,7 +531,9 @@ def f8tensor_cast_kernels(recipe: str, s: Shape) -> int:
     cfg = layer.config
     x, _ = _inputs(s)
     x2 = x.detach().reshape(-1, s.k)
-    state = [getattr(layer, n).clone() for n in ("amax_history_input", "scale_input")] if cfg.any_delayed else [None, None]
+    state = (
+        [getattr(layer, n).clone() for n in ("amax_history_input", "scale_input")] if cfg.any_delayed else [None, None]
+    )
     return eager_kernels(lambda: cast_operand(x2, cfg.input, 1, GemmConfig(), cfg, state[0], state[1]))
 
 
@@ -506,8 +559,10 @@ def measure(library: str, recipe: str, s: Shape, float8=None, timing_steps: int 
     bwd = [g for g in graphs if g is not fwd]
 
     def input_named(g: GraphCode, numel: int) -> str | None:
-        return next((i for i in g.inputs if g.buffers.get(i) and g.buffers[i].numel == numel
-                     and g.buffers[i].itemsize == 2), None)
+        return next(
+            (i for i in g.inputs if g.buffers.get(i) and g.buffers[i].numel == numel and g.buffers[i].itemsize == 2),
+            None,
+        )
 
     passes = {}
     for name, numel in (("x", s.m * s.k), ("W", s.n * s.k), ("grad_y", s.m * s.n)):
@@ -526,15 +581,24 @@ def measure(library: str, recipe: str, s: Shape, float8=None, timing_steps: int 
     x, grad = _inputs(s)
     saved_eager, _ = saved_tensor_bytes(eager_layer, lambda: eager_layer(x))
     row = {
-        "library": library, "recipe": recipe, "M": s.m, "K": s.k, "N": s.n,
-        "kernels_fwd": len(fwd.kernels), "kernels_bwd": sum(len(g.kernels) for g in bwd),
+        "library": library,
+        "recipe": recipe,
+        "M": s.m,
+        "K": s.k,
+        "N": s.n,
+        "kernels_fwd": len(fwd.kernels),
+        "kernels_bwd": sum(len(g.kernels) for g in bwd),
         "gemms": len(fwd.gemms) + sum(len(g.gemms) for g in bwd),
         "other_externs": len(fwd.other_externs) + sum(len(g.other_externs) for g in bwd),
         "passes": sum(len(g.passes) for g in graphs),
-        "read_bytes": sum(g.read_bytes for g in graphs), "written_bytes": sum(g.written_bytes for g in graphs),
+        "read_bytes": sum(g.read_bytes for g in graphs),
+        "written_bytes": sum(g.written_bytes for g in graphs),
         "full_size_bytes": sum(g.full_size_bytes(threshold) for g in graphs),
-        "passes_x": passes["x"], "passes_W": passes["W"], "passes_grad_y": passes["grad_y"],
-        "saved_bytes_compiled": saved, "saved_bytes_eager": saved_eager,
+        "passes_x": passes["x"],
+        "passes_W": passes["W"],
+        "passes_grad_y": passes["grad_y"],
+        "saved_bytes_compiled": saved,
+        "saved_bytes_eager": saved_eager,
         "fp64_loops": sum(p.fp64_per_element for g in graphs for p in g.passes),
         "eager_kernels_step": eager_kernels(lambda: eager_layer(x).backward(grad)),
         "eager_kernels_cast_x": f8tensor_cast_kernels(recipe, s) if library == "f8tensor" else math.nan,
@@ -557,15 +621,22 @@ def main(argv=None) -> None:
     parser.add_argument("--out-features", type=int, default=None, help="N, default 1024")
     parser.add_argument("--timing", action="store_true", help="also time the compiled step's fused kernels (CPU)")
     parser.add_argument("--steps", type=int, default=15, help="profiled steps per configuration with --timing")
-    parser.add_argument("--scalar-codegen", action="store_true",
-                        help="compile with the CPU back end's SIMD vectorization off (cpp.simdlen=1): the loop "
-                             "fusion inductor's scheduler decides, unsplit by per-loop vector steps")
+    parser.add_argument(
+        "--scalar-codegen",
+        action="store_true",
+        help="compile with the CPU back end's SIMD vectorization off (cpp.simdlen=1): the loop "
+        "fusion inductor's scheduler decides, unsplit by per-loop vector steps",
+    )
     args = parser.parse_args(argv)
     if args.device.type != "cpu":
         parser.error(f"--device {args.device.type}: this script reads inductor's C++ (CPU) kernels; use --device cpu")
     tiny = args.quick or args.tiny
-    s = Shape(args.batch or (2 if tiny else 8), args.seq or (16 if tiny else 256),
-              args.in_features or (64 if tiny else 512), args.out_features or (128 if tiny else 1024))
+    s = Shape(
+        args.batch or (2 if tiny else 8),
+        args.seq or (16 if tiny else 256),
+        args.in_features or (64 if tiny else 512),
+        args.out_features or (128 if tiny else 1024),
+    )
     if min(s.batch, s.seq, s.k, s.n) < 1 or s.k % 16 or s.n % 16:
         parser.error("--batch/--seq must be >= 1; --in-features/--out-features positive multiples of 16")
     if args.steps < 1:
@@ -585,34 +656,58 @@ def main(argv=None) -> None:
         row["codegen"] = "scalar" if args.scalar_codegen else "vectorized"
         rows.append(row)
     progress.close()
-    print(f"### bf16 Linear({s.k} -> {s.n}, bias=False), x ({s.batch}, {s.seq}, {s.k}): M={s.m}, K={s.k}, N={s.n}; "
-          f"one compiled forward + backward; {rows[0]['codegen'] if rows else ''} CPU code generation")
+    print(
+        f"### bf16 Linear({s.k} -> {s.n}, bias=False), x ({s.batch}, {s.seq}, {s.k}): M={s.m}, K={s.k}, N={s.n}; "
+        f"one compiled forward + backward; {rows[0]['codegen'] if rows else ''} CPU code generation"
+    )
     print()
-    headers = ["library", "recipe", "MiB outside GEMMs", "of which full-size", "read", "written", "floor MiB",
-               "fused kernels (fwd+bwd)",
-               "GEMMs", "passes", "passes x / W / grad_y", "saved MiB compiled / eager", "fp64 loops",
-               "eager kernels: step / cast of x"]
+    headers = [
+        "library",
+        "recipe",
+        "MiB outside GEMMs",
+        "of which full-size",
+        "read",
+        "written",
+        "floor MiB",
+        "fused kernels (fwd+bwd)",
+        "GEMMs",
+        "passes",
+        "passes x / W / grad_y",
+        "saved MiB compiled / eager",
+        "fp64 loops",
+        "eager kernels: step / cast of x",
+    ]
     if args.timing:
         headers.append("fused-kernel CPU ms")
     table = []
     for r in rows:
         floor = f"{r['floor_bytes'] / MIB:.1f}"
         cast = "-" if math.isnan(r["eager_kernels_cast_x"]) else str(r["eager_kernels_cast_x"])
-        row = [r["library"], r["recipe"], f"{r['total_bytes'] / MIB:.2f}", f"{r['full_size_bytes'] / MIB:.2f}",
-               f"{r['read_bytes'] / MIB:.2f}",
-               f"{r['written_bytes'] / MIB:.2f}", floor,
-               f"{r['kernels_fwd'] + r['kernels_bwd']} ({r['kernels_fwd']}+{r['kernels_bwd']})",
-               str(r["gemms"]) + (f" +{r['other_externs']} other" if r["other_externs"] else ""),
-               str(r["passes"]), f"{r['passes_x']} / {r['passes_W']} / {r['passes_grad_y']}",
-               f"{r['saved_bytes_compiled'] / MIB:.2f} / {r['saved_bytes_eager'] / MIB:.2f}", str(r["fp64_loops"]),
-               f"{r['eager_kernels_step']} / {cast}"]
+        row = [
+            r["library"],
+            r["recipe"],
+            f"{r['total_bytes'] / MIB:.2f}",
+            f"{r['full_size_bytes'] / MIB:.2f}",
+            f"{r['read_bytes'] / MIB:.2f}",
+            f"{r['written_bytes'] / MIB:.2f}",
+            floor,
+            f"{r['kernels_fwd'] + r['kernels_bwd']} ({r['kernels_fwd']}+{r['kernels_bwd']})",
+            str(r["gemms"]) + (f" +{r['other_externs']} other" if r["other_externs"] else ""),
+            str(r["passes"]),
+            f"{r['passes_x']} / {r['passes_W']} / {r['passes_grad_y']}",
+            f"{r['saved_bytes_compiled'] / MIB:.2f} / {r['saved_bytes_eager'] / MIB:.2f}",
+            str(r["fp64_loops"]),
+            f"{r['eager_kernels_step']} / {cast}",
+        ]
         if args.timing:
             row.append(f"{r['kernel_ms']:.2f}")
         table.append(row)
     print(C.markdown_table(headers, table, numeric=[False, False] + [True] * (len(headers) - 2)))
     print()
-    print("MiB: bytes read + written by the fused kernels, a buffer counted once per pass (top-level loop nest) "
-          "that touches it; GEMM operands and results left out. fp64 loops: passes computing in double per element.")
+    print(
+        "MiB: bytes read + written by the fused kernels, a buffer counted once per pass (top-level loop nest) "
+        "that touches it; GEMM operands and results left out. fp64 loops: passes computing in double per element."
+    )
     C.write_csv(args.csv, rows, env)
 
 

@@ -147,7 +147,9 @@ def _tp(args, recipe: str, world: int) -> nn.Module:
 
     mesh = init_device_mesh("cpu", (world,))
     model = _model(args, recipe, fsdp_fp8=False).to(torch.bfloat16)
-    col, row = (ColwiseParallel, RowwiseParallel) if recipe == "bf16" else (Float8ColwiseParallel, Float8RowwiseParallel)
+    col, row = (
+        (ColwiseParallel, RowwiseParallel) if recipe == "bf16" else (Float8ColwiseParallel, Float8RowwiseParallel)
+    )
     plan = {}
     for i in range(args.blocks):
         plan[f"{i}.norm"] = SequenceParallel()
@@ -244,13 +246,27 @@ def main(argv: list[str] | None = None) -> None:
         base = _summarise(results[(parallelism, "bf16")])
         for kind, (n, nbytes) in sorted(_summarise(calls).items()):
             ref = base.get(kind, (0, 0))[1]
-            rows.append({"parallelism": parallelism, "recipe": recipe, "collective": kind, "calls": n, "bytes": nbytes,
-                         "vs_bf16": round(nbytes / ref, 3) if ref else float("nan")})
-    print(f"\nshapes: {args.blocks} block(s) of LayerNorm({args.dim}) -> Linear({args.dim}, {args.hidden}) -> ReLU -> "
-          f"Linear({args.hidden}, {args.dim}); batch {args.batch} x seq {args.seq} per rank (fsdp) or in all (tp); "
-          f"{args.ranks} ranks; {time.monotonic() - start:.0f} s\n")
-    print(C.markdown_table(["parallelism", "recipe", "collective", "calls", "bytes", "vs bf16"],
-                           [[r["parallelism"], r["recipe"], r["collective"], r["calls"], r["bytes"], r["vs_bf16"]] for r in rows]))
+            rows.append(
+                {
+                    "parallelism": parallelism,
+                    "recipe": recipe,
+                    "collective": kind,
+                    "calls": n,
+                    "bytes": nbytes,
+                    "vs_bf16": round(nbytes / ref, 3) if ref else float("nan"),
+                }
+            )
+    print(
+        f"\nshapes: {args.blocks} block(s) of LayerNorm({args.dim}) -> Linear({args.dim}, {args.hidden}) -> ReLU -> "
+        f"Linear({args.hidden}, {args.dim}); batch {args.batch} x seq {args.seq} per rank (fsdp) or in all (tp); "
+        f"{args.ranks} ranks; {time.monotonic() - start:.0f} s\n"
+    )
+    print(
+        C.markdown_table(
+            ["parallelism", "recipe", "collective", "calls", "bytes", "vs bf16"],
+            [[r["parallelism"], r["recipe"], r["collective"], r["calls"], r["bytes"], r["vs_bf16"]] for r in rows],
+        )
+    )
     C.write_csv(args.csv, rows, env)
 
 

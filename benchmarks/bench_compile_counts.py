@@ -53,8 +53,7 @@ def dynamo_counts(block: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> d
     """Guards, graphs and graph breaks of the block's forward, from ``torch._dynamo.explain``."""
     torch._dynamo.reset()
     explained = torch._dynamo.explain(block)(*inputs)
-    return {"guards": len(explained.out_guards), "graphs": explained.graph_count,
-            "breaks": explained.graph_break_count}
+    return {"guards": len(explained.out_guards), "graphs": explained.graph_count, "breaks": explained.graph_break_count}
 
 
 def kernel_count(block: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> int:
@@ -102,8 +101,13 @@ def main(argv=None) -> None:
     for name, r in rows.items():
         kernels = "-" if r["kernels"] < 0 else r["kernels"]
         table.append([name, r["guards"], f"{r['guards'] / base['guards']:.2f}x", r["graphs"], r["breaks"], kernels])
-    print(C.markdown_table(["variant", "guards", "vs bf16", "graphs", "graph breaks", "CPU kernels"], table,
-                           numeric=[False, True, True, True, True, True]))
+    print(
+        C.markdown_table(
+            ["variant", "guards", "vs bf16", "graphs", "graph breaks", "CPU kernels"],
+            table,
+            numeric=[False, True, True, True, True, True],
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -82,25 +82,38 @@ class Run:
         tail = min(10, len(losses))
         mem = self.memory
         return {
-            "library": self.variant.library, "recipe": self.variant.recipe or "-", "mode": self.mode,
-            "steps": len(losses), "timed_steps": len(self.timing.all),
-            "step_ms": self.timing.median, "spread": self.timing.spread,
+            "library": self.variant.library,
+            "recipe": self.variant.recipe or "-",
+            "mode": self.mode,
+            "steps": len(losses),
+            "timed_steps": len(self.timing.all),
+            "step_ms": self.timing.median,
+            "spread": self.timing.spread,
             "tokens_per_s": tokens / (self.timing.median / 1e3),
-            "peak_mib": mem.peak / 2**20, "peak_no_gemm_scratch_mib": mem.peak_no_gemm_scratch / 2**20,
+            "peak_mib": mem.peak / 2**20,
+            "peak_no_gemm_scratch_mib": mem.peak_no_gemm_scratch / 2**20,
             "resident_mib": mem.resident / 2**20,
-            "first_loss": losses[0].item(), "final_loss": losses[-tail:].mean().item(),
-            "finite": bool(torch.isfinite(losses).all()), "warmup_s": self.warmup_s,
+            "first_loss": losses[0].item(),
+            "final_loss": losses[-tail:].mean().item(),
+            "finite": bool(torch.isfinite(losses).all()),
+            "warmup_s": self.warmup_s,
         }
 
 
 def main(argv=None) -> None:
     parser = C.BenchArgumentParser(__doc__)
     parser.add_modes()
-    parser.add_argument("--size", choices=sorted(M.SIZES), default=None,
-                        help="model size (default: tiny on CPU, 300m on CUDA, quick with --quick)")
+    parser.add_argument(
+        "--size",
+        choices=sorted(M.SIZES),
+        default=None,
+        help="model size (default: tiny on CPU, 300m on CUDA, quick with --quick)",
+    )
     parser.add_argument("--steps", type=int, default=None, help="training steps per configuration (fixed)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed first steps (compilation happens there)")
-    parser.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds (1: run configurations one by one)")
+    parser.add_argument(
+        "--rounds", type=int, default=None, help="interleaved timing rounds (1: run configurations one by one)"
+    )
     parser.add_argument("--batch", type=int, default=None, help="override the size's batch (sequences per step)")
     parser.add_argument("--seq", type=int, default=None, help="override the size's sequence length")
     args = parser.parse_args(argv)
@@ -119,8 +132,10 @@ def main(argv=None) -> None:
     args.rounds = (1 if cuda or args.quick else 4) if args.rounds is None else args.rounds
     timed = args.steps - args.warmup - 1
     if args.warmup < 1 or args.rounds < 1 or timed < args.rounds:
-        parser.error(f"need --warmup >= 1, --rounds >= 1 and --steps >= warmup + 1 + rounds "
-                     f"(got steps {args.steps}, warmup {args.warmup}, rounds {args.rounds})")
+        parser.error(
+            f"need --warmup >= 1, --rounds >= 1 and --steps >= warmup + 1 + rounds "
+            f"(got steps {args.steps}, warmup {args.warmup}, rounds {args.rounds})"
+        )
     if "compiled" in args.modes:
         C.setup_compile()
     chunks = [timed // args.rounds + (1 if r < timed % args.rounds else 0) for r in range(args.rounds)]
@@ -128,10 +143,14 @@ def main(argv=None) -> None:
     env = C.environment(args.device, args.torchao_note)
     C.print_environment(env, f"End to end: Llama-style model ({size}), bf16 vs f8tensor vs torchao.float8")
     probe = M.build_model(cfg, torch.device("meta"))
-    print(f"model: {M.count_parameters(probe) / 1e6:.1f}M parameters ({cfg.describe()}); AdamW lr {cfg.lr}, "
-          f"bf16 parameters and activations; FP8: every linear of the blocks, not the output projection")
-    print(f"{args.steps} steps per configuration: {args.warmup} warm-up, 1 measured for memory, {timed} timed "
-          f"in {args.rounds} round(s); tokens/s from the median step; same weights and batches everywhere")
+    print(
+        f"model: {M.count_parameters(probe) / 1e6:.1f}M parameters ({cfg.describe()}); AdamW lr {cfg.lr}, "
+        f"bf16 parameters and activations; FP8: every linear of the blocks, not the output projection"
+    )
+    print(
+        f"{args.steps} steps per configuration: {args.warmup} warm-up, 1 measured for memory, {timed} timed "
+        f"in {args.rounds} round(s); tokens/s from the median step; same weights and batches everywhere"
+    )
     print()
     del probe
     batches = M.synthetic_batches(cfg, args.steps, args.device)
@@ -175,16 +194,25 @@ def main(argv=None) -> None:
     table = []
     for r in results:
         name = "bf16" if r["library"] == "bf16" else f"{r['library']} {r['recipe']}"
-        row = [name, r["mode"], round(r["tokens_per_s"]), "-" if math.isnan(r["spread"]) else f"±{100 * r['spread']:.0f}%",
-               f"{r['speedup_vs_bf16']:.2f}x", r["peak_mib"], f"{r['peak_vs_bf16']:.2f}x"]
+        row = [
+            name,
+            r["mode"],
+            round(r["tokens_per_s"]),
+            "-" if math.isnan(r["spread"]) else f"±{100 * r['spread']:.0f}%",
+            f"{r['speedup_vs_bf16']:.2f}x",
+            r["peak_mib"],
+            f"{r['peak_vs_bf16']:.2f}x",
+        ]
         if scratch_col:
             row.append(r["peak_no_gemm_scratch_mib"])
         row += [f"{r['first_loss']:.3f}", f"{r['final_loss']:.3f}" + ("" if r["finite"] else " (non-finite)")]
         table.append(row)
     print(C.markdown_table(headers, table, numeric=[False, False] + [True] * (len(headers) - 2)))
     print()
-    print("final loss: mean of the last min(10, steps) steps; ln(vocab) at the start "
-          f"= {math.log(cfg.vocab):.3f}, floor about ln 4 = {math.log(4):.3f}")
+    print(
+        "final loss: mean of the last min(10, steps) steps; ln(vocab) at the start "
+        f"= {math.log(cfg.vocab):.3f}, floor about ln 4 = {math.log(4):.3f}"
+    )
     C.write_csv(args.csv, [{"table": "e2e", "size": size, **r} for r in results], env)
 
 

@@ -75,7 +75,9 @@ def graph_stats(recipe: str, cfg: M.LlamaConfig, device: torch.device) -> dict[s
 
         return compiler
 
-    backend = aot_autograd(fw_compiler=keep("fw"), bw_compiler=keep("bw"), partition_fn=min_cut_rematerialization_partition)
+    backend = aot_autograd(
+        fw_compiler=keep("fw"), bw_compiler=keep("bw"), partition_fn=min_cut_rematerialization_partition
+    )
     cpu_products = compat.CPU_PRODUCTS_IN_FP32
     compat.CPU_PRODUCTS_IN_FP32 = False  # aten._scaled_mm in the graph, as a GPU traces it
     try:
@@ -116,7 +118,9 @@ def build(recipe: str, cfg: M.LlamaConfig, device: torch.device) -> M.Llama:
     return model
 
 
-def measure(recipe: str, cfg: M.LlamaConfig, device: torch.device, backend: str, steps: int, kernels: bool) -> dict[str, Any]:
+def measure(
+    recipe: str, cfg: M.LlamaConfig, device: torch.device, backend: str, steps: int, kernels: bool
+) -> dict[str, Any]:
     torch._dynamo.reset()
     counters.clear()
     model = build(recipe, cfg, device)
@@ -186,7 +190,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="auto", help="cpu, cuda or auto")
     parser.add_argument("--size", choices=sorted(M.SIZES), default=None, help="model size (CPU: tiny, CUDA: 300m)")
     parser.add_argument("--layers", type=int, default=None, help="override the size's number of blocks")
-    parser.add_argument("--recipes", default="bf16,tensorwise,rowwise", help="comma-separated: bf16 and f8tensor recipes")
+    parser.add_argument(
+        "--recipes", default="bf16,tensorwise,rowwise", help="comma-separated: bf16 and f8tensor recipes"
+    )
     parser.add_argument("--backend", default=None, help="torch.compile backend (CPU: aot_eager, CUDA: inductor)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (CPU: 2, CUDA: 10)")
     parser.add_argument("--kernels", action="store_true", help="CUDA: device time of one step by kernel family")
@@ -210,7 +216,11 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(row)
     keys = list(dict.fromkeys(k for r in rows for k in r))
     print()
-    print(C.markdown_table(["", *(r["recipe"] for r in rows)], [[k, *(C.fmt(r.get(k, "")) for r in rows)] for k in keys[1:]]))
+    print(
+        C.markdown_table(
+            ["", *(r["recipe"] for r in rows)], [[k, *(C.fmt(r.get(k, "")) for r in rows)] for k in keys[1:]]
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -68,15 +68,47 @@ WIDE = ("blockwise", "mxfp8")
 TOKENS = 16
 
 #: Leaf operators that launch no kernel on a GPU: views, allocations and metadata.
-NO_KERNEL_OPS = frozenset({
-    "aten::empty", "aten::empty_strided", "aten::empty_like", "aten::view", "aten::_unsafe_view", "aten::as_strided",
-    "aten::t", "aten::transpose", "aten::permute", "aten::expand", "aten::reshape", "aten::unsqueeze", "aten::squeeze",
-    "aten::select", "aten::slice", "aten::narrow", "aten::alias", "aten::detach", "aten::lift_fresh",
-    "aten::resolve_conj", "aten::resolve_neg", "aten::result_type", "aten::_reshape_alias", "aten::split",
-    "aten::unbind", "aten::contiguous", "aten::is_nonzero", "aten::item", "aten::_local_scalar_dense",
-    "aten::view_as", "aten::expand_as", "aten::set_", "aten::_has_compatible_shallow_copy_type", "aten::to",
-    "aten::detach_", "detach_", "aten::lift_fresh_copy",
-})
+NO_KERNEL_OPS = frozenset(
+    {
+        "aten::empty",
+        "aten::empty_strided",
+        "aten::empty_like",
+        "aten::view",
+        "aten::_unsafe_view",
+        "aten::as_strided",
+        "aten::t",
+        "aten::transpose",
+        "aten::permute",
+        "aten::expand",
+        "aten::reshape",
+        "aten::unsqueeze",
+        "aten::squeeze",
+        "aten::select",
+        "aten::slice",
+        "aten::narrow",
+        "aten::alias",
+        "aten::detach",
+        "aten::lift_fresh",
+        "aten::resolve_conj",
+        "aten::resolve_neg",
+        "aten::result_type",
+        "aten::_reshape_alias",
+        "aten::split",
+        "aten::unbind",
+        "aten::contiguous",
+        "aten::is_nonzero",
+        "aten::item",
+        "aten::_local_scalar_dense",
+        "aten::view_as",
+        "aten::expand_as",
+        "aten::set_",
+        "aten::_has_compatible_shallow_copy_type",
+        "aten::to",
+        "aten::detach_",
+        "detach_",
+        "aten::lift_fresh_copy",
+    }
+)
 
 
 class DispatchOpCounter(TorchDispatchMode):
@@ -205,9 +237,7 @@ def count_leaf_kernels(step: Callable[[], None], device: torch.device) -> tuple[
         return total, total, kernels
 
     def computes_below(e) -> bool:
-        return any(
-            _is_operator(c.name) and (c.name not in NO_KERNEL_OPS or computes_below(c)) for c in e.cpu_children
-        )
+        return any(_is_operator(c.name) and (c.name not in NO_KERNEL_OPS or computes_below(c)) for c in e.cpu_children)
 
     ops = [e for e in events if e.device_type == DeviceType.CPU and _is_operator(e.name)]
     leaves = sum(1 for e in ops if not any(_is_operator(c.name) for c in e.cpu_children))
@@ -219,9 +249,14 @@ def main(argv=None) -> None:
     parser = C.BenchArgumentParser(__doc__, recipes=RECIPES)
     parser.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds (default 9, --quick 1)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per round (default 30, --quick 2)")
-    parser.add_argument("--breakdown", action="store_true", help="also print each variant's ops and leaf kernels by name")
-    parser.add_argument("--cast-region", action="store_true",
-                        help="also time one cast: eager ops vs a compiled region (and the fused kernels on CUDA)")
+    parser.add_argument(
+        "--breakdown", action="store_true", help="also print each variant's ops and leaf kernels by name"
+    )
+    parser.add_argument(
+        "--cast-region",
+        action="store_true",
+        help="also time one cast: eager ops vs a compiled region (and the fused kernels on CUDA)",
+    )
     args = parser.parse_args(argv)
     rounds = args.rounds or (1 if args.quick else 9)
     steps = args.steps or (2 if args.quick else 30)
@@ -267,37 +302,72 @@ def main(argv=None) -> None:
         ops, leaves, kernels, _, calls = counts[key]
         t = timings[key]
         us = 1e3 * t.median
-        rows.append({
-            "library": library, "recipe": recipe, "K": k, "N": k, "M": TOKENS,
-            "dispatch_ops": ops.total, "leaf_ops": leaves, "kernels": kernels,
-            "python_calls": calls.total,
-            "library_calls": calls.within("torchao" if library == "torchao" else "f8tensor"),
-            "library_files": len(calls.files),
-            "host_us": us, "spread": t.spread, "vs_bf16": us / bf16_us[k],
-        })
+        rows.append(
+            {
+                "library": library,
+                "recipe": recipe,
+                "K": k,
+                "N": k,
+                "M": TOKENS,
+                "dispatch_ops": ops.total,
+                "leaf_ops": leaves,
+                "kernels": kernels,
+                "python_calls": calls.total,
+                "library_calls": calls.within("torchao" if library == "torchao" else "f8tensor"),
+                "library_files": len(calls.files),
+                "host_us": us,
+                "spread": t.spread,
+                "vs_bf16": us / bf16_us[k],
+            }
+        )
 
     where = "CUDA" if device.type == "cuda" else "CPU"
     leaf_label, kernel_label = ("CUDA kernels", "CUDA kernels") if device.type == "cuda" else ("leaf ops", "kernels")
-    print(f"### {where}: Linear(K -> K, bias=False) bf16, x ({TOKENS}, K), forward + .sum() + backward; host time: "
-          f"median of {rounds} x {steps} steps (interleaved rounds)")
+    print(
+        f"### {where}: Linear(K -> K, bias=False) bf16, x ({TOKENS}, K), forward + .sum() + backward; host time: "
+        f"median of {rounds} x {steps} steps (interleaved rounds)"
+    )
     print()
-    headers = ["variant", "K", "dispatch ops", leaf_label, kernel_label, "Python calls", "in library",
-               "host us/step", "+-", "vs bf16"]
+    headers = [
+        "variant",
+        "K",
+        "dispatch ops",
+        leaf_label,
+        kernel_label,
+        "Python calls",
+        "in library",
+        "host us/step",
+        "+-",
+        "vs bf16",
+    ]
     ao = {r for lib, r, _ in variants if lib == "torchao"}
     table = []
     for r in rows:
         name = "bf16 nn.Linear" if r["library"] == "bf16" else f"{r['library']} {r['recipe']}"
         if r["library"] == "f8tensor+reuse":
             name = f"f8tensor {r['recipe']}, reuse_weight_casts (later micro-batch)"
-        table.append([name, r["K"], r["dispatch_ops"], r["leaf_ops"], r["kernels"], r["python_calls"],
-                      r["library_calls"] if r["library"] != "bf16" else "-", C.fmt(r["host_us"], 1), "-" if r["spread"] != r["spread"] else C.fmt(100 * r["spread"], 1) + "%",
-                      C.fmt(r["vs_bf16"], 2) + "x"])
+        table.append(
+            [
+                name,
+                r["K"],
+                r["dispatch_ops"],
+                r["leaf_ops"],
+                r["kernels"],
+                r["python_calls"],
+                r["library_calls"] if r["library"] != "bf16" else "-",
+                C.fmt(r["host_us"], 1),
+                "-" if r["spread"] != r["spread"] else C.fmt(100 * r["spread"], 1) + "%",
+                C.fmt(r["vs_bf16"], 2) + "x",
+            ]
+        )
     print(C.markdown_table(headers, table, numeric=[False] + [True] * 9))
     print()
     # The side by side of issue 26: dispatch ops per recipe, torchao where it runs.
     by = {(r["library"], r["recipe"]): r for r in rows}
-    print("| recipe | f8tensor ops | torchao ops | f8tensor Python calls | torchao Python calls | calls vs torchao "
-          "| f8tensor host vs bf16 | torchao host vs bf16 | host vs torchao |")
+    print(
+        "| recipe | f8tensor ops | torchao ops | f8tensor Python calls | torchao Python calls | calls vs torchao "
+        "| f8tensor host vs bf16 | torchao host vs bf16 | host vs torchao |"
+    )
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for recipe in args.recipes:
         f8 = by["f8tensor", recipe]
@@ -306,16 +376,20 @@ def main(argv=None) -> None:
         def na(value, spec="", suffix="", t=t):
             return format(value, spec) + suffix if t else "n/a"
 
-        print(f"| {recipe} | {f8['dispatch_ops']} | {na(t and t['dispatch_ops'])} | {f8['python_calls']} | "
-              f"{na(t and t['python_calls'])} | {na(t and f8['python_calls'] / t['python_calls'], '.2f', 'x')} | "
-              f"{f8['vs_bf16']:.2f}x | {na(t and t['vs_bf16'], '.2f', 'x')} | {na(t and f8['host_us'] / t['host_us'], '.2f', 'x')} |")
+        print(
+            f"| {recipe} | {f8['dispatch_ops']} | {na(t and t['dispatch_ops'])} | {f8['python_calls']} | "
+            f"{na(t and t['python_calls'])} | {na(t and f8['python_calls'] / t['python_calls'], '.2f', 'x')} | "
+            f"{f8['vs_bf16']:.2f}x | {na(t and t['vs_bf16'], '.2f', 'x')} | {na(t and f8['host_us'] / t['host_us'], '.2f', 'x')} |"
+        )
     print()
     if args.breakdown:
         for key in variants:
             ops, _, _, kernel_names, calls = counts[key]
             print(f"#### {' '.join(str(p) for p in key)}: dispatch ops {ops.total}")
             print(", ".join(f"{n} {c}" for n, c in ops.ops.most_common()))
-            print(f"kernels {sum(kernel_names.values())}: " + ", ".join(f"{n} {c}" for n, c in kernel_names.most_common()))
+            print(
+                f"kernels {sum(kernel_names.values())}: " + ", ".join(f"{n} {c}" for n, c in kernel_names.most_common())
+            )
             print(f"Python calls {calls.total}: " + ", ".join(f"{n} {c}" for n, c in calls.by_package.most_common()))
             print(f"library files {len(calls.files)}: " + ", ".join(f"{n} {c}" for n, c in calls.files.most_common()))
             print()
@@ -323,8 +397,10 @@ def main(argv=None) -> None:
         cast_region(device, rounds, steps)
     spread = [r["spread"] for r in rows if r["spread"] == r["spread"]]
     if spread:
-        print(f"largest spread of per-round medians: +-{100 * max(spread):.1f}% "
-              f"(median {100 * statistics.median(spread):.1f}%)")
+        print(
+            f"largest spread of per-round medians: +-{100 * max(spread):.1f}% "
+            f"(median {100 * statistics.median(spread):.1f}%)"
+        )
     C.write_csv(args.csv, rows, env)
 
 
@@ -355,9 +431,13 @@ def cast_region(device: torch.device, rounds: int, steps: int) -> None:
     timings = C.interleaved(calls, rounds, steps, device)
     print(f"### One tensorwise cast of x ({TOKENS}, 64) bf16 (data, scale, inverse): host time per call")
     print()
-    print(C.markdown_table(["mechanism", "us/call", "+-"],
-                           [[name, C.fmt(1e3 * t.median, 1), C.fmt(100 * t.spread, 1) + "%"] for name, t in timings.items()],
-                           numeric=[False, True, True]))
+    print(
+        C.markdown_table(
+            ["mechanism", "us/call", "+-"],
+            [[name, C.fmt(1e3 * t.median, 1), C.fmt(100 * t.spread, 1) + "%"] for name, t in timings.items()],
+            numeric=[False, True, True],
+        )
+    )
     print()
     print(f"compiled region bitwise equal to the eager ops: {same}")
     print()

@@ -47,9 +47,7 @@ from f8tensor import compat
 
 SHAPE_PRESETS: dict[str, list[tuple[int, int, int]]] = {
     "llama": [
-        (m, k, n)
-        for m in (4096, 8192, 16384)
-        for k, n in ((4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096))
+        (m, k, n) for m in (4096, 8192, 16384) for k, n in ((4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096))
     ],
     "small": [(1024, 1024, 1024), (4096, 512, 512), (512, 4096, 4096)],
     "cpu": [(2048, 512, 512), (2048, 512, 128), (2048, 512, 1792), (2048, 1792, 512), (256, 256, 256)],
@@ -77,9 +75,13 @@ def parse_shapes(value: str, parser) -> list[tuple[int, int, int]]:
         try:
             m, k, n = (int(p) for p in parts)
         except ValueError:
-            parser.error(f"--shapes: {item!r} is neither a preset ({', '.join(SHAPE_PRESETS)}) nor MxKxN (e.g. 16384x4096x14336)")
+            parser.error(
+                f"--shapes: {item!r} is neither a preset ({', '.join(SHAPE_PRESETS)}) nor MxKxN (e.g. 16384x4096x14336)"
+            )
         if min(m, k, n) < 1 or k % 16 or n % 16:
-            parser.error(f"--shapes: {item!r}: K and N must be positive multiples of 16 (torch._scaled_mm's rule), M positive")
+            parser.error(
+                f"--shapes: {item!r}: K and N must be positive multiples of 16 (torch._scaled_mm's rule), M positive"
+            )
         shapes.append((m, k, n))
     if not shapes:
         parser.error("--shapes: no shapes given")
@@ -122,7 +124,8 @@ def gemm_steps(m: int, k: int, n: int, device: torch.device) -> dict[tuple[str, 
         # Through f8tensor's compat: torch._scaled_mm, and on a CPU without a rowwise kernel
         # (torch 2.11) its per-tensor kernel with the scales after.
         out[kind, "forward"] = lambda a=x8_a, b=w8_t, s=s_fwd: compat.scaled_mm(
-            a, b, s[0], s[1], out_dtype=bf16, use_fast_accum=True)
+            a, b, s[0], s[1], out_dtype=bf16, use_fast_accum=True
+        )
         out[kind, "grad_input"] = lambda a=g8_a, b=w8_b, s=s_gx: compat.scaled_mm(a, b, s[0], s[1], out_dtype=bf16)
         out[kind, "grad_weight"] = lambda a=gt8_a, b=x8_b, s=s_gw: compat.scaled_mm(a, b, s[0], s[1], out_dtype=bf16)
     # bf16 on the layouts nn.Linear's forward and backward use.
@@ -192,11 +195,23 @@ def bench_shape(shape, args, progress: C.Progress) -> tuple[list[dict], list[dic
         _, variant, mode = key
         speedup = base[mode] / t.median
         ceil = ceiling(gemm_ms, variant.recipe) if variant.recipe and gemm_ms else float("nan")
-        rows.append({
-            "M": m, "K": k, "N": n, "library": variant.library, "recipe": variant.recipe or "-", "mode": mode,
-            "ms": t.median, "spread": t.spread, "speedup_vs_bf16": speedup, "gemm_ceiling": ceil,
-            "fraction_of_ceiling": speedup / ceil, "warmup_s": compile_s[variant, mode], "steps": len(t.all),
-        })
+        rows.append(
+            {
+                "M": m,
+                "K": k,
+                "N": n,
+                "library": variant.library,
+                "recipe": variant.recipe or "-",
+                "mode": mode,
+                "ms": t.median,
+                "spread": t.spread,
+                "speedup_vs_bf16": speedup,
+                "gemm_ceiling": ceil,
+                "fraction_of_ceiling": speedup / ceil,
+                "warmup_s": compile_s[variant, mode],
+                "steps": len(t.all),
+            }
+        )
     gemm_rows = []
     if gemm_ms:
         for gm in GEMMS:
@@ -215,38 +230,70 @@ def print_tables(shape, rows: list[dict], gemm_rows: list[dict]) -> None:
     table = []
     for r in rows:
         name = "bf16 nn.Linear" if r["library"] == "bf16" else f"{r['library']} {r['recipe']}"
-        table.append([name, r["mode"], r["ms"], "-" if math.isnan(r["spread"]) else f"±{100 * r['spread']:.0f}%",
-                      f"{r['speedup_vs_bf16']:.2f}x",
-                      "-" if r["library"] == "bf16" or math.isnan(r["gemm_ceiling"]) else f"{r['gemm_ceiling']:.2f}x",
-                      "-" if r["library"] == "bf16" or math.isnan(r["gemm_ceiling"]) else f"{100 * r['fraction_of_ceiling']:.0f}%"])
-    print(C.markdown_table(
-        ["layer", "mode", "ms", "spread", "speed-up vs bf16", "GEMM ceiling", "fraction of ceiling"], table,
-        numeric=[False, False, True, True, True, True, True]))
+        table.append(
+            [
+                name,
+                r["mode"],
+                r["ms"],
+                "-" if math.isnan(r["spread"]) else f"±{100 * r['spread']:.0f}%",
+                f"{r['speedup_vs_bf16']:.2f}x",
+                "-" if r["library"] == "bf16" or math.isnan(r["gemm_ceiling"]) else f"{r['gemm_ceiling']:.2f}x",
+                "-"
+                if r["library"] == "bf16" or math.isnan(r["gemm_ceiling"])
+                else f"{100 * r['fraction_of_ceiling']:.0f}%",
+            ]
+        )
+    print(
+        C.markdown_table(
+            ["layer", "mode", "ms", "spread", "speed-up vs bf16", "GEMM ceiling", "fraction of ceiling"],
+            table,
+            numeric=[False, False, True, True, True, True, True],
+        )
+    )
     print()
     if gemm_rows:
         print(f"GEMMs alone (M={m}, K={k}, N={n}): bf16 torch.mm vs torch._scaled_mm on FP8 operands")
         print()
-        print(C.markdown_table(
-            ["GEMM", "bf16 ms", "FP8 tensorwise ms", "speed-up", "FP8 rowwise ms", "speed-up"],
-            [[g["gemm"], g["bf16_ms"], g["tensorwise_ms"], f"{g['tensorwise_speedup']:.2f}x", g["rowwise_ms"],
-              f"{g['rowwise_speedup']:.2f}x"] for g in gemm_rows],
-            numeric=[False, True, True, True, True, True]))
+        print(
+            C.markdown_table(
+                ["GEMM", "bf16 ms", "FP8 tensorwise ms", "speed-up", "FP8 rowwise ms", "speed-up"],
+                [
+                    [
+                        g["gemm"],
+                        g["bf16_ms"],
+                        g["tensorwise_ms"],
+                        f"{g['tensorwise_speedup']:.2f}x",
+                        g["rowwise_ms"],
+                        f"{g['rowwise_speedup']:.2f}x",
+                    ]
+                    for g in gemm_rows
+                ],
+                numeric=[False, True, True, True, True, True],
+            )
+        )
         print()
 
 
 def main(argv=None) -> None:
     parser = C.BenchArgumentParser(__doc__)
     parser.add_modes()
-    parser.add_argument("--shapes", default=None,
-                        help=f"comma-separated presets ({', '.join(SHAPE_PRESETS)}) and/or MxKxN items; "
-                             "default: llama,small on CUDA, cpu on CPU, quick with --quick")
+    parser.add_argument(
+        "--shapes",
+        default=None,
+        help=f"comma-separated presets ({', '.join(SHAPE_PRESETS)}) and/or MxKxN items; "
+        "default: llama,small on CUDA, cpu on CPU, quick with --quick",
+    )
     parser.add_argument("--warmup", type=int, default=None, help="warm-up steps per configuration (compiled: +2)")
     parser.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per configuration and round")
     parser.add_argument("--no-gemm", action="store_true", help="skip the GEMM-only ceiling")
-    parser.add_argument("--profile", metavar="DIR", default=None,
-                        help="after timing, profile 3 steps of each configuration: print the top kernels/ops "
-                             "by self time and write a Chrome trace per configuration into DIR")
+    parser.add_argument(
+        "--profile",
+        metavar="DIR",
+        default=None,
+        help="after timing, profile 3 steps of each configuration: print the top kernels/ops "
+        "by self time and write a Chrome trace per configuration into DIR",
+    )
     args = parser.parse_args(argv)
     cuda = args.device.type == "cuda"
     default_shapes = "quick" if args.quick else ("llama,small" if cuda else "cpu")
@@ -263,9 +310,11 @@ def main(argv=None) -> None:
 
     env = C.environment(args.device, args.torchao_note)
     C.print_environment(env, "Linear forward + backward: f8tensor vs bf16 vs torchao.float8")
-    print(f"{len(shapes)} shape(s); timing: {args.rounds} interleaved rounds x {args.steps} steps after "
-          f"{args.warmup} warm-up steps; figures are medians, spread = half the range of the per-round medians; "
-          "speed-up = bf16 ms / ms in the same mode (above 1: faster than bf16)")
+    print(
+        f"{len(shapes)} shape(s); timing: {args.rounds} interleaved rounds x {args.steps} steps after "
+        f"{args.warmup} warm-up steps; figures are medians, spread = half the range of the per-round medians; "
+        "speed-up = bf16 ms / ms in the same mode (above 1: faster than bf16)"
+    )
     print()
     n_configs = len(C.variants(args)) * len(args.modes)
     progress = C.Progress(len(shapes) * n_configs, "bench_linear")

@@ -46,12 +46,23 @@ from f8tensor.stats import saved_tensor_bytes
 RECIPES = C.F8_RECIPES
 
 
-def measure(batch: int, seq: int, in_features: int, out_features: int, dtype: torch.dtype = torch.bfloat16,
-            torchao=None, torchao_recipes=()) -> list[tuple[str, int]]:
+def measure(
+    batch: int,
+    seq: int,
+    in_features: int,
+    out_features: int,
+    dtype: torch.dtype = torch.bfloat16,
+    torchao=None,
+    torchao_recipes=(),
+) -> list[tuple[str, int]]:
     """``[(name, saved bytes)]`` for ``nn.Linear``, each recipe and (given ``torchao``, the
     ``torchao.float8`` module) each torchao recipe: one forward on a 3D input."""
-    return [(name, nbytes) for name, nbytes, _ in _linear_rows(batch, seq, in_features, out_features, dtype,
-                                                               torchao, torchao_recipes, peak=False)]
+    return [
+        (name, nbytes)
+        for name, nbytes, _ in _linear_rows(
+            batch, seq, in_features, out_features, dtype, torchao, torchao_recipes, peak=False
+        )
+    ]
 
 
 def _linear_layers(in_features, out_features, dtype, device, torchao, torchao_recipes):
@@ -64,8 +75,9 @@ def _linear_layers(in_features, out_features, dtype, device, torchao, torchao_re
         yield f"torchao {recipe}", C.torchao_convert(torchao, copy.deepcopy(ref), recipe)
 
 
-def _linear_rows(batch, seq, in_features, out_features, dtype, torchao, torchao_recipes, peak=True,
-                 device=None, progress=None):
+def _linear_rows(
+    batch, seq, in_features, out_features, dtype, torchao, torchao_recipes, peak=True, device=None, progress=None
+):
     device = torch.device("cpu") if device is None else device
     x = torch.randn(batch, seq, in_features, dtype=dtype, device=device, requires_grad=True)
     grad = torch.randn(batch, seq, out_features, dtype=dtype, device=device)
@@ -125,9 +137,15 @@ def _model_step_memory(variant: C.Variant, mode: str, cfg, batches: torch.Tensor
         step()
     resident = C.tensor_bytes([*C.state_tensors(model, opt), batches[step_index]])
     mem = C.measure_peak(step, resident, args.device)
-    return {"library": variant.library, "recipe": variant.recipe or "-", "mode": mode,
-            "saved_bytes": saved, "resident_bytes": mem.resident, "peak_bytes": mem.peak,
-            "peak_no_gemm_scratch_bytes": mem.peak_no_gemm_scratch}
+    return {
+        "library": variant.library,
+        "recipe": variant.recipe or "-",
+        "mode": mode,
+        "saved_bytes": saved,
+        "resident_bytes": mem.resident,
+        "peak_bytes": mem.peak,
+        "peak_no_gemm_scratch_bytes": mem.peak_no_gemm_scratch,
+    }
 
 
 def main(argv=None) -> None:
@@ -138,8 +156,12 @@ def main(argv=None) -> None:
     parser.add_argument("--in-features", type=int, default=None, help="default 4096")
     parser.add_argument("--out-features", type=int, default=None, help="default 4096")
     parser.add_argument("--no-linear-peak", action="store_true", help="linear table: saved bytes only (fast)")
-    parser.add_argument("--size", choices=sorted(M.SIZES), default=None,
-                        help="model for the training-step table (default: tiny on CPU, 300m on CUDA; quick with --quick)")
+    parser.add_argument(
+        "--size",
+        choices=sorted(M.SIZES),
+        default=None,
+        help="model for the training-step table (default: tiny on CPU, 300m on CUDA; quick with --quick)",
+    )
     parser.add_argument("--no-model", action="store_true", help="skip the training-step table")
     parser.add_argument("--model-warmup", type=int, default=2, help="training steps before the measured one")
     args = parser.parse_args(argv)
@@ -163,26 +185,48 @@ def main(argv=None) -> None:
     n_linear = 1 + len(RECIPES) + len(args.torchao_recipes)
     n_model = 0 if args.no_model else len(C.variants(args)) * len(args.modes)
     progress = C.Progress(n_linear + n_model, "bench_memory")
-    linear = _linear_rows(batch, seq, k, n, dtype, args.torchao, args.torchao_recipes,
-                          peak=not args.no_linear_peak, device=args.device, progress=progress)
+    linear = _linear_rows(
+        batch,
+        seq,
+        k,
+        n,
+        dtype,
+        args.torchao,
+        args.torchao_recipes,
+        peak=not args.no_linear_peak,
+        device=args.device,
+        progress=progress,
+    )
     csv_rows = []
     elements = batch * seq * k
     base = linear[0]
     scratch = args.device.type == "cpu"
-    print(f"### One linear layer: input ({batch}, {seq}, {k}) bf16, weight ({n}, {k}) bf16 + bias; forward + backward, eager")
+    print(
+        f"### One linear layer: input ({batch}, {seq}, {k}) bf16, weight ({n}, {k}) bf16 + bias; forward + backward, eager"
+    )
     print()
     headers = ["layer", "saved bytes", "bytes / input element", "vs nn.Linear"]
     if not args.no_linear_peak:
         headers += ["peak MiB", "vs nn.Linear"] + (["peak MiB w/o CPU GEMM scratch", "vs nn.Linear"] if scratch else [])
     table = []
     for name, nbytes, mem in linear:
-        row = [name if name != "nn.Linear" else "bf16 nn.Linear", nbytes, f"{nbytes / elements:.4f}", f"{nbytes / base[1]:.3f}x"]
+        row = [
+            name if name != "nn.Linear" else "bf16 nn.Linear",
+            nbytes,
+            f"{nbytes / elements:.4f}",
+            f"{nbytes / base[1]:.3f}x",
+        ]
         csv_row = {"table": "linear", "layer": name, "batch": batch, "seq": seq, "K": k, "N": n, "saved_bytes": nbytes}
         if mem is not None:
             row += [mem.peak / 2**20, f"{mem.peak / base[2].peak:.2f}x"]
             if scratch:
-                row += [mem.peak_no_gemm_scratch / 2**20, f"{mem.peak_no_gemm_scratch / base[2].peak_no_gemm_scratch:.2f}x"]
-            csv_row.update(peak_bytes=mem.peak, peak_no_gemm_scratch_bytes=mem.peak_no_gemm_scratch, resident_bytes=mem.resident)
+                row += [
+                    mem.peak_no_gemm_scratch / 2**20,
+                    f"{mem.peak_no_gemm_scratch / base[2].peak_no_gemm_scratch:.2f}x",
+                ]
+            csv_row.update(
+                peak_bytes=mem.peak, peak_no_gemm_scratch_bytes=mem.peak_no_gemm_scratch, resident_bytes=mem.resident
+            )
         table.append(row)
         csv_rows.append(csv_row)
     print(C.markdown_table(headers, table, numeric=[False] + [True] * (len(headers) - 1)))
@@ -190,8 +234,10 @@ def main(argv=None) -> None:
     if not args.no_model:
         cfg = M.SIZES[size]
         probe = M.build_model(cfg, torch.device("meta"))
-        print(f"### Training step: Llama-style model {size}, {M.count_parameters(probe) / 1e6:.1f}M parameters "
-              f"({cfg.describe()}); AdamW; bf16 parameters; step {args.model_warmup + 1}")
+        print(
+            f"### Training step: Llama-style model {size}, {M.count_parameters(probe) / 1e6:.1f}M parameters "
+            f"({cfg.describe()}); AdamW; bf16 parameters; step {args.model_warmup + 1}"
+        )
         print()
         rows = _model_rows(args, cfg, progress)
         bases = {r["mode"]: r for r in rows if r["library"] == "bf16"}
@@ -203,17 +249,28 @@ def main(argv=None) -> None:
             b = bases[r["mode"]]
             name = "bf16" if r["library"] == "bf16" else f"{r['library']} {r['recipe']}"
             saved = r["saved_bytes"]
-            row = [name, r["mode"], saved / 2**20, "-" if math.isnan(saved) else f"{saved / b['saved_bytes']:.3f}x",
-                   r["resident_bytes"] / 2**20, r["peak_bytes"] / 2**20, f"{r['peak_bytes'] / b['peak_bytes']:.2f}x"]
+            row = [
+                name,
+                r["mode"],
+                saved / 2**20,
+                "-" if math.isnan(saved) else f"{saved / b['saved_bytes']:.3f}x",
+                r["resident_bytes"] / 2**20,
+                r["peak_bytes"] / 2**20,
+                f"{r['peak_bytes'] / b['peak_bytes']:.2f}x",
+            ]
             if scratch:
-                row += [r["peak_no_gemm_scratch_bytes"] / 2**20,
-                        f"{r['peak_no_gemm_scratch_bytes'] / b['peak_no_gemm_scratch_bytes']:.2f}x"]
+                row += [
+                    r["peak_no_gemm_scratch_bytes"] / 2**20,
+                    f"{r['peak_no_gemm_scratch_bytes'] / b['peak_no_gemm_scratch_bytes']:.2f}x",
+                ]
             table.append(row)
             csv_rows.append({"table": "model", "size": size, **r})
         print(C.markdown_table(headers, table, numeric=[False, False] + [True] * (len(headers) - 2)))
         print()
-        print("saved: what autograd keeps from forward to backward (eager only: compiled graphs save "
-              "inside the compiled function); resident: parameters, buffers, AdamW state and the batch")
+        print(
+            "saved: what autograd keeps from forward to backward (eager only: compiled graphs save "
+            "inside the compiled function); resident: parameters, buffers, AdamW state and the batch"
+        )
     progress.close()
     C.write_csv(args.csv, csv_rows, env)
 

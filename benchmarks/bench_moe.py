@@ -37,8 +37,9 @@ def _block(hidden: int, inter: int, experts: int, top_k: int, impl: str, recipe:
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-    config = Qwen3MoeConfig(hidden_size=hidden, moe_intermediate_size=inter, num_experts=experts,
-                            num_experts_per_tok=top_k)
+    config = Qwen3MoeConfig(
+        hidden_size=hidden, moe_intermediate_size=inter, num_experts=experts, num_experts_per_tok=top_k
+    )
     config._experts_implementation = impl
     torch.manual_seed(0)
     block = Qwen3MoeSparseMoeBlock(config)
@@ -52,7 +53,9 @@ def _block(hidden: int, inter: int, experts: int, top_k: int, impl: str, recipe:
 
 def main(argv=None) -> None:
     parser = C.BenchArgumentParser(__doc__)
-    parser.add_argument("--impls", default=",".join(IMPLS), help=f"experts implementations (default: {','.join(IMPLS)})")
+    parser.add_argument(
+        "--impls", default=",".join(IMPLS), help=f"experts implementations (default: {','.join(IMPLS)})"
+    )
     parser.add_argument("--shape", default=None, help="TOKENSxHIDDENxINTERxEXPERTSxTOPK (default 256x256x128x8x2)")
     args = parser.parse_args(argv)
     impls = C.parse_list(args.impls, IMPLS, "--impls", parser)
@@ -94,14 +97,32 @@ def main(argv=None) -> None:
         base = timings[impl, "bf16"].median
         ms = timing.median
         rows.append([impl, recipe, ms, base / ms, saved[impl, recipe], saved[impl, recipe] / saved[impl, "bf16"]])
-        csv_rows.append({"impl": impl, "recipe": recipe, "tokens": tokens, "hidden": hidden, "inter": inter,
-                         "experts": experts, "top_k": top_k, "ms": ms, "speedup_vs_bf16": base / ms,
-                         "spread": timing.spread, "saved_bytes": saved[impl, recipe],
-                         "saved_vs_bf16": saved[impl, recipe] / saved[impl, "bf16"]})
-    print(f"tokens {tokens}, hidden {hidden}, expert intermediate {inter}, {experts} experts, top-{top_k}; "
-          f"median of {rounds} interleaved rounds x {per_round} steps")
+        csv_rows.append(
+            {
+                "impl": impl,
+                "recipe": recipe,
+                "tokens": tokens,
+                "hidden": hidden,
+                "inter": inter,
+                "experts": experts,
+                "top_k": top_k,
+                "ms": ms,
+                "speedup_vs_bf16": base / ms,
+                "spread": timing.spread,
+                "saved_bytes": saved[impl, recipe],
+                "saved_vs_bf16": saved[impl, recipe] / saved[impl, "bf16"],
+            }
+        )
+    print(
+        f"tokens {tokens}, hidden {hidden}, expert intermediate {inter}, {experts} experts, top-{top_k}; "
+        f"median of {rounds} interleaved rounds x {per_round} steps"
+    )
     print()
-    print(C.markdown_table(["experts path", "recipe", "ms / step", "speed-up vs bf16", "saved bytes", "saved vs bf16"], rows))
+    print(
+        C.markdown_table(
+            ["experts path", "recipe", "ms / step", "speed-up vs bf16", "saved bytes", "saved vs bf16"], rows
+        )
+    )
     C.write_csv(args.csv, csv_rows, env)
 
 

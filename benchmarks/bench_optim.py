@@ -193,8 +193,10 @@ def quality_optimizers() -> list[tuple[str, Callable | None]]:
     return [
         ("torch AdamW (fp32 states)", lambda ps, lr: torch.optim.AdamW(ps, lr=lr, **hyper)),
         ("f8tensor AdamW, FP8 states", lambda ps, lr: AdamW(ps, lr=lr, state_dtype=FP8, **hyper)),
-        ("torchao AdamWFp8", None if torchao is None else
-         (lambda ps, lr: _torchao_class("AdamWFp8")(ps, lr=lr, **hyper))),
+        (
+            "torchao AdamWFp8",
+            None if torchao is None else (lambda ps, lr: _torchao_class("AdamWFp8")(ps, lr=lr, **hyper)),
+        ),
     ]
 
 
@@ -231,7 +233,9 @@ def quality(seeds: Sequence[int], steps: int, size_name: str) -> dict[str, list[
 
 def format_quality(finals: dict[str, list[float]], seeds: Sequence[int]) -> str:
     base = finals.get("torch AdamW (fp32 states)") or []
-    header = f"{'optimizer':<30}" + "".join(f"{f'seed {s}':>10}" for s in seeds) + f"{'mean':>10}{'std':>9}{'vs torch':>10}"
+    header = (
+        f"{'optimizer':<30}" + "".join(f"{f'seed {s}':>10}" for s in seeds) + f"{'mean':>10}{'std':>9}{'vs torch':>10}"
+    )
     lines = [header, "-" * len(header)]
     for name, values in finals.items():
         if not values:
@@ -265,8 +269,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.train_steps < 2:
             parser.error(f"--train-steps must be at least 2; got {args.train_steps}")
         torch.set_num_threads(args.threads)
-        print(f"demo GPT '{args.size}', {args.train_steps} steps, seeds {seeds}, CPU "
-              f"({platform.processor() or platform.machine()}, {args.threads} thread(s)), torch {torch.__version__}")
+        print(
+            f"demo GPT '{args.size}', {args.train_steps} steps, seeds {seeds}, CPU "
+            f"({platform.processor() or platform.machine()}, {args.threads} thread(s)), torch {torch.__version__}"
+        )
         print(format_quality(quality(seeds, args.train_steps, args.size), seeds))
         return 0
     if args.quick:

@@ -53,6 +53,7 @@ def classes() -> dict[str, Callable[[torch.Generator], tuple[torch.Tensor, torch
     out = {"gaussian": base}
     for k in (3, 10, 20):
         for every in (16, 64):
+
             def x_only(gen, k=k, every=every):
                 g, x = base(gen)
                 x[_tokens(gen, every)] *= k
@@ -75,6 +76,7 @@ def classes() -> dict[str, Callable[[torch.Generator], tuple[torch.Tensor, torch
             out[f"token outliers {k}x, 1 in {every}, g and x, independent"] = both
             out[f"token outliers {k}x, 1 in {every}, g and x, same tokens"] = same
     for k in (5, 20, 50):
+
         def crossed(gen, k=k):
             g, x = base(gen)
             x[torch.arange(3, T, 16)] *= k
@@ -83,6 +85,7 @@ def classes() -> dict[str, Callable[[torch.Generator], tuple[torch.Tensor, torch
 
         out[f"crossed: x token 3 and g token 7 of every block {k}x"] = crossed
     for dof in (3, 5, 8):
+
         def student(gen, dof=dof, both=True):
             # Student-t: a normal over the root of an independent chi-square / dof (from gen).
             z = torch.randn(2, T, D, generator=gen)
@@ -116,10 +119,14 @@ def gpt_operands(steps: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
             for name, mod in model.named_modules():
                 if isinstance(mod, nn.Linear) and name != "lm_head":
                     mod.register_forward_hook(
-                        lambda m, a, out, name=name: seen.setdefault(name, {}).update(x=a[0].detach().flatten(0, -2).float())
+                        lambda m, a, out, name=name: seen.setdefault(name, {}).update(
+                            x=a[0].detach().flatten(0, -2).float()
+                        )
                     )
                     mod.register_full_backward_hook(
-                        lambda m, gi, go, name=name: seen.setdefault(name, {}).update(g=go[0].detach().flatten(0, -2).float())
+                        lambda m, gi, go, name=name: seen.setdefault(name, {}).update(
+                            g=go[0].detach().flatten(0, -2).float()
+                        )
                     )
         x, y = demo.get_batch(data, starts[i], size.seq_len)
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -143,8 +150,14 @@ def main() -> None:
         rows = []
         for i, (g, x) in enumerate(pairs):
             torch.manual_seed(i)
-            rows.append([wgrad_sqnr(g, x, False), wgrad_sqnr(g, x, True),
-                         wgrad_sqnr(g, x, False, "stochastic"), wgrad_sqnr(g, x, True, "stochastic")])
+            rows.append(
+                [
+                    wgrad_sqnr(g, x, False),
+                    wgrad_sqnr(g, x, True),
+                    wgrad_sqnr(g, x, False, "stochastic"),
+                    wgrad_sqnr(g, x, True, "stochastic"),
+                ]
+            )
         p, r, ps, rs = torch.tensor(rows).mean(0).tolist()
         print(f"{name:62s} {p:7.2f} {r:7.2f} {r - p:+6.2f} | {ps:11.2f} {rs:7.2f} {rs - ps:+6.2f}", flush=True)
 

@@ -76,8 +76,9 @@ def sqnr_db(ref: torch.Tensor, out: torch.Tensor) -> float:
 def main(argv=None) -> None:
     parser = C.BenchArgumentParser(__doc__)
     parser.add_modes()
-    parser.add_argument("--shapes", default=None,
-                        help=f"MxKxN, comma-separated (default on CPU {CPU_SHAPES}; on CUDA {CUDA_SHAPES})")
+    parser.add_argument(
+        "--shapes", default=None, help=f"MxKxN, comma-separated (default on CPU {CPU_SHAPES}; on CUDA {CUDA_SHAPES})"
+    )
     parser.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds (default 5, --quick 1)")
     parser.add_argument("--steps", type=int, default=None, help="timed calls per round (default 20, --quick 2)")
     args = parser.parse_args(argv)
@@ -117,22 +118,42 @@ def main(argv=None) -> None:
                 base = timings["kernel", mode].median
                 for route in ROUTES:
                     t = timings[route, mode]
-                    rows.append({
-                        "M": m, "K": k, "N": n, "mode": mode, "route": route, "ms": t.median, "spread": t.spread,
-                        "tflops": 2 * m * k * n / (t.median * 1e-3) / 1e12,
-                        "vs_kernel": t.median / base,
-                        "sqnr_vs_kernel_db": sqnr_db(outs["kernel", mode], outs[route, mode]),
-                    })
+                    rows.append(
+                        {
+                            "M": m,
+                            "K": k,
+                            "N": n,
+                            "mode": mode,
+                            "route": route,
+                            "ms": t.median,
+                            "spread": t.spread,
+                            "tflops": 2 * m * k * n / (t.median * 1e-3) / 1e12,
+                            "vs_kernel": t.median / base,
+                            "sqnr_vs_kernel_db": sqnr_db(outs["kernel", mode], outs[route, mode]),
+                        }
+                    )
     finally:
         G.set_precise_rowwise_route(previous)
     where = "CUDA" if args.device.type == "cuda" else "CPU (no FP8 matrix units: overhead only)"
-    print(f"### {where}: a8 @ b8.t(), rowwise e4m3 operands, precise accumulation, bf16 output; "
-          f"median of {rounds} x {steps} calls")
+    print(
+        f"### {where}: a8 @ b8.t(), rowwise e4m3 operands, precise accumulation, bf16 output; "
+        f"median of {rounds} x {steps} calls"
+    )
     print()
     headers = ["M x K x N", "mode", "route", "ms", "+-", "TFLOP/s", "time vs kernel route", "SQNR vs kernel route dB"]
-    table = [[f"{r['M']}x{r['K']}x{r['N']}", r["mode"], r["route"], C.fmt(r["ms"], 3), "-" if math.isnan(r["spread"]) else C.fmt(100 * r["spread"], 1) + "%",
-              C.fmt(r["tflops"], 1), C.fmt(r["vs_kernel"], 3),
-              "same" if math.isinf(r["sqnr_vs_kernel_db"]) else C.fmt(r["sqnr_vs_kernel_db"], 1)] for r in rows]
+    table = [
+        [
+            f"{r['M']}x{r['K']}x{r['N']}",
+            r["mode"],
+            r["route"],
+            C.fmt(r["ms"], 3),
+            "-" if math.isnan(r["spread"]) else C.fmt(100 * r["spread"], 1) + "%",
+            C.fmt(r["tflops"], 1),
+            C.fmt(r["vs_kernel"], 3),
+            "same" if math.isinf(r["sqnr_vs_kernel_db"]) else C.fmt(r["sqnr_vs_kernel_db"], 1),
+        ]
+        for r in rows
+    ]
     print(C.markdown_table(headers, table, numeric=[False, False, False, True, True, True, True, True]))
     C.write_csv(args.csv, rows, env)
 

@@ -71,6 +71,7 @@ __all__ = [
     "written_arguments",
 ]
 
+
 def _release(version: str) -> tuple[int, int]:
     major, minor = version.split("+")[0].split(".")[:2]
     return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
@@ -122,9 +123,16 @@ CPU_PRODUCTS_IN_FP32: bool = True
 
 
 def scaled_mm(
-    mat1: torch.Tensor, mat2: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, *,
-    bias: torch.Tensor | None = None, scale_result: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-    use_fast_accum: bool = False, **kwargs: Any,
+    mat1: torch.Tensor,
+    mat2: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    scale_result: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    use_fast_accum: bool = False,
+    **kwargs: Any,
 ) -> torch.Tensor:
     """``torch._scaled_mm`` (the original op); ``kwargs`` pass through (inductor adds ``out=``).
 
@@ -169,7 +177,9 @@ def _check_scaled_mm_args(mat1, mat2, scale_a, scale_b, bias=None, out_dtype=Non
     Sizes enter a message only once raised (formatting a dynamic size pins it).
     """
     if mat1.dim() != 2 or mat2.dim() != 2:
-        raise RuntimeError(f"mat1 and mat2 must be matrices (2-D); got shapes {tuple(mat1.shape)} and {tuple(mat2.shape)}")
+        raise RuntimeError(
+            f"mat1 and mat2 must be matrices (2-D); got shapes {tuple(mat1.shape)} and {tuple(mat2.shape)}"
+        )
     if mat1.dtype not in _FP8 or mat2.dtype not in _FP8:
         names = ", ".join(str(d) for d in _FP8)
         raise RuntimeError(f"mat1 and mat2 must be FP8 ({names}); got {mat1.dtype} and {mat2.dtype}")
@@ -269,7 +279,6 @@ except (ImportError, AttributeError):  # pragma: no cover - older torch
 def called_by_weights_only_load() -> bool:
     """Whether the caller's caller is ``torch.load(weights_only=True)``'s unpickler."""
     return _WEIGHTS_ONLY_LOAD_CODE is not None and sys._getframe(2).f_code is _WEIGHTS_ONLY_LOAD_CODE
-
 
 
 def make_wrapper_subclass(cls: type, like: torch.Tensor, *, dtype: torch.dtype, requires_grad: bool) -> Any:
@@ -396,9 +405,22 @@ def waited(t: torch.Tensor) -> torch.Tensor:
 
 #: c10d ops that write a tensor argument unseen by version counters (no alias annotation).
 _C10D_WRITING_OPS = (
-    "broadcast_", "allreduce_", "allreduce_coalesced_", "reduce_", "allgather_", "_allgather_base_",
-    "allgather_coalesced_", "allgather_into_tensor_coalesced_", "reduce_scatter_", "_reduce_scatter_base_",
-    "reduce_scatter_tensor_coalesced_", "gather_", "scatter_", "alltoall_", "alltoall_base_", "recv_",
+    "broadcast_",
+    "allreduce_",
+    "allreduce_coalesced_",
+    "reduce_",
+    "allgather_",
+    "_allgather_base_",
+    "allgather_coalesced_",
+    "allgather_into_tensor_coalesced_",
+    "reduce_scatter_",
+    "_reduce_scatter_base_",
+    "reduce_scatter_tensor_coalesced_",
+    "gather_",
+    "scatter_",
+    "alltoall_",
+    "alltoall_base_",
+    "recv_",
     "recv_any_source_",
 )
 
@@ -457,7 +479,9 @@ def dtensor_local(t: Any) -> torch.Tensor:
     return t._local_tensor
 
 
-def colwise_prepare_input(input_layouts: Any, desired_input_layouts: Any, mod: Any, inputs: Any, device_mesh: Any) -> Any:
+def colwise_prepare_input(
+    input_layouts: Any, desired_input_layouts: Any, mod: Any, inputs: Any, device_mesh: Any
+) -> Any:
     """``ColwiseParallel._prepare_input_fn`` (torch >= 2.3), torch's own input hook."""
     return ColwiseParallel._prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh)
 
@@ -484,7 +508,9 @@ def multi_head_attention_forward_with(linear: Callable[..., torch.Tensor]) -> Ca
                 f"torch {torch.__version__}: F.{name} no longer calls F.linear by that name; FP8 "
                 "nn.MultiheadAttention needs an update of f8tensor.compat for this torch"
             )
-        copy = types.FunctionType(original.__code__, scope, original.__name__, original.__defaults__, original.__closure__)
+        copy = types.FunctionType(
+            original.__code__, scope, original.__name__, original.__defaults__, original.__closure__
+        )
         copy.__kwdefaults__ = original.__kwdefaults__
         scope[name] = copy
     return scope["multi_head_attention_forward"]

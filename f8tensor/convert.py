@@ -169,7 +169,9 @@ def _check_same_recipe(
                 else:
                     other.append(pfqn)
     if other:
-        names = ", ".join((n or "<root>") for n in other[:4]) + (f", ... ({len(other) - 4} more)" if len(other) > 4 else "")
+        names = ", ".join((n or "<root>") for n in other[:4]) + (
+            f", ... ({len(other) - 4} more)" if len(other) > 4 else ""
+        )
         raise ValueError(
             f"convert_to_float8_training: {len(other)} layers or expert weights are already FP8 with another recipe "
             f"[{names}]; converting them again with a different config is refused. Convert an unconverted model "
@@ -285,9 +287,12 @@ def _convert(
         if not dims_ok(in_features, out_features, config):  # type: ignore[arg-type]
             multiple = FP4_ALIGN if config.any_fp4 else ALIGN
             logger.warning(
-                "f8tensor: left %s (%d -> %d) in high precision: %s GEMMs need dimensions that are "
-                "multiples of %d%s",
-                name, in_features, out_features, "FP4" if config.any_fp4 else "FP8", multiple,
+                "f8tensor: left %s (%d -> %d) in high precision: %s GEMMs need dimensions that are multiples of %d%s",
+                name,
+                in_features,
+                out_features,
+                "FP4" if config.any_fp4 else "FP8",
+                multiple,
                 "" if config.any_fp4 else " (set pad_inner_dim=True to pad instead)",
             )
             skipped.setdefault(_SKIP_FP4_DIMS if config.any_fp4 else _SKIP_DIMS, []).append(name)
@@ -321,7 +326,12 @@ def _convert(
         if not all(dims_ok(k, e, config) for k in (e, mha.kdim, mha.vdim)):
             logger.warning(
                 "f8tensor: left %s (embed_dim %d, kdim %d, vdim %d) in high precision: %s GEMMs need dimensions "
-                "that are multiples of %d", name, e, mha.kdim, mha.vdim, "FP4" if config.any_fp4 else "FP8",
+                "that are multiples of %d",
+                name,
+                e,
+                mha.kdim,
+                mha.vdim,
+                "FP4" if config.any_fp4 else "FP8",
                 FP4_ALIGN if config.any_fp4 else ALIGN,
             )
             skipped.setdefault(_SKIP_FP4_DIMS if config.any_fp4 else _SKIP_DIMS, []).append(name)
@@ -382,7 +392,19 @@ def _convert(
     if experts:
         assert experts_config is not None  # expert weights are wrapped only under one (above)
         experts_path = expert_path(experts_config, result.get_parameter(experts[0]).device)
-    _report_conversion(converted, skipped, candidates, experts, already, experts_path, kept, paths, attention, len(attentions), attention_candidates)
+    _report_conversion(
+        converted,
+        skipped,
+        candidates,
+        experts,
+        already,
+        experts_path,
+        kept,
+        paths,
+        attention,
+        len(attentions),
+        attention_candidates,
+    )
     fp8 = already + kept + converted + attention + experts
     result.float8_converted_fqns = tuple(sorted(set(fp8), key=fp8.index))  # type: ignore[assignment]  # a plain attribute, not a submodule
     return result
@@ -411,9 +433,17 @@ def _fp4_gemm_paths(config: Float8LinearConfig, device: torch.device) -> list[st
 
 
 def _report_conversion(
-    converted: list[str], skipped: dict[str, list[str]], candidates: int, experts: list[str],
-    already: list[str], expert_path: str | None, kept: list[str], fp4_paths: dict[str, list[str]] | None = None,
-    attention: list[str] | None = None, attention_modules: int = 0, attention_candidates: int = 0,
+    converted: list[str],
+    skipped: dict[str, list[str]],
+    candidates: int,
+    experts: list[str],
+    already: list[str],
+    expert_path: str | None,
+    kept: list[str],
+    fp4_paths: dict[str, list[str]] | None = None,
+    attention: list[str] | None = None,
+    attention_modules: int = 0,
+    attention_candidates: int = 0,
 ) -> None:
     """Log one summary line; warn when no layer is FP8 or an FP4 path has no kernel."""
 
@@ -477,7 +507,8 @@ def keep_tied_weights_tied(module: nn.Module) -> None:
             names = sorted({type(m).__name__ for m, _, _ in group})
             logger.warning(
                 "f8tensor: a weight tied between %s stays one high-precision Parameter: FP8 all-gather is "
-                "off for it (only Float8Linear layers can use an FP8-gathered weight)", ", ".join(names),
+                "off for it (only Float8Linear layers can use an FP8-gathered weight)",
+                ", ".join(names),
             )
         for mod, name, param in group:
             if param is not shared:
@@ -512,7 +543,11 @@ def convert_with_policy(
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"convert_with_policy expects an nn.Module; got {type(module).__name__}")
-    for fn_name, fn in (("policy", policy), ("module_filter_fn", module_filter_fn), ("experts_filter_fn", experts_filter_fn)):
+    for fn_name, fn in (
+        ("policy", policy),
+        ("module_filter_fn", module_filter_fn),
+        ("experts_filter_fn", experts_filter_fn),
+    ):
         if fn is not None and not callable(fn):
             raise TypeError(f"{fn_name} must be a callable (module, fqn) -> ... or None; got {fn!r}")
     if policy is None:
@@ -537,7 +572,9 @@ def set_gemm_formats(model: nn.Module, overrides: dict) -> int:
             try:
                 planned.append((mod, mod.config.with_gemm_formats(overrides)))
             except (TypeError, ValueError) as e:
-                raise type(e)(f"layer {name or '<root>'!r} refuses the per-GEMM formats {overrides!r} (no layer was changed): {e}") from e
+                raise type(e)(
+                    f"layer {name or '<root>'!r} refuses the per-GEMM formats {overrides!r} (no layer was changed): {e}"
+                ) from e
     for mod, config in planned:
         mod.config = config
     return len(planned)

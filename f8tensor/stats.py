@@ -246,7 +246,9 @@ def format_float8_stats(stats: nn.Module | Mapping[str, float]) -> str:
     if isinstance(stats, nn.Module):
         stats = float8_stats(stats)
     if not isinstance(stats, Mapping):
-        raise TypeError(f"format_float8_stats expects a model or the dict float8_stats returns; got {type(stats).__name__}")
+        raise TypeError(
+            f"format_float8_stats expects a model or the dict float8_stats returns; got {type(stats).__name__}"
+        )
     if not stats:
         return "(no FP8 statistics: call f8tensor.enable_float8_stats(model) and run a step)"
     rows: dict[tuple[str, str], dict[str, float]] = {}

@@ -18,8 +18,11 @@ RECIPES = {
     "tensorwise": {"input": ("T", E4M3, False), "weight": ("T", E4M3, False), "grad_output": ("T", E5M2, False)},
     "rowwise": {r: ("R", E4M3, False) for r in ("input", "weight", "grad_output")},
     "rowwise_with_gw_hp": {r: ("R", E4M3, False) for r in ("input", "weight", "grad_output")},
-    "blockwise": {"input": ((1, 128), E4M3, False), "weight": ((128, 128), E4M3, False),
-                  "grad_output": ((1, 128), E4M3, False)},
+    "blockwise": {
+        "input": ((1, 128), E4M3, False),
+        "weight": ((128, 128), E4M3, False),
+        "grad_output": ((1, 128), E4M3, False),
+    },
     "mxfp8": {r: ((1, 32), E4M3, True) for r in ("input", "weight", "grad_output")},
 }
 # Which role's granularity each operand of each GEMM has, and whether it is A or B.
@@ -73,7 +76,9 @@ def ref_cast(hp: torch.Tensor, block: tuple[int, ...], f8: torch.dtype, e8m0: bo
         padded = F.pad(x.abs(), (0, grid[1] * bn - x.shape[1], 0, grid[0] * bm - x.shape[0]))
         amax = padded.reshape(grid[0], bm, grid[1], bn).amax(dim=(1, 3))
     if e8m0:
-        mantissa, exponent = torch.frexp(torch.full_like(amax, fmax, dtype=torch.float64) / amax.double())  # fmax / amax = m * 2**e, m in [0.5, 1)
+        mantissa, exponent = torch.frexp(
+            torch.full_like(amax, fmax, dtype=torch.float64) / amax.double()
+        )  # fmax / amax = m * 2**e, m in [0.5, 1)
         scale = torch.ldexp(torch.ones_like(mantissa), exponent - 1).float()
     else:
         # fp32 division, correctly rounded (``fmax / amax`` would be ``amax.reciprocal() * fmax``:

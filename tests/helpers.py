@@ -309,7 +309,6 @@ class RanFP8:
         return [f for f in model.float8_converted_fqns if id(found[f]) not in self.ran]
 
 
-
 class FP8Products(TorchDispatchMode):
     """Counts the matrix products that run in FP8 (on a CPU a per-tensor product is the
     custom op ``f8tensor::cpu_scaled_mm``, a rowwise one ``aten._scaled_mm``), and lists the
@@ -364,7 +363,9 @@ def interpreter_problem(probe: Callable[[], object]) -> str | None:
     return None
 
 
-def skip_without_interpreter(request: pytest.FixtureRequest, problem: Callable[[], str | None], exempt: set[str]) -> None:
+def skip_without_interpreter(
+    request: pytest.FixtureRequest, problem: Callable[[], str | None], exempt: set[str]
+) -> None:
     """Skip a test that runs a kernel under the interpreter (not ``gpu``-marked, not named in
     ``exempt``) when ``problem()`` says the interpreter cannot run here."""
     if request.node.get_closest_marker("gpu") is None and request.node.originalname not in exempt:

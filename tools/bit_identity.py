@@ -80,7 +80,9 @@ def runs(recipe: str, compiled: bool) -> dict[str, str]:
     model = f8tensor.enable_float8_stats(_layer(recipe, k))
     _step(model, _input((32, k), 20), f"{recipe}.stats", out)
     stats = f8tensor.float8_stats(model)
-    out[f"{recipe}.stats.values"] = hashlib.sha256(json.dumps(sorted(stats.items()), default=str).encode()).hexdigest()[:16]
+    out[f"{recipe}.stats.values"] = hashlib.sha256(json.dumps(sorted(stats.items()), default=str).encode()).hexdigest()[
+        :16
+    ]
     # reuse_weight_casts over two micro-batches
     model = _layer(recipe, k)
     with f8tensor.reuse_weight_casts(model):
@@ -123,8 +125,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     want = json.loads(BASELINE.read_text())["digests"]
     diff = [key for key in got if want.get(key) != got[key]]
-    missing = [key for key in want if key not in got and key.split(".")[0] in args.recipes
-               and (not args.eager or ".compiled." not in key)]
+    missing = [
+        key
+        for key in want
+        if key not in got and key.split(".")[0] in args.recipes and (not args.eager or ".compiled." not in key)
+    ]
     for key in diff:
         print(f"changed: {key}: {want.get(key)} -> {got[key]}")
     for key in missing:

@@ -28,8 +28,10 @@ w8 = Float8Tensor.from_hp(w)
 w8_row = Float8Tensor.from_hp(w, granularity="rowwise")
 print("  ", w8)
 print("  ", w8_row)
-print(f"   data {w8._data.dtype} {tuple(w8._data.shape)}, tensorwise scale {tuple(w8._scale.shape)}, "
-      f"rowwise scale {tuple(w8_row._scale.shape)}")
+print(
+    f"   data {w8._data.dtype} {tuple(w8._data.shape)}, tensorwise scale {tuple(w8._scale.shape)}, "
+    f"rowwise scale {tuple(w8_row._scale.shape)}"
+)
 print(f"   it still looks like the weight: dtype={w8.dtype}, shape={tuple(w8.shape)}")
 print(f"   round trip: tensorwise {sqnr(w, w8.to_hp()):.1f} dB, rowwise {sqnr(w, w8_row.to_hp()):.1f} dB\n")
 # One byte per element, the scales' shapes, the weight's own dtype and shape outside; the
@@ -50,8 +52,10 @@ products = {
     "transposed x (bmm path)": (x.transpose(0, 1) @ w8.t()).transpose(0, 1),
 }
 for name, y in products.items():
-    print(f"   {name:<26} {y.dtype!s:<15} {tuple(y.shape)}  "
-          f"vs bf16 {sqnr(ref_bf16, y):5.1f} dB, vs fp32 {sqnr(ref_fp32, y):5.1f} dB")
+    print(
+        f"   {name:<26} {y.dtype!s:<15} {tuple(y.shape)}  "
+        f"vs bf16 {sqnr(ref_bf16, y):5.1f} dB, vs fp32 {sqnr(ref_fp32, y):5.1f} dB"
+    )
     # Measured 28.5-28.6 dB: FP8 (e4m3) accuracy, in the activation's dtype.
     assert y.dtype == torch.bfloat16 and y.shape == (4, 64, 256) and sqnr(ref_fp32, y) >= 26.0, name
 print()
@@ -74,15 +78,19 @@ y_f32 = float8_mm(x2d, w8.t(), out_dtype=torch.float32)
 out_scale = 448.0 / ref2d.abs().max().item()
 y_f8 = float8_mm(x2d, w8.t(), out_dtype=torch.float8_e4m3fn, out_scale=out_scale)
 print(f"   float8_mm(out_dtype=float32): {y_f32.dtype}, {sqnr(ref2d, y_f32):.1f} dB")
-print(f"   float8_mm(out_dtype=float8_e4m3fn, out_scale={out_scale:.3g}): {type(y_f8).__name__} "
-      f"({y_f8._data.dtype}), {sqnr(ref2d, y_f8.to_hp()):.1f} dB")
+print(
+    f"   float8_mm(out_dtype=float8_e4m3fn, out_scale={out_scale:.3g}): {type(y_f8).__name__} "
+    f"({y_f8._data.dtype}), {sqnr(ref2d, y_f8.to_hp()):.1f} dB"
+)
 # The dtypes asked for; the FP8 output at FP8 accuracy (measured 28.5 and 26.7 dB).
 assert y_f32.dtype == torch.float32 and isinstance(y_f8, Float8Tensor) and y_f8._data.dtype == torch.float8_e4m3fn
 assert sqnr(ref2d, y_f32) >= 26.0 and sqnr(ref2d, y_f8.to_hp()) >= 24.0
 y_sat = float8_mm(x2d, w8.t(), out_dtype=torch.float8_e4m3fn, out_scale=100.0)  # far too large
 sat_data = y_sat._data.float()
-print(f"   with out_scale=100, {100 * (sat_data.abs() == 448).float().mean().item():.0f}% of the outputs saturate "
-      f"to exactly 448; non-finite values: {int((~torch.isfinite(sat_data)).sum())}\n")
+print(
+    f"   with out_scale=100, {100 * (sat_data.abs() == 448).float().mean().item():.0f}% of the outputs saturate "
+    f"to exactly 448; non-finite values: {int((~torch.isfinite(sat_data)).sum())}\n"
+)
 assert torch.isfinite(sat_data).all() and (sat_data.abs() == 448).any(), "a too-large out_scale saturates, finitely"
 
 # ----------------------------------------------------------------------------- 4. refusals
@@ -114,8 +122,10 @@ else:
     raise AssertionError("an unaligned FP8 product should be refused")
 w_pad = Float8Tensor.from_hp(w_odd, gemm_config=GemmConfig(pad_inner_dim=True))
 y_pad = x_odd @ w_pad.t()
-print(f"   with GemmConfig(pad_inner_dim=True): shape {tuple(y_pad.shape)}, "
-      f"{sqnr(x_odd.float() @ w_odd.float().t(), y_pad):.1f} dB vs fp32")
+print(
+    f"   with GemmConfig(pad_inner_dim=True): shape {tuple(y_pad.shape)}, "
+    f"{sqnr(x_odd.float() @ w_odd.float().t(), y_pad):.1f} dB vs fp32"
+)
 assert y_pad.shape == (8, 24) and sqnr(x_odd.float() @ w_odd.float().t(), y_pad) >= 24.0  # measured 27.0
 # Exact: the zeros change no scale (amax) and add nothing to the sums, so the padded product
 # is the product of operands padded by hand to K = N = 48, its first 24 columns.

@@ -394,7 +394,9 @@ def main(cfg: StudyConfig | None = None) -> dict[str, dict[str, float]]:
     # loss x1.03 at the outlier step; dynamic saturated 0, loss x3.7e4; the history held the
     # outlier for 16 steps; one layer dynamic moved 56 saturations downstream).
     delayed, dynamic, mixed = numbers[DELAYED], numbers[DYNAMIC], numbers[MIXED]
-    assert delayed["saturated_event"] >= 1 and dynamic["saturated_event"] == 0, "delayed clamps the outlier, dynamic not"
+    assert delayed["saturated_event"] >= 1 and dynamic["saturated_event"] == 0, (
+        "delayed clamps the outlier, dynamic not"
+    )
     assert delayed["loss_ratio_event"] < 2.0 < dynamic["loss_ratio_event"], "the clamp hides the outlier from the loss"
     window = min(cfg.history_len, cfg.steps - cfg.outlier_step - 1)  # the steps left after the event
     assert delayed["steps_headroom_above_1"] >= window, "the delayed history holds the outlier's amax"

@@ -55,8 +55,10 @@ for name, granularity in [("per expert row", "rowwise"), ("per expert", (1, 0, 0
     w8 = Float8Tensor.from_hp(w, granularity=granularity)
     y = torch._grouped_mm(x, w8.transpose(-2, -1), offs=offs)  # the call MoE code makes
     one = F.linear(x[:5], w8[0])  # expert 0 alone: w8[0] keeps expert 0's scale
-    print(f"   {name:15s} scale shape {tuple(w8._scale.shape)!s:12s} grouped {sqnr(reference, y):5.1f} dB"
-          f"   F.linear(x, w8[0]) {sqnr(x[:5] @ w[0].t(), one):5.1f} dB")
+    print(
+        f"   {name:15s} scale shape {tuple(w8._scale.shape)!s:12s} grouped {sqnr(reference, y):5.1f} dB"
+        f"   F.linear(x, w8[0]) {sqnr(x[:5] @ w[0].t(), one):5.1f} dB"
+    )
     # Measured 28.8-29.6 dB (grouped), 28.4-29.4 dB (one expert): FP8 accuracy either way.
     assert sqnr(reference, y) >= 26.0 and sqnr(x[:5] @ w[0].t(), one) >= 26.0, name
     # One scale per expert row, per expert, per tensor.
@@ -71,15 +73,25 @@ grad = torch.randn_like(y)
 gx, gw = torch.autograd.grad(y, (xp, wp), grad)
 xr, wr = x.detach().requires_grad_(), w.detach().requires_grad_()
 rx, rw = torch.autograd.grad(torch._grouped_mm(xr, wr.transpose(-2, -1), offs=offs), (xr, wr), grad)
-print(f"   grad x {sqnr(rx, gx):5.1f} dB, grad w {sqnr(rw, gw):5.1f} dB, expert 1 (no tokens) grad w max |.| = {gw[1].abs().max():.1f}")
+print(
+    f"   grad x {sqnr(rx, gx):5.1f} dB, grad w {sqnr(rw, gw):5.1f} dB, expert 1 (no tokens) grad w max |.| = {gw[1].abs().max():.1f}"
+)
 # Measured 28.7 (grad x), 30.5 (grad w) dB; an expert without tokens gets an exact zero gradient.
 assert sqnr(rx, gx) >= 26.0 and sqnr(rw, gw) >= 27.5 and torch.equal(gw[1], torch.zeros_like(gw[1]))
 
 # ----------------------------------------------------------------------------- 3. a Hugging Face MoE model
 print("3. a transformers Qwen3-MoE model, converted")
 config = Qwen3MoeConfig(
-    vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
-    num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=4, num_experts_per_tok=2,
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    moe_intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=16,
+    num_experts=4,
+    num_experts_per_tok=2,
 )
 config._experts_implementation = "grouped_mm"  # also "eager" (a loop) and "batched_mm" (bmm)
 bf16 = Qwen3MoeForCausalLM(config).to(torch.bfloat16)

@@ -165,7 +165,9 @@ def main() -> None:
     )
     print("   nn.Linear layers:", len([m for m in vit.modules() if isinstance(m, nn.Linear)]))
     probe = convert_to_float8_training(copy.deepcopy(vit), module_filter_fn=lambda m, fqn: fqn != "head")
-    print("   converted:", ", ".join(probe.float8_converted_fqns[:4]), f"... ({len(probe.float8_converted_fqns)} in all)")
+    print(
+        "   converted:", ", ".join(probe.float8_converted_fqns[:4]), f"... ({len(probe.float8_converted_fqns)} in all)"
+    )
     print("   kept: patch_embed.proj (a Conv2d) and head (filtered: the classifier reads the logits)")
     # The four linears of every block convert (attn.qkv, attn.proj, mlp.fc1, mlp.fc2), nothing else.
     roles = sorted({".".join(n.split(".")[-2:]) for n in probe.float8_converted_fqns})
@@ -204,7 +206,11 @@ def main() -> None:
         assert all(isinstance(model.get_submodule(n), Float8Linear) for n in model.float8_converted_fqns)
         return model
 
-    runs = {"bf16 (eager)": copy.deepcopy(vit), "tensorwise (eager)": fp8("tensorwise"), "delayed (eager)": fp8("delayed")}
+    runs = {
+        "bf16 (eager)": copy.deepcopy(vit),
+        "tensorwise (eager)": fp8("tensorwise"),
+        "delayed (eager)": fp8("delayed"),
+    }
     if not args.no_compile:
         # fullgraph=True: a graph break would be an error, not a silent slowdown.
         runs["tensorwise (compiled)"] = torch.compile(fp8("tensorwise"), fullgraph=True, backend=backend)

@@ -119,9 +119,11 @@ def worker(rank: int, port: int) -> None:
             ref_opt.zero_grad()
             ref_losses.append(loss.item())
         local = model[0].w1.weight.to_local()
-        print(f"mesh (dp={DP}, tp={TP}); block 0's w1 {tuple(model[0].w1.weight.shape)} is a "
-              f"{type(model[0].w1.weight).__name__} of placements {model[0].w1.weight.placements}, "
-              f"local shard {tuple(local.shape)}")
+        print(
+            f"mesh (dp={DP}, tp={TP}); block 0's w1 {tuple(model[0].w1.weight.shape)} is a "
+            f"{type(model[0].w1.weight).__name__} of placements {model[0].w1.weight.placements}, "
+            f"local shard {tuple(local.shape)}"
+        )
         print("loss per step, 2D FP8:      ", " ".join(f"{v:.5f}" for v in losses))
         print("loss per step, one process: ", " ".join(f"{v:.5f}" for v in ref_losses))
         worst = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))

@@ -175,8 +175,11 @@ for kind, label in (
     ("gaussian", "Gaussian g and x"),
     ("crossed", "20x token per block in x, another in g"),
 ):
-    per = [wgrad_sqnr(*operands(kind, s), True, d) - wgrad_sqnr(*operands(kind, s), False, d)
-           for s in range(3) for d in range(3)]
+    per = [
+        wgrad_sqnr(*operands(kind, s), True, d) - wgrad_sqnr(*operands(kind, s), False, d)
+        for s in range(3)
+        for d in range(3)
+    ]
     gains[kind] = sum(per) / len(per)
     print(f"  {label:<46} RHT gain {gains[kind]:+5.2f} dB (mean of 3 inputs x 3 draws)")
 assert gains["shared"] > 2.5
@@ -235,7 +238,9 @@ draws = torch.stack(
 mean = draws.mean(0)
 print(f"  value       nearest   stochastic: one draw, mean of {DRAWS}")
 for i in (1, 8):
-    print(f"  {float(block[0, i]):5.2f}   {float(nearest[0, i]):8.3f}   {float(draws[0, 0, i]):10.3f}   {float(mean[0, i]):8.3f}")
+    print(
+        f"  {float(block[0, i]):5.2f}   {float(nearest[0, i]):8.3f}   {float(draws[0, 0, i]):10.3f}   {float(mean[0, i]):8.3f}"
+    )
 bias_nearest = float((nearest - block)[0, 1:].abs().mean())
 bias_sr = float((mean - block)[0, 1:].abs().mean())
 print(f"  mean |error of the mean| over the small values: nearest {bias_nearest:.3f}, stochastic {bias_sr:.3f}")
@@ -248,7 +253,9 @@ near_db = sqnr(gy, Float4Tensor.from_hp(gy, "nvfp4").to_hp())
 gen = torch.Generator().manual_seed(1)
 sr = [Float4Tensor.from_hp(gy, "nvfp4", rounding="stochastic", generator=gen).to_hp() for _ in range(16)]
 one_db, avg_db = sqnr(gy, sr[0]), sqnr(gy, torch.stack(sr).mean(0))
-print(f"  a 256 x 256 gradient: nearest {near_db:.2f} dB, one stochastic draw {one_db:.2f} dB, mean of 16 draws {avg_db:.2f} dB")
+print(
+    f"  a 256 x 256 gradient: nearest {near_db:.2f} dB, one stochastic draw {one_db:.2f} dB, mean of 16 draws {avg_db:.2f} dB"
+)
 assert one_db < near_db < avg_db
 print(
     "Rounding to nearest is biased: a value under 1/24 of its block's largest (half of E2M1's"
@@ -267,8 +274,10 @@ plain = Float4Tensor.from_hp(x, "nvfp4")
 fos = Float4Tensor.from_hp(x, "nvfp4", four_over_six=True)
 plain_db, fos_db = sqnr(x, plain.to_hp()), sqnr(x, fos.to_hp())
 chose4 = float((fos._scale.float() > plain._scale.float() * 1.25).float().mean())
-print(f"  N(0, 1): plain {plain_db:.2f} dB, four-over-six {fos_db:.2f} dB ({fos_db - plain_db:+.2f} dB); "
-      f"{chose4:.0%} of blocks took the scale to 4")
+print(
+    f"  N(0, 1): plain {plain_db:.2f} dB, four-over-six {fos_db:.2f} dB ({fos_db - plain_db:+.2f} dB); "
+    f"{chose4:.0%} of blocks took the scale to 4"
+)
 assert fos_db - plain_db > 0.5
 print(
     "E2M1 has nothing between 4 and 6: with the block's max scaled to 6, a value at 5/6 of the"
@@ -313,7 +322,9 @@ convert_to_float8_training(model, config=nvfp4, module_filter_fn=keep_last_block
 print("  keep_last_blocks_in_hp(model, 1):", formats(model))
 assert not isinstance(model.layers[5][0], Float8Linear) and isinstance(model.layers[4][0], Float8Linear)
 model = Blocks()
-convert_with_policy(model, block_policy(model, nvfp4, hp_last_blocks=1, edge_config=Float8LinearConfig.from_recipe("mxfp8")))
+convert_with_policy(
+    model, block_policy(model, nvfp4, hp_last_blocks=1, edge_config=Float8LinearConfig.from_recipe("mxfp8"))
+)
 print("  block_policy(hp_last_blocks=1, edge_config=mxfp8):", formats(model))
 assert model.embed.config.weight.fp4_kind is None and model.layers[0][0].config.weight.fp4_kind == "nvfp4"
 print(
@@ -328,7 +339,9 @@ section("8. a format per GEMM, and switching the forward to high precision")
 NV = CastConfig(FP4_CAST_DTYPE, NVFP4_1x16)
 MX8 = CastConfig(torch.float8_e4m3fn, MX_1x32)
 mixed = Float8LinearConfig(
-    input=MX8, weight=MX8, grad_output=NV,
+    input=MX8,
+    weight=MX8,
+    grad_output=NV,
     gemm_overrides={("grad_input", "weight"): NV, ("grad_weight", "grad_output"): None, ("grad_weight", "input"): None},
 )
 

@@ -43,8 +43,16 @@ torch.manual_seed(0)
 
 # ----------------------------------------------------------------------------- 1. train in FP8
 config = Qwen3MoeConfig(
-    vocab_size=256, hidden_size=128, intermediate_size=256, moe_intermediate_size=128, num_hidden_layers=1,
-    num_attention_heads=2, num_key_value_heads=2, head_dim=64, num_experts=4, num_experts_per_tok=2,
+    vocab_size=256,
+    hidden_size=128,
+    intermediate_size=256,
+    moe_intermediate_size=128,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    head_dim=64,
+    num_experts=4,
+    num_experts_per_tok=2,
 )
 model = Qwen3MoeForCausalLM(config)  # fp32 master weights: the export casts these
 recipe = Float8LinearConfig.from_recipe("blockwise")  # 128x128 weight blocks, as fp8_block stores them
@@ -107,10 +115,16 @@ with tempfile.TemporaryDirectory() as tmp:
         assert dtypes["model.layers.0.self_attn.q_proj.weight"] == "F8_E4M3"
         assert dtypes["model.layers.0.mlp.experts.0.gate_proj.weight"] == "F8_E4M3"
         kept = {
-            "lm_head", "model.embed_tokens", "model.norm", "model.layers.0.mlp.gate", "model.layers.0.input_layernorm",
+            "lm_head",
+            "model.embed_tokens",
+            "model.norm",
+            "model.layers.0.mlp.gate",
+            "model.layers.0.input_layernorm",
         }
         assert kept <= set(skipped) and dtypes["lm_head.weight"] == dtypes["model.layers.0.mlp.gate.weight"] == "F32"
-        kwargs = {"quantization_config": CompressedTensorsConfig(dequantize=True)} if fmt == "compressed_tensors" else {}
+        kwargs = (
+            {"quantization_config": CompressedTensorsConfig(dequantize=True)} if fmt == "compressed_tensors" else {}
+        )
         loaded, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True, **kwargs)
         assert not info["missing_keys"] and not info["unexpected_keys"], info
         with torch.no_grad():

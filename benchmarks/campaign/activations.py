@@ -41,8 +41,15 @@ def activation_casts(ctx: Ctx) -> None:
             convert_to_float8_training(model, config=Float8LinearConfig.from_recipe(recipe))
         without = B._measure(model, x0, cos, sin, contextlib.nullcontext)
         packed_bytes = B._measure(model, x0, cos, sin, context)
-        ctx.row(kind="measure", recipe=recipe, shape=shape, metric="saved bytes, context vs none",
-                value=packed_bytes / without, unit="x", detail=f"{without:,} -> {packed_bytes:,} bytes")
+        ctx.row(
+            kind="measure",
+            recipe=recipe,
+            shape=shape,
+            metric="saved bytes, context vs none",
+            value=packed_bytes / without,
+            unit="x",
+            detail=f"{without:,} -> {packed_bytes:,} bytes",
+        )
 
         def step(chosen, model=model) -> None:
             with chosen():
@@ -66,14 +73,28 @@ def activation_casts(ctx: Ctx) -> None:
         per = (kernels_with - kernels_without) / max(len(casts), 1)
         # The target is CUDA's (fused kernels); a CPU counts the reference cast's ops: info only.
         status = ("passed" if per <= KERNELS_PER_TENSOR else "failed") if ctx.device.type == "cuda" else "info"
-        ctx.row(kind="check", recipe=recipe, shape=shape, metric="kernels added per packed tensor", value=per,
-                target=f"<= {KERNELS_PER_TENSOR:g}", status=status,
-                detail=f"{kernels_without} -> {kernels_with} {'CUDA' if ctx.device.type == 'cuda' else 'CPU'} "
-                       f"kernels per step, {len(casts)} tensors packed")
+        ctx.row(
+            kind="check",
+            recipe=recipe,
+            shape=shape,
+            metric="kernels added per packed tensor",
+            value=per,
+            target=f"<= {KERNELS_PER_TENSOR:g}",
+            status=status,
+            detail=f"{kernels_without} -> {kernels_with} {'CUDA' if ctx.device.type == 'cuda' else 'CPU'} "
+            f"kernels per step, {len(casts)} tensors packed",
+        )
         times = {"none": [], "context": []}
         for _ in range(rounds):
             for key, chosen in (("none", contextlib.nullcontext), ("context", context)):
                 times[key] += C.time_steps(lambda chosen=chosen: step(chosen), 2, ctx.device)
         t_none, t_ctx = statistics.median(times["none"]), statistics.median(times["context"])
-        ctx.row(kind="measure", recipe=recipe, shape=shape, metric="step ms, context vs none", value=t_ctx / t_none,
-                unit="x", detail=f"{t_none:.2f} -> {t_ctx:.2f} ms" + (" (CPU)" if ctx.device.type != "cuda" else ""))
+        ctx.row(
+            kind="measure",
+            recipe=recipe,
+            shape=shape,
+            metric="step ms, context vs none",
+            value=t_ctx / t_none,
+            unit="x",
+            detail=f"{t_none:.2f} -> {t_ctx:.2f} ms" + (" (CPU)" if ctx.device.type != "cuda" else ""),
+        )

@@ -15,30 +15,60 @@ NAME_OK = re.compile(r"^[A-Za-z0-9._-]+$")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="gpu_campaign.py", description="f8tensor's GPU campaign: one plan per command",
-                                epilog="Details: BENCHMARKS.md, 'GPU campaign: how to run it'.")
-    p.add_argument("--second", action="store_true",
-                   help=f"run the second plan (at most {plans.COMMAND_LIMIT_S['second']} s) instead of the default")
-    p.add_argument("--plan", "--list", dest="show_plan", action="store_true",
-                   help="print the plan's items with planned seconds and deadlines, and the planned total; run nothing")
+    p = argparse.ArgumentParser(
+        prog="gpu_campaign.py",
+        description="f8tensor's GPU campaign: one plan per command",
+        epilog="Details: BENCHMARKS.md, 'GPU campaign: how to run it'.",
+    )
+    p.add_argument(
+        "--second",
+        action="store_true",
+        help=f"run the second plan (at most {plans.COMMAND_LIMIT_S['second']} s) instead of the default",
+    )
+    p.add_argument(
+        "--plan",
+        "--list",
+        dest="show_plan",
+        action="store_true",
+        help="print the plan's items with planned seconds and deadlines, and the planned total; run nothing",
+    )
     p.add_argument("--out", type=Path, help="folder for the run's files (created)")
     p.add_argument("--dry-run", action="store_true", help="the same items on the CPU at tiny sizes")
-    p.add_argument("--dry-compile", choices=("off", "aot_eager", "inductor"), default="off",
-                   help="dry run only: how torch.compile runs (off: eagerly; default)")
-    p.add_argument("--torchao-wheel-dir", metavar="DIR",
-                   help="a folder with torchao-*.whl or an unpacked site (pip --target) holding torchao/")
-    p.add_argument("--figures-csv", "--results-csv", dest="figures_csv", metavar="PATH",
-                   help="second plan: the results.csv of a default run (comma-separated for several), to profile "
-                        "its figures below target")
-    p.add_argument("--budget-s", type=float, default=None,
-                   help="seconds from process start for the whole run (default: "
-                        + ", ".join(f"{k} {v:.0f}" for k, v in plans.DEFAULT_BUDGET_S.items()) + ")")
+    p.add_argument(
+        "--dry-compile",
+        choices=("off", "aot_eager", "inductor"),
+        default="off",
+        help="dry run only: how torch.compile runs (off: eagerly; default)",
+    )
+    p.add_argument(
+        "--torchao-wheel-dir",
+        metavar="DIR",
+        help="a folder with torchao-*.whl or an unpacked site (pip --target) holding torchao/",
+    )
+    p.add_argument(
+        "--figures-csv",
+        "--results-csv",
+        dest="figures_csv",
+        metavar="PATH",
+        help="second plan: the results.csv of a default run (comma-separated for several), to profile "
+        "its figures below target",
+    )
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="seconds from process start for the whole run (default: "
+        + ", ".join(f"{k} {v:.0f}" for k, v in plans.DEFAULT_BUDGET_S.items())
+        + ")",
+    )
     p.add_argument("--items", help="comma-separated item names: run only these (in plan order)")
     p.add_argument("--stage", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.stage is not None:
-        p.error("--stage: the three stages are gone; run the default plan (no flag) and, optionally, --second "
-                "(--plan prints each)")
+        p.error(
+            "--stage: the three stages are gone; run the default plan (no flag) and, optionally, --second "
+            "(--plan prints each)"
+        )
     args.plan_name = "second" if args.second else "default"
     if args.budget_s is None:
         args.budget_s = plans.DEFAULT_BUDGET_S[args.plan_name]
@@ -49,7 +79,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.out is not None:
         bad = [part for part in args.out.parts[-2:] if part not in ("/", ".", "..") and not NAME_OK.match(part)]
         if bad:
-            p.error(f"--out: use letters, digits, '.', '_', '-' in names (the device brings back only those); got {bad}")
+            p.error(
+                f"--out: use letters, digits, '.', '_', '-' in names (the device brings back only those); got {bad}"
+            )
     return args
 
 
@@ -66,8 +98,10 @@ def select(items, names: str | None, parser_error=None):
 def print_plan(args, items) -> int:
     from .runner import plan_deadlines
 
-    print(f"{args.plan_name} plan (budget {args.budget_s:.0f} s from process start; GPU command limit "
-          f"{plans.COMMAND_LIMIT_S[args.plan_name]} s):")
+    print(
+        f"{args.plan_name} plan (budget {args.budget_s:.0f} s from process start; GPU command limit "
+        f"{plans.COMMAND_LIMIT_S[args.plan_name]} s):"
+    )
     for item, dl in zip(items, plan_deadlines(items, args.budget_s)):
         print(f"  {item.name:24s} plan {item.plan_s:4.0f} s  deadline +{dl:4.0f} s  {item.what}")
     print(f"planned total: {sum(i.plan_s for i in items):.0f} s")

@@ -89,8 +89,15 @@ def toy_data(steps: int, batch: int, tokens: int, width: int) -> tuple[Any, Any]
     return xs, torch.randn(width, width, generator=g) / width**0.5
 
 
-def toy_train(model: Any, opt: Any, xs: Any, target: Any, device: Any, autocast: Callable[[], Any],
-              backward: Callable[[Any], None]) -> list[float]:
+def toy_train(
+    model: Any,
+    opt: Any,
+    xs: Any,
+    target: Any,
+    device: Any,
+    autocast: Callable[[], Any],
+    backward: Callable[[Any], None],
+) -> list[float]:
     """One step per batch of ``xs`` (MSE to ``x @ target``, forward under ``autocast()``, the
     loss handed to ``backward``); the loss of every step."""
     import torch.nn.functional as F
@@ -119,8 +126,13 @@ def accelerate_fsdp2(ctx: Ctx) -> None:
 
     gpu = ctx.device.type == "cuda"
     if gpu:  # accelerate takes FSDP only in a distributed launch: a one-rank one
-        for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(_free_port())), ("RANK", "0"),
-                           ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+        for key, value in (
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", str(_free_port())),
+            ("RANK", "0"),
+            ("WORLD_SIZE", "1"),
+            ("LOCAL_RANK", "0"),
+        ):
             os.environ.setdefault(key, value)
     (width, blocks, heads, batch, tokens, steps), lr = ctx.pick((GPU_SIZES, GPU_LR), (DRY_SIZES, DRY_LR))
     shape = f"{blocks} pre-norm blocks of width {width}, {batch}x{tokens} tokens, AdamW lr {lr:g}"
@@ -138,29 +150,74 @@ def accelerate_fsdp2(ctx: Ctx) -> None:
         params = list(m.parameters())
         mapped = [p for group in opt.param_groups for p in group["params"]]
         same = len(mapped) == len(params) and all(a is b for a, b in zip(mapped, params))
-        ctx.row(kind="check", recipe=name, shape=shape, metric="optimizer params are the prepared model's",
-                value=float(same), target="1", status="passed" if same else "failed")
+        ctx.row(
+            kind="check",
+            recipe=name,
+            shape=shape,
+            metric="optimizer params are the prepared model's",
+            value=float(same),
+            target="1",
+            status="passed" if same else "failed",
+        )
         if fp8:
             kinds = {type(p.to_local() if hasattr(p, "to_local") else p) for p in params}
             kept = {Float8AllGatherWeight, Float8AttentionWeight} <= kinds
-            ctx.row(kind="check", recipe=name, shape=shape, metric="FP8 weight wrappers kept after prepare",
-                    value=float(kept), target="1", status="passed" if kept else "failed",
-                    detail=", ".join(sorted(k.__name__ for k in kinds)))
+            ctx.row(
+                kind="check",
+                recipe=name,
+                shape=shape,
+                metric="FP8 weight wrappers kept after prepare",
+                value=float(kept),
+                target="1",
+                status="passed" if kept else "failed",
+                detail=", ".join(sorted(k.__name__ for k in kinds)),
+            )
         before = [p.detach().clone() for p in params]
         losses[name] = toy_train(m, opt, xs, target, acc.device, acc.autocast, acc.backward)
         moved = all(not torch.equal(b, p.detach()) for b, p in zip(before, params))
-        ctx.row(kind="check", recipe=name, shape=shape, metric="every parameter moved", value=float(moved),
-                target="1", status="passed" if moved else "failed")
+        ctx.row(
+            kind="check",
+            recipe=name,
+            shape=shape,
+            metric="every parameter moved",
+            value=float(moved),
+            target="1",
+            status="passed" if moved else "failed",
+        )
         curve = losses[name]
-        ctx.row(kind="measure", recipe=name, mode="eager", shape=shape, metric=f"loss after {steps} steps",
-                value=curve[-1], detail="losses: " + " ".join(f"{v:.4g}" for v in curve))
+        ctx.row(
+            kind="measure",
+            recipe=name,
+            mode="eager",
+            shape=shape,
+            metric=f"loss after {steps} steps",
+            value=curve[-1],
+            detail="losses: " + " ".join(f"{v:.4g}" for v in curve),
+        )
     bf16, fp8_ = losses["bf16"], losses["tensorwise"]
     ratio = bf16[-1] / bf16[0]
-    ctx.row(kind="check", recipe="bf16", shape=shape, metric="last loss / first loss", value=ratio,
-            target=f"< {MAX_BF16_LOSS_RATIO}", status="passed" if ratio < MAX_BF16_LOSS_RATIO else "failed",
-            detail="the reference trains: the loss gaps below compare two runs that converge")
+    ctx.row(
+        kind="check",
+        recipe="bf16",
+        shape=shape,
+        metric="last loss / first loss",
+        value=ratio,
+        target=f"< {MAX_BF16_LOSS_RATIO}",
+        status="passed" if ratio < MAX_BF16_LOSS_RATIO else "failed",
+        detail="the reference trains: the loss gaps below compare two runs that converge",
+    )
     gaps = [abs(f - b) / b for f, b in zip(fp8_, bf16)]
-    for metric, gap in (("final loss vs bf16 (relative)", gaps[-1]), ("largest loss gap vs bf16 over the steps", max(gaps))):
-        ctx.row(kind="check", recipe="tensorwise", shape=shape, metric=metric, value=gap,
-                target=f"< {MAX_LOSS_GAP}", status="passed" if gap < MAX_LOSS_GAP else "failed")
+    for metric, gap in (
+        ("final loss vs bf16 (relative)", gaps[-1]),
+        ("largest loss gap vs bf16 over the steps", max(gaps)),
+    ):
+        ctx.row(
+            kind="check",
+            recipe="tensorwise",
+            shape=shape,
+            metric=metric,
+            value=gap,
+            target=f"< {MAX_LOSS_GAP}",
+            status="passed" if gap < MAX_LOSS_GAP else "failed",
+        )
     AcceleratorState._reset_state(reset_partial_state=True)

@@ -74,8 +74,15 @@ def e2e_compile(ctx: Ctx) -> None:
         t1 = time.monotonic()
         step()  # a second step: whatever the first one left to compile (the optimizer's state)
         C.sync(ctx.device)
-        ctx.row(recipe=recipe, mode="compiled", shape=size, metric="first_step_s", value=compile_s, unit="s",
-                detail=f"second step {time.monotonic() - t1:.2f} s; {M.count_parameters(model) / 1e6:.0f}M parameters")
+        ctx.row(
+            recipe=recipe,
+            mode="compiled",
+            shape=size,
+            metric="first_step_s",
+            value=compile_s,
+            unit="s",
+            detail=f"second step {time.monotonic() - t1:.2f} s; {M.count_parameters(model) / 1e6:.0f}M parameters",
+        )
         built["runs"][recipe] = (model, opt, step, state)
         ctx.say(f"  {recipe}: first step (compile) {compile_s:.1f} s")
 
@@ -101,9 +108,24 @@ def e2e_step(ctx: Ctx) -> None:
             tps = tokens / (t.median / 1e3)
             ratio = base.median / t.median if base else float("nan")
             loss = float(runs[recipe][3]["loss"])
-            ctx.row(recipe=recipe, mode=mode, shape=size, metric="tokens_per_s", value=tps, unit="tokens/s",
-                    ratio=ratio, detail=f"{t.median:.2f} ms/step over {len(t.all)} steps; last loss {loss:.3f}")
-            ctx.row(recipe=recipe, mode=mode, shape=size, metric="peak_mib", value=peaks[recipe], unit="MiB",
-                    ratio=peaks[recipe] / peaks["bf16"] if "bf16" in peaks else float("nan"))
+            ctx.row(
+                recipe=recipe,
+                mode=mode,
+                shape=size,
+                metric="tokens_per_s",
+                value=tps,
+                unit="tokens/s",
+                ratio=ratio,
+                detail=f"{t.median:.2f} ms/step over {len(t.all)} steps; last loss {loss:.3f}",
+            )
+            ctx.row(
+                recipe=recipe,
+                mode=mode,
+                shape=size,
+                metric="peak_mib",
+                value=peaks[recipe],
+                unit="MiB",
+                ratio=peaks[recipe] / peaks["bf16"] if "bf16" in peaks else float("nan"),
+            )
     finally:
         runs.clear()

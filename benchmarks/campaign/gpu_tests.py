@@ -19,16 +19,38 @@ DRY_STUB = Path(__file__).resolve().with_name("dry_pytest_stub.py")
 #: (item name, files, planned seconds on the GPU machine), most important first.
 GROUPS = (
     ("pytest_gpu_core", ("tests/kernels/test_gpu_scaled_mm.py",), 40),
-    ("pytest_gpu_kernels", ("tests/kernels/test_triton_adamw.py", "tests/kernels/test_triton_casts.py",
-                            "tests/kernels/test_block_casts_reference.py"), 60),
+    (
+        "pytest_gpu_kernels",
+        (
+            "tests/kernels/test_triton_adamw.py",
+            "tests/kernels/test_triton_casts.py",
+            "tests/kernels/test_block_casts_reference.py",
+        ),
+        60,
+    ),
     ("pytest_gpu_twins", ("tests/modules/test_linear.py", "tests/modules/test_moe.py"), 70),
 )
 
 
 def run_pytest(ctx: Ctx, paths: list[str], timeout_s: float, extra: tuple[str, ...] = ()) -> None:
     junit = Path(tempfile.mkdtemp(prefix="f8tensor_campaign_")) / "junit.xml"
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rfE", "-p", "no:cacheprovider",
-           "--continue-on-collection-errors", f"--junitxml={junit}", "-o", "junit_family=xunit1", *extra, *paths]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-m",
+        "gpu",
+        "-q",
+        "-rfE",
+        "-p",
+        "no:cacheprovider",
+        "--continue-on-collection-errors",
+        f"--junitxml={junit}",
+        "-o",
+        "junit_family=xunit1",
+        *extra,
+        *paths,
+    ]
     rc, output = ctx.runner.run_child(ctx, cmd, timeout_s)
     if junit.exists():
         ctx.rows.extend(report.junit_rows(junit, ctx.item.name))
@@ -64,8 +86,14 @@ def rest(ctx: Ctx) -> None:
 def already_run(paths: str | None) -> list[str]:
     """The pytest node ids with an outcome in the CSVs named (comma-separated; absent: none)."""
     files = [Path(p) for p in (paths or "").split(",") if p and Path(p).exists()]
-    return sorted({r["metric"] for p in files for r in report.read_csv(p)
-                   if r["kind"] == "pytest" and r["status"] in ("passed", "failed", "error", "skipped")})
+    return sorted(
+        {
+            r["metric"]
+            for p in files
+            for r in report.read_csv(p)
+            if r["kind"] == "pytest" and r["status"] in ("passed", "failed", "error", "skipped")
+        }
+    )
 
 
 def dry_paths(ctx: Ctx, paths: tuple[str, ...]) -> list[str]:

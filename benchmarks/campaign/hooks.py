@@ -58,14 +58,25 @@ def optimizer_step(ctx: Ctx) -> None:
         if isinstance(opt, AdamW):
             fused = opt._takes_kernel(p, p.grad, opt.state[p])
             path = "; path: fused kernel" if fused else "; path: torch ops"
-        ctx.row(kind="measure", recipe=name, mode="eager", shape=shape, metric="optimizer step", value=ms,
-                unit="ms" if ctx.device.type == "cuda" else "CPU ms", ratio=ms / base,
-                detail="ratio: against torch AdamW's step" + path)
+        ctx.row(
+            kind="measure",
+            recipe=name,
+            mode="eager",
+            shape=shape,
+            metric="optimizer step",
+            value=ms,
+            unit="ms" if ctx.device.type == "cuda" else "CPU ms",
+            ratio=ms / base,
+            detail="ratio: against torch AdamW's step" + path,
+        )
 
 
 #: The checks written so far, by item name, and their planned seconds (2 for a placeholder).
-CHECKS = {"fused_optimizer_step": optimizer_step, "fp8_activation_casts": activations.activation_casts,
-          "accelerate_fsdp2_plugin": clients.accelerate_fsdp2}
+CHECKS = {
+    "fused_optimizer_step": optimizer_step,
+    "fp8_activation_casts": activations.activation_casts,
+    "accelerate_fsdp2_plugin": clients.accelerate_fsdp2,
+}
 PLANNED_S = {"fused_optimizer_step": 8, "fp8_activation_casts": 12, "accelerate_fsdp2_plugin": 8}
 
 
@@ -74,7 +85,11 @@ def hook_fn(name: str, module: str, what: str):
         return CHECKS[name]
 
     def check(ctx: Ctx) -> None:
-        ctx.row(kind="check", metric=f"{module} present", status="info",
-                detail=f"no GPU check written yet for {what}: add it in benchmarks/campaign/hooks.py")
+        ctx.row(
+            kind="check",
+            metric=f"{module} present",
+            status="info",
+            detail=f"no GPU check written yet for {what}: add it in benchmarks/campaign/hooks.py",
+        )
 
     return check

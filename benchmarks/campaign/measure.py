@@ -59,7 +59,15 @@ def timing_rows(ctx: Ctx, shape: str, timings, failed, skip: Iterable[tuple] = (
         if (recipe, mode) in skip:
             continue
         ratio = base[mode] / t.median if mode in base else math.nan
-        ctx.row(recipe=recipe, mode=mode, shape=shape, metric="step_ms", value=t.median, unit="ms", ratio=ratio,
-                detail=f"median of {len(t.all)} steps, spread +-{100 * t.spread:.1f}%" if t.spread == t.spread else "")
+        ctx.row(
+            recipe=recipe,
+            mode=mode,
+            shape=shape,
+            metric="step_ms",
+            value=t.median,
+            unit="ms",
+            ratio=ratio,
+            detail=f"median of {len(t.all)} steps, spread +-{100 * t.spread:.1f}%" if t.spread == t.spread else "",
+        )
     for (recipe, mode), why in failed.items():
         ctx.row(recipe=recipe, mode=mode, shape=shape, metric="step_ms", unit="ms", status=f"failed: {why}")

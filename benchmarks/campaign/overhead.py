@@ -25,15 +25,34 @@ def eager_overhead(ctx: Ctx) -> None:
             kernels[key] = B.count_leaf_kernels(step, ctx.device)[1]
             steps[key] = step
         except Exception as e:  # noqa: BLE001  (one recipe failing does not hide the others)
-            ctx.row(recipe=key[0], mode="eager", shape=f"{B.TOKENS}x{k}x{k}", metric="host_us", unit="us",
-                    status=failure_status(e)[:300])
+            ctx.row(
+                recipe=key[0],
+                mode="eager",
+                shape=f"{B.TOKENS}x{k}x{k}",
+                metric="host_us",
+                unit="us",
+                status=failure_status(e)[:300],
+            )
     rounds, per_round = ctx.pick((5, 20), (1, 2))
     timings = C.interleaved(steps, rounds, per_round, ctx.device)
     for (name, k), t in timings.items():
         base = timings[("bf16", k)].median
         shape = f"{B.TOKENS}x{k}x{k}"
-        ctx.row(recipe=name, mode="eager", shape=shape, metric="host_us", value=1e3 * t.median, unit="us",
-                ratio=base / t.median)
-        ctx.row(recipe=name, mode="eager", shape=shape, metric="kernels", value=float(kernels[name, k]),
-                unit="CUDA kernels" if ctx.device.type == "cuda" else "CPU kernels",
-                ratio=kernels[name, k] / max(kernels["bf16", k], 1))
+        ctx.row(
+            recipe=name,
+            mode="eager",
+            shape=shape,
+            metric="host_us",
+            value=1e3 * t.median,
+            unit="us",
+            ratio=base / t.median,
+        )
+        ctx.row(
+            recipe=name,
+            mode="eager",
+            shape=shape,
+            metric="kernels",
+            value=float(kernels[name, k]),
+            unit="CUDA kernels" if ctx.device.type == "cuda" else "CPU kernels",
+            ratio=kernels[name, k] / max(kernels["bf16", k], 1),
+        )

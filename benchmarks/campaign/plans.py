@@ -23,36 +23,88 @@ DEFAULT_BUDGET_S = {"default": 450.0, "second": 220.0}
 
 def default_plan() -> list[Item]:
     items = [
-        Item("smoke", 20, smoke.smoke, "every recipe's forward + backward on the device vs the CPU (SQNR), "
-             "and the first kernel each recipe launches", min_s=10),
+        Item(
+            "smoke",
+            20,
+            smoke.smoke,
+            "every recipe's forward + backward on the device vs the CPU (SQNR), "
+            "and the first kernel each recipe launches",
+            min_s=10,
+        ),
         *_hook_items(DEFAULT_HOOKS),
-        Item("linear_target", 60, linear.linear_target, "Float8Linear fwd+bwd at M=16384, K=4096, N=14336, "
-             "compiled and eager: tensorwise, rowwise, blockwise vs bf16 and torchao", min_s=30),
-        Item("eager_overhead", 15, overhead.eager_overhead, "kernels and host time per eager step of a tiny "
-             "linear, per recipe, vs bf16 and torchao", min_s=10),
-        Item("e2e_compile", 75, e2e.e2e_compile, "the 300m model, bf16 / tensorwise / rowwise: build, "
-             "compile (per block) and the first step; compile seconds reported", min_s=30),
-        Item("e2e_step", 15, e2e.e2e_step, "the compiled 300m models: tokens/s and peak memory, interleaved",
-             min_s=15),
-        Item("moe_grouped", 25, moe.moe_grouped, "grouped GEMM fwd+bwd: float8_grouped_mm tensorwise, rowwise "
-             "vs bf16 torch._grouped_mm, eager and compiled", min_s=15),
+        Item(
+            "linear_target",
+            60,
+            linear.linear_target,
+            "Float8Linear fwd+bwd at M=16384, K=4096, N=14336, "
+            "compiled and eager: tensorwise, rowwise, blockwise vs bf16 and torchao",
+            min_s=30,
+        ),
+        Item(
+            "eager_overhead",
+            15,
+            overhead.eager_overhead,
+            "kernels and host time per eager step of a tiny linear, per recipe, vs bf16 and torchao",
+            min_s=10,
+        ),
+        Item(
+            "e2e_compile",
+            75,
+            e2e.e2e_compile,
+            "the 300m model, bf16 / tensorwise / rowwise: build, "
+            "compile (per block) and the first step; compile seconds reported",
+            min_s=30,
+        ),
+        Item("e2e_step", 15, e2e.e2e_step, "the compiled 300m models: tokens/s and peak memory, interleaved", min_s=15),
+        Item(
+            "moe_grouped",
+            25,
+            moe.moe_grouped,
+            "grouped GEMM fwd+bwd: float8_grouped_mm tensorwise, rowwise vs bf16 torch._grouped_mm, eager and compiled",
+            min_s=15,
+        ),
     ]
-    items += [Item(name, plan_s, gpu_tests.group_fn(paths), f"pytest -m gpu {' '.join(paths)}", min_s=15)
-              for name, paths, plan_s in gpu_tests.GROUPS]
+    items += [
+        Item(name, plan_s, gpu_tests.group_fn(paths), f"pytest -m gpu {' '.join(paths)}", min_s=15)
+        for name, paths, plan_s in gpu_tests.GROUPS
+    ]
     # Whatever time is left runs the other gpu tests; the second plan deselects what ran here.
-    items.append(Item("pytest_gpu_rest", 40, gpu_tests.rest, "pytest -m gpu: the other gpu tests, on the time "
-                      "left (the second plan goes on from there)", min_s=15))
+    items.append(
+        Item(
+            "pytest_gpu_rest",
+            40,
+            gpu_tests.rest,
+            "pytest -m gpu: the other gpu tests, on the time left (the second plan goes on from there)",
+            min_s=15,
+        )
+    )
     return items
 
 
 def second_plan() -> list[Item]:
     items = [
-        Item("pytest_gpu_rest", 100, gpu_tests.rest, "pytest -m gpu: the gpu tests neither the default plan nor --figures-csv has "
-             "an outcome for", min_s=30),
-        Item("profiles", 55, profiles.profiles, "the figures of --figures-csv below target and their baselines "
-             "under torch.profiler: top kernels", min_s=20),
-        Item("vit_huge", 55, vit.vit, "timm ViT-Huge training step, compiled: bf16 vs tensorwise vs rowwise",
-             min_s=20, requires=("timm",)),
+        Item(
+            "pytest_gpu_rest",
+            100,
+            gpu_tests.rest,
+            "pytest -m gpu: the gpu tests neither the default plan nor --figures-csv has an outcome for",
+            min_s=30,
+        ),
+        Item(
+            "profiles",
+            55,
+            profiles.profiles,
+            "the figures of --figures-csv below target and their baselines under torch.profiler: top kernels",
+            min_s=20,
+        ),
+        Item(
+            "vit_huge",
+            55,
+            vit.vit,
+            "timm ViT-Huge training step, compiled: bf16 vs tensorwise vs rowwise",
+            min_s=20,
+            requires=("timm",),
+        ),
     ]
     items += _hook_items(tuple(name for name, _, _ in hooks.HOOKS if name not in DEFAULT_HOOKS))
     return items
@@ -64,9 +116,18 @@ DEFAULT_HOOKS = ("fused_optimizer_step", "fp8_activation_casts")
 
 def _hook_items(names: tuple[str, ...]) -> list[Item]:
     """The feature checks ``names`` (``hooks.HOOKS``), in that table's order."""
-    return [Item(name, hooks.PLANNED_S.get(name, 2), hooks.hook_fn(name, module, what), what, min_s=0,
-                 absent=lambda module=module: hooks.module_absent(module))
-            for name, module, what in hooks.HOOKS if name in names]
+    return [
+        Item(
+            name,
+            hooks.PLANNED_S.get(name, 2),
+            hooks.hook_fn(name, module, what),
+            what,
+            min_s=0,
+            absent=lambda module=module: hooks.module_absent(module),
+        )
+        for name, module, what in hooks.HOOKS
+        if name in names
+    ]
 
 
 PLANS = {"default": default_plan, "second": second_plan}

@@ -118,9 +118,15 @@ def profile_one(ctx: Ctx, label: str, step) -> None:
     events.sort(key=lambda e: -_self_time(e, cuda))
     total = sum(_self_time(e, cuda) for e in events) or 1.0
     for rank, e in enumerate(events[:TOP], 1):
-        ctx.row(kind="kernel", recipe=label, metric=e.key[:200], value=_self_time(e, cuda) / 1e3 / steps,
-                unit="ms/step" if cuda else "CPU ms/step", detail=f"rank {rank}, {e.count / steps:g} calls/step, "
-                f"{100 * _self_time(e, cuda) / total:.1f}% of the total")
+        ctx.row(
+            kind="kernel",
+            recipe=label,
+            metric=e.key[:200],
+            value=_self_time(e, cuda) / 1e3 / steps,
+            unit="ms/step" if cuda else "CPU ms/step",
+            detail=f"rank {rank}, {e.count / steps:g} calls/step, "
+            f"{100 * _self_time(e, cuda) / total:.1f}% of the total",
+        )
     trace = ctx.runner.out / "profile_trace.json.gz"
     if not trace.exists():
         raw = Path(tempfile.mkdtemp(prefix="f8tensor_trace_")) / "trace.json"
@@ -147,5 +153,6 @@ def profiles(ctx: Ctx) -> None:
             if key in done:
                 continue
             done.add(key)
-            profile_one(ctx, f"{r['item']} {recipe} {r['mode']} {r['shape']}",
-                        builder(ctx, recipe, r["mode"], r["shape"]))
+            profile_one(
+                ctx, f"{r['item']} {recipe} {r['mode']} {r['shape']}", builder(ctx, recipe, r["mode"], r["shape"])
+            )

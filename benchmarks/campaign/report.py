@@ -17,16 +17,50 @@ from typing import Any
 
 from . import targets
 
-FIELDS = ("item", "kind", "recipe", "mode", "shape", "metric", "value", "unit", "ratio_vs_bf16", "target", "status",
-          "detail")
+FIELDS = (
+    "item",
+    "kind",
+    "recipe",
+    "mode",
+    "shape",
+    "metric",
+    "value",
+    "unit",
+    "ratio_vs_bf16",
+    "target",
+    "status",
+    "detail",
+)
 
 
-def row(item: str, kind: str = "figure", recipe: str = "", mode: str = "", shape: str = "", metric: str = "",
-        value: Any = math.nan, unit: str = "", ratio: float = math.nan, target: str = "", status: str = "ok",
-        detail: str = "") -> dict:
-    return {"item": item, "kind": kind, "recipe": recipe, "mode": mode, "shape": shape, "metric": metric,
-            "value": value, "unit": unit, "ratio_vs_bf16": ratio, "target": target, "status": status,
-            "detail": detail}
+def row(
+    item: str,
+    kind: str = "figure",
+    recipe: str = "",
+    mode: str = "",
+    shape: str = "",
+    metric: str = "",
+    value: Any = math.nan,
+    unit: str = "",
+    ratio: float = math.nan,
+    target: str = "",
+    status: str = "ok",
+    detail: str = "",
+) -> dict:
+    return {
+        "item": item,
+        "kind": kind,
+        "recipe": recipe,
+        "mode": mode,
+        "shape": shape,
+        "metric": metric,
+        "value": value,
+        "unit": unit,
+        "ratio_vs_bf16": ratio,
+        "target": target,
+        "status": status,
+        "detail": detail,
+    }
 
 
 def env_rows(env: list[tuple[str, str]]) -> list[dict]:
@@ -82,8 +116,17 @@ def junit_rows(path: Path, item: str) -> list[dict]:
                 outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[child.tag]
                 detail = " ".join((child.get("message") or child.text or "").split())[:600]
                 break
-        rows.append(row(item, "pytest", metric=f"{file}::{name}", value=f(case.get("time")), unit="s",
-                        status=outcome, detail=detail))
+        rows.append(
+            row(
+                item,
+                "pytest",
+                metric=f"{file}::{name}",
+                value=f(case.get("time")),
+                unit="s",
+                status=outcome,
+                detail=detail,
+            )
+        )
     return rows
 
 
@@ -95,8 +138,12 @@ def summary(runner, digest: bool = False) -> str:
     rows = runner.rows
     judged = [(t, r, status) for t, r, status in targets.evaluate(rows, runner.states) if t.item in runner.states]
     if judged:
-        lines += ["## Targets (ratios within this run)", "", "| target | item | value | target | status |",
-                  "| --- | --- | ---: | --- | --- |"]
+        lines += [
+            "## Targets (ratios within this run)",
+            "",
+            "| target | item | value | target | status |",
+            "| --- | --- | ---: | --- | --- |",
+        ]
     for t, r, status in judged:
         value = num(r["value"] if t.metric == "speedup_vs_torchao" else r["ratio_vs_bf16"], 3) if r else "-"
         lines.append(f"| {t.text} | {t.item} | {value} | {t.target_text()} | {md(status)} |")
@@ -105,8 +152,11 @@ def summary(runner, digest: bool = False) -> str:
     if checks or not digest:
         lines += ["## Checks" + (" (failed only)" if digest else ""), ""]
         lines += ["| item | check | status | value | threshold | detail |", "| --- | --- | --- | ---: | --- | --- |"]
-        lines += [f"| {r['item']} | {md(r['metric'])} | {r['status']} | {num(r['value'], 2)} | {md(r['target'])} | "
-                  f"{md(str(r['detail'])[:300])} |" for r in checks]
+        lines += [
+            f"| {r['item']} | {md(r['metric'])} | {r['status']} | {num(r['value'], 2)} | {md(r['target'])} | "
+            f"{md(str(r['detail'])[:300])} |"
+            for r in checks
+        ]
         lines.append("")
     tests = [r for r in rows if r["kind"] == "pytest"]
     if tests:
@@ -118,21 +168,38 @@ def summary(runner, digest: bool = False) -> str:
         lines += [f"- `{r['metric']}`: {md(str(r['detail'])[:400])}" for r in bad[:60]] + ([""] if bad else [])
     if not digest:
         figs = [r for r in rows if r["kind"] in ("figure", "kernel")]
-        lines += ["## Figures", "", "| item | recipe | mode | shape | metric | value | unit | vs bf16 | status |",
-                  "| --- | --- | --- | --- | --- | ---: | --- | ---: | --- |"]
-        lines += [f"| {r['item']} | {md(r['recipe'])} | {r['mode']} | {r['shape']} | {md(r['metric'])} | "
-                  f"{num(r['value'], 4)} | {r['unit']} | {num(r['ratio_vs_bf16'], 3)} | {md(r['status'])} |"
-                  for r in figs]
+        lines += [
+            "## Figures",
+            "",
+            "| item | recipe | mode | shape | metric | value | unit | vs bf16 | status |",
+            "| --- | --- | --- | --- | --- | ---: | --- | ---: | --- |",
+        ]
+        lines += [
+            f"| {r['item']} | {md(r['recipe'])} | {r['mode']} | {r['shape']} | {md(r['metric'])} | "
+            f"{num(r['value'], 4)} | {r['unit']} | {num(r['ratio_vs_bf16'], 3)} | {md(r['status'])} |"
+            for r in figs
+        ]
         lines.append("")
-    lines += ["## Items and budget", "",
-              f"Budget {runner.budget:.0f} s from process start; deadlines in seconds after it.", "",
-              "| item | deadline s | started s | took s | status | detail |", "| --- | ---: | ---: | ---: | --- | --- |"]
+    lines += [
+        "## Items and budget",
+        "",
+        f"Budget {runner.budget:.0f} s from process start; deadlines in seconds after it.",
+        "",
+        "| item | deadline s | started s | took s | status | detail |",
+        "| --- | ---: | ---: | ---: | --- | --- |",
+    ]
     for name, st in runner.states.items():
-        lines.append(f"| {name} | {num(st.deadline_s, 0)} | {num(st.started_s, 0)} | {num(st.took_s, 1)} | "
-                     f"{md(st.status)} | {md(st.detail[:300])} |")
+        lines.append(
+            f"| {name} | {num(st.deadline_s, 0)} | {num(st.started_s, 0)} | {num(st.took_s, 1)} | "
+            f"{md(st.status)} | {md(st.detail[:300])} |"
+        )
     not_run = [n for n, st in runner.states.items() if st.status.startswith("not run: budget")]
     if not_run:
-        lines += ["", "Not run for lack of time; to run them next (a fresh command):", "",
-                  f"    ... --items {','.join(not_run)}"]
+        lines += [
+            "",
+            "Not run for lack of time; to run them next (a fresh command):",
+            "",
+            f"    ... --items {','.join(not_run)}",
+        ]
     lines.append("")
     return "\n".join(lines)

@@ -36,8 +36,9 @@ from typing import Any
 from . import report, targets
 
 #: Packages an item may use that a machine may lack: their absence is a reason, not a failure.
-OPTIONAL_PACKAGES = frozenset({"timm", "torchao", "torchvision", "transformers", "accelerate", "lightning",
-                               "expecttest", "hypothesis", "triton"})
+OPTIONAL_PACKAGES = frozenset(
+    {"timm", "torchao", "torchvision", "transformers", "accelerate", "lightning", "expecttest", "hypothesis", "triton"}
+)
 #: Seconds kept at the end of the budget for the last files (summary, CSV) and the exit.
 END_RESERVE_S = 2.0
 
@@ -123,7 +124,7 @@ def error_text(exc: BaseException, lines: int = 4) -> tuple[str, str]:
     if len(msg) > 400:
         msg = msg[:400] + " ..."
     tb = traceback.format_exception(type(exc), exc, exc.__traceback__)
-    tail = " | ".join(" ".join(t.split()) for t in "".join(tb).strip().splitlines()[-2 * lines:-1])
+    tail = " | ".join(" ".join(t.split()) for t in "".join(tb).strip().splitlines()[-2 * lines : -1])
     return f"{type(exc).__name__}: {msg}", tail[-1200:]
 
 
@@ -169,8 +170,17 @@ class Ctx:
 class Runner:
     """Runs one plan's items in order and keeps ``campaign.log``, ``results.csv`` and ``summary.md`` current."""
 
-    def __init__(self, plan: str, items: list[Item], out: Path, args, start: float, device, env: list[tuple[str, str]],
-                 end_note: Callable[[list[str]], list[str]] | None = None) -> None:
+    def __init__(
+        self,
+        plan: str,
+        items: list[Item],
+        out: Path,
+        args,
+        start: float,
+        device,
+        env: list[tuple[str, str]],
+        end_note: Callable[[list[str]], list[str]] | None = None,
+    ) -> None:
         self.plan, self.items, self.out, self.args, self.start = plan, items, out, args, start
         self.dry, self.device, self.env = args.dry_run, device, env
         self.budget = args.budget_s
@@ -217,8 +227,10 @@ class Runner:
         deadlines = plan_deadlines(self.items, self.budget)
         for item, dl in zip(self.items, deadlines):
             self.states[item.name].deadline_s = dl
-        self.say(f"budget {self.budget:.0f} s from process start, {time.monotonic() - self.start:.1f} s spent; "
-                 f"{len(self.items)} items")
+        self.say(
+            f"budget {self.budget:.0f} s from process start, {time.monotonic() - self.start:.1f} s spent; "
+            f"{len(self.items)} items"
+        )
         self.write_files()
         watchdog = threading.Timer(max(0.0, self.start + self.budget - 1.0 - time.monotonic()), self._hard_stop)
         watchdog.daemon = True
@@ -234,8 +246,9 @@ class Runner:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, previous)
             if outer_timer[0] > 0:
-                signal.setitimer(signal.ITIMER_REAL, max(0.01, outer_timer[0] - (time.monotonic() - outer_t0)),
-                                 outer_timer[1])
+                signal.setitimer(
+                    signal.ITIMER_REAL, max(0.01, outer_timer[0] - (time.monotonic() - outer_t0)), outer_timer[1]
+                )
             watchdog.cancel()
         self.say()
         self.say(self.summary(digest=True))  # the end of the output: what a truncated console shows
@@ -292,7 +305,9 @@ class Runner:
             pkg = absent_package(e)
             if _caused_by_deadline(e):  # code under the item wrapped the deadline in its own error
                 st.status = "not run: budget"
-                st.detail = f"stopped at its deadline after {time.monotonic() - t0:.0f} s (raised as {type(e).__name__})"
+                st.detail = (
+                    f"stopped at its deadline after {time.monotonic() - t0:.0f} s (raised as {type(e).__name__})"
+                )
             elif pkg is not None:
                 st.status = f"not run: absent ({pkg})"
                 st.detail = error_text(e)[0]
@@ -365,8 +380,16 @@ class Runner:
         full_env = {**os.environ, **(env or {})}
         full_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(repo), full_env.get("PYTHONPATH", "")) if p)
         full_env["PYTHONUNBUFFERED"] = "1"
-        proc = subprocess.Popen(cmd, cwd=repo, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, errors="replace", start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            cwd=repo,
+            env=full_env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+            start_new_session=True,
+        )
         self.child = proc
         chunks: list[str] = []
 

@@ -30,8 +30,14 @@ def first_kernel(step, device) -> str:
     if cuda:
         kernels = [e.name for e in events if e.device_type == DeviceType.CUDA]
     else:
-        kernels = [e.name for e in events if e.device_type == DeviceType.CPU and "::" in e.name
-                   and e.name not in B.NO_KERNEL_OPS and not any("::" in c.name for c in e.cpu_children)]
+        kernels = [
+            e.name
+            for e in events
+            if e.device_type == DeviceType.CPU
+            and "::" in e.name
+            and e.name not in B.NO_KERNEL_OPS
+            and not any("::" in c.name for c in e.cpu_children)
+        ]
     return kernels[0][:160] if kernels else "none"
 
 
@@ -83,23 +89,43 @@ def smoke(ctx: Ctx) -> None:
             kernel = first_kernel(step, ctx.device)
         except Exception as e:  # noqa: BLE001  (one recipe failing does not hide the others)
             status = failure_status(e)
-            ctx.row(kind="check", recipe=recipe, shape=shape, metric="fwd+bwd on the device", status=status[:300],
-                    detail=error_text(e)[1] if status.startswith("failed") else "")
+            ctx.row(
+                kind="check",
+                recipe=recipe,
+                shape=shape,
+                metric="fwd+bwd on the device",
+                status=status[:300],
+                detail=error_text(e)[1] if status.startswith("failed") else "",
+            )
             continue
         detail = f"first kernel: {kernel}; GEMM ops: {', '.join(scaled_ops(ops)) or 'no scaled op'}"
         if stochastic(recipe):
             # Stochastic rounding draws other random bits on each device (and in each model), so
             # the device is held to the CPU's accuracy against fp32, not to the CPU's bits.
             gap = min(sqnr_db(h, g) - sqnr_db(h, r) for h, r, g in zip(hp, ref, got))
-            ctx.row(kind="check", recipe=recipe, shape=shape, metric="worst SQNR vs fp32, device minus CPU dB",
-                    value=gap, target=f">= -{STOCHASTIC_MARGIN_DB}",
-                    status="passed" if gap >= -STOCHASTIC_MARGIN_DB else "failed", detail=detail)
+            ctx.row(
+                kind="check",
+                recipe=recipe,
+                shape=shape,
+                metric="worst SQNR vs fp32, device minus CPU dB",
+                value=gap,
+                target=f">= -{STOCHASTIC_MARGIN_DB}",
+                status="passed" if gap >= -STOCHASTIC_MARGIN_DB else "failed",
+                detail=detail,
+            )
             ctx.say(f"  {recipe}: device vs CPU accuracy gap {gap:+.1f} dB; {detail}")
             continue
         worst = min(sqnr_db(r, g) for r, g in zip(ref, got))
-        ctx.row(kind="check", recipe=recipe, shape=shape, metric="worst SQNR of out/grad_in/grad_w vs CPU dB",
-                value=worst, target=f">= {DEVICE_VS_CPU_DB}", status="passed" if worst >= DEVICE_VS_CPU_DB else "failed",
-                detail=detail)
+        ctx.row(
+            kind="check",
+            recipe=recipe,
+            shape=shape,
+            metric="worst SQNR of out/grad_in/grad_w vs CPU dB",
+            value=worst,
+            target=f">= {DEVICE_VS_CPU_DB}",
+            status="passed" if worst >= DEVICE_VS_CPU_DB else "failed",
+            detail=detail,
+        )
         ctx.say(f"  {recipe}: {worst:.1f} dB; {detail}")
 
 
@@ -108,4 +134,6 @@ def stochastic(recipe: str) -> bool:
     from f8tensor import Float8LinearConfig
 
     config = Float8LinearConfig.from_recipe(recipe)
-    return any(getattr(c, "rounding", "nearest") == "stochastic" for c in (config.input, config.weight, config.grad_output))
+    return any(
+        getattr(c, "rounding", "nearest") == "stochastic" for c in (config.input, config.weight, config.grad_output)
+    )

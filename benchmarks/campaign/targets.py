@@ -21,8 +21,11 @@ class Target:
     threshold: float
 
     def target_text(self) -> str:
-        return {"ge": f">= {self.threshold:g}x", "gt": f"> {self.threshold:g}x",
-                "within": f"within {100 * self.threshold:g}% of bf16"}[self.check]
+        return {
+            "ge": f">= {self.threshold:g}x",
+            "gt": f"> {self.threshold:g}x",
+            "within": f"within {100 * self.threshold:g}% of bf16",
+        }[self.check]
 
     def met(self, ratio: float) -> bool:
         if not math.isfinite(ratio):
@@ -37,30 +40,104 @@ class Target:
 _L, _E, _M = "linear_target", "e2e_step", "moe_grouped"
 TARGETS = (
     Target("tw_compiled", "tensorwise compiled >= 1.5x bf16", _L, "tensorwise", "compiled", "step_ms", "ge", 1.5),
-    Target("tw_vs_torchao", "tensorwise compiled ahead of torchao tensorwise", _L, "tensorwise", "compiled",
-           "speedup_vs_torchao", "gt", 1.0),
+    Target(
+        "tw_vs_torchao",
+        "tensorwise compiled ahead of torchao tensorwise",
+        _L,
+        "tensorwise",
+        "compiled",
+        "speedup_vs_torchao",
+        "gt",
+        1.0,
+    ),
     Target("rw_compiled", "rowwise compiled >= 1.3x bf16", _L, "rowwise", "compiled", "step_ms", "ge", 1.3),
-    Target("rw_vs_torchao", "rowwise compiled ahead of torchao rowwise", _L, "rowwise", "compiled",
-           "speedup_vs_torchao", "gt", 1.0),
-    Target("blockwise", "blockwise (1x128 x 128x128) compiled >= 1.3x bf16 on sm90", _L, "blockwise", "compiled",
-           "step_ms", "ge", 1.3),
+    Target(
+        "rw_vs_torchao",
+        "rowwise compiled ahead of torchao rowwise",
+        _L,
+        "rowwise",
+        "compiled",
+        "speedup_vs_torchao",
+        "gt",
+        1.0,
+    ),
+    Target(
+        "blockwise",
+        "blockwise (1x128 x 128x128) compiled >= 1.3x bf16 on sm90",
+        _L,
+        "blockwise",
+        "compiled",
+        "step_ms",
+        "ge",
+        1.3,
+    ),
     Target("tw_eager", "tensorwise eager faster than bf16 eager", _L, "tensorwise", "eager", "step_ms", "gt", 1.0),
-    Target("tw_eager_vs_torchao", "tensorwise eager faster than torchao tensorwise eager", _L, "tensorwise", "eager",
-           "speedup_vs_torchao", "gt", 1.0),
-    Target("e2e_tw", "end to end (300m) compiled tensorwise >= 1.25x bf16 tokens/s", _E, "tensorwise", "compiled",
-           "tokens_per_s", "ge", 1.25),
-    Target("e2e_rw", "end to end (300m) compiled rowwise >= 1.1x bf16 tokens/s", _E, "rowwise", "compiled",
-           "tokens_per_s", "ge", 1.1),
-    Target("moe_tw", "MoE grouped GEMM fwd+bwd tensorwise >= 1.3x bf16 grouped", _M, "tensorwise", "compiled",
-           "step_ms", "ge", 1.3),
-    Target("moe_rw", "MoE grouped GEMM fwd+bwd rowwise >= 1.3x bf16 grouped", _M, "rowwise", "compiled",
-           "step_ms", "ge", 1.3),
+    Target(
+        "tw_eager_vs_torchao",
+        "tensorwise eager faster than torchao tensorwise eager",
+        _L,
+        "tensorwise",
+        "eager",
+        "speedup_vs_torchao",
+        "gt",
+        1.0,
+    ),
+    Target(
+        "e2e_tw",
+        "end to end (300m) compiled tensorwise >= 1.25x bf16 tokens/s",
+        _E,
+        "tensorwise",
+        "compiled",
+        "tokens_per_s",
+        "ge",
+        1.25,
+    ),
+    Target(
+        "e2e_rw",
+        "end to end (300m) compiled rowwise >= 1.1x bf16 tokens/s",
+        _E,
+        "rowwise",
+        "compiled",
+        "tokens_per_s",
+        "ge",
+        1.1,
+    ),
+    Target(
+        "moe_tw",
+        "MoE grouped GEMM fwd+bwd tensorwise >= 1.3x bf16 grouped",
+        _M,
+        "tensorwise",
+        "compiled",
+        "step_ms",
+        "ge",
+        1.3,
+    ),
+    Target(
+        "moe_rw",
+        "MoE grouped GEMM fwd+bwd rowwise >= 1.3x bf16 grouped",
+        _M,
+        "rowwise",
+        "compiled",
+        "step_ms",
+        "ge",
+        1.3,
+    ),
 )
 
 
 def _find(rows: list[dict], t: Target, recipe: str, metric: str) -> dict | None:
-    return next((r for r in rows if r["kind"] == "figure" and r["item"] == t.item and r["recipe"] == recipe
-                 and r["mode"] == t.mode and r["metric"] == metric), None)
+    return next(
+        (
+            r
+            for r in rows
+            if r["kind"] == "figure"
+            and r["item"] == t.item
+            and r["recipe"] == recipe
+            and r["mode"] == t.mode
+            and r["metric"] == metric
+        ),
+        None,
+    )
 
 
 def judge_item(item: str, rows: list[dict]) -> None:
@@ -78,10 +155,24 @@ def judge_item(item: str, rows: list[dict]) -> None:
             theirs = _find(rows, t, f"torchao {t.recipe}", "step_ms")
             ok = theirs is not None and math.isfinite(report.f(theirs["value"]))
             ratio = report.f(theirs["value"]) / report.f(mine["value"]) if ok else math.nan
-            status = ("met" if t.met(ratio) else "missed") if ok else (
-                theirs["status"] if theirs is not None else "not run: absent (torchao)")
-            rows.append(report.row(item, recipe=t.recipe, mode=t.mode, shape=mine["shape"], metric=t.metric,
-                                   value=ratio, unit="x", target=t.target_text(), status=status))
+            status = (
+                ("met" if t.met(ratio) else "missed")
+                if ok
+                else (theirs["status"] if theirs is not None else "not run: absent (torchao)")
+            )
+            rows.append(
+                report.row(
+                    item,
+                    recipe=t.recipe,
+                    mode=t.mode,
+                    shape=mine["shape"],
+                    metric=t.metric,
+                    value=ratio,
+                    unit="x",
+                    target=t.target_text(),
+                    status=status,
+                )
+            )
             continue
         r = _find(rows, t, t.recipe, t.metric)
         if r is not None and r["status"] == "ok":
@@ -93,8 +184,18 @@ def evaluate(rows: list[dict], states: dict) -> list[tuple[Target, dict | None, 
     """Every target with its row (or None) and status: met, missed, or why it was not run."""
     out = []
     for t in TARGETS:
-        r = next((x for x in rows if x["item"] == t.item and x["recipe"] == t.recipe and x["mode"] == t.mode
-                  and x["metric"] == t.metric and x["target"]), None)
+        r = next(
+            (
+                x
+                for x in rows
+                if x["item"] == t.item
+                and x["recipe"] == t.recipe
+                and x["mode"] == t.mode
+                and x["metric"] == t.metric
+                and x["target"]
+            ),
+            None,
+        )
         if r is not None:
             out.append((t, r, r["status"]))
             continue
@@ -106,9 +207,13 @@ def evaluate(rows: list[dict], states: dict) -> list[tuple[Target, dict | None, 
         elif st.status in ("pending", "running"):
             why = "not run: pending"
         else:
-            mine = next((x for x in rows if x["item"] == t.item and x["recipe"] == t.recipe and x["mode"] == t.mode),
-                        None)
-            why = f"not run: {mine['status']}" if mine is not None and mine["status"] != "ok" else \
-                f"not run: no such row ({st.status})"
+            mine = next(
+                (x for x in rows if x["item"] == t.item and x["recipe"] == t.recipe and x["mode"] == t.mode), None
+            )
+            why = (
+                f"not run: {mine['status']}"
+                if mine is not None and mine["status"] != "ok"
+                else f"not run: no such row ({st.status})"
+            )
         out.append((t, None, why))
     return out

@@ -45,8 +45,9 @@ def vit(ctx: Ctx) -> None:
     dev = ctx.device
     tiny = {"img_size": 32, "patch_size": 8, "embed_dim": 64, "depth": 2, "num_heads": 4} if ctx.dry else {}
     torch.manual_seed(0)
-    base = timm.create_model("vit_huge_patch14_224", pretrained=False, class_token=False, global_pool="avg",
-                             num_classes=1000, **tiny).to(dev, torch.bfloat16)
+    base = timm.create_model(
+        "vit_huge_patch14_224", pretrained=False, class_token=False, global_pool="avg", num_classes=1000, **tiny
+    ).to(dev, torch.bfloat16)
     batch, image = ctx.pick((32, 224), (4, 32))
     images = torch.randn(batch, 3, image, image, device=dev, dtype=torch.bfloat16)
     labels = torch.randint(0, 1000, (batch,), device=dev)

@@ -93,8 +93,6 @@ def saved_activation_bytes(
     return f8tensor.stats.alive_tensor_bytes(model, forward_and_loss)[0]
 
 
-
-
 def _saturation_rate(model: nn.Module, probe_step: Callable[[], object]) -> float | None:
     """Mean fraction of values clamped at the FP8 maximum per cast, or None (shown as n/a).
 

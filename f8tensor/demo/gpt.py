@@ -13,7 +13,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["CORPUS", "GPT", "SIZES", "VOCAB", "Size", "batch_starts", "get_batch", "keep_lm_head_in_high_precision", "load_corpus"]
+__all__ = [
+    "CORPUS",
+    "GPT",
+    "SIZES",
+    "VOCAB",
+    "Size",
+    "batch_starts",
+    "get_batch",
+    "keep_lm_head_in_high_precision",
+    "load_corpus",
+]
 
 CORPUS = Path(__file__).resolve().parents[1] / "data" / "corpus.txt"
 VOCAB = 256  # byte-level: every byte is a token, no tokenizer to ship

@@ -120,13 +120,18 @@ def dtensor_linear(x, weight, bias, args: LinearArgs) -> torch.Tensor:
         if isinstance(bias, DTensor):
             if tuple(bias.placements) != tuple(bias_pl):
                 bias = bias.redistribute(mesh, bias_pl)
-            b_grad = [Partial() if isinstance(g, Partial) and isinstance(b, Replicate) else b for g, b in zip(grad_w_pl, bias_pl)]
+            b_grad = [
+                Partial() if isinstance(g, Partial) and isinstance(b, Replicate) else b
+                for g, b in zip(grad_w_pl, bias_pl)
+            ]
             b_local = bias.to_local(grad_placements=b_grad)
         else:
             b_local = bias
     y_local = QuantizedLinearFn.apply(x_local, w_local, b_local, local_args)
     out_shape = (*full_x_shape[:-1], full_w_shape[0])
-    y = DTensor.from_local(y_local, mesh, out_pl, run_check=False, shape=torch.Size(out_shape), stride=_contiguous(out_shape))
+    y = DTensor.from_local(
+        y_local, mesh, out_pl, run_check=False, shape=torch.Size(out_shape), stride=_contiguous(out_shape)
+    )
     if bias is not None and bias_after:
         if not isinstance(bias, DTensor):
             bias = DTensor.from_local(bias, mesh, [Replicate()] * n_dims, run_check=False)
@@ -161,11 +166,18 @@ def _check_operands(config, mesh, x_shape, x_pl, w_shape, w_pl, y_pl) -> None:
     check_token_blocks_unbroken(f"{layer} grad_output", config.grad_output, y_shape, y_pl, mesh)
 
     def features_only(pl, ndim):
-        return [Shard(1) if isinstance(p, Shard) and p.dim % ndim == ndim - 1 else (p if not isinstance(p, Shard) else Replicate()) for p in pl]
+        return [
+            Shard(1)
+            if isinstance(p, Shard) and p.dim % ndim == ndim - 1
+            else (p if not isinstance(p, Shard) else Replicate())
+            for p in pl
+        ]
 
     check_blocks_unbroken(f"{layer} input", config.input, x2, features_only(x_pl, len(x_shape)), mesh)
     check_blocks_unbroken(f"{layer} weight", config.weight, tuple(w_shape), list(w_pl), mesh)
-    check_blocks_unbroken(f"{layer} grad_output", config.grad_output, (x2[0], w_shape[0]), features_only(y_pl, len(x_shape)), mesh)
+    check_blocks_unbroken(
+        f"{layer} grad_output", config.grad_output, (x2[0], w_shape[0]), features_only(y_pl, len(x_shape)), mesh
+    )
 
 
 def check_token_blocks_unbroken(what: str, cast: CastConfig, shape: Sequence[int], placements, mesh) -> None:
@@ -174,7 +186,12 @@ def check_token_blocks_unbroken(what: str, cast: CastConfig, shape: Sequence[int
     Every run boundary of a rank's rows in the ``(prod(shape[:-1]), shape[-1])`` view must
     fall on a block boundary (a rank's block must not mix batch entries).
     """
-    row_blocks = {b for spec in (cast.operand_spec(1), cast.operand_spec(0)) for b, along in _true_blocks(spec.block) if along == 0}
+    row_blocks = {
+        b
+        for spec in (cast.operand_spec(1), cast.operand_spec(0))
+        for b, along in _true_blocks(spec.block)
+        if along == 0
+    }
     if not row_blocks:
         return
     sizes = list(shape)
@@ -196,9 +213,17 @@ def check_token_blocks_unbroken(what: str, cast: CastConfig, shape: Sequence[int
                         raise ValueError(
                             f"{what}: Shard({p.dim}) of shape {tuple(shape)} over {n} ranks gives each rank runs of "
                             f"{chunks[0] * inner} rows of the ({total}, {sizes[-1]}) tokens view"
-                            + (f", one per batch entry (the {outer} indices of dims before {d}), " if outer > 1 else ", ")
+                            + (
+                                f", one per batch entry (the {outer} indices of dims before {d}), "
+                                if outer > 1
+                                else ", "
+                            )
                             + f"which cut its {b}-row scaling blocks: a rank's blocks would "
-                            + ("mix batch entries, unlike one process's. " if outer > 1 else "differ from one process's. ")
+                            + (
+                                "mix batch entries, unlike one process's. "
+                                if outer > 1
+                                else "differ from one process's. "
+                            )
                             + f"Make each rank's share of dim {d} times {inner} a multiple of {b} (e.g. a longer "
                             f"sequence or fewer ranks), or shard dim 0 instead"
                         )

@@ -11,7 +11,6 @@ get their amax grid all-reduced. A NaN amax becomes inf before any MAX collectiv
 drop a NaN), so a NaN still gives a NaN scale.
 """
 
-
 from __future__ import annotations
 
 import logging
@@ -39,7 +38,13 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-__all__ = ["DTensor", "DelayedWeightSource", "Float8AllGatherWeight", "precompute_float8_scales_for_fsdp", "wrap_weight"]
+__all__ = [
+    "DTensor",
+    "DelayedWeightSource",
+    "Float8AllGatherWeight",
+    "precompute_float8_scales_for_fsdp",
+    "wrap_weight",
+]
 
 aten = torch.ops.aten
 logger = logging.getLogger("f8tensor")
@@ -190,7 +195,9 @@ class Float8AllGatherWeight(HighPrecisionWeight):
         if rows % mesh.size() == 0:
             return (data_bytes, scale_bytes), (rows, scale_rows, scale.dtype, block, None)
         # Uneven shards: FSDP takes only padded-size inputs, so the scales are gathered apart.
-        gathered = torch.empty((mesh.size() * scale_bytes.shape[0], *scale_bytes.shape[1:]), dtype=torch.uint8, device=scale.device)
+        gathered = torch.empty(
+            (mesh.size() * scale_bytes.shape[0], *scale_bytes.shape[1:]), dtype=torch.uint8, device=scale.device
+        )
         dist.all_gather_into_tensor(gathered, scale_bytes, group=mesh.get_group())
         return (data_bytes,), (rows, scale_rows, scale.dtype, block, gathered)
 
@@ -309,7 +316,9 @@ class Float8AllGatherWeight(HighPrecisionWeight):
                 f"{(own, *outer_size[1:])}. Allowed: FSDP2's default Shard(0) sharding."
             )
         head = min(own, -start % block_rows)
-        grid = torch.zeros([1 if b == 0 else -(-n // b) for n, b in zip(outer_size, block)], dtype=torch.float32, device=hp.device)
+        grid = torch.zeros(
+            [1 if b == 0 else -(-n // b) for n, b in zip(outer_size, block)], dtype=torch.float32, device=hp.device
+        )
         local = torch.cat([block_amax(hp[:head], (block_rows, *block[1:])), block_amax(hp[head:], block)])
         first = start // block_rows
         grid[first : first + local.shape[0]] = local

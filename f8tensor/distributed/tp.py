@@ -60,20 +60,26 @@ class _Float8AllGather(torch.autograd.Function):
         ctx.mesh, ctx.dim, ctx.full_shape = mesh, dim, full_shape
         gathered = Float8Tensor(data, scale, local.dtype, quantizer.block_of(local.dim()))
         shape = torch.Size(full_shape)
-        return DTensor.from_local(gathered, mesh, [Replicate()], run_check=False, shape=shape, stride=_contiguous(shape))
+        return DTensor.from_local(
+            gathered, mesh, [Replicate()], run_check=False, shape=shape, stride=_contiguous(shape)
+        )
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:  # type: ignore[override]
         if not isinstance(grad, DTensor):
             shape = torch.Size(ctx.full_shape)
-            grad = DTensor.from_local(grad, ctx.mesh, [Replicate()], run_check=False, shape=shape, stride=_contiguous(shape))
+            grad = DTensor.from_local(
+                grad, ctx.mesh, [Replicate()], run_check=False, shape=shape, stride=_contiguous(shape)
+            )
         return waited(grad.redistribute(ctx.mesh, [Shard(ctx.dim)]).to_local()), None, None, None, None
 
 
 def _gather(local: torch.Tensor, mesh: DeviceMesh, dim: int, full_shape: Sequence[int]) -> torch.Tensor:
     """All-gather a ``Shard(dim)`` local tensor (torch.chunk sizes, uneven allowed) into the full one."""
     stride = _contiguous(full_shape)
-    dt = DTensor.from_local(local.contiguous(), mesh, [Shard(dim)], run_check=False, shape=torch.Size(full_shape), stride=stride)
+    dt = DTensor.from_local(
+        local.contiguous(), mesh, [Shard(dim)], run_check=False, shape=torch.Size(full_shape), stride=stride
+    )
     # full_tensor() may return an AsyncCollectiveTensor: wait, so no gather stays in flight.
     return waited(dt.full_tensor())
 

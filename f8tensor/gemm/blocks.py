@@ -121,7 +121,9 @@ def _padding(
         wrong = [dim for dim in refusable if pads[dim]]
         if wrong:
             needs = ", ".join(f"{dim}={sizes[dim]} (a multiple of {multiples[dim]})" for dim in wrong)
-            why = "" if not traced else " under torch.compile on this torch (its meta registration floor-divides by 128)"
+            why = (
+                "" if not traced else " under torch.compile on this torch (its meta registration floor-divides by 128)"
+            )
             raise ValueError(
                 f"FP8 block-scaled matmul ({rule.name} kernel) of ({m}x{k}) @ ({k}x{n}) needs {needs}{why}. "
                 f"Use such shapes, or ask for zero padding with GemmConfig(pad_inner_dim=True) / "
@@ -261,8 +263,15 @@ def _kernel_mm(
     kinds, swizzle = functional.ScalingType, functional.SwizzleType
     swz = swizzle.SWIZZLE_32_4_4 if rule.recipe_a == "BlockWise1x32" else swizzle.NO_SWIZZLE
     out = block_scaled_mm(
-        a_data, b_data, sa, getattr(kinds, rule.recipe_a), sb, getattr(kinds, rule.recipe_b),
-        swizzle_a=swz, swizzle_b=swz, output_dtype=out_dtype,
+        a_data,
+        b_data,
+        sa,
+        getattr(kinds, rule.recipe_a),
+        sb,
+        getattr(kinds, rule.recipe_b),
+        swizzle_a=swz,
+        swizzle_b=swz,
+        output_dtype=out_dtype,
         use_fast_accum=gemm.use_fast_accum and rule.fast_accum,
     )
     if not (_known_zero(pads[0]) and _known_zero(pads[2])) or a8_kernel is not a8:
@@ -275,7 +284,9 @@ def _kernel_mm(
 # FP4 (NVFP4, MXFP4)
 
 
-def fp4_product(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype, gemm: GemmConfig) -> torch.Tensor:
+def fp4_product(
+    a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype, gemm: GemmConfig
+) -> torch.Tensor:
     """``a (M, K) @ b (K, N)`` (+ ``bias``) where at least one operand is a Float4Tensor.
 
     The reference on CPU or with ``emulate``; otherwise the sm100 kernel of
@@ -311,7 +322,10 @@ def fp4_path(kind_a: str | None, kind_b: str | None, device: torch.device | str,
     rule = fp4_rule_for(kind_a)
     major, minor = torch.cuda.get_device_capability(device)
     cuda = cast("tuple[int, int]", tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2]))
-    if not hasattr(torch.nn.functional, "scaled_mm") or CudaBuild(compat.TORCH_VERSION, cuda, (major, minor)) not in rule.builds:
+    if (
+        not hasattr(torch.nn.functional, "scaled_mm")
+        or CudaBuild(compat.TORCH_VERSION, cuda, (major, minor)) not in rule.builds
+    ):
         return (
             f"none: the {rule.name} kernel needs {rule.builds}, this is sm{major}{minor}; the first product raises "
             "(emulate=True runs the reference)"
@@ -327,7 +341,12 @@ def _fp4_kernel_args(a4: Float4Tensor, b4: Float4Tensor):
     """The FP4 kernel's operands and scale lists (NVFP4's global scales beside the block scales)."""
     sa, sb = _swizzle_32_4_4(a4._scale.contiguous()), _swizzle_32_4_4(b4._scale.t().contiguous())
     if a4._kind == "nvfp4":
-        return row_major(a4._data), col_major(b4._data), [sa, a4._global_scale.reshape(1)], [sb, b4._global_scale.reshape(1)]
+        return (
+            row_major(a4._data),
+            col_major(b4._data),
+            [sa, a4._global_scale.reshape(1)],
+            [sb, b4._global_scale.reshape(1)],
+        )
     return row_major(a4._data), col_major(b4._data), sa, sb
 
 
@@ -352,7 +371,15 @@ def _fp4_kernel_mm(a4: Float4Tensor, b4: Float4Tensor, bias, out_dtype: torch.dt
         recipe, swz = kinds.BlockWise1x32, swizzle.SWIZZLE_32_4_4
     # MXFP4's kernel writes bf16 only; NVFP4's output dtype other than bf16 is unverified.
     out = block_scaled_mm(
-        a_data, b_data, sa, recipe, sb, recipe, swizzle_a=swz, swizzle_b=swz, output_dtype=torch.bfloat16,
+        a_data,
+        b_data,
+        sa,
+        recipe,
+        sb,
+        recipe,
+        swizzle_a=swz,
+        swizzle_b=swz,
+        output_dtype=torch.bfloat16,
         use_fast_accum=False,
     ).to(out_dtype)
     if bias is not None:

@@ -60,7 +60,6 @@ __all__ = [
 ]
 
 
-
 class CudaRuleViolation(AssertionError):
     """A ``torch._scaled_mm`` call that a supported NVIDIA build would refuse."""
 
@@ -187,7 +186,9 @@ def record_block_refusal(reason: str) -> None:
 def scaled_mm(mat1, mat2, scale_a, scale_b, *, bias=None, out_dtype=None, use_fast_accum=False) -> torch.Tensor:
     """``torch._scaled_mm`` through ``compat``, checked first when the check mode is on."""
     if check_active():
-        return checked_scaled_mm(mat1, mat2, scale_a, scale_b, bias=bias, out_dtype=out_dtype, use_fast_accum=use_fast_accum)
+        return checked_scaled_mm(
+            mat1, mat2, scale_a, scale_b, bias=bias, out_dtype=out_dtype, use_fast_accum=use_fast_accum
+        )
     return compat.scaled_mm(mat1, mat2, scale_a, scale_b, bias=bias, out_dtype=out_dtype, use_fast_accum=use_fast_accum)
 
 

@@ -165,16 +165,29 @@ def product(
 
     a_rowwise, b_rowwise = not is_tensorwise(a8._scale_block), not is_tensorwise(b8._scale_block)
     route = choose_route(
-        a_data.dtype, b_data.dtype, rowwise=a_rowwise or b_rowwise, out_dtype=out_dtype,
-        use_fast_accum=gemm.use_fast_accum, m=m,
+        a_data.dtype,
+        b_data.dtype,
+        rowwise=a_rowwise or b_rowwise,
+        out_dtype=out_dtype,
+        use_fast_accum=gemm.use_fast_accum,
+        m=m,
     )
     a_inv, b_inv = inverse_scale(a8), inverse_scale(b8)
     if route is Route.TENSORWISE:
         return _fused_bias_mm(a_data, b_data, a_inv, b_inv, bias, out_dtype, gemm.use_fast_accum, pad_n)
     if route is Route.TENSORWISE_POSTSCALE:
         return _postscaled_mm(
-            a_data, b_data, a_inv if a_rowwise else None, b_inv if b_rowwise else None, a_inv, b_inv, m, n, bias,
-            out_dtype, gemm.use_fast_accum,
+            a_data,
+            b_data,
+            a_inv if a_rowwise else None,
+            b_inv if b_rowwise else None,
+            a_inv,
+            b_inv,
+            m,
+            n,
+            bias,
+            out_dtype,
+            gemm.use_fast_accum,
         )
     a_vec, b_vec = kernel_scale(a_inv, (m, 1), (m, 1)), kernel_scale(b_inv, (1, n), (1, n))
     if pad_n:
@@ -249,4 +262,3 @@ def _pad_bytes(x: torch.Tensor, pad_rows: int, pad_cols: int) -> torch.Tensor:
     # Through uint8: no FP8 pad kernel; byte 0 is +0.0 in all four formats (0x80 is NaN in fnuz).
     raw = torch.nn.functional.pad(x.contiguous().view(torch.uint8), (0, pad_cols, 0, pad_rows))
     return raw.view(x.dtype)
-

@@ -142,7 +142,9 @@ def matmul(
     return (block_product if blockwise else dense_product)(a8, b8, bias, out_dtype, gemm)
 
 
-def _fp4_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None) -> torch.Tensor:
+def _fp4_matmul(
+    a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None
+) -> torch.Tensor:
     if a.dim() != 2 or b.dim() != 2:
         raise RuntimeError(f"FP4 mm expects 2D operands; got {tuple(a.shape)} and {tuple(b.shape)}")
     (m, k), (k2, n) = a.shape, b.shape

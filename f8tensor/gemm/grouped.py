@@ -67,11 +67,19 @@ def batched_mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torc
     if bsz <= MAX_GROUPS:
         out = scaled_grouped_mm(a_data, b_data, a_inv, b_inv, None, KERNEL_OUT)
     else:
-        out = torch.cat([
-            scaled_grouped_mm(a_data[i:i + MAX_GROUPS], b_data[i:i + MAX_GROUPS], a_inv[i:i + MAX_GROUPS],
-                              b_inv[i:i + MAX_GROUPS], None, KERNEL_OUT)
-            for i in range(0, bsz, MAX_GROUPS)
-        ])
+        out = torch.cat(
+            [
+                scaled_grouped_mm(
+                    a_data[i : i + MAX_GROUPS],
+                    b_data[i : i + MAX_GROUPS],
+                    a_inv[i : i + MAX_GROUPS],
+                    b_inv[i : i + MAX_GROUPS],
+                    None,
+                    KERNEL_OUT,
+                )
+                for i in range(0, bsz, MAX_GROUPS)
+            ]
+        )
     return out.to(out_dtype)
 
 
@@ -140,8 +148,15 @@ def validate_grouped_mm_args(x: torch.Tensor, w: torch.Tensor, offs: object, con
             raise TypeError(f"float8_grouped_mm: {name} must be a tensor; got {type(t).__name__}")
         if t.dtype not in _HP_DTYPES:
             kind = (
-                "an FP8" if t.dtype in FLOAT8_DTYPES else "a complex" if t.dtype.is_complex
-                else "a bool" if t.dtype == torch.bool else "an integer" if not t.dtype.is_floating_point else "a"
+                "an FP8"
+                if t.dtype in FLOAT8_DTYPES
+                else "a complex"
+                if t.dtype.is_complex
+                else "a bool"
+                if t.dtype == torch.bool
+                else "an integer"
+                if not t.dtype.is_floating_point
+                else "a"
             )
             raise TypeError(
                 f"float8_grouped_mm: {name} is {kind} tensor ({_dtype_name(t.dtype)}); it must be bfloat16, "
@@ -188,8 +203,12 @@ def grouped_kernel_available(device: torch.device) -> bool:
 
 
 def scaled_grouped_mm(
-    a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
-    offs: torch.Tensor | None = None, out_dtype: torch.dtype = KERNEL_OUT,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    offs: torch.Tensor | None = None,
+    out_dtype: torch.dtype = KERNEL_OUT,
 ) -> torch.Tensor:
     """``torch._scaled_grouped_mm``'s signature and forms (:class:`~f8tensor.gemm.rules.GroupedMMRule`): rules checked, routed by device."""
     check_grouped_rules(a, b, scale_a, scale_b, offs, out_dtype)

@@ -180,8 +180,6 @@ def requantize(x: Float8Tensor, k: int) -> Float8Tensor:
     return to_float8(dequantize(x, torch.float32), spec, gemm=x._gemm, orig_dtype=x._orig_dtype)
 
 
-
-
 def row_major(t: torch.Tensor) -> torch.Tensor:
     """``t`` with its last two dims in standard row-major strides (an FP8 copy only if needed)."""
     if torch.compiler.is_compiling():

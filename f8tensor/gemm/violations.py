@@ -24,7 +24,15 @@ from f8tensor.gemm.rules import (
 )
 from f8tensor.quant.formats import FLOAT8_DTYPES
 
-__all__ = ["block_scaled_mm_violations", "check_grouped_rules", "grouped_mm_violations", "is_col_major", "is_row_major", "scaled_mm_violations", "violations_on_supported_builds"]
+__all__ = [
+    "block_scaled_mm_violations",
+    "check_grouped_rules",
+    "grouped_mm_violations",
+    "is_col_major",
+    "is_row_major",
+    "scaled_mm_violations",
+    "violations_on_supported_builds",
+]
 
 _FNUZ = (torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
 
@@ -179,8 +187,14 @@ def violations_on_supported_builds(mat1: torch.Tensor, mat2: torch.Tensor, *args
 
 
 def block_scaled_mm_violations(
-    mat_a: torch.Tensor, mat_b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, rule: BlockScaledMMRule,
-    *, use_fast_accum: bool = False, traced: bool | None = None,
+    mat_a: torch.Tensor,
+    mat_b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    rule: BlockScaledMMRule,
+    *,
+    use_fast_accum: bool = False,
+    traced: bool | None = None,
 ) -> list[str]:
     """What ``rule``'s kernel would refuse in this ``torch.nn.functional.scaled_mm`` call.
 
@@ -224,7 +238,9 @@ def block_scaled_mm_violations(
         (128, 128): ((_round_up(kb, 4), -(-m // 128)), (1, _round_up(kb, 4))),
     }
     want_a = shapes[rule.block_a]
-    want_b = ((n, kb), (1, n)) if rule.block_b == (128, 1) else ((_round_up(kb, 4), -(-n // 128)), (1, _round_up(kb, 4)))
+    want_b = (
+        ((n, kb), (1, n)) if rule.block_b == (128, 1) else ((_round_up(kb, 4), -(-n // 128)), (1, _round_up(kb, 4)))
+    )
     for label, t, (shape, stride) in (("scale_a", scale_a, want_a), ("scale_b", scale_b, want_b)):
         if tuple(t.shape) != shape:
             out.append(f"{where}: {label} shape {tuple(t.shape)}, needs {shape}")
@@ -237,8 +253,13 @@ def block_scaled_mm_violations(
 
 
 def grouped_mm_violations(
-    a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, offs: torch.Tensor | None,
-    out_dtype: torch.dtype, rule: GroupedMMRule = GROUPED_RULES[0],
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    offs: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    rule: GroupedMMRule = GROUPED_RULES[0],
 ) -> list[str]:
     """What ``rule``'s kernel would refuse in this ``torch._scaled_grouped_mm`` call."""
     out = []
@@ -292,7 +313,12 @@ def grouped_mm_violations(
 
 def _offs_value_violations(offs: torch.Tensor, grouped: int) -> list[str]:
     """The kernel's device asserts on ``offs``, checked where the values are on the host."""
-    if torch.compiler.is_compiling() or offs.device.type != "cpu" or type(offs) is not torch.Tensor or offs.numel() == 0:
+    if (
+        torch.compiler.is_compiling()
+        or offs.device.type != "cpu"
+        or type(offs) is not torch.Tensor
+        or offs.numel() == 0
+    ):
         return []
     o = offs.to(torch.int64)
     out = []

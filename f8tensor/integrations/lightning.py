@@ -45,6 +45,7 @@ def _fp8_state_keys(module: nn.Module) -> list[str]:
             keys.extend(prefix + name for name in mod._buffers if name not in mod._non_persistent_buffers_set)
     return keys
 
+
 _AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
 
 

@@ -136,7 +136,9 @@ class F8TensorLinearConverter(QuantizationConverter):
                 setattr(parent, attr, new)
             converted.append(fqn)
         self.converted_fqns = converted
-        line = f"f8tensor: {self.config.recipe} FP8 for {len(converted)} of {len(converted) + len(skipped)} linear layers"
+        line = (
+            f"f8tensor: {self.config.recipe} FP8 for {len(converted)} of {len(converted) + len(skipped)} linear layers"
+        )
         logger.info(line + (f"; kept in high precision: {', '.join(skipped)}" if skipped else ""))
         if not converted:
             logger.warning("f8tensor: the torchtitan converter found no linear layer to convert")

@@ -79,8 +79,6 @@ class FP4Spec(NamedTuple):
         return torch.float8_e4m3fn if self.kind == NVFP4 else E8M0
 
 
-
-
 def e2m1_encode(x: torch.Tensor, rounding: str = "nearest", generator: torch.Generator | None = None) -> torch.Tensor:
     """fp32 values (already scaled) -> E2M1 codes (uint8, 0..15), saturating at 6.
 
@@ -116,7 +114,9 @@ def pack_e2m1(codes: torch.Tensor, dim: int) -> torch.Tensor:
     """Codes (uint8) -> ``FLOAT4_X2`` bytes, two per byte along ``dim`` (``2i`` low nibble)."""
     dim = dim % codes.dim()
     if codes.shape[dim] % 2:
-        raise ValueError(f"FP4 packs two values per byte along dim {dim}: its size must be even; got {tuple(codes.shape)}")
+        raise ValueError(
+            f"FP4 packs two values per byte along dim {dim}: its size must be even; got {tuple(codes.shape)}"
+        )
     moved = codes.movedim(dim, -1)
     packed = moved[..., 0::2] | (moved[..., 1::2] << 4)
     return packed.movedim(-1, dim).contiguous().view(FLOAT4_X2)
@@ -129,8 +129,6 @@ def unpack_e2m1(packed: torch.Tensor, dim: int) -> torch.Tensor:
     moved = raw.movedim(dim, -1)
     codes = torch.stack([moved & 0xF, moved >> 4], dim=-1).flatten(-2)
     return codes.movedim(-1, dim)
-
-
 
 
 def _blocked(x: torch.Tensor, block: tuple[int, ...]) -> torch.Tensor:
@@ -203,7 +201,11 @@ def cast_fp4(
     # Deliberate upcast: the scaled values the rounding sees are fp32, not bf16 rounded twice.
     x = _blocked(hp.to(torch.float32), spec.block)
     dims = _block_dims(hp.dim())
-    amax = x.abs().amax(dim=dims) if hp.numel() else x.new_zeros([s // (b or s or 1) for s, b in zip(hp.shape, spec.block)])
+    amax = (
+        x.abs().amax(dim=dims)
+        if hp.numel()
+        else x.new_zeros([s // (b or s or 1) for s, b in zip(hp.shape, spec.block)])
+    )
     finite_block = torch.isfinite(amax)
     if spec.kind == MXFP4:
         global_scale = torch.ones((), dtype=torch.float32, device=hp.device)
@@ -220,7 +222,9 @@ def cast_fp4(
             err6 = _block_sq_error(x, codes, block_scale, global_scale, dims)
             err4 = _block_sq_error(x, c4, s4, global_scale, dims)
             take4 = err4 < err6
-            block_scale = torch.where(take4, s4.to(torch.float32), block_scale.to(torch.float32)).to(torch.float8_e4m3fn)
+            block_scale = torch.where(take4, s4.to(torch.float32), block_scale.to(torch.float32)).to(
+                torch.float8_e4m3fn
+            )
             pick = _expand(take4, hp.dim())
             codes, scaled = torch.where(pick, c4, codes), torch.where(pick, v4, scaled)
         block_scale = torch.where(finite_block, block_scale.to(torch.float32), torch.nan).to(torch.float8_e4m3fn)

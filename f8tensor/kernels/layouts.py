@@ -21,7 +21,9 @@ def column_major_strides(shape: tuple[int, ...] | torch.Size) -> tuple[int, ...]
     return (*batch, 1, rows)
 
 
-def empty_column_major(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+def empty_column_major(
+    shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, device: torch.device | str
+) -> torch.Tensor:
     """An uninitialised tensor of ``shape`` laid out column-major."""
     return torch.empty_strided(tuple(shape), column_major_strides(shape), dtype=dtype, device=device)
 

@@ -178,4 +178,3 @@ def dequantize(data: torch.Tensor, scale: torch.Tensor, block: tuple[int, ...], 
     if data.dtype == torch.float8_e5m2:
         hp = torch.where(torch.isinf(data32), data32, hp)
     return hp.to(dtype)
-

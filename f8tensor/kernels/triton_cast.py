@@ -364,8 +364,9 @@ def _launch(
         partials = torch.empty(parts, dtype=torch.float32, device=hp.device)
         if not has_scale:
             per = max(1, -(-tiles // parts))
-            k.amax_partials_kernel[(parts,)](x, partials, R, C, x.stride(0), x.stride(1), tiles_c, tiles, per, BR=br, BC=bc,
-                **_OPTIONS)
+            k.amax_partials_kernel[(parts,)](
+                x, partials, R, C, x.stride(0), x.stride(1), tiles_c, tiles, per, BR=br, BC=bc, **_OPTIONS
+            )
         k.cast_tensor_kernel[(max(tiles, 1),)](
             x, partials, parts, scale if has_scale else partials, out, out2, out_scale, inverse,
             R, C, x.stride(0), x.stride(1), out.stride(0), out.stride(1), out2.stride(0), out2.stride(1), tiles_c,

@@ -26,7 +26,6 @@ from f8tensor.tensor.ops import _permuted
 __all__ = ["expert_path", "per_expert_loop"]
 
 
-
 # ===================================================================== casts
 
 
@@ -116,14 +115,18 @@ def _block_kernel_here(config: Float8LinearConfig, device: torch.device) -> bool
     return CudaBuild(compat.TORCH_VERSION, cuda, torch.cuda.get_device_capability(device)) in rule.builds
 
 
-def _expert_loop(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor | None, config: Float8LinearConfig) -> torch.Tensor:
+def _expert_loop(
+    x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor | None, config: Float8LinearConfig
+) -> torch.Tensor:
     """``x[rows of g] @ w[g]`` per expert through ``Float8Linear``'s Function.
 
     ``offs`` given: x (M, K) sorted by group, w (G, K, N), rows past ``offs[-1]`` give zeros;
     ``offs`` None: a batched product (B, M, K) @ (B, K, N).
     """
     if offs is None:
-        pieces = [_QuantizedLinearFn.apply(x[b], w[b].transpose(0, 1), None, LinearArgs(config)) for b in range(x.shape[0])]
+        pieces = [
+            _QuantizedLinearFn.apply(x[b], w[b].transpose(0, 1), None, LinearArgs(config)) for b in range(x.shape[0])
+        ]
         return torch.stack(pieces) if pieces else x.new_zeros(0, x.shape[1], w.shape[2])
     ends = offs.tolist()  # this path's one host sync (a graph break under compile)
     pieces, start = [], 0
@@ -174,7 +177,6 @@ def _scatter_rows(t: torch.Tensor, dest: torch.Tensor, p: int) -> torch.Tensor:
         raw = t.view(torch.uint8).new_zeros(p, t.shape[1]).index_copy_(0, dest, t.view(torch.uint8))
         return raw.view(t.dtype)
     return t.new_zeros(p, t.shape[1]).index_copy_(0, dest, t)
-
 
 
 def _group_cast(t: torch.Tensor, offs: torch.Tensor, g: int, spec: CastSpec) -> tuple[torch.Tensor, torch.Tensor]:
@@ -240,8 +242,12 @@ class _GroupedMMFn(torch.autograd.Function):
         out = grouped_mm(x8, w8, offs, KERNEL_OUT)
         keep_fp8_x = not config.input.rowwise and not config.weight_grad_in_hp
         ctx.save_for_backward(
-            None if keep_fp8_x else x, x8._data if keep_fp8_x else None, x8._scale if keep_fp8_x else None,
-            w, offs, None if config.weight.rowwise else w8._scale,
+            None if keep_fp8_x else x,
+            x8._data if keep_fp8_x else None,
+            x8._scale if keep_fp8_x else None,
+            w,
+            offs,
+            None if config.weight.rowwise else w8._scale,
         )
         ctx.config = config
         ctx.x_dtype = x.dtype

@@ -58,7 +58,9 @@ def plan_experts(
         if p.shape[1] % ALIGN or p.shape[2] % ALIGN:
             logger.warning(
                 "f8tensor: left %s %s in high precision: FP8 expert GEMMs need its last two dims to be multiples of %d",
-                fqn, tuple(p.shape), ALIGN,
+                fqn,
+                tuple(p.shape),
+                ALIGN,
             )
             skipped.setdefault(f"expert weights with dims not multiples of {ALIGN}", []).append(fqn)
             continue
@@ -104,15 +106,22 @@ def convert_experts_to_float8(
         TypeError: ``experts_filter_fn`` is neither None nor callable.
     """
     if experts_filter_fn is not None and not callable(experts_filter_fn):
-        raise TypeError(f"experts_filter_fn must be a callable (module, fqn) -> bool or None; got {experts_filter_fn!r}")
+        raise TypeError(
+            f"experts_filter_fn must be a callable (module, fqn) -> bool or None; got {experts_filter_fn!r}"
+        )
     todo, skipped = plan_experts(module, config, experts_filter_fn)
     for reason, fqns in skipped.items():
         if reason.startswith("expert weights (delayed"):
-            logger.warning("f8tensor: %d expert weights left in high precision: delayed scaling is not supported for experts", len(fqns))
+            logger.warning(
+                "f8tensor: %d expert weights left in high precision: delayed scaling is not supported for experts",
+                len(fqns),
+            )
     converted = wrap_experts(todo, config)
     if converted:
         logger.info(
             "f8tensor: %d expert weights run in FP8: %s; path: %s",
-            len(converted), ", ".join(converted), expert_path(config, module.get_parameter(converted[0]).device),
+            len(converted),
+            ", ".join(converted),
+            expert_path(config, module.get_parameter(converted[0]).device),
         )
     return converted

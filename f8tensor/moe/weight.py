@@ -37,7 +37,13 @@ def _route_grouped_mm(args: tuple, kwargs: dict) -> torch.Tensor:
     bound = dict(zip(names, args))
     bound.update(kwargs)
     a, w, offs = bound["mat_a"], bound["mat_b"], bound.get("offs")
-    if isinstance(a, Float8ExpertWeight) or not isinstance(w, Float8ExpertWeight) or a.dim() != 2 or w.dim() != 3 or offs is None:
+    if (
+        isinstance(a, Float8ExpertWeight)
+        or not isinstance(w, Float8ExpertWeight)
+        or a.dim() != 2
+        or w.dim() != 3
+        or offs is None
+    ):
         raise NotImplementedError(
             "FP8 expert weights take part in grouped_mm as mat_b, 3D (experts, K, N), with a 2D mat_a "
             f"and offs; got mat_a {tuple(a.shape)}, mat_b {tuple(w.shape)}, offs={'None' if offs is None else 'given'}"
@@ -60,8 +66,10 @@ def _route_bmm(args: tuple, kwargs: dict) -> torch.Tensor:
     config = (b if isinstance(b, Float8ExpertWeight) else a)._config
     if isinstance(a, Float8ExpertWeight) and isinstance(b, Float8ExpertWeight):
         raise NotImplementedError("bmm of two FP8 expert weights is not an expert GEMM")
-    bmm = (lambda x, w: _expert_loop(x, w, None, config)) if per_expert_loop(config) else (
-        lambda x, w: _ExpertBmmFn.apply(x, w, config)
+    bmm = (
+        (lambda x, w: _expert_loop(x, w, None, config))
+        if per_expert_loop(config)
+        else (lambda x, w: _ExpertBmmFn.apply(x, w, config))
     )
     if isinstance(b, Float8ExpertWeight):
         return bmm(a, _Unwrap.apply(b))
@@ -74,7 +82,9 @@ def _route_linear(args: tuple, kwargs: dict) -> torch.Tensor:
     bound.update(kwargs)
     x, w, bias = bound["input"], bound["weight"], bound.get("bias")
     if not isinstance(w, Float8ExpertWeight) or w.dim() != 2 or isinstance(x, Float8ExpertWeight):
-        raise NotImplementedError(f"F.linear with an FP8 expert weight needs one expert's 2D matrix as weight; got {tuple(w.shape)}")
+        raise NotImplementedError(
+            f"F.linear with an FP8 expert weight needs one expert's 2D matrix as weight; got {tuple(w.shape)}"
+        )
     # One expert's matrix: exactly Float8Linear's three GEMMs (and its recipe, e5m2 gradients included).
     return _QuantizedLinearFn.apply(x, _Unwrap.apply(w), _plain(bias), LinearArgs(w._config))
 
@@ -92,6 +102,7 @@ def _route_matmul(args: tuple, kwargs: dict) -> torch.Tensor:
         f"matmul with an FP8 expert weight supports x @ w[e].t() and batched 3D x 3D products; got "
         f"{tuple(a.shape)} @ {tuple(b.shape)}"
     )
+
 
 _ROUTES: dict[Any, Callable[[tuple, dict], torch.Tensor]] = {
     **{fn: _route_grouped_mm for fn in GROUPED_MM_FUNCTIONS},
@@ -120,7 +131,6 @@ _GEMMS = frozenset(
 )
 
 
-
 class Float8ExpertWeight(RecipeWeight):
     """A high-precision expert weight (E, N, K) whose matrix products run in FP8.
 
@@ -138,19 +148,35 @@ class Float8ExpertWeight(RecipeWeight):
 
     VIEWS = frozenset(
         {
-            aten.detach.default, aten.alias.default, aten.view.default, aten._unsafe_view.default,
-            aten.as_strided.default, aten.slice.Tensor, aten.select.int, aten.transpose.int, aten.t.default,
-            aten.permute.default, aten.expand.default, aten.unsqueeze.default, aten.squeeze.dim,
-            aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int,
+            aten.detach.default,
+            aten.alias.default,
+            aten.view.default,
+            aten._unsafe_view.default,
+            aten.as_strided.default,
+            aten.slice.Tensor,
+            aten.select.int,
+            aten.transpose.int,
+            aten.t.default,
+            aten.permute.default,
+            aten.expand.default,
+            aten.unsqueeze.default,
+            aten.squeeze.dim,
+            aten.split.Tensor,
+            aten.split_with_sizes.default,
+            aten.unbind.int,
         }
     )
     COPIES = frozenset(
         {
-            aten.index.Tensor, aten.clone.default, aten._to_copy.default, aten.empty_like.default,
-            aten.new_empty.default, aten.new_zeros.default, aten._pin_memory.default,
+            aten.index.Tensor,
+            aten.clone.default,
+            aten._to_copy.default,
+            aten.empty_like.default,
+            aten.new_empty.default,
+            aten.new_zeros.default,
+            aten._pin_memory.default,
         }
     )
-
 
     @classmethod
     def _route(cls, func: Any) -> Any:
@@ -161,7 +187,9 @@ class Float8ExpertWeight(RecipeWeight):
         return route
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:  # type: ignore[override]
+    def __torch_dispatch__(  # type: ignore[override]
+        cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         if func in _GEMMS or is_op_of_namespace(func, "transformers"):
             raise NotImplementedError(
                 f"{func} with an FP8 expert weight would run in high precision. Expert weights multiply "
@@ -171,10 +199,9 @@ class Float8ExpertWeight(RecipeWeight):
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
-
-
-
-def float8_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, config: Float8LinearConfig | None = None) -> torch.Tensor:
+def float8_grouped_mm(
+    x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, config: Float8LinearConfig | None = None
+) -> torch.Tensor:
     """``torch._grouped_mm(x, w, offs=offs)`` in FP8, differentiable in ``x`` and ``w``.
 
     Args:

@@ -268,7 +268,9 @@ class save_activations_in_float8:
         if model is not None and not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module or None; got {type(model).__name__}")
         if module_filter_fn is not None and not callable(module_filter_fn):
-            raise TypeError(f"module_filter_fn must be a callable (module, fqn) -> bool or None; got {module_filter_fn!r}")
+            raise TypeError(
+                f"module_filter_fn must be a callable (module, fqn) -> bool or None; got {module_filter_fn!r}"
+            )
         if module_filter_fn is not None and model is None:
             raise ValueError("module_filter_fn needs model= (the module whose submodules it chooses among)")
         self.model = model

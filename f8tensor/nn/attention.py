@@ -68,7 +68,9 @@ def attention_ties(
                     "module order) would follow two configs; give tied attentions one config (nothing was changed)"
                 )
     plain = frozenset(
-        id(p) for m in model.modules() for name, p in m._parameters.items()
+        id(p)
+        for m in model.modules()
+        for name, p in m._parameters.items()
         if p is not None and id(p) in recipe and (id(m), name) not in slots
     )
     all_plain = [mha for mha in attentions if all(id(p) in plain for _, _, p in _weights(mha))]
@@ -95,7 +97,11 @@ def _projection(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, config
     """``F.linear(x, w, b)`` with the GEMMs of ``config``, as ``Float8Linear`` runs them
     (under autocast: in the autocast dtype, the weight cast to FP8 from its own dtype)."""
     device_type = x.device.type
-    if device_type != "meta" and torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+    if (
+        device_type != "meta"
+        and torch.amp.is_autocast_available(device_type)
+        and torch.is_autocast_enabled(device_type)
+    ):
         dtype = torch.get_autocast_dtype(device_type)
         with torch.autocast(device_type, enabled=False):
             return _projection(x.to(dtype), w, None if b is None else b.to(dtype), config)
@@ -154,11 +160,14 @@ _ROUTES: dict[Any, Callable[[tuple, dict], Any]] = {
 # Products reaching dispatch would run in high precision: refused, never silently upcast.
 _REFUSED = frozenset(
     {
-        aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.matmul.default,
+        aten.mm.default,
+        aten.addmm.default,
+        aten.bmm.default,
+        aten.baddbmm.default,
+        aten.matmul.default,
         aten._native_multi_head_attention.default,
     }
 )
-
 
 
 class Float8AttentionWeight(RecipeWeight):
@@ -177,15 +186,28 @@ class Float8AttentionWeight(RecipeWeight):
 
     VIEWS = frozenset(
         {
-            aten.detach.default, aten.alias.default, aten.view.default, aten._unsafe_view.default,
-            aten.as_strided.default, aten.slice.Tensor, aten.select.int, aten.transpose.int, aten.t.default,
-            aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int,
+            aten.detach.default,
+            aten.alias.default,
+            aten.view.default,
+            aten._unsafe_view.default,
+            aten.as_strided.default,
+            aten.slice.Tensor,
+            aten.select.int,
+            aten.transpose.int,
+            aten.t.default,
+            aten.split.Tensor,
+            aten.split_with_sizes.default,
+            aten.unbind.int,
         }
     )
     COPIES = frozenset(
         {
-            aten.clone.default, aten._to_copy.default, aten.empty_like.default, aten._pin_memory.default,
-            aten.new_empty.default, aten.new_zeros.default,  # FSDP2's padded shards
+            aten.clone.default,
+            aten._to_copy.default,
+            aten.empty_like.default,
+            aten._pin_memory.default,
+            aten.new_empty.default,
+            aten.new_zeros.default,  # FSDP2's padded shards
         }
     )
 
@@ -194,7 +216,9 @@ class Float8AttentionWeight(RecipeWeight):
         return _ROUTES.get(func)
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:  # type: ignore[override]
+    def __torch_dispatch__(  # type: ignore[override]
+        cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         if func in _REFUSED:
             raise NotImplementedError(
                 f"{func} with an FP8 attention weight would run in high precision. Its products run through "

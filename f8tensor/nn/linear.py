@@ -56,7 +56,6 @@ def _fresh_state(name: str, like: torch.Tensor, device: torch.device | str | Non
     return torch.full_like(like, fill, dtype=torch.float32, device=device)
 
 
-
 #: Why an FP4 or per-GEMM-format layer refuses tensor/sequence parallel.
 NOT_ON_DTENSORS = (
     "FP4 and per-GEMM-format configs do not run on DTensors (tensor or sequence parallel) yet; "
@@ -233,7 +232,9 @@ class Float8Linear(nn.Linear):
             )
             raise TypeError(f"Float8Linear input must be a floating tensor of dtype {allowed}; got {x.dtype}{hint}")
         if x.dim() == 0:
-            raise ValueError("Float8Linear input must have at least one dimension (..., in_features); got a 0-dim tensor")
+            raise ValueError(
+                "Float8Linear input must have at least one dimension (..., in_features); got a 0-dim tensor"
+            )
         # Also fixes in_features under dynamic=True: torch 2.11's dynamo asserts if first read
         # inside the autograd Function.
         if x.shape[-1] != self.in_features:
@@ -257,10 +258,7 @@ class Float8Linear(nn.Linear):
         else:
             available = device_type is not None and torch.amp.is_autocast_available(device_type)
         autocast = (
-            device_type is not None
-            and available
-            and torch.is_autocast_enabled(device_type)
-            and x.is_floating_point()
+            device_type is not None and available and torch.is_autocast_enabled(device_type) and x.is_floating_point()
         )
         if autocast:
             # As nn.Linear under autocast; the weight is cast to FP8 from its own dtype.
@@ -278,7 +276,9 @@ class Float8Linear(nn.Linear):
         if self.in_features == 0 or self.out_features == 0:
             # An empty product: nn.Linear's, in high precision.
             return nn.functional.linear(x, weight.to(x.dtype), bias)
-        delayed = DelayedBuffers(*(getattr(self, name) for name in _DELAYED_BUFFERS)) if self.config.any_delayed else None
+        delayed = (
+            DelayedBuffers(*(getattr(self, name) for name in _DELAYED_BUFFERS)) if self.config.any_delayed else None
+        )
         stats = StatsBuffers(*(getattr(self, name) for name in STATS_BUFFERS)) if self.config.collect_stats else None
         on_dtensors = any(isinstance(t, DTensor) for t in (x, weight, bias))
         if self.config.uses_gemm_formats:
@@ -286,10 +286,16 @@ class Float8Linear(nn.Linear):
                 raise NotImplementedError(f"Float8Linear: {NOT_ON_DTENSORS}")
             return QuantizedLinearFn.apply(x, weight, bias, LinearArgs(self.config, stats=stats))
         # A delayed weight gathered in FP8 by FSDP2: its shard's amax, left here by the gather.
-        weight_amax = self.__dict__.get("fsdp_weight_amax") if delayed is not None and self.config.enable_fsdp_float8_all_gather else None
+        weight_amax = (
+            self.__dict__.get("fsdp_weight_amax")
+            if delayed is not None and self.config.enable_fsdp_float8_all_gather
+            else None
+        )
         if on_dtensors:
             return _dtensor_linear_of()(x, weight, bias, LinearArgs(self.config, delayed, stats, weight_amax))
-        return QuantizedLinearFn.apply(x, weight, bias, LinearArgs(self.config, delayed, stats, weight_amax, self._weight_casts()))
+        return QuantizedLinearFn.apply(
+            x, weight, bias, LinearArgs(self.config, delayed, stats, weight_amax, self._weight_casts())
+        )
 
     #: Opts in to f8tensor.reuse_weight_casts.
     reuses_weight_casts = True
@@ -326,7 +332,9 @@ class Float8Linear(nn.Linear):
             for name, buf in persistent:
                 state_dict[prefix + name] = _fresh_state(name, buf, device)
         _check_delayed_state(state_dict, prefix)
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
         if device is not None and local_metadata.get("assign_to_params_buffers", False):
             for name in self._non_persistent_buffers_set & set(self._buffers):
                 kept = self._buffers[name]
@@ -400,7 +408,9 @@ def check_config(config: Float8LinearConfig | None) -> Float8LinearConfig:
     if config is None:
         return Float8LinearConfig()
     if not isinstance(config, Float8LinearConfig):
-        raise TypeError(f"config must be a Float8LinearConfig (e.g. Float8LinearConfig.from_recipe('rowwise')); got {type(config).__name__}")
+        raise TypeError(
+            f"config must be a Float8LinearConfig (e.g. Float8LinearConfig.from_recipe('rowwise')); got {type(config).__name__}"
+        )
     return config
 
 
@@ -454,11 +464,17 @@ class Float8Conv1D(Float8Linear):
         with torch.device("meta"):
             new = cls(in_features, out_features, bias=bias is not None, config=config)
         if new.config.enable_fsdp_float8_all_gather:
-            raise ValueError("Float8Conv1D: FP8 all-gather needs an (out, in) weight; use enable_fsdp_float8_all_gather=False")
+            raise ValueError(
+                "Float8Conv1D: FP8 all-gather needs an (out, in) weight; use enable_fsdp_float8_all_gather=False"
+            )
         new.weight, new.bias = weight, bias  # type: ignore[assignment]  # nn.Linear's bias may be None
         device = weight.device
         for name, buf in list(new.named_buffers(recurse=False)):
-            fill = torch.full_like(buf, torch.nan, device=device) if name in STATS_BUFFERS else _fresh_state(name, buf, device)
+            fill = (
+                torch.full_like(buf, torch.nan, device=device)
+                if name in STATS_BUFFERS
+                else _fresh_state(name, buf, device)
+            )
             setattr(new, name, fill)
         new.train(conv.training)
         return new

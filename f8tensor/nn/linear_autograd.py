@@ -123,7 +123,9 @@ def _recipe_forward(ctx, x, weight, bias, args: LinearArgs) -> torch.Tensor:
     scale_in, scale_w = q_in.scale, q_w.scale
     recompute = config.any_delayed and recomputing()
     fwd = GemmConfig(use_fast_accum=config.use_fast_accum, pad_inner_dim=config.pad_inner_dim, emulate=config.emulate)
-    calls = (d.delayed_call_keys, d.delayed_call_scales) if d and (config.input.delayed or config.weight.delayed) else None
+    calls = (
+        (d.delayed_call_keys, d.delayed_call_scales) if d and (config.input.delayed or config.weight.delayed) else None
+    )
     keep_fp8_input = config.input.tensorwise and not config.weight_grad_in_hp
     if isinstance(x, Float8Tensor):  # an input gathered in FP8 (distributed.tp): cast already
         x8, amax_x = _token_rows(x, fwd), None
@@ -164,7 +166,12 @@ def _recipe_forward(ctx, x, weight, bias, args: LinearArgs) -> torch.Tensor:
     saved_x = x2
     if keep_fp8_input:
         saved_x = column_major_copy(x8) if x8_cm is None else x8_cm
-    elif not config.weight_grad_in_hp and not torch.compiler.is_compiling() and ctx.needs_input_grad[1] and _records_backward(ctx):
+    elif (
+        not config.weight_grad_in_hp
+        and not torch.compiler.is_compiling()
+        and ctx.needs_input_grad[1]
+        and _records_backward(ctx)
+    ):
         assert x2 is not None  # a non-tensorwise input: reshaped or dequantized above
         saved_x = q_in.quantize_column_major(x2, 0, GemmConfig(pad_inner_dim=True, emulate=config.emulate))
     # Only a tensorwise weight is re-cast with this scale in backward.

@@ -39,7 +39,11 @@ class WeightCasts:
     @staticmethod
     def cacheable(weight: torch.Tensor) -> bool:
         """Whether casts of ``weight`` may be kept (a plain tensor with a version counter)."""
-        return type(weight) in (torch.Tensor, nn.Parameter) and not weight.is_inference() and not is_functorch_wrapped(weight)
+        return (
+            type(weight) in (torch.Tensor, nn.Parameter)
+            and not weight.is_inference()
+            and not is_functorch_wrapped(weight)
+        )
 
     def get(self, layout: str, weight: torch.Tensor, config: object, make: Callable[[], Any]) -> Any:
         """The kept cast for ``layout`` if still valid, else ``make()``, kept."""

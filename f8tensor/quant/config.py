@@ -73,7 +73,6 @@ __all__ = [
 ]
 
 
-
 class ScalingType(str, enum.Enum):
     """Where a cast's scale comes from: the current amax (dynamic) or an amax history (delayed)."""
 
@@ -125,7 +124,9 @@ class CastConfig:
         if self.scaling is ScalingType.DELAYED and self.granularity is not Granularity.TENSORWISE:
             raise ValueError("delayed scaling keeps one amax history per tensor: it needs granularity='tensorwise'")
         if isinstance(self.granularity, BlockGranularity) and len(self.granularity.block) != 2:
-            raise ValueError(f"a Float8Linear operand's block has 2 entries (rows, contracted); got {self.granularity.block}")
+            raise ValueError(
+                f"a Float8Linear operand's block has 2 entries (rows, contracted); got {self.granularity.block}"
+            )
 
     def _check_fp4(self) -> None:
         gran = self.granularity
@@ -230,7 +231,9 @@ class DelayedScalingConfig:
                 f"the whole window, and each layer keeps three); got {self.history_len!r}"
             )
         if self.reduction not in HISTORY_REDUCTIONS:
-            raise ValueError(f"DelayedScalingConfig.reduction must be one of {HISTORY_REDUCTIONS}; got {self.reduction!r}")
+            raise ValueError(
+                f"DelayedScalingConfig.reduction must be one of {HISTORY_REDUCTIONS}; got {self.reduction!r}"
+            )
         if isinstance(self.margin, bool) or not isinstance(self.margin, int) or self.margin < 0:
             raise ValueError(f"DelayedScalingConfig.margin must be an int >= 0; got {self.margin!r}")
         if self.margin > _MAX_ANY_MARGIN:
@@ -272,21 +275,29 @@ def _parse_overrides(value: dict[Any, Any] | Iterable[Any], field: str = "gemm_o
         items = []
         for o in value:
             if not (isinstance(o, (tuple, list)) and len(o) == 3):
-                raise TypeError(f"{field}: each entry must be a GemmOverride(gemm, operand, cast) or a (gemm, operand, cast) tuple; got {o!r} ({field} must be {_OVERRIDES_FORM})")
+                raise TypeError(
+                    f"{field}: each entry must be a GemmOverride(gemm, operand, cast) or a (gemm, operand, cast) tuple; got {o!r} ({field} must be {_OVERRIDES_FORM})"
+                )
             items.append(((o[0], o[1]), o[2]))
     out = {}
     for key, cast in items:
         if not (isinstance(key, tuple) and len(key) == 2):
-            raise TypeError(f"{field}: a GEMM override is keyed by (gemm, operand); got {key!r} ({field} must be {_OVERRIDES_FORM})")
+            raise TypeError(
+                f"{field}: a GEMM override is keyed by (gemm, operand); got {key!r} ({field} must be {_OVERRIDES_FORM})"
+            )
         gemm, operand = key
         if gemm not in GEMMS:
             raise ValueError(f"{field}: unknown GEMM {gemm!r}; GEMMs are {', '.join(GEMMS)}")
         if operand not in GEMMS[gemm]:
-            raise ValueError(f"{field}: the {gemm} GEMM multiplies {' and '.join(GEMMS[gemm])}; got operand {operand!r}")
+            raise ValueError(
+                f"{field}: the {gemm} GEMM multiplies {' and '.join(GEMMS[gemm])}; got operand {operand!r}"
+            )
         if cast is not None and not isinstance(cast, CastConfig):
             raise TypeError(f"{field}: a GEMM override's cast is a CastConfig or None (high precision); got {cast!r}")
         if cast is not None and cast.delayed:
-            raise ValueError(f"{field}: per-GEMM formats use dynamic scaling; a delayed CastConfig cannot be an override")
+            raise ValueError(
+                f"{field}: per-GEMM formats use dynamic scaling; a delayed CastConfig cannot be an override"
+            )
         out[(gemm, operand)] = cast
     return tuple(GemmOverride(g, o, c) for (g, o), c in sorted(out.items()))
 
@@ -338,7 +349,14 @@ class Float8LinearConfig:
                 raise TypeError(f"Float8LinearConfig.{name} must be a CastConfig; got {getattr(self, name)!r}")
         if not isinstance(self.delayed, DelayedScalingConfig):
             raise TypeError(f"Float8LinearConfig.delayed must be a DelayedScalingConfig; got {self.delayed!r}")
-        for name in ("weight_grad_in_hp", "pad_inner_dim", "use_fast_accum", "enable_fsdp_float8_all_gather", "collect_stats", "emulate"):
+        for name in (
+            "weight_grad_in_hp",
+            "pad_inner_dim",
+            "use_fast_accum",
+            "enable_fsdp_float8_all_gather",
+            "collect_stats",
+            "emulate",
+        ):
             check_bool("Float8LinearConfig", name, getattr(self, name))
         # cuBLASLt multiplies no two e5m2 operands; name the GEMM that would hit it.
         for name, (ra, rb) in GEMMS.items():
@@ -364,7 +382,9 @@ class Float8LinearConfig:
                     f"allows is {max_margin(cast.dtype)}"
                 )
         if self.uses_gemm_formats and self.any_delayed:
-            raise ValueError("FP4 casts and per-GEMM formats use dynamic scaling; this config also asks for delayed scaling")
+            raise ValueError(
+                "FP4 casts and per-GEMM formats use dynamic scaling; this config also asks for delayed scaling"
+            )
         if self.uses_gemm_formats and self.enable_fsdp_float8_all_gather:
             raise ValueError(
                 "enable_fsdp_float8_all_gather gathers FP8 weights; FP4 casts and per-GEMM formats are not "
@@ -406,7 +426,12 @@ class Float8LinearConfig:
     def with_gemm_formats(self, overrides: dict | tuple = (), **fields: Any) -> Float8LinearConfig:
         """A copy with ``overrides`` merged into :attr:`gemm_overrides` and ``fields`` replaced."""
         merged = {(o.gemm, o.operand): o.cast for o in self.gemm_overrides}
-        merged.update({(o[0], o[1]): o[2] for o in _parse_overrides(overrides, "with_gemm_formats(overrides) (merged into gemm_overrides)")})
+        merged.update(
+            {
+                (o[0], o[1]): o[2]
+                for o in _parse_overrides(overrides, "with_gemm_formats(overrides) (merged into gemm_overrides)")
+            }
+        )
         return dataclasses.replace(self, gemm_overrides=_parse_overrides(merged), **fields)
 
     @classmethod

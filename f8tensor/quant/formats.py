@@ -127,9 +127,7 @@ def check_float8_dtype(dtype: object, what: str = "float8_dtype") -> torch.dtype
 def check_hp_dtype(dtype: object, what: str = "input") -> torch.dtype:
     """``dtype`` if bf16, fp16 or fp32, else ``TypeError``."""
     if not isinstance(dtype, torch.dtype) or dtype not in HP_DTYPES:
-        raise TypeError(
-            f"{what} must have a high-precision floating dtype ({_ALLOWED_HP}); got {dtype!r}"
-        )
+        raise TypeError(f"{what} must have a high-precision floating dtype ({_ALLOWED_HP}); got {dtype!r}")
     return dtype  # type: ignore[return-value]
 
 

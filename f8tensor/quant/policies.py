@@ -24,7 +24,9 @@ def _block_index(fqn: str, pattern: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def keep_last_blocks_in_hp(model: nn.Module, n: int, *, block_pattern: str = BLOCK_PATTERN) -> Callable[[nn.Module, str], bool]:
+def keep_last_blocks_in_hp(
+    model: nn.Module, n: int, *, block_pattern: str = BLOCK_PATTERN
+) -> Callable[[nn.Module, str], bool]:
     """A ``module_filter_fn`` keeping the last ``n`` blocks (by ``block_pattern``) in high precision."""
     _check_block_args("keep_last_blocks_in_hp", model, "n", n, block_pattern)
     return _keep_last_blocks(model, n, block_pattern)
@@ -35,15 +37,21 @@ def _check_block_args(fn: str, model: object, count_name: str, count: object, bl
     if not isinstance(model, nn.Module):
         raise TypeError(f"{fn}: model must be an nn.Module; got {type(model).__name__}")
     if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-        raise ValueError(f"{fn}: {count_name} must be an int >= 0 (how many trailing blocks stay in high precision); got {count!r}")
+        raise ValueError(
+            f"{fn}: {count_name} must be an int >= 0 (how many trailing blocks stay in high precision); got {count!r}"
+        )
     if not isinstance(block_pattern, str):
-        raise TypeError(f"{fn}: block_pattern must be a regular expression (str) with one group capturing the block index; got {block_pattern!r}")
+        raise TypeError(
+            f"{fn}: block_pattern must be a regular expression (str) with one group capturing the block index; got {block_pattern!r}"
+        )
     try:
         groups = re.compile(block_pattern).groups
     except re.error as e:
         raise ValueError(f"{fn}: block_pattern is not a valid regular expression ({e}); got {block_pattern!r}") from e
     if groups < 1:
-        raise ValueError(f"{fn}: block_pattern must have a group capturing the block index (e.g. r'layers\\.(\\d+)'); got {block_pattern!r}")
+        raise ValueError(
+            f"{fn}: block_pattern must have a group capturing the block index (e.g. r'layers\\.(\\d+)'); got {block_pattern!r}"
+        )
 
 
 def _keep_last_blocks(model: nn.Module, n: int, block_pattern: str) -> Callable[[nn.Module, str], bool]:
@@ -77,7 +85,9 @@ def block_policy(
     for arg, value in (("config", config), ("edge_config", edge_config)):
         if not isinstance(value, Float8LinearConfig) and not (arg == "edge_config" and value is None):
             allowed = "a Float8LinearConfig" + (" or None" if arg == "edge_config" else "")
-            raise TypeError(f"block_policy: {arg} must be {allowed} (e.g. Float8LinearConfig.from_recipe('rowwise')); got {value!r}")
+            raise TypeError(
+                f"block_policy: {arg} must be {allowed} (e.g. Float8LinearConfig.from_recipe('rowwise')); got {value!r}"
+            )
     keep = _keep_last_blocks(model, hp_last_blocks, block_pattern)
     linears = [name for name, mod in model.named_modules() if isinstance(mod, nn.Linear) or is_transposed_linear(mod)]
     edges = {linears[0], linears[-1]} if linears and edge_config is not None else set()

@@ -176,7 +176,9 @@ def quantize(
         stats.copy_(measured)
         return f4, None
     if stats is None:
-        f8, twin = to_float8_for_gemm(hp, spec, scale=scale, gemm=gemm, layouts=layouts, column_major_gemm=column_major_gemm)
+        f8, twin = to_float8_for_gemm(
+            hp, spec, scale=scale, gemm=gemm, layouts=layouts, column_major_gemm=column_major_gemm
+        )
         if layouts == "both" and twin is None:
             twin = column_major_copy(f8, column_major_gemm)
         return f8, twin
@@ -190,7 +192,9 @@ def quantize(
     return column_major_copy(f8), None
 
 
-def cast_second_operand(hp: torch.Tensor, spec: CastSpec, gemm: GemmConfig, scale: torch.Tensor | None = None) -> Float8Tensor:
+def cast_second_operand(
+    hp: torch.Tensor, spec: CastSpec, gemm: GemmConfig, scale: torch.Tensor | None = None
+) -> Float8Tensor:
     """The weight cast for grad_x's product: column-major on CUDA (and tensorwise on CPU), eager."""
     column_major = not torch.compiler.is_compiling() and (hp.is_cuda or is_tensorwise(spec.block))
     return quantize(hp, spec, gemm, scale=scale, layouts="column_major" if column_major else "natural")[0]
@@ -227,8 +231,14 @@ def cast_gemm_operand(
         return quantize(hp, spec, gemm, stats=stats)[0]
     kind = cast.fp4_kind
     assert kind is not None  # an FP4 cast (cast.fp4) names its kind
-    fspec = FP4Spec(kind, spec.block, contracted_dim % hp.dim(), spec.scale_mode, spec.rounding,
-                    config.four_over_six and kind == "nvfp4")
+    fspec = FP4Spec(
+        kind,
+        spec.block,
+        contracted_dim % hp.dim(),
+        spec.scale_mode,
+        spec.rounding,
+        config.four_over_six and kind == "nvfp4",
+    )
     return quantize(hp, fspec, gemm, stats=stats)[0]
 
 
@@ -270,8 +280,16 @@ class Quantizer(NamedTuple):
     ) -> Quantized:
         """The role's cast for a GEMM over ``contracted_dim`` (:func:`cast_operand`)."""
         f8, amax, twin = cast_operand(
-            hp, self.cast_config(), contracted_dim, gemm, self.config, self.history, self.scale, recompute,
-            self.stats if measure else None, column_major,
+            hp,
+            self.cast_config(),
+            contracted_dim,
+            gemm,
+            self.config,
+            self.history,
+            self.scale,
+            recompute,
+            self.stats if measure else None,
+            column_major,
         )
         return Quantized(f8, twin, amax)
 
@@ -279,7 +297,9 @@ class Quantizer(NamedTuple):
         self, hp: torch.Tensor, contracted_dim: int, gemm: GemmConfig, *, measure: bool = False
     ) -> Float8Tensor:
         """The role's dynamic cast of 2D ``hp``, bytes column-major."""
-        return cast_column_major(self.stats if measure else None, hp, self.cast_config().operand_spec(contracted_dim), gemm)
+        return cast_column_major(
+            self.stats if measure else None, hp, self.cast_config().operand_spec(contracted_dim), gemm
+        )
 
     def quantize_for(
         self, gemm_name: str, hp: torch.Tensor, contracted_dim: int, gemm: GemmConfig, *, measure: bool = True

@@ -60,9 +60,7 @@ def _keepdim_shape(shape: torch.Size, dim: int) -> tuple[int, ...]:
     return tuple(1 if i == dim % len(shape) else s for i, s in enumerate(shape))
 
 
-def amax_to_scale(
-    amax: torch.Tensor, float8_dtype: torch.dtype, *, round_pow2: bool = False
-) -> torch.Tensor:
+def amax_to_scale(amax: torch.Tensor, float8_dtype: torch.dtype, *, round_pow2: bool = False) -> torch.Tensor:
     """``float8_max / amax`` in fp32: finite for amax 0, NaN for a non-finite amax."""
     # float64: correctly rounded everywhere, so eager == compiled bitwise.
     amax64 = amax.to(torch.float64)
@@ -153,7 +151,6 @@ def push_amax(history: torch.Tensor, amax: torch.Tensor) -> None:
     """Shift ``history`` in place, ``amax`` first; a non-finite amax repeats the newest."""
     amax = torch.where(torch.isfinite(amax), amax.to(history.dtype), history[0])
     history.copy_(torch.cat([amax.reshape(1), history[:-1]]))
-
 
 
 def _blocked(x: torch.Tensor, block: tuple[int, ...]) -> torch.Tensor:

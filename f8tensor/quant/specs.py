@@ -45,6 +45,7 @@ __all__ = [
     "varies_along",
 ]
 
+
 def parse_enum(cls: type[enum.Enum], value: object, what: str) -> Any:
     """``cls(value)`` for the strings users type; the ValueError lists what is allowed."""
     if isinstance(value, cls):
@@ -91,8 +92,10 @@ class BlockGranularity(NamedTuple):
 
     def validated(self) -> BlockGranularity:
         block = self.block
-        if not isinstance(block, tuple) or not block or any(
-            isinstance(b, bool) or not isinstance(b, int) or not 0 <= b < 2**63 for b in block
+        if (
+            not isinstance(block, tuple)
+            or not block
+            or any(isinstance(b, bool) or not isinstance(b, int) or not 0 <= b < 2**63 for b in block)
         ):
             raise ValueError(
                 f"a block shape is a non-empty tuple of ints in [0, 2**63) (0: the whole dim; an entry "
@@ -240,7 +243,6 @@ def varies_along(block: tuple[int, ...], dim: int) -> bool:
 def constant_along(block: tuple[int, ...], dim: int) -> bool:
     """One scale for the whole of ``dim`` per index of the other dims."""
     return not block or (block[dim] == 0 and all(b in (0, 1) for b in block))
-
 
 
 def layout_block(block: tuple[int, ...], ndim: int) -> tuple[int, ...]:

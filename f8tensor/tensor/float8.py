@@ -279,7 +279,9 @@ class Float8Tensor(QuantizedTensor):
 
     def _serial_fields(self) -> dict[str, Any]:
         is_param = bool(self.__dict__.get("_is_param", False))
-        return serial_fields(self._data, self._scale, self._orig_dtype, self._block, self._gemm, self.requires_grad, is_param)
+        return serial_fields(
+            self._data, self._scale, self._orig_dtype, self._block, self._gemm, self.requires_grad, is_param
+        )
 
     def __deepcopy__(self, memo: dict) -> torch.Tensor:
         if id(self) in memo:
@@ -331,7 +333,6 @@ class Float8Tensor(QuantizedTensor):
         return Float8Tensor(inner["_data"], inner["_scale"], *meta)
 
 
-
 def _rebuild_float8_tensor(version: object, fields: object) -> torch.Tensor:
     """Unpickle a Float8Tensor (or its ``nn.Parameter``), validating every field first."""
     data, scale, orig_dtype, block, gemm, requires_grad, is_param = checkpoint_fields(version, fields)
@@ -355,7 +356,9 @@ class _LegacyFloat8Tensor(Float8Tensor):
     def __torch_dispatch__(  # type: ignore[override]
         cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> NoReturn:
-        raise RuntimeError("a Float8Tensor from a checkpoint was used before its fields were restored (a malformed checkpoint)")
+        raise RuntimeError(
+            "a Float8Tensor from a checkpoint was used before its fields were restored (a malformed checkpoint)"
+        )
 
 
 def is_float8(x: object) -> TypeIs[Float8Tensor]:
@@ -395,7 +398,9 @@ def to_float8_for_gemm(
     f8 = Float8Tensor(out.data, out.scale, hp.dtype, block, gemm)
     twin = None
     if out.column_major is not None:
-        twin = Float8Tensor(out.column_major, out.scale, hp.dtype, block, gemm if column_major_gemm is None else column_major_gemm)
+        twin = Float8Tensor(
+            out.column_major, out.scale, hp.dtype, block, gemm if column_major_gemm is None else column_major_gemm
+        )
     if out.inverse is not None:
         f8._inv_scale = out.inverse
         if twin is not None:
@@ -447,7 +452,9 @@ def cast_to_float8(
 
     Granularity: ``block``, or ``axiswise_dim`` (``None``: tensorwise). ``scale=None``: dynamic.
     """
-    spec = keyword_spec(hp.dim(), float8_dtype, axiswise_dim, block, power_of_2_scale, scale_dtype, scale_mode, rounding)
+    spec = keyword_spec(
+        hp.dim(), float8_dtype, axiswise_dim, block, power_of_2_scale, scale_dtype, scale_mode, rounding
+    )
     return to_float8(hp, spec, scale=scale, gemm=gemm, orig_dtype=orig_dtype, generator=generator)
 
 
@@ -468,7 +475,9 @@ def cast_to_float8_with_stats(
     generator: torch.Generator | None = None,
 ) -> tuple[Float8Tensor, torch.Tensor]:
     """:func:`cast_to_float8`, also returning a float64 vector laid out as :data:`CAST_STATS_FIELDS`."""
-    spec = keyword_spec(hp.dim(), float8_dtype, axiswise_dim, block, power_of_2_scale, scale_dtype, scale_mode, rounding)
+    spec = keyword_spec(
+        hp.dim(), float8_dtype, axiswise_dim, block, power_of_2_scale, scale_dtype, scale_mode, rounding
+    )
     return to_float8_with_stats(hp, spec, scale=scale, amax=amax, gemm=gemm, orig_dtype=orig_dtype, generator=generator)
 
 
@@ -505,7 +514,6 @@ class _ToHP(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
         return grad, None
-
 
 
 # Checkpoints name these by their old path.

@@ -83,9 +83,14 @@ class Float4Tensor(QuantizedTensor):
     def _replace(self, **changes: Any) -> Float4Tensor:
         """The one way to rebuild: a new Float4Tensor with some fields changed."""
         fields: dict[str, Any] = {
-            "data": self._data, "scale": self._scale, "global_scale": self._global_scale,
-            "orig_dtype": self._orig_dtype, "block": self._block, "pack_dim": self._pack_dim,
-            "kind": self._kind, "gemm": self._gemm,
+            "data": self._data,
+            "scale": self._scale,
+            "global_scale": self._global_scale,
+            "orig_dtype": self._orig_dtype,
+            "block": self._block,
+            "pack_dim": self._pack_dim,
+            "kind": self._kind,
+            "gemm": self._gemm,
         }
         fields.update(changes)
         return Float4Tensor(**fields)
@@ -113,8 +118,16 @@ class Float4Tensor(QuantizedTensor):
             ValueError: an unknown ``kind``, ``scale_mode`` or ``rounding``; a bad ``pack_dim`` or
                 ``block`` (one int ``>= 0`` per dim, tiling the tensor).
         """
-        return from_hp_fp4(hp, kind, block=block, pack_dim=pack_dim, scale_mode=scale_mode, rounding=rounding,
-                           four_over_six=four_over_six, generator=generator)
+        return from_hp_fp4(
+            hp,
+            kind,
+            block=block,
+            pack_dim=pack_dim,
+            scale_mode=scale_mode,
+            rounding=rounding,
+            four_over_six=four_over_six,
+            generator=generator,
+        )
 
     def to_hp(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Dequantize to the original dtype (or ``dtype``), differentiably; a block with inf or NaN is NaN.
@@ -128,8 +141,9 @@ class Float4Tensor(QuantizedTensor):
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """``e2m1 * block_scale * global_scale`` in fp32, then ``dtype`` (no autograd)."""
-        return dequantize_fp4(self._data, self._scale, self._global_scale, self._block, self._pack_dim,
-                              dtype or self._orig_dtype)
+        return dequantize_fp4(
+            self._data, self._scale, self._global_scale, self._block, self._pack_dim, dtype or self._orig_dtype
+        )
 
     def codes(self) -> torch.Tensor:
         """The E2M1 codes (uint8, 0..15), one per element, in the outer shape."""
@@ -158,13 +172,16 @@ class Float4Tensor(QuantizedTensor):
 
     def __tensor_flatten__(self) -> tuple[list[str], tuple]:
         return ["_data", "_scale", "_global_scale"], (
-            self._orig_dtype, self._block, self._pack_dim, self._kind, self._gemm,
+            self._orig_dtype,
+            self._block,
+            self._pack_dim,
+            self._kind,
+            self._gemm,
         )
 
     @staticmethod
     def __tensor_unflatten__(inner: dict, meta: tuple, outer_size: Any, outer_stride: Any) -> Float4Tensor:
         return Float4Tensor(inner["_data"], inner["_scale"], inner["_global_scale"], *meta)
-
 
 
 def is_float4(x: object) -> TypeIs[Float4Tensor]:
@@ -185,8 +202,9 @@ def to_float4(
 ) -> Float4Tensor:
     """``hp`` cast per ``spec`` (``kernels.fp4.cast_fp4``), unchecked and without autograd."""
     data, scale, global_scale = cast_fp4(hp, spec, generator=generator)
-    return Float4Tensor(data, scale, global_scale, orig_dtype or hp.dtype, spec.block, spec.pack_dim % hp.dim(),
-                        spec.kind, gemm)
+    return Float4Tensor(
+        data, scale, global_scale, orig_dtype or hp.dtype, spec.block, spec.pack_dim % hp.dim(), spec.kind, gemm
+    )
 
 
 def to_float4_with_stats(
@@ -199,8 +217,9 @@ def to_float4_with_stats(
 ) -> tuple[Float4Tensor, torch.Tensor]:
     """:func:`to_float4` and the cast's telemetry vector (``CAST_STATS_FIELDS`` layout)."""
     data, scale, global_scale, stats = cast_fp4(hp, spec, generator=generator, stats=True)
-    out = Float4Tensor(data, scale, global_scale, orig_dtype or hp.dtype, spec.block, spec.pack_dim % hp.dim(),
-                       spec.kind, gemm)
+    out = Float4Tensor(
+        data, scale, global_scale, orig_dtype or hp.dtype, spec.block, spec.pack_dim % hp.dim(), spec.kind, gemm
+    )
     return out, stats
 
 
@@ -239,8 +258,10 @@ def from_hp_fp4(
         )
     if block is None:
         block = (1,) * (ndim - 1) + (_DEFAULT_BLOCK[kind],)
-    if not isinstance(block, (tuple, list)) or len(block) != ndim or any(
-        isinstance(b, bool) or not isinstance(b, int) or b < 0 for b in block
+    if (
+        not isinstance(block, (tuple, list))
+        or len(block) != ndim
+        or any(isinstance(b, bool) or not isinstance(b, int) or b < 0 for b in block)
     ):
         raise ValueError(
             f"block must be a tuple of {ndim} ints >= 0, one per dim of the input (0: the whole dim); got {block!r}"

@@ -336,7 +336,12 @@ implements([aten.select.int])(_select)
 def _index(func, types, args, kwargs):
     """``w8[ids]``: experts gathered along dim 0 by a 1D integer tensor (a copy, with their scales)."""
     x, indices = args
-    if len(indices) != 1 or indices[0] is None or indices[0].dtype not in (torch.int64, torch.int32) or indices[0].dim() != 1:
+    if (
+        len(indices) != 1
+        or indices[0] is None
+        or indices[0].dtype not in (torch.int64, torch.int32)
+        or indices[0].dim() != 1
+    ):
         raise NotImplementedError(
             "Float8Tensor supports indexing with one 1D integer tensor along dim 0 (w8[ids]); call .to_hp() first"
         )
@@ -400,7 +405,9 @@ def _cat(func, types, args, kwargs):
             first._gemm,
         )
         if not same_meta:
-            raise ValueError("cat needs Float8Tensors of one float8 dtype, original dtype, block, scale dtype and GemmConfig")
+            raise ValueError(
+                "cat needs Float8Tensors of one float8 dtype, original dtype, block, scale dtype and GemmConfig"
+            )
     data = torch.cat([t._data for t in tensors], dim)
     if _scale_varies_along(first, dim):
         _check_pieces_cat(tensors, dim)
@@ -502,4 +509,3 @@ def _is_same_size(func, types, args, kwargs):
 
 
 implements([aten.is_same_size.default])(_is_same_size)
-

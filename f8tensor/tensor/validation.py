@@ -190,9 +190,7 @@ def check_block(block: object, data: torch.Tensor, scale: torch.Tensor) -> None:
             f"its dim is one partial block); got {block!r}"
         )
     if len(block) != data.dim():
-        raise ValueError(
-            f"Float8Tensor block {block} must have one entry per dim of data of shape {tuple(data.shape)}"
-        )
+        raise ValueError(f"Float8Tensor block {block} must have one entry per dim of data of shape {tuple(data.shape)}")
     if scale.dim() == 0:
         if any(block):
             raise ValueError(f"a 0-dim (tensorwise) scale needs an all-0 block; got block {block}")
@@ -208,9 +206,7 @@ def check_block(block: object, data: torch.Tensor, scale: torch.Tensor) -> None:
         )
 
 
-def validate_fields(
-    data: object, scale: object, orig_dtype: object, block: object, gemm: GemmConfig
-) -> torch.Tensor:
+def validate_fields(data: object, scale: object, orig_dtype: object, block: object, gemm: GemmConfig) -> torch.Tensor:
     """Check every field of a Float8Tensor coming from outside the library (a checkpoint).
 
     The one validation of deserialized tensors (both checkpoint formats go through it):
@@ -228,7 +224,9 @@ def validate_fields(
         raise TypeError(f"Float8Tensor scale dtype must be one of {allowed}; got {scale.dtype}")
     check_layout(scale, "Float8Tensor scale")
     if scale.device != data.device:
-        raise ValueError(f"Float8Tensor scale is on {scale.device}, its data on {data.device}: they must share a device")
+        raise ValueError(
+            f"Float8Tensor scale is on {scale.device}, its data on {data.device}: they must share a device"
+        )
     check_hp_dtype(orig_dtype, "Float8Tensor orig_dtype")
     check_block(block, data, scale)
     if not isinstance(gemm, GemmConfig):
@@ -264,7 +262,9 @@ def check_given_scale(
     expected = block_scale_shape(tuple(hp.shape), block)
     if tuple(scale.shape) != expected:
         kind = "rowwise" if axiswise_dim(block) == len(block) - 1 else f"block {block}"
-        raise ValueError(f"a {kind} scale for shape {tuple(hp.shape)} must have shape {expected}; got {tuple(scale.shape)}")
+        raise ValueError(
+            f"a {kind} scale for shape {tuple(hp.shape)} must have shape {expected}; got {tuple(scale.shape)}"
+        )
     return _own_copy(scale)
 
 
@@ -285,7 +285,9 @@ def checkpoint_fields(version: object, fields: object) -> tuple:
     names = _SERIAL_FIELDS if version == SERIAL_VERSION else _SERIAL_FIELDS_V1
     if not isinstance(fields, dict) or set(fields) != names:
         got = sorted(map(str, fields)) if isinstance(fields, dict) else type(fields).__name__
-        raise ValueError(f"Float8Tensor checkpoint (format {version}): fields must be exactly {sorted(names)}; got {got}")
+        raise ValueError(
+            f"Float8Tensor checkpoint (format {version}): fields must be exactly {sorted(names)}; got {got}"
+        )
     raw = fields["data"]
     if type(raw) is not torch.Tensor or raw.dtype != torch.uint8:
         what = raw.dtype if isinstance(raw, torch.Tensor) else type(raw).__name__
@@ -296,7 +298,9 @@ def checkpoint_fields(version: object, fields: object) -> tuple:
     gemm_fields = fields["gemm"]
     n_gemm = len(GemmConfig._fields) if version == SERIAL_VERSION else _GEMM_FIELDS_V1
     if not isinstance(gemm_fields, tuple) or len(gemm_fields) != n_gemm:
-        raise ValueError(f"Float8Tensor checkpoint: 'gemm' must be a tuple {GemmConfig._fields[:n_gemm]}; got {gemm_fields!r}")
+        raise ValueError(
+            f"Float8Tensor checkpoint: 'gemm' must be a tuple {GemmConfig._fields[:n_gemm]}; got {gemm_fields!r}"
+        )
     gemm = GemmConfig(*gemm_fields)
     for name in ("requires_grad", "is_param"):
         if not isinstance(fields[name], bool):
@@ -319,7 +323,9 @@ def legacy_state_fields(state: object, outer: tuple) -> tuple:
         raise ValueError(f"Float8Tensor checkpoint: unexpected slot state {sorted(state[1])!r}")
     if not isinstance(dict_state, dict):
         # Every defect of a checkpoint is a ValueError, a wrong type included.
-        raise ValueError(f"Float8Tensor checkpoint: the state must be a dict of fields; got {type(dict_state).__name__}")  # noqa: TRY004
+        raise ValueError(  # noqa: TRY004
+            f"Float8Tensor checkpoint: the state must be a dict of fields; got {type(dict_state).__name__}"
+        )
     names = {"_data", "_scale", "_orig_dtype", "_axiswise_dim", "_gemm"}
     missing, extra = names - dict_state.keys(), dict_state.keys() - names - {"_is_param"}
     if missing or extra:

@@ -101,8 +101,17 @@ class HighPrecisionWeight(torch.Tensor):
         """A process-independent key for torch.compile's caches."""
         hp = self._hp
         key = (
-            type(self).__qualname__, tuple(self.shape), self.stride(), str(self.dtype), self.requires_grad,
-            tuple(hp.shape), hp.stride(), hp.storage_offset(), str(hp.dtype), hp.device.type, repr(self._meta()),
+            type(self).__qualname__,
+            tuple(self.shape),
+            self.stride(),
+            str(self.dtype),
+            self.requires_grad,
+            tuple(hp.shape),
+            hp.stride(),
+            hp.storage_offset(),
+            str(hp.dtype),
+            hp.device.type,
+            repr(self._meta()),
         )
         return hashlib.blake2b(repr(key).encode(), digest_size=16).hexdigest()
 
@@ -138,7 +147,9 @@ class HighPrecisionWeight(torch.Tensor):
             return w._hp
 
         kwargs = kwargs or {}
-        out = func(*tree_map_only(HighPrecisionWeight, unwrap, args), **tree_map_only(HighPrecisionWeight, unwrap, kwargs))
+        out = func(
+            *tree_map_only(HighPrecisionWeight, unwrap, args), **tree_map_only(HighPrecisionWeight, unwrap, kwargs)
+        )
         for written in written_arguments(func, args, kwargs):
             if isinstance(written, HighPrecisionWeight):
                 written._writes.n += 1
@@ -236,7 +247,9 @@ class RecipeWeight(HighPrecisionWeight):
         return None
 
     @classmethod
-    def __torch_function__(cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:  # type: ignore[override]
+    def __torch_function__(
+        cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:  # type: ignore[override]
         route = cls._route(func)
         if route is not None:
             return route(args, kwargs or {})

@@ -48,10 +48,20 @@ def _worker(rank, world, port, out):
         opt = torch.optim.AdamW(params, lr=clients.DRY_LR)
         counter = FP8Products()
         with counter:
-            losses = clients.toy_train(model, opt, xs, target, torch.device("cpu"),
-                                       lambda: torch.autocast("cpu", dtype=bf16), lambda loss: loss.backward())
-        result["fp8" if fp8 else "bf16"] = {"losses": losses, "fp8_products": counter.fp8,
-                                           "wrapped": {Float8AllGatherWeight, Float8AttentionWeight} <= kinds}
+            losses = clients.toy_train(
+                model,
+                opt,
+                xs,
+                target,
+                torch.device("cpu"),
+                lambda: torch.autocast("cpu", dtype=bf16),
+                lambda loss: loss.backward(),
+            )
+        result["fp8" if fp8 else "bf16"] = {
+            "losses": losses,
+            "fp8_products": counter.fp8,
+            "wrapped": {Float8AllGatherWeight, Float8AttentionWeight} <= kinds,
+        }
     torch.save(result, out)
     torch.distributed.destroy_process_group()
 

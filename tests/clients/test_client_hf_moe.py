@@ -35,8 +35,14 @@ VOCAB = 64
 
 def _model(arch: str, impl: str) -> torch.nn.Module:
     common = {
-        "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "num_experts_per_tok": 2,
+        "vocab_size": VOCAB,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 16,
+        "num_experts_per_tok": 2,
         "max_position_embeddings": 64,
     }
     if arch == "qwen3_moe":
@@ -80,7 +86,9 @@ class _RouteCount:
         # Each Function where its callers look it up: the routes (moe.weight) and the
         # per-expert loop (moe.autograd).
         for module, name in (
-            (moe.weight, "_GroupedMMFn"), (moe.weight, "_ExpertBmmFn"), (moe.weight, "_QuantizedLinearFn"),
+            (moe.weight, "_GroupedMMFn"),
+            (moe.weight, "_ExpertBmmFn"),
+            (moe.weight, "_QuantizedLinearFn"),
             (moe.autograd, "_QuantizedLinearFn"),
         ):
             monkeypatch.setattr(module, name, self._counted(getattr(module, name)))

@@ -56,8 +56,15 @@ def _data() -> torch.utils.data.DataLoader:
 
 def _trainer(epochs: int, root, **kwargs) -> L.Trainer:
     return L.Trainer(
-        accelerator="cpu", devices=1, max_epochs=epochs, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, default_root_dir=root, num_sanity_val_steps=0, **kwargs,
+        accelerator="cpu",
+        devices=1,
+        max_epochs=epochs,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+        num_sanity_val_steps=0,
+        **kwargs,
     )
 
 

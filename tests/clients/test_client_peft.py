@@ -23,8 +23,14 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def _model() -> torch.nn.Module:
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16, max_position_embeddings=64,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=64,
     )
     model = LlamaForCausalLM(config)
     convert_to_float8_training(

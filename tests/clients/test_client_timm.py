@@ -70,7 +70,14 @@ def _timm_vit():
     width a multiple of 16; 16 patches of 4x4."""
     torch.manual_seed(0)
     vit = timm.models.vision_transformer.VisionTransformer(
-        img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, num_classes=10, class_token=False, global_pool="avg"
+        img_size=16,
+        patch_size=4,
+        embed_dim=32,
+        depth=2,
+        num_heads=2,
+        num_classes=10,
+        class_token=False,
+        global_pool="avg",
     )
     plain = copy.deepcopy(vit)
     convert_to_float8_training(vit, module_filter_fn=lambda m, fqn: fqn != "head")
@@ -81,7 +88,14 @@ def _timm_vit():
 def test_timm_vit_block_runs_its_four_gemms_in_fp8(recipe):
     torch.manual_seed(0)
     model = timm.models.vision_transformer.VisionTransformer(
-        img_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=2, num_classes=10, class_token=False, global_pool="avg"
+        img_size=16,
+        patch_size=4,
+        embed_dim=32,
+        depth=1,
+        num_heads=2,
+        num_classes=10,
+        class_token=False,
+        global_pool="avg",
     )
     convert_to_float8_training(model, config=Float8LinearConfig.from_recipe(recipe))
     block = model.blocks[0]

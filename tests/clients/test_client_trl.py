@@ -38,14 +38,22 @@ def _dataset() -> Dataset:
     # Counting sequences (w3 w4 w5 ...): a pattern a tiny model learns in a few steps.
     rng = random.Random(0)
     starts = [rng.randrange(0, len(WORDS) - 12) for _ in range(64)]
-    return Dataset.from_dict({"text": [" ".join(WORDS[s:s + 12]) for s in starts]})
+    return Dataset.from_dict({"text": [" ".join(WORDS[s : s + 12]) for s in starts]})
 
 
 def _model() -> LlamaForCausalLM:
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16, max_position_embeddings=64, pad_token_id=0, eos_token_id=1,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        eos_token_id=1,
     )
     return LlamaForCausalLM(config)
 
@@ -56,9 +64,21 @@ def _convert(model):
 
 def _train(model, out, steps=12):
     args = SFTConfig(
-        output_dir=str(out), max_steps=steps, per_device_train_batch_size=8, learning_rate=3e-3, lr_scheduler_type="constant",
-        logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, bf16=True, seed=0, data_seed=0, max_length=16,
-        dataloader_num_workers=0, disable_tqdm=True,
+        output_dir=str(out),
+        max_steps=steps,
+        per_device_train_batch_size=8,
+        learning_rate=3e-3,
+        lr_scheduler_type="constant",
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        bf16=True,
+        seed=0,
+        data_seed=0,
+        max_length=16,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
     )
     trainer = SFTTrainer(model=model, args=args, train_dataset=_dataset(), processing_class=_tokenizer())
     trainer.train()

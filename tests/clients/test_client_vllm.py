@@ -73,19 +73,35 @@ def _export(model: torch.nn.Module, directory: str, experts: bool = True) -> str
 
 def _llama() -> torch.nn.Module:
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(
-        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=2, head_dim=64,
-    )).to(torch.bfloat16)
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=256,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            head_dim=64,
+        )
+    ).to(torch.bfloat16)
 
 
 def _qwen3_moe() -> torch.nn.Module:
     torch.manual_seed(0)
-    return Qwen3MoeForCausalLM(Qwen3MoeConfig(
-        vocab_size=256, hidden_size=128, intermediate_size=256, moe_intermediate_size=128,
-        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, head_dim=64,
-        num_experts=4, num_experts_per_tok=2,
-    )).to(torch.bfloat16)
+    return Qwen3MoeForCausalLM(
+        Qwen3MoeConfig(
+            vocab_size=256,
+            hidden_size=128,
+            intermediate_size=256,
+            moe_intermediate_size=128,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            head_dim=64,
+            num_experts=4,
+            num_experts_per_tok=2,
+        )
+    ).to(torch.bfloat16)
 
 
 def _tokens(done: subprocess.CompletedProcess) -> list[str]:

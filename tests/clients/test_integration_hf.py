@@ -64,7 +64,9 @@ def _trained_delayed_model() -> nn.Module:
 def test_save_pretrained_round_trip_keeps_the_scaling_state_bit_exact(tmp_path, max_shard_size):
     model = _trained_delayed_model()
     state = float8_state_dict(model)
-    assert len(state) == 14 * 5 and all(k.startswith("model.layers.") for k in state)  # 7 linears x 2 layers x 5 buffers
+    assert len(state) == 14 * 5 and all(
+        k.startswith("model.layers.") for k in state
+    )  # 7 linears x 2 layers x 5 buffers
     assert any(v.abs().sum() > 0 for k, v in state.items() if "amax_history" in k)
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(tmp_path, **kwargs)
@@ -77,7 +79,9 @@ def test_save_pretrained_round_trip_keeps_the_scaling_state_bit_exact(tmp_path, 
     )
     assert all(not v.any() for k, v in float8_state_dict(plain).items() if "amax_history" in k)
 
-    loaded = from_pretrained_float8(transformers.LlamaForCausalLM, tmp_path, config=DELAYED, module_filter_fn=_keep_head)
+    loaded = from_pretrained_float8(
+        transformers.LlamaForCausalLM, tmp_path, config=DELAYED, module_filter_fn=_keep_head
+    )
     expected, got = model.state_dict(), loaded.state_dict()
     assert expected.keys() == got.keys()
     for key in expected:

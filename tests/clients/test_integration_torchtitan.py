@@ -38,9 +38,11 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 LOGITS_MIN_DB = 20.0
 GRAD_MIN_DB = 15.0
 STEPS = 4
-LAYER_LINEARS = [f"layers.{i}.{name}" for i in range(2) for name in (
-    "attention.qkv_linear.wqkv", "attention.wo", "feed_forward.w1", "feed_forward.w2", "feed_forward.w3"
-)]
+LAYER_LINEARS = [
+    f"layers.{i}.{name}"
+    for i in range(2)
+    for name in ("attention.qkv_linear.wqkv", "attention.wo", "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")
+]
 
 
 def _config(converters=None):
@@ -111,7 +113,11 @@ def test_forward_backward_parity_with_bf16_and_a_few_steps(reference):
     ref_loss, loss = _loss(ref, tokens), _loss(model, tokens)
     ref_loss.backward()
     loss.backward()
-    for name in ("layers.0.feed_forward.w2.weight", "layers.1.attention.qkv_linear.wqkv.weight", "tok_embeddings.weight"):
+    for name in (
+        "layers.0.feed_forward.w2.weight",
+        "layers.1.attention.qkv_linear.wqkv.weight",
+        "tok_embeddings.weight",
+    ):
         assert_sqnr(ref.get_parameter(name).grad, model.get_parameter(name).grad, GRAD_MIN_DB, f"grad of {name}")
     ref.zero_grad(set_to_none=True)
 

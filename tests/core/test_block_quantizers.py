@@ -180,7 +180,9 @@ def test_weight_gather_quantizer_casts_a_shard_as_rows_of_the_whole_weight(recip
         shard = full[start : start + 100]
         if 100 % block_rows == 0:
             data, scale = q.quantize(shard)
-            assert torch.equal(scale_bits(scale), scale_bits(full_scale[start // block_rows : (start + 100) // block_rows]))
+            assert torch.equal(
+                scale_bits(scale), scale_bits(full_scale[start // block_rows : (start + 100) // block_rows])
+            )
         else:
             agreed = q.scale_for(block_amax(full, q.spec.block))
             row_scale = agreed[torch.arange(start, start + 100) // block_rows]

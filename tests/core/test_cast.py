@@ -325,17 +325,25 @@ def _fixed() -> torch.Tensor:
 
 def test_repr_tensorwise():
     x8 = Float8Tensor.from_hp(_fixed())
-    assert_expected_inline(repr(x8), """Float8Tensor(float8_e4m3fn, shape=(3, 4), orig_dtype=torch.bfloat16, tensorwise, scale=74.6667)""")
+    assert_expected_inline(
+        repr(x8), """Float8Tensor(float8_e4m3fn, shape=(3, 4), orig_dtype=torch.bfloat16, tensorwise, scale=74.6667)"""
+    )
 
 
 def test_repr_rowwise():
     x8 = Float8Tensor.from_hp(_fixed(), torch.float8_e5m2, granularity="rowwise")
-    assert_expected_inline(repr(x8), """Float8Tensor(float8_e5m2, shape=(3, 4), orig_dtype=torch.bfloat16, axiswise(dim=1), scale_shape=(3, 1))""")
+    assert_expected_inline(
+        repr(x8),
+        """Float8Tensor(float8_e5m2, shape=(3, 4), orig_dtype=torch.bfloat16, axiswise(dim=1), scale_shape=(3, 1))""",
+    )
 
 
 def test_repr_requires_grad():
     x8 = Float8Tensor.from_hp(_fixed().float().requires_grad_(), torch.float8_e4m3fnuz)
-    assert_expected_inline(repr(x8), """Float8Tensor(float8_e4m3fnuz, shape=(3, 4), orig_dtype=torch.float32, tensorwise, scale=40, requires_grad=True)""")
+    assert_expected_inline(
+        repr(x8),
+        """Float8Tensor(float8_e4m3fnuz, shape=(3, 4), orig_dtype=torch.float32, tensorwise, scale=40, requires_grad=True)""",
+    )
 
 
 def test_scale_value_in_repr_matches_max_over_amax():
@@ -345,7 +353,10 @@ def test_scale_value_in_repr_matches_max_over_amax():
 
 def test_repr_transposed_rowwise_3d():
     x8 = Float8Tensor.from_hp(_fixed().reshape(1, 3, 4), granularity="rowwise").transpose(1, 2)
-    assert_expected_inline(repr(x8), """Float8Tensor(float8_e4m3fn, shape=(1, 4, 3), orig_dtype=torch.bfloat16, axiswise(dim=1), scale_shape=(1, 1, 3))""")
+    assert_expected_inline(
+        repr(x8),
+        """Float8Tensor(float8_e4m3fn, shape=(1, 4, 3), orig_dtype=torch.bfloat16, axiswise(dim=1), scale_shape=(1, 1, 3))""",
+    )
 
 
 @pytest.mark.parametrize("hp_dtype", [torch.bfloat16, torch.float16, torch.float32])

@@ -61,11 +61,19 @@ def _new_format(version=_SERIAL_VERSION, source=None, **changes):
 def _old_format(granularity="tensorwise", outer=None, source=None, **changes):
     """The format written before __reduce_ex__: Tensor.__reduce_ex__'s wrapper-subclass path."""
     x8 = Float8Tensor.from_hp(torch.randn(4, 16), granularity=granularity) if source is None else source
-    state = {"_data": x8._data, "_scale": x8._scale, "_orig_dtype": x8._orig_dtype, "_axiswise_dim": x8._axiswise_dim, "_gemm": x8._gemm}
+    state = {
+        "_data": x8._data,
+        "_scale": x8._scale,
+        "_orig_dtype": x8._orig_dtype,
+        "_axiswise_dim": x8._axiswise_dim,
+        "_gemm": x8._gemm,
+    }
     state.update(changes)
     size, stride = outer or (tuple(state["_data"].shape), state["_data"].stride())
     args = (Float8Tensor, torch.float32, size, stride, 0, torch.strided, torch.device("cpu"), False)
-    return _Crafted((torch._tensor._rebuild_from_type_v2, (torch._utils._rebuild_wrapper_subclass, Float8Tensor, args, state)))
+    return _Crafted(
+        (torch._tensor._rebuild_from_type_v2, (torch._utils._rebuild_wrapper_subclass, Float8Tensor, args, state))
+    )
 
 
 # ----------------------------------------------------------------------------- valid forms
@@ -94,7 +102,12 @@ def test_checkpoint_written_by_the_previous_code_still_loads():
         assert type(got) is Float8Tensor, name
         assert torch.equal(got._data.view(torch.uint8), want._data.view(torch.uint8)), name
         assert torch.equal(got._scale, want._scale), name
-        assert (got.dtype, got._orig_dtype, got._axiswise_dim, got._gemm) == (want.dtype, want._orig_dtype, want._axiswise_dim, want._gemm)
+        assert (got.dtype, got._orig_dtype, got._axiswise_dim, got._gemm) == (
+            want.dtype,
+            want._orig_dtype,
+            want._axiswise_dim,
+            want._gemm,
+        )
     assert isinstance(loaded["param"], torch.nn.Parameter)
     x = torch.randn(8, 16)
     assert torch.equal(x @ loaded["param"].t(), x @ expected["param"].t())
@@ -102,7 +115,14 @@ def test_checkpoint_written_by_the_previous_code_still_loads():
 
 @pytest.mark.parametrize(
     "form, granularity",
-    [("new", "tensorwise"), ("new", "rowwise"), ("v1", "tensorwise"), ("v1", "rowwise"), ("old", "tensorwise"), ("old", "rowwise")],
+    [
+        ("new", "tensorwise"),
+        ("new", "rowwise"),
+        ("v1", "tensorwise"),
+        ("v1", "rowwise"),
+        ("old", "tensorwise"),
+        ("old", "rowwise"),
+    ],
 )
 def test_hand_written_valid_forms_load(form, granularity):
     # Each valid form loads back the tensor that was written: the same FP8 bytes, scale bits,
@@ -117,7 +137,9 @@ def test_hand_written_valid_forms_load(form, granularity):
     assert type(got) is Float8Tensor
     assert (got.shape, got.dtype, got.float8_dtype) == (x8.shape, x8.dtype, x8.float8_dtype)
     assert torch.equal(got._data.view(torch.uint8), x8._data.view(torch.uint8))
-    assert got._scale.shape == x8._scale.shape and torch.equal(got._scale.view(torch.int32), x8._scale.view(torch.int32))
+    assert got._scale.shape == x8._scale.shape and torch.equal(
+        got._scale.view(torch.int32), x8._scale.view(torch.int32)
+    )
     assert (got._orig_dtype, got._block, got._gemm) == (x8._orig_dtype, x8._block, x8._gemm)
     assert torch.equal(got.to_hp(), x8.to_hp())
 
@@ -132,29 +154,73 @@ def test_a_nan_scale_loads_and_reads_nan():
 
 # Version 1 payloads (axiswise_dim, 3-field gemm): the fields every version shares, too.
 NEW = [
-    ("gemm_out_dtype_int64", {"gemm": (torch.int64, False, False)}, ValueError, r"GemmConfig.out_dtype must be None or one of"),
-    ("gemm_out_dtype_string", {"gemm": ("float32", False, False)}, TypeError, r"GemmConfig.out_dtype must be None or a torch.dtype"),
+    (
+        "gemm_out_dtype_int64",
+        {"gemm": (torch.int64, False, False)},
+        ValueError,
+        r"GemmConfig.out_dtype must be None or one of",
+    ),
+    (
+        "gemm_out_dtype_string",
+        {"gemm": ("float32", False, False)},
+        TypeError,
+        r"GemmConfig.out_dtype must be None or a torch.dtype",
+    ),
     ("gemm_flag_not_bool", {"gemm": (None, "yes", False)}, TypeError, r"GemmConfig.use_fast_accum must be a bool"),
     ("gemm_wrong_arity", {"gemm": (None, False)}, ValueError, r"'gemm' must be a tuple"),
     ("scale_negative", {"scale": torch.tensor(-1.0)}, ValueError, r"Float8Tensor scale must hold positive finite"),
     ("scale_inf", {"scale": torch.tensor(float("inf"))}, ValueError, r"Float8Tensor scale must hold positive finite"),
     ("scale_zero", {"scale": torch.tensor(0.0)}, ValueError, r"Float8Tensor scale must hold positive finite"),
     ("scale_subnormal", {"scale": torch.tensor(1e-40)}, ValueError, r"Float8Tensor scale must hold positive finite"),
-    ("scale_int", {"scale": torch.tensor(3)}, TypeError, r"scale dtype must be one of torch.float32, torch.float8_e8m0fnu; got torch.int64"),
+    (
+        "scale_int",
+        {"scale": torch.tensor(3)},
+        TypeError,
+        r"scale dtype must be one of torch.float32, torch.float8_e8m0fnu; got torch.int64",
+    ),
     ("scale_float64", {"scale": torch.tensor(3.0, dtype=torch.float64)}, TypeError, r"scale dtype must be one of"),
     ("scale_not_a_tensor", {"scale": 3.0}, TypeError, r"scale must be a plain torch.Tensor"),
-    ("scale_shape_tensorwise", {"scale": torch.ones(4, 1)}, ValueError, r"must have shape \(1, 1\) or \(\) \(tensorwise\)"),
-    ("scale_shape_rowwise", {"granularity": "rowwise", "scale": torch.ones(2, 1)}, ValueError, r"must have shape \(4, 1\)"),
-    ("scale_zero_stride", {"granularity": "rowwise", "scale": torch.ones(1, 1).expand(4, 1)}, ValueError, r"zero or overlapping strides"),
-    ("orig_dtype_int64", {"orig_dtype": torch.int64}, TypeError, r"orig_dtype must have a high-precision floating dtype"),
-    ("orig_dtype_string", {"orig_dtype": "float32"}, TypeError, r"orig_dtype must have a high-precision floating dtype"),
+    (
+        "scale_shape_tensorwise",
+        {"scale": torch.ones(4, 1)},
+        ValueError,
+        r"must have shape \(1, 1\) or \(\) \(tensorwise\)",
+    ),
+    (
+        "scale_shape_rowwise",
+        {"granularity": "rowwise", "scale": torch.ones(2, 1)},
+        ValueError,
+        r"must have shape \(4, 1\)",
+    ),
+    (
+        "scale_zero_stride",
+        {"granularity": "rowwise", "scale": torch.ones(1, 1).expand(4, 1)},
+        ValueError,
+        r"zero or overlapping strides",
+    ),
+    (
+        "orig_dtype_int64",
+        {"orig_dtype": torch.int64},
+        TypeError,
+        r"orig_dtype must have a high-precision floating dtype",
+    ),
+    (
+        "orig_dtype_string",
+        {"orig_dtype": "float32"},
+        TypeError,
+        r"orig_dtype must have a high-precision floating dtype",
+    ),
     ("axiswise_dim_out_of_range", {"axiswise_dim": 7}, ValueError, r"axiswise_dim must be in \[0, 2\)"),
     ("axiswise_dim_negative", {"axiswise_dim": -1}, ValueError, r"axiswise_dim must be in \[0, 2\)"),
     ("axiswise_dim_bool", {"axiswise_dim": True}, TypeError, r"axiswise_dim must be None or an int"),
     ("data_not_uint8", {"data": torch.zeros(4, 16)}, TypeError, r"'data' must be a uint8 tensor"),
     ("float8_dtype_int8", {"float8_dtype": torch.int8}, TypeError, r"'float8_dtype' must be one of"),
-    ("data_zero_stride", {"data": torch.zeros(1, dtype=torch.uint8).as_strided((2**17, 2**17), (0, 0))}, ValueError,
-     r"must not repeat elements through zero or overlapping strides"),
+    (
+        "data_zero_stride",
+        {"data": torch.zeros(1, dtype=torch.uint8).as_strided((2**17, 2**17), (0, 0))},
+        ValueError,
+        r"must not repeat elements through zero or overlapping strides",
+    ),
     ("extra_field", {"to_hp": collections.OrderedDict}, ValueError, r"fields must be exactly"),
     ("requires_grad_not_bool", {"requires_grad": "yes"}, TypeError, r"'requires_grad' must be a bool"),
     ("is_param_not_bool", {"is_param": 1}, TypeError, r"'is_param' must be a bool"),
@@ -183,26 +249,65 @@ NEW_V2 = [
     ("block_list", {"block": [0, 0]}, TypeError, r"block must be a tuple of ints"),
     ("block_bool", {"block": (True, 0)}, TypeError, r"block must be a tuple of ints"),
     ("block_float", {"block": (1.0, 0)}, TypeError, r"block must be a tuple of ints"),
-    ("block_negative", {"granularity": "rowwise", "block": (-1, 0)}, ValueError, r"block entries must be in \[0, 2\*\*63\)"),
+    (
+        "block_negative",
+        {"granularity": "rowwise", "block": (-1, 0)},
+        ValueError,
+        r"block entries must be in \[0, 2\*\*63\)",
+    ),
     ("block_wrong_ndim", {"block": (0,)}, ValueError, r"one entry per dim of data of shape \(4, 16\)"),
     ("block_missing", {"block": None}, TypeError, r"block must be a tuple of ints"),
-    ("block_scale_shape_mismatch", {"granularity": BLOCK_1x128, "block": (1, 8)}, ValueError,
-     r"a block \(1, 8\) scale for data of shape \(4, 16\) must have shape \(4, 2\); got \(4, 1\)"),
+    (
+        "block_scale_shape_mismatch",
+        {"granularity": BLOCK_1x128, "block": (1, 8)},
+        ValueError,
+        r"a block \(1, 8\) scale for data of shape \(4, 16\) must have shape \(4, 2\); got \(4, 1\)",
+    ),
     ("rowwise_scale_for_a_block", {"granularity": "rowwise", "block": (2, 8)}, ValueError, r"must have shape \(2, 2\)"),
-    ("tensorwise_scale_with_a_block", {"block": (1, 0)}, ValueError, r"a 0-dim \(tensorwise\) scale needs an all-0 block"),
-    ("e8m0_tensorwise_scale", {"scale": _e8m0_codes(), "scale_dtype": E8M0}, TypeError,
-     r"a tensorwise Float8Tensor has a float32 scale"),
-    ("e8m0_scale_wrong_shape", {"granularity": MX_1x32, "scale": _e8m0_codes(4, 2)}, ValueError, r"must have shape \(4, 1\)"),
-    ("e8m0_scale_not_as_codes", {"granularity": MX_1x32, "scale": torch.ones(4, 1).to(E8M0)}, TypeError,
-     r"a torch.float8_e8m0fnu scale is stored as a torch.uint8 tensor"),
-    ("fp32_scale_dtype_with_codes", {"granularity": MX_1x32, "scale_dtype": torch.float32}, TypeError,
-     r"a torch.float32 scale is stored as a torch.float32 tensor; got torch.uint8"),
+    (
+        "tensorwise_scale_with_a_block",
+        {"block": (1, 0)},
+        ValueError,
+        r"a 0-dim \(tensorwise\) scale needs an all-0 block",
+    ),
+    (
+        "e8m0_tensorwise_scale",
+        {"scale": _e8m0_codes(), "scale_dtype": E8M0},
+        TypeError,
+        r"a tensorwise Float8Tensor has a float32 scale",
+    ),
+    (
+        "e8m0_scale_wrong_shape",
+        {"granularity": MX_1x32, "scale": _e8m0_codes(4, 2)},
+        ValueError,
+        r"must have shape \(4, 1\)",
+    ),
+    (
+        "e8m0_scale_not_as_codes",
+        {"granularity": MX_1x32, "scale": torch.ones(4, 1).to(E8M0)},
+        TypeError,
+        r"a torch.float8_e8m0fnu scale is stored as a torch.uint8 tensor",
+    ),
+    (
+        "fp32_scale_dtype_with_codes",
+        {"granularity": MX_1x32, "scale_dtype": torch.float32},
+        TypeError,
+        r"a torch.float32 scale is stored as a torch.float32 tensor; got torch.uint8",
+    ),
     ("scale_dtype_float16", {"scale_dtype": torch.float16}, TypeError, r"'scale_dtype' must be one of"),
     ("scale_dtype_string", {"scale_dtype": "float32"}, TypeError, r"'scale_dtype' must be one of"),
-    ("scale_float16", {"granularity": BLOCK_1x128, "scale": torch.ones(4, 1, dtype=torch.float16),
-                       "scale_dtype": torch.float16}, TypeError, r"'scale_dtype' must be one of"),
-    ("block_scale_negative", {"granularity": BLOCK_1x128, "scale": -torch.ones(4, 1)}, ValueError,
-     r"Float8Tensor scale must hold positive finite"),
+    (
+        "scale_float16",
+        {"granularity": BLOCK_1x128, "scale": torch.ones(4, 1, dtype=torch.float16), "scale_dtype": torch.float16},
+        TypeError,
+        r"'scale_dtype' must be one of",
+    ),
+    (
+        "block_scale_negative",
+        {"granularity": BLOCK_1x128, "scale": -torch.ones(4, 1)},
+        ValueError,
+        r"Float8Tensor scale must hold positive finite",
+    ),
     ("gemm_v1_arity", {"gemm": (None, False, False)}, ValueError, r"'gemm' must be a tuple"),
     ("gemm_emulate_not_bool", {"gemm": (None, False, False, 1)}, TypeError, r"GemmConfig.emulate must be a bool"),
     ("v1_axiswise_dim_field", {"axiswise_dim": None}, ValueError, r"fields must be exactly"),
@@ -257,7 +362,11 @@ def test_unknown_format_version_is_refused():
 
 
 OLD = [
-    ("gemm_out_dtype_int64", {"_gemm": GemmConfig(out_dtype=torch.int64)}, r"GemmConfig.out_dtype must be None or one of"),
+    (
+        "gemm_out_dtype_int64",
+        {"_gemm": GemmConfig(out_dtype=torch.int64)},
+        r"GemmConfig.out_dtype must be None or one of",
+    ),
     ("gemm_not_a_gemm_config", {"_gemm": (None, False, False)}, r"'_gemm' must be a GemmConfig"),
     ("scale_negative", {"_scale": torch.tensor(-2.0)}, r"Float8Tensor scale must hold positive finite"),
     ("scale_inf", {"_scale": torch.tensor(float("inf"))}, r"Float8Tensor scale must hold positive finite"),
@@ -266,8 +375,11 @@ OLD = [
     ("axiswise_dim_7", {"_axiswise_dim": 7}, r"axiswise_dim must be in \[0, 2\)"),
     ("data_fp32", {"_data": torch.zeros(4, 16)}, r"Float8Tensor data dtype must be one of"),
     ("data_wrong_shape", {"_data": torch.zeros(2, 16, dtype=torch.float8_e4m3fn)}, r"does not match its data"),
-    ("data_zero_stride", {"_data": torch.zeros(1, dtype=torch.float8_e4m3fn).as_strided((2**17, 2**17), (0, 0))},
-     r"must not repeat elements through zero or overlapping strides"),
+    (
+        "data_zero_stride",
+        {"_data": torch.zeros(1, dtype=torch.float8_e4m3fn).as_strided((2**17, 2**17), (0, 0))},
+        r"must not repeat elements through zero or overlapping strides",
+    ),
     ("extra_attribute_shadowing_a_method", {"to_hp": collections.OrderedDict}, r"unexpected \['to_hp'\]"),
     ("missing_field", {"_gemm": None}, r"'_gemm' must be a GemmConfig"),
     ("is_param_false", {"_is_param": False}, r"'_is_param' must be True"),

@@ -531,14 +531,20 @@ _LAYOUT_CASES = {
     "narrow_2": (lambda x: x.narrow(2, 32, 16), lambda block: _along(block, 2) in (0, 1, 16, 32)),
     "slice_all": (lambda x: torch.ops.aten.slice.Tensor(x), _ANY),
     "slice_dim_only": (lambda x: torch.ops.aten.slice.Tensor(x, 2), _ANY),
-    "slice_start_only": (lambda x: torch.ops.aten.slice.Tensor(x, 2, 32), lambda block: _along(block, 2) in (0, 1, 16, 32)),
+    "slice_start_only": (
+        lambda x: torch.ops.aten.slice.Tensor(x, 2, 32),
+        lambda block: _along(block, 2) in (0, 1, 16, 32),
+    ),
     "split_0": (lambda x: x.split(2)[1], lambda block: _along(block, 0) <= 2),
     "split_1_sizes": (lambda x: x.split([3, 3], 1)[1], lambda block: _along(block, 1) in (0, 1, 3)),
     "split_-1": (lambda x: x.split(32, -1)[2], lambda block: _along(block, 2) in (0, 1, 16, 32)),
     "split_2_last": (lambda x: x.split([64, 8], 2)[1], lambda block: _along(block, 2) in (0, 1, 16, 32)),
     "split_cat_0": (lambda x: torch.cat(x.split(2)[::-1]), lambda block: _along(block, 0) <= 2),
     "split_cat_-1": (lambda x: torch.cat(x.split(32, -1), -1), _ANY),
-    "split_cat_1_three": (lambda x: torch.cat(x.split(3, 1)[::-1] + x.split(3, 1), 1), lambda block: _along(block, 1) in (0, 1, 3)),
+    "split_cat_1_three": (
+        lambda x: torch.cat(x.split(3, 1)[::-1] + x.split(3, 1), 1),
+        lambda block: _along(block, 1) in (0, 1, 3),
+    ),
     "cat_one": (lambda x: torch.cat([x], 2), _ANY),
     "index_ids": (lambda x: x[torch.tensor([3, 0, -1, 2, -4])], _ANY),
     "index_no_ids": (lambda x: x[torch.tensor([], dtype=torch.int64)], _ANY),
@@ -570,7 +576,9 @@ def test_layout_of_a_0_dim_and_a_1_dim_tensor():
     _moves_elements(x0.unsqueeze(-1), dequantized(x0).unsqueeze(-1), x0)
     _moves_elements(x0.t(), dequantized(x0), x0)
     for granularity in ("tensorwise", (32,)):
-        x1 = Float8Tensor.from_hp(torch.randn(72) * 2.0 ** (torch.arange(72) % 5), granularity=granularity, gemm_config=GEMM)
+        x1 = Float8Tensor.from_hp(
+            torch.randn(72) * 2.0 ** (torch.arange(72) % 5), granularity=granularity, gemm_config=GEMM
+        )
         _moves_elements(x1.transpose(0, -1), dequantized(x1), x1)
         _moves_elements(x1.t(), dequantized(x1), x1)
         _moves_elements(x1.unsqueeze(-1), dequantized(x1).unsqueeze(-1), x1)
@@ -591,7 +599,9 @@ def test_views_in_inference_mode_are_tensors_like_their_base(name, made_in_infer
     with torch.inference_mode():
         views = [x8.transpose(0, 1), x8[1:3], x8.view(2, 2, 6, 72)]
         pieces = x8.split(2)
-    for y, expected in zip(views, (dequantized(x8).transpose(0, 1), dequantized(x8)[1:3], dequantized(x8).view(2, 2, 6, 72))):
+    for y, expected in zip(
+        views, (dequantized(x8).transpose(0, 1), dequantized(x8)[1:3], dequantized(x8).view(2, 2, 6, 72))
+    ):
         assert y.is_inference() is made_in_inference_mode
         _moves_elements(y, expected, x8)
     for y, expected in zip(pieces, dequantized(x8).split(2)):
@@ -647,18 +657,29 @@ def test_index_ids_off_the_host_are_not_checked_there(monkeypatch):
 )
 def test_index_other_than_one_1d_integer_tensor_is_refused(index):
     x8 = _block_f8("rows")
-    with pytest.raises(NotImplementedError, match=r"^Float8Tensor supports indexing with one 1D integer tensor along dim 0 \(w8\[ids\]\); call \.to_hp\(\) first$"):
+    with pytest.raises(
+        NotImplementedError,
+        match=r"^Float8Tensor supports indexing with one 1D integer tensor along dim 0 \(w8\[ids\]\); call \.to_hp\(\) first$",
+    ):
         index(x8)
 
 
 def test_cat_refusals_name_the_mismatch():
     x8 = _block_f8("tensorwise")
-    with pytest.raises(TypeError, match=r"^cat of Float8Tensors with plain tensors is not supported; call \.to_hp\(\) first$"):
+    with pytest.raises(
+        TypeError, match=r"^cat of Float8Tensors with plain tensors is not supported; call \.to_hp\(\) first$"
+    ):
         torch.cat([x8, torch.zeros(4, 6, 72, dtype=torch.bfloat16)])
-    with pytest.raises(ValueError, match=r"^cat needs Float8Tensors of one float8 dtype, original dtype, block, scale dtype and GemmConfig$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^cat needs Float8Tensors of one float8 dtype, original dtype, block, scale dtype and GemmConfig$",
+    ):
         torch.cat([x8, _block_f8("rows")])
     other = Float8Tensor.from_hp(torch.ones(4, 6, 72, dtype=torch.bfloat16), gemm_config=GEMM)
-    with pytest.raises(ValueError, match=r"^cat of Float8Tensors with different scales along the cat dimension cannot be represented without re-quantizing; call \.to_hp\(\) and cast again$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^cat of Float8Tensors with different scales along the cat dimension cannot be represented without re-quantizing; call \.to_hp\(\) and cast again$",
+    ):
         torch.cat([x8, other])
 
 
@@ -678,10 +699,17 @@ def test_cat_pieces_must_hold_whole_blocks_but_the_last(name):
     block = _BLOCKS[name][0]
     dim = 2 if block[0] == 1 else 0
     cut = block[dim] // 2
-    whole, part, rest = x8.narrow(dim, 0, block[dim]), x8.narrow(dim, 0, cut), x8.narrow(dim, block[dim], x8.shape[dim] - block[dim])
+    whole, part, rest = (
+        x8.narrow(dim, 0, block[dim]),
+        x8.narrow(dim, 0, cut),
+        x8.narrow(dim, block[dim], x8.shape[dim] - block[dim]),
+    )
     torch.cat([whole, part], dim)  # a partial block last: fine
     for pieces in ([part, whole], [whole, part, rest]):
-        with pytest.raises(ValueError, match=rf"^cat along dim {dim} of Float8Tensors with block {re.escape(str(block))}: every piece but the last must hold whole blocks \(a multiple of {block[dim]}\); got size {cut}$"):
+        with pytest.raises(
+            ValueError,
+            match=rf"^cat along dim {dim} of Float8Tensors with block {re.escape(str(block))}: every piece but the last must hold whole blocks \(a multiple of {block[dim]}\); got size {cut}$",
+        ):
             torch.cat(pieces, dim)
 
 
@@ -729,7 +757,10 @@ def test_to_and_empty_like_copy_data_and_scale():
 
 def test_empty_like_and_to_refuse_a_dtype_that_is_not_high_precision():
     x8 = _block_f8("rows")
-    with pytest.raises(TypeError, match=r"^empty_like dtype must have a high-precision floating dtype \(torch.bfloat16, torch.float16, torch.float32\); got torch.float64$"):
+    with pytest.raises(
+        TypeError,
+        match=r"^empty_like dtype must have a high-precision floating dtype \(torch.bfloat16, torch.float16, torch.float32\); got torch.float64$",
+    ):
         torch.empty_like(x8, dtype=torch.float64)
     with pytest.raises(TypeError, match=r"^Float8Tensor.to dtype must have a high-precision floating dtype"):
         x8.to(torch.int32)
@@ -751,10 +782,15 @@ def test_copy_of_a_plain_tensor_casts_it_in_the_destination_format(name):
 
 def test_copy_refusals_name_the_mismatch():
     x8 = _block_f8("rows")
-    with pytest.raises(ValueError, match=r"^copy_ between Float8Tensors needs one float8 dtype and one granularity \(block\)$"):
+    with pytest.raises(
+        ValueError, match=r"^copy_ between Float8Tensors needs one float8 dtype and one granularity \(block\)$"
+    ):
         x8.copy_(_block_f8("1x32"))
     # A row of a rowwise matrix selected out of it: a view of another rank, conservatively
     # treated as sharing its scale (the square shape lines its dims up with the base's).
     square = Float8Tensor.from_hp(torch.randn(16, 16), granularity="rowwise")
-    with pytest.raises(NotImplementedError, match=r"^copy_ into a view of shape \(16,\) of a Float8Tensor of shape \(16, 16\) would change the scale"):
+    with pytest.raises(
+        NotImplementedError,
+        match=r"^copy_ into a view of shape \(16,\) of a Float8Tensor of shape \(16, 16\) would change the scale",
+    ):
         square[3].copy_(torch.randn(16))

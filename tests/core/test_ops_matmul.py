@@ -346,11 +346,13 @@ def test_bmm_with_a_weight_expanded_over_the_batch(a_name, w_block, batch, consi
     y = torch.bmm(a8, b8)
     assert y.shape == (batch, _BMM_M, _BMM_N) and y.dtype == torch.float32
     assert_sqnr(_bmm_reference(a8, b8, torch.float32, flattened=True), y.double(), _BMM_MIN_DB[torch.float32])
-    (a2, _), = consistent_operands
+    ((a2, _),) = consistent_operands
     if a_name in ("tensorwise", "rows", "1x32"):
         assert a2._data.data_ptr() == a8._data.data_ptr()  # a view of the same bytes: no re-cast, no copy
         assert torch.equal(a2._data.view(torch.uint8), a8._data.reshape(-1, _BMM_K).view(torch.uint8))
-        assert torch.equal(a2._scale, a8._scale if a_name == "tensorwise" else a8._scale.reshape(-1, a8._scale.shape[-1]))
+        assert torch.equal(
+            a2._scale, a8._scale if a_name == "tensorwise" else a8._scale.reshape(-1, a8._scale.shape[-1])
+        )
 
 
 @pytest.mark.parametrize("a_name", ["tensorwise", "rows"])
@@ -377,7 +379,10 @@ def test_bmm_with_one_plain_operand(out_dtype):
     a, b = a.to(out_dtype), b.to(out_dtype)
     b8 = to_float8(b, CastSpec(torch.float8_e4m3fn, _B_BLOCKS["columns"]))
     a8 = to_float8(a, CastSpec(torch.float8_e4m3fn, _A_BLOCKS["rows"]))
-    for y, ref in ((torch.bmm(a, b8), _dequantized(a8) @ _dequantized(b8)), (torch.bmm(a8, b), _dequantized(a8) @ _dequantized(b8))):
+    for y, ref in (
+        (torch.bmm(a, b8), _dequantized(a8) @ _dequantized(b8)),
+        (torch.bmm(a8, b), _dequantized(a8) @ _dequantized(b8)),
+    ):
         assert y.dtype == out_dtype and y.shape == (_BMM_B, _BMM_M, _BMM_N)
         assert_sqnr(ref, y.double(), _BMM_MIN_DB[out_dtype])
 
@@ -405,7 +410,10 @@ def test_grouped_mm_output_dtype():
 
 def test_grouped_mm_refusals_name_what_is_supported():
     x, w8t, offs = _grouped_operands()
-    with pytest.raises(NotImplementedError, match=r"^FP8 _grouped_mm with bias is not supported \(torch._scaled_grouped_mm takes none\)$"):
+    with pytest.raises(
+        NotImplementedError,
+        match=r"^FP8 _grouped_mm with bias is not supported \(torch._scaled_grouped_mm takes none\)$",
+    ):
         torch._grouped_mm(x, w8t, offs=offs, bias=torch.zeros(3, N, dtype=torch.bfloat16))
     supported = r"^Float8Tensor supports _grouped_mm as 2D x 3D with offs \(MoE tokens x experts\); got "
     with pytest.raises(NotImplementedError, match=supported + r"3D x 3D, offs=None\. Call \.to_hp\(\) first\.$"):
@@ -437,7 +445,9 @@ def test_addmm_with_an_fp4_bias_raises():
     x = torch.randn(16, K)
     w8 = Float8Tensor.from_hp(torch.randn(N, K))
     bias4 = Float4Tensor.from_hp(torch.randn(N), "nvfp4")
-    with pytest.raises(NotImplementedError, match=r"^addmm with a Float8Tensor bias/input is not supported; pass it in high precision$"):
+    with pytest.raises(
+        NotImplementedError, match=r"^addmm with a Float8Tensor bias/input is not supported; pass it in high precision$"
+    ):
         torch.addmm(bias4, x, w8.t())
 
 

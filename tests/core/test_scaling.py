@@ -98,7 +98,9 @@ def test_block_amax_refuses_a_block_of_another_rank():
 
 def test_e8m0_scale_default_mode_is_rceil():
     amax = torch.tensor([1.0, 3.0, 500.0])
-    assert torch.equal(scaling.amax_to_e8m0_scale(amax, E4M3).float(), scaling.amax_to_e8m0_scale(amax, E4M3, "rceil").float())
+    assert torch.equal(
+        scaling.amax_to_e8m0_scale(amax, E4M3).float(), scaling.amax_to_e8m0_scale(amax, E4M3, "rceil").float()
+    )
     # rceil: 2**floor(log2(448 / amax)); floor: 2**(8 - floor(log2(amax))): they differ here.
     assert scaling.amax_to_e8m0_scale(amax, E4M3).float().tolist() == [256.0, 128.0, 0.5]
     assert scaling.amax_to_e8m0_scale(amax, E4M3, "floor").float().tolist() == [256.0, 128.0, 1.0]

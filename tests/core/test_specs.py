@@ -59,12 +59,17 @@ def test_block_granularity_validation_in_full():
         with pytest.raises(ValueError, match=_full(shape + repr(block))):
             BlockGranularity(block).validated()  # type: ignore[arg-type]
     assert BlockGranularity((0, 2**63 - 1)).validated().block == (0, 2**63 - 1)
-    with pytest.raises(ValueError, match=_full(
-        "BlockGranularity.scale_dtype must be one of (torch.float32, torch.float8_e8m0fnu) (or float8_e4m3fn for "
-        "NVFP4 blocks); got torch.bfloat16"
-    )):
+    with pytest.raises(
+        ValueError,
+        match=_full(
+            "BlockGranularity.scale_dtype must be one of (torch.float32, torch.float8_e8m0fnu) (or float8_e4m3fn for "
+            "NVFP4 blocks); got torch.bfloat16"
+        ),
+    ):
         BlockGranularity((1, 32), torch.bfloat16).validated()
-    with pytest.raises(ValueError, match=_full("BlockGranularity.scale_mode must be one of ('rceil', 'floor'); got 'ceil'")):
+    with pytest.raises(
+        ValueError, match=_full("BlockGranularity.scale_mode must be one of ('rceil', 'floor'); got 'ceil'")
+    ):
         BlockGranularity((1, 32), E8M0, "ceil").validated()
     with pytest.raises(ValueError, match=_full("block (1, 1, 128) needs a tensor with at least 3 dims; got 2")):
         BlockGranularity((1, 1, 128)).full_block(2)
@@ -87,12 +92,17 @@ def test_granularity_parsing_refusals_in_full():
 
 def test_gemm_config_validation_in_full():
     allowed = "torch.bfloat16, torch.float16, torch.float32"
-    with pytest.raises(ValueError, match=_full(f"GemmConfig.out_dtype must be None or one of {allowed}; got torch.int32")):
+    with pytest.raises(
+        ValueError, match=_full(f"GemmConfig.out_dtype must be None or one of {allowed}; got torch.int32")
+    ):
         GemmConfig(out_dtype=torch.int32).validated()
-    with pytest.raises(ValueError, match=_full(
-        f"GemmConfig.out_dtype must be None or one of {allowed}; got torch.float8_e4m3fn (for an FP8 output pass "
-        "out_dtype and out_scale to f8tensor.float8_mm)"
-    )):
+    with pytest.raises(
+        ValueError,
+        match=_full(
+            f"GemmConfig.out_dtype must be None or one of {allowed}; got torch.float8_e4m3fn (for an FP8 output pass "
+            "out_dtype and out_scale to f8tensor.float8_mm)"
+        ),
+    ):
         GemmConfig(out_dtype=E4M3).validated()
     for field in ("use_fast_accum", "pad_inner_dim", "emulate"):
         with pytest.raises(TypeError, match=_full(f"GemmConfig.{field} must be a bool; got 1")):

@@ -278,7 +278,7 @@ def test_rowwise_gathered_weight_backward_folds_its_row_scales():
         grads_x.append(xx.grad)
         assert weight.grad.shape == w.shape
     assert grads_x[0].dtype == grad_y.dtype
-    ref = (grad_y.double() @ w.double())
+    ref = grad_y.double() @ w.double()
     folded, one_process = (_sqnr_db(ref, gx) for gx in grads_x)
     assert folded >= one_process - 0.5, (folded, one_process)
     assert folded >= 25.0, folded
@@ -414,9 +414,7 @@ def _scenario_bytes(rank, world, mesh, ctx) -> dict:
             _mlp(config, bias=False, device=device), mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype)
         )
         calls: list = []
-        record = _recording(
-            _ALL_GATHER, calls, lambda o, i, *a, **k: (str(o.dtype), o.numel() * o.element_size())
-        )
+        record = _recording(_ALL_GATHER, calls, lambda o, i, *a, **k: (str(o.dtype), o.numel() * o.element_size()))
         with record, torch.no_grad():
             model(_rows(x, rank))
         out[name] = calls
@@ -486,7 +484,9 @@ def _scenario_block_recipes(rank, world, mesh, ctx) -> dict:
     for recipe in BLOCK_RECIPES:
         model = _shard(_mlp(_config(recipe), device=device), mesh)
         res = _train(model, torch.optim.SGD(model.parameters(), lr=LR), rank, world, device)
-        bf16 = _shard(_mlp(_config(recipe), device=device), mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+        bf16 = _shard(
+            _mlp(_config(recipe), device=device), mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+        )
         res["bf16_losses"] = _train(bf16, torch.optim.SGD(bf16.parameters(), lr=LR), rank, world, device)["losses"]
         if rank == 0:
             res["reference"] = _reference_losses(world, device, config=_config(recipe))
@@ -546,7 +546,11 @@ def _scenario_fp8_all_gather_recipes(rank, world, mesh, ctx) -> dict:
     for recipe in FP8_AG_RECIPES:
         dims = _block_dims(world) if recipe == "blockwise" else DIMS
         model = _shard(_mlp(_config(recipe, enable_fsdp_float8_all_gather=True), device=device, dims=dims), mesh)
-        res = {"wrapped": all(isinstance(layer.weight._local_tensor, Float8AllGatherWeight) for layer in _fp8_layers(model))}
+        res = {
+            "wrapped": all(
+                isinstance(layer.weight._local_tensor, Float8AllGatherWeight) for layer in _fp8_layers(model)
+            )
+        }
         calls: list = []
         size = lambda o, i, *a, **k: (str(o.dtype), o.numel() * o.element_size())
         x, y = _batch(0, world, device, dims)
@@ -561,7 +565,9 @@ def _scenario_fp8_all_gather_recipes(rank, world, mesh, ctx) -> dict:
         opt = torch.optim.SGD(model.parameters(), lr=LR)
         opt.step()
         opt.zero_grad()
-        res["losses"] = [loss.item()] + _train(model, opt, rank, world, device, steps=STEPS - 1, first_step=1, dims=dims)["losses"]
+        res["losses"] = [loss.item()] + _train(
+            model, opt, rank, world, device, steps=STEPS - 1, first_step=1, dims=dims
+        )["losses"]
         res["exact"] = _gathered_matches_single_process_cast(model, recipe)
         if recipe == "delayed":
             res["histories"] = [layer.amax_history_weight.clone() for layer in _fp8_layers(model)]
@@ -574,7 +580,9 @@ def _scenario_fp8_all_gather_recipes(rank, world, mesh, ctx) -> dict:
         out[recipe] = res
     # FSDP chunks of 64 / world rows cut 128-row blocks: the ranks agree on the blocks'
     # amaxes, and the gathered weight is still one process's cast.
-    cut = _shard(_mlp(_config("blockwise", enable_fsdp_float8_all_gather=True), device=device, dims=(128, 128, 16)), mesh)
+    cut = _shard(
+        _mlp(_config("blockwise", enable_fsdp_float8_all_gather=True), device=device, dims=(128, 128, 16)), mesh
+    )
     cut(torch.randn(4, 128, device=device))
     out["cut_block_exact"] = _gathered_matches_single_process_cast(cut, "blockwise")
     return out

@@ -86,7 +86,11 @@ def _sqnr_db(ref: torch.Tensor, got: torch.Tensor) -> float:
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bitwise equality (NaN included), for FP8 data and fp32 / e8m0 scales."""
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    return (
+        a.shape == b.shape
+        and a.dtype == b.dtype
+        and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    )
 
 
 # ======================================================================= in-process tests

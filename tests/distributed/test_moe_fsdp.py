@@ -77,7 +77,9 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
             losses.append(t.item() / WORLD)
         result["losses"] = losses
         result["gate_up"] = model.gate_up_proj.full_tensor().detach()
-        result["gate_up"] = result["gate_up"]._hp if isinstance(result["gate_up"], Float8ExpertWeight) else result["gate_up"]
+        result["gate_up"] = (
+            result["gate_up"]._hp if isinstance(result["gate_up"], Float8ExpertWeight) else result["gate_up"]
+        )
     except Exception:  # noqa: BLE001  (read by the test)
         result["error"] = traceback.format_exc()
     torch.save(result, Path(out_dir) / f"rank{rank}.pt")

@@ -199,7 +199,9 @@ def _gather_bytes(mesh) -> dict:
         f8 = float8_all_gather(local, mesh, 1, cast)
         out[recipe] = (f8._data.view(torch.uint8).clone(), f8._scale.clone(), f8._block)
     # A module input prepared once for several layers.
-    prep = PrepareFloat8ModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(_replicate(),), use_local_output=True)
+    prep = PrepareFloat8ModuleInput(
+        input_layouts=(Shard(1),), desired_input_layouts=(_replicate(),), use_local_output=True
+    )
     f8 = prep._prepare_input_arg(local, mesh, Shard(1), _replicate())
     out["prepare"] = (f8._data.view(torch.uint8).clone(), f8._scale.clone(), f8._block)
     return out
@@ -308,8 +310,11 @@ def _dcp_1d_to_2d(mesh, directory: str) -> dict:
     full_2d = {k: _plain(_full(v)) for k, v in get_model_state_dict(two_d).items()}
     xs = x.chunk(mesh["tp"].size(), 1)[mesh["tp"].get_local_rank()]
     y = DTensor.from_local(two_d(xs), mesh["tp"], [Shard(1)], run_check=False).full_tensor()
-    return {"same_weights": all(torch.equal(full_1d[k], full_2d[k]) for k in full_1d) and full_1d.keys() == full_2d.keys(),
-            "loss_1d": loss_1d, "loss_2d": y.float().pow(2).mean().item()}
+    return {
+        "same_weights": all(torch.equal(full_1d[k], full_2d[k]) for k in full_1d) and full_1d.keys() == full_2d.keys(),
+        "loss_1d": loss_1d,
+        "loss_2d": y.float().pow(2).mean().item(),
+    }
 
 
 def _plain(t):

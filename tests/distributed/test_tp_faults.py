@@ -58,7 +58,9 @@ def _prepared_run(mesh, style: str, consumers: str, use_local_output: bool, reci
 
     model = _TwoHeads(recipe)
     prep_cls = PrepareModuleInput if style == "torch" else PrepareFloat8ModuleInput
-    plan = {"": prep_cls(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=use_local_output)}
+    plan = {
+        "": prep_cls(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=use_local_output)
+    }
     if consumers == "colwise":
         col = ColwiseParallel if style == "torch" else Float8ColwiseParallel
         plan.update({"a": col(), "b": col()})
@@ -114,7 +116,9 @@ def _blockwise_sp(mesh, seq: int) -> dict:
         y = layer(xl)
     except ValueError as e:
         return {"error_message": str(e)}
-    y_full = DTensor.from_local(y.to_local() if isinstance(y, DTensor) else y, mesh, [Shard(1)], run_check=False).full_tensor()
+    y_full = DTensor.from_local(
+        y.to_local() if isinstance(y, DTensor) else y, mesh, [Shard(1)], run_check=False
+    ).full_tensor()
     (y_full.float().pow(2).sum() * 0.5).backward()
     return {"grad_w": _full(layer.weight.grad).detach().clone()}
 
@@ -155,7 +159,9 @@ def _in_flight(mesh) -> dict:
         del f8
     for bwd in (False, True):
         torch.manual_seed(0)
-        model = convert_to_float8_training(nn.Sequential(nn.Linear(K, N)), config=Float8LinearConfig.from_recipe("delayed"))
+        model = convert_to_float8_training(
+            nn.Sequential(nn.Linear(K, N)), config=Float8LinearConfig.from_recipe("delayed")
+        )
         parallelize_module(model, mesh, {"0": ColwiseParallel()})
         before = registered()
         y = model(torch.randn(B, S, K))
@@ -268,7 +274,11 @@ def test_default_prepare_float8_module_input_follows_rowwise_consumers(world1):
     outs = []
     for cls in (PrepareModuleInput, PrepareFloat8ModuleInput):
         model = _TwoHeads("rowwise")
-        parallelize_module(model, world1, {"": cls(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True)})
+        parallelize_module(
+            model,
+            world1,
+            {"": cls(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True)},
+        )
         x = torch.randn(B, S, K, generator=torch.Generator().manual_seed(1)).requires_grad_()
         ya, yb = model(x)
         (ya.pow(2).sum() + yb.sum()).backward()
@@ -283,7 +293,9 @@ def test_prepare_float8_module_input_with_another_recipe_names_the_mismatch(worl
 
     model = _TwoHeads("rowwise")
     style = PrepareFloat8ModuleInput(
-        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True,
+        input_layouts=(Shard(1),),
+        desired_input_layouts=(Replicate(),),
+        use_local_output=True,
         config=Float8LinearConfig.from_recipe("tensorwise"),
     )
     parallelize_module(model, world1, {"": style})

@@ -69,11 +69,23 @@ def test_counts_at_the_saturation_bound_and_half_the_smallest_subnormal(float8_d
     non-zero values at most half the smallest subnormal (zero is not)."""
     fmax, sub, bound = _MAX[float8_dtype], _SUBNORMAL[float8_dtype], _BOUND[float8_dtype]
     values = [
-        fmax, -fmax, bound, -bound,  # not saturated
-        _above(bound), -2 * fmax, 3 * fmax,  # saturated: 3
-        0.0, sub, -sub, _above(sub / 2),  # not flushed
-        sub / 2, -sub / 2, sub / 8, -(2.0**-120),  # flushed: 4
-        1.0, -3.0,
+        fmax,
+        -fmax,
+        bound,
+        -bound,  # not saturated
+        _above(bound),
+        -2 * fmax,
+        3 * fmax,  # saturated: 3
+        0.0,
+        sub,
+        -sub,
+        _above(sub / 2),  # not flushed
+        sub / 2,
+        -sub / 2,
+        sub / 8,
+        -(2.0**-120),  # flushed: 4
+        1.0,
+        -3.0,
     ]
     hp = torch.tensor(values, dtype=torch.float32)
     unit = torch.tensor(1.0)
@@ -315,8 +327,14 @@ def test_dequantize_expands_block_scales_over_partial_blocks():
     data = torch.full((3, 80), 2.0).to(E4M3)
     scale = torch.tensor([[1.0, 2.0, 4.0], [8.0, 16.0, 32.0], [0.5, 0.25, 64.0]])
     out = reference.dequantize(data, scale, (1, 32), torch.float32)
-    expected = torch.cat([torch.full((3, 32), 2.0) / scale[:, :1], torch.full((3, 32), 2.0) / scale[:, 1:2],
-                          torch.full((3, 16), 2.0) / scale[:, 2:]], dim=1)
+    expected = torch.cat(
+        [
+            torch.full((3, 32), 2.0) / scale[:, :1],
+            torch.full((3, 32), 2.0) / scale[:, 1:2],
+            torch.full((3, 16), 2.0) / scale[:, 2:],
+        ],
+        dim=1,
+    )
     assert torch.equal(out, expected)
 
 

@@ -27,8 +27,12 @@ def _fp8(*shape: int, dtype: torch.dtype = E4M3) -> torch.Tensor:
 def _args(**change):
     """A legal tensorwise call, (mat1, mat2, scale_a, scale_b, kwargs), with ``change`` applied."""
     call = {
-        "mat1": _fp8(M, K), "mat2": _fp8(N, K).t(), "scale_a": torch.tensor(0.5), "scale_b": torch.tensor(2.0),
-        "bias": None, "out_dtype": torch.bfloat16,
+        "mat1": _fp8(M, K),
+        "mat2": _fp8(N, K).t(),
+        "scale_a": torch.tensor(0.5),
+        "scale_b": torch.tensor(2.0),
+        "bias": None,
+        "out_dtype": torch.bfloat16,
     }
     call.update(change)
     return call
@@ -37,29 +41,51 @@ def _args(**change):
 _ONE = torch.tensor(1.0)
 REFUSED = [
     # The issue's reproductions: each ran on a CPU before.
-    pytest.param(_args(mat1=_fp8(2, 8, K)), RuntimeError, r"mat1 and mat2 must be matrices \(2-D\); got shapes \(2, 8, 32\)", id="3d_mat1"),
+    pytest.param(
+        _args(mat1=_fp8(2, 8, K)),
+        RuntimeError,
+        r"mat1 and mat2 must be matrices \(2-D\); got shapes \(2, 8, 32\)",
+        id="3d_mat1",
+    ),
     pytest.param(
         _args(mat1=torch.randn(M, K, dtype=torch.bfloat16), mat2=torch.randn(K, N, dtype=torch.bfloat16)),
-        RuntimeError, r"mat1 and mat2 must be FP8 \(.*\); got torch.bfloat16 and torch.bfloat16", id="bf16_operands",
+        RuntimeError,
+        r"mat1 and mat2 must be FP8 \(.*\); got torch.bfloat16 and torch.bfloat16",
+        id="bf16_operands",
     ),
     pytest.param(
         _args(scale_a=_ONE.bfloat16(), scale_b=_ONE.bfloat16()),
-        ValueError, r"scale_a and scale_b must be float32; got torch.bfloat16 and torch.bfloat16", id="bf16_scales",
+        ValueError,
+        r"scale_a and scale_b must be float32; got torch.bfloat16 and torch.bfloat16",
+        id="bf16_scales",
     ),
-    pytest.param(_args(mat2=_fp8(N, 16).t()), RuntimeError, r"cannot be multiplied \(16x32 and 16x48\)", id="k_mismatch"),
-    pytest.param(_args(mat2=_fp8(N)), RuntimeError, r"must be matrices \(2-D\); got shapes \(16, 32\) and \(48,\)", id="1d_mat2"),
+    pytest.param(
+        _args(mat2=_fp8(N, 16).t()), RuntimeError, r"cannot be multiplied \(16x32 and 16x48\)", id="k_mismatch"
+    ),
+    pytest.param(
+        _args(mat2=_fp8(N)), RuntimeError, r"must be matrices \(2-D\); got shapes \(16, 32\) and \(48,\)", id="1d_mat2"
+    ),
     pytest.param(
         _args(scale_a=torch.ones(M), scale_b=torch.ones(N)),
-        ValueError, r"Invalid scaling configuration: scale_a \(16,\) and scale_b \(48,\) .* \(16, 1\) and \(1, 48\) \(rowwise\)",
+        ValueError,
+        r"Invalid scaling configuration: scale_a \(16,\) and scale_b \(48,\) .* \(16, 1\) and \(1, 48\) \(rowwise\)",
         id="scale_shapes",
     ),
     pytest.param(
-        _args(scale_a=torch.ones(M, 1), scale_b=_ONE), ValueError, r"Invalid scaling configuration: scale_a \(16, 1\)", id="rowwise_a_only",
+        _args(scale_a=torch.ones(M, 1), scale_b=_ONE),
+        ValueError,
+        r"Invalid scaling configuration: scale_a \(16, 1\)",
+        id="rowwise_a_only",
     ),
     pytest.param(
-        _args(bias=torch.zeros(M, N, dtype=torch.bfloat16)), RuntimeError, r"Bias must be size 48 \(N\) but got shape \(16, 48\)", id="2d_bias",
+        _args(bias=torch.zeros(M, N, dtype=torch.bfloat16)),
+        RuntimeError,
+        r"Bias must be size 48 \(N\) but got shape \(16, 48\)",
+        id="2d_bias",
     ),
-    pytest.param(_args(out_dtype=torch.int32), RuntimeError, r"out_dtype must be one of .*; got torch.int32", id="int_out"),
+    pytest.param(
+        _args(out_dtype=torch.int32), RuntimeError, r"out_dtype must be one of .*; got torch.int32", id="int_out"
+    ),
     pytest.param(_args(mat1=_fp8(2, 8, 0), mat2=_fp8(N, 0).t()), RuntimeError, r"must be matrices \(2-D\)", id="3d_k0"),
 ]
 
@@ -85,7 +111,8 @@ ACCEPTED = [
     pytest.param(_args(scale_a=torch.ones(1, 1), scale_b=torch.ones(1)), id="one_element_scales"),
     # The CPU extensions: fnuz operands (oneDNN refuses them), K = 0 (zeros + the bias).
     pytest.param(
-        _args(mat1=_fp8(M, K, dtype=torch.float8_e4m3fnuz), mat2=_fp8(N, K, dtype=torch.float8_e5m2fnuz).t()), id="fnuz",
+        _args(mat1=_fp8(M, K, dtype=torch.float8_e4m3fnuz), mat2=_fp8(N, K, dtype=torch.float8_e5m2fnuz).t()),
+        id="fnuz",
     ),
     pytest.param(_args(mat1=_fp8(M, 0), mat2=_fp8(N, 0).t(), bias=torch.randn(N, dtype=torch.bfloat16)), id="k0"),
 ]
@@ -130,6 +157,7 @@ def test_compiled_graph_shape_is_the_real_shape():
         "for i in range(len(t.ACCEPTED)): t._compiled_shape(i)\nprint('ok', len(t.ACCEPTED))"
     )
     env = {**os.environ, "F8TENSOR_CHECK_CUDA_RULES": "0", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, env=env,
-                          timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", code], check=False, capture_output=True, text=True, env=env, timeout=600
+    )
     assert done.returncode == 0 and done.stdout.strip() == f"ok {len(ACCEPTED)}", done.stderr[-3000:]

@@ -103,7 +103,9 @@ def nvfp4_reference(x: np.ndarray, block: int = 16):
     s = wanted.astype(md.float8_e4m3fn)
     denom = (s.astype(f32) * g).astype(f32)
     with np.errstate(divide="ignore", invalid="ignore"):
-        scaled = np.where(denom[..., None] > 0, xb / np.where(denom > 0, denom, f32(1))[..., None], xb * f32(0)).astype(f32)
+        scaled = np.where(denom[..., None] > 0, xb / np.where(denom > 0, denom, f32(1))[..., None], xb * f32(0)).astype(
+            f32
+        )
     codes = md_codes(np.nan_to_num(scaled, nan=0.0)) | (np.signbit(scaled).astype(np.uint8) << 3)
     s_bits = np.where(np.isfinite(amax_b), s.view(np.uint8), np.uint8(0x7F))
     return codes.reshape(x.shape), s_bits, g
@@ -249,8 +251,10 @@ def test_flatten_unflatten_exact_inverse():
     names, meta = f.__tensor_flatten__()
     g = Float4Tensor.__tensor_unflatten__({n: getattr(f, n) for n in names}, meta, f.shape, f.stride())
     for n in names:
-        assert torch.equal(getattr(g, n).view(torch.uint8) if getattr(g, n).dtype.itemsize == 1 else getattr(g, n),
-                           getattr(f, n).view(torch.uint8) if getattr(f, n).dtype.itemsize == 1 else getattr(f, n))
+        assert torch.equal(
+            getattr(g, n).view(torch.uint8) if getattr(g, n).dtype.itemsize == 1 else getattr(g, n),
+            getattr(f, n).view(torch.uint8) if getattr(f, n).dtype.itemsize == 1 else getattr(f, n),
+        )
     assert g.__tensor_flatten__()[1] == meta and g.shape == f.shape
 
 

@@ -115,7 +115,9 @@ def test_kernel_operands_layout_and_scale_counts(kind):
     assert sa.dtype == fp4_rule_for(kind).scale_dtype and sa.is_contiguous()
     # Packing: element 2i of a row in the low nibble (PyTorch's pack_uint4 convention).
     codes = a4.codes()
-    assert torch.equal(a_data.view(torch.uint8)[0, 0] & 0xF, codes[0, 0]) and torch.equal(a_data.view(torch.uint8)[0, 0] >> 4, codes[0, 1])
+    assert torch.equal(a_data.view(torch.uint8)[0, 0] & 0xF, codes[0, 0]) and torch.equal(
+        a_data.view(torch.uint8)[0, 0] >> 4, codes[0, 1]
+    )
 
 
 def test_fp4_rule_rows_cite_sources():

@@ -37,7 +37,11 @@ def _structured(shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
 def _same_f8(got: Float8Tensor, expected: Float8Tensor) -> None:
     assert type(got) is Float8Tensor
     assert (got._data.dtype, got._block, got._scale.dtype, got._orig_dtype, got._gemm) == (
-        expected._data.dtype, expected._block, expected._scale.dtype, expected._orig_dtype, expected._gemm
+        expected._data.dtype,
+        expected._block,
+        expected._scale.dtype,
+        expected._orig_dtype,
+        expected._gemm,
     )
     assert got.shape == expected.shape and got._scale.shape == expected._scale.shape
     assert torch.equal(bits(got._data), bits(expected._data))
@@ -80,7 +84,9 @@ def _expected_plain_spec(ref_name: str, takes, k: int, ndim: int = 2) -> CastSpe
     if not block:
         return CastSpec(e4m3)
     kb = block[1] if takes.blocks and any(b > 1 for b in block) else 0
-    return CastSpec(e4m3, tuple(kb if d == k else 1 for d in range(ndim)), scale_dtype if takes.blocks else torch.float32)
+    return CastSpec(
+        e4m3, tuple(kb if d == k else 1 for d in range(ndim)), scale_dtype if takes.blocks else torch.float32
+    )
 
 
 # The grouped kernel multiplies e4m3fn only: with an fnuz operand both are re-cast (below).
@@ -108,7 +114,9 @@ def test_prepare_needs_one_fp8_operand():
 
 def test_a_plain_operand_of_another_dtype_is_refused_by_name():
     a8 = to_float8(torch.randn(4, 16), CastSpec(E4M3))
-    with pytest.raises(TypeError, match=r"^the plain operand of an FP8 matmul must have a high-precision floating dtype"):
+    with pytest.raises(
+        TypeError, match=r"^the plain operand of an FP8 matmul must have a high-precision floating dtype"
+    ):
         prepare(a8, torch.randn(16, 4, dtype=torch.float64), DENSE, a_k=1, b_k=0)
 
 
@@ -197,7 +205,9 @@ def test_fp4_operand_refusals_name_the_operands():
     x, w = _structured((32, 64)), _structured((64, 48))
     with pytest.raises(TypeError, match=r"^prepare_fp4 needs at least one Float4Tensor operand$"):
         prepare_fp4(x, w, a_k=1, b_k=0, kernel=False)
-    with pytest.raises(TypeError, match=r"^the plain operand of an FP4 matmul must have a high-precision floating dtype"):
+    with pytest.raises(
+        TypeError, match=r"^the plain operand of an FP4 matmul must have a high-precision floating dtype"
+    ):
         prepare_fp4(Float4Tensor.from_hp(x), w.to(torch.float64), a_k=1, b_k=0, kernel=False)
     a4 = Float4Tensor.from_hp(x, "nvfp4")
     w8 = to_float8(w, CastSpec(E4M3, (0, 1)))

@@ -170,7 +170,9 @@ def test_wrapper_checks_functional_scaled_mm(cuda_rules):
 
 def _run_with_env(code: str, mode: str) -> subprocess.CompletedProcess:
     env = {**os.environ, G.RULES_CHECK_ENV: mode, "PYTHONPATH": os.pathsep.join(sys.path)}
-    return subprocess.run([sys.executable, "-c", code], check=False, env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", code], check=False, env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_env_var_checks_products_and_import_changes_nothing():
@@ -257,7 +259,9 @@ def test_precise_rowwise_route_refuses_unknown_names(bad):
     assert G.precise_rowwise_route() == "kernel"
     if bad is not None:
         with pytest.raises(ValueError, match="precise rowwise route must be one of"):
-            choose_route(E4M3, E4M3, rowwise=True, out_dtype=torch.bfloat16, use_fast_accum=False, m=M, precise_route=bad)
+            choose_route(
+                E4M3, E4M3, rowwise=True, out_dtype=torch.bfloat16, use_fast_accum=False, m=M, precise_route=bad
+            )
 
 
 @pytest.fixture
@@ -432,7 +436,9 @@ def test_rowwise_recipe_backward_on_either_precise_route(recipe, scaled_mm_calls
     # grad_W; rowwise_with_gw_hp runs that one in bf16) precise.
     n_precise = 2 if recipe == "rowwise" else 1
     assert kinds["kernel"] == [("rowwise", torch.bfloat16, True)] + [("rowwise", torch.bfloat16, False)] * n_precise
-    assert kinds["postscale"] == [("rowwise", torch.bfloat16, True)] + [("tensorwise", torch.float32, False)] * n_precise
+    assert (
+        kinds["postscale"] == [("rowwise", torch.bfloat16, True)] + [("tensorwise", torch.float32, False)] * n_precise
+    )
     for a, b in zip(grads["kernel"], grads["postscale"]):
         # Measured bit for bit on CPU (another CPU's kernels may order the scaling otherwise:
         # fp32 round-off, not a second bf16 rounding at ~50 dB).

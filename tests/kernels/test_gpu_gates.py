@@ -84,8 +84,12 @@ def test_gpu_tests_are_gated_by_their_products(monkeypatch, item, runs_on):
         pytest.skip("this torch has no torch.nn.functional.scaled_mm: every block gate is closed")
     from tests.helpers import gpu_test_skip_reason
 
-    devices = {"sm89 cu13.0": ((8, 9), "13.0"), "sm90 cu12.8": ((9, 0), "12.8"), "sm90 cu13.0": ((9, 0), "13.0"),
-               "sm100 cu12.8": ((10, 0), "12.8")}
+    devices = {
+        "sm89 cu13.0": ((8, 9), "13.0"),
+        "sm90 cu12.8": ((9, 0), "12.8"),
+        "sm90 cu13.0": ((9, 0), "13.0"),
+        "sm100 cu12.8": ((10, 0), "12.8"),
+    }
     for name, (sm, cuda) in devices.items():
         _pretend(monkeypatch, sm, cuda)
         why = gpu_test_skip_reason(item)

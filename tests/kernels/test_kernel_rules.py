@@ -42,8 +42,12 @@ def _block_operands(rule, m, k, n, dtype=E4M3):
     """Float8Tensor operands a (M, K), b (K, N) with ``rule``'s blocks, and the kernel call
     the CUDA branch would make for them (built by blocks.py's own code)."""
     scale_dtype = rule.scale_dtype
-    a8 = Float8Tensor.from_hp(torch.randn(m, k), granularity=BlockGranularity(rule.block_a, scale_dtype), float8_dtype=dtype)
-    b8 = Float8Tensor.from_hp(torch.randn(k, n), granularity=BlockGranularity(rule.block_b, scale_dtype), float8_dtype=dtype)
+    a8 = Float8Tensor.from_hp(
+        torch.randn(m, k), granularity=BlockGranularity(rule.block_a, scale_dtype), float8_dtype=dtype
+    )
+    b8 = Float8Tensor.from_hp(
+        torch.randn(k, n), granularity=BlockGranularity(rule.block_b, scale_dtype), float8_dtype=dtype
+    )
     return a8, b8
 
 
@@ -113,7 +117,9 @@ def test_deepseek_compile_rules_are_enforced_where_the_meta_asks(monkeypatch):
     rule = DEEPSEEK[0]
     a8, b8 = _block_operands(rule, 64, 320, 208)
     monkeypatch.setattr(compat, "META_FLOORS_BLOCK_SCALES", True)
-    with pytest.raises(ValueError, match=r"K=320 \(a multiple of 128\), N=208 \(a multiple of 128\) under torch.compile"):
+    with pytest.raises(
+        ValueError, match=r"K=320 \(a multiple of 128\), N=208 \(a multiple of 128\) under torch.compile"
+    ):
         blocks._padding(rule, a8, b8, GemmConfig(), traced=True)
     pads = blocks._padding(rule, a8, b8, GemmConfig(pad_inner_dim=True), traced=True)
     assert pads == (0, 64, 48)
@@ -225,8 +231,11 @@ def test_batched_mm_with_1024_entries_or_more_runs_in_legal_calls(monkeypatch):
 def test_weight_gradient_form_zeroes_empty_groups_on_the_kernel_path(monkeypatch):
     # The kernel's output comes from empty_strided: an empty group is not provably written.
     monkeypatch.setattr(grouped, "grouped_kernel_available", lambda device: True)
-    monkeypatch.setattr(compat, "scaled_grouped_mm", lambda a, b, sa, sb, offs, out: torch.full(
-        (offs.shape[0], a.shape[0], b.shape[1]), float("nan"), dtype=out))
+    monkeypatch.setattr(
+        compat,
+        "scaled_grouped_mm",
+        lambda a, b, sa, sb, offs, out: torch.full((offs.shape[0], a.shape[0], b.shape[1]), float("nan"), dtype=out),
+    )
     k, n = 32, 16
     offs = torch.tensor([16, 16, 48], dtype=torch.int32)  # group 1 is empty
     a, b = torch.zeros(k, 48, dtype=E4M3), torch.zeros(n, 48, dtype=E4M3).t()  # (K, P) row-, (P, N) column-major
@@ -251,7 +260,9 @@ def test_grouped_offs_values_refused(bad):
 
 def test_grouped_offs_as_a_list_is_accepted():
     x, w = _xw()
-    assert torch.equal(float8_grouped_mm(x, w, [3, 8]), float8_grouped_mm(x, w, torch.tensor([3, 8], dtype=torch.int32)))
+    assert torch.equal(
+        float8_grouped_mm(x, w, [3, 8]), float8_grouped_mm(x, w, torch.tensor([3, 8], dtype=torch.int32))
+    )
     assert torch.equal(float8_grouped_mm(x, w, (3, 8)), float8_grouped_mm(x, w, torch.tensor([3, 8])))
     with pytest.raises(TypeError, match="offs"):
         float8_grouped_mm(x, w, [3.0, 8.0])

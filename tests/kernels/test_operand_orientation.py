@@ -85,7 +85,9 @@ def test_linear_gemm_operands_follow_their_contracted_dim(monkeypatch, recipe):
         deqs = []
         for (role, side), op, ref in zip(GEMMS[gemm], args[:2], (hp_a, hp_b)):
             gran, f8, e8m0 = RECIPES[recipe][role]
-            deqs.append(assert_operand(op, ref, operand_block(gran, side), f8, e8m0, f"{recipe} {gemm} {side} ({role})"))
+            deqs.append(
+                assert_operand(op, ref, operand_block(gran, side), f8, e8m0, f"{recipe} {gemm} {side} ({role})")
+            )
         want = deqs[0] @ deqs[1]
         if any(isinstance(g, tuple) for g in (RECIPES[recipe]["input"][0], RECIPES[recipe]["weight"][0])):
             # Block-scaled products run the reference path on CPU: dequantize per block,
@@ -111,8 +113,12 @@ def test_linear_results_are_the_reference_products(monkeypatch):
     deq = {
         key: ref_cast(t, operand_block(g, side), E4M3, False)[2]
         for key, t, g, side in (
-            ("x_A", x, (1, 128), "A"), ("wt_B", w.t(), (128, 128), "B"), ("g_A", gy, (1, 128), "A"),
-            ("w_B", w, (128, 128), "B"), ("gt_A", gy.t(), (1, 128), "A"), ("x_B", x, (1, 128), "B"),
+            ("x_A", x, (1, 128), "A"),
+            ("wt_B", w.t(), (128, 128), "B"),
+            ("g_A", gy, (1, 128), "A"),
+            ("w_B", w, (128, 128), "B"),
+            ("gt_A", gy.t(), (1, 128), "A"),
+            ("x_B", x, (1, 128), "B"),
         )
     }
     assert torch.equal(y, deq["x_A"] @ deq["wt_B"])
@@ -170,7 +176,9 @@ def test_fp4_gemm_operands_are_blocked_along_their_contracted_dim(monkeypatch, r
             assert is_float4(op), f"{recipe} {gemm} {side}: {type(op).__name__}"
             block = operand_block(blocks[role], side)
             grid = tuple(math.ceil(s / b) for s, b in zip(ref.shape, block))
-            assert tuple(op._scale.shape) == grid, f"{recipe} {gemm} {side} ({role}): scale {tuple(op._scale.shape)}, want {grid}"
+            assert tuple(op._scale.shape) == grid, (
+                f"{recipe} {gemm} {side} ({role}): scale {tuple(op._scale.shape)}, want {grid}"
+            )
 
 
 # ----------------------------------------------------------------------------- grouped (MoE)
@@ -194,7 +202,8 @@ def test_grouped_gemm_operands_follow_their_contracted_dim(monkeypatch, recipe):
     (fwd_args, fwd_out), (bwd_args, bwd_out) = recorder.calls
     starts = [0, 32, 32]
     for gemm, (a8, b8), out, a_hp, b_hp in (
-        ("output", fwd_args[:2], fwd_out, x, w), ("grad_input", bwd_args[:2], bwd_out, gy, w.transpose(1, 2)),
+        ("output", fwd_args[:2], fwd_out, x, w),
+        ("grad_input", bwd_args[:2], bwd_out, gy, w.transpose(1, 2)),
     ):
         deq_a = assert_operand(a8, a_hp, operand_block(gran, "A"), E4M3, False, f"grouped {gemm} A")
         for e in range(3):
@@ -203,7 +212,9 @@ def test_grouped_gemm_operands_follow_their_contracted_dim(monkeypatch, recipe):
             assert scale.numel() == ref_scale.numel() and torch.equal(scale.reshape(ref_scale.shape), ref_scale), (
                 f"grouped {gemm} B expert {e}: scale {tuple(scale.shape)}"
             )
-            assert torch.equal(data.view(torch.uint8), ref_data.view(torch.uint8)), f"grouped {gemm} B expert {e}: bytes"
+            assert torch.equal(data.view(torch.uint8), ref_data.view(torch.uint8)), (
+                f"grouped {gemm} B expert {e}: bytes"
+            )
             rows = slice(starts[e], int(offs[e]))
             want = (deq_a[rows] @ deq_b).to(out.dtype).float()
             # bf16 output of an fp32 product: equal up to one bf16 rounding of the sum order.
@@ -256,7 +267,9 @@ def test_grouped_block_recipes_cast_each_expert_like_a_linear(monkeypatch, recip
         deqs = []
         for (role, side), op, ref in zip(GEMMS[gemm], args[:2], hp):
             gran, f8, e8m0 = roles[role]
-            deqs.append(assert_operand(op, ref, operand_block(gran, side), f8, e8m0, f"{recipe} expert {e} {gemm} {side}"))
+            deqs.append(
+                assert_operand(op, ref, operand_block(gran, side), f8, e8m0, f"{recipe} expert {e} {gemm} {side}")
+            )
         assert torch.equal(out.float(), (deqs[0] @ deqs[1]).to(out.dtype).float()), f"{recipe} expert {e} {gemm}"
 
 

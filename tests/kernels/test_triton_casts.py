@@ -29,7 +29,11 @@ E4M3 = torch.float8_e4m3fn
 HP_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 #: Tests that never run a kernel under the interpreter (routing, the GPU compiler).
-_NO_INTERPRETER = {"test_plan_covers_and_refuses", "test_cpu_casts_stay_on_the_reference", "test_kernels_compile_for_cuda"}
+_NO_INTERPRETER = {
+    "test_plan_covers_and_refuses",
+    "test_cpu_casts_stay_on_the_reference",
+    "test_kernels_compile_for_cuda",
+}
 
 
 @functools.cache
@@ -175,7 +179,14 @@ def test_odd_shapes(name, shape):
 
 @pytest.mark.parametrize(
     "shape, block",
-    [((300,), ()), ((300,), (0,)), ((300,), (128,)), ((2, 3, 64), ()), ((2, 3, 64), (1, 1, 0)), ((2, 3, 70), (1, 1, 32))],
+    [
+        ((300,), ()),
+        ((300,), (0,)),
+        ((300,), (128,)),
+        ((2, 3, 64), ()),
+        ((2, 3, 64), (1, 1, 0)),
+        ((2, 3, 70), (1, 1, 32)),
+    ],
 )
 def test_other_ranks(shape, block):
     check(sample(shape, seed=5), CastSpec(E4M3, block))
@@ -411,9 +422,7 @@ def _compile_for(arch: int, kernel, pointers: dict, constants: dict, num_warps: 
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
 
-    signature = {
-        name: "constexpr" if name in constants else pointers.get(name, "i32") for name in kernel.arg_names
-    }
+    signature = {name: "constexpr" if name in constants else pointers.get(name, "i32") for name in kernel.arg_names}
     source = triton.compiler.ASTSource(kernel, signature, constexprs=constants)
     options = {"num_warps": num_warps, **triton_cast._OPTIONS}
     return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)

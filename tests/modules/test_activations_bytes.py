@@ -82,7 +82,9 @@ def test_every_recipe_saves_its_linear_input_in_at_most_055_of_bf16(recipe):
 def test_an_fp8_input_saved_by_a_float8_linear_is_not_quantized_again(monkeypatch):
     casts = []
     real = BlockQuantizer.quantize
-    monkeypatch.setattr(BlockQuantizer, "quantize", lambda q, hp, *a, **k: casts.append(hp.shape) or real(q, hp, *a, **k))
+    monkeypatch.setattr(
+        BlockQuantizer, "quantize", lambda q, hp, *a, **k: casts.append(hp.shape) or real(q, hp, *a, **k)
+    )
     torch.manual_seed(0)
     layer = Float8Linear.from_float(nn.Linear(K, N, dtype=torch.bfloat16), Float8LinearConfig.from_recipe("tensorwise"))
     x = _x()

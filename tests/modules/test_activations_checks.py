@@ -43,7 +43,9 @@ def test_a_change_after_the_save_raises_as_without_the_context(kind, what):
         loss.backward()
     loss, changed = _changed(_model(kind), what, save_activations_in_float8())
     now = changed._version
-    with pytest.raises(RuntimeError, match=rf"modified by an inplace operation: .* at version {now - 1} is now at version {now}"):
+    with pytest.raises(
+        RuntimeError, match=rf"modified by an inplace operation: .* at version {now - 1} is now at version {now}"
+    ):
         loss.backward()
 
 

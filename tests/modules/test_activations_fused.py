@@ -158,7 +158,9 @@ def test_restored_copy_is_dropped_after_its_last_unpack(monkeypatch):
     restores, casts = [], []
     real_restore, real_cast = activations._restore, BlockQuantizer.quantize
     monkeypatch.setattr(activations, "_restore", lambda p: restores.append(p) or real_restore(p))
-    monkeypatch.setattr(BlockQuantizer, "quantize", lambda q, t, *a, **k: casts.append(t.shape) or real_cast(q, t, *a, **k))
+    monkeypatch.setattr(
+        BlockQuantizer, "quantize", lambda q, t, *a, **k: casts.append(t.shape) or real_cast(q, t, *a, **k)
+    )
     with _context():
         h = torch.tanh(x)  # tanh saves its output, both linears save it as their input
         out = (lin1(h) * lin2(h)).sum()  # the product saves both outputs

@@ -123,7 +123,9 @@ def test_a_filter_by_type_and_a_module_called_twice(monkeypatch):
     model = nn.ModuleDict({"lin": lin, "norm": nn.LayerNorm(256)})
     shapes = _count_casts(monkeypatch)
     x = torch.randn(64, 256)
-    with save_activations_in_float8(min_numel=0, model=model, module_filter_fn=lambda m, fqn: not isinstance(m, nn.Linear)):
+    with save_activations_in_float8(
+        min_numel=0, model=model, module_filter_fn=lambda m, fqn: not isinstance(m, nn.Linear)
+    ):
         h = model["norm"](x * 1)  # the norm saves its input (one cast)
         y = lin(lin(h))  # both calls of the rejected linear keep their inputs
         y = y.exp()  # outside every module: compressed
@@ -138,7 +140,10 @@ def test_hooks_are_removed_at_exit_also_on_an_exception(monkeypatch):
         assert len(model.fc2._forward_pre_hooks) == 1 and len(model.fc2._forward_hooks) == 1
         assert not model.fc1._forward_pre_hooks  # only the rejected modules get hooks
     assert not model.fc2._forward_pre_hooks and not model.fc2._forward_hooks
-    with pytest.raises(ZeroDivisionError), save_activations_in_float8(model=model, module_filter_fn=lambda m, fqn: fqn != "fc2"):
+    with (
+        pytest.raises(ZeroDivisionError),
+        save_activations_in_float8(model=model, module_filter_fn=lambda m, fqn: fqn != "fc2"),
+    ):
         1 / 0  # noqa: B018
     assert not model.fc2._forward_pre_hooks and not model.fc2._forward_hooks
 

@@ -27,7 +27,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 _FP8_PRODUCTS = {torch.ops.f8tensor.cpu_scaled_mm.default, torch.ops.aten._scaled_mm.default}
 _HP_PRODUCTS = {
-    torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.linear.default,
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.linear.default,
     torch.ops.aten._native_multi_head_attention.default,
 }
 
@@ -169,7 +171,9 @@ def test_state_dict_round_trips_both_ways(tmp_path):
     assert all(type(v) is torch.Tensor and v.shape == hp_sd[k].shape for k, v in fp8_sd.items())
     # an nn.MultiheadAttention checkpoint loads into the converted model, through a file
     torch.manual_seed(1)
-    other = nn.Sequential(nn.MultiheadAttention(32, 2, batch_first=True), nn.MultiheadAttention(32, 2, kdim=48, vdim=16))
+    other = nn.Sequential(
+        nn.MultiheadAttention(32, 2, batch_first=True), nn.MultiheadAttention(32, 2, kdim=48, vdim=16)
+    )
     buf = io.BytesIO()
     torch.save(other.state_dict(), buf)
     buf.seek(0)
@@ -191,7 +195,10 @@ def test_state_dict_round_trips_both_ways(tmp_path):
     assert isinstance(fp8[1].q_proj_weight, Float8AttentionWeight)
     # a whole-model copy keeps its projections in FP8
     clone = copy.deepcopy(fp8)
-    assert isinstance(clone[0].in_proj_weight, Float8AttentionWeight) and clone[0].in_proj_weight._config == fp8[0].in_proj_weight._config
+    assert (
+        isinstance(clone[0].in_proj_weight, Float8AttentionWeight)
+        and clone[0].in_proj_weight._config == fp8[0].in_proj_weight._config
+    )
 
 
 def test_high_precision_product_with_an_fp8_attention_weight_is_refused():
@@ -284,7 +291,9 @@ def test_encoder_stack_with_padding_mask_stays_fp8_under_inference_mode():
     # nn.TransformerEncoder's own fast path (nested tensors for a padding mask) is declined
     # too: 2 layers x 4 FP8 products, no high-precision projection.
     torch.manual_seed(0)
-    encoder = convert_to_float8_training(nn.TransformerEncoder(nn.TransformerEncoderLayer(32, 2, 64, batch_first=True), 2))
+    encoder = convert_to_float8_training(
+        nn.TransformerEncoder(nn.TransformerEncoderLayer(32, 2, 64, batch_first=True), 2)
+    )
     encoder.eval()
     mask = torch.zeros(2, 8, dtype=torch.bool)
     mask[0, 6:] = True

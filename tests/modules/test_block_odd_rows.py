@@ -174,12 +174,18 @@ def test_linear_with_odd_token_counts(config, tokens, out_features, monkeypatch)
 
     want = _fwd_bwd(copy.deepcopy(ref), x, grad_out)
     what = f"{config}, {tokens} tokens, out {out_features}"
-    for name, i, min_db in (("output", 0, OUTPUT_MIN_DB), ("grad_input", 1, GRAD_INPUT_MIN_DB), ("grad_weight", 2, GRAD_WEIGHT_MIN_DB)):
+    for name, i, min_db in (
+        ("output", 0, OUTPUT_MIN_DB),
+        ("grad_input", 1, GRAD_INPUT_MIN_DB),
+        ("grad_weight", 2, GRAD_WEIGHT_MIN_DB),
+    ):
         db = sqnr(want[i].detach(), got[i].detach())
         assert db >= min_db, f"{what} {name}: SQNR {db:.2f} dB is below {min_db} dB"
     assert torch.equal(got[3], want[3])  # grad_bias: a sum of grad_output in high precision
 
     # The emulated product (no kernel, no padding) gives the same bits.
-    emulated = _fwd_bwd(Float8Linear.from_float(copy.deepcopy(ref), CONFIGS[config](pad_inner_dim=pad_inner, emulate=True)), x, grad_out)
+    emulated = _fwd_bwd(
+        Float8Linear.from_float(copy.deepcopy(ref), CONFIGS[config](pad_inner_dim=pad_inner, emulate=True)), x, grad_out
+    )
     for name, a, b in zip(("output", "grad_input", "grad_weight", "grad_bias"), got, emulated):
         assert torch.equal(a, b), f"{what} {name}"

@@ -14,8 +14,19 @@ from f8tensor.compat import multi_head_attention_forward_with
 
 def _mha_args(mha, q, k, v):
     return (
-        q, k, v, mha.embed_dim, mha.num_heads, mha.in_proj_weight, mha.in_proj_bias, mha.bias_k, mha.bias_v,
-        mha.add_zero_attn, mha.dropout, mha.out_proj.weight, mha.out_proj.bias,
+        q,
+        k,
+        v,
+        mha.embed_dim,
+        mha.num_heads,
+        mha.in_proj_weight,
+        mha.in_proj_bias,
+        mha.bias_k,
+        mha.bias_v,
+        mha.add_zero_attn,
+        mha.dropout,
+        mha.out_proj.weight,
+        mha.out_proj.bias,
     )
 
 

@@ -30,8 +30,10 @@ BUDGETS = {
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(torch.__version__.split("+")[0].rsplit(".", 1)[0] != "2.13",
-                       reason="the budgets count torch 2.13's guards and kernels"),
+    pytest.mark.skipif(
+        torch.__version__.split("+")[0].rsplit(".", 1)[0] != "2.13",
+        reason="the budgets count torch 2.13's guards and kernels",
+    ),
 ]
 
 
@@ -75,4 +77,5 @@ def test_compiled_block_within_budget(variant, no_rules_check):
     guards_max, kernels_max = BUDGETS[variant]
     assert counts["breaks"] == 0 and counts["graphs"] == 1, counts
     assert counts["guards"] <= guards_max and counts["kernels"] <= kernels_max, (
-        f"{variant}: {counts['guards']} guards, {counts['kernels']} kernels (budgets {guards_max}, {kernels_max})")
+        f"{variant}: {counts['guards']} guards, {counts['kernels']} kernels (budgets {guards_max}, {kernels_max})"
+    )

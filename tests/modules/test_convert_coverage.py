@@ -83,7 +83,9 @@ def test_summary_line_counts_and_reasons(caplog):
 
 def test_warns_when_nothing_is_converted():
     model = nn.Sequential(nn.Linear(64, 64))
-    with pytest.warns(UserWarning, match=r"converted 0 of 1 linear layers to FP8; skipped 1 rejected by module_filter_fn"):
+    with pytest.warns(
+        UserWarning, match=r"converted 0 of 1 linear layers to FP8; skipped 1 rejected by module_filter_fn"
+    ):
         convert_to_float8_training(model, module_filter_fn=lambda m, fqn: False)
     assert model.float8_converted_fqns == ()
     with pytest.warns(UserWarning, match="the model has no nn.Linear"):
@@ -143,7 +145,9 @@ def test_gpt2_converts_every_conv1d_and_trains_like_its_twin():
     loss_ref.backward()
     loss.backward()
     name = "transformer.h.0.mlp.c_fc.weight"
-    assert_sqnr(ref.get_parameter(name).grad, model.get_parameter(name).grad, MODEL_GRAD_MIN_DB, "GPT-2 c_fc grad_weight")
+    assert_sqnr(
+        ref.get_parameter(name).grad, model.get_parameter(name).grad, MODEL_GRAD_MIN_DB, "GPT-2 c_fc grad_weight"
+    )
 
 
 def test_the_core_imports_no_integration():

@@ -53,8 +53,14 @@ def test_every_reported_layer_runs_in_fp8(mode, monkeypatch, caplog):
     # both weights are reported, by parameter name, and the summary counts the attentions.
     assert "2 of 2 nn.MultiheadAttention (in- and out-projections, 4 weights" in caplog.text
     assert set(model.float8_converted_fqns) == {
-        "0.mlp.0", "0.mlp.2", "1.linear1", "1.linear2", "0.self_attention.in_proj_weight",
-        "0.self_attention.out_proj.weight", "1.self_attn.in_proj_weight", "1.self_attn.out_proj.weight",
+        "0.mlp.0",
+        "0.mlp.2",
+        "1.linear1",
+        "1.linear2",
+        "0.self_attention.in_proj_weight",
+        "0.self_attention.out_proj.weight",
+        "1.self_attn.in_proj_weight",
+        "1.self_attn.out_proj.weight",
     }
     counter = RanFP8(monkeypatch)
     x = torch.randn(2, 8, 32)

@@ -128,8 +128,10 @@ PYTHON_CALL_BUDGETS = {
 }
 
 
-@pytest.mark.skipif(torch.__version__.split("+")[0].rsplit(".", 1)[0] != "2.13",
-                    reason="the budgets count torch 2.13's own Python calls too")
+@pytest.mark.skipif(
+    torch.__version__.split("+")[0].rsplit(".", 1)[0] != "2.13",
+    reason="the budgets count torch 2.13's own Python calls too",
+)
 @pytest.mark.parametrize("recipe", list(PYTHON_CALL_BUDGETS))
 def test_python_calls_at_most_the_budget(recipe, no_rules_check):
     bench = _bench()
@@ -159,8 +161,28 @@ def test_bf16_reference_counts(no_rules_check):
 
 # The cheaper scale computations must give the bits of the straightforward ones they
 # replace (a where(isfinite) guard after the division), for every kind of amax.
-_AMAXES = [0.0, -0.0, 2.0**-149, 1e-38, 2.0**-100, 2.0**-101, 1e-30, 3e-7, 0.1, 1.0, 1.5, 448.0, 57344.0, 65504.0,
-           1e10, 3.3895313892515355e38, 3.4028234663852886e38, math.inf, math.nan, -math.nan]
+_AMAXES = [
+    0.0,
+    -0.0,
+    2.0**-149,
+    1e-38,
+    2.0**-100,
+    2.0**-101,
+    1e-30,
+    3e-7,
+    0.1,
+    1.0,
+    1.5,
+    448.0,
+    57344.0,
+    65504.0,
+    1e10,
+    3.3895313892515355e38,
+    3.4028234663852886e38,
+    math.inf,
+    math.nan,
+    -math.nan,
+]
 
 
 def _old_scale(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

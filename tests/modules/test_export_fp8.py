@@ -47,8 +47,14 @@ VOCAB, HIDDEN = 256, 128
 
 def _llama() -> torch.nn.Module:
     cfg = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=256, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True,
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=256,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=64,
+        tie_word_embeddings=True,
     )
     # bf16 parameters (the loader dequantizes to bf16); buffers such as RoPE's stay fp32, as from_pretrained keeps them
     return AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
@@ -56,17 +62,31 @@ def _llama() -> torch.nn.Module:
 
 def _qwen3_moe() -> torch.nn.Module:
     cfg = Qwen3MoeConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=256, moe_intermediate_size=128,
-        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, head_dim=64,
-        num_experts=4, num_experts_per_tok=2,
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=256,
+        moe_intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=64,
+        num_experts=4,
+        num_experts_per_tok=2,
     )
     return Qwen3MoeForCausalLM(cfg)  # fp32 masters
 
 
 def _mixtral() -> torch.nn.Module:
     cfg = MixtralConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=256, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=2, head_dim=64, num_local_experts=2, num_experts_per_tok=2,
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=256,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=64,
+        num_local_experts=2,
+        num_experts_per_tok=2,
     )
     return MixtralForCausalLM(cfg)
 
@@ -81,8 +101,13 @@ EXPORTS = [
     ("compressed_tensors", "channel"),
     ("compressed_tensors", "block"),
 ]
-GRANULARITY = {"fp8_block": BLOCK_128x128, "mxfp8": MX_1x32, "tensor": "tensorwise", "channel": "rowwise",
-               "block": BLOCK_128x128}
+GRANULARITY = {
+    "fp8_block": BLOCK_128x128,
+    "mxfp8": MX_1x32,
+    "tensor": "tensorwise",
+    "channel": "rowwise",
+    "block": BLOCK_128x128,
+}
 _TOKENS = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
 
 
@@ -203,8 +228,11 @@ def _expected_header(name: str, model: torch.nn.Module, fmt: str, strategy: str 
     def scale(n: int, k: int) -> tuple[str, list[int]]:
         kind = strategy or fmt
         return {
-            "fp8_block": ("F32", [n // 128, k // 128]), "block": ("F32", [n // 128, k // 128]),
-            "mxfp8": ("U8", [n, k // 32]), "channel": ("F32", [n, 1]), "tensor": ("F32", [1]),
+            "fp8_block": ("F32", [n // 128, k // 128]),
+            "block": ("F32", [n // 128, k // 128]),
+            "mxfp8": ("U8", [n, k // 32]),
+            "channel": ("F32", [n, 1]),
+            "tensor": ("F32", [1]),
         }[kind]
 
     out: dict[str, tuple[str, list[int]]] = {}
@@ -217,8 +245,11 @@ def _expected_header(name: str, model: torch.nn.Module, fmt: str, strategy: str 
             elif isinstance(p, Float8ExpertWeight):
                 e, n, k = p.shape
                 moe = "block_sparse_moe" if name == "mixtral" else "mlp"
-                names = {"gate_up_proj": ("w1", "w3"), "down_proj": ("w2",)} if name == "mixtral" else {
-                    "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+                names = (
+                    {"gate_up_proj": ("w1", "w3"), "down_proj": ("w2",)}
+                    if name == "mixtral"
+                    else {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+                )
                 parts = names[pname]
                 prefix = fqn.replace(".mlp.", f".{moe}.")
                 for i in range(e):
@@ -228,7 +259,9 @@ def _expected_header(name: str, model: torch.nn.Module, fmt: str, strategy: str 
                         out[key + suffix] = scale(n // len(parts), k)
             elif not (name == "llama" and key == "lm_head.weight"):  # tied: saved once, as the embedding
                 out[key.replace(".mlp.gate.", ".block_sparse_moe.gate.") if name == "mixtral" else key] = (
-                    hp, list(p.shape))
+                    hp,
+                    list(p.shape),
+                )
     return out
 
 
@@ -293,9 +326,16 @@ def test_compressed_tensors_config_is_what_compressed_tensors_reads(trained, tmp
     parsed = ct.QuantizationConfig.model_validate(qc)
     weights = parsed.config_groups["group_0"].weights
     want = {"llama": "block", "qwen3_moe": "channel", "mixtral": "tensor"}[name]
-    assert (str(getattr(weights.strategy, "value", weights.strategy)), str(getattr(weights.type, "value", weights.type)), weights.num_bits) == (want, "float", 8)
+    assert (
+        str(getattr(weights.strategy, "value", weights.strategy)),
+        str(getattr(weights.type, "value", weights.type)),
+        weights.num_bits,
+    ) == (want, "float", 8)
     assert parsed.config_groups["group_0"].input_activations.dynamic is True
-    assert parsed.format == "float-quantized" and str(getattr(parsed.quantization_status, "value", parsed.quantization_status)) == "compressed"
+    assert (
+        parsed.format == "float-quantized"
+        and str(getattr(parsed.quantization_status, "value", parsed.quantization_status)) == "compressed"
+    )
     assert set(qc) == {"quant_method", "format", "quantization_status", "config_groups", "ignore", "kv_cache_scheme"}
 
 
@@ -303,8 +343,10 @@ def test_fp8_block_config_has_exactly_its_keys(trained, tmp_path):
     _, model = trained
     for fmt, keys in (
         ("fp8_block", {"quant_method", "fmt", "activation_scheme", "weight_block_size", "modules_to_not_convert"}),
-        ("mxfp8", {"quant_method", "fmt", "activation_scheme", "weight_block_size", "scale_fmt",
-                   "modules_to_not_convert"}),
+        (
+            "mxfp8",
+            {"quant_method", "fmt", "activation_scheme", "weight_block_size", "scale_fmt", "modules_to_not_convert"},
+        ),
     ):
         save_fp8_pretrained(model, tmp_path / fmt, format=fmt)
         qc = _json(tmp_path / fmt / "config.json")["quantization_config"]
@@ -369,14 +411,24 @@ def test_not_a_pretrained_model(tmp_path):
     assert _listing(tmp_path) == []
 
 
-@pytest.mark.parametrize(("fmt", "strategy", "match"), [
-    ("fp8_block", None, r"k_proj.weight has N=64, K=128: 128x128 blocks"),
-    ("compressed_tensors", "block", r"k_proj.weight has N=64, K=128: 128x128 blocks"),
-    ("mxfp8", None, r"o_proj.weight has N=128, K=48: MXFP8 blocks of 32"),
-])
+@pytest.mark.parametrize(
+    ("fmt", "strategy", "match"),
+    [
+        ("fp8_block", None, r"k_proj.weight has N=64, K=128: 128x128 blocks"),
+        ("compressed_tensors", "block", r"k_proj.weight has N=64, K=128: 128x128 blocks"),
+        ("mxfp8", None, r"o_proj.weight has N=128, K=48: MXFP8 blocks of 32"),
+    ],
+)
 def test_unblockable_weight_names_the_layer_and_leaves_nothing(fmt, strategy, match, tmp_path):
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=256, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=64 if fmt != "mxfp8" else 24)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=256,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64 if fmt != "mxfp8" else 24,
+    )
     model = LlamaForCausalLM(cfg)
     (tmp_path / "existing").mkdir()
     (tmp_path / "existing" / "keep.txt").write_text("mine")
@@ -398,14 +450,18 @@ def test_non_finite_weight_is_refused(tmp_path):
     assert _listing(tmp_path) == []
 
 
-@pytest.mark.parametrize(("recipe", "fmt", "strategy"), [
-    ("blockwise", "fp8_block", None),
-    ("blockwise", "compressed_tensors", "block"),
-    ("rowwise", "compressed_tensors", "channel"),
-    ("mxfp8", "mxfp8", None),
-])
-def test_matching_recipe_exports_the_bytes_the_training_forward_multiplies(recipe, fmt, strategy, monkeypatch,
-                                                                           tmp_path):
+@pytest.mark.parametrize(
+    ("recipe", "fmt", "strategy"),
+    [
+        ("blockwise", "fp8_block", None),
+        ("blockwise", "compressed_tensors", "block"),
+        ("rowwise", "compressed_tensors", "channel"),
+        ("mxfp8", "mxfp8", None),
+    ],
+)
+def test_matching_recipe_exports_the_bytes_the_training_forward_multiplies(
+    recipe, fmt, strategy, monkeypatch, tmp_path
+):
     # The output GEMM's weight operand (W^T, (K, N)) as the forward built it, recorded at the
     # product, against the file: the same FP8 bytes, and scales the exact inverses.
     from safetensors.torch import load_file
@@ -430,7 +486,9 @@ def test_matching_recipe_exports_the_bytes_the_training_forward_multiplies(recip
     with torch.no_grad():
         layer(x)
     monkeypatch.undo()
-    (w_t,) = [b for b in seen if isinstance(b, Float8Tensor) and tuple(b.shape) == (layer.in_features, layer.out_features)]
+    (w_t,) = [
+        b for b in seen if isinstance(b, Float8Tensor) and tuple(b.shape) == (layer.in_features, layer.out_features)
+    ]
     save_fp8_pretrained(model, tmp_path / "out", format=fmt, strategy=strategy)
     files = [f for f in os.listdir(tmp_path / "out") if f.endswith(".safetensors")]
     tensors = {k: v for f in files for k, v in load_file(str(tmp_path / "out" / f)).items()}
@@ -440,18 +498,22 @@ def test_matching_recipe_exports_the_bytes_the_training_forward_multiplies(recip
     scale = tensors[key + ("_scale" if fmt == "compressed_tensors" else "_scale_inv")]
     trained_scale = w_t._scale.t()  # the forward's multiplier hp -> data, per (N, K) block
     if scale.dtype == torch.uint8:  # e8m0 codes of the inverse: 2**(c - 127) * trained = 1
-        assert torch.equal(torch.ldexp(torch.ones(()), scale.to(torch.int32) - 127) * trained_scale.float(),
-                           torch.ones_like(trained_scale, dtype=torch.float32))
+        assert torch.equal(
+            torch.ldexp(torch.ones(()), scale.to(torch.int32) - 127) * trained_scale.float(),
+            torch.ones_like(trained_scale, dtype=torch.float32),
+        )
     else:
         assert torch.equal(scale.reshape(trained_scale.shape), torch.reciprocal(trained_scale.float()))
 
 
 def test_mixed_recipes_need_a_strategy(tmp_path):
     model = _llama().float()
-    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe("rowwise"),
-                               module_filter_fn=lambda m, fqn: "mlp" in fqn)
-    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe("blockwise"),
-                               module_filter_fn=lambda m, fqn: "self_attn" in fqn)
+    convert_to_float8_training(
+        model, config=Float8LinearConfig.from_recipe("rowwise"), module_filter_fn=lambda m, fqn: "mlp" in fqn
+    )
+    convert_to_float8_training(
+        model, config=Float8LinearConfig.from_recipe("blockwise"), module_filter_fn=lambda m, fqn: "self_attn" in fqn
+    )
     with pytest.raises(ValueError, match=r"different weight granularities \(\['block', 'channel'\]\); pass strategy="):
         save_fp8_pretrained(model, tmp_path / "x", format="compressed_tensors")
     assert _listing(tmp_path) == []
@@ -480,8 +542,11 @@ _USERS = {
 }
 
 
-@pytest.mark.parametrize(("first", "second"), [("100KB", "150KB"), ("150KB", "100KB"), ("50GB", "100KB")],
-                         ids=["3-to-2-shards", "2-to-3-shards", "single-to-3-shards"])
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [("100KB", "150KB"), ("150KB", "100KB"), ("50GB", "100KB")],
+    ids=["3-to-2-shards", "2-to-3-shards", "single-to-3-shards"],
+)
 def test_a_second_export_keeps_the_users_files_and_drops_only_its_own_stale_shards(first, second, tmp_path):
     out = tmp_path / "out"
     torch.manual_seed(0)

@@ -366,7 +366,9 @@ def test_convert_with_module_filter():
     assert type(model.lm_head) is nn.Linear
     assert {fqn for _, fqn in seen} == expected | {"lm_head"}
     assert all(t is nn.Linear for t, _ in seen)  # the filter is only asked about linears
-    assert all(m.config == Float8LinearConfig.from_recipe("rowwise") for m in model.modules() if isinstance(m, Float8Linear))
+    assert all(
+        m.config == Float8LinearConfig.from_recipe("rowwise") for m in model.modules() if isinstance(m, Float8Linear)
+    )
 
 
 def test_convert_a_bare_linear_returns_the_new_layer():

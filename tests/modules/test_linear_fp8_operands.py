@@ -88,7 +88,9 @@ def test_an_fp8_input_gives_what_its_values_give(recipe, shape):
         assert torch.equal(buffer, ref.get_buffer(name)), name
 
 
-@pytest.mark.parametrize("shape, block", [((4, 8, 128), (2, 1, 128)), ((4, 8, 128), (1, 2, 128)), ((32, 128), (2, 128))])
+@pytest.mark.parametrize(
+    "shape, block", [((4, 8, 128), (2, 1, 128)), ((4, 8, 128), (1, 2, 128)), ((32, 128), (2, 128))]
+)
 def test_an_fp8_input_scaled_other_than_per_token_is_refused(shape, block):
     config = Float8LinearConfig.from_recipe("blockwise")
     x8 = to_float8(_structured(shape, 1), CastSpec(E4M3, block))
@@ -105,7 +107,7 @@ def test_an_fp8_input_becomes_a_consistent_token_matrix_with_the_forward_config(
     config = Float8LinearConfig.from_recipe(recipe)
     x8 = to_float8(_structured((2, 96, 128), 1), config.input.operand_spec(2, ndim=3))
     QuantizedLinearFn.apply(x8, torch.randn(64, 128), None, LinearArgs(config))
-    (a, b), = products
+    ((a, b),) = products
     assert_consistent(a)
     assert a.shape == (192, 128) and a._gemm == b._gemm == GemmConfig(use_fast_accum=True)
 
@@ -207,7 +209,9 @@ def _block_cast(x32: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
         for j in range(0, cols, block[1]):
             piece = x32[i : i + block[0], j : j + block[1]]
             scale = (448.0 / piece.abs().max().double()).float()
-            out[i : i + block[0], j : j + block[1]] = (piece * scale).clamp(-448, 448).to(E4M3).double() / scale.double()
+            out[i : i + block[0], j : j + block[1]] = (piece * scale).clamp(-448, 448).to(
+                E4M3
+            ).double() / scale.double()
     return out
 
 
@@ -273,7 +277,9 @@ def test_a_delayed_fp8_weight_records_its_scale_and_amax(products):
     y.backward(torch.randn(16, 256))
     # grad_x multiplies the gathered bytes as they are, with the gather's scale.
     w8_grad_input = products[1][1]
-    assert w8_grad_input._scale.item() == 4.0 and torch.equal(w8_grad_input._data.view(torch.uint8), w8._data.view(torch.uint8))
+    assert w8_grad_input._scale.item() == 4.0 and torch.equal(
+        w8_grad_input._data.view(torch.uint8), w8._data.view(torch.uint8)
+    )
     assert layer.amax_history_weight[0].item() == 7.5
     assert layer.amax_history_input[0].item() == x.detach().abs().max().item()
     assert x.grad is not None and w8.grad is not None
@@ -288,7 +294,9 @@ def test_emulate_reaches_both_backward_gemms():
     the reference path (the CUDA-rules check records a call a GPU would refuse, and the
     suite's fixture fails the test on one)."""
     tiles = CastConfig(E4M3, BlockGranularity((1, 64)))
-    config = Float8LinearConfig(input=tiles, weight=CastConfig(E4M3, BlockGranularity((64, 64))), grad_output=tiles, emulate=True)
+    config = Float8LinearConfig(
+        input=tiles, weight=CastConfig(E4M3, BlockGranularity((64, 64))), grad_output=tiles, emulate=True
+    )
     linear = nn.Linear(128, 64)
     layer = Float8Linear.from_float(copy.deepcopy(linear), config)
     x, grad = _structured((64, 128), 1), _structured((64, 64), 2)

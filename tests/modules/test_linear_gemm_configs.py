@@ -59,7 +59,9 @@ _FLAGS = [
 def test_each_gemm_gets_its_flags(recipe, flags, products):
     config = Float8LinearConfig.from_recipe(recipe, **flags)
     _step(config)
-    forward = GemmConfig(use_fast_accum=flags["use_fast_accum"], pad_inner_dim=flags["pad_inner_dim"], emulate=flags["emulate"])
+    forward = GemmConfig(
+        use_fast_accum=flags["use_fast_accum"], pad_inner_dim=flags["pad_inner_dim"], emulate=flags["emulate"]
+    )
     grad_input = GemmConfig(pad_inner_dim=flags["pad_inner_dim"], emulate=flags["emulate"])
     grad_weight = GemmConfig(pad_inner_dim=True, emulate=flags["emulate"])
     assert len(products) == 3
@@ -76,7 +78,9 @@ def test_an_fp8_weight_gets_each_gemms_flags(recipe, products):
     config = Float8LinearConfig.from_recipe(recipe, **flags)
     w8 = to_float8(torch.randn(32, 64), config.weight.operand_spec(1)).requires_grad_()
     x = torch.randn(64, 64, requires_grad=True)
-    linear_autograd.QuantizedLinearFn.apply(x, w8, None, linear_autograd.LinearArgs(config)).backward(torch.randn(64, 32))
+    linear_autograd.QuantizedLinearFn.apply(x, w8, None, linear_autograd.LinearArgs(config)).backward(
+        torch.randn(64, 32)
+    )
     forward, grad_input = products[0], products[1]
     assert forward[1]._gemm == GemmConfig(use_fast_accum=True, pad_inner_dim=True, emulate=True) == forward[0]._gemm
     assert grad_input[1]._gemm == GemmConfig(pad_inner_dim=True, emulate=True) == grad_input[0]._gemm
@@ -134,7 +138,9 @@ def test_the_weight_gradient_is_written_in_the_weight_dtype(recipe, products):
     assert products[2][2].get("out_dtype") == torch.float32
 
 
-_NVFP4_FP8_WGRAD = Float8LinearConfig.from_recipe("nvfp4").with_gemm_formats({("grad_weight", "input"): CastConfig(E4M3, "rowwise")})
+_NVFP4_FP8_WGRAD = Float8LinearConfig.from_recipe("nvfp4").with_gemm_formats(
+    {("grad_weight", "input"): CastConfig(E4M3, "rowwise")}
+)
 _PADDED = {"rowwise": 26.0, "mxfp8": 26.0, "nvfp4": 13.5, "mxfp4": 12.0, "nvfp4_with_fp8_input": 15.0}
 
 
@@ -182,7 +188,14 @@ def test_cast_for_refuses_an_unknown_gemm_or_operand():
     config = Float8LinearConfig.from_recipe("rowwise")
     allowed = "forward: input and weight; grad_input: grad_output and weight; grad_weight: grad_output and input"
     for gemm, operand in (("backward", "input"), ("forward", "grad_output")):
-        with pytest.raises(ValueError, match="^" + re.escape(f"cast_for: no operand {operand!r} of GEMM {gemm!r}; the GEMMs and their operands are {allowed}") + "$"):
+        with pytest.raises(
+            ValueError,
+            match="^"
+            + re.escape(
+                f"cast_for: no operand {operand!r} of GEMM {gemm!r}; the GEMMs and their operands are {allowed}"
+            )
+            + "$",
+        ):
             config.cast_for(gemm, operand)
 
 
@@ -205,8 +218,16 @@ def test_per_gemm_formats_record_the_first_cast_of_each_role(input_grad):
     operands in another granularity, so each recorded vector says which cast made it."""
     rows, tiles = CastConfig(E4M3, "rowwise"), CastConfig(E4M3, (1, 32))
     config = Float8LinearConfig(
-        input=tiles, weight=tiles, grad_output=tiles, collect_stats=True, emulate=True,
-        gemm_overrides={("grad_weight", "grad_output"): rows, ("grad_weight", "input"): rows, ("grad_input", "weight"): rows},
+        input=tiles,
+        weight=tiles,
+        grad_output=tiles,
+        collect_stats=True,
+        emulate=True,
+        gemm_overrides={
+            ("grad_weight", "grad_output"): rows,
+            ("grad_weight", "input"): rows,
+            ("grad_input", "weight"): rows,
+        },
     )
     # Small values and a few large ones: the values that flush to zero (underflow_count)
     # depend on which elements share a scale with a large one.

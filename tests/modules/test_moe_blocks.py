@@ -39,8 +39,12 @@ def test_qwen2_moe_massive_activation_keeps_the_other_tokens(impl, recipe):
     from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
 
     cfg = Qwen2MoeConfig(
-        hidden_size=256, moe_intermediate_size=128, shared_expert_intermediate_size=128,
-        num_experts=4, num_experts_per_tok=2, norm_topk_prob=False,
+        hidden_size=256,
+        moe_intermediate_size=128,
+        shared_expert_intermediate_size=128,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=False,
     )
     cfg._experts_implementation = impl
     torch.manual_seed(0)
@@ -52,7 +56,9 @@ def test_qwen2_moe_massive_activation_keeps_the_other_tokens(impl, recipe):
     x[0, 3, 7] = 3000.0  # a massive activation (Sun et al. 2024) in one channel of one token
     with torch.no_grad():
         ref = block(x)
-    convert_to_float8_training(block, config=Float8LinearConfig.from_recipe(recipe), module_filter_fn=lambda m, f: False)
+    convert_to_float8_training(
+        block, config=Float8LinearConfig.from_recipe(recipe), module_filter_fn=lambda m, f: False
+    )
     assert isinstance(block.experts.gate_up_proj, Float8ExpertWeight)
     with torch.no_grad():
         out = block(x)
@@ -95,7 +101,7 @@ def test_grouped_experts_equal_dense_float8_linear_bit_for_bit(recipe):
         ye.backward(grad[start:end])
         outs.append(ye.detach()), gx.append(xe.grad), gw.append(lin.weight.grad)
         start = end
-    assert torch.equal(out[: start].detach(), torch.cat(outs)), "forward"
+    assert torch.equal(out[:start].detach(), torch.cat(outs)), "forward"
     assert torch.equal(out[start:], torch.zeros_like(out[start:])), "rows past offs[-1]"
     assert torch.equal(xg.grad[:start], torch.cat(gx)), "input gradient"
     assert torch.equal(param.grad, torch.stack(gw)), "weight gradient"

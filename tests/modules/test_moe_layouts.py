@@ -79,7 +79,9 @@ def test_weight_gradient_has_the_weight_layout(recipe):
     _, _, gw = _step(_fn(recipe, offs), w, x, grad, _transposed)
     # The gradient of the (E, K, N) view, stored as the (E, N, K) weight is: column-major.
     assert gw.shape == (G, K, N)
-    assert gw.transpose(-2, -1).is_contiguous(), f"weight gradient strides {gw.stride()}, weight view {_transposed(w).stride()}"
+    assert gw.transpose(-2, -1).is_contiguous(), (
+        f"weight gradient strides {gw.stride()}, weight view {_transposed(w).stride()}"
+    )
     # A weight stored (E, K, N) gets a row-major gradient.
     w_rows = w.detach().transpose(-2, -1).contiguous().requires_grad_()
     _, _, gw_rows = _step(_fn(recipe, offs), w_rows, x, grad, lambda t: t)
@@ -102,7 +104,9 @@ def _profiled_ops(step) -> list[str]:
 
 def _copies_and_scatters(chains: list[str]) -> list[str]:
     """The weight-gradient copies autograd makes (``AccumulateGrad``'s ``copy_``) and every scatter."""
-    return [c for c in chains if (c.startswith("aten::copy_") and "AccumulateGrad" in c) or c.startswith("aten::scatter")]
+    return [
+        c for c in chains if (c.startswith("aten::copy_") and "AccumulateGrad" in c) or c.startswith("aten::scatter")
+    ]
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
@@ -163,7 +167,9 @@ def test_batched_expert_weight_gradient_has_the_weight_layout():
     assert gw.transpose(1, 2).is_contiguous(), gw.stride()
     ref = torch.bmm(x.detach().double(), wv.detach().double())
     assert_sqnr(ref, out, 28.0, "bmm forward")  # measured 29.2 dB
-    assert_sqnr(x.detach().double().transpose(1, 2) @ grad.double(), gw, 28.5, "bmm weight gradient")  # measured 30.0 dB
+    assert_sqnr(
+        x.detach().double().transpose(1, 2) @ grad.double(), gw, 28.5, "bmm weight gradient"
+    )  # measured 30.0 dB
 
 
 # ----------------------------------------------------------------------------- numbers
@@ -172,7 +178,11 @@ def test_batched_expert_weight_gradient_has_the_weight_layout():
 def _reference(w, x, grad, offs):
     """float64 per-group products, from the definition: y[rows of g] = x[rows] @ w[g]^T."""
     wd, xd, gd = w.double(), x.double(), grad.double()
-    out, gx, gw = torch.zeros(M, N, dtype=torch.float64), torch.zeros(M, K, dtype=torch.float64), torch.zeros(G, K, N, dtype=torch.float64)
+    out, gx, gw = (
+        torch.zeros(M, N, dtype=torch.float64),
+        torch.zeros(M, K, dtype=torch.float64),
+        torch.zeros(G, K, N, dtype=torch.float64),
+    )
     start = 0
     for g, end in enumerate(OFFS):
         out[start:end] = xd[start:end] @ wd[g].t()
@@ -197,8 +207,12 @@ def test_transposed_weight_gives_the_numbers_of_the_row_major_weight(recipe):
     got = _step(fn, w.clone().requires_grad_(), x, grad, _transposed)
     rows = _step(fn, w.transpose(-2, -1).contiguous().requires_grad_(), x, grad, lambda t: t)
     for name, a, b in zip(("output", "input gradient", "weight gradient"), got, rows):
-        assert torch.equal(a.view(torch.int16), b.view(torch.int16)), f"{recipe} {name}: differs from the row-major weight's"
-    for name, ref, a, db in zip(("output", "input gradient", "weight gradient"), _reference(w, x, grad, offs), got, MIN_DB[recipe]):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16)), (
+            f"{recipe} {name}: differs from the row-major weight's"
+        )
+    for name, ref, a, db in zip(
+        ("output", "input gradient", "weight gradient"), _reference(w, x, grad, offs), got, MIN_DB[recipe]
+    ):
         assert_sqnr(ref, a, db, f"{recipe} {name}")
 
 
@@ -221,7 +235,9 @@ def test_compiled_step_equals_eager_and_makes_no_copy_or_scatter(recipe):
     assert any("CompiledFunctionBackward" in c for c in chains), "the backward did not run compiled"
     assert _copies_and_scatters(chains) == []
     out = compiled_fn(x_in, w_param.transpose(-2, -1)).detach()
-    for name, a, b in zip(("output", "input gradient", "weight gradient"), eager, (out, x_in.grad, w_param.grad.transpose(-2, -1))):
+    for name, a, b in zip(
+        ("output", "input gradient", "weight gradient"), eager, (out, x_in.grad, w_param.grad.transpose(-2, -1))
+    ):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16)), f"{recipe} {name}: compiled differs from eager"
 
 
@@ -231,7 +247,7 @@ def test_compiled_step_equals_eager_and_makes_no_copy_or_scatter(recipe):
 def _segment_amax_reference(x, lengths):
     out, start = [], 0
     for n in lengths:
-        seg = x[start:start + n].float()
+        seg = x[start : start + n].float()
         out.append(seg.abs().amax(0) if n else torch.zeros(x.shape[1]))
         start += n
     return torch.stack(out)
@@ -241,7 +257,9 @@ def _segment_amax_reference(x, lengths):
 def test_segment_amax_matches_a_loop_and_keeps_non_finite(rows_per_chunk):
     torch.manual_seed(2)
     lengths = [8, 0, 4, 12, 0, 8]
-    x = torch.randn(sum(lengths), 5, dtype=torch.bfloat16) * torch.tensor([1.0, 10.0, 0.1, 100.0, 1.0], dtype=torch.bfloat16)
+    x = torch.randn(sum(lengths), 5, dtype=torch.bfloat16) * torch.tensor(
+        [1.0, 10.0, 0.1, 100.0, 1.0], dtype=torch.bfloat16
+    )
     x[13, 0] = -300.0  # a negative extreme: |x| wins
     x[2, 2] = float("nan")
     x[20, 3] = float("-inf")

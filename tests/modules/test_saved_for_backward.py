@@ -87,7 +87,11 @@ class _Float8Casts(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func is torch.ops.aten._to_copy.default and out.dtype in FLOAT8_DTYPES and args[0].dtype not in FLOAT8_DTYPES:
+        if (
+            func is torch.ops.aten._to_copy.default
+            and out.dtype in FLOAT8_DTYPES
+            and args[0].dtype not in FLOAT8_DTYPES
+        ):
             self.shapes.append(tuple(out.shape))
         return out
 
@@ -104,6 +108,8 @@ def test_the_input_is_cast_once(recipe):
     # Per-tensor recipes reuse the forward's FP8 input; rowwise casts the input once more in
     # forward, along the token axis (blockwise and mxfp8: re-tiled along it, 128x1 or 32x1),
     # and keeps that cast for backward; with a high-precision weight gradient it is not cast.
-    along_tokens = {"tensorwise": 0, "delayed": 0, "rowwise": 1, "rowwise_with_gw_hp": 0, "blockwise": 1, "mxfp8": 1}[recipe]
+    along_tokens = {"tensorwise": 0, "delayed": 0, "rowwise": 1, "rowwise_with_gw_hp": 0, "blockwise": 1, "mxfp8": 1}[
+        recipe
+    ]
     assert fwd.shapes == [(M, K), (N, K)] + [(M, K)] * along_tokens  # input, weight, input along the tokens
     assert bwd.shapes.count((M, K)) == 0, bwd.shapes

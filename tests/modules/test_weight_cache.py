@@ -28,7 +28,9 @@ K = 128  # whole 1x128 / 128x128 blocks for every recipe
 def _model(recipe: str, **overrides) -> nn.Module:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(K, K, bias=False), nn.GELU(), nn.Linear(K, K, bias=True)).bfloat16()
-    config = Float8LinearConfig.from_recipe(recipe, **overrides) if overrides else Float8LinearConfig.from_recipe(recipe)
+    config = (
+        Float8LinearConfig.from_recipe(recipe, **overrides) if overrides else Float8LinearConfig.from_recipe(recipe)
+    )
     return convert_to_float8_training(model, config=config)
 
 
@@ -80,7 +82,9 @@ def test_each_weight_is_cast_once_per_layout_per_optimizer_step(recipe):
                 model(x).float().sum().backward()
             casts = weight_casts_of(second)
             assert casts is not None
-            assert casts.misses == layouts, f"{recipe}: cast {casts.misses} times for {layouts} layouts in 4 micro-batches"
+            assert casts.misses == layouts, (
+                f"{recipe}: cast {casts.misses} times for {layouts} layouts in 4 micro-batches"
+            )
             assert casts.hits == 4 * 2 - layouts  # one forward and one backward look-up per micro-batch
         opt.step()
         opt.zero_grad()

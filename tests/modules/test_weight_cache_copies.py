@@ -135,7 +135,9 @@ def _broadcast_rank(rank: int, port: int) -> None:
     init_gloo(rank, 2, port)
     try:
         torch.manual_seed(rank)  # the ranks start with different weights
-        model = convert_to_float8_training(nn.Sequential(nn.Linear(K, K)), config=Float8LinearConfig.from_recipe("tensorwise"))
+        model = convert_to_float8_training(
+            nn.Sequential(nn.Linear(K, K)), config=Float8LinearConfig.from_recipe("tensorwise")
+        )
         x = _x()
         with reuse_weight_casts(model):
             model(x).sum().backward()

@@ -82,8 +82,10 @@ def test_quality_trains_the_demo_per_optimizer_and_seed(capsys):
 
 
 def test_quality_flags_are_checked(capsys):
-    for argv, message in ((["--quality", "a,b"], "comma-separated integer seeds"),
-                          (["--quality", "0", "--train-steps", "1"], "at least 2")):
+    for argv, message in (
+        (["--quality", "a,b"], "comma-separated integer seeds"),
+        (["--quality", "0", "--train-steps", "1"], "at least 2"),
+    ):
         with pytest.raises(SystemExit):
             bench_optim.main(argv)
         assert message in capsys.readouterr().err

@@ -61,7 +61,11 @@ def finite(row: dict, *keys: str) -> None:
 
 
 def expected_variants(torchao: bool) -> list[tuple[str, str]]:
-    return [("bf16", "-")] + [("f8tensor", r) for r in F8_RECIPES] + ([("torchao", r) for r in AO_RECIPES] if torchao else [])
+    return (
+        [("bf16", "-")]
+        + [("f8tensor", r) for r in F8_RECIPES]
+        + ([("torchao", r) for r in AO_RECIPES] if torchao else [])
+    )
 
 
 @with_and_without_torchao
@@ -87,10 +91,22 @@ def test_bench_linear(torchao, tmp_path):
 
 def test_bench_linear_compiled(tmp_path):
     # One compiled configuration each for bf16 and f8tensor: the compiled path runs end to end.
-    _, rows = run_script("bench_linear.py", "--modes", "compiled", "--recipes", "tensorwise", "--no-gemm",
-                         "--shapes", "32x64x64", torchao=False, tmp_path=tmp_path)
+    _, rows = run_script(
+        "bench_linear.py",
+        "--modes",
+        "compiled",
+        "--recipes",
+        "tensorwise",
+        "--no-gemm",
+        "--shapes",
+        "32x64x64",
+        torchao=False,
+        tmp_path=tmp_path,
+    )
     assert [(r["library"], r["recipe"], r["mode"]) for r in rows] == [
-        ("bf16", "-", "compiled"), ("f8tensor", "tensorwise", "compiled")]
+        ("bf16", "-", "compiled"),
+        ("f8tensor", "tensorwise", "compiled"),
+    ]
     for r in rows:
         finite(r, "ms", "speedup_vs_bf16")
 
@@ -132,11 +148,12 @@ def test_bench_e2e(torchao, tmp_path):
 def test_bench_eager_overhead(torchao, tmp_path):
     stdout, rows = run_script("bench_eager_overhead.py", torchao=torchao, tmp_path=tmp_path)
     recipes = ["tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed", "blockwise", "mxfp8"]
-    expected = [("bf16", "-", "64"), ("bf16", "-", "128")] + [
-        ("f8tensor", r, "128" if r in ("blockwise", "mxfp8") else "64") for r in recipes
-    ] + ([("torchao", r, "64") for r in AO_RECIPES] if torchao else []) + [
-        ("f8tensor+reuse", r, "128" if r in ("blockwise", "mxfp8") else "64") for r in recipes if r != "delayed"
-    ]
+    expected = (
+        [("bf16", "-", "64"), ("bf16", "-", "128")]
+        + [("f8tensor", r, "128" if r in ("blockwise", "mxfp8") else "64") for r in recipes]
+        + ([("torchao", r, "64") for r in AO_RECIPES] if torchao else [])
+        + [("f8tensor+reuse", r, "128" if r in ("blockwise", "mxfp8") else "64") for r in recipes if r != "delayed"]
+    )
     assert [(r["library"], r["recipe"], r["K"]) for r in rows] == expected
     for r in rows:
         finite(r, "dispatch_ops", "leaf_ops", "kernels", "host_us", "vs_bf16")
@@ -208,8 +225,9 @@ def test_bench_moe(tmp_path):
 def test_bench_cast_traffic(tmp_path):
     # Reads inductor's generated code of one compiled training step per recipe. The casts
     # of rowwise_with_gw_hp are a subset of rowwise's, so three recipes cover every kernel.
-    stdout, rows = run_script("bench_cast_traffic.py", "--recipes", "tensorwise,rowwise,delayed",
-                              torchao=False, tmp_path=tmp_path)
+    stdout, rows = run_script(
+        "bench_cast_traffic.py", "--recipes", "tensorwise,rowwise,delayed", torchao=False, tmp_path=tmp_path
+    )
     assert [r["recipe"] for r in rows] == ["tensorwise", "rowwise", "delayed"]
     m, k, n = 32, 64, 128  # the --quick shape: x (2, 16, 64), Linear(64 -> 128)
     for r in rows:
@@ -251,8 +269,14 @@ def test_bench_cast_traffic_loop_fusion_at_the_floor(tmp_path):
     # full-size tensors (a row's amax, scale and casts share one loop; the column cast rides
     # along the row pass). The rowwise backward GEMMs write bf16 straight from the kernel:
     # the post-scale route's read and write of the product would add full-size bytes.
-    stdout, rows = run_script("bench_cast_traffic.py", "--recipes", "rowwise,rowwise_with_gw_hp", "--scalar-codegen",
-                              torchao=False, tmp_path=tmp_path)
+    stdout, rows = run_script(
+        "bench_cast_traffic.py",
+        "--recipes",
+        "rowwise,rowwise_with_gw_hp",
+        "--scalar-codegen",
+        torchao=False,
+        tmp_path=tmp_path,
+    )
     assert "scalar CPU code generation" in stdout
     for r in rows:
         assert r["codegen"] == "scalar"
@@ -319,13 +343,13 @@ def test_cast_traffic_finds_per_element_float64():
         "    arg1_1 = rand_strided((64, ), (1, ), device='cpu', dtype=torch.float32)\n"
     )
     per_element = (
-        "extern \"C\" void kernel(const at::BFloat16* in_ptr0, const float* in_ptr1, float* out_ptr0)\n{\n"
+        'extern "C" void kernel(const at::BFloat16* in_ptr0, const float* in_ptr1, float* out_ptr0)\n{\n'
         "    for(int64_t x0=static_cast<int64_t>(0L); x0<static_cast<int64_t>(4096L); x0+=static_cast<int64_t>(1L))\n"
         "    {\n        auto tmp0 = in_ptr0[x0];\n        auto tmp1 = c10::convert<double>(in_ptr1[x0 % 64]);\n"
         "        out_ptr0[x0] = static_cast<float>(tmp0) * static_cast<float>(448.0 / tmp1);\n    }\n}\n'''\n"
     )
     per_scale = (
-        "extern \"C\" void kernel(const at::BFloat16* in_ptr0, const float* in_ptr1, float* out_ptr0)\n{\n"
+        'extern "C" void kernel(const at::BFloat16* in_ptr0, const float* in_ptr1, float* out_ptr0)\n{\n'
         "    for(int64_t x0=static_cast<int64_t>(0L); x0<static_cast<int64_t>(64L); x0+=static_cast<int64_t>(1L))\n"
         "    {\n        auto tmp1 = static_cast<float>(448.0 / c10::convert<double>(in_ptr1[x0]));\n"
         "        for(int64_t x1=static_cast<int64_t>(0L); x1<static_cast<int64_t>(64L); x1+=static_cast<int64_t>(1L))\n"
@@ -344,7 +368,10 @@ def test_bench_routes(tmp_path):
     # Both routes of a precise rowwise product, eager and compiled, timed and compared.
     stdout, rows = run_script("bench_routes.py", torchao=False, tmp_path=tmp_path)
     assert [(r["mode"], r["route"]) for r in rows] == [
-        ("eager", "kernel"), ("eager", "postscale"), ("compiled", "kernel"), ("compiled", "postscale")
+        ("eager", "kernel"),
+        ("eager", "postscale"),
+        ("compiled", "kernel"),
+        ("compiled", "postscale"),
     ]
     for r in rows:
         assert (int(r["M"]), int(r["K"]), int(r["N"])) == (64, 64, 32)

@@ -28,8 +28,9 @@ pytestmark = pytest.mark.skipif(not _same_torch(), reason="the baseline was writ
 
 def _check(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "F8TENSOR_CHECK_CUDA_RULES": "0"}
-    return subprocess.run([sys.executable, str(TOOL), "--check", *args], check=False, capture_output=True, text=True, env=env,
-                          timeout=600)
+    return subprocess.run(
+        [sys.executable, str(TOOL), "--check", *args], check=False, capture_output=True, text=True, env=env, timeout=600
+    )
 
 
 def test_eager_runs_bit_identical():

@@ -59,8 +59,12 @@ CAST_MODULES = ("f8tensor/kernels/",)
 ALLOWED: dict[str, frozenset[str]] = {
     # The quantizer layer: the linear's roles and the one entry point of GEMM operand casts.
     "f8tensor/quant/quantizers.py": frozenset(
-        {"f8tensor.tensor.float8.to_float8_for_gemm", "f8tensor.tensor.float8.to_float8_with_stats",
-         "f8tensor.tensor.fp4.to_float4", "f8tensor.tensor.fp4.to_float4_with_stats"}
+        {
+            "f8tensor.tensor.float8.to_float8_for_gemm",
+            "f8tensor.tensor.float8.to_float8_with_stats",
+            "f8tensor.tensor.fp4.to_float4",
+            "f8tensor.tensor.fp4.to_float4_with_stats",
+        }
     ),
     # The quantizer layer: the roles kept as raw bytes and scales.
     "f8tensor/quant/block_quantizers.py": frozenset(
@@ -68,8 +72,12 @@ ALLOWED: dict[str, frozenset[str]] = {
     ),
     # The tensor classes: their own casts (from_hp, to_float8, ...) wrap the raw ones.
     "f8tensor/tensor/float8.py": frozenset(
-        {"f8tensor.kernels.cast", "f8tensor.kernels.cast_for_gemm", "f8tensor.kernels.cast_with_stats",
-         "f8tensor.kernels.dequantize"}
+        {
+            "f8tensor.kernels.cast",
+            "f8tensor.kernels.cast_for_gemm",
+            "f8tensor.kernels.cast_with_stats",
+            "f8tensor.kernels.dequantize",
+        }
     ),
     "f8tensor/tensor/fp4.py": frozenset({"f8tensor.kernels.fp4.cast_fp4", "f8tensor.kernels.fp4.dequantize_fp4"}),
     # The package re-exports the casts that scripts name as f8tensor.tensor.cast_to_float8.
@@ -158,7 +166,9 @@ def test_raw_casts_are_named_only_where_allowed():
         found = raw_casts_named(path.read_text(), _package(path))
         if found:
             named[rel] = found
-    unexpected = {m: sorted(f - ALLOWED.get(m, frozenset())) for m, f in named.items() if f - ALLOWED.get(m, frozenset())}
+    unexpected = {
+        m: sorted(f - ALLOWED.get(m, frozenset())) for m, f in named.items() if f - ALLOWED.get(m, frozenset())
+    }
     assert not unexpected, (
         "raw casts outside the quantizer layer (cast through quantizers.quantize or a "
         f"block_quantizers.BlockQuantizer): {unexpected}"

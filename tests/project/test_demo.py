@@ -182,7 +182,10 @@ def test_each_recipe_has_one_colour_in_both_panels(tmp_path, monkeypatch):
     ]
     assert demo.plot_losses(results, tmp_path / "x.png", "t")
     left, right = saved[0].axes[:2]
-    colours = [{line.get_label(): line.get_color() for line in ax.get_lines() if not line.get_label().startswith("_")} for ax in (left, right)]
+    colours = [
+        {line.get_label(): line.get_color() for line in ax.get_lines() if not line.get_label().startswith("_")}
+        for ax in (left, right)
+    ]
     assert set(colours[1]) == {"tensorwise", "rowwise"}
     assert all(colours[0][name] == colour for name, colour in colours[1].items())
 

@@ -25,7 +25,11 @@ def _results(names, optim_bytes=(3 * 2**20,), saturation=2e-5) -> list[RunResult
     for k, name in enumerate(names):
         losses = [5.5 - 0.01 * i + 0.001 * k for i in range(250)]
         sat = None if name == "bf16" else saturation
-        out.append(RunResult(name, losses, 12345.0 - 1000 * k, 11_000_000 - 10_000 * k, sat, 20.0, optim_bytes[k % len(optim_bytes)]))
+        out.append(
+            RunResult(
+                name, losses, 12345.0 - 1000 * k, 11_000_000 - 10_000 * k, sat, 20.0, optim_bytes[k % len(optim_bytes)]
+            )
+        )
     return out
 
 

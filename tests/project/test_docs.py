@@ -76,4 +76,6 @@ def test_public_modules_are_strictly_typed_and_doctested():
     strict = {m for o in overrides if o.get("disallow_untyped_defs") for m in o["module"]}
     public = _public_modules()
     assert public <= strict, f"add to disallow_untyped_defs in pyproject.toml: {sorted(public - strict)}"
-    assert public <= set(PUBLIC_MODULES), f"add to PUBLIC_MODULES in tests/project/test_doctests.py: {sorted(public - set(PUBLIC_MODULES))}"
+    assert public <= set(PUBLIC_MODULES), (
+        f"add to PUBLIC_MODULES in tests/project/test_doctests.py: {sorted(public - set(PUBLIC_MODULES))}"
+    )

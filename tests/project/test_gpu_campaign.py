@@ -33,8 +33,15 @@ def _run(*args: str, blocked=None, timeout: float = 300) -> subprocess.Completed
     env = dict(os.environ)
     paths = [str(blocked)] if blocked else []
     env["PYTHONPATH"] = os.pathsep.join([*paths, str(REPO), env.get("PYTHONPATH", "")])
-    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, check=False, env=env)
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        env=env,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +52,8 @@ def blocked(tmp_path_factory):
     for name in ("timm", "torchao"):
         (d / name).mkdir()
         (d / name / "__init__.py").write_text(
-            f"raise ModuleNotFoundError(\"No module named '{name}' (blocked by the test)\", name={name!r})\n")
+            f"raise ModuleNotFoundError(\"No module named '{name}' (blocked by the test)\", name={name!r})\n"
+        )
     return d
 
 
@@ -60,17 +68,27 @@ def dry_default(tmp_path_factory, blocked):
 @pytest.fixture(scope="module")
 def dry_second(tmp_path_factory, blocked, dry_default):
     out = tmp_path_factory.mktemp("campaign") / "second"
-    proc = _run("--second", "--dry-run", "--out", str(out), "--figures-csv", str(dry_default[1] / "results.csv"),
-                blocked=blocked)
+    proc = _run(
+        "--second",
+        "--dry-run",
+        "--out",
+        str(out),
+        "--figures-csv",
+        str(dry_default[1] / "results.csv"),
+        blocked=blocked,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc, out
 
 
 def _statuses(out: Path) -> dict[str, str]:
     text = (out / "summary.md").read_text()
-    table = text[text.index("## Items and budget"):].splitlines()
-    return {c[1].strip(): c[5].strip() for c in (ln.split("|") for ln in table if re.match(r"^\| \w", ln))
-            if c[1].strip() != "item"}
+    table = text[text.index("## Items and budget") :].splitlines()
+    return {
+        c[1].strip(): c[5].strip()
+        for c in (ln.split("|") for ln in table if re.match(r"^\| \w", ln))
+        if c[1].strip() != "item"
+    }
 
 
 def _plan(*flags: str) -> tuple[list[str], int]:
@@ -87,8 +105,16 @@ def test_plan_fits_one_command_and_every_item_has_a_deadline():
     assert total <= 480
     names = [ln.split()[0] for ln in lines]
     # The smoke test, then the checks of the features no GPU has run yet, then the figures.
-    assert names[:8] == ["smoke", "fused_optimizer_step", "fp8_activation_casts", "linear_target",
-                         "eager_overhead", "e2e_compile", "e2e_step", "moe_grouped"]
+    assert names[:8] == [
+        "smoke",
+        "fused_optimizer_step",
+        "fp8_activation_casts",
+        "linear_target",
+        "eager_overhead",
+        "e2e_compile",
+        "e2e_step",
+        "moe_grouped",
+    ]
     assert all(n.startswith("pytest_gpu") for n in names[8:]) and len(names) > 8
     for ln in lines:
         assert re.search(r"plan +\d+ s +deadline \+ *\d+ s", ln), ln
@@ -160,8 +186,11 @@ def test_second_plan_profiles_missed_figures_and_reports_absent_hooks(dry_defaul
     # CPU dry run misses depends on the CPU: its FP8 products are emulated in fp32).
     from campaign import profiles
 
-    missed = [r for r in report.read_csv(dry_default[1] / "results.csv")
-              if r["status"] == "missed" and r["item"] in profiles.BUILDERS]
+    missed = [
+        r
+        for r in report.read_csv(dry_default[1] / "results.csv")
+        if r["status"] == "missed" and r["item"] in profiles.BUILDERS
+    ]
     assert missed, "a CPU dry run misses GPU speed targets"
     for r in missed:
         for recipe in (r["recipe"], "bf16" if r["metric"] != "speedup_vs_torchao" else f"torchao {r['recipe']}"):
@@ -186,8 +215,11 @@ def test_second_plan_profiles_missed_figures_and_reports_absent_hooks(dry_defaul
     assert all(v > 0 for v in step.values()), step
     # accelerate's FSDP2 plugin (on the CPU accelerate ignores the plugin: the same steps unsharded)
     if not hooks.module_absent("accelerate"):
-        checks = {(r["recipe"], r["metric"]): r["status"] for r in rows
-                  if r["item"] == "accelerate_fsdp2_plugin" and r["kind"] == "check"}
+        checks = {
+            (r["recipe"], r["metric"]): r["status"]
+            for r in rows
+            if r["item"] == "accelerate_fsdp2_plugin" and r["kind"] == "check"
+        }
         # 3 per run (params mapped, wrappers kept for FP8, every parameter moved: 5), bf16
         # trains, and FP8's gap to bf16 at the last step and at the worst step.
         assert len(checks) == 8 and set(checks.values()) == {"passed"}, checks
@@ -213,7 +245,9 @@ def test_budget_20_ends_within_20_s_with_its_files(tmp_path):
     assert list(statuses) == [i.name for i in plans.default_plan()]
     log = (tmp_path / "b" / "campaign.log").read_text()[-3000:]
     assert all(s == "ok" or s.startswith(("not run: budget", "not run: absent")) for s in statuses.values()), (
-        statuses, log)
+        statuses,
+        log,
+    )
 
 
 # ----------------------------------------------------------------- the runner, in process
@@ -226,8 +260,15 @@ def _args(budget_s: float) -> argparse.Namespace:
 def _runner(tmp_path, items, budget_s, start=None):
     import torch
 
-    r = runner.Runner("default", items, tmp_path, _args(budget_s), start or time.monotonic(), torch.device("cpu"),
-                      [("gpu", "none (test)")])
+    r = runner.Runner(
+        "default",
+        items,
+        tmp_path,
+        _args(budget_s),
+        start or time.monotonic(),
+        torch.device("cpu"),
+        [("gpu", "none (test)")],
+    )
     r.exit_on_hard_stop = False  # the watchdog must not end pytest
     return r
 
@@ -237,8 +278,10 @@ def test_an_item_is_stopped_at_its_deadline_and_the_next_runs(tmp_path):
         ctx.row(metric="before_sleep", value=1.0)
         time.sleep(60)
 
-    items = [runner.Item("sleeps", 100, sleep, "sleeps past its deadline", min_s=0),
-             runner.Item("after", 100, lambda ctx: ctx.row(metric="after", value=2.0), "runs after it", min_s=0)]
+    items = [
+        runner.Item("sleeps", 100, sleep, "sleeps past its deadline", min_s=0),
+        runner.Item("after", 100, lambda ctx: ctx.row(metric="after", value=2.0), "runs after it", min_s=0),
+    ]
     r = _runner(tmp_path, items, 10.0)  # deadlines +4 s and +8 s
     t0 = time.monotonic()
     r.run()
@@ -272,9 +315,11 @@ def test_a_missing_optional_package_is_absent_not_failed(tmp_path, monkeypatch):
     def uses_timm(ctx):
         import timm  # noqa: F401
 
-    items = [runner.Item("declared", 1, uses_timm, "declares timm", min_s=0, requires=("timm",)),
-             runner.Item("undeclared", 1, uses_timm, "imports timm inside", min_s=0),
-             runner.Item("broken", 1, lambda ctx: 1 / 0, "fails", min_s=0)]
+    items = [
+        runner.Item("declared", 1, uses_timm, "declares timm", min_s=0, requires=("timm",)),
+        runner.Item("undeclared", 1, uses_timm, "imports timm inside", min_s=0),
+        runner.Item("broken", 1, lambda ctx: 1 / 0, "fails", min_s=0),
+    ]
     r = _runner(tmp_path, items, 30.0)
     r.run()
     assert r.states["declared"].status == "not run: absent (timm)"
@@ -353,8 +398,9 @@ def test_smoke_holds_stochastic_recipes_to_the_cpus_accuracy(dry_default):
     assert stochastic == {"nvfp4", "mxfp4"}
     for recipe, r in by_recipe.items():
         gap = recipe in stochastic
-        assert r["metric"] == ("worst SQNR vs fp32, device minus CPU dB" if gap else
-                               "worst SQNR of out/grad_in/grad_w vs CPU dB"), r
+        assert r["metric"] == (
+            "worst SQNR vs fp32, device minus CPU dB" if gap else "worst SQNR of out/grad_in/grad_w vs CPU dB"
+        ), r
         # Two CPU models: the same bits (inf dB), or with stochastic rounding within 3 dB.
         assert float(r["value"]) >= (-smoke.STOCHASTIC_MARGIN_DB if gap else smoke.DEVICE_VS_CPU_DB), r
 

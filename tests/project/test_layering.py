@@ -26,7 +26,9 @@ def test_import_linter_contracts_are_kept():
         "import sys; from importlinter.cli import lint_imports; "
         f"sys.exit(lint_imports(config_filename={str(ROOT / 'pyproject.toml')!r}, no_cache=True))"
     )
-    done = subprocess.run([sys.executable, "-c", code], check=False, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", code], check=False, cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     report = done.stdout + done.stderr
     assert done.returncode == 0, report
     assert "0 broken" in report and "4 kept" in report, report

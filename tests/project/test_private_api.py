@@ -23,8 +23,18 @@ COMPAT = PACKAGE / "compat.py"
 # rather than a dotted torch name.
 PRIVATE_ATTRIBUTES = frozenset(
     {
-        "_C", "_base", "_dynamo", "_guards", "_inductor", "_local_tensor", "_make_wrapper_subclass",
-        "_ops", "_qualified_op_name", "_schema", "_subclasses", "_version",
+        "_C",
+        "_base",
+        "_dynamo",
+        "_guards",
+        "_inductor",
+        "_local_tensor",
+        "_make_wrapper_subclass",
+        "_ops",
+        "_qualified_op_name",
+        "_schema",
+        "_subclasses",
+        "_version",
     }
 )
 

@@ -25,4 +25,4 @@ def test_counts_comments_and_docstrings_only():
     source = '"""Doc."""\n\n\ndef f(x):  # why\n    """One line."""\n    return "text" + x\n'
     prose, code = _tool().count(source)
     assert prose == len('"""Doc."""') + len("# why") + len('"""One line."""')
-    assert code == len("deffx():return\"text\"+x")
+    assert code == len('deffx():return"text"+x')

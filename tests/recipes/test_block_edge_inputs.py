@@ -150,7 +150,10 @@ def test_stochastic_rounding_is_reproducible_and_unbiased(gran):
     # Unbiased: the mean of many draws approaches x far closer than one nearest rounding.
     g = torch.Generator().manual_seed(0)
     draws = torch.stack(
-        [Float8Tensor.from_hp(x, granularity=GRANULARITIES[gran], rounding="stochastic", generator=g).to_hp() for _ in range(64)]
+        [
+            Float8Tensor.from_hp(x, granularity=GRANULARITIES[gran], rounding="stochastic", generator=g).to_hp()
+            for _ in range(64)
+        ]
     )
     nearest = Float8Tensor.from_hp(x, granularity=GRANULARITIES[gran]).to_hp()
     # 64 draws cut the rounding noise's power 64x (18 dB); what saturates (MX floor clamps

@@ -46,7 +46,9 @@ def _e4m3_spacing(x: torch.Tensor) -> torch.Tensor:
 def test_stochastic_rounding_is_unbiased():
     # 500 values across e4m3's range (subnormals to 400), 4000 independent roundings each.
     g = torch.Generator().manual_seed(0)
-    x = torch.exp2(torch.empty(500).uniform_(-11, 8.6, generator=g)) * torch.where(torch.rand(500, generator=g) < 0.5, -1, 1)
+    x = torch.exp2(torch.empty(500).uniform_(-11, 8.6, generator=g)) * torch.where(
+        torch.rand(500, generator=g) < 0.5, -1, 1
+    )
     n = 4000
     reps = x.expand(n, -1).contiguous()
     f8 = Float8Tensor.from_hp(reps, scale=1.0, rounding="stochastic", generator=torch.Generator().manual_seed(1))
@@ -64,7 +66,9 @@ def test_stochastic_rounding_reproducible_under_a_seed():
     x = torch.randn(64, 256)
 
     def cast(seed, gran):
-        return Float8Tensor.from_hp(x, granularity=gran, rounding="stochastic", generator=torch.Generator().manual_seed(seed))
+        return Float8Tensor.from_hp(
+            x, granularity=gran, rounding="stochastic", generator=torch.Generator().manual_seed(seed)
+        )
 
     for gran in ("tensorwise", "rowwise", BLOCK_1x128, MX_1x32):
         assert_bitwise_equal_f8(cast(3, gran), cast(3, gran))
@@ -199,7 +203,9 @@ def tiny_gpt_and_twin():
 def test_tiny_transformer_trains_within_2_percent_of_bf16(recipe, tiny_gpt_and_twin):
     model, train, twin = tiny_gpt_and_twin
     fp8 = convert_to_float8_training(
-        copy.deepcopy(model), config=Float8LinearConfig.from_recipe(recipe), module_filter_fn=lambda m, fqn: fqn != "lm_head"
+        copy.deepcopy(model),
+        config=Float8LinearConfig.from_recipe(recipe),
+        module_filter_fn=lambda m, fqn: fqn != "lm_head",
     )
     assert sum(isinstance(m, Float8Linear) for m in fp8.modules()) == 4
     loss = train(fp8)

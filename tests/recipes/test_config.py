@@ -116,7 +116,10 @@ def test_bad_cast_dtype():
 
 
 def test_bad_granularity():
-    with pytest.raises(ValueError, match=r"granularity must be one of 'tensorwise', 'rowwise', 'BLOCK_1x128', .*'MX_1x32', .*; got 'colwise'$"):
+    with pytest.raises(
+        ValueError,
+        match=r"granularity must be one of 'tensorwise', 'rowwise', 'BLOCK_1x128', .*'MX_1x32', .*; got 'colwise'$",
+    ):
         CastConfig(E4M3, granularity="colwise")
 
 
@@ -126,7 +129,9 @@ def test_bad_scaling():
 
 
 def test_rowwise_with_delayed_scaling():
-    with pytest.raises(ValueError, match="delayed scaling keeps one amax history per tensor: it needs granularity='tensorwise'"):
+    with pytest.raises(
+        ValueError, match="delayed scaling keeps one amax history per tensor: it needs granularity='tensorwise'"
+    ):
         CastConfig(E4M3, granularity="rowwise", scaling="delayed")
 
 
@@ -141,12 +146,16 @@ def test_e5m2_times_e5m2_forward():
 
 
 def test_e5m2_times_e5m2_grad_input():
-    with pytest.raises(ValueError, match=r"the grad_input \(grad_output x weight\) GEMM would multiply two e5m2 tensors"):
+    with pytest.raises(
+        ValueError, match=r"the grad_input \(grad_output x weight\) GEMM would multiply two e5m2 tensors"
+    ):
         Float8LinearConfig(weight=CastConfig(E5M2))
 
 
 def test_e5m2_times_e5m2_grad_weight():
-    with pytest.raises(ValueError, match=r"the grad_weight \(grad_output x input\) GEMM would multiply two e5m2.*use e4m3"):
+    with pytest.raises(
+        ValueError, match=r"the grad_weight \(grad_output x input\) GEMM would multiply two e5m2.*use e4m3"
+    ):
         Float8LinearConfig(input=CastConfig(E5M2))
 
 
@@ -173,7 +182,10 @@ def test_bad_margin(margin):
 
 
 def test_unknown_recipe():
-    with pytest.raises(ValueError, match=r"unknown recipe 'fp8'; choose one of \['blockwise', 'delayed', 'mxfp4', 'mxfp8', 'nvfp4', 'rowwise', 'rowwise_with_gw_hp', 'tensorwise'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"unknown recipe 'fp8'; choose one of \['blockwise', 'delayed', 'mxfp4', 'mxfp8', 'nvfp4', 'rowwise', 'rowwise_with_gw_hp', 'tensorwise'\]",
+    ):
         Float8LinearConfig.from_recipe("fp8")
 
 
@@ -188,7 +200,9 @@ def test_fsdp_float8_all_gather_for_every_recipe(recipe):
 
 
 def test_fsdp_float8_all_gather_with_tensorwise():
-    assert Float8LinearConfig.from_recipe("tensorwise", enable_fsdp_float8_all_gather=True).enable_fsdp_float8_all_gather
+    assert Float8LinearConfig.from_recipe(
+        "tensorwise", enable_fsdp_float8_all_gather=True
+    ).enable_fsdp_float8_all_gather
 
 
 def test_operand_must_be_a_cast_config():
@@ -201,19 +215,27 @@ def test_delayed_must_be_a_delayed_scaling_config():
         Float8LinearConfig(delayed=16)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("field", ["weight_grad_in_hp", "pad_inner_dim", "use_fast_accum", "enable_fsdp_float8_all_gather", "collect_stats"])
+@pytest.mark.parametrize(
+    "field", ["weight_grad_in_hp", "pad_inner_dim", "use_fast_accum", "enable_fsdp_float8_all_gather", "collect_stats"]
+)
 def test_flags_must_be_bool(field):
     with pytest.raises(TypeError, match=rf"Float8LinearConfig.{field} must be a bool; got 1"):
         Float8LinearConfig(**{field: 1})
 
 
 def test_float8_linear_rejects_a_non_config():
-    with pytest.raises(TypeError, match=r"config must be a Float8LinearConfig \(e.g. Float8LinearConfig.from_recipe\('rowwise'\)\); got str"):
+    with pytest.raises(
+        TypeError,
+        match=r"config must be a Float8LinearConfig \(e.g. Float8LinearConfig.from_recipe\('rowwise'\)\); got str",
+    ):
         Float8Linear(32, 32, config="rowwise")  # type: ignore[arg-type]
 
 
 def test_float8_linear_rejects_unaligned_dims():
-    with pytest.raises(ValueError, match=r"Float8Linear\(30, 64\): FP8 GEMMs need .* multiples of 16; pass a config with pad_inner_dim=True"):
+    with pytest.raises(
+        ValueError,
+        match=r"Float8Linear\(30, 64\): FP8 GEMMs need .* multiples of 16; pass a config with pad_inner_dim=True",
+    ):
         Float8Linear(30, 64)
 
 
@@ -235,16 +257,25 @@ def _full(message: str) -> str:
 
 
 def test_cast_config_refusals_in_full():
-    with pytest.raises(TypeError, match=_full(
-        f"CastConfig.dtype must be one of {_FP8} (or torch.float4_e2m1fn_x2, FP4_CAST_DTYPE, with an NVFP4/MXFP4 "
-        "granularity); got torch.float16"
-    )):
+    with pytest.raises(
+        TypeError,
+        match=_full(
+            f"CastConfig.dtype must be one of {_FP8} (or torch.float4_e2m1fn_x2, FP4_CAST_DTYPE, with an NVFP4/MXFP4 "
+            "granularity); got torch.float16"
+        ),
+    ):
         CastConfig(torch.float16)
-    with pytest.raises(ValueError, match=_full("CastConfig.rounding must be one of ('nearest', 'stochastic'); got 'up'")):
+    with pytest.raises(
+        ValueError, match=_full("CastConfig.rounding must be one of ('nearest', 'stochastic'); got 'up'")
+    ):
         CastConfig(E4M3, rounding="up")
-    with pytest.raises(ValueError, match=_full("delayed scaling keeps one amax history per tensor: it needs granularity='tensorwise'")):
+    with pytest.raises(
+        ValueError, match=_full("delayed scaling keeps one amax history per tensor: it needs granularity='tensorwise'")
+    ):
         CastConfig(E4M3, granularity="rowwise", scaling="delayed")
-    with pytest.raises(ValueError, match=_full("a Float8Linear operand's block has 2 entries (rows, contracted); got (1, 1, 128)")):
+    with pytest.raises(
+        ValueError, match=_full("a Float8Linear operand's block has 2 entries (rows, contracted); got (1, 1, 128)")
+    ):
         CastConfig(E4M3, granularity=(1, 1, 128))
 
 
@@ -259,7 +290,9 @@ def test_fp4_cast_config_refusals_in_full():
         CastConfig(FP4_CAST_DTYPE, NVFP4_1x16, power_of_2_scale=True)
     with pytest.raises(ValueError, match=_full(dynamic)):
         CastConfig(FP4_CAST_DTYPE, NVFP4_1x16, scaling="delayed")
-    with pytest.raises(ValueError, match=_full(f"e4m3fn block scales are NVFP4's: use dtype=FP4_CAST_DTYPE with {NVFP4_1x16!r}")):
+    with pytest.raises(
+        ValueError, match=_full(f"e4m3fn block scales are NVFP4's: use dtype=FP4_CAST_DTYPE with {NVFP4_1x16!r}")
+    ):
         CastConfig(E4M3, NVFP4_1x16)
 
 
@@ -267,28 +300,43 @@ def test_delayed_scaling_config_bounds_and_refusals_in_full():
     """history_len in [1, MAX_HISTORY_LEN], margin in [0, the largest max_margin]: both ends
     of each range are accepted, one past them refused with the range."""
     largest = max(max_margin(d) for d in (E4M3, E5M2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz))
-    for ok in (DelayedScalingConfig(history_len=1), DelayedScalingConfig(history_len=MAX_HISTORY_LEN), DelayedScalingConfig(margin=largest)):
+    for ok in (
+        DelayedScalingConfig(history_len=1),
+        DelayedScalingConfig(history_len=MAX_HISTORY_LEN),
+        DelayedScalingConfig(margin=largest),
+    ):
         assert ok.history_len in (1, MAX_HISTORY_LEN, 16)
     with pytest.raises(ValueError, match=_full("DelayedScalingConfig.history_len must be an int >= 1; got 0")):
         DelayedScalingConfig(history_len=0)
-    with pytest.raises(ValueError, match=_full(
-        f"DelayedScalingConfig.history_len must be in [1, {MAX_HISTORY_LEN}] (every delayed cast reduces the whole "
-        f"window, and each layer keeps three); got {MAX_HISTORY_LEN + 1}"
-    )):
+    with pytest.raises(
+        ValueError,
+        match=_full(
+            f"DelayedScalingConfig.history_len must be in [1, {MAX_HISTORY_LEN}] (every delayed cast reduces the whole "
+            f"window, and each layer keeps three); got {MAX_HISTORY_LEN + 1}"
+        ),
+    ):
         DelayedScalingConfig(history_len=MAX_HISTORY_LEN + 1)
-    with pytest.raises(ValueError, match=_full("DelayedScalingConfig.reduction must be one of ('max', 'most_recent'); got 'mean'")):
+    with pytest.raises(
+        ValueError, match=_full("DelayedScalingConfig.reduction must be one of ('max', 'most_recent'); got 'mean'")
+    ):
         DelayedScalingConfig(reduction="mean")
     with pytest.raises(ValueError, match=_full("DelayedScalingConfig.margin must be an int >= 0; got -1")):
         DelayedScalingConfig(margin=-1)
-    with pytest.raises(ValueError, match=_full(
-        f"DelayedScalingConfig.margin must be in [0, {largest}] (and at most {max_margin(E4M3)} for e4m3fn); got {largest + 1}"
-    )):
+    with pytest.raises(
+        ValueError,
+        match=_full(
+            f"DelayedScalingConfig.margin must be in [0, {largest}] (and at most {max_margin(E4M3)} for e4m3fn); got {largest + 1}"
+        ),
+    ):
         DelayedScalingConfig(margin=largest + 1)
 
 
 def test_max_margin_keeps_the_amax_a_normal_number():
     """floor(log2(max / smallest_normal)): e4m3fn 448 / 2**-6, e5m2 57344 / 2**-14."""
-    assert (max_margin(E4M3), max_margin(E5M2)) == (math.floor(math.log2(448 * 2**6)), math.floor(math.log2(57344 * 2**14)))
+    assert (max_margin(E4M3), max_margin(E5M2)) == (
+        math.floor(math.log2(448 * 2**6)),
+        math.floor(math.log2(57344 * 2**14)),
+    )
     assert max_margin(torch.float8_e4m3fnuz) == math.floor(math.log2(240 * 2**7))
 
 
@@ -296,28 +344,45 @@ def test_float8_linear_config_refusals_in_full():
     delayed = Float8LinearConfig.from_recipe("delayed")
     at_most = dataclasses.replace(delayed, delayed=DelayedScalingConfig(margin=max_margin(E4M3)))
     assert at_most.delayed.margin == 14
-    with pytest.raises(ValueError, match=_full(
-        "DelayedScalingConfig.margin=15 would scale the input's amax below the smallest normal torch.float8_e4m3fn "
-        "number (flushing the tensor to zero); the most torch.float8_e4m3fn allows is 14"
-    )):
+    with pytest.raises(
+        ValueError,
+        match=_full(
+            "DelayedScalingConfig.margin=15 would scale the input's amax below the smallest normal torch.float8_e4m3fn "
+            "number (flushing the tensor to zero); the most torch.float8_e4m3fn allows is 14"
+        ),
+    ):
         dataclasses.replace(delayed, delayed=DelayedScalingConfig(margin=15))
-    with pytest.raises(ValueError, match=_full(
-        "every operand must use one FP8 family, fn (e4m3fn, e5m2) or fnuz (e4m3fnuz, e5m2fnuz): the GEMMs multiply "
-        "them together; got input=torch.float8_e4m3fn, weight=torch.float8_e4m3fnuz, grad_output=torch.float8_e5m2"
-    )):
+    with pytest.raises(
+        ValueError,
+        match=_full(
+            "every operand must use one FP8 family, fn (e4m3fn, e5m2) or fnuz (e4m3fnuz, e5m2fnuz): the GEMMs multiply "
+            "them together; got input=torch.float8_e4m3fn, weight=torch.float8_e4m3fnuz, grad_output=torch.float8_e5m2"
+        ),
+    ):
         Float8LinearConfig(weight=CastConfig(torch.float8_e4m3fnuz))
-    with pytest.raises(ValueError, match=_full(
-        "the forward (input x weight) GEMM would multiply two e5m2 tensors, which torch._scaled_mm refuses; use e4m3 for one of them"
-    )):
-        Float8LinearConfig(input=CastConfig(torch.float8_e5m2fnuz), weight=CastConfig(torch.float8_e5m2fnuz), grad_output=CastConfig(torch.float8_e4m3fnuz))
-    with pytest.raises(ValueError, match=_full(
-        "FP4 casts and per-GEMM formats use dynamic scaling; this config also asks for delayed scaling"
-    )):
+    with pytest.raises(
+        ValueError,
+        match=_full(
+            "the forward (input x weight) GEMM would multiply two e5m2 tensors, which torch._scaled_mm refuses; use e4m3 for one of them"
+        ),
+    ):
+        Float8LinearConfig(
+            input=CastConfig(torch.float8_e5m2fnuz),
+            weight=CastConfig(torch.float8_e5m2fnuz),
+            grad_output=CastConfig(torch.float8_e4m3fnuz),
+        )
+    with pytest.raises(
+        ValueError,
+        match=_full("FP4 casts and per-GEMM formats use dynamic scaling; this config also asks for delayed scaling"),
+    ):
         dataclasses.replace(delayed, gemm_overrides={("forward", "input"): None})
-    with pytest.raises(ValueError, match=_full(
-        "enable_fsdp_float8_all_gather gathers FP8 weights; FP4 casts and per-GEMM formats are not gathered in low "
-        "precision (leave it False: FSDP2 gathers these weights in high precision)"
-    )):
+    with pytest.raises(
+        ValueError,
+        match=_full(
+            "enable_fsdp_float8_all_gather gathers FP8 weights; FP4 casts and per-GEMM formats are not gathered in low "
+            "precision (leave it False: FSDP2 gathers these weights in high precision)"
+        ),
+    ):
         Float8LinearConfig.from_recipe("nvfp4", enable_fsdp_float8_all_gather=True)
     for name in ("hadamard_wgrad", "four_over_six", "emulate"):
         with pytest.raises(TypeError, match=_full(f"Float8LinearConfig.{name} must be a bool; got 1")):
@@ -340,9 +405,14 @@ def test_with_gemm_formats_names_its_argument_in_refusals():
     merged = config.with_gemm_formats({("grad_weight", "input"): None}, pad_inner_dim=True)
     assert merged.pad_inner_dim and merged.gemm_overrides == (GemmOverride("grad_weight", "input", None),)
     field = "with_gemm_formats(overrides) (merged into gemm_overrides)"
-    with pytest.raises(ValueError, match=_full(f"{field}: unknown GEMM 'backward'; GEMMs are forward, grad_input, grad_weight")):
+    with pytest.raises(
+        ValueError, match=_full(f"{field}: unknown GEMM 'backward'; GEMMs are forward, grad_input, grad_weight")
+    ):
         config.with_gemm_formats({("backward", "input"): None})
-    with pytest.raises(ValueError, match=_full("gemm_overrides: the forward GEMM multiplies input and weight; got operand 'grad_output'")):
+    with pytest.raises(
+        ValueError,
+        match=_full("gemm_overrides: the forward GEMM multiplies input and weight; got operand 'grad_output'"),
+    ):
         Float8LinearConfig(gemm_overrides={("forward", "grad_output"): None})
 
 
@@ -368,25 +438,38 @@ def test_gemm_override_refusals_in_full():
     )
     with pytest.raises(TypeError, match=_full(f"gemm_overrides must be {form}; got 'forward'")):
         Float8LinearConfig(gemm_overrides="forward")  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match=_full(
-        f"gemm_overrides: each entry must be a GemmOverride(gemm, operand, cast) or a (gemm, operand, cast) tuple; "
-        f"got ('forward', 'input') (gemm_overrides must be {form})"
-    )):
+    with pytest.raises(
+        TypeError,
+        match=_full(
+            f"gemm_overrides: each entry must be a GemmOverride(gemm, operand, cast) or a (gemm, operand, cast) tuple; "
+            f"got ('forward', 'input') (gemm_overrides must be {form})"
+        ),
+    ):
         Float8LinearConfig(gemm_overrides=[("forward", "input")])  # type: ignore[list-item]
-    with pytest.raises(TypeError, match=_full(
-        f"gemm_overrides: a GEMM override is keyed by (gemm, operand); got 'forward' (gemm_overrides must be {form})"
-    )):
+    with pytest.raises(
+        TypeError,
+        match=_full(
+            f"gemm_overrides: a GEMM override is keyed by (gemm, operand); got 'forward' (gemm_overrides must be {form})"
+        ),
+    ):
         Float8LinearConfig(gemm_overrides={"forward": None})  # type: ignore[dict-item]
     for key in ("ab", ("forward", "input", "weight")):
-        with pytest.raises(TypeError, match=_full(
-            f"gemm_overrides: a GEMM override is keyed by (gemm, operand); got {key!r} (gemm_overrides must be {form})"
-        )):
+        with pytest.raises(
+            TypeError,
+            match=_full(
+                f"gemm_overrides: a GEMM override is keyed by (gemm, operand); got {key!r} (gemm_overrides must be {form})"
+            ),
+        ):
             Float8LinearConfig(gemm_overrides={key: None})  # type: ignore[dict-item]
-    with pytest.raises(TypeError, match=_full("gemm_overrides: a GEMM override's cast is a CastConfig or None (high precision); got 'e4m3'")):
+    with pytest.raises(
+        TypeError,
+        match=_full("gemm_overrides: a GEMM override's cast is a CastConfig or None (high precision); got 'e4m3'"),
+    ):
         Float8LinearConfig(gemm_overrides={("forward", "input"): "e4m3"})  # type: ignore[dict-item]
-    with pytest.raises(ValueError, match=_full(
-        "gemm_overrides: per-GEMM formats use dynamic scaling; a delayed CastConfig cannot be an override"
-    )):
+    with pytest.raises(
+        ValueError,
+        match=_full("gemm_overrides: per-GEMM formats use dynamic scaling; a delayed CastConfig cannot be an override"),
+    ):
         Float8LinearConfig(gemm_overrides={("forward", "input"): CastConfig(E4M3, scaling="delayed")})
 
 

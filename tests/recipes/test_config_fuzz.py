@@ -44,7 +44,12 @@ _FORMATS = [(E4M3, E4M3, E4M3), (E4M3, E4M3, E5M2), (E4M3, E5M2, E4M3), (E5M2, E
 _FORMATS_GW_HP = [*_FORMATS, (E5M2, E4M3, E5M2)]
 _FNUZ = {E4M3: E4M3FNUZ, E5M2: E5M2FNUZ}
 BOOL_FIELDS = (
-    "weight_grad_in_hp", "pad_inner_dim", "use_fast_accum", "enable_fsdp_float8_all_gather", "collect_stats", "emulate",
+    "weight_grad_in_hp",
+    "pad_inner_dim",
+    "use_fast_accum",
+    "enable_fsdp_float8_all_gather",
+    "collect_stats",
+    "emulate",
 )
 
 
@@ -103,7 +108,11 @@ def _check_trains(lin, layer, config):
     g = torch.randn_like(y_ref)
     y_ref.backward(g)
     y.backward(g)
-    for what, ref, got in (("y", y_ref, y), ("grad_x", xr.grad, xf.grad), ("grad_w", lin.weight.grad, layer.weight.grad)):
+    for what, ref, got in (
+        ("y", y_ref, y),
+        ("grad_x", xr.grad, xf.grad),
+        ("grad_w", lin.weight.grad, layer.weight.grad),
+    ):
         assert torch.isfinite(got).all(), f"{what} not finite for {config}"
         assert_sqnr(ref, got, FUZZ_MIN_DB, f"{what} {config}")
     # A valid config whose products no CUDA kernel takes (blocks of another shape on one

@@ -24,16 +24,23 @@ def _step(recipe: str, **overrides) -> None:
 @pytest.mark.parametrize("recipe", sorted(KINDS))
 def test_no_cpu_kernel_warns_once_per_kind(recipe, monkeypatch):
     monkeypatch.setattr(blocks, "_WARNED_EMULATED", set())
-    with pytest.warns(UserWarning, match=rf"{KINDS[recipe]}.* products have no cpu kernel; they run emulated .* emulate=True"):
+    with pytest.warns(
+        UserWarning, match=rf"{KINDS[recipe]}.* products have no cpu kernel; they run emulated .* emulate=True"
+    ):
         _step(recipe)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _step(recipe)  # once per process and kind
 
 
-@pytest.mark.parametrize(("recipe", "overrides"), [(r, {"emulate": True}) for r in sorted(KINDS)] + [
-    ("tensorwise", {}), ("rowwise", {}),
-])
+@pytest.mark.parametrize(
+    ("recipe", "overrides"),
+    [(r, {"emulate": True}) for r in sorted(KINDS)]
+    + [
+        ("tensorwise", {}),
+        ("rowwise", {}),
+    ],
+)
 def test_emulate_true_and_cpu_kernels_are_silent(recipe, overrides, monkeypatch):
     monkeypatch.setattr(blocks, "_WARNED_EMULATED", set())
     with warnings.catch_warnings():

@@ -60,8 +60,12 @@ def test_report_names_the_fp4_path_of_each_gemm(recipe, caplog):
 
 def test_report_lists_only_the_fp4_gemms_of_per_gemm_formats(caplog):
     nv, mx8 = CastConfig(FP4_CAST_DTYPE, NVFP4_1x16), CastConfig(torch.float8_e4m3fn, MX_1x32)
-    cfg = Float8LinearConfig(input=mx8, weight=mx8, grad_output=nv, gemm_overrides={("grad_input", "weight"): nv,
-                                                                                    ("grad_weight", "grad_output"): None})
+    cfg = Float8LinearConfig(
+        input=mx8,
+        weight=mx8,
+        grad_output=nv,
+        gemm_overrides={("grad_input", "weight"): nv, ("grad_weight", "grad_output"): None},
+    )
     model = nn.Sequential(nn.Linear(64, 64))
     with caplog.at_level("INFO", logger="f8tensor"):
         convert_to_float8_training(model, config=cfg)
@@ -83,7 +87,10 @@ def test_report_warns_when_no_fp4_kernel_runs(monkeypatch, caplog):
         warnings.simplefilter("error")
         with caplog.at_level("INFO", logger="f8tensor"):
             convert_to_float8_training(model, config=Float8LinearConfig.from_recipe("nvfp4", emulate=True))
-    assert "FP4 forward/grad_input/grad_weight reference (emulated: dequantized per block, fp32 matmul; emulate=True)" in caplog.text
+    assert (
+        "FP4 forward/grad_input/grad_weight reference (emulated: dequantized per block, fp32 matmul; emulate=True)"
+        in caplog.text
+    )
 
 
 class _Blocks(nn.Module):

@@ -40,8 +40,10 @@ def _near_max(dtype: torch.dtype) -> torch.Tensor:
     binade of the dtype's max (fp16 60000; bf16/fp32 max and 0.9 max, both signs), which
     E2M1's one mantissa bit rounds up to the next power of two; row 1 is ordinary."""
     top = torch.finfo(dtype).max
-    big = torch.tensor([60000.0, -65504.0, 61000.0, -59000.0]) if dtype == torch.float16 else (
-        torch.tensor([1.0, -1.0, 0.9, -0.95], dtype=torch.float64) * top
+    big = (
+        torch.tensor([60000.0, -65504.0, 61000.0, -59000.0])
+        if dtype == torch.float16
+        else (torch.tensor([1.0, -1.0, 0.9, -0.95], dtype=torch.float64) * top)
     )
     x = torch.linspace(-1.0, 1.0, 128, dtype=torch.float64).reshape(2, 64) * 1000.0
     x[0, ::16] = big.to(torch.float64)
@@ -99,8 +101,10 @@ _FP4_CONFIGS = {
     "mxfp4": Float8LinearConfig.from_recipe("mxfp4"),
     # FP4 in the weight-gradient GEMM only, with the Hadamard transform, MXFP8 elsewhere.
     "mxfp8_nvfp4_wgrad": Float8LinearConfig.from_recipe("mxfp8").with_gemm_formats(
-        {("grad_weight", "grad_output"): CastConfig(FP4_CAST_DTYPE, NVFP4_1x16),
-         ("grad_weight", "input"): CastConfig(FP4_CAST_DTYPE, NVFP4_1x16)},
+        {
+            ("grad_weight", "grad_output"): CastConfig(FP4_CAST_DTYPE, NVFP4_1x16),
+            ("grad_weight", "input"): CastConfig(FP4_CAST_DTYPE, NVFP4_1x16),
+        },
         hadamard_wgrad=True,
     ),
 }
@@ -135,8 +139,9 @@ def test_fp8_rowwise_empty_batch_weight_gradient_is_zero():
     and torch's CPU kernel left its output uninitialized (garbage or NaN weight gradients
     in the rowwise recipe)."""
     for _ in range(5):
-        model = convert_to_float8_training(nn.Sequential(nn.Linear(64, 32)),
-                                           config=Float8LinearConfig.from_recipe("rowwise"))
+        model = convert_to_float8_training(
+            nn.Sequential(nn.Linear(64, 32)), config=Float8LinearConfig.from_recipe("rowwise")
+        )
         junk = torch.full((64, 64), float("nan"))
         del junk
         model(torch.randn(0, 64, requires_grad=True)).sum().backward()
@@ -185,10 +190,19 @@ def test_apply_rht_names_a_bad_seed():
         apply_rht(torch.randn(16, 4), 2**64)
 
 
-@pytest.mark.parametrize("field,value", [
-    ("history_len", True), ("history_len", -1), ("history_len", 2**64), ("history_len", 4.0),
-    ("margin", True), ("margin", -1), ("margin", 2**64), ("margin", 1.0),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("history_len", True),
+        ("history_len", -1),
+        ("history_len", 2**64),
+        ("history_len", 4.0),
+        ("margin", True),
+        ("margin", -1),
+        ("margin", 2**64),
+        ("margin", 1.0),
+    ],
+)
 def test_neighbouring_int_fields_refuse_bool_negative_and_too_large(field, value):
     with pytest.raises(ValueError, match=rf"DelayedScalingConfig.{field} must be"):
         DelayedScalingConfig(**{field: value})

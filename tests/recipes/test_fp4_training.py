@@ -71,8 +71,12 @@ def test_recipes_and_their_options():
     assert nv.grad_output.rounding == "stochastic" and nv.input.rounding == "nearest"
     assert nv.input.fp4_kind == "nvfp4" and Float8LinearConfig.from_recipe("mxfp4").weight.fp4_kind == "mxfp4"
     # Each trick is a switch.
-    off = dataclasses.replace(nv, hadamard_wgrad=False, weight=CastConfig(FP4_CAST_DTYPE, NVFP4_1x16),
-                              grad_output=CastConfig(FP4_CAST_DTYPE, NVFP4_1x16))
+    off = dataclasses.replace(
+        nv,
+        hadamard_wgrad=False,
+        weight=CastConfig(FP4_CAST_DTYPE, NVFP4_1x16),
+        grad_output=CastConfig(FP4_CAST_DTYPE, NVFP4_1x16),
+    )
     assert off.uses_gemm_formats
     with pytest.raises(ValueError, match="FP4 granularity"):
         CastConfig(FP4_CAST_DTYPE, "rowwise")
@@ -265,7 +269,9 @@ def test_per_gemm_formats_mxfp8_forward_nvfp4_grad_input_hp_weight_grad():
     nv = CastConfig(FP4_CAST_DTYPE, NVFP4_1x16)
     mx8 = CastConfig(torch.float8_e4m3fn, MX_1x32)
     cfg = Float8LinearConfig(
-        input=mx8, weight=mx8, grad_output=nv,
+        input=mx8,
+        weight=mx8,
+        grad_output=nv,
         gemm_overrides={("grad_input", "weight"): nv, ("grad_weight", "grad_output"): None},
     )
     assert cfg.cast_for("forward", "weight") == mx8 and cfg.cast_for("grad_input", "weight") == nv
@@ -275,7 +281,10 @@ def test_per_gemm_formats_mxfp8_forward_nvfp4_grad_input_hp_weight_grad():
     layer.load_state_dict(ref.state_dict())
     y, gx, gw = _run(layer, x)
     x2 = x.reshape(-1, 128)
-    y_mx = f8tensor.Float8Tensor.from_hp(x2, granularity=MX_1x32) @ f8tensor.Float8Tensor.from_hp(ref.weight, granularity=MX_1x32).t()
+    y_mx = (
+        f8tensor.Float8Tensor.from_hp(x2, granularity=MX_1x32)
+        @ f8tensor.Float8Tensor.from_hp(ref.weight, granularity=MX_1x32).t()
+    )
     assert torch.equal(y.reshape(-1, 96), y_mx + ref.bias)
     # grad_weight in high precision: exactly grad_y.t() @ x.
     gy = 2 * y.detach().reshape(-1, 96)
@@ -330,8 +339,9 @@ class _Blocks(nn.Module):
 
 def test_keep_last_blocks_in_hp_filter():
     model = _Blocks()
-    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe("nvfp4"),
-                               module_filter_fn=keep_last_blocks_in_hp(model, 2))
+    convert_to_float8_training(
+        model, config=Float8LinearConfig.from_recipe("nvfp4"), module_filter_fn=keep_last_blocks_in_hp(model, 2)
+    )
     kinds = [isinstance(model.layers[i][0], Float8Linear) for i in range(6)]
     assert kinds == [True, True, True, True, False, False]
     assert isinstance(model.embed, Float8Linear) and isinstance(model.head, Float8Linear)

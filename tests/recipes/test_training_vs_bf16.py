@@ -27,7 +27,8 @@ class _ResidualClassifier(nn.Module):
         super().__init__()
         self.inp = nn.Linear(features, dim)
         self.blocks = nn.ModuleList(
-            nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim)) for _ in range(2)
+            nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim))
+            for _ in range(2)
         )
         self.head = nn.Linear(dim, CLASSES)
 

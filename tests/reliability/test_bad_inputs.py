@@ -304,9 +304,13 @@ def test_bool_and_complex_inputs_to_linear(dtype):
 
 def test_int_tensor_matmul_gets_the_librarys_message():
     w8 = Float8Tensor.from_hp(torch.randn(32, 32))
-    with pytest.raises(TypeError, match=r"the plain operand of an FP8 matmul must have a high-precision floating dtype"):
+    with pytest.raises(
+        TypeError, match=r"the plain operand of an FP8 matmul must have a high-precision floating dtype"
+    ):
         torch.ones(4, 32, dtype=torch.int64) @ w8.t()
-    with pytest.raises(TypeError, match=r"the plain operand of an FP8 matmul must have a high-precision floating dtype"):
+    with pytest.raises(
+        TypeError, match=r"the plain operand of an FP8 matmul must have a high-precision floating dtype"
+    ):
         w8 @ torch.ones(32, 4, dtype=torch.int32)
 
 
@@ -393,7 +397,9 @@ def test_double_backward_names_the_layer_and_a_way_out():
     # First-order gradients are the ordinary ones.
     (gx_ref,) = torch.autograd.grad(layer(x).pow(2).sum(), x)
     assert torch.equal(gx.detach(), gx_ref)
-    with pytest.raises(RuntimeError, match=r"Float8Linear\(in_features=32, out_features=16\): double backward .*module_filter_fn"):
+    with pytest.raises(
+        RuntimeError, match=r"Float8Linear\(in_features=32, out_features=16\): double backward .*module_filter_fn"
+    ):
         gx.pow(2).sum().backward()
 
 
@@ -541,13 +547,57 @@ _FNUZ = (torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
         ("tensorwise", (E4M3, E4M3, E5M2), (0, 0), (16, 32), False, r"history_len must be an int >= 1; got 0"),
         ("delayed", (E4M3, E4M3, E5M2), (1025, 0), (16, 32), False, r"history_len must be in \[1, 1024\]"),
         ("rowwise", (E4M3, E4M3, E5M2), (16, -2), (16, 32), False, r"margin must be an int >= 0; got -2"),
-        ("tensorwise", (E4M3, _FNUZ[0], E5M2), (16, 0), (16, 32), False, r"one FP8 family, fn \(e4m3fn, e5m2\) or fnuz"),
-        ("rowwise", (E5M2, E5M2, E4M3), (16, 0), (16, 32), False, r"forward \(input x weight\) GEMM would multiply two e5m2"),
-        ("tensorwise", (E4M3, E5M2, E5M2), (16, 0), (16, 32), False, r"grad_input \(grad_output x weight\) GEMM would multiply two e5m2"),
-        ("delayed", (E5M2, E4M3, E5M2), (16, 0), (16, 32), False, r"grad_weight \(grad_output x input\) GEMM would multiply two e5m2"),
-        ("rowwise", (E4M3, E4M3, E5M2), (16, 0), (24, 16), False, r"Float8Linear\(24, 16\): FP8 GEMMs need in_features and out_features to be multiples of 16"),
+        (
+            "tensorwise",
+            (E4M3, _FNUZ[0], E5M2),
+            (16, 0),
+            (16, 32),
+            False,
+            r"one FP8 family, fn \(e4m3fn, e5m2\) or fnuz",
+        ),
+        (
+            "rowwise",
+            (E5M2, E5M2, E4M3),
+            (16, 0),
+            (16, 32),
+            False,
+            r"forward \(input x weight\) GEMM would multiply two e5m2",
+        ),
+        (
+            "tensorwise",
+            (E4M3, E5M2, E5M2),
+            (16, 0),
+            (16, 32),
+            False,
+            r"grad_input \(grad_output x weight\) GEMM would multiply two e5m2",
+        ),
+        (
+            "delayed",
+            (E5M2, E4M3, E5M2),
+            (16, 0),
+            (16, 32),
+            False,
+            r"grad_weight \(grad_output x input\) GEMM would multiply two e5m2",
+        ),
+        (
+            "rowwise",
+            (E4M3, E4M3, E5M2),
+            (16, 0),
+            (24, 16),
+            False,
+            r"Float8Linear\(24, 16\): FP8 GEMMs need in_features and out_features to be multiples of 16",
+        ),
     ],
-    ids=["history_0", "history_1025", "margin_-2", "fn_fnuz_mix", "fwd_e5m2_e5m2", "dgrad_e5m2_e5m2", "wgrad_e5m2_e5m2", "unaligned_no_pad"],
+    ids=[
+        "history_0",
+        "history_1025",
+        "margin_-2",
+        "fn_fnuz_mix",
+        "fwd_e5m2_e5m2",
+        "dgrad_e5m2_e5m2",
+        "wgrad_e5m2_e5m2",
+        "unaligned_no_pad",
+    ],
 )
 def test_invalid_configs_are_refused_naming_the_problem(recipe, dtypes, delayed, features, pad, error):
     base = Float8LinearConfig.from_recipe(recipe)

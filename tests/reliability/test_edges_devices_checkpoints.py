@@ -209,8 +209,12 @@ def test_mixed_devices_in_batched_and_grouped_products_are_refused(op, gran):
 # ===================================================================== item 7
 
 
-@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan"), -1.0], ids=["inf", "-inf", "nan", "negative"])
-@pytest.mark.parametrize("buffer", ["amax_history_input", "amax_history_weight", "amax_history_grad_output", "scale_input", "scale_weight"])
+@pytest.mark.parametrize(
+    "bad", [float("inf"), float("-inf"), float("nan"), -1.0], ids=["inf", "-inf", "nan", "negative"]
+)
+@pytest.mark.parametrize(
+    "buffer", ["amax_history_input", "amax_history_weight", "amax_history_grad_output", "scale_input", "scale_weight"]
+)
 def test_a_poisoned_delayed_state_is_refused_at_load(bad, buffer):
     layer = fp8_linear(nn.Linear(32, 32), "delayed")
     sd = copy.deepcopy(layer.state_dict())

@@ -96,7 +96,16 @@ def _blocks_model() -> nn.Module:
         ({"edge_config": "rowwise"}, TypeError, r"edge_config must be a Float8LinearConfig or None"),
         ({"config": None}, TypeError, r"config must be a Float8LinearConfig"),
     ],
-    ids=["negative", "float", "bool", "pattern_int", "pattern_bad_regex", "pattern_no_group", "edge_str", "config_none"],
+    ids=[
+        "negative",
+        "float",
+        "bool",
+        "pattern_int",
+        "pattern_bad_regex",
+        "pattern_no_group",
+        "edge_str",
+        "config_none",
+    ],
 )
 def test_block_policy_errors_name_the_argument(kwargs, error, message):
     args = {"config": Float8LinearConfig.from_recipe("rowwise"), **kwargs}

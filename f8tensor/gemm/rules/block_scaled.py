@@ -9,8 +9,14 @@ import torch
 
 from f8tensor.gemm.rules.builds import _E4M3, _FP32, ALIGN, Builds
 
-__all__ = ["BLOCK_SCALED_MM_RULES", "FP4_SCALED_MM_RULES", "BlockScaledMMRule", "block_rule_by_recipes", "block_rule_for", "fp4_rule_for"]
-
+__all__ = [
+    "BLOCK_SCALED_MM_RULES",
+    "FP4_SCALED_MM_RULES",
+    "BlockScaledMMRule",
+    "block_rule_by_recipes",
+    "block_rule_for",
+    "fp4_rule_for",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,8 +57,8 @@ _META_FLOOR_TORCH = ((2, 11), (2, 12), (2, 13))
 _DEEPSEEK_BUILDS = Builds(min_cuda=(12, 9), min_sm=(9, 0), max_sm=(9, 0))
 _V2_SOURCES = (
     (
-        "aten/src/ATen/native/cuda/ScaledBlas.cpp: _scaled_mm_cuda_v2_out (K % 16: \"Expected trailing "
-        "dimension of mat1 to be divisible by 16\"; \"mat2 shape (KxN) must be divisible by 16\"; M free)"
+        'aten/src/ATen/native/cuda/ScaledBlas.cpp: _scaled_mm_cuda_v2_out (K % 16: "Expected trailing '
+        'dimension of mat1 to be divisible by 16"; "mat2 shape (KxN) must be divisible by 16"; M free)'
     ),
     (
         "torch/_meta_registrations.py: _check_scaled_mm_sizes_v2 (the same % 16 checks under torch.compile; "
@@ -68,7 +74,7 @@ _DEEPSEEK_SOURCES = (
     ),
     (
         "aten/src/ATen/cuda/CUDABlas.cpp: get_scale_mode (\"scaled_gemm doesn't support fast accum with "
-        "1x128 blockwise scaling\", same for 128x128; in the 2.11, 2.12, 2.14 binaries)"
+        '1x128 blockwise scaling", same for 128x128; in the 2.11, 2.12, 2.14 binaries)'
     ),
     (
         "torch/_meta_registrations.py: _check_scaled_mm_sizes_v2 floor-divides K, M, N by 128 (K // 128: "
@@ -138,14 +144,15 @@ _MXFP8 = dataclasses.replace(
             "aten/src/ATen/cuda/CUDABlas.cpp: get_scale_mode (1x32 e8m0 needs CUDA >= 12.8); "
             "torch/testing/_internal/common_cuda.py: PLATFORM_SUPPORTS_MX_GEMM = SM100OrLater"
         ),
-    ) + _V2_SOURCES,
+    )
+    + _V2_SOURCES,
 )
 
 _FP4 = torch.float4_e2m1fn_x2
 _FP4_SOURCES = (
     (
         "aten/src/ATen/native/cuda/ScaledBlas.cpp: _scaled_mm_cuda_v2_out (K_multiplier = 2 for "
-        "Float4_e2m1fn_x2: K counted unpacked; \"use_fast_accum is not supported\" for FP4 operands)"
+        'Float4_e2m1fn_x2: K counted unpacked; "use_fast_accum is not supported" for FP4 operands)'
     ),
     (
         "torch/testing/_internal/common_quantized.py: pack_uint4 (element 2i in the low nibble, 2i+1 in "
@@ -157,14 +164,24 @@ _FP4_SOURCES = (
 BLOCK_SCALED_MM_RULES: tuple[BlockScaledMMRule, ...] = (
     _DEEPSEEK,
     dataclasses.replace(
-        _DEEPSEEK, name="1x128 x 1x128", recipe_b="BlockWise1x128", block_b=(128, 1),
-        scale_b="(N, ceil(K/128)), strides (1, N)", compile_align=(("K", 128),),
+        _DEEPSEEK,
+        name="1x128 x 1x128",
+        recipe_b="BlockWise1x128",
+        block_b=(128, 1),
+        scale_b="(N, ceil(K/128)), strides (1, N)",
+        compile_align=(("K", 128),),
     ),
     dataclasses.replace(
-        _DEEPSEEK, name="128x128 x 1x128", recipe_a="BlockWise128x128", recipe_b="BlockWise1x128",
-        block_a=(128, 128), block_b=(128, 1), scale_a=_BLOCK_SCALES.format("M"),
+        _DEEPSEEK,
+        name="128x128 x 1x128",
+        recipe_a="BlockWise128x128",
+        recipe_b="BlockWise1x128",
+        block_a=(128, 128),
+        block_b=(128, 1),
+        scale_a=_BLOCK_SCALES.format("M"),
         align_m=1,  # a 128x128 a's scale rows count K-blocks, not M
-        scale_b="(N, ceil(K/128)), strides (1, N)", compile_align=(("K", 128), ("M", 128)),
+        scale_b="(N, ceil(K/128)), strides (1, N)",
+        compile_align=(("K", 128), ("M", 128)),
     ),
     _MXFP8,
     dataclasses.replace(
@@ -182,7 +199,9 @@ BLOCK_SCALED_MM_RULES: tuple[BlockScaledMMRule, ...] = (
                 "(BlockWise1x32 only, sm100, mslk::gemm::f4f4bf16)"
             ),
             "check_mxfp4_recipe (2.11 CUDAScaledBlas.h:136-167, 2.12/2.13 ScaledBlasUtils.h:75-131, 2.14 :122-178)",
-        ) + _FP4_SOURCES + _V2_SOURCES,
+        )
+        + _FP4_SOURCES
+        + _V2_SOURCES,
     ),
     dataclasses.replace(
         _MXFP8,
@@ -206,13 +225,18 @@ BLOCK_SCALED_MM_RULES: tuple[BlockScaledMMRule, ...] = (
             ),
             "aten/src/ATen/cuda/CUDABlas.cpp: get_scale_mode (BlockWise1x16 needs e4m3fn scales and CUDA >= 12.8)",
             "check_nvfp4_recipe, check_nvfp4_recipe_single_scale (2.14 ScaledBlasUtils.h:122-178)",
-        ) + _FP4_SOURCES + _V2_SOURCES,
+        )
+        + _FP4_SOURCES
+        + _V2_SOURCES,
     ),
 )
 
 
 def block_rule_for(
-    block_a: tuple[int, ...], block_b: tuple[int, ...], scale_dtype: torch.dtype, operand_dtype: torch.dtype | None = None
+    block_a: tuple[int, ...],
+    block_b: tuple[int, ...],
+    scale_dtype: torch.dtype,
+    operand_dtype: torch.dtype | None = None,
 ) -> BlockScaledMMRule | None:
     """The row with these blocks and scale dtype (taking ``operand_dtype`` when given), or None."""
     for rule in BLOCK_SCALED_MM_RULES:
@@ -222,7 +246,9 @@ def block_rule_for(
     return None
 
 
-def block_rule_by_recipes(recipe_a: Any, recipe_b: Any, operand_dtype: torch.dtype | None = None) -> BlockScaledMMRule | None:
+def block_rule_by_recipes(
+    recipe_a: Any, recipe_b: Any, operand_dtype: torch.dtype | None = None
+) -> BlockScaledMMRule | None:
     """The row of these scaling recipes, or None; ``operand_dtype`` tells MXFP8 from MXFP4."""
     names = tuple(str(getattr(r, "name", r)) for r in (recipe_a, recipe_b))
     matches = [rule for rule in BLOCK_SCALED_MM_RULES if (rule.recipe_a, rule.recipe_b) == names]

@@ -7,7 +7,18 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["ALIGN", "ALL_BUILDS", "ROCM_BUILDS", "SCALE_COLS", "SCALE_ONE", "SCALE_ROWS", "SUPPORTED_BUILDS", "SUPPORTED_TORCH", "Builds", "CudaBuild"]
+__all__ = [
+    "ALIGN",
+    "ALL_BUILDS",
+    "ROCM_BUILDS",
+    "SCALE_COLS",
+    "SCALE_ONE",
+    "SCALE_ROWS",
+    "SUPPORTED_BUILDS",
+    "SUPPORTED_TORCH",
+    "Builds",
+    "CudaBuild",
+]
 
 _E4M3 = torch.float8_e4m3fn
 _E5M2 = torch.float8_e5m2
@@ -20,6 +31,7 @@ _BF16, _FP16, _FP32 = torch.bfloat16, torch.float16, torch.float32
 ALIGN = 16
 
 # ===================================================================== builds
+
 
 class CudaBuild(NamedTuple):
     """One GPU build: torch release, toolkit (CUDA or ROCm version), arch (sm, or gfx digits)."""
@@ -42,10 +54,7 @@ SUPPORTED_TORCH: tuple[tuple[int, int], ...] = ((2, 11), (2, 12), (2, 13), (2, 1
 
 #: Every NVIDIA build whose rules each ``_scaled_mm`` call must obey (FP8 starts at sm89).
 SUPPORTED_BUILDS: tuple[CudaBuild, ...] = tuple(
-    CudaBuild(t, c, s)
-    for t in SUPPORTED_TORCH
-    for c in ((12, 6), (12, 8), (13, 0))
-    for s in ((8, 9), (9, 0))
+    CudaBuild(t, c, s) for t in SUPPORTED_TORCH for c in ((12, 6), (12, 8), (13, 0)) for s in ((8, 9), (9, 0))
 )
 
 #: The builds fnuz products are checked against (AMD MI300, gfx942).

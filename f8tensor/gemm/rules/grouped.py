@@ -11,7 +11,6 @@ from f8tensor.gemm.rules.builds import _BF16, _E4M3, _FP32, ALIGN, Builds, CudaB
 __all__ = ["GROUPED_RULES", "GroupedMMRule", "grouped_rule_for"]
 
 
-
 @dataclasses.dataclass(frozen=True)
 class GroupedMMRule:
     """What ``torch._scaled_grouped_mm`` accepts on a set of builds (one row of the table).
@@ -41,20 +40,20 @@ class GroupedMMRule:
 
 _GROUPED_SOURCES = (
     (
-        "torch/_meta_registrations.py: _meta_grouped_mm_common (\"Expected inputs of E4M3 FP8 type\", fp32 "
+        'torch/_meta_registrations.py: _meta_grouped_mm_common ("Expected inputs of E4M3 FP8 type", fp32 '
         "scales, bf16 output, offs int32 exactly when an operand is 2D, scale shapes per form; 2.11 :8178, "
         "2.12 :8428, 2.13 :8642, 2.14 :8467)"
     ),
     (
-        "aten/src/ATen/native/cuda/GroupedBlas.cpp: _scaled_grouped_mm_cuda (\"Expected trailing dimension of "
-        "mat_a to be divisible by 16\", \"Expected mat_b shape to be divisible by 16\": K and N, host checks in "
+        'aten/src/ATen/native/cuda/GroupedBlas.cpp: _scaled_grouped_mm_cuda ("Expected trailing dimension of '
+        'mat_a to be divisible by 16", "Expected mat_b shape to be divisible by 16": K and N, host checks in '
         "forward; no bias, no scale_result); ATen/native/GroupedMMUtils.h: check_valid_strides_and_return_"
         "transposed (a row-major, b column-major, leading strides multiples of 16 bytes; 2.14 adds the 3-D "
         "batch stride)"
     ),
     (
         "aten/src/ATen/native/cuda/ScaledGroupMM.cu: f8f8bf16_grouped_gemm_impl_sm90 (\"Can't process more "
-        "than 1024 groups\": group_count < 1024; the only FP8 grouped kernel in the 2.11, 2.12, 2.14 binaries: "
+        'than 1024 groups": group_count < 1024; the only FP8 grouped kernel in the 2.11, 2.12, 2.14 binaries: '
         "no sm100 instance; common_cuda.py: PLATFORM_SUPPORTS_FP8_GROUPED_GEMM = SM90OrLater and not "
         "SM100OrLater, 2.11 :159, 2.12 :199, 2.13 :200, 2.14 :277)"
     ),

@@ -26,7 +26,6 @@ from f8tensor.gemm.rules.builds import (
 __all__ = ["ROCM_ROWWISE_NOTE", "SCALED_MM_RULES", "STRICTEST_BUILDS", "ScaledMMRule", "rule_for"]
 
 
-
 @dataclasses.dataclass(frozen=True)
 class ScaledMMRule:
     """What one scaling kind of one op accepts on a set of builds (one row of the table).
