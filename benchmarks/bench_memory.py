@@ -7,7 +7,7 @@ Two tables.
    themselves are left out, their storage exists anyway; a tensor subclass such as a
    Float8Tensor counts its inner tensors, e.g. FP8 ``_data`` and fp32 ``_scale``), and the
    peak memory of the step (eager). Saved bytes are exact and device independent.
-   ``tests/modules/test_saved_for_backward.py`` asserts them through :func:`saved_bytes` / :func:`measure`.
+   ``tests/nn/test_saved_for_backward.py`` asserts them through :func:`saved_bytes` / :func:`measure`.
 2. A training step of the Llama-style model of ``bench_e2e.py`` (forward, backward,
    AdamW step; bf16 parameters, the output projection left in bf16), eager and compiled,
    after a few warm-up steps (so the optimizer state exists): saved-for-backward bytes of

@@ -1,7 +1,7 @@
 """The block definition of each recipe's casts, written in plain torch from the recipes'
 definition (not from f8tensor's cast or ``CastConfig.operand_spec``): the independent
 reference that the orientation, tensor-parallel and FSDP2 tests compare f8tensor's operands
-with. See tests/kernels/test_operand_orientation.py for the operand conventions."""
+with. See tests/gemm/test_operand_orientation.py for the operand conventions."""
 
 from __future__ import annotations
 

@@ -109,7 +109,57 @@ def _default_device(device):
         torch.set_default_device(None)
 
 
+#: Tests that take 6 s or more on a 2-core CPU (``--durations``, 2026-12-06), run in CI's
+#: slow part (``-m slow``) and left out of README's command, which they would double. A node
+#: id, or a prefix of one (every parameter of that test).
+SLOW_TESTS = (
+    "tests/project/test_tutorials.py::test_tutorial_runs[05_torch_compile.py]",
+    "tests/project/test_tutorials.py::test_tutorial_runs[07_models_from_other_libraries.py]",
+    "tests/project/test_tutorials.py::test_tutorial_runs[11_2d_parallel.py]",
+    "tests/project/test_tutorials.py::test_tutorial_runs[06_fsdp2_float8.py]",
+    "tests/project/test_tutorials.py::test_tutorial_runs[03_training_float8linear.py]",
+    "tests/project/test_tutorials.py::test_tutorial_runs[04_delayed_vs_dynamic.py]",
+    "tests/project/test_tutorials.py::test_tutorial_runs[14_export_for_inference.py]",
+    "tests/project/test_tutorials.py::test_tutorial_runs[09_moe.py]",
+    "tests/project/test_tutorials.py::test_tutorial_runs[12_fp4.py]",
+    "tests/project/test_tutorials.py::test_tutorial_runs[13_optimizer_memory.py]",
+    "tests/optim/test_optim.py::test_low_precision_states_close_to_fp32_states",
+    "tests/reliability/test_model_switches.py::test_two_layer_mlp_compiles_with_dynamic_shapes[mxfp8]",
+    "tests/reliability/test_edges_devices_checkpoints.py::test_compile_dynamic_true_forward_and_backward",
+    "tests/distributed/test_tp.py::test_2d_fsdp2_x_tp_matches_one_process",
+    "tests/distributed/test_fsdp.py::test_loss_parity_with_single_process",
+    "tests/distributed/test_activations_fsdp.py::test_fsdp2_training_step_under_the_context",
+    "tests/distributed/test_fsdp_block_shards.py::test_cut_and_uneven_shards_gather_one_process_cast",
+    "tests/distributed/test_optim_fsdp.py::test_sharded_step_equals_one_process_bit_for_bit",
+    "tests/project/test_benchmarks.py::test_bench_e2e",
+    "tests/project/test_benchmarks.py::test_bench_cast_traffic",
+    "tests/project/test_benchmarks.py::test_bench_comm",
+    "tests/project/test_benchmarks.py::test_bench_linear_compiled",
+    "tests/project/test_benchmarks.py::test_bench_memory",
+    "tests/project/test_benchmarks.py::test_bench_routes",
+    "tests/project/test_bench_e2e_graphs.py::test_tensorwise_table",
+    "tests/recipes/test_block_recipes.py::test_stochastic_grad_output_compiles_with_dynamic_shapes",
+    "tests/recipes/test_block_recipes.py::test_stochastic_grad_output_compiles_fullgraph[mxfp8]",
+    "tests/recipes/test_fp4_compile.py::test_fp4_stochastic_gradients_compile_with_dynamic_shapes",
+    "tests/project/test_demo.py::test_tiny_run_prints_a_row_per_run_and_writes_the_png",
+    "tests/project/test_bit_identity.py::test_compiled_runs_bit_identical",
+    "tests/clients/test_client_accelerate_fsdp2.py::test_fsdp2_optimizer_mapping_keeps_every_fp8_weight",
+    "tests/nn/test_linear_compile.py::test_compile_varying_token_counts",
+    "tests/nn/test_compile_per_block.py::test_blocks_compiled_one_by_one_share_one_graph",
+    "tests/quant/test_delayed_scaling.py::test_compiled_checkpoint_resume_is_bit_exact",
+    "tests/optim/test_optim_compiled_step.py::test_compiled_step_has_no_graph_break_and_one_graph",
+    "tests/optim/test_optim_compiled_step.py::test_inductor_compiled_cpu_step_is_the_torch_ops_step",
+    "tests/optim/test_optim_compiled_step.py::test_compiled_step_follows_lr_and_new_parameters_without_graph_breaks",
+    "tests/nn/test_telemetry.py::test_keys_are_stable[delayed]",
+    "tests/nn/test_compile_block_gradients.py::test_block_weight_grads_compiled_inductor",
+)
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.nodeid.startswith(SLOW_TESTS):
+            item.add_marker(pytest.mark.slow)
     # Only tests marked `gpu` are skipped; the CPU tests always run.
     gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
     if not gpu_items:

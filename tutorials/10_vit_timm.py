@@ -134,7 +134,7 @@ def main() -> None:
     # forward/backward split) and runs them op by op (inductor's final losses were within
     # 0.0002 of eager's there). GPU
     # inductor is what the write-up ran. (Inductor on CPU once gave NaN weight gradients
-    # for attn.proj and mlp.fc1 here; fixed, see tests/modules/test_compile_block_gradients.py.)
+    # for attn.proj and mlp.fc1 here; fixed, see tests/nn/test_compile_block_gradients.py.)
     backend = args.compile_backend or ("inductor" if torch.cuda.is_available() else "aot_eager")
 
     print("0. timm")

@@ -18,17 +18,17 @@ REPO = Path(__file__).resolve().parents[2]
 DRY_STUB = Path(__file__).resolve().with_name("dry_pytest_stub.py")
 #: (item name, files, planned seconds on the GPU machine), most important first.
 GROUPS = (
-    ("pytest_gpu_core", ("tests/kernels/test_gpu_scaled_mm.py",), 40),
+    ("pytest_gpu_core", ("tests/gemm/test_gpu_scaled_mm.py",), 40),
     (
         "pytest_gpu_kernels",
         (
-            "tests/kernels/test_triton_adamw.py",
+            "tests/optim/test_triton_adamw.py",
             "tests/kernels/test_triton_casts.py",
             "tests/kernels/test_block_casts_reference.py",
         ),
         60,
     ),
-    ("pytest_gpu_twins", ("tests/modules/test_linear.py", "tests/modules/test_moe.py"), 70),
+    ("pytest_gpu_twins", ("tests/nn/test_linear.py", "tests/moe/test_moe.py"), 70),
 )
 
 

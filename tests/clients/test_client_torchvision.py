@@ -4,8 +4,8 @@ reported layer running in FP8, ``nn.MultiheadAttention``'s in- and out-projectio
 (round 4; skipped and reported before): the four GEMMs of each encoder block (packed q/k/v
 in-projection, out-projection, the two MLP linears) are FP8 products, counted, in training
 and under ``inference_mode``; a few training steps stay within 2% of the bf16 model's loss.
-The same pattern without torchvision: tests/modules/test_attention.py and
-tests/modules/test_convert_reports.py."""
+The same pattern without torchvision: tests/nn/test_attention.py and
+tests/nn/test_convert_reports.py."""
 
 from __future__ import annotations
 

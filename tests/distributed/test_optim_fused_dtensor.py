@@ -4,7 +4,7 @@ states are the bits one process writes with the torch-ops path. Two ranks, gloo 
 
 The draws of FP8 moments and of stochastic bf16 masters are a function of each element's
 global index: the shard's offset reaches the kernel as ``start``. Square roots: correctly
-rounded on both paths (see tests/kernels/test_triton_adamw.py for why).
+rounded on both paths (see tests/optim/test_triton_adamw.py for why).
 """
 
 from __future__ import annotations

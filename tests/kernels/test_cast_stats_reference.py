@@ -1,7 +1,7 @@
 """The reference casts' telemetry, scale rule and way back, checked against their definitions.
 
 ``kernels.reference.cast_with_stats`` is the cast every telemetry buffer reads; the module
-tests (tests/modules/test_telemetry.py) check it through whole training steps, which are
+tests (tests/nn/test_telemetry.py) check it through whole training steps, which are
 too slow to run against each mutant of the reference casts. These call it directly, with
 inputs placed on the edges the definitions name (the saturation bound, half the smallest
 subnormal, one outlier per row or block), and expected values computed here in float64 from

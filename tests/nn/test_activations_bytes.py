@@ -130,7 +130,7 @@ def test_the_high_precision_input_a_linear_function_saves_is_packed(recipe):
     by design, the FP4 recipes, whose weight-gradient casts happen in backward) save
     ``x.reshape(-1, K)``, made inside their forward: a view that autograd flags as a leaf
     requiring grad. It is an activation (its base is), and the context packs it. (rowwise,
-    blockwise and MX save their FP8 cast already: tests/modules/test_saved_inputs_fp8.py.)"""
+    blockwise and MX save their FP8 cast already: tests/nn/test_saved_inputs_fp8.py.)"""
     torch.manual_seed(0)
     layer = Float8Linear.from_float(nn.Linear(K, N, dtype=torch.bfloat16), Float8LinearConfig.from_recipe(recipe))
     x0 = torch.randn(4, M // 4, K, dtype=torch.bfloat16, requires_grad=True)

@@ -15,7 +15,7 @@ from torch import nn
 from f8tensor import Float8Linear, Float8LinearConfig, convert_to_float8_training
 from f8tensor.nn.linear import Float8Conv1D
 
-# One FP8 linear against fp32: output and gradients (cf. tests/modules/test_linear.py).
+# One FP8 linear against fp32: output and gradients (cf. tests/nn/test_linear.py).
 OUTPUT_MIN_DB = 25.0
 GRAD_MIN_DB = 24.0  # a weight or bias gradient of one FP8 layer: measured 27.2-27.4 dB
 # A weight gradient at the bottom of a 2-block GPT-2 whose 8 projections are all FP8: the
