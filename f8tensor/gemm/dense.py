@@ -17,7 +17,7 @@ import torch
 from f8tensor.gemm.check import scaled_mm
 from f8tensor.gemm.operands import col_major, inverse_scale, kernel_scale, row_major
 from f8tensor.gemm.rules import ALIGN
-from f8tensor.quant.specs import GemmConfig, is_tensorwise
+from f8tensor.quant.specs import GemmConfig
 from f8tensor.tensor.float8 import Float8Tensor
 
 __all__ = [
@@ -163,7 +163,7 @@ def product(
         a_data = _pad_bytes(a_data, 0, pad_k)
         b_data = _pad_bytes(b_data.t(), pad_n, pad_k).t()
 
-    a_rowwise, b_rowwise = not is_tensorwise(a8._scale_block), not is_tensorwise(b8._scale_block)
+    a_rowwise, b_rowwise = a8._scale.dim() > 0, b8._scale.dim() > 0  # 2D: a 0-dim scale is tensorwise
     route = choose_route(
         a_data.dtype,
         b_data.dtype,

@@ -30,7 +30,6 @@ from f8tensor.quant.specs import (
     is_blockwise,
     keyword_spec,
     layout_block,
-    spec_block,
 )
 from f8tensor.tensor.subclass import OpHandler, QuantizedTensor
 from f8tensor.tensor.validation import (
@@ -219,12 +218,13 @@ class Float8Tensor(QuantizedTensor):
     @property
     def _scale_block(self) -> tuple[int, ...]:
         """The block in :class:`~f8tensor.quant.config.CastSpec`'s spelling: ``()`` for tensorwise."""
-        return spec_block(self._block, self._scale.dim())
+        # spec_block's rule, inlined: read by every product.
+        return self._block if self._scale.dim() else ()
 
     @property
     def is_blockwise(self) -> bool:
         """True for a block scale (1x128, 128x128, MX, ...)."""
-        return is_blockwise(self._scale_block)
+        return self._scale.dim() > 0 and is_blockwise(self._block)
 
     @property
     def block(self) -> tuple[int, ...]:

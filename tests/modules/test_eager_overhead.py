@@ -119,12 +119,12 @@ def test_ops_per_step_at_most_the_ceiling(recipe, no_rules_check):
 #: checks (a CPU-only path) added 4-12 calls, the block recipes' one compilation for every
 #: token count 52 (a traced-or-not test per block expansion).
 PYTHON_CALL_BUDGETS = {
-    "tensorwise": (498, 317),
-    "rowwise": (584, 446),
-    "rowwise_with_gw_hp": (391, 290),
-    "delayed": (577, 354),
-    "blockwise": (536, 386),
-    "mxfp8": (524, 386),
+    "tensorwise": (416, 235),
+    "rowwise": (446, 308),
+    "rowwise_with_gw_hp": (300, 199),
+    "delayed": (495, 272),
+    "blockwise": (488, 338),
+    "mxfp8": (476, 338),
 }
 
 
