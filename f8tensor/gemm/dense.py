@@ -149,8 +149,9 @@ def product(
     The operands come from ``operands.prepare(..., DENSE)``: scales constant along K.
     """
     (m, k), n = a8.shape, b8.shape[1]
+    compiling = torch.compiler.is_compiling()  # read once per product
     # Layouts the kernels take: A row-major, B column-major.
-    a_data, b_data = row_major(a8._data), col_major(b8._data)
+    a_data, b_data = row_major(a8._data, compiling), col_major(b8._data, compiling)
 
     pad_k, pad_n = (-k) % ALIGN, (-n) % ALIGN
     if pad_k or pad_n:
@@ -172,7 +173,7 @@ def product(
         use_fast_accum=gemm.use_fast_accum,
         m=m,
     )
-    a_inv, b_inv = inverse_scale(a8), inverse_scale(b8)
+    a_inv, b_inv = inverse_scale(a8, compiling), inverse_scale(b8, compiling)
     if route is Route.TENSORWISE:
         return _fused_bias_mm(a_data, b_data, a_inv, b_inv, bias, out_dtype, gemm.use_fast_accum, pad_n)
     if route is Route.TENSORWISE_POSTSCALE:

@@ -182,9 +182,12 @@ def requantize(x: Float8Tensor, k: int) -> Float8Tensor:
     return to_float8(dequantize(x, torch.float32), spec, gemm=x._gemm, orig_dtype=x._orig_dtype)
 
 
-def row_major(t: torch.Tensor) -> torch.Tensor:
-    """``t`` with its last two dims in standard row-major strides (an FP8 copy only if needed)."""
-    if torch.compiler.is_compiling():
+def row_major(t: torch.Tensor, compiling: bool | None = None) -> torch.Tensor:
+    """``t`` with its last two dims in standard row-major strides (an FP8 copy only if needed).
+
+    ``compiling``: ``torch.compiler.is_compiling()`` where the caller read it already.
+    """
+    if torch.compiler.is_compiling() if compiling is None else compiling:
         # Symbolic strides are unreadable under dynamo; inductor uses standard strides. A
         # size-1 dim may keep a short stride through .contiguous() (the grouped kernel refuses it).
         if t.shape[-2] == 1:
@@ -193,9 +196,9 @@ def row_major(t: torch.Tensor) -> torch.Tensor:
     return t if is_row_major(t) else t.clone(memory_format=torch.contiguous_format)
 
 
-def col_major(t: torch.Tensor) -> torch.Tensor:
-    """``t`` with its last two dims column-major (an FP8 copy only if needed)."""
-    if torch.compiler.is_compiling():
+def col_major(t: torch.Tensor, compiling: bool | None = None) -> torch.Tensor:
+    """``t`` with its last two dims column-major (an FP8 copy only if needed); ``compiling``: as :func:`row_major`."""
+    if torch.compiler.is_compiling() if compiling is None else compiling:
         tt = t.transpose(-2, -1)  # see row_major
         if t.shape[-1] == 1:
             return tt.clone(memory_format=torch.contiguous_format).transpose(-2, -1)
@@ -206,9 +209,12 @@ def col_major(t: torch.Tensor) -> torch.Tensor:
     return to_column_major(t)
 
 
-def inverse_scale(x: Float8Tensor) -> torch.Tensor:
-    """``1 / x._scale`` in the scale's dtype (exact for e8m0), the cast's own where it kept one."""
-    inv = None if torch.compiler.is_compiling() else x._inv_scale
+def inverse_scale(x: Float8Tensor, compiling: bool | None = None) -> torch.Tensor:
+    """``1 / x._scale`` in the scale's dtype (exact for e8m0), the cast's own where it kept one.
+
+    ``compiling``: as :func:`row_major`.
+    """
+    inv = None if (torch.compiler.is_compiling() if compiling is None else compiling) else x._inv_scale
     return inverse_scale_of(x._scale) if inv is None else inv
 
 
