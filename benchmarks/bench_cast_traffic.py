@@ -525,7 +525,7 @@ def eager_kernels(fn: Callable[[], object]) -> int:
 def f8tensor_cast_kernels(recipe: str, s: Shape) -> int:
     """Eager kernels of f8tensor's forward cast of x for ``recipe``."""
     from f8tensor.quant.config import GemmConfig
-    from f8tensor.quant.quantizers import cast_operand
+    from f8tensor.quant.quantizers import cast_operand, role_plan
 
     layer = build_layer("f8tensor", recipe, s)
     cfg = layer.config
@@ -534,7 +534,7 @@ def f8tensor_cast_kernels(recipe: str, s: Shape) -> int:
     state = (
         [getattr(layer, n).clone() for n in ("amax_history_input", "scale_input")] if cfg.any_delayed else [None, None]
     )
-    return eager_kernels(lambda: cast_operand(x2, cfg.input, 1, GemmConfig(), cfg, state[0], state[1]))
+    return eager_kernels(lambda: cast_operand(x2, role_plan(cfg.input), 1, GemmConfig(), cfg, state[0], state[1]))
 
 
 def kernel_times_ms(step: Callable[[], None], steps: int) -> float:

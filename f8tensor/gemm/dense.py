@@ -17,7 +17,7 @@ import torch
 from f8tensor.gemm.check import scaled_mm
 from f8tensor.gemm.operands import col_major, inverse_scale, kernel_scale, row_major
 from f8tensor.gemm.rules import ALIGN
-from f8tensor.quant.specs import GemmConfig, is_tensorwise
+from f8tensor.quant.specs import GemmConfig
 from f8tensor.tensor.float8 import Float8Tensor
 
 __all__ = [
@@ -149,8 +149,9 @@ def product(
     The operands come from ``operands.prepare(..., DENSE)``: scales constant along K.
     """
     (m, k), n = a8.shape, b8.shape[1]
+    compiling = torch.compiler.is_compiling()  # read once per product
     # Layouts the kernels take: A row-major, B column-major.
-    a_data, b_data = row_major(a8._data), col_major(b8._data)
+    a_data, b_data = row_major(a8._data, compiling), col_major(b8._data, compiling)
 
     pad_k, pad_n = (-k) % ALIGN, (-n) % ALIGN
     if pad_k or pad_n:
@@ -163,7 +164,7 @@ def product(
         a_data = _pad_bytes(a_data, 0, pad_k)
         b_data = _pad_bytes(b_data.t(), pad_n, pad_k).t()
 
-    a_rowwise, b_rowwise = not is_tensorwise(a8._scale_block), not is_tensorwise(b8._scale_block)
+    a_rowwise, b_rowwise = a8._scale.dim() > 0, b8._scale.dim() > 0  # 2D: a 0-dim scale is tensorwise
     route = choose_route(
         a_data.dtype,
         b_data.dtype,
@@ -172,7 +173,7 @@ def product(
         use_fast_accum=gemm.use_fast_accum,
         m=m,
     )
-    a_inv, b_inv = inverse_scale(a8), inverse_scale(b8)
+    a_inv, b_inv = inverse_scale(a8, compiling), inverse_scale(b8, compiling)
     if route is Route.TENSORWISE:
         return _fused_bias_mm(a_data, b_data, a_inv, b_inv, bias, out_dtype, gemm.use_fast_accum, pad_n)
     if route is Route.TENSORWISE_POSTSCALE:

@@ -15,8 +15,8 @@ from f8tensor.gemm.dense import product as dense_product
 from f8tensor.gemm.operands import BLOCKS, DENSE, check_devices, prepare
 from f8tensor.quant.formats import FLOAT8_DTYPES, check_hp_dtype
 from f8tensor.quant.specs import DEFAULT_GEMM, CastSpec, GemmConfig
-from f8tensor.tensor.float8 import check_scale_values, is_float8, scale_from_number, to_float8
-from f8tensor.tensor.fp4 import is_float4
+from f8tensor.tensor.float8 import Float8Tensor, check_scale_values, is_float8, scale_from_number, to_float8
+from f8tensor.tensor.fp4 import Float4Tensor, is_float4
 
 __all__ = ["float8_mm", "matmul"]
 
@@ -126,9 +126,9 @@ def matmul(
         ValueError: operands (or ``bias``) on different devices.
     """
     _check_devices(a, b, bias)
-    if is_float4(a) or is_float4(b):
+    if isinstance(a, Float4Tensor) or isinstance(b, Float4Tensor):
         return _fp4_matmul(a, b, bias, out_dtype)
-    blockwise = (is_float8(a) and a.is_blockwise) or (is_float8(b) and b.is_blockwise)
+    blockwise = (isinstance(a, Float8Tensor) and a.is_blockwise) or (isinstance(b, Float8Tensor) and b.is_blockwise)
     if a.dim() != 2 or b.dim() != 2:
         raise RuntimeError(f"FP8 mm expects 2D operands; got {tuple(a.shape)} and {tuple(b.shape)}")
     a8, b8 = prepare(a, b, BLOCKS if blockwise else DENSE, a_k=1, b_k=0)

@@ -21,7 +21,7 @@ from f8tensor.kernels.layouts import to_column_major
 from f8tensor.quant.formats import E8M0, check_hp_dtype, e4m3_like
 from f8tensor.quant.scaling import inverse_scale_of
 from f8tensor.quant.specs import CastSpec, axiswise_block, constant_along, is_tensorwise
-from f8tensor.tensor.float8 import Float8Tensor, dequantize, is_float8, to_float8
+from f8tensor.tensor.float8 import Float8Tensor, dequantize, to_float8
 from f8tensor.tensor.fp4 import Float4Tensor, is_float4, to_float4
 
 __all__ = [
@@ -68,12 +68,12 @@ def prepare(a: torch.Tensor, b: torch.Tensor, takes: Takes, *, a_k: int, b_k: in
         ValueError: the operands are on different devices.
     """
     check_devices(a, b)
-    ref, ref_k = (a, a_k) if is_float8(a) else (b, b_k)
-    if not is_float8(ref):
+    ref, ref_k = (a, a_k) if isinstance(a, Float8Tensor) else (b, b_k)
+    if not isinstance(ref, Float8Tensor):
         raise TypeError("FP8 mm needs at least one Float8Tensor operand")
-    if not is_float8(a):
+    if not isinstance(a, Float8Tensor):
         a = _cast_like(a, a_k, ref, ref_k, takes)
-    if not is_float8(b):
+    if not isinstance(b, Float8Tensor):
         b = _cast_like(b, b_k, ref, ref_k, takes)
     return _fit(a, a_k, takes), _fit(b, b_k, takes)
 
@@ -153,10 +153,12 @@ def _cast_like(x: torch.Tensor, k: int, ref: Float8Tensor, ref_k: int, takes: Ta
 
 def _fit(x: Float8Tensor, k: int, takes: Takes) -> Float8Tensor:
     """``x`` re-quantized where its scale varies along K, or its scales or format are unread."""
-    if not takes.blocks and x._scale.dtype == E8M0 and constant_along(x._scale_block, k):
+    # A 0-dim scale is constant along every dim.
+    along_k = x._scale.dim() == 0 or constant_along(x._block, k)
+    if not takes.blocks and x._scale.dtype == E8M0 and along_k:
         # A tensorwise/axiswise e8m0 scale is exact in fp32: no re-rounding of the data.
         x = x._replace(scale=x._scale.to(torch.float32))
-    fits = constant_along(x._scale_block, k) and (not takes.fp32_scales or x._scale.dtype == torch.float32)
+    fits = along_k and (not takes.fp32_scales or x._scale.dtype == torch.float32)
     if not takes.blocks and not fits:
         x = requantize(x, k)
     if takes.e4m3fn and x._data.dtype != torch.float8_e4m3fn:
@@ -180,9 +182,12 @@ def requantize(x: Float8Tensor, k: int) -> Float8Tensor:
     return to_float8(dequantize(x, torch.float32), spec, gemm=x._gemm, orig_dtype=x._orig_dtype)
 
 
-def row_major(t: torch.Tensor) -> torch.Tensor:
-    """``t`` with its last two dims in standard row-major strides (an FP8 copy only if needed)."""
-    if torch.compiler.is_compiling():
+def row_major(t: torch.Tensor, compiling: bool | None = None) -> torch.Tensor:
+    """``t`` with its last two dims in standard row-major strides (an FP8 copy only if needed).
+
+    ``compiling``: ``torch.compiler.is_compiling()`` where the caller read it already.
+    """
+    if torch.compiler.is_compiling() if compiling is None else compiling:
         # Symbolic strides are unreadable under dynamo; inductor uses standard strides. A
         # size-1 dim may keep a short stride through .contiguous() (the grouped kernel refuses it).
         if t.shape[-2] == 1:
@@ -191,9 +196,9 @@ def row_major(t: torch.Tensor) -> torch.Tensor:
     return t if is_row_major(t) else t.clone(memory_format=torch.contiguous_format)
 
 
-def col_major(t: torch.Tensor) -> torch.Tensor:
-    """``t`` with its last two dims column-major (an FP8 copy only if needed)."""
-    if torch.compiler.is_compiling():
+def col_major(t: torch.Tensor, compiling: bool | None = None) -> torch.Tensor:
+    """``t`` with its last two dims column-major (an FP8 copy only if needed); ``compiling``: as :func:`row_major`."""
+    if torch.compiler.is_compiling() if compiling is None else compiling:
         tt = t.transpose(-2, -1)  # see row_major
         if t.shape[-1] == 1:
             return tt.clone(memory_format=torch.contiguous_format).transpose(-2, -1)
@@ -204,9 +209,12 @@ def col_major(t: torch.Tensor) -> torch.Tensor:
     return to_column_major(t)
 
 
-def inverse_scale(x: Float8Tensor) -> torch.Tensor:
-    """``1 / x._scale`` in the scale's dtype (exact for e8m0), the cast's own where it kept one."""
-    inv = None if torch.compiler.is_compiling() else x._inv_scale
+def inverse_scale(x: Float8Tensor, compiling: bool | None = None) -> torch.Tensor:
+    """``1 / x._scale`` in the scale's dtype (exact for e8m0), the cast's own where it kept one.
+
+    ``compiling``: as :func:`row_major`.
+    """
+    inv = None if (torch.compiler.is_compiling() if compiling is None else compiling) else x._inv_scale
     return inverse_scale_of(x._scale) if inv is None else inv
 
 

@@ -91,9 +91,10 @@ def _cast(hp, spec: CastSpec, scale, generator, *, need_amax, amax=None, uniform
     group_amax = None
     # Tensorwise or axiswise with fp32 scales: the per-axis amax kernels (same bits as block ones).
     axis = None
-    if not is_tensorwise(block) and spec.scale_dtype == torch.float32 and block.count(0) == 1 and is_axiswise(block):
+    tensorwise = is_tensorwise(block)
+    if not tensorwise and spec.scale_dtype == torch.float32 and block.count(0) == 1 and is_axiswise(block):
         axis = block.index(0)
-    if is_tensorwise(block) or axis is not None:
+    if tensorwise or axis is not None:
         if scale is None and not need_amax:
             scale = dynamic_scale(hp, float8_dtype, axiswise_dim=axis, round_pow2=spec.power_of_2)
         elif scale is None:

@@ -19,7 +19,7 @@ from f8tensor.compat import dtensor_local, is_fake
 from f8tensor.distributed.fsdp import DelayedWeightSource, DTensor, Float8AllGatherWeight, wrap_weight
 from f8tensor.gemm.rules import ALIGN
 from f8tensor.kernels import CAST_STATS_FIELDS
-from f8tensor.nn.linear_autograd import LinearArgs, QuantizedLinearFn
+from f8tensor.nn.linear_autograd import LinearArgs, LinearPlan, QuantizedLinearFn, linear_plan
 from f8tensor.nn.weight_cache import WeightCasts, drop_weight_casts, weight_casts_of
 from f8tensor.quant.config import Float8LinearConfig
 from f8tensor.quant.formats import HP_DTYPES
@@ -162,6 +162,17 @@ class Float8Linear(nn.Linear):
         if self.config.enable_fsdp_float8_all_gather:
             self.weight = wrap_weight(self.weight, self.config.weight, self._delayed_source())
 
+    @property
+    def config(self) -> Float8LinearConfig:
+        """The layer's :class:`~f8tensor.Float8LinearConfig`; assigning one re-plans the calls."""
+        return self._config
+
+    @config.setter
+    def config(self, config: Float8LinearConfig) -> None:
+        # The plan is all a call reads of the config: derived here, never per call.
+        self._config = check_config(config)
+        self._plan: LinearPlan = linear_plan(self._config)
+
     def _register_stats_buffers(self, device: torch.device | str | None) -> None:
         for name in STATS_BUFFERS:
             empty = torch.full((len(CAST_STATS_FIELDS),), torch.nan, dtype=torch.float64, device=device)
@@ -253,7 +264,8 @@ class Float8Linear(nn.Linear):
         bias: torch.Tensor | None = self.bias
         device_type = x.device.type if isinstance(x, torch.Tensor) else None
         # Not for meta; not while compiling (torch 2.11 cannot trace is_autocast_available).
-        if torch.compiler.is_compiling():
+        compiling = torch.compiler.is_compiling()
+        if compiling:
             available = device_type != "meta"
         else:
             available = device_type is not None and torch.amp.is_autocast_available(device_type)
@@ -266,35 +278,34 @@ class Float8Linear(nn.Linear):
             x = x.to(dtype)
             bias = None if bias is None else bias.to(dtype)
             with torch.autocast(device_type, enabled=False):
-                return self._fp8_forward(x, weight, bias)
-        return self._fp8_forward(x, weight, bias)
+                return self._fp8_forward(x, weight, bias, compiling)
+        return self._fp8_forward(x, weight, bias, compiling)
 
-    def _fp8_forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def _fp8_forward(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, compiling: bool
+    ) -> torch.Tensor:
         self._check_input(x)
         if bias is not None and bias.dtype != x.dtype:
             bias = bias.to(x.dtype)
         if self.in_features == 0 or self.out_features == 0:
             # An empty product: nn.Linear's, in high precision.
             return nn.functional.linear(x, weight.to(x.dtype), bias)
-        delayed = (
-            DelayedBuffers(*(getattr(self, name) for name in _DELAYED_BUFFERS)) if self.config.any_delayed else None
-        )
-        stats = StatsBuffers(*(getattr(self, name) for name in STATS_BUFFERS)) if self.config.collect_stats else None
-        on_dtensors = any(isinstance(t, DTensor) for t in (x, weight, bias))
-        if self.config.uses_gemm_formats:
+        # Traced, the plan is derived in the graph: dynamo would guard a stored one field by field.
+        plan = linear_plan(self._config) if compiling else self._plan
+        delayed = DelayedBuffers(*(getattr(self, name) for name in _DELAYED_BUFFERS)) if plan.any_delayed else None
+        stats = StatsBuffers(*(getattr(self, name) for name in STATS_BUFFERS)) if plan.collect_stats else None
+        on_dtensors = isinstance(x, DTensor) or isinstance(weight, DTensor) or isinstance(bias, DTensor)
+        if plan.uses_gemm_formats:
             if on_dtensors:
                 raise NotImplementedError(f"Float8Linear: {NOT_ON_DTENSORS}")
-            return QuantizedLinearFn.apply(x, weight, bias, LinearArgs(self.config, stats=stats))
+            return QuantizedLinearFn.apply(x, weight, bias, LinearArgs(plan.config, stats=stats, plan=plan))
         # A delayed weight gathered in FP8 by FSDP2: its shard's amax, left here by the gather.
-        weight_amax = (
-            self.__dict__.get("fsdp_weight_amax")
-            if delayed is not None and self.config.enable_fsdp_float8_all_gather
-            else None
-        )
+        weight_amax = self.__dict__.get("fsdp_weight_amax") if plan.gathers_delayed_weight else None
         if on_dtensors:
-            return _dtensor_linear_of()(x, weight, bias, LinearArgs(self.config, delayed, stats, weight_amax))
+            return _dtensor_linear_of()(x, weight, bias, LinearArgs(plan.config, delayed, stats, weight_amax))
+        casts = self._weight_casts() if plan.caches_weight else None
         return QuantizedLinearFn.apply(
-            x, weight, bias, LinearArgs(self.config, delayed, stats, weight_amax, self._weight_casts())
+            x, weight, bias, LinearArgs(plan.config, delayed, stats, weight_amax, casts, plan)
         )
 
     #: Opts in to f8tensor.reuse_weight_casts.
@@ -305,9 +316,8 @@ class Float8Linear(nn.Linear):
         casts = weight_casts_of(self)
         if casts is None:
             return None
-        cast = self.config.weight
         param = self.weight
-        if cast.delayed or cast.rounding != "nearest" or not WeightCasts.cacheable(param):
+        if not self._plan.caches_weight or not WeightCasts.cacheable(param):
             return None
         return casts, param
 
@@ -359,6 +369,8 @@ class Float8Linear(nn.Linear):
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
+        # A layer pickled before the plan keeps its config in __dict__: re-plan from it either way.
+        self.config = self.__dict__.pop("config", None) or self._config
         self._keep_fsdp_weight()
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Float8Linear:

@@ -17,6 +17,7 @@ from f8tensor.quant.config import CastSpec, Float8LinearConfig, GemmConfig
 from f8tensor.quant.hadamard import RHT_SIZE, apply_rht
 from f8tensor.quant.quantizers import (
     DelayedBuffers,
+    RolePlan,
     StatsBuffers,
     cast_second_operand,
     column_major_copy,
@@ -25,6 +26,7 @@ from f8tensor.quant.quantizers import (
     recomputing,
     record_call,
     recorded_scales,
+    role_plan,
     sync_amax,
 )
 from f8tensor.quant.scaling import tensor_amax
@@ -33,7 +35,60 @@ from f8tensor.tensor.fp4 import Float4Tensor, is_float4
 from f8tensor.tensor.fp4 import transpose_2d as transpose_2d_fp4
 from f8tensor.tensor.product_ops import transpose_2d
 
-__all__ = ["LinearArgs", "NoDoubleBackward", "QuantizedLinearFn"]
+__all__ = ["LinearArgs", "LinearPlan", "NoDoubleBackward", "QuantizedLinearFn", "linear_plan"]
+
+
+class LinearPlan(NamedTuple):
+    """What every call of a linear with ``config`` needs from it, derived once per config.
+
+    Immutable values only (a constant to dynamo). Fields: ``roles``, the (input, weight,
+    grad_output) :class:`~f8tensor.quant.quantizers.RolePlan`; ``fwd``, ``bwd`` and ``bwd_w``,
+    the GEMM configs of the output, grad_input and grad_weight products; ``weight_rescale``, the
+    spec of a tensorwise weight re-cast with forward's scale; the rest, flags of ``config``
+    the calls branch on.
+    """
+
+    config: Float8LinearConfig
+    roles: tuple[RolePlan, RolePlan, RolePlan]
+    uses_gemm_formats: bool
+    any_delayed: bool
+    collect_stats: bool
+    gathers_delayed_weight: bool
+    caches_weight: bool
+    records_calls: bool
+    keep_fp8_input: bool
+    gw_uses_g8: bool
+    fwd: GemmConfig
+    bwd: GemmConfig
+    bwd_w: GemmConfig
+    weight_rescale: CastSpec
+
+
+def linear_plan(config: Float8LinearConfig) -> LinearPlan:
+    """The :class:`LinearPlan` of ``config``."""
+    # Each config attribute read once: traced, every read is a guard.
+    roles = p_in, p_w, p_go = role_plan(config.input), role_plan(config.weight), role_plan(config.grad_output)
+    any_delayed = p_in.delayed or p_w.delayed or p_go.delayed
+    fp8_grad_w = not config.weight_grad_in_hp
+    pad, emulate = config.pad_inner_dim, config.emulate
+    return LinearPlan(
+        config=config,
+        roles=roles,
+        uses_gemm_formats=config.uses_gemm_formats,
+        any_delayed=any_delayed,
+        collect_stats=config.collect_stats,
+        gathers_delayed_weight=any_delayed and config.enable_fsdp_float8_all_gather,
+        caches_weight=not p_w.delayed and p_w.specs[1].rounding == "nearest",
+        records_calls=p_in.delayed or p_w.delayed,
+        keep_fp8_input=p_in.tensorwise and fp8_grad_w,
+        gw_uses_g8=p_go.tensorwise and fp8_grad_w,
+        fwd=GemmConfig(use_fast_accum=config.use_fast_accum, pad_inner_dim=pad, emulate=emulate),
+        bwd=GemmConfig(pad_inner_dim=pad, emulate=emulate),
+        # M varies with the batch: always pad, never fail on an odd batch.
+        bwd_w=GemmConfig(pad_inner_dim=True, emulate=emulate),
+        # A tensorwise weight re-cast in backward with forward's scale.
+        weight_rescale=CastSpec(p_w.cast.dtype),
+    )
 
 
 class LinearArgs(NamedTuple):
@@ -41,7 +96,8 @@ class LinearArgs(NamedTuple):
 
     Fields: ``config``; ``delayed`` and ``stats``, the layer's buffers or None; ``weight_amax``,
     the shard amax of a delayed weight FSDP2 gathered in FP8; ``weight_casts``, a
-    ``reuse_weight_casts`` cache (on ctx, not saved: later steps update it on purpose).
+    ``reuse_weight_casts`` cache (on ctx, not saved: later steps update it on purpose);
+    ``plan``, ``config``'s :class:`LinearPlan` where the caller keeps one (else built per call).
     """
 
     config: Float8LinearConfig
@@ -49,6 +105,7 @@ class LinearArgs(NamedTuple):
     stats: StatsBuffers | None = None
     weight_amax: torch.Tensor | None = None
     weight_casts: tuple[Any, torch.Tensor] | None = None
+    plan: LinearPlan | None = None
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -88,21 +145,22 @@ class QuantizedLinearFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, args: LinearArgs):  # type: ignore[override]
-        config = args.config
-        ctx.config = config
+        plan = linear_plan(args.config) if args.plan is None else args.plan
+        ctx.config = plan.config
+        ctx.plan = plan
         ctx.x_shape = x.shape
         ctx.layer = f"Float8Linear(in_features={weight.shape[1]}, out_features={weight.shape[0]})"
-        if config.uses_gemm_formats:
-            y = _formats_forward(ctx, x, weight, bias, config, args.stats)
+        if plan.uses_gemm_formats:
+            y = _formats_forward(ctx, x, weight, bias, plan.config, args.stats)
         else:
-            y = _recipe_forward(ctx, x, weight, bias, args)
+            y = _recipe_forward(ctx, x, weight, bias, plan, args)
         # Not a view, like nn.Linear's output: FSDP2 warns on a view output.
         return torch.ops.aten._unsafe_view(y, (*x.shape[:-1], y.shape[-1]))
 
     @staticmethod
     def backward(ctx, grad_y):  # type: ignore[override]
         saved = ctx.saved_tensors  # once: checkpointing allows one unpack
-        grads_of = _formats_backward if ctx.config.uses_gemm_formats else _recipe_backward
+        grads_of = _formats_backward if ctx.plan.uses_gemm_formats else _recipe_backward
         if not torch.is_grad_enabled():
             return (*grads_of(ctx, grad_y, saved), None)
         # create_graph=True: FP8 GEMMs have no derivative; a node refuses it by name.
@@ -116,17 +174,16 @@ class QuantizedLinearFn(torch.autograd.Function):
         return (*grads, None)
 
 
-def _recipe_forward(ctx, x, weight, bias, args: LinearArgs) -> torch.Tensor:
+def _recipe_forward(ctx, x, weight, bias, plan: LinearPlan, args: LinearArgs) -> torch.Tensor:
     """The forward of a per-role recipe: the 2D product."""
-    config, d, stats, weight_amax, weight_casts = args
-    q_in, q_w, q_go = linear_quantizers(config, d, stats, weight_casts)
+    config = plan.config
+    d, weight_amax = args.delayed, args.weight_amax
+    q_in, q_w, q_go = linear_quantizers(config, d, args.stats, args.weight_casts, plan.roles)
     scale_in, scale_w = q_in.scale, q_w.scale
-    recompute = config.any_delayed and recomputing()
-    fwd = GemmConfig(use_fast_accum=config.use_fast_accum, pad_inner_dim=config.pad_inner_dim, emulate=config.emulate)
-    calls = (
-        (d.delayed_call_keys, d.delayed_call_scales) if d and (config.input.delayed or config.weight.delayed) else None
-    )
-    keep_fp8_input = config.input.tensorwise and not config.weight_grad_in_hp
+    recompute = plan.any_delayed and recomputing()
+    fwd = plan.fwd
+    calls = (d.delayed_call_keys, d.delayed_call_scales) if d and plan.records_calls else None
+    keep_fp8_input = plan.keep_fp8_input
     if isinstance(x, Float8Tensor):  # an input gathered in FP8 (distributed.tp): cast already
         x8, amax_x = _token_rows(x, fwd), None
         x2 = dequantize(x8) if calls is not None or not keep_fp8_input else None
@@ -142,7 +199,7 @@ def _recipe_forward(ctx, x, weight, bias, args: LinearArgs) -> torch.Tensor:
         x8, x8_cm, amax_x = q_in.quantize(x2, 1, fwd, column_major=fwd if keep_fp8_input else None, recompute=recompute)
     if isinstance(weight, Float8Tensor):  # FSDP2 float8 all-gather hands over an FP8 weight
         w8, amax_w = weight._replace(gemm=fwd), None
-        if config.weight.delayed:
+        if q_w.plan.delayed:
             # Cast by the gather: record its scale and amax as a cast here would.
             if weight_amax is None:
                 raise RuntimeError(
@@ -173,9 +230,9 @@ def _recipe_forward(ctx, x, weight, bias, args: LinearArgs) -> torch.Tensor:
         and _records_backward(ctx)
     ):
         assert x2 is not None  # a non-tensorwise input: reshaped or dequantized above
-        saved_x = q_in.quantize_column_major(x2, 0, GemmConfig(pad_inner_dim=True, emulate=config.emulate))
+        saved_x = q_in.quantize_column_major(x2, 0, plan.bwd_w)
     # Only a tensorwise weight is re-cast with this scale in backward.
-    reuse_w_scale = not isinstance(weight, Float8Tensor) and config.weight.tensorwise
+    reuse_w_scale = not isinstance(weight, Float8Tensor) and q_w.plan.tensorwise
     ctx.save_for_backward(saved_x, weight, w8._scale if reuse_w_scale else None, amax_x, amax_w)
     ctx.quantizers = (q_in, q_w, q_go)
     return y
@@ -186,20 +243,19 @@ def _recipe_backward(ctx, grad_y, saved) -> tuple[torch.Tensor | None, ...]:
     saved_x, weight, w_scale, amax_x, amax_w = saved
     q_in, q_w, q_go = ctx.quantizers
     need_grad_x, need_grad_w, need_grad_b = ctx.needs_input_grad[:3]
-    config: Float8LinearConfig = ctx.config
-    bwd = GemmConfig(pad_inner_dim=config.pad_inner_dim, emulate=config.emulate)
-    # M varies with the batch: always pad, never fail on an odd batch.
-    bwd_w = GemmConfig(pad_inner_dim=True, emulate=config.emulate)
+    plan: LinearPlan = ctx.plan
+    config = plan.config
+    bwd, bwd_w = plan.bwd, plan.bwd_w
     g = _rows(grad_y)
-    go_cfg = config.grad_output
+    go_plan, w_plan = q_go.plan, q_w.plan
 
     # A delayed cast measures every backward's grad_output, needed or not.
     g8 = None
-    gw_uses_g8 = go_cfg.tensorwise and not config.weight_grad_in_hp
+    gw_uses_g8 = plan.gw_uses_g8
     # FP8-gathered rowwise W = W8 / s: g @ W = (g / s) @ W8 keeps the gathered bytes (CHANGELOG).
-    fold = need_grad_x and isinstance(weight, Float8Tensor) and _row_scaled(weight) and go_cfg.rowwise
+    fold = need_grad_x and isinstance(weight, Float8Tensor) and _row_scaled(weight) and go_plan.cast.rowwise
     g8_cm = None
-    if need_grad_x or (need_grad_w and gw_uses_g8) or go_cfg.delayed:
+    if need_grad_x or (need_grad_w and gw_uses_g8) or go_plan.delayed:
         g_x = g.float() / weight._scale.reshape(1, -1) if fold else g
         g8, g8_cm, amax_g = q_go.quantize(g_x, 1, bwd, column_major=bwd_w if need_grad_w and gw_uses_g8 else None)
         if fold:
@@ -212,7 +268,7 @@ def _recipe_backward(ctx, grad_y, saved) -> tuple[torch.Tensor | None, ...]:
         if fold:  # the row scales are in g8 already: W8 with a unit scale
             unit = torch.ones((), dtype=torch.float32, device=weight._scale.device)
             w8 = weight._replace(scale=unit, block=(0, 0), gemm=bwd)
-        elif isinstance(weight, Float8Tensor) and _blocked_along_k(weight, spec0 := config.weight.operand_spec(0)):
+        elif isinstance(weight, Float8Tensor) and _blocked_along_k(weight, spec0 := w_plan.specs[0]):
             # Blocks along K (MX 1x32) no kernel reads along N: re-cast, via fp32 deliberately.
             w8 = cast_second_operand(dequantize(weight, torch.float32), spec0, bwd)
             w8 = w8._replace(orig_dtype=weight._orig_dtype)
@@ -220,17 +276,17 @@ def _recipe_backward(ctx, grad_y, saved) -> tuple[torch.Tensor | None, ...]:
             w8 = weight._replace(gemm=bwd)
         elif q_w.cache is not None:
             # Tensorwise: forward's cached bytes serve as they are (the same scale).
-            if config.weight.tensorwise:
-                w8 = q_w.cached("forward", lambda: quantize(weight, CastSpec(config.weight.dtype), scale=w_scale)[0])
+            if w_plan.tensorwise:
+                w8 = q_w.cached("forward", lambda: quantize(weight, plan.weight_rescale, scale=w_scale)[0])
             else:
-                w8 = q_w.cached("backward", lambda: cast_second_operand(weight, config.weight.operand_spec(0), bwd))
+                w8 = q_w.cached("backward", lambda: cast_second_operand(weight, w_plan.specs[0], bwd))
             w8 = w8._replace(gemm=bwd)
-        elif not config.weight.tensorwise:
-            w8 = cast_second_operand(weight, config.weight.operand_spec(0), bwd)
+        elif not w_plan.tensorwise:
+            w8 = cast_second_operand(weight, w_plan.specs[0], bwd)
         else:
             # Forward's scale: the same bytes. A delayed scale never saw an inf: make it NaN.
-            hp_w = torch.where(torch.isinf(weight), torch.nan, weight) if config.weight.delayed else weight
-            w8 = cast_second_operand(hp_w, CastSpec(config.weight.dtype), bwd, scale=w_scale)
+            hp_w = torch.where(torch.isinf(weight), torch.nan, weight) if w_plan.delayed else weight
+            w8 = cast_second_operand(hp_w, plan.weight_rescale, bwd, scale=w_scale)
         grad_x = _unrows(matmul(g8, w8), ctx.x_shape)  # type: ignore[arg-type]  # need_grad_x: g8 was cast
 
     # grad_W = g.t() @ x: contraction over M.
@@ -285,8 +341,9 @@ def _pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
 
 def _formats_forward(ctx, x, weight, bias, config: Float8LinearConfig, stats: StatsBuffers | None) -> torch.Tensor:
     """The forward of a config with per-GEMM formats or FP4."""
-    q_in, q_w, q_go = linear_quantizers(config, None, stats)
-    fwd = GemmConfig(use_fast_accum=config.use_fast_accum, pad_inner_dim=config.pad_inner_dim, emulate=config.emulate)
+    plan: LinearPlan = ctx.plan
+    q_in, q_w, q_go = linear_quantizers(config, None, stats, roles=plan.roles)
+    fwd = plan.fwd
     x2 = _rows(x)
     if q_in.format_for("forward") is None or q_w.format_for("forward") is None:
         y = torch.nn.functional.linear(x2, weight.to(x2.dtype), bias)
@@ -300,10 +357,10 @@ def _formats_forward(ctx, x, weight, bias, config: Float8LinearConfig, stats: St
 def _formats_backward(ctx, grad_y, saved) -> tuple[torch.Tensor | None, ...]:
     """The gradients of x, weight and bias for per-GEMM formats or FP4."""
     x2, weight = saved
-    config: Float8LinearConfig = ctx.config
+    plan: LinearPlan = ctx.plan
+    config = plan.config
     need_grad_x, need_grad_w, need_grad_b = ctx.needs_input_grad[:3]
-    bwd = GemmConfig(pad_inner_dim=config.pad_inner_dim, emulate=config.emulate)
-    bwd_w = GemmConfig(pad_inner_dim=True, emulate=config.emulate)
+    bwd, bwd_w = plan.bwd, plan.bwd_w
     g = grad_y.reshape(-1, grad_y.shape[-1])
     q_in, q_w, q_go = ctx.quantizers
     measure_go = True  # grad_output's telemetry records its first cast of each backward

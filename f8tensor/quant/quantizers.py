@@ -26,6 +26,7 @@ __all__ = [
     "DelayedBuffers",
     "Quantized",
     "Quantizer",
+    "RolePlan",
     "StatsBuffers",
     "cast_column_major",
     "cast_gemm_operand",
@@ -37,6 +38,7 @@ __all__ = [
     "recomputing",
     "record_call",
     "recorded_scales",
+    "role_plan",
     "sync_amax",
 ]
 
@@ -59,6 +61,26 @@ class StatsBuffers(NamedTuple):
     float8_stats_input: torch.Tensor
     float8_stats_weight: torch.Tensor
     float8_stats_grad_output: torch.Tensor
+
+
+class RolePlan(NamedTuple):
+    """A role's CastConfig and what each of its casts reads of it, derived once.
+
+    ``specs``: the operand :class:`CastSpec` of a 2D operand contracted over dim 0 and dim 1.
+    """
+
+    cast: CastConfig
+    delayed: bool
+    tensorwise: bool
+    specs: tuple[CastSpec, CastSpec]
+
+
+def role_plan(cast: CastConfig) -> RolePlan:
+    """The :class:`RolePlan` of ``cast``."""
+    along_k = cast.operand_spec(1)
+    # A 2D operand contracted over dim 0 has the transposed block (one read of cast: one guard traced).
+    along_m = CastSpec(along_k.float8_dtype, along_k.block[::-1], *along_k[2:])
+    return RolePlan(cast, cast.delayed, cast.tensorwise, (along_m, along_k))
 
 
 def record_call(
@@ -93,7 +115,7 @@ def recomputing() -> bool:
 
 def cast_operand(
     hp: torch.Tensor,
-    cast: CastConfig,
+    role: RolePlan,
     contracted_dim: int,
     gemm: GemmConfig,
     config: Float8LinearConfig,
@@ -103,14 +125,14 @@ def cast_operand(
     stats: torch.Tensor | None = None,
     column_major: GemmConfig | None = None,
 ) -> tuple[Float8Tensor, torch.Tensor | None, Float8Tensor | None]:
-    """Cast one GEMM operand per its CastConfig (dynamic or delayed), contracted over ``contracted_dim``.
+    """Cast one 2D GEMM operand per its role (dynamic or delayed), contracted over ``contracted_dim``.
 
     Returns:
         The FP8 tensor; a delayed cast's amax for ``history`` (else None); with ``column_major``
         the column-major twin (else None). ``recompute`` reuses ``scale_buffer``'s scale.
     """
-    spec = cast.operand_spec(contracted_dim)
-    if not cast.delayed:
+    spec = role.specs[contracted_dim]
+    if not role.delayed:
         if column_major is not None:
             f8, twin = quantize(hp, spec, gemm, stats=stats, layouts="both", column_major_gemm=column_major)
             return f8, None, twin
@@ -125,10 +147,10 @@ def cast_operand(
     else:
         scale = delayed_scale(
             history,
-            cast.dtype,
+            role.cast.dtype,
             reduction=config.delayed.reduction,
             margin=config.delayed.margin,
-            round_pow2=cast.power_of_2_scale,
+            round_pow2=role.cast.power_of_2_scale,
         )
     amax_local = None if stats is None else _amax_by_rows(hp)
     # This rank's own amax, not the all-reduced one.
@@ -253,12 +275,13 @@ class Quantized(NamedTuple):
 class Quantizer(NamedTuple):
     """One operand role of a linear: its cast, the layouts its consumers read, and its state.
 
-    A NamedTuple (traced as a tuple); ``history``, ``scale``, ``stats`` and ``cache`` are None
-    where the role has none.
+    A NamedTuple (traced as a tuple); ``plan`` is the role's :class:`RolePlan`; ``history``,
+    ``scale``, ``stats`` and ``cache`` are None where the role has none.
     """
 
     role: str
     config: Float8LinearConfig
+    plan: RolePlan
     history: torch.Tensor | None = None
     scale: torch.Tensor | None = None
     stats: torch.Tensor | None = None
@@ -266,7 +289,7 @@ class Quantizer(NamedTuple):
 
     def cast_config(self) -> CastConfig:
         """The role's CastConfig."""
-        return getattr(self.config, self.role)
+        return self.plan.cast
 
     def quantize(
         self,
@@ -281,7 +304,7 @@ class Quantizer(NamedTuple):
         """The role's cast for a GEMM over ``contracted_dim`` (:func:`cast_operand`)."""
         f8, amax, twin = cast_operand(
             hp,
-            self.cast_config(),
+            self.plan,
             contracted_dim,
             gemm,
             self.config,
@@ -297,9 +320,7 @@ class Quantizer(NamedTuple):
         self, hp: torch.Tensor, contracted_dim: int, gemm: GemmConfig, *, measure: bool = False
     ) -> Float8Tensor:
         """The role's dynamic cast of 2D ``hp``, bytes column-major."""
-        return cast_column_major(
-            self.stats if measure else None, hp, self.cast_config().operand_spec(contracted_dim), gemm
-        )
+        return cast_column_major(self.stats if measure else None, hp, self.plan.specs[contracted_dim], gemm)
 
     def quantize_for(
         self, gemm_name: str, hp: torch.Tensor, contracted_dim: int, gemm: GemmConfig, *, measure: bool = True
@@ -336,12 +357,17 @@ def linear_quantizers(
     delayed: DelayedBuffers | None = None,
     stats: StatsBuffers | None = None,
     weight_cache: tuple[Any, torch.Tensor] | None = None,
+    roles: tuple[RolePlan, RolePlan, RolePlan] | None = None,
 ) -> tuple[Quantizer, Quantizer, Quantizer]:
-    """The (input, weight, grad_output) quantizers of a linear with ``config``."""
+    """The (input, weight, grad_output) quantizers of a linear with ``config``.
+
+    ``roles``: the three :class:`RolePlan` of ``config`` when the caller planned them already.
+    """
+    p_in, p_w, p_go = roles or (role_plan(config.input), role_plan(config.weight), role_plan(config.grad_output))
     hist_in, hist_w, hist_go, scale_in, scale_w = (None,) * 5 if delayed is None else delayed[:5]
     st_in, st_w, st_go = (None,) * 3 if stats is None else stats
     return (
-        Quantizer("input", config, hist_in, scale_in, st_in),
-        Quantizer("weight", config, hist_w, scale_w, st_w, weight_cache),
-        Quantizer("grad_output", config, hist_go, None, st_go),
+        Quantizer("input", config, p_in, hist_in, scale_in, st_in),
+        Quantizer("weight", config, p_w, hist_w, scale_w, st_w, weight_cache),
+        Quantizer("grad_output", config, p_go, hist_go, None, st_go),
     )

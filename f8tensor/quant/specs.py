@@ -216,11 +216,11 @@ def axiswise_dim(block: tuple[int, ...]) -> int | None:
     """The dim an axiswise block shares its scales along; ``None`` for tensorwise and true blocks."""
     if not block:
         return None
-    zeros = [d for d, b in enumerate(block) if b == 0]
-    if len(zeros) == len(block):
+    zeros = block.count(0)
+    if zeros == len(block):
         return len(block) - 1
-    if len(zeros) == 1 and all(b in (0, 1) for b in block):
-        return zeros[0]
+    if zeros == 1 and block.count(1) == len(block) - 1:
+        return block.index(0)
     return None
 
 
@@ -242,7 +242,7 @@ def varies_along(block: tuple[int, ...], dim: int) -> bool:
 
 def constant_along(block: tuple[int, ...], dim: int) -> bool:
     """One scale for the whole of ``dim`` per index of the other dims."""
-    return not block or (block[dim] == 0 and all(b in (0, 1) for b in block))
+    return not block or (block[dim] == 0 and block.count(0) + block.count(1) == len(block))
 
 
 def layout_block(block: tuple[int, ...], ndim: int) -> tuple[int, ...]:

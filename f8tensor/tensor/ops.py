@@ -17,7 +17,7 @@ import torch
 
 from f8tensor.compat import return_and_correct_aliasing, view_base
 from f8tensor.quant.formats import FLOAT8_DTYPES, check_hp_dtype
-from f8tensor.quant.specs import CastSpec, axiswise_dim, is_tensorwise, layout_block, varies_along
+from f8tensor.quant.specs import CastSpec, axiswise_dim, layout_block, varies_along
 from f8tensor.tensor.float8 import Float8Tensor, dequantize, is_float8, to_float8
 
 __all__: list[str] = []
@@ -28,7 +28,7 @@ _is_f8 = is_float8
 
 
 def _tensorwise(x: Float8Tensor) -> bool:
-    return is_tensorwise(x._scale_block)
+    return x._scale.dim() == 0  # a 0-dim scale: tensorwise
 
 
 # ===================================================================== layout ops

@@ -119,12 +119,12 @@ def test_ops_per_step_at_most_the_ceiling(recipe, no_rules_check):
 #: checks (a CPU-only path) added 4-12 calls, the block recipes' one compilation for every
 #: token count 52 (a traced-or-not test per block expansion).
 PYTHON_CALL_BUDGETS = {
-    "tensorwise": (561, 373),
-    "rowwise": (672, 524),
-    "rowwise_with_gw_hp": (466, 358),
-    "delayed": (641, 409),
-    "blockwise": (606, 446),
-    "mxfp8": (594, 446),
+    "tensorwise": (388, 225),
+    "rowwise": (416, 296),
+    "rowwise_with_gw_hp": (280, 191),
+    "delayed": (467, 262),
+    "blockwise": (476, 326),
+    "mxfp8": (464, 326),
 }
 
 

@@ -314,6 +314,47 @@ def test_forward_flips_no_python_attribute(recipe):
     assert set(layer._buffers) == (set(DELAYED_BUFFERS) | per_call if layer.config.any_delayed else set())
 
 
+def _same_layer(layer: Float8Linear, config: Float8LinearConfig) -> Float8Linear:
+    fresh = Float8Linear(layer.in_features, layer.out_features, bias=False, config=config)
+    fresh.weight = layer.weight
+    return fresh
+
+
+def test_assigning_a_config_replans_the_calls():
+    # A layer's calls read a plan derived once from its config: assigning a config re-plans them.
+    torch.manual_seed(0)
+    layer = Float8Linear(64, 32, bias=False, config=Float8LinearConfig.from_recipe("tensorwise"))
+    x = torch.randn(16, 64)
+    x[3, 5] = 300.0  # one outlier row: rowwise and tensorwise scales differ there
+    rowwise = Float8LinearConfig.from_recipe("rowwise")
+    tensorwise_y = layer(x)
+    layer.config = rowwise
+    y = layer(x)
+    assert not torch.equal(y, tensorwise_y)
+    assert torch.equal(y, _same_layer(layer, rowwise)(x))
+
+
+def test_set_collect_stats_replans_the_calls():
+    layer = Float8Linear(64, 32, bias=False, config=Float8LinearConfig.from_recipe("tensorwise"))
+    layer.set_collect_stats(True)
+    layer(torch.randn(16, 64)).sum().backward()
+    assert not torch.isnan(layer.float8_stats_input).any()
+
+
+def test_a_layer_pickled_before_the_plan_loads_and_plans():
+    # Its __dict__ holds "config" (no "_config", no "_plan"): unpickling re-plans from it.
+    torch.manual_seed(0)
+    layer = Float8Linear(64, 32, bias=False, config=Float8LinearConfig.from_recipe("rowwise"))
+    state = dict(vars(layer))
+    state["config"] = state.pop("_config")
+    del state["_plan"]
+    old = Float8Linear.__new__(Float8Linear)
+    old.__setstate__(state)
+    x = torch.randn(16, 64)
+    assert old.config is state["config"]
+    assert torch.equal(old(x), layer(x))
+
+
 # ----------------------------------------------------------------------------- from_float / convert
 
 
