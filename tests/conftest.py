@@ -74,6 +74,23 @@ def cuda_rules(_cuda_rules_check):
     return _cuda_rules_check
 
 
+@pytest.fixture
+def no_rules_check(_cuda_rules_check):
+    """Count what a user's step runs: the rules check mode records the products' arguments
+    (more ops, calls and guards); it is switched off for the test and back on after it."""
+    from f8tensor import gemm
+
+    if _cuda_rules_check is None:
+        yield
+        return
+    raising = _cuda_rules_check.raise_on_violation
+    gemm.uninstall_rules_check()
+    try:
+        yield
+    finally:
+        gemm.install_rules_check(raise_on_violation=raising)
+
+
 def _fp8_gpu_reason() -> str | None:
     """None when a CUDA device with FP8 tensor cores (capability >= 8.9) is present."""
     if not torch.cuda.is_available():
@@ -109,7 +126,7 @@ def _default_device(device):
         torch.set_default_device(None)
 
 
-#: Tests that take 6 s or more on a 2-core CPU (``--durations``, 2026-12-06), run in CI's
+#: Tests that take 6 s or more on a 2-core CPU (``--durations``), run in CI's
 #: slow part (``-m slow``) and left out of README's command, which they would double. A node
 #: id, or a prefix of one (every parameter of that test).
 SLOW_TESTS = (

@@ -5,11 +5,13 @@ from __future__ import annotations
 import ast
 import contextlib
 import datetime
+import importlib.util
 import os
 import socket
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -42,6 +44,18 @@ assert set(CAST_MIN_DB) == set(FLOAT8_DTYPES)
 # 2.6 dB under their 24.6 dB.
 MATMUL_MIN_DB = 25.0
 MATMUL_E5M2_MIN_DB = 22.0
+
+
+def load_script(path: Path):
+    """A script of ``benchmarks/`` or ``tools/`` as a module (its folder importable while it loads)."""
+    sys.path.insert(0, str(path.parent))
+    try:
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(path.parent))
+    return module
 
 
 def matmul_min_db(*float8_dtypes: torch.dtype) -> float:

@@ -7,12 +7,11 @@ commit (and BENCHMARKS.md's table). Marked ``slow``: CI's second part runs them.
 
 from __future__ import annotations
 
-import importlib.util
 import pathlib
-import sys
 
 import pytest
 import torch
+from helpers import load_script
 
 BENCH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
 
@@ -38,41 +37,13 @@ pytestmark = [
 
 
 def _bench():
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location("bench_compile_counts", BENCH / "bench_compile_counts.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(BENCH))
-    return module
-
-
-@pytest.fixture
-def no_rules_check():
-    from f8tensor import gemm
-
-    check = gemm.rules_check_installed()
-    if check is None:
-        yield
-        return
-    raising = check.raise_on_violation
-    gemm.uninstall_rules_check()
-    try:
-        yield
-    finally:
-        gemm.install_rules_check(raise_on_violation=raising)
+    return load_script(BENCH / "bench_compile_counts.py")
 
 
 @pytest.mark.parametrize("variant", list(BUDGETS))
 def test_compiled_block_within_budget(variant, no_rules_check):
     bench = _bench()
-    sys.path.insert(0, str(BENCH))
-    try:
-        import _common as C
-    finally:
-        sys.path.remove(str(BENCH))
-    which = C.Variant("bf16", "") if variant == "bf16" else C.Variant("f8tensor", variant)
+    which = bench.C.Variant("bf16", "") if variant == "bf16" else bench.C.Variant("f8tensor", variant)
     counts = bench.measure(which)
     guards_max, kernels_max = BUDGETS[variant]
     assert counts["breaks"] == 0 and counts["graphs"] == 1, counts

@@ -27,14 +27,13 @@ The ceilings below are the counts after it: a change that adds an op to a step f
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 import pathlib
-import sys
 
 import pytest
 import torch
+from helpers import load_script
 
 from f8tensor import compat
 from f8tensor.quant.formats import E8M0, FORMATS
@@ -68,32 +67,7 @@ POSTSCALE_CEILINGS = {
 
 
 def _bench():
-    sys.path.insert(0, str(BENCH))  # the script imports its sibling _common
-    try:
-        spec = importlib.util.spec_from_file_location("bench_eager_overhead", BENCH / "bench_eager_overhead.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(BENCH))
-    return module
-
-
-@pytest.fixture
-def no_rules_check():
-    """Count what a user's step runs: the suite's CUDA-rules check mode (conftest) adds the
-    ops that record what the CUDA branch would send on the block reference path."""
-    from f8tensor import gemm
-
-    check = gemm.rules_check_installed()
-    if check is None:
-        yield
-        return
-    raising = check.raise_on_violation
-    gemm.uninstall_rules_check()
-    try:
-        yield
-    finally:
-        gemm.install_rules_check(raise_on_violation=raising)
+    return load_script(BENCH / "bench_eager_overhead.py")
 
 
 @pytest.mark.parametrize("recipe", list(CEILINGS))

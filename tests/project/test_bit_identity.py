@@ -4,7 +4,6 @@ numbers changes none. A change of bits on purpose rewrites the baseline in the s
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import pathlib
@@ -13,6 +12,7 @@ import sys
 
 import pytest
 import torch
+from helpers import load_script
 
 TOOL = pathlib.Path(__file__).resolve().parents[2] / "tools" / "bit_identity.py"
 BASELINE = TOOL.with_name("bit_identity_baseline.json")
@@ -50,9 +50,7 @@ def test_the_check_fails_on_a_changed_bit(tmp_path):
     baseline = json.loads(BASELINE.read_text())
     key = next(k for k in baseline["digests"] if k.startswith("tensorwise.2d.step0.out"))
     baseline["digests"][key] = "0" * 16
-    spec = importlib.util.spec_from_file_location("bit_identity", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script(TOOL)
     module.BASELINE = tmp_path / "baseline.json"
     module.BASELINE.write_text(json.dumps(baseline))
     assert module.main(["--check", "--eager", "--recipes", "tensorwise"]) == 1
