@@ -33,12 +33,12 @@ from f8tensor.quant.specs import (
 )
 from f8tensor.tensor.subclass import OpHandler, QuantizedTensor
 from f8tensor.tensor.validation import (
+    RETIRED_FORMAT,
     SERIAL_VERSION,
     check_given_scale,
     check_scale_values,
     checkpoint_fields,
     from_hp_spec,
-    legacy_state_fields,
     scale_from_number,
     serial_fields,
     validate_fields,
@@ -294,15 +294,8 @@ class Float8Tensor(QuantizedTensor):
         return new
 
     def __setstate__(self, state: Any) -> None:
-        """Restore a checkpoint written before :meth:`__reduce_ex__`, validating every field."""
-        outer = (self.dtype, tuple(self.shape), self.stride(), self.storage_offset(), self.device)
-        data, scale, orig_dtype, block, gemm, is_param = legacy_state_fields(state, outer)
-        self._data, self._scale = data, scale
-        self._orig_dtype, self._block, self._gemm = orig_dtype, block, gemm
-        if is_param:
-            self._is_param = True
-        if type(self) is not Float8Tensor:
-            self.__class__ = Float8Tensor
+        """Refuse a checkpoint of the pre-release format 0 (attributes restored into a wrapper)."""
+        raise ValueError(RETIRED_FORMAT)
 
     def __repr__(self) -> str:  # type: ignore[override]
         block = self._scale_block
@@ -343,10 +336,9 @@ def _rebuild_float8_tensor(version: object, fields: object) -> torch.Tensor:
 
 
 class _LegacyFloat8Tensor(Float8Tensor):
-    """What ``weights_only=True`` loading knows as ``f8tensor.tensor.Float8Tensor``.
-
-    ``__setstate__`` validates it into a Float8Tensor; direct construction is refused.
-    """
+    """What ``weights_only=True`` loading knows as ``f8tensor.tensor.Float8Tensor``: only the
+    pre-release format 0 names the class, and ``__setstate__`` refuses it; direct construction
+    is refused too."""
 
     @staticmethod
     def __new__(cls, *args: Any, **kwargs: Any) -> NoReturn:  # type: ignore[override]
@@ -359,6 +351,13 @@ class _LegacyFloat8Tensor(Float8Tensor):
         raise RuntimeError(
             "a Float8Tensor from a checkpoint was used before its fields were restored (a malformed checkpoint)"
         )
+
+
+class _RetiredCheckpointType:
+    """What the config types a pre-release (format 0) checkpoint names load as: a refusal."""
+
+    def __new__(cls, *args: object) -> NoReturn:
+        raise ValueError(RETIRED_FORMAT)
 
 
 def is_float8(x: object) -> TypeIs[Float8Tensor]:
