@@ -206,7 +206,9 @@ _LIB = torch.library.Library("f8tensor", "DEF")  # noqa: TOR901 (kept for the pr
 _LIB.define("cpu_scaled_mm(Tensor mat1, Tensor mat2, Tensor scale_a, Tensor scale_b) -> Tensor")
 
 
-def _cpu_scaled_mm(mat1: torch.Tensor, mat2: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor) -> torch.Tensor:
+def _cpu_scaled_mm(
+    mat1: torch.Tensor, mat2: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor
+) -> torch.Tensor:
     """An FP8 product on a CPU in fp32, bitwise torch's reference CPU kernel; a custom op so
     compile keeps it whole (eager's bits).
     """
