@@ -16,7 +16,9 @@ import torch
 
 from f8tensor.kernels import reference, triton_cast, triton_dequantize
 from f8tensor.kernels.layouts import to_column_major
-from f8tensor.kernels.reference import CAST_STATS_FIELDS, block_scale, cast_with_stats
+
+# Imported by name: traced, one path to the module (dynamo guards a module reached two ways).
+from f8tensor.kernels.reference import CAST_STATS_FIELDS, block_scale, cast_values, cast_with_stats
 from f8tensor.quant.scaling import inverse_scale_of, materialized
 from f8tensor.quant.specs import CastSpec
 
@@ -92,7 +94,7 @@ def cast_for_gemm(
         fused = triton_cast.maybe_cast(hp, spec, scale, layouts=code)
         if fused is not None:
             return GemmCast(*fused)
-    data, scale, _, _, _ = reference.cast_values(hp, spec, scale)
+    data, scale, _, _, _ = cast_values(hp, spec, scale)
     compiling = torch.compiler.is_compiling()
     inverse = inverse_scale_of(scale) if scale.dim() == 0 and not compiling else None
     if layouts == "natural":
