@@ -52,6 +52,7 @@ __all__ = [
     "cast_to_float8_with_stats",
     "check_scale_values",
     "dequantize",
+    "from_gemm_cast",
     "is_float8",
     "scale_from_number",
     "to_float8",
@@ -267,7 +268,8 @@ class Float8Tensor(QuantizedTensor):
             raise ValueError("Float8Tensor._replace: new data of another ndim needs its block")
         fields.update(changes)
         new = Float8Tensor(**fields)
-        if fields["scale"] is self._scale and not torch.compiler.is_compiling():
+        # Only eager casts set the cache: traced tensors never carry one (no is_compiling() read).
+        if fields["scale"] is self._scale and self._inv_scale is not None:
             new._inv_scale = self._inv_scale
         return new
 
@@ -393,12 +395,27 @@ def to_float8_for_gemm(
 ) -> tuple[Float8Tensor, Float8Tensor | None]:
     """:func:`to_float8` and, with ``layouts='both'``, the column-major twin (else None)."""
     out = kernels.cast_for_gemm(hp, spec, scale, layouts=layouts)
-    block = spec.block or (0,) * hp.dim()  # layout_block's rule, inlined: once per cast
-    f8 = Float8Tensor(out.data, out.scale, hp.dtype, block, gemm)
+    return from_gemm_cast(out, hp.dtype, spec.block or (0,) * hp.dim(), gemm, column_major_gemm)
+
+
+def from_gemm_cast(
+    out: kernels.GemmCast,
+    orig_dtype: torch.dtype,
+    block: tuple[int, ...],
+    gemm: GemmConfig,
+    column_major_gemm: GemmConfig | None = None,
+) -> tuple[Float8Tensor, Float8Tensor | None]:
+    """The Float8Tensor of a :func:`~f8tensor.kernels.cast_for_gemm` result and its twin (or None).
+
+    Args:
+        block: the data's ``_block`` (a spec's block, or zeros for tensorwise).
+        column_major_gemm: the twin's GEMM config (default ``gemm``).
+    """
+    f8 = Float8Tensor(out.data, out.scale, orig_dtype, block, gemm)
     twin = None
     if out.column_major is not None:
         twin = Float8Tensor(
-            out.column_major, out.scale, hp.dtype, block, gemm if column_major_gemm is None else column_major_gemm
+            out.column_major, out.scale, orig_dtype, block, gemm if column_major_gemm is None else column_major_gemm
         )
     if out.inverse is not None:
         f8._inv_scale = out.inverse
