@@ -153,7 +153,7 @@ def _master(w8: Float8Tensor, multiplier: torch.Tensor, dtype: torch.dtype) -> t
     if w8._block in ((0, 0), (1, 0)):
         return (data * multiplier.float().reshape(-1, 1)[: data.shape[0]]).to(dtype)
     if multiplier.dtype == torch.uint8:  # e8m0 codes: 2**(c - 127), exact in fp32
-        m = torch.ldexp(torch.ones((), dtype=torch.float32), multiplier.to(torch.int32) - 127)
+        m = torch.ldexp(torch.ones_like(multiplier, dtype=torch.float32), multiplier.to(torch.int32) - 127)
     else:
         m = multiplier.float()
     bn, bk = w8._block
