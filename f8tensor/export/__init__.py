@@ -27,18 +27,23 @@ from typing import Any
 import torch
 from torch import nn
 
+from f8tensor.export.frozen import FrozenFloat8Linear, FrozenFloat8Weight, granularity_of_block
+from f8tensor.export.load import load_fp8_pretrained
 from f8tensor.moe import Float8ExpertWeight
 from f8tensor.nn.linear import Float8Linear
 from f8tensor.quant.block_quantizers import export_quantizer
 from f8tensor.quant.formats import check_hp_dtype
 from f8tensor.quant.specs import BLOCK_128x128, BlockGranularity, Granularity, MX_1x32
+from f8tensor.tensor.float8 import Float8Tensor, dequantize
 
-__all__ = ["FORMATS", "STRATEGIES", "save_fp8_pretrained"]
+__all__ = ["FORMATS", "SCALE_FMTS", "STRATEGIES", "load_fp8_pretrained", "save_fp8_pretrained"]
 
 #: The checkpoint formats :func:`save_fp8_pretrained` writes.
 FORMATS = ("fp8_block", "mxfp8", "compressed_tensors")
 #: compressed-tensors weight strategies.
 STRATEGIES = ("tensor", "channel", "block")
+#: ``scale_fmt`` values beside ``None``: ``"ue8m0"``, fp32 multipliers that are all powers of two.
+SCALE_FMTS = ("ue8m0",)
 
 _GRANULARITY: dict[str, Granularity | BlockGranularity] = {
     "fp8_block": BLOCK_128x128,
@@ -106,17 +111,65 @@ def _targets(model: nn.Module) -> dict[str, torch.Tensor]:
     return targets
 
 
-def _cast(w: torch.Tensor, granularity: Granularity | BlockGranularity) -> tuple[torch.Tensor, torch.Tensor]:
+def _cast(
+    w: torch.Tensor, granularity: Granularity | BlockGranularity, power_of_2: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(FP8 data, multiplier scale with one row per data row) of a 2D weight as stored.
 
     Rows are repeated so that transformers' weight conversion carries scales and data alike.
     """
-    data, scale = export_quantizer(granularity).quantize(w)
+    data, scale = export_quantizer(granularity, power_of_2).quantize(w)
+    return _stored_rows(data, _multiplier(scale), granularity)
+
+
+def _multiplier(scale: torch.Tensor) -> torch.Tensor:
+    """The on-disk multiplier of f8tensor's ``_scale``."""
     if scale.dtype == torch.float8_e8m0fnu:
         # 1 / 2**(c - 127) = 2**((254 - c) - 127): the inverse multiplier's code, exact.
-        inv = (2 * _E8M0_BIAS - scale.view(torch.uint8).to(torch.int16)).to(torch.uint8)
-    else:
-        inv = torch.reciprocal(scale.to(torch.float32))
+        return (2 * _E8M0_BIAS - scale.view(torch.uint8).to(torch.int16)).to(torch.uint8)
+    return torch.reciprocal(scale.to(torch.float32))
+
+
+def _frozen_cast(
+    layer: FrozenFloat8Linear, granularity: Granularity | BlockGranularity, power_of_2: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_cast` of a frozen layer: its bytes and the file's multiplier where the granularity is the
+    checkpoint's (and still held), else a cast of the dequantized weight."""
+    w: torch.Tensor = layer.weight
+    assert isinstance(w, Float8Tensor)  # a frozen layer holds its FP8 weight
+    if not isinstance(w, FrozenFloat8Weight) or granularity_of_block(w._block, w._scale.dtype) != granularity:
+        return _cast(dequantize(w, torch.float32), granularity, power_of_2)
+    held = _multiplier(w._scale)
+    m = layer.checkpoint_scale.to(held.dtype).reshape(held.shape)
+    if torch.equal(_multiplier(torch.reciprocal(m)) if m.is_floating_point() else m, held):
+        held = m  # the layer still holds the file's bytes: the file's multiplier, not its fp32 round trip
+    if power_of_2 and not bool((torch.frexp(held.float()).mantissa == 0.5).all()):
+        raise ValueError("save_fp8_pretrained: scale_fmt='ue8m0' needs power-of-two scales; a frozen weight's are not")
+    return _stored_rows(w._data, held, granularity)
+
+
+def _check_power_of_2(model: nn.Module, targets: dict[str, torch.Tensor]) -> None:
+    """Every FP8 weight is cast with power-of-two scales by its recipe (or held with them, frozen)."""
+    recipes: dict[int, bool] = {}
+    for mod in model.modules():
+        if isinstance(mod, Float8Linear) and not isinstance(mod, FrozenFloat8Linear):
+            recipes[id(mod.weight)] = mod.config.weight.power_of_2_scale
+        for e in mod.parameters(recurse=False):
+            if isinstance(e, Float8ExpertWeight):
+                recipes[id(e)] = e._config.weight.power_of_2_scale
+    for key, p in targets.items():
+        if not isinstance(p, FrozenFloat8Weight) and not recipes.get(id(p), False):
+            raise ValueError(
+                f"save_fp8_pretrained: scale_fmt='ue8m0' writes the power-of-two scales a recipe cast with; {key} "
+                f"is not cast with power_of_2_scale=True (convert with a config whose weight CastConfig has "
+                f"power_of_2_scale=True, or pass scale_fmt=None)"
+            )
+
+
+def _stored_rows(
+    data: torch.Tensor, inv: torch.Tensor, granularity: Granularity | BlockGranularity
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(data, multiplier with one row per data row)."""
     if inv.dim() == 0:
         inv = inv.reshape(1, 1)
     if isinstance(granularity, BlockGranularity):
@@ -146,7 +199,9 @@ def _check_blockable(key: str, shape: torch.Size, strategy: str) -> None:
         raise ValueError(f"save_fp8_pretrained: {key} has N={n}, K={k}: MXFP8 blocks of 32 need K a multiple of 32")
 
 
-def _quantization_config(format: str, strategy: str, skipped: list[str]) -> dict[str, Any]:
+def _quantization_config(
+    format: str, strategy: str, skipped: list[str], scale_fmt: str | None = None
+) -> dict[str, Any]:
     if format == "fp8_block":
         return {
             "quant_method": "fp8",
@@ -154,6 +209,7 @@ def _quantization_config(format: str, strategy: str, skipped: list[str]) -> dict
             "activation_scheme": "dynamic",
             "weight_block_size": [128, 128],
             "modules_to_not_convert": skipped,
+            **({"scale_fmt": scale_fmt} if scale_fmt is not None else {}),
         }
     if format == "mxfp8":
         return {
@@ -209,6 +265,7 @@ def save_fp8_pretrained(
     format: str = "fp8_block",
     strategy: str | None = None,
     *,
+    scale_fmt: str | None = None,
     max_shard_size: int | str = "50GB",
 ) -> None:
     """Write ``model`` as ``model.save_pretrained`` does, with its linear weights in FP8.
@@ -223,6 +280,8 @@ def save_fp8_pretrained(
         format: ``"fp8_block"``, ``"mxfp8"`` or ``"compressed_tensors"`` (module docstring).
         strategy: compressed-tensors only: ``"tensor"``, ``"channel"`` or ``"block"``; default
             the one matching the model's recipe.
+        scale_fmt: ``"ue8m0"`` (``format="fp8_block"`` only): power-of-two multipliers, named in
+            the config; the model's recipe must cast weights with ``power_of_2_scale=True``.
         max_shard_size: as for ``save_pretrained``.
     Raises:
         TypeError: not a ``PreTrainedModel``, or a weight not bf16/fp16/fp32 (named).
@@ -244,6 +303,11 @@ def save_fp8_pretrained(
         raise ValueError(f"save_fp8_pretrained: strategy= applies to format='compressed_tensors' only; got {format=}")
     if strategy is not None and strategy not in STRATEGIES:
         raise ValueError(f"save_fp8_pretrained: strategy must be one of {STRATEGIES} or None; got {strategy!r}")
+    if scale_fmt is not None and (scale_fmt not in SCALE_FMTS or format != "fp8_block"):
+        raise ValueError(
+            f"save_fp8_pretrained: scale_fmt must be None, or one of {SCALE_FMTS} with format='fp8_block'; "
+            f"got {scale_fmt=}, {format=}"
+        )
     if not _is_pretrained_model(model):
         raise TypeError(
             f"save_fp8_pretrained: model must be a transformers PreTrainedModel (it writes config.json and "
@@ -258,6 +322,10 @@ def save_fp8_pretrained(
     granularity = _GRANULARITY[format if format != "compressed_tensors" else strategy]
 
     targets = _targets(model)
+    power_of_2 = scale_fmt == "ue8m0"
+    if power_of_2:
+        _check_power_of_2(model, targets)
+    frozen = {id(m.weight): m for m in model.modules() if isinstance(m, FrozenFloat8Linear)}
     float8_buffers = {
         f"{fqn}.{name}" if fqn else name
         for fqn, mod in model.named_modules()
@@ -268,15 +336,18 @@ def save_fp8_pretrained(
     scales: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for key, p in targets.items():
+            if id(p) in frozen:
+                state[key], scales[key] = _frozen_cast(frozen[id(p)], granularity, power_of_2)
+                continue
             w = p._hp if isinstance(p, Float8ExpertWeight) else p.detach()
             w = w.as_subclass(torch.Tensor) if type(w) is not torch.Tensor else w
             if not bool(torch.isfinite(w).all()):
                 raise ValueError(f"save_fp8_pretrained: {key} holds non-finite values; they have no FP8 encoding")
             check_hp_dtype(w.dtype, f"save_fp8_pretrained: {key}")
             if w.dim() == 2:
-                state[key], scales[key] = _cast(w, granularity)
+                state[key], scales[key] = _cast(w, granularity, power_of_2)
             else:  # experts (E, N, K): one cast per expert, as the training casts them
-                pairs = [_cast(w[e], granularity) for e in range(w.shape[0])]
+                pairs = [_cast(w[e], granularity, power_of_2) for e in range(w.shape[0])]
                 state[key] = torch.stack([d for d, _ in pairs])
                 scales[key] = torch.stack([s for _, s in pairs])
         disk = _revert_names(model, state)
@@ -297,7 +368,7 @@ def save_fp8_pretrained(
     for fqn, mod in model.named_modules():
         if mod is out_emb and fqn not in skipped:
             skipped.append(fqn)  # named even when tied (not in the file): a given list replaces the defaults
-    config = _quantization_config(format, strategy if format == "compressed_tensors" else "", skipped)
+    config = _quantization_config(format, strategy if format == "compressed_tensors" else "", skipped, scale_fmt)
     _write(model, os.fspath(save_directory), disk, config, max_shard_size)
 
 
