@@ -286,3 +286,25 @@ def test_bytes_per_element(monkeypatch, splitting, shape, hp_dtype):
     want = expected_bytes(*shape, hp.element_size(), splits)
     assert {k: v[0] for k, v in moved.items()} == pytest.approx(want, rel=1e-12)
     assert moved[("input", "read")][1] == 2 and moved[("fp8", "write")][1] == 1
+
+
+# ------------------------------------------------------------------------------ on CUDA
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("given", [False, True], ids=["dynamic", "given"])
+@pytest.mark.parametrize("float8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=lambda d: str(d)[6:])
+def test_cuda_many_splits(float8_dtype, given):
+    """A weight-gradient operand at training size (the most splits, a partial last one) on
+    the compiled kernels, column-major, bit for bit; an infinity in the last split."""
+    from f8tensor import kernels
+
+    hp = sample((8192 + 37, 1000), torch.bfloat16, seed=9).cuda()
+    hp[8200, 11] = float("inf")
+    spec = CastSpec(float8_dtype, COLWISE)
+    assert triton_cast._col_splits(hp.shape[0])[0] == triton_cast._COLS_MAX_SPLITS
+    scale = reference.cast(hp * 2, spec)[1] if given else None
+    got = kernels.cast_for_gemm(hp, spec, scale, layouts="column_major")
+    ref_data, ref_scale = reference.cast(hp, spec, scale)
+    assert got.data.stride() == (1, hp.shape[0])
+    assert torch.equal(_bits(got.data), _bits(ref_data)) and torch.equal(_bits(got.scale), _bits(ref_scale))
