@@ -2,10 +2,12 @@
 
 A tensorwise cast is two kernels (partial amaxes, then one pass that reduces them in a
 fixed order, computes the scale and writes data, scale and an optional column-major
-copy); rowwise and block casts are one kernel each. The custom op gives dispatch,
-torch.compile and export one op with known outputs; the Triton interpreter runs the same
-kernels on CPU, so the CPU suite checks them bit for bit against the reference. FP8
-rounding is integer arithmetic on the fp32 bits: exact and backend-independent.
+copy); rowwise and block casts are one kernel each; a column-wise cast is two (a partial
+amax per row split and column, then the cast), one where a single split covers the rows.
+The custom op gives dispatch, torch.compile and export one op with known outputs; the
+Triton interpreter runs the same kernels on CPU, so the CPU suite checks them bit for bit
+against the reference. FP8 rounding is integer arithmetic on the fp32 bits: exact and
+backend-independent.
 
 :func:`f8tensor.kernels.cast` takes this path only for a plain CUDA tensor, outside
 compilation, with round-to-nearest, a granularity :func:`plan` covers, triton importable
@@ -47,6 +49,11 @@ ENV_VAR = "F8TENSOR_FUSED_CASTS"
 # Tile shapes (elements per program: 4096 for the streaming kernels).
 _TENSOR_TILE = (32, 128)
 _ROWS_TILE = (32, 128)
+_COLS_TILE = (64, 64)
+# Column-wise row splits: at least this many rows each (the partial amaxes a cast
+# program reduces stay small beside its rows), and at most this many splits.
+_COLS_SPLIT_ROWS = 512
+_COLS_MAX_SPLITS = 16
 _GROUP_ELEMENTS = 128  # G * B per row of a groups program
 _GROUP_ROWS = 32
 _MAX_PARTIALS = 512
@@ -118,8 +125,9 @@ def _format(float8_dtype: torch.dtype) -> _Format:
 
 class Plan(NamedTuple):
     """How a cast maps onto the kernels: ``kind`` is ``"tensor"``, ``"rows"`` (one scale per
-    row), ``"groups"`` (1 x ``block`` blocks along rows) or ``"tiles"`` (``block`` = (br, bc));
-    ``transpose``: the kernel runs on the 2D transposed views (column-wise casts)."""
+    row), ``"cols"`` (one scale per column of the input flattened to 2D), ``"groups"`` (1 x
+    ``block`` blocks along rows) or ``"tiles"`` (``block`` = (br, bc)); ``transpose``: the
+    kernel runs on the 2D transposed views (b x 1 blocks)."""
 
     kind: str
     transpose: bool = False
@@ -149,6 +157,9 @@ def plan(hp: torch.Tensor, spec: CastSpec) -> Plan | None:
     if len(block) != hp.dim() or any(b < 0 for b in block):
         return None
     lead, last = block[:-1], block[-1]
+    if last == 1 and hp.dim() >= 2 and all(b == 0 for b in lead):
+        # Column-wise: one scale per element of the last dim, the leading dims flattened.
+        return None if (e8m0 or strided) else Plan("cols")
     if all(b == 1 for b in lead):
         if last == 0:
             return None if (e8m0 or strided) else Plan("rows")
@@ -158,9 +169,7 @@ def plan(hp: torch.Tensor, spec: CastSpec) -> Plan | None:
     if hp.dim() != 2:
         return None
     first = block[0]
-    if last == 1:  # column-wise: the row kernels on the transposed views
-        if first == 0:
-            return None if e8m0 else Plan("rows", True)
+    if last == 1:  # b x 1 blocks: the groups kernels on the transposed views
         if 1 < first and _next_pow2(first) <= _MAX_BLOCK:
             return Plan("groups", True, (1, first))
         return None
@@ -346,7 +355,8 @@ def _launch(
         with torch.cuda.device(hp.device):
             _launch(how, hp, scale, spec, data, second, out_scale, inverse)
         return
-    k = _kernels(hp.device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
+    interpret = hp.device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    k = _kernels(interpret)
     f = _format(spec.float8_dtype)
     fmt = {"FMAX": f.fmax, "BIAS": f.bias, "MBITS": f.mbits, "FNUZ": f.fnuz, "EPS": EPS}
     has_scale = scale is not None
@@ -379,6 +389,9 @@ def _launch(
     s2 = _as_2d(s.view(torch.uint8) if s.dtype == E8M0 else s)
     # The inverse has the scale's shape and strides: the same offsets address both.
     inv2 = _as_2d(inverse.view(torch.uint8) if inverse.dtype == E8M0 else inverse)
+    if how.kind == "cols":
+        _launch_cols(_kernels(interpret, "_triton_col_kernels"), x, out, s2, inv2, has_scale, spec.power_of_2, fmt)
+        return
     e8m0 = spec.scale_dtype == E8M0
     floor = spec.scale_mode == "floor"
     if how.transpose:
@@ -410,6 +423,40 @@ def _launch(
         HAS_SCALE=has_scale, WRITE2=second is not None, E8M0=e8m0, FLOOR=floor, POW2=spec.power_of_2,
         EMAX=f.emax, **fmt, SUB=min(32, _next_pow2(blk_r)), BC=_next_pow2(blk_c),
         num_warps=8, **_OPTIONS,
+    )  # fmt: skip
+
+
+def _col_splits(R: int) -> tuple[int, int]:
+    """``(splits, rows per split)`` of the column-wise cast over ``R`` rows: whole tiles, at
+    least ``_COLS_SPLIT_ROWS`` rows per split (one split below that), at most
+    ``_COLS_MAX_SPLITS`` splits, none empty."""
+    br = _COLS_TILE[0]
+    splits = min(_COLS_MAX_SPLITS, max(1, R // _COLS_SPLIT_ROWS))
+    per = -(-max(1, -(-R // br)) // splits) * br
+    return max(1, -(-R // per)), per
+
+
+def _launch_cols(
+    k, x: torch.Tensor, out: torch.Tensor, s2: torch.Tensor, inv2: torch.Tensor, has_scale: bool, pow2: bool, fmt: dict
+) -> None:
+    """The column-wise cast of the 2D ``x`` (fp32 scales ``s2``, given or written, and
+    ``inv2``: ``(1, C)``): a partial amax per (row split, column), then the cast; one
+    launch where one split covers the rows or the scale is given."""
+    R, C = x.shape
+    if not C:
+        return
+    br, bc = _COLS_TILE
+    splits, per = _col_splits(R)
+    grid = (splits, -(-C // bc))
+    measure = not has_scale and splits == 1
+    partials = s2  # a placeholder where no partials are read
+    if not (has_scale or measure):
+        partials = torch.empty((splits, C), dtype=torch.float32, device=x.device)
+        k.col_amax_kernel[grid](x, partials, R, C, per, x.stride(0), x.stride(1), BR=br, BC=bc, **_OPTIONS)
+    k.cast_cols_kernel[grid](
+        x, partials, splits, s2, out, s2, inv2, R, C, per,
+        x.stride(0), x.stride(1), out.stride(0), out.stride(1), s2.stride(1),
+        HAS_SCALE=has_scale, MEASURE=measure, POW2=pow2, **fmt, BR=br, BC=bc, BP=_next_pow2(splits), **_OPTIONS,
     )  # fmt: skip
 
 

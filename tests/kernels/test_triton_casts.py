@@ -348,7 +348,7 @@ def test_plan_covers_and_refuses():
     hp = torch.zeros(256, 256)
     assert triton_cast.plan(hp, CastSpec(E4M3)) == triton_cast.Plan("tensor")
     assert triton_cast.plan(hp, CastSpec(E4M3, (1, 0))) == triton_cast.Plan("rows")
-    assert triton_cast.plan(hp, CastSpec(E4M3, (0, 1))) == triton_cast.Plan("rows", True)
+    assert triton_cast.plan(hp, CastSpec(E4M3, (0, 1))) == triton_cast.Plan("cols")
     assert triton_cast.plan(hp, CastSpec(E4M3, (1, 128))) == triton_cast.Plan("groups", False, (1, 128))
     assert triton_cast.plan(hp, CastSpec(E4M3, (128, 1))) == triton_cast.Plan("groups", True, (1, 128))
     assert triton_cast.plan(hp, CastSpec(E4M3, (1, 32), E8M0)) == triton_cast.Plan("groups", False, (1, 32))
@@ -440,7 +440,7 @@ def test_kernels_compile_for_cuda(arch):
         from triton.backends.nvidia import compiler  # noqa: F401
     except ImportError:
         pytest.skip("triton's NVIDIA backend is not installed")
-    k = triton_cast._kernels(False)
+    k, cols = triton_cast._kernels(False), triton_cast._kernels(False, "_triton_col_kernels")
     fmt = {"FMAX": 448.0, "BIAS": 7, "MBITS": 3, "FNUZ": False, "EPS": 2.0**-100}
     bf16, f32, u8 = "*bf16", "*fp32", "*u8"
     io = {"x_ptr": bf16, "out_ptr": u8, "out2_ptr": u8}
@@ -465,12 +465,18 @@ def test_kernels_compile_for_cuda(arch):
              "SUB": 32, "BC": 128},
             num_warps=8,
         ),
+        _compile_for(arch, cols.col_amax_kernel, {"x_ptr": bf16, "part_ptr": f32}, {"BR": 64, "BC": 64}),
+        _compile_for(
+            arch, cols.cast_cols_kernel,
+            {**io, "part_ptr": f32, "scale_in_ptr": f32, "scale_ptr": f32, "inv_ptr": f32},
+            {"HAS_SCALE": False, "MEASURE": False, "POW2": True, **fmt, "BR": 64, "BC": 64, "BP": 16},
+        ),
     ]  # fmt: skip
     for kernel in built:
         assert kernel.asm["cubin"], kernel.name
-    ptx = built[1].asm["ptx"]
-    assert "div.rn.f64" in ptx and "cvt.rn.f32.f64" in ptx
-    assert not re.search(r"\b(?:mul|fma)\.\w*ftz", ptx) and "div.full" not in ptx and "div.approx" not in ptx
+    for ptx in (built[1].asm["ptx"], built[-1].asm["ptx"]):
+        assert "div.rn.f64" in ptx and "cvt.rn.f32.f64" in ptx
+        assert not re.search(r"\b(?:mul|fma)\.\w*ftz", ptx) and "div.full" not in ptx and "div.approx" not in ptx
 
 
 # ------------------------------------------------------------------------------ on CUDA
@@ -531,7 +537,8 @@ def test_cuda_column_major_copy(name):
         ("tensorwise", False, True, 2),  # ... writing both layouts
         ("tensorwise", True, False, 1),  # a given (delayed) scale: the cast kernel alone
         ("rowwise", False, False, 1),
-        ("colwise", False, False, 1),
+        ("colwise", False, False, 2),  # partial amaxes per row split, then scale-and-cast
+        ("colwise", True, False, 1),
         ("1x128", False, False, 1),
         ("128x1", False, False, 1),
         ("mx_rceil", False, False, 1),
