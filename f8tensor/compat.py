@@ -514,3 +514,12 @@ def multi_head_attention_forward_with(linear: Callable[..., torch.Tensor]) -> Ca
         copy.__kwdefaults__ = original.__kwdefaults__
         scope[name] = copy
     return scope["multi_head_attention_forward"]
+
+
+def dtensor_local_offset(t: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``compute_local_shape_and_global_offset`` (torch >= 2.4): this rank's piece of a DTensor,
+    its shape and where it starts in the global tensor."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return tuple(shape), tuple(offset)

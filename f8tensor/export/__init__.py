@@ -13,6 +13,12 @@ Scales on disk are multipliers (``weight.float() * scale``): the exact fp32 reci
 f8tensor's ``_scale``, so a loader dequantizes bit for bit. Converted layers and expert
 weights (or, unconverted, every ``nn.Linear`` and 3D expert tensor) go FP8; ``lm_head``,
 embeddings, norms, routers and biases stay high precision and are listed as not converted.
+``scale_fmt="ue8m0"`` (``"fp8_block"``) writes the same fp32 scales, powers of two, from weight
+casts with ``power_of_2_scale=True`` (DeepSeek V3.2's variant).
+
+:func:`iter_fp8_weights` and :func:`fp8_state_dict` (``stream.py``) give the same tensors in
+memory, one layer at a time, e.g. for a rollout engine's ``load_weights``; the file is written
+from that same generator.
 """
 
 from __future__ import annotations
@@ -20,139 +26,36 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 import tempfile
 from typing import Any
 
-import torch
 from torch import nn
 
-from f8tensor.moe import Float8ExpertWeight
-from f8tensor.nn.linear import Float8Linear
-from f8tensor.quant.block_quantizers import export_quantizer
-from f8tensor.quant.formats import check_hp_dtype
-from f8tensor.quant.specs import BLOCK_128x128, BlockGranularity, Granularity, MX_1x32
+from f8tensor.export.stream import (
+    FORMATS,
+    SCALE_FMTS,
+    STRATEGIES,
+    _output_embeddings,
+    export_options,
+    fp8_state_dict,
+    generate_fp8_weights,
+    iter_fp8_weights,
+)
 
-__all__ = ["FORMATS", "STRATEGIES", "save_fp8_pretrained"]
+__all__ = ["FORMATS", "SCALE_FMTS", "STRATEGIES", "fp8_state_dict", "iter_fp8_weights", "save_fp8_pretrained"]
 
-#: The checkpoint formats :func:`save_fp8_pretrained` writes.
-FORMATS = ("fp8_block", "mxfp8", "compressed_tensors")
-#: compressed-tensors weight strategies.
-STRATEGIES = ("tensor", "channel", "block")
-
-_GRANULARITY: dict[str, Granularity | BlockGranularity] = {
-    "fp8_block": BLOCK_128x128,
-    "mxfp8": MX_1x32,
-    "tensor": Granularity.TENSORWISE,
-    "channel": Granularity.ROWWISE,
-    "block": BLOCK_128x128,
-}
-_E8M0_BIAS = 127
 # The names model.save_pretrained writes: one file, or an index naming its shards.
 _WEIGHTS, _INDEX = "model.safetensors", "model.safetensors.index.json"
 
 
-def _is_pretrained_model(model: object) -> bool:
-    return any(
-        c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.") for c in type(model).__mro__
-    )
-
-
-def _default_strategy(model: nn.Module) -> str:
-    """The compressed-tensors strategy matching the model's weight casts (rowwise -> channel,
-    128x128 blocks -> block, anything else -> tensor)."""
-    found = set()
-    for mod in model.modules():
-        config = mod.config if isinstance(mod, Float8Linear) else None
-        for p in mod.parameters(recurse=False):
-            if isinstance(p, Float8ExpertWeight):
-                config = p._config
-        if config is None:
-            continue
-        g = config.weight.granularity
-        found.add("channel" if g is Granularity.ROWWISE else "block" if g == BLOCK_128x128 else "tensor")
-    if len(found) > 1:
-        raise ValueError(
-            f"save_fp8_pretrained: the model's layers use different weight granularities ({sorted(found)}); "
-            f"pass strategy= (one of {STRATEGIES})"
-        )
-    return found.pop() if found else "tensor"
-
-
-def _output_embeddings(model: nn.Module) -> object:
-    get = getattr(model, "get_output_embeddings", None)
-    return get() if callable(get) else None
-
-
-def _targets(model: nn.Module) -> dict[str, torch.Tensor]:
-    """{state_dict key: parameter} of the weights to write in FP8."""
-    out_emb = _output_embeddings(model)
-    converted = any(isinstance(m, Float8Linear) for m in model.modules()) or any(
-        isinstance(p, Float8ExpertWeight) for p in model.parameters()
-    )
-    targets: dict[str, torch.Tensor] = {}
-    for fqn, mod in model.named_modules():
-        if mod is out_emb:
-            continue
-        prefix = f"{fqn}." if fqn else ""
-        if isinstance(mod, nn.Linear) and (isinstance(mod, Float8Linear) or not converted):
-            targets[prefix + "weight"] = mod.weight
-            continue
-        n = getattr(mod, "num_experts", None)
-        for name, p in mod.named_parameters(recurse=False):
-            is_experts = isinstance(n, int) and p.dim() == 3 and p.shape[0] == n
-            if isinstance(p, Float8ExpertWeight) or (is_experts and not converted):
-                targets[prefix + name] = p
-    return targets
-
-
-def _cast(w: torch.Tensor, granularity: Granularity | BlockGranularity) -> tuple[torch.Tensor, torch.Tensor]:
-    """(FP8 data, multiplier scale with one row per data row) of a 2D weight as stored.
-
-    Rows are repeated so that transformers' weight conversion carries scales and data alike.
-    """
-    data, scale = export_quantizer(granularity).quantize(w)
-    if scale.dtype == torch.float8_e8m0fnu:
-        # 1 / 2**(c - 127) = 2**((254 - c) - 127): the inverse multiplier's code, exact.
-        inv = (2 * _E8M0_BIAS - scale.view(torch.uint8).to(torch.int16)).to(torch.uint8)
-    else:
-        inv = torch.reciprocal(scale.to(torch.float32))
-    if inv.dim() == 0:
-        inv = inv.reshape(1, 1)
-    if isinstance(granularity, BlockGranularity):
-        inv = inv.repeat_interleave(granularity.block[0], dim=0)[: data.shape[0]]
-    return data, inv.expand(data.shape[0], inv.shape[1]).contiguous()
-
-
-def _squeeze_rows(scale: torch.Tensor, key: str, strategy: str) -> torch.Tensor:
-    """The on-disk scale of one weight from its row-repeated form (see :func:`_cast`)."""
-    if strategy == "block":
-        return scale[::128].contiguous()
-    if strategy == "tensor":
-        if not torch.equal(scale, scale[:1, :1].expand_as(scale)):
-            raise NotImplementedError(f"save_fp8_pretrained: {key}: the model's weight conversion mixes tensors")
-        return scale[0, :1].contiguous()
-    return scale.contiguous()
-
-
-def _check_blockable(key: str, shape: torch.Size, strategy: str) -> None:
-    n, k = shape
-    if strategy == "block" and (n % 128 or k % 128):
-        raise ValueError(
-            f"save_fp8_pretrained: {key} has N={n}, K={k}: 128x128 blocks need N and K multiples of 128 "
-            f"(leave the layer out of convert_to_float8_training, or pick another format/strategy)"
-        )
-    if strategy == "mx" and k % 32:
-        raise ValueError(f"save_fp8_pretrained: {key} has N={n}, K={k}: MXFP8 blocks of 32 need K a multiple of 32")
-
-
-def _quantization_config(format: str, strategy: str, skipped: list[str]) -> dict[str, Any]:
+def _quantization_config(format: str, strategy: str, skipped: list[str], scale_fmt: str | None) -> dict[str, Any]:
     if format == "fp8_block":
         return {
             "quant_method": "fp8",
             "fmt": "e4m3",
             "activation_scheme": "dynamic",
             "weight_block_size": [128, 128],
+            **({"scale_fmt": scale_fmt} if scale_fmt else {}),
             "modules_to_not_convert": skipped,
         }
     if format == "mxfp8":
@@ -195,20 +98,13 @@ def _quantization_config(format: str, strategy: str, skipped: list[str]) -> dict
     }
 
 
-def _revert_names(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """transformers' own reversal of its load-time weight conversion, found without importing transformers."""
-    package = type(model).__module__.split(".", 1)[0]
-    loading = sys.modules.get(f"{package}.core_model_loading")
-    revert = getattr(loading, "revert_weight_conversion", None)
-    return state_dict if revert is None else revert(model, state_dict)
-
-
 def save_fp8_pretrained(
     model: nn.Module,
     save_directory: str | os.PathLike,
     format: str = "fp8_block",
     strategy: str | None = None,
     *,
+    scale_fmt: str | None = None,
     max_shard_size: int | str = "50GB",
 ) -> None:
     """Write ``model`` as ``model.save_pretrained`` does, with its linear weights in FP8.
@@ -223,11 +119,15 @@ def save_fp8_pretrained(
         format: ``"fp8_block"``, ``"mxfp8"`` or ``"compressed_tensors"`` (module docstring).
         strategy: compressed-tensors only: ``"tensor"``, ``"channel"`` or ``"block"``; default
             the one matching the model's recipe.
+        scale_fmt: ``"fp8_block"`` only: ``"ue8m0"`` writes scales that are powers of two (the same
+            fp32 ``weight_scale_inv``) and says so in the config; the model's weight casts must
+            have ``power_of_2_scale=True``.
         max_shard_size: as for ``save_pretrained``.
     Raises:
         TypeError: not a ``PreTrainedModel``, or a weight not bf16/fp16/fp32 (named).
-        ValueError: an unknown ``format`` or ``strategy`` (or a strategy with another format);
-            a weight the format cannot block, or with a non-finite value (named).
+        ValueError: an unknown ``format``, ``strategy`` or ``scale_fmt`` (or one with another
+            format); ``scale_fmt="ue8m0"`` for weight casts without power-of-two scales; a weight
+            the format cannot block, or with a non-finite value (named).
         NotImplementedError: a weight-name conversion that moves scales apart from their rows.
 
     Example::
@@ -238,66 +138,18 @@ def save_fp8_pretrained(
         save_fp8_pretrained(model, "out/fp8", format="fp8_block")
         AutoModelForCausalLM.from_pretrained("out/fp8")  # vLLM / SGLang serve it as is
     """
-    if format not in FORMATS:
-        raise ValueError(f"save_fp8_pretrained: format must be one of {FORMATS}; got {format!r}")
-    if strategy is not None and format != "compressed_tensors":
-        raise ValueError(f"save_fp8_pretrained: strategy= applies to format='compressed_tensors' only; got {format=}")
-    if strategy is not None and strategy not in STRATEGIES:
-        raise ValueError(f"save_fp8_pretrained: strategy must be one of {STRATEGIES} or None; got {strategy!r}")
-    if not _is_pretrained_model(model):
-        raise TypeError(
-            f"save_fp8_pretrained: model must be a transformers PreTrainedModel (it writes config.json and "
-            f"the checkpoint's names); got {type(model).__name__}"
-        )
-    if format == "compressed_tensors":
-        strategy = strategy or _default_strategy(model)
-        scale_suffix = "_scale"
-    else:
-        strategy = "block" if format == "fp8_block" else "mx"
-        scale_suffix = "_scale_inv"
-    granularity = _GRANULARITY[format if format != "compressed_tensors" else strategy]
-
-    targets = _targets(model)
-    float8_buffers = {
-        f"{fqn}.{name}" if fqn else name
-        for fqn, mod in model.named_modules()
-        if isinstance(mod, Float8Linear)
-        for name, _ in mod.named_buffers(recurse=False)
-    }
-    state = {k: v for k, v in model.state_dict().items() if k not in float8_buffers}
-    scales: dict[str, torch.Tensor] = {}
-    with torch.no_grad():
-        for key, p in targets.items():
-            w = p._hp if isinstance(p, Float8ExpertWeight) else p.detach()
-            w = w.as_subclass(torch.Tensor) if type(w) is not torch.Tensor else w
-            if not bool(torch.isfinite(w).all()):
-                raise ValueError(f"save_fp8_pretrained: {key} holds non-finite values; they have no FP8 encoding")
-            check_hp_dtype(w.dtype, f"save_fp8_pretrained: {key}")
-            if w.dim() == 2:
-                state[key], scales[key] = _cast(w, granularity)
-            else:  # experts (E, N, K): one cast per expert, as the training casts them
-                pairs = [_cast(w[e], granularity) for e in range(w.shape[0])]
-                state[key] = torch.stack([d for d, _ in pairs])
-                scales[key] = torch.stack([s for _, s in pairs])
-        disk = _revert_names(model, state)
-        disk_scales = _revert_names(model, scales)
-        for key, scale in disk_scales.items():
-            data = disk[key]
-            if not key.endswith(".weight") or data.dim() != 2 or scale.shape[0] != data.shape[0]:
-                raise NotImplementedError(
-                    f"save_fp8_pretrained: {type(model).__name__}'s checkpoint names {key} "
-                    f"{tuple(data.shape)} do not keep a linear weight's rows; FP8 export supports "
-                    f"weight conversions that split experts and concatenated projections"
-                )
-            _check_blockable(key, data.shape, strategy)
-            disk[key + scale_suffix] = _squeeze_rows(scale, key, strategy)
-    fp8_modules = {k.rsplit(".", 1)[0] for k in disk_scales}
+    options = export_options(model, format, strategy, scale_fmt, "save_fp8_pretrained")
+    # The file holds what iter_fp8_weights yields: one generator makes both.
+    disk = dict(generate_fp8_weights(model, options, True, "save_fp8_pretrained"))
+    fp8_modules = {k[: -len(options.scale_suffix)].rsplit(".", 1)[0] for k in disk if k.endswith(options.scale_suffix)}
     skipped = list(dict.fromkeys(k.rsplit(".", 1)[0] for k in disk if k.rsplit(".", 1)[0] not in fp8_modules))
     out_emb = _output_embeddings(model)
     for fqn, mod in model.named_modules():
         if mod is out_emb and fqn not in skipped:
             skipped.append(fqn)  # named even when tied (not in the file): a given list replaces the defaults
-    config = _quantization_config(format, strategy if format == "compressed_tensors" else "", skipped)
+    config = _quantization_config(
+        format, options.strategy if format == "compressed_tensors" else "", skipped, options.scale_fmt
+    )
     _write(model, os.fspath(save_directory), disk, config, max_shard_size)
 
 
