@@ -1,9 +1,7 @@
 """The tensors of an FP8 checkpoint, made one layer at a time, in memory.
 
-:func:`iter_fp8_weights` yields ``(name, tensor)`` in the checkpoint's (Hugging Face) names: every
-FP8 weight with its scale, and every other tensor the checkpoint holds. It is the one place the
-checkpoint's tensors are made: :func:`~f8tensor.export.save_fp8_pretrained` writes what it yields,
-so a file and an in-memory hand-off (to a rollout engine's ``load_weights``) hold the same bytes.
+The one place they are made: ``save_fp8_pretrained`` writes what :func:`iter_fp8_weights` yields,
+so a file and an in-memory hand-off to a rollout engine hold the same bytes.
 """
 
 from __future__ import annotations
@@ -15,6 +13,7 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from f8tensor.compat import dtensor_local, dtensor_local_offset
 from f8tensor.moe import Float8ExpertWeight
@@ -91,14 +90,8 @@ def _default_strategy(model: nn.Module, who: str) -> str:
 
 
 def export_options(model: nn.Module, format: str, strategy: str | None, scale_fmt: str | None, who: str) -> _Export:
-    """The checked arguments of one export (``who`` names the caller in errors).
-
-    Raises:
-        ValueError: an unknown ``format``, ``strategy`` or ``scale_fmt``, one given with a format
-            that has none, or ``scale_fmt="ue8m0"`` for a model whose weight scales are not
-            powers of two.
-        TypeError: not a transformers ``PreTrainedModel``.
-    """
+    """The checked arguments of one export (``who`` names the caller in errors); raises as
+    :func:`save_fp8_pretrained`."""
     if format not in FORMATS:
         raise ValueError(f"{who}: format must be one of {FORMATS}; got {format!r}")
     if strategy is not None and format != "compressed_tensors":
@@ -136,8 +129,7 @@ def export_options(model: nn.Module, format: str, strategy: str | None, scale_fm
 
 
 def _is_dtensor(t: object) -> bool:
-    dtensor = sys.modules.get("torch.distributed.tensor")
-    return dtensor is not None and isinstance(t, dtensor.DTensor)
+    return isinstance(t, DTensor)
 
 
 def _output_embeddings(model: nn.Module) -> object:
@@ -230,8 +222,8 @@ def _saved_keys(model: nn.Module) -> dict[str, torch.Tensor]:
     untie = getattr(sys.modules.get(f"{package}.modeling_utils"), "remove_tied_weights_from_state_dict", None)
     if untie is None:
         return state
-    # Ties are storage shared: a DTensor's shards share it as the full tensors do.
-    kept = untie({k: dtensor_local(v) if _is_dtensor(v) else v for k, v in state.items()}, model)
+    # Ties are storage shared: a DTensor's shards, and a weight subclass's plain tensor, share it too.
+    kept = untie({k: _plain(dtensor_local(v) if _is_dtensor(v) else v) for k, v in state.items()}, model)
     return {k: v for k, v in state.items() if k in kept}
 
 
@@ -256,10 +248,8 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
     return t.as_subclass(torch.Tensor) if type(t) is not torch.Tensor else t
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
+def _full(t: Any) -> torch.Tensor:
     """The whole tensor of a DTensor (a collective: every rank calls it), plain."""
-    from torch.distributed.tensor import DTensor
-
     local = _plain(dtensor_local(t))
     return DTensor.from_local(
         local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
