@@ -198,11 +198,15 @@ def _check_blockable(key: str, shape: tuple[int, ...], strategy: str, who: str) 
         raise ValueError(f"{who}: {key} has N={n}, K={k}: MXFP8 blocks of 32 need K a multiple of 32")
 
 
+def _transformers(model: nn.Module, name: str) -> Any:
+    """``transformers.<name>`` of the model's own transformers (FSDP2 renames the model's class), or None."""
+    found = next(c for c in type(model).__mro__ if c.__name__ == "PreTrainedModel")
+    return sys.modules.get(f"{found.__module__.split('.', 1)[0]}.{name}")
+
+
 def _revert_names(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """transformers' own reversal of its load-time weight conversion, found without importing transformers."""
-    package = type(model).__module__.split(".", 1)[0]
-    loading = sys.modules.get(f"{package}.core_model_loading")
-    revert = getattr(loading, "revert_weight_conversion", None)
+    revert = getattr(_transformers(model, "core_model_loading"), "revert_weight_conversion", None)
     return state_dict if revert is None else revert(model, state_dict)
 
 
@@ -218,8 +222,7 @@ def _saved_keys(model: nn.Module) -> dict[str, torch.Tensor]:
     state = {k: v for k, v in model.state_dict().items() if k not in float8_buffers}
     for key in getattr(model, "_keys_to_ignore_on_save", None) or ():
         state.pop(key, None)
-    package = type(model).__module__.split(".", 1)[0]
-    untie = getattr(sys.modules.get(f"{package}.modeling_utils"), "remove_tied_weights_from_state_dict", None)
+    untie = getattr(_transformers(model, "modeling_utils"), "remove_tied_weights_from_state_dict", None)
     if untie is None:
         return state
     # Ties are storage shared: a DTensor's shards, and a weight subclass's plain tensor, share it too.
@@ -257,7 +260,7 @@ def _full(t: Any) -> torch.Tensor:
 
 
 def _check_local(key: str, t: torch.Tensor, options: _Export, who: str) -> None:
-    """Refuse a rank's piece of an FP8 weight that cuts a scale block, or whose name changes shape."""
+    """Refuse a rank's piece of an FP8 weight that cuts a scale block."""
     shape, offset = dtensor_local_offset(t)
     if shape == tuple(t.shape):
         return

@@ -94,8 +94,44 @@ def _tp(rank: int) -> dict:
     return out
 
 
+def _moe(rank: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from f8tensor import Float8LinearConfig, convert_to_float8_training
+    from f8tensor.export import fp8_state_dict, iter_fp8_weights
+
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=64,
+        num_experts=4,
+        num_experts_per_tok=2,
+    )
+    model = Qwen3MoeForCausalLM(cfg)
+    recipe = Float8LinearConfig.from_recipe("rowwise")
+    convert_to_float8_training(model, config=recipe, module_filter_fn=lambda m, fqn: fqn != "lm_head")
+    kw = _FORMATS["channel"]
+    ref = _plain(fp8_state_dict(model, **kw))
+    mesh = init_device_mesh("cpu", (WORLD,))
+    fully_shard(model.model.layers[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return {
+        "ref": {"channel": ref},
+        ("gather", "channel"): _attempt(lambda: _plain(fp8_state_dict(model, **kw))),
+        ("local", "channel"): _attempt(lambda: _plain(dict(iter_fp8_weights(model, gather=False, **kw)))),
+    }
+
+
 _FORMATS = {"fp8_block": {"format": "fp8_block"}, "channel": {"format": "compressed_tensors", "strategy": "channel"}}
-_SCENARIOS = {"fsdp": _fsdp, "tp": _tp}
+_SCENARIOS = {"fsdp": _fsdp, "tp": _tp, "moe": _moe}
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
@@ -128,8 +164,10 @@ def _assert_bytes_equal(got: dict, want: dict) -> None:
         assert torch.equal(got[key].view(torch.uint8), w.view(torch.uint8)), key
 
 
-@pytest.mark.parametrize("scenario", ["fsdp", "tp"])
-@pytest.mark.parametrize("fmt", list(_FORMATS))
+@pytest.mark.parametrize(
+    ("scenario", "fmt"),
+    [("fsdp", "fp8_block"), ("fsdp", "channel"), ("tp", "fp8_block"), ("tp", "channel"), ("moe", "channel")],
+)
 def test_gather_yields_the_one_process_export(ranks, scenario, fmt):
     for rank in range(WORLD):
         ref = ranks[rank][scenario]["ref"][fmt]
@@ -172,3 +210,12 @@ def test_local_pieces_that_cut_a_scale_block_are_refused_by_name(ranks, scenario
     error = ranks[0][scenario][("local", fmt)]["error"]
     assert error.startswith(f"ValueError: iter_fp8_weights: {key}: this rank holds {cut}"), error
     assert "which cuts a scale block" in error and "pass gather=True" in error
+
+
+def test_local_pieces_of_experts_split_per_expert_are_refused_by_name(ranks):
+    # FSDP2 gives each rank 2 of the 4 experts; the checkpoint names experts 0..3 one by one.
+    error = ranks[0]["moe"][("local", "channel")]["error"]
+    assert error.startswith(
+        "NotImplementedError: iter_fp8_weights: model.layers.0.mlp.experts.gate_up_proj: its checkpoint names"
+    ), error
+    assert "pass gather=True" in error
