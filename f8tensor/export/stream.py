@@ -296,7 +296,7 @@ def _unit(
         if not gather:
             _check_renamed_only(model, key, t, who)
         if key not in targets:
-            state[key] = (_full(t) if gather else dtensor_local(t)) if _is_dtensor(t) else t.detach()
+            state[key] = (_full(t) if gather else dtensor_local(t).detach()) if _is_dtensor(t) else t.detach()
             continue
         if _is_dtensor(t) and not gather:
             if t.dim() == 2:
