@@ -54,7 +54,12 @@ from f8tensor.stats import (
 )
 from f8tensor.tensor import ops as _ops  # noqa: F401  (fills Float8Tensor's op table)
 from f8tensor.tensor import product_ops as _product_ops  # noqa: F401  (the op table's matrix products)
-from f8tensor.tensor.float8 import Float8Tensor, _LegacyFloat8Tensor, _rebuild_float8_tensor
+from f8tensor.tensor.float8 import (
+    Float8Tensor,
+    _LegacyFloat8Tensor,
+    _rebuild_float8_tensor,
+    _RetiredCheckpointType,
+)
 from f8tensor.tensor.fp4 import Float4Tensor
 
 if torch.distributed.is_available():  # the parallel styles subclass torch.distributed's
@@ -114,18 +119,17 @@ __all__ = [
 ]
 
 # torch.load(weights_only=True) refuses unknown globals: allow ours (and nothing else). A
-# Float8Tensor is rebuilt by one validating function; older checkpoints name the class
-# (a subclass valid only after __setstate__) and the configs under their old modules.
+# Float8Tensor is rebuilt by one validating function. Pre-release checkpoints (format 0) name
+# the class and the config types: each resolves to a refusal naming the tag that reads them.
 torch.serialization.add_safe_globals(
     [
         _rebuild_float8_tensor,
         (_LegacyFloat8Tensor, "f8tensor.tensor.Float8Tensor"),
-        GemmConfig,
-        Granularity,
-        (GemmConfig, "f8tensor.config.GemmConfig"),
-        (Granularity, "f8tensor.config.Granularity"),
-        (GemmConfig, "f8tensor.specs.GemmConfig"),
-        (Granularity, "f8tensor.specs.Granularity"),
+        *[
+            (_RetiredCheckpointType, f"f8tensor.{m}.{n}")
+            for m in ("config", "specs")
+            for n in ("GemmConfig", "Granularity")
+        ],
     ]
 )
 

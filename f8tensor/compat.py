@@ -201,8 +201,15 @@ def _check_scaled_mm_args(mat1, mat2, scale_a, scale_b, bias=None, out_dtype=Non
         raise RuntimeError(f"out_dtype must be one of {', '.join(map(str, _OUT))}; got {out_dtype}")
 
 
-@torch.library.custom_op("f8tensor::cpu_scaled_mm", mutates_args=(), device_types="cpu")
-def cpu_scaled_mm(mat1: torch.Tensor, mat2: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor) -> torch.Tensor:
+# Registered as a plain CPU kernel, not ``torch.library.custom_op``: an eager call is then one
+# dispatcher hop, not custom_op's Python autograd and dispatch wrappers (FP8 operands carry no grad).
+_LIB = torch.library.Library("f8tensor", "DEF")  # noqa: TOR901 (kept for the process's lifetime)
+_LIB.define("cpu_scaled_mm(Tensor mat1, Tensor mat2, Tensor scale_a, Tensor scale_b) -> Tensor")
+
+
+def _cpu_scaled_mm(
+    mat1: torch.Tensor, mat2: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor
+) -> torch.Tensor:
     """An FP8 product on a CPU in fp32, bitwise torch's reference CPU kernel; a custom op so
     compile keeps it whole (eager's bits).
     """
@@ -215,10 +222,15 @@ def cpu_scaled_mm(mat1: torch.Tensor, mat2: torch.Tensor, scale_a: torch.Tensor,
     return acc
 
 
-@cpu_scaled_mm.register_fake
-def _(mat1, mat2, scale_a, scale_b):
+def _cpu_scaled_mm_fake(mat1, mat2, scale_a, scale_b):
     _check_scaled_mm_args(mat1, mat2, scale_a, scale_b)
     return mat1.new_empty((mat1.shape[0], mat2.shape[1]), dtype=torch.float32)
+
+
+_LIB.impl("cpu_scaled_mm", _cpu_scaled_mm, "CPU")
+torch.library.register_fake("f8tensor::cpu_scaled_mm", _cpu_scaled_mm_fake, lib=_LIB)
+#: ``f8tensor::cpu_scaled_mm``: :func:`_cpu_scaled_mm` as one op.
+cpu_scaled_mm = torch.ops.f8tensor.cpu_scaled_mm.default
 
 
 def _fp32_epilogue(

@@ -31,6 +31,7 @@ from typing import Any
 
 from torch import nn
 
+from f8tensor.export.load import load_fp8_pretrained
 from f8tensor.export.stream import (
     FORMATS,
     SCALE_FMTS,
@@ -42,21 +43,31 @@ from f8tensor.export.stream import (
     iter_fp8_weights,
 )
 
-__all__ = ["FORMATS", "SCALE_FMTS", "STRATEGIES", "fp8_state_dict", "iter_fp8_weights", "save_fp8_pretrained"]
+__all__ = [
+    "FORMATS",
+    "SCALE_FMTS",
+    "STRATEGIES",
+    "fp8_state_dict",
+    "iter_fp8_weights",
+    "load_fp8_pretrained",
+    "save_fp8_pretrained",
+]
 
 # The names model.save_pretrained writes: one file, or an index naming its shards.
 _WEIGHTS, _INDEX = "model.safetensors", "model.safetensors.index.json"
 
 
-def _quantization_config(format: str, strategy: str, skipped: list[str], scale_fmt: str | None) -> dict[str, Any]:
+def _quantization_config(
+    format: str, strategy: str, skipped: list[str], scale_fmt: str | None = None
+) -> dict[str, Any]:
     if format == "fp8_block":
         return {
             "quant_method": "fp8",
             "fmt": "e4m3",
             "activation_scheme": "dynamic",
             "weight_block_size": [128, 128],
-            **({"scale_fmt": scale_fmt} if scale_fmt else {}),
             "modules_to_not_convert": skipped,
+            **({"scale_fmt": scale_fmt} if scale_fmt is not None else {}),
         }
     if format == "mxfp8":
         return {
@@ -119,15 +130,13 @@ def save_fp8_pretrained(
         format: ``"fp8_block"``, ``"mxfp8"`` or ``"compressed_tensors"`` (module docstring).
         strategy: compressed-tensors only: ``"tensor"``, ``"channel"`` or ``"block"``; default
             the one matching the model's recipe.
-        scale_fmt: ``"fp8_block"`` only: ``"ue8m0"`` writes scales that are powers of two (the same
-            fp32 ``weight_scale_inv``) and says so in the config; the model's weight casts must
-            have ``power_of_2_scale=True``.
+        scale_fmt: ``"ue8m0"`` (``format="fp8_block"`` only): power-of-two multipliers, named in
+            the config; the model's recipe must cast weights with ``power_of_2_scale=True``.
         max_shard_size: as for ``save_pretrained``.
     Raises:
         TypeError: not a ``PreTrainedModel``, or a weight not bf16/fp16/fp32 (named).
-        ValueError: an unknown ``format``, ``strategy`` or ``scale_fmt`` (or one with another
-            format); ``scale_fmt="ue8m0"`` for weight casts without power-of-two scales; a weight
-            the format cannot block, or with a non-finite value (named).
+        ValueError: an unknown ``format`` or ``strategy`` (or a strategy with another format);
+            a weight the format cannot block, or with a non-finite value (named).
         NotImplementedError: a weight-name conversion that moves scales apart from their rows.
 
     Example::

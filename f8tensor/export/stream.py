@@ -16,11 +16,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from f8tensor.compat import dtensor_local, dtensor_local_offset
+from f8tensor.export.frozen import FrozenFloat8Linear, FrozenFloat8Weight, granularity_of_block
 from f8tensor.moe import Float8ExpertWeight
 from f8tensor.nn.linear import Float8Linear
 from f8tensor.quant.block_quantizers import export_quantizer
 from f8tensor.quant.formats import check_hp_dtype
 from f8tensor.quant.specs import BLOCK_128x128, BlockGranularity, Granularity, MX_1x32
+from f8tensor.tensor.float8 import Float8Tensor, dequantize
 from f8tensor.tensor.weights import HighPrecisionWeight
 
 __all__ = ["FORMATS", "SCALE_FMTS", "STRATEGIES", "fp8_state_dict", "iter_fp8_weights"]
@@ -29,7 +31,7 @@ __all__ = ["FORMATS", "SCALE_FMTS", "STRATEGIES", "fp8_state_dict", "iter_fp8_we
 FORMATS = ("fp8_block", "mxfp8", "compressed_tensors")
 #: compressed-tensors weight strategies.
 STRATEGIES = ("tensor", "channel", "block")
-#: Scale encodings besides the format's own: ``"ue8m0"``, fp32 powers of two (DeepSeek V3.2).
+#: ``scale_fmt`` values beside ``None``: ``"ue8m0"``, fp32 multipliers that are all powers of two.
 SCALE_FMTS = ("ue8m0",)
 
 _GRANULARITY: dict[str, Granularity | BlockGranularity] = {
@@ -89,6 +91,20 @@ def _default_strategy(model: nn.Module, who: str) -> str:
     return found.pop() if found else "tensor"
 
 
+def _check_power_of_2(model: nn.Module, who: str) -> None:
+    """Every FP8 weight is cast with power-of-two scales by its recipe (a frozen one: checked at its cast)."""
+    configs = _weight_configs(model)
+    for key, p in _targets(model).items():
+        name = key.removesuffix(".weight") if key.endswith(".weight") and key not in configs else key
+        if isinstance(p, FrozenFloat8Weight) or (name in configs and configs[name].weight.power_of_2_scale):
+            continue
+        raise ValueError(
+            f"{who}: scale_fmt='ue8m0' writes the power-of-two scales a recipe cast with; {key} "
+            f"is not cast with power_of_2_scale=True (convert with a config whose weight CastConfig has "
+            f"power_of_2_scale=True, or pass scale_fmt=None)"
+        )
+
+
 def export_options(model: nn.Module, format: str, strategy: str | None, scale_fmt: str | None, who: str) -> _Export:
     """The checked arguments of one export (``who`` names the caller in errors); raises as
     :func:`save_fp8_pretrained`."""
@@ -98,29 +114,18 @@ def export_options(model: nn.Module, format: str, strategy: str | None, scale_fm
         raise ValueError(f"{who}: strategy= applies to format='compressed_tensors' only; got {format=}")
     if strategy is not None and strategy not in STRATEGIES:
         raise ValueError(f"{who}: strategy must be one of {STRATEGIES} or None; got {strategy!r}")
-    if scale_fmt is not None and scale_fmt not in SCALE_FMTS:
-        raise ValueError(f"{who}: scale_fmt must be one of {SCALE_FMTS} or None; got {scale_fmt!r}")
-    if scale_fmt is not None and format != "fp8_block":
-        raise ValueError(f"{who}: scale_fmt= applies to format='fp8_block' only; got {format=}")
+    if scale_fmt is not None and (scale_fmt not in SCALE_FMTS or format != "fp8_block"):
+        raise ValueError(
+            f"{who}: scale_fmt must be None, or one of {SCALE_FMTS} with format='fp8_block'; "
+            f"got {scale_fmt=}, {format=}"
+        )
     if not _is_pretrained_model(model):
         raise TypeError(
             f"{who}: model must be a transformers PreTrainedModel (the checkpoint's names and tied weights "
             f"are its); got {type(model).__name__}"
         )
     if scale_fmt is not None:
-        configs = _weight_configs(model)
-        if not configs:
-            raise ValueError(
-                f"{who}: scale_fmt='ue8m0' needs a converted model whose weight casts have "
-                f"power_of_2_scale=True; the model has no FP8 layers"
-            )
-        for name, config in configs.items():
-            if not config.weight.power_of_2_scale:
-                raise ValueError(
-                    f"{who}: scale_fmt='ue8m0' needs weight scales that are powers of two; {name}'s "
-                    f"recipe has weight power_of_2_scale=False (convert with a weight CastConfig of "
-                    f"power_of_2_scale=True, or pass scale_fmt=None)"
-                )
+        _check_power_of_2(model, who)
     if format == "compressed_tensors":
         chosen = strategy or _default_strategy(model, who)
         return _Export(format, chosen, None, "_scale", _GRANULARITY[chosen], False)
@@ -162,13 +167,39 @@ def _cast(w: torch.Tensor, options: _Export) -> tuple[torch.Tensor, torch.Tensor
 
     Rows are repeated so that transformers' weight conversion carries scales and data alike.
     """
-    granularity = options.granularity
-    data, scale = export_quantizer(granularity, power_of_2=options.power_of_2).quantize(w)
+    data, scale = export_quantizer(options.granularity, options.power_of_2).quantize(w)
+    return _stored_rows(data, _multiplier(scale), options.granularity)
+
+
+def _multiplier(scale: torch.Tensor) -> torch.Tensor:
+    """The on-disk multiplier of f8tensor's ``_scale``."""
     if scale.dtype == torch.float8_e8m0fnu:
         # 1 / 2**(c - 127) = 2**((254 - c) - 127): the inverse multiplier's code, exact.
-        inv = (2 * _E8M0_BIAS - scale.view(torch.uint8).to(torch.int16)).to(torch.uint8)
-    else:
-        inv = torch.reciprocal(scale.to(torch.float32))
+        return (2 * _E8M0_BIAS - scale.view(torch.uint8).to(torch.int16)).to(torch.uint8)
+    return torch.reciprocal(scale.to(torch.float32))
+
+
+def _frozen_cast(layer: FrozenFloat8Linear, options: _Export, who: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_cast` of a frozen layer: its bytes and the file's multiplier where the granularity is the
+    checkpoint's (and still held), else a cast of the dequantized weight."""
+    w: torch.Tensor = layer.weight
+    assert isinstance(w, Float8Tensor)  # a frozen layer holds its FP8 weight
+    granularity = options.granularity
+    if not isinstance(w, FrozenFloat8Weight) or granularity_of_block(w._block, w._scale.dtype) != granularity:
+        return _cast(dequantize(w, torch.float32), options)
+    held = _multiplier(w._scale)
+    m = layer.checkpoint_scale.to(held.dtype).reshape(held.shape)
+    if torch.equal(_multiplier(torch.reciprocal(m)) if m.is_floating_point() else m, held):
+        held = m  # the layer still holds the file's bytes: the file's multiplier, not its fp32 round trip
+    if options.power_of_2 and not bool((torch.frexp(held.float()).mantissa == 0.5).all()):
+        raise ValueError(f"{who}: scale_fmt='ue8m0' needs power-of-two scales; a frozen weight's are not")
+    return _stored_rows(w._data, held, granularity)
+
+
+def _stored_rows(
+    data: torch.Tensor, inv: torch.Tensor, granularity: Granularity | BlockGranularity
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(data, multiplier with one row per data row)."""
     if inv.dim() == 0:
         inv = inv.reshape(1, 1)
     if isinstance(granularity, BlockGranularity):
@@ -226,7 +257,7 @@ def _saved_keys(model: nn.Module) -> dict[str, torch.Tensor]:
     if untie is None:
         return state
     # Ties are storage shared: a DTensor's shards, and a weight subclass's plain tensor, share it too.
-    kept = untie({k: _plain(dtensor_local(v) if _is_dtensor(v) else v) for k, v in state.items()}, model)
+    kept = untie({k: _storage_of(v) for k, v in state.items()}, model)
     return {k: v for k, v in state.items() if k in kept}
 
 
@@ -249,6 +280,12 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
     if isinstance(t, HighPrecisionWeight):
         return t._hp.detach()
     return t.as_subclass(torch.Tensor) if type(t) is not torch.Tensor else t
+
+
+def _storage_of(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor on ``t``'s storage (a DTensor's shard, a wrapper's data)."""
+    t = dtensor_local(t) if _is_dtensor(t) else t
+    return t._data if isinstance(t, Float8Tensor) else _plain(t)
 
 
 def _full(t: Any) -> torch.Tensor:
@@ -285,14 +322,28 @@ def _check_renamed_only(model: nn.Module, key: str, t: torch.Tensor, who: str) -
         )
 
 
+class _Sources(NamedTuple):
+    """The model's tensors by state_dict key: all saved ones, those written in FP8, frozen layers."""
+
+    saved: dict[str, torch.Tensor]
+    targets: dict[str, torch.Tensor]
+    frozen: dict[str, FrozenFloat8Linear]
+
+
 def _unit(
-    model: nn.Module, keys: list[str], saved: dict, targets: dict, options: _Export, gather: bool, who: str
+    model: nn.Module, keys: list[str], sources: _Sources, options: _Export, gather: bool, who: str
 ) -> list[tuple[str, torch.Tensor]]:
     """The checkpoint tensors of one unit's keys, in order, each scale after its weight."""
+    targets = sources.targets
     state: dict[str, torch.Tensor] = {}
     scales: dict[str, torch.Tensor] = {}
     for key in keys:
-        t = targets.get(key, saved[key])
+        t = targets.get(key, sources.saved[key])
+        if key in sources.frozen:
+            if _is_dtensor(t):
+                raise NotImplementedError(f"{who}: {key}: a frozen FP8 layer sharded by FSDP2/TP is not exported")
+            state[key], scales[key] = _frozen_cast(sources.frozen[key], options, who)
+            continue
         if not gather:
             _check_renamed_only(model, key, t, who)
         if key not in targets:
@@ -339,10 +390,11 @@ def generate_fp8_weights(
     """The generator of :func:`iter_fp8_weights`, for checked ``options``."""
     saved = _saved_keys(model)
     targets = _targets(model)
+    frozen = {f"{fqn}.weight": m for fqn, m in model.named_modules() if isinstance(m, FrozenFloat8Linear)}
     for keys in _units(list(saved)):
         # no_grad around the work only: a context held across a yield would reach the caller's code.
         with torch.no_grad():
-            pairs = _unit(model, keys, saved, targets, options, gather, who)
+            pairs = _unit(model, keys, _Sources(saved, targets, frozen), options, gather, who)
         # Popped as yielded: once the next unit starts, the generator holds none of this one's.
         pairs.reverse()
         while pairs:

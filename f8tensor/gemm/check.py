@@ -20,6 +20,9 @@ from typing import Any
 import torch
 
 from f8tensor import compat
+
+# By name on the traced path: dynamo guards a module reached two ways.
+from f8tensor.compat import scaled_mm as compat_scaled_mm
 from f8tensor.gemm.rules import (
     BLOCK_SCALED_MM_RULES,
     block_rule_by_recipes,
@@ -189,7 +192,7 @@ def scaled_mm(mat1, mat2, scale_a, scale_b, *, bias=None, out_dtype=None, use_fa
         return checked_scaled_mm(
             mat1, mat2, scale_a, scale_b, bias=bias, out_dtype=out_dtype, use_fast_accum=use_fast_accum
         )
-    return compat.scaled_mm(mat1, mat2, scale_a, scale_b, bias=bias, out_dtype=out_dtype, use_fast_accum=use_fast_accum)
+    return compat_scaled_mm(mat1, mat2, scale_a, scale_b, bias=bias, out_dtype=out_dtype, use_fast_accum=use_fast_accum)
 
 
 def block_scaled_mm(mat_a, mat_b, scale_a, recipe_a, scale_b, recipe_b, **kwargs: Any) -> torch.Tensor:

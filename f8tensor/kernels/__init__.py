@@ -16,7 +16,9 @@ import torch
 
 from f8tensor.kernels import reference, triton_cast, triton_dequantize
 from f8tensor.kernels.layouts import to_column_major
-from f8tensor.kernels.reference import CAST_STATS_FIELDS, block_scale, cast_with_stats
+
+# Imported by name: traced, one path to the module (dynamo guards a module reached two ways).
+from f8tensor.kernels.reference import CAST_STATS_FIELDS, block_scale, cast_values, cast_with_stats
 from f8tensor.quant.scaling import inverse_scale_of, materialized
 from f8tensor.quant.specs import CastSpec
 
@@ -92,11 +94,14 @@ def cast_for_gemm(
         fused = triton_cast.maybe_cast(hp, spec, scale, layouts=code)
         if fused is not None:
             return GemmCast(*fused)
-    data, scale = reference.cast(hp, spec, scale)
-    inverse = inverse_scale_of(scale) if scale.dim() == 0 and not torch.compiler.is_compiling() else None
+    data, scale, _, _, _ = cast_values(hp, spec, scale)
+    compiling = torch.compiler.is_compiling()
+    inverse = inverse_scale_of(scale) if scale.dim() == 0 and not compiling else None
     if layouts == "natural":
         return GemmCast(data, None, scale, inverse)
-    copy = materialized(to_column_major(data), (1, data.shape[0]))
+    copy = to_column_major(data)
+    if compiling:
+        copy = materialized(copy, (1, data.shape[0]))
     if layouts == "both":
         return GemmCast(data, copy, scale, inverse)
     return GemmCast(copy, None, scale, inverse)

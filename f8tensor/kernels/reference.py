@@ -20,9 +20,9 @@ from f8tensor.quant.scaling import (
     stochastic_round,
     tensor_amax,
 )
-from f8tensor.quant.specs import CastSpec, is_axiswise, is_tensorwise
+from f8tensor.quant.specs import CastSpec
 
-__all__ = ["CAST_STATS_FIELDS", "block_scale", "cast", "cast_with_stats", "dequantize"]
+__all__ = ["CAST_STATS_FIELDS", "block_scale", "cast", "cast_values", "cast_with_stats", "dequantize"]
 
 #: The entries of the vector :func:`cast_with_stats` returns, in this order.
 CAST_STATS_FIELDS: tuple[str, ...] = ("saturated_count", "underflow_count", "numel", "amax", "scale", "headroom_log2")
@@ -46,7 +46,7 @@ def cast(
         generator: for stochastic rounding.
         uniform: the draws of a stochastic rounding, given instead.
     """
-    data, scale, _, _, _ = _cast(hp, spec, scale, generator, need_amax=False, uniform=uniform)
+    data, scale, _, _, _ = cast_values(hp, spec, scale, generator, need_amax=False, uniform=uniform)
     return data, scale
 
 
@@ -81,18 +81,24 @@ def cast_with_stats(
     Stochastic casts report round-to-nearest counts. Computed from the cast's own fp32
     products, so it fuses into the cast under torch.compile; float64 keeps counts exact.
     """
-    data, scale, scaled, group_amax, scale32 = _cast(hp, spec, scale, generator, need_amax=True, amax=amax)
+    data, scale, scaled, group_amax, scale32 = cast_values(hp, spec, scale, generator, need_amax=True, amax=amax)
     return data, scale, _cast_stats(hp, scaled, group_amax, scale32, spec.float8_dtype)
 
 
-def _cast(hp, spec: CastSpec, scale, generator, *, need_amax, amax=None, uniform=None):
-    """Shared body of the two casts: (data, scale, scaled fp32 values, group amax, fp32 scale)."""
+def cast_values(hp, spec: CastSpec, scale=None, generator=None, *, need_amax=False, amax=None, uniform=None):
+    """The saturating cast both casts share: (data, scale, scaled fp32 values, group amax, fp32 scale)."""
     float8_dtype, block = spec.float8_dtype, spec.block
     group_amax = None
     # Tensorwise or axiswise with fp32 scales: the per-axis amax kernels (same bits as block ones).
     axis = None
-    tensorwise = is_tensorwise(block)
-    if not tensorwise and spec.scale_dtype == torch.float32 and block.count(0) == 1 and is_axiswise(block):
+    tensorwise = not block  # is_tensorwise, inlined: once per cast
+    # is_axiswise with one 0, inlined: the other entries all 1.
+    if (
+        not tensorwise
+        and spec.scale_dtype == torch.float32
+        and block.count(0) == 1
+        and block.count(1) == len(block) - 1
+    ):
         axis = block.index(0)
     if tensorwise or axis is not None:
         if scale is None and not need_amax:

@@ -85,6 +85,16 @@ def _describe_cast(config: Float8LinearConfig) -> str:
     return f"{cast.dtype} {cast.granularity} {cast.scaling.value}"
 
 
+def _autocasting(x: torch.Tensor, compiling: bool) -> bool:
+    """Whether autocast is on for floating ``x``'s device (never for meta)."""
+    device_type = x.device.type
+    if compiling:
+        available = device_type != "meta"
+    else:
+        available = torch.amp.is_autocast_available(device_type)
+    return available and torch.is_autocast_enabled(device_type) and x.is_floating_point()
+
+
 def _is_own_input_cast(x: Float8Tensor, config: Float8LinearConfig) -> bool:
     """``x`` carries the FP8 dtype and blocks of ``config``'s (dynamic) input cast."""
     cast = config.input
@@ -218,7 +228,7 @@ class Float8Linear(nn.Linear):
                 if buf is not None and (name in _DELAYED_BUFFERS or name in STATS_BUFFERS):
                     buf.copy_(_fresh_state(name, buf))
 
-    def _check_input(self, x: object) -> None:
+    def _check_input(self, x: object, weight: torch.Tensor) -> None:
         """What nn.Linear takes, restricted to what FP8 GEMMs can take; said at the entry."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"Float8Linear expects a tensor input; got {type(x).__name__}")
@@ -252,39 +262,25 @@ class Float8Linear(nn.Linear):
             raise ValueError(
                 f"Float8Linear input must have in_features={self.in_features} as its last dimension; got shape {tuple(x.shape)}"
             )
-        if self.weight.dtype not in HP_DTYPES:  # e.g. after model.double()
+        if weight.dtype not in HP_DTYPES:  # e.g. after model.double()
             allowed = ", ".join(str(d) for d in HP_DTYPES)
-            raise TypeError(f"Float8Linear weight must have dtype {allowed}; got {self.weight.dtype}")
+            raise TypeError(f"Float8Linear weight must have dtype {allowed}; got {weight.dtype}")
+
+    def _weight_matrix(self) -> torch.Tensor:
+        """The (out, in) matrix the forward multiplies by."""
+        return self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._forward_with(x, self.weight)
-
-    def _forward_with(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """The forward with ``weight`` as the (out, in) matrix (Float8Conv1D passes a view)."""
-        bias: torch.Tensor | None = self.bias
-        device_type = x.device.type if isinstance(x, torch.Tensor) else None
+        weight, bias = self._weight_matrix(), cast("torch.Tensor | None", self.bias)
         # Not for meta; not while compiling (torch 2.11 cannot trace is_autocast_available).
         compiling = torch.compiler.is_compiling()
-        if compiling:
-            available = device_type != "meta"
-        else:
-            available = device_type is not None and torch.amp.is_autocast_available(device_type)
-        autocast = (
-            device_type is not None and available and torch.is_autocast_enabled(device_type) and x.is_floating_point()
-        )
-        if autocast:
-            # As nn.Linear under autocast; the weight is cast to FP8 from its own dtype.
-            dtype = torch.get_autocast_dtype(device_type)
-            x = x.to(dtype)
-            bias = None if bias is None else bias.to(dtype)
+        if isinstance(x, torch.Tensor) and _autocasting(x, compiling):
+            # As nn.Linear under autocast; the weight is cast to FP8 from its own dtype, the
+            # bias to the input's below.
+            device_type = x.device.type
             with torch.autocast(device_type, enabled=False):
-                return self._fp8_forward(x, weight, bias, compiling)
-        return self._fp8_forward(x, weight, bias, compiling)
-
-    def _fp8_forward(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, compiling: bool
-    ) -> torch.Tensor:
-        self._check_input(x)
+                return self.forward(x.to(torch.get_autocast_dtype(device_type)))
+        self._check_input(x, weight)
         if bias is not None and bias.dtype != x.dtype:
             bias = bias.to(x.dtype)
         if self.in_features == 0 or self.out_features == 0:
@@ -491,6 +487,6 @@ class Float8Conv1D(Float8Linear):
         new.train(conv.training)
         return new
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _weight_matrix(self) -> torch.Tensor:
         # A transposed view: the gradient lands in the parameter's own (in, out) layout.
-        return self._forward_with(x, self.weight.t())
+        return self.weight.t()

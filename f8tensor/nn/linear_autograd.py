@@ -196,7 +196,9 @@ def _recipe_forward(ctx, x, weight, bias, plan: LinearPlan, args: LinearArgs) ->
     x8_cm = None
     if not isinstance(x, Float8Tensor):
         assert x2 is not None  # a high-precision input: reshaped above
-        x8, x8_cm, amax_x = q_in.quantize(x2, 1, fwd, column_major=fwd if keep_fp8_input else None, recompute=recompute)
+        x8, x8_cm, amax_x = q_in.quantize(
+            x2, 1, fwd, column_major=plan.bwd_w if keep_fp8_input else None, recompute=recompute
+        )
     if isinstance(weight, Float8Tensor):  # FSDP2 float8 all-gather hands over an FP8 weight
         w8, amax_w = weight._replace(gemm=fwd), None
         if q_w.plan.delayed:
@@ -222,7 +224,7 @@ def _recipe_forward(ctx, x, weight, bias, plan: LinearPlan, args: LinearArgs) ->
     # here, in eager (compiled: the partitioner decides); hp only where no FP8 grad_W runs.
     saved_x = x2
     if keep_fp8_input:
-        saved_x = column_major_copy(x8) if x8_cm is None else x8_cm
+        saved_x = column_major_copy(x8, plan.bwd_w) if x8_cm is None else x8_cm  # read by grad_W only
     elif (
         not config.weight_grad_in_hp
         and not torch.compiler.is_compiling()
@@ -301,7 +303,7 @@ def _recipe_backward(ctx, grad_y, saved) -> tuple[torch.Tensor | None, ...]:
             else:
                 gt8 = q_go.quantize_column_major(g, 0, bwd_w, measure=g8 is None)
             if isinstance(saved_x, Float8Tensor):
-                x8 = saved_x._replace(gemm=bwd_w)
+                x8 = saved_x if saved_x._gemm is bwd_w else saved_x._replace(gemm=bwd_w)
             else:
                 x8 = q_in.quantize_column_major(saved_x, 0, bwd_w)
             # In the weight's dtype, deliberately: a bf16 output adds a rounding and a pass.

@@ -108,7 +108,6 @@ def input_gather_quantizer(cast: CastConfig, ndim: int) -> BlockQuantizer:
     return BlockQuantizer(cast.operand_spec(ndim - 1, ndim=ndim))
 
 
-def export_quantizer(granularity: Granularity | BlockGranularity, *, power_of_2: bool = False) -> BlockQuantizer:
-    """A 2D weight (N, K) written to an FP8 checkpoint, e4m3 scales of ``granularity``
-    (rounded down to powers of two with ``power_of_2``)."""
-    return BlockQuantizer(CastConfig(granularity=granularity, power_of_2_scale=power_of_2).operand_spec(1))
+def export_quantizer(granularity: Granularity | BlockGranularity, power_of_2_scale: bool = False) -> BlockQuantizer:
+    """A 2D weight (N, K) written to an FP8 checkpoint, e4m3 scales of ``granularity`` (powers of two if asked)."""
+    return BlockQuantizer(CastConfig(granularity=granularity, power_of_2_scale=power_of_2_scale).operand_spec(1))

@@ -15,11 +15,18 @@ from typing import Any, NamedTuple
 import torch
 
 from f8tensor.compat import current_graph_task_id, functional_all_reduce_max
+from f8tensor.kernels import cast_for_gemm
 from f8tensor.kernels.fp4 import FP4Spec
 from f8tensor.kernels.layouts import to_column_major
 from f8tensor.quant.config import DEFAULT_GEMM, CastConfig, CastSpec, Float8LinearConfig, GemmConfig, is_tensorwise
 from f8tensor.quant.scaling import delayed_scale, materialized, push_amax, tensor_amax
-from f8tensor.tensor.float8 import Float8Tensor, to_float8_for_gemm, to_float8_with_stats, with_inverse_scale
+from f8tensor.tensor.float8 import (
+    Float8Tensor,
+    from_gemm_cast,
+    to_float8_for_gemm,
+    to_float8_with_stats,
+    with_inverse_scale,
+)
 from f8tensor.tensor.fp4 import Float4Tensor, to_float4, to_float4_with_stats
 
 __all__ = [
@@ -301,20 +308,20 @@ class Quantizer(NamedTuple):
         recompute: bool = False,
         measure: bool = True,
     ) -> Quantized:
-        """The role's cast for a GEMM over ``contracted_dim`` (:func:`cast_operand`)."""
-        f8, amax, twin = cast_operand(
-            hp,
-            self.plan,
-            contracted_dim,
-            gemm,
-            self.config,
-            self.history,
-            self.scale,
-            recompute,
-            self.stats if measure else None,
-            column_major,
-        )
-        return Quantized(f8, twin, amax)
+        """The role's cast for a GEMM over ``contracted_dim``; ``column_major``: also the twin, for that GEMM."""
+        plan, stats = self.plan, self.stats if measure else None
+        if plan.delayed or stats is not None:
+            f8, amax, twin = cast_operand(
+                hp, plan, contracted_dim, gemm, self.config, self.history, self.scale, recompute, stats, column_major
+            )
+            return Quantized(f8, twin, amax)
+        # Dynamic, unmeasured: straight to the kernels' cast (what quantize() does, without its branches).
+        spec = plan.specs[contracted_dim]
+        out = cast_for_gemm(hp, spec, layouts="natural" if column_major is None else "both")
+        f8, twin = from_gemm_cast(out, hp.dtype, spec.block or (0,) * hp.dim(), gemm, column_major)
+        if column_major is not None and twin is None:
+            twin = column_major_copy(f8, column_major)
+        return Quantized(f8, twin, None)
 
     def quantize_column_major(
         self, hp: torch.Tensor, contracted_dim: int, gemm: GemmConfig, *, measure: bool = False

@@ -33,12 +33,12 @@ from f8tensor.quant.specs import (
 )
 from f8tensor.tensor.subclass import OpHandler, QuantizedTensor
 from f8tensor.tensor.validation import (
+    RETIRED_FORMAT,
     SERIAL_VERSION,
     check_given_scale,
     check_scale_values,
     checkpoint_fields,
     from_hp_spec,
-    legacy_state_fields,
     scale_from_number,
     serial_fields,
     validate_fields,
@@ -52,6 +52,7 @@ __all__ = [
     "cast_to_float8_with_stats",
     "check_scale_values",
     "dequantize",
+    "from_gemm_cast",
     "is_float8",
     "scale_from_number",
     "to_float8",
@@ -267,7 +268,8 @@ class Float8Tensor(QuantizedTensor):
             raise ValueError("Float8Tensor._replace: new data of another ndim needs its block")
         fields.update(changes)
         new = Float8Tensor(**fields)
-        if fields["scale"] is self._scale and not torch.compiler.is_compiling():
+        # Only eager casts set the cache: traced tensors never carry one (no is_compiling() read).
+        if fields["scale"] is self._scale and self._inv_scale is not None:
             new._inv_scale = self._inv_scale
         return new
 
@@ -294,15 +296,8 @@ class Float8Tensor(QuantizedTensor):
         return new
 
     def __setstate__(self, state: Any) -> None:
-        """Restore a checkpoint written before :meth:`__reduce_ex__`, validating every field."""
-        outer = (self.dtype, tuple(self.shape), self.stride(), self.storage_offset(), self.device)
-        data, scale, orig_dtype, block, gemm, is_param = legacy_state_fields(state, outer)
-        self._data, self._scale = data, scale
-        self._orig_dtype, self._block, self._gemm = orig_dtype, block, gemm
-        if is_param:
-            self._is_param = True
-        if type(self) is not Float8Tensor:
-            self.__class__ = Float8Tensor
+        """Refuse a checkpoint of the pre-release format 0 (attributes restored into a wrapper)."""
+        raise ValueError(RETIRED_FORMAT)
 
     def __repr__(self) -> str:  # type: ignore[override]
         block = self._scale_block
@@ -343,10 +338,9 @@ def _rebuild_float8_tensor(version: object, fields: object) -> torch.Tensor:
 
 
 class _LegacyFloat8Tensor(Float8Tensor):
-    """What ``weights_only=True`` loading knows as ``f8tensor.tensor.Float8Tensor``.
-
-    ``__setstate__`` validates it into a Float8Tensor; direct construction is refused.
-    """
+    """What ``weights_only=True`` loading knows as ``f8tensor.tensor.Float8Tensor``: only the
+    pre-release format 0 names the class, and ``__setstate__`` refuses it; direct construction
+    is refused too."""
 
     @staticmethod
     def __new__(cls, *args: Any, **kwargs: Any) -> NoReturn:  # type: ignore[override]
@@ -359,6 +353,13 @@ class _LegacyFloat8Tensor(Float8Tensor):
         raise RuntimeError(
             "a Float8Tensor from a checkpoint was used before its fields were restored (a malformed checkpoint)"
         )
+
+
+class _RetiredCheckpointType:
+    """What the config types a pre-release (format 0) checkpoint names load as: a refusal."""
+
+    def __new__(cls, *args: object) -> NoReturn:
+        raise ValueError(RETIRED_FORMAT)
 
 
 def is_float8(x: object) -> TypeIs[Float8Tensor]:
@@ -394,12 +395,27 @@ def to_float8_for_gemm(
 ) -> tuple[Float8Tensor, Float8Tensor | None]:
     """:func:`to_float8` and, with ``layouts='both'``, the column-major twin (else None)."""
     out = kernels.cast_for_gemm(hp, spec, scale, layouts=layouts)
-    block = spec.block or (0,) * hp.dim()  # layout_block's rule, inlined: once per cast
-    f8 = Float8Tensor(out.data, out.scale, hp.dtype, block, gemm)
+    return from_gemm_cast(out, hp.dtype, spec.block or (0,) * hp.dim(), gemm, column_major_gemm)
+
+
+def from_gemm_cast(
+    out: kernels.GemmCast,
+    orig_dtype: torch.dtype,
+    block: tuple[int, ...],
+    gemm: GemmConfig,
+    column_major_gemm: GemmConfig | None = None,
+) -> tuple[Float8Tensor, Float8Tensor | None]:
+    """The Float8Tensor of a :func:`~f8tensor.kernels.cast_for_gemm` result and its twin (or None).
+
+    Args:
+        block: the data's ``_block`` (a spec's block, or zeros for tensorwise).
+        column_major_gemm: the twin's GEMM config (default ``gemm``).
+    """
+    f8 = Float8Tensor(out.data, out.scale, orig_dtype, block, gemm)
     twin = None
     if out.column_major is not None:
         twin = Float8Tensor(
-            out.column_major, out.scale, hp.dtype, block, gemm if column_major_gemm is None else column_major_gemm
+            out.column_major, out.scale, orig_dtype, block, gemm if column_major_gemm is None else column_major_gemm
         )
     if out.inverse is not None:
         f8._inv_scale = out.inverse

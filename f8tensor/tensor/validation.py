@@ -18,13 +18,13 @@ from f8tensor.quant.specs import (
     axiswise_block,
     axiswise_dim,
     block_scale_shape,
-    layout_block,
     parse_granularity,
 )
 
 __all__ = [
+    "LEGACY_TAG",
+    "RETIRED_FORMAT",
     "SERIAL_VERSION",
-    "block_from_axiswise_dim",
     "check_block",
     "check_given_scale",
     "check_layout",
@@ -33,7 +33,6 @@ __all__ = [
     "compact",
     "extent",
     "from_hp_spec",
-    "legacy_state_fields",
     "no_overlap",
     "scale_from_codes",
     "scale_from_number",
@@ -42,14 +41,17 @@ __all__ = [
 ]
 
 # Version 2 stores the per-dim block, the scale's dtype (an e8m0 scale as uint8 codes) and
-# every GemmConfig field; version 1 stored the old ``axiswise_dim`` (tensorwise/axiswise
-# only) and a 3-field GemmConfig, and still loads.
+# every GemmConfig field. Formats 0 and 1 were written only before the first release.
 SERIAL_VERSION = 2
+#: The git tag of the last f8tensor that reads formats 0 and 1 (load there, save again).
+LEGACY_TAG = "legacy-checkpoints"
+RETIRED_FORMAT = (
+    "this Float8Tensor checkpoint was written in a pre-release format (0 or 1) that this f8tensor "
+    f"no longer reads; load it with the f8tensor of git tag {LEGACY_TAG!r} and save it again"
+)
 _SERIAL_FIELDS = frozenset(
     {"data", "float8_dtype", "scale", "scale_dtype", "orig_dtype", "block", "gemm", "requires_grad", "is_param"}
 )
-_SERIAL_FIELDS_V1 = _SERIAL_FIELDS - {"block", "scale_dtype"} | {"axiswise_dim"}
-_GEMM_FIELDS_V1 = 3  # (out_dtype, use_fast_accum, pad_inner_dim)
 
 # A scale must be a normal fp32 number: its inverse (the dequantization factor) is then
 # finite too. 2**-126 ~ 1.18e-38 up to the fp32 max ~ 3.4e38.
@@ -161,20 +163,6 @@ def scale_from_codes(scale: object, scale_dtype: object) -> object:
     return scale.view(E8M0) if scale_dtype == E8M0 and type(scale) is torch.Tensor else scale
 
 
-def block_from_axiswise_dim(axiswise_dim: object, data: torch.Tensor) -> tuple[int, ...]:
-    """The block of a version-0/1 checkpoint's ``axiswise_dim`` (``None``: tensorwise)."""
-    if axiswise_dim is None:
-        return layout_block((), data.dim())
-    if isinstance(axiswise_dim, bool) or not isinstance(axiswise_dim, int):
-        raise TypeError(f"Float8Tensor axiswise_dim must be None or an int; got {axiswise_dim!r}")
-    if not 0 <= axiswise_dim < data.dim():
-        raise ValueError(
-            f"Float8Tensor axiswise_dim must be in [0, {data.dim()}) for data of shape "
-            f"{tuple(data.shape)}; got {axiswise_dim}"
-        )
-    return axiswise_block(axiswise_dim, data.dim())
-
-
 def check_block(block: object, data: torch.Tensor, scale: torch.Tensor) -> None:
     """The block against the data and the scale (see the :class:`Float8Tensor` table).
 
@@ -276,13 +264,19 @@ def _own_copy(scale: torch.Tensor) -> torch.Tensor:
 
 
 def checkpoint_fields(version: object, fields: object) -> tuple:
-    """The fields of a pickled Float8Tensor (format 1 or :data:`SERIAL_VERSION`), every one
-    checked: ``(data, scale, orig_dtype, block, gemm, requires_grad, is_param)``."""
-    if type(version) is not int or version not in (1, SERIAL_VERSION):
+    """The fields of a pickled Float8Tensor (format :data:`SERIAL_VERSION`), every one checked:
+    ``(data, scale, orig_dtype, block, gemm, requires_grad, is_param)``.
+
+    Raises:
+        ValueError: another format (format 1 names :data:`LEGACY_TAG`), or a bad field.
+    """
+    if type(version) is int and version == 1:
+        raise ValueError(RETIRED_FORMAT)
+    if type(version) is not int or version != SERIAL_VERSION:
         raise ValueError(
-            f"Float8Tensor checkpoint format {version!r} is not supported (this f8tensor reads 1 and {SERIAL_VERSION})"
+            f"Float8Tensor checkpoint format {version!r} is not supported (this f8tensor reads {SERIAL_VERSION})"
         )
-    names = _SERIAL_FIELDS if version == SERIAL_VERSION else _SERIAL_FIELDS_V1
+    names = _SERIAL_FIELDS
     if not isinstance(fields, dict) or set(fields) != names:
         got = sorted(map(str, fields)) if isinstance(fields, dict) else type(fields).__name__
         raise ValueError(
@@ -296,57 +290,15 @@ def checkpoint_fields(version: object, fields: object) -> tuple:
     check_layout(raw, "Float8Tensor data")
     data = raw.view(float8_dtype)
     gemm_fields = fields["gemm"]
-    n_gemm = len(GemmConfig._fields) if version == SERIAL_VERSION else _GEMM_FIELDS_V1
-    if not isinstance(gemm_fields, tuple) or len(gemm_fields) != n_gemm:
-        raise ValueError(
-            f"Float8Tensor checkpoint: 'gemm' must be a tuple {GemmConfig._fields[:n_gemm]}; got {gemm_fields!r}"
-        )
+    if not isinstance(gemm_fields, tuple) or len(gemm_fields) != len(GemmConfig._fields):
+        raise ValueError(f"Float8Tensor checkpoint: 'gemm' must be a tuple {GemmConfig._fields}; got {gemm_fields!r}")
     gemm = GemmConfig(*gemm_fields)
     for name in ("requires_grad", "is_param"):
         if not isinstance(fields[name], bool):
             raise TypeError(f"Float8Tensor checkpoint: {name!r} must be a bool; got {fields[name]!r}")
-    if version == SERIAL_VERSION:
-        block, scale = fields["block"], scale_from_codes(fields["scale"], fields["scale_dtype"])
-    else:
-        block, scale = block_from_axiswise_dim(fields["axiswise_dim"], data), fields["scale"]
+    block, scale = fields["block"], scale_from_codes(fields["scale"], fields["scale_dtype"])
     scale = validate_fields(data, scale, fields["orig_dtype"], block, gemm)
     return data, scale, fields["orig_dtype"], block, gemm, fields["requires_grad"], fields["is_param"]
-
-
-def legacy_state_fields(state: object, outer: tuple) -> tuple:
-    """The fields of a checkpoint written before Float8Tensor pickled itself as plain fields:
-    an attribute dict (or ``(dict, slots)``) restored into a wrapper whose ``outer`` (dtype,
-    shape, strides, offset, device) is already set, every one checked:
-    ``(data, scale, orig_dtype, block, gemm, is_param)``."""
-    dict_state = state[0] if isinstance(state, tuple) and len(state) == 2 else state
-    if isinstance(state, tuple) and len(state) == 2 and state[1]:
-        raise ValueError(f"Float8Tensor checkpoint: unexpected slot state {sorted(state[1])!r}")
-    if not isinstance(dict_state, dict):
-        # Every defect of a checkpoint is a ValueError, a wrong type included.
-        raise ValueError(  # noqa: TRY004
-            f"Float8Tensor checkpoint: the state must be a dict of fields; got {type(dict_state).__name__}"
-        )
-    names = {"_data", "_scale", "_orig_dtype", "_axiswise_dim", "_gemm"}
-    missing, extra = names - dict_state.keys(), dict_state.keys() - names - {"_is_param"}
-    if missing or extra:
-        raise ValueError(
-            f"Float8Tensor checkpoint: fields must be exactly {sorted(names)} (plus '_is_param'); "
-            f"missing {sorted(missing)}, unexpected {sorted(map(str, extra))}"
-        )
-    if dict_state.get("_is_param", True) is not True:
-        raise ValueError(f"Float8Tensor checkpoint: '_is_param' must be True; got {dict_state['_is_param']!r}")
-    data, gemm = dict_state["_data"], dict_state["_gemm"]
-    if type(gemm) is not GemmConfig:
-        raise TypeError(f"Float8Tensor checkpoint: '_gemm' must be a GemmConfig; got {type(gemm).__name__}")
-    block = block_from_axiswise_dim(dict_state["_axiswise_dim"], data)
-    scale = validate_fields(data, dict_state["_scale"], dict_state["_orig_dtype"], block, gemm)
-    inner = (dict_state["_orig_dtype"], tuple(data.shape), data.stride(), data.storage_offset(), data.device)
-    if outer != inner:
-        raise ValueError(
-            f"Float8Tensor checkpoint: the wrapper (dtype, shape, strides, offset, device) {outer} "
-            f"does not match its data {inner}"
-        )
-    return data, scale, dict_state["_orig_dtype"], block, gemm, "_is_param" in dict_state
 
 
 # ===================================================================== what users pass

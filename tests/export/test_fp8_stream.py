@@ -29,7 +29,8 @@ from transformers import (
 )
 
 from f8tensor import BLOCK_128x128, CastConfig, Float8LinearConfig, Float8Tensor, convert_to_float8_training
-from f8tensor.export import fp8_state_dict, iter_fp8_weights, save_fp8_pretrained
+from f8tensor.export import fp8_state_dict, iter_fp8_weights, load_fp8_pretrained, save_fp8_pretrained
+from f8tensor.export.frozen import FrozenFloat8Linear
 
 VOCAB = 256
 _TOKENS = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -152,6 +153,22 @@ def test_untied_lm_head_of_a_dense_model_is_in_the_dict(tmp_path):
     _assert_same_tensors(state, _file(tmp_path / "out"))
 
 
+@pytest.mark.parametrize(
+    ("recipe", "fmt", "strategy"), [("blockwise", "fp8_block", None), ("rowwise", "compressed_tensors", "channel")]
+)
+def test_a_frozen_base_streams_its_files_bytes(recipe, fmt, strategy, tmp_path):
+    torch.manual_seed(0)
+    model = _llama(tied=False)
+    convert_to_float8_training(
+        model, config=Float8LinearConfig.from_recipe(recipe), module_filter_fn=lambda m, fqn: fqn != "lm_head"
+    )
+    save_fp8_pretrained(model, tmp_path / "out", format=fmt, strategy=strategy)
+    torch.manual_seed(1)
+    frozen = load_fp8_pretrained(_llama(tied=False), str(tmp_path / "out"))
+    assert sum(isinstance(m, FrozenFloat8Linear) for m in frozen.modules()) == 7
+    _assert_same_tensors(fp8_state_dict(frozen, format=fmt, strategy=strategy), _file(tmp_path / "out"))
+
+
 def test_fp8_weight_and_scale_are_the_cast_of_the_master(trained):
     """From the definition: the weight's bytes are Float8Tensor.from_hp's, the scale its exact
     fp32 reciprocal (one value per 128x128 block for fp8_block)."""
@@ -263,15 +280,17 @@ def test_ue8m0_writes_powers_of_two_and_says_so(tmp_path):
 
 def test_ue8m0_is_refused_without_power_of_two_scales_or_with_another_format(tmp_path):
     model = _llama()
-    with pytest.raises(ValueError, match=r"scale_fmt='ue8m0' needs .* the model has no FP8 layers"):
-        save_fp8_pretrained(model, tmp_path / "x", format="fp8_block", scale_fmt="ue8m0")
+    unconverted = r"model.layers.0.self_attn.q_proj.weight is not cast with power_of_2_scale=True"
+    with pytest.raises(ValueError, match=r"iter_fp8_weights: scale_fmt='ue8m0' .*" + unconverted):
+        iter_fp8_weights(model, scale_fmt="ue8m0")
     convert_to_float8_training(
         model, config=Float8LinearConfig.from_recipe("blockwise"), module_filter_fn=lambda m, fqn: fqn != "lm_head"
     )
-    with pytest.raises(ValueError, match=r"powers of two; model.layers.0.self_attn.q_proj's recipe .*=False"):
-        save_fp8_pretrained(model, tmp_path / "x", format="fp8_block", scale_fmt="ue8m0")
-    with pytest.raises(ValueError, match=r"scale_fmt= applies to format='fp8_block' only; got format='mxfp8'"):
+    with pytest.raises(
+        ValueError, match=r"fp8_state_dict|iter_fp8_weights: .*q_proj.weight is not cast with power_of_2"
+    ):
+        fp8_state_dict(model, format="fp8_block", scale_fmt="ue8m0")
+    with pytest.raises(ValueError, match=r"scale_fmt must be None, or one of .* got scale_fmt='ue8m0', format='mxfp8'"):
         fp8_state_dict(model, format="mxfp8", scale_fmt="ue8m0")
-    with pytest.raises(ValueError, match=r"scale_fmt must be one of \('ue8m0',\) or None; got 'e8m0'"):
+    with pytest.raises(ValueError, match=r"scale_fmt must be None, or one of \('ue8m0',\) .*got scale_fmt='e8m0'"):
         iter_fp8_weights(model, scale_fmt="e8m0")
-    assert os.listdir(tmp_path) == []

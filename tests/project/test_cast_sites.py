@@ -32,6 +32,7 @@ RAW_CASTS = frozenset(
         "f8tensor.kernels.dequantize",
         "f8tensor.kernels.block_scale",
         "f8tensor.kernels.reference.cast",
+        "f8tensor.kernels.reference.cast_values",
         "f8tensor.kernels.reference.cast_with_stats",
         "f8tensor.kernels.reference.dequantize",
         "f8tensor.kernels.reference.block_scale",
@@ -60,6 +61,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     # The quantizer layer: the linear's roles and the one entry point of GEMM operand casts.
     "f8tensor/quant/quantizers.py": frozenset(
         {
+            "f8tensor.kernels.cast_for_gemm",
             "f8tensor.tensor.float8.to_float8_for_gemm",
             "f8tensor.tensor.float8.to_float8_with_stats",
             "f8tensor.tensor.fp4.to_float4",

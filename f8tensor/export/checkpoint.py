@@ -1,0 +1,226 @@
+"""Reading FP8 checkpoints: the ``quantization_config`` of a directory and each stored weight.
+
+Formats read (what :func:`~f8tensor.export.save_fp8_pretrained` writes, and the same written
+by others): DeepSeek-V3 blocks (``quant_method: "fp8"``, ``weight_block_size``, fp32
+``weight_scale_inv``; ``scale_fmt: "ue8m0"``: every multiplier a power of two), MXFP8
+(uint8 e8m0 ``weight_scale_inv``) and compressed-tensors ``float-quantized`` (``weight_scale``,
+strategy tensor, channel or block). Every scale on disk is a multiplier back to high
+precision; f8tensor's ``_scale`` is its reciprocal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import torch
+
+from f8tensor.quant.config import CastConfig, Float8LinearConfig
+from f8tensor.quant.formats import E8M0
+from f8tensor.quant.specs import BLOCK_128x128, BlockGranularity, Granularity, MX_1x32
+from f8tensor.tensor.float8 import Float8Tensor
+
+__all__ = ["CheckpointFormat", "default_config", "read_format", "read_tensors", "weight_of"]
+
+_E8M0_BIAS = 127
+_WEIGHTS, _INDEX = "model.safetensors", "model.safetensors.index.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointFormat:
+    """How a checkpoint stores its FP8 weights.
+
+    Fields: ``format`` (``"fp8_block"``, ``"mxfp8"``, ``"compressed_tensors"``), ``strategy``
+    (``"block"``, ``"mx"``, ``"tensor"``, ``"channel"``), ``block`` (rows, columns) of a block
+    scale, ``scale_suffix`` (the scale's name after the module's), ``ue8m0`` (multipliers are
+    powers of two).
+    """
+
+    format: str
+    strategy: str
+    block: tuple[int, int] | None
+    scale_suffix: str
+    ue8m0: bool = False
+
+    @property
+    def granularity(self) -> Granularity | BlockGranularity:
+        if self.strategy == "mx":
+            return MX_1x32
+        if self.strategy == "block":
+            assert self.block is not None  # read_format sets it with the strategy
+            return BLOCK_128x128 if self.block == (128, 128) else BlockGranularity(self.block)
+        return Granularity.ROWWISE if self.strategy == "channel" else Granularity.TENSORWISE
+
+
+def read_format(directory: str) -> CheckpointFormat:
+    """The :class:`CheckpointFormat` of ``directory``'s ``config.json``.
+
+    Raises:
+        FileNotFoundError: no ``config.json``.
+        ValueError: no ``quantization_config``, or one this loader does not read (named).
+    """
+    path = os.path.join(directory, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    q = config.get("quantization_config")
+    q = q if isinstance(q, dict) else {}
+    if "quant_method" not in q:
+        raise ValueError(
+            f"load_fp8_pretrained: {path} has no quantization_config: not an FP8 checkpoint "
+            f"(load a high-precision checkpoint with from_pretrained, then convert_to_float8_training)"
+        )
+    method = q.get("quant_method")
+    if method in ("fp8", "mxfp8"):
+        fmt = q.get("fmt", "e4m3")
+        if fmt != "e4m3":
+            raise ValueError(f"load_fp8_pretrained: quantization_config fmt must be 'e4m3'; got {fmt!r}")
+        block = q.get("weight_block_size")
+        scale_fmt = q.get("scale_fmt")
+        if method == "mxfp8":
+            if block != [1, 32]:
+                raise ValueError(f"load_fp8_pretrained: mxfp8 needs weight_block_size [1, 32]; got {block!r}")
+            return CheckpointFormat("mxfp8", "mx", (1, 32), "weight_scale_inv", ue8m0=True)
+        if block != [128, 128]:
+            raise ValueError(
+                f"load_fp8_pretrained: quant_method 'fp8' is read with weight_block_size [128, 128] "
+                f"(DeepSeek-V3 blocks); got {block!r}"
+            )
+        if scale_fmt not in (None, "ue8m0"):
+            raise ValueError(f"load_fp8_pretrained: scale_fmt must be absent or 'ue8m0'; got {scale_fmt!r}")
+        return CheckpointFormat("fp8_block", "block", (128, 128), "weight_scale_inv", ue8m0=scale_fmt == "ue8m0")
+    if method == "compressed-tensors":
+        return _compressed_tensors(q)
+    raise ValueError(
+        f"load_fp8_pretrained: quant_method {method!r} is not read; allowed: 'fp8' (DeepSeek-V3 blocks), "
+        f"'mxfp8', 'compressed-tensors' (float-quantized)"
+    )
+
+
+def _compressed_tensors(q: dict[str, Any]) -> CheckpointFormat:
+    if q.get("format") != "float-quantized":
+        raise ValueError(
+            f"load_fp8_pretrained: compressed-tensors format must be 'float-quantized'; got {q.get('format')!r}"
+        )
+    groups = q.get("config_groups") or {}
+    schemes = [g.get("weights") for g in groups.values() if isinstance(g, dict)]
+    strategies = {(w or {}).get("strategy") for w in schemes}
+    if len(strategies) != 1:
+        raise ValueError(
+            f"load_fp8_pretrained: compressed-tensors config_groups need one weight strategy; got {strategies}"
+        )
+    w = schemes[0] or {}
+    strategy = w.get("strategy")
+    if w.get("num_bits") != 8 or w.get("type") != "float" or strategy not in ("tensor", "channel", "block"):
+        raise ValueError(
+            f"load_fp8_pretrained: compressed-tensors weights must be 8-bit float, strategy 'tensor', 'channel' "
+            f"or 'block'; got num_bits={w.get('num_bits')!r}, type={w.get('type')!r}, strategy={strategy!r}"
+        )
+    block = None
+    if strategy == "block":
+        structure = w.get("block_structure")
+        if structure != [128, 128]:
+            raise ValueError(
+                f"load_fp8_pretrained: compressed-tensors block_structure must be [128, 128]; got {structure!r}"
+            )
+        block = (128, 128)
+    return CheckpointFormat("compressed_tensors", strategy, block, "weight_scale")
+
+
+def default_config(fmt: CheckpointFormat) -> Float8LinearConfig:
+    """The recipe whose weight granularity is the checkpoint's (power-of-two scales for ue8m0)."""
+    recipe = {"block": "blockwise", "mx": "mxfp8", "channel": "rowwise", "tensor": "tensorwise"}[fmt.strategy]
+    config = Float8LinearConfig.from_recipe(recipe)
+    if fmt.ue8m0 and fmt.strategy == "block":
+        pow2 = {
+            r: dataclasses.replace(getattr(config, r), power_of_2_scale=True)
+            for r in ("input", "weight", "grad_output")
+        }
+        config = dataclasses.replace(config, **pow2)
+    assert isinstance(config.weight, CastConfig)
+    return config
+
+
+def read_tensors(directory: str) -> dict[str, torch.Tensor]:
+    """Every tensor of ``directory``'s ``model.safetensors`` (or the shards its index names)."""
+    from safetensors import safe_open
+
+    index = os.path.join(directory, _INDEX)
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    elif os.path.isfile(os.path.join(directory, _WEIGHTS)):
+        files = [_WEIGHTS]
+    else:
+        raise FileNotFoundError(f"load_fp8_pretrained: no {_WEIGHTS} or {_INDEX} in {directory!r}")
+    found: dict[str, torch.Tensor] = {}
+    for name in files:
+        with safe_open(os.path.join(directory, name), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open is no mapping)
+                found[key] = f.get_tensor(key)
+    return found
+
+
+def weight_of(
+    key: str, data: torch.Tensor, scale: torch.Tensor, fmt: CheckpointFormat, dtype: torch.dtype
+) -> tuple[Float8Tensor, torch.Tensor]:
+    """(the Float8Tensor of one stored weight, its on-disk multiplier), checked.
+
+    The Float8Tensor holds ``data`` itself and ``1 / multiplier`` (e8m0: the inverse code, exact).
+
+    Raises:
+        ValueError: a weight not e4m3 2D, a scale of the wrong dtype or shape, a block that does
+            not divide the weight, a non-finite or non-positive multiplier, or (ue8m0) one that is
+            not a power of two; the tensor is named.
+    """
+    if data.dtype != torch.float8_e4m3fn or data.dim() != 2:
+        raise ValueError(
+            f"load_fp8_pretrained: {key} must be a 2D float8_e4m3fn weight; got {data.dtype} {tuple(data.shape)}"
+        )
+    n, k = data.shape
+    name = key[: -len("weight")] + fmt.scale_suffix
+    if fmt.strategy == "mx":
+        if k % 32:
+            raise ValueError(f"load_fp8_pretrained: {key} has K={k}: MXFP8 blocks of 32 need K a multiple of 32")
+        _check_shape(name, scale, (n, k // 32))
+        if scale.dtype != torch.uint8:
+            raise ValueError(f"load_fp8_pretrained: {name} must be uint8 e8m0 codes; got {scale.dtype}")
+        if bool((scale == 255).any()):
+            raise ValueError(f"load_fp8_pretrained: {name} holds the e8m0 NaN code 255; every block needs a scale")
+        # 1 / 2**(c - 127) = 2**((254 - c) - 127): the inverse code, exact.
+        inv = (2 * _E8M0_BIAS - scale.to(torch.int16)).to(torch.uint8).view(E8M0)
+        return Float8Tensor(data, inv, dtype, (1, 32)), scale
+    if not scale.is_floating_point() or scale.dtype == torch.float64:
+        raise ValueError(f"load_fp8_pretrained: {name} must be an fp32 (or bf16/fp16) multiplier; got {scale.dtype}")
+    m = scale.to(torch.float32)  # exact from bf16/fp16
+    if fmt.strategy == "block":
+        bn, bk = fmt.block  # type: ignore[misc]  # set with strategy "block"
+        if n % bn or k % bk:
+            raise ValueError(
+                f"load_fp8_pretrained: {key} has shape {(n, k)}: {bn}x{bk} blocks must divide both dimensions"
+            )
+        _check_shape(name, m, (n // bn, k // bk))
+        block: tuple[int, int] = (bn, bk)
+    elif fmt.strategy == "channel":
+        _check_shape(name, m, (n, 1))
+        block = (1, 0)
+    else:
+        if m.numel() != 1:
+            raise ValueError(
+                f"load_fp8_pretrained: {name} must hold one multiplier (strategy 'tensor'); got {tuple(m.shape)}"
+            )
+        m = m.reshape(())
+        block = (0, 0)
+    ok = torch.isfinite(m) & (m > 0)
+    if not bool(ok.all()):
+        bad = m[~ok].flatten()[0].item()
+        raise ValueError(f"load_fp8_pretrained: {name} must hold finite positive multipliers; got {bad!r}")
+    if fmt.ue8m0 and not bool((torch.frexp(m).mantissa == 0.5).all()):
+        raise ValueError(f"load_fp8_pretrained: {name}: scale_fmt 'ue8m0' needs every multiplier a power of two")
+    return Float8Tensor(data, torch.reciprocal(m), dtype, block), scale
+
+
+def _check_shape(name: str, scale: torch.Tensor, expected: tuple[int, ...]) -> None:
+    if tuple(scale.shape) != expected:
+        raise ValueError(f"load_fp8_pretrained: {name} has shape {tuple(scale.shape)}; the weight needs {expected}")
