@@ -21,6 +21,7 @@ if torch.distributed.is_available():
 from torch._inductor import config as _inductor_config
 from torch._inductor import inductor_prims as _inductor_prims
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.utils import _pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._python_dispatch import return_and_correct_aliasing as _return_and_correct_aliasing
@@ -526,3 +527,9 @@ def multi_head_attention_forward_with(linear: Callable[..., torch.Tensor]) -> Ca
         copy.__kwdefaults__ = original.__kwdefaults__
         scope[name] = copy
     return scope["multi_head_attention_forward"]
+
+
+def dtensor_local_offset(t: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``compute_local_shape_and_global_offset`` (torch >= 2.4): a DTensor piece's shape and start."""
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return tuple(shape), tuple(offset)

@@ -14,9 +14,12 @@ What you will see:
   2. a model built on the meta device and loaded from it: each linear holds the file's bytes,
      about 1 byte per weight element, and refuses to train;
   3. LoRA on the frozen FP8 base: the loss goes down, the base bytes stay the file's;
-  4. the adapters saved by PEFT, and the base saved again in the same format: the file's bytes.
+  4. the adapters saved by PEFT, and the base saved again in the same format: the file's bytes;
+  5. weight sync: a trained policy's FP8 tensors in memory (the file's, bit for bit), handed to
+     a running vLLM engine where vLLM is installed (skipped otherwise).
 """
 
+import importlib.util
 import os
 import tempfile
 import warnings
@@ -27,7 +30,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from f8tensor import Float8LinearConfig, convert_to_float8_training
-from f8tensor.export import load_fp8_pretrained, save_fp8_pretrained
+from f8tensor.export import fp8_state_dict, iter_fp8_weights, load_fp8_pretrained, save_fp8_pretrained
 
 warnings.filterwarnings("ignore", message=".*no cpu kernel.*")  # CPU: FP8 products are emulated
 torch.manual_seed(0)
@@ -95,7 +98,51 @@ same = all(
 print("saved again: FP8 weight bytes equal the file's:", same)
 assert same
 
-# ---------------------------------------------------------------------------------------------
-# 5. Weight sync to a rollout engine (vLLM): added with f8tensor.export.iter_fp8_weights.
-#    Placeholder kept for that part; it is skipped where vLLM is not installed.
-# ---------------------------------------------------------------------------------------------
+# 5. Weight sync to a rollout engine. RL trains a policy and hands its weights to an FP8 engine
+#    after each few steps; iter_fp8_weights yields the tensors save_fp8_pretrained writes, one
+#    layer at a time, in the checkpoint's names, so the engine serves the bytes training
+#    multiplied. Here the policy trains its weights (frozen=False: bf16 masters, FP8 rowwise
+#    casts) and the engine reads compressed-tensors channel FP8 (what vLLM's CPU build serves).
+with torch.device("meta"):
+    policy = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+load_fp8_pretrained(policy, checkpoint, config=Float8LinearConfig.from_recipe("rowwise"), frozen=False)
+opt = torch.optim.AdamW(policy.parameters(), lr=1e-2)
+
+
+def train(steps: int) -> None:
+    for _ in range(steps):
+        policy(ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+export = {"format": "compressed_tensors", "strategy": "channel"}
+train(2)
+engine_dir = os.path.join(out, "engine")
+save_fp8_pretrained(policy, engine_dir, **export)
+in_memory = fp8_state_dict(policy, **export)
+on_disk = load_file(os.path.join(engine_dir, "model.safetensors"))
+assert in_memory.keys() == on_disk.keys()
+assert all(torch.equal(in_memory[k].contiguous().view(torch.uint8), v.view(torch.uint8)) for k, v in on_disk.items())
+print(f"in memory: the {len(on_disk)} tensors of the file, bit for bit")
+
+if importlib.util.find_spec("vllm") is None:
+    print("vLLM is not installed: the engine sync is skipped")
+else:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process takes the generator
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=engine_dir, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=64, enforce_eager=True)
+    params = SamplingParams(max_tokens=1, temperature=0, detokenize=False, prompt_logprobs=1)
+    prompt = [{"prompt_token_ids": ids[0, :16].tolist()}]
+
+    def prompt_logprobs() -> list[float]:
+        out_ = llm.generate(prompt, params)[0]
+        return [d[t].logprob for d, t in zip(out_.prompt_logprobs[1:], prompt[0]["prompt_token_ids"][1:], strict=True)]
+
+    served = prompt_logprobs()
+    train(3)
+    # vLLM's reload path: its FP8 layers take the new bytes and redo their post-load processing.
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter_fp8_weights(policy, **export)})
+    synced = prompt_logprobs()
+    print(f"engine synced: mean prompt logprob {sum(served) / len(served):.3f} -> {sum(synced) / len(synced):.3f}")
