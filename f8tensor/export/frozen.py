@@ -111,12 +111,12 @@ class FrozenFloat8Linear(Float8Linear):
             and cast.granularity == granularity_of_block(w._block, w._scale.dtype)
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _weight_matrix(self) -> torch.Tensor:
         w = self.weight
         if not self.multiplies_file_bytes:
             assert isinstance(w, Float8Tensor)  # the layer holds its FP8 weight
             w = dequantize(w, torch.float32).to(w.dtype)  # transient: the recipe casts it per call
-        return self._forward_with(x, w)
+        return w
 
     def reset_parameters(self) -> None:
         """Nothing to reset: the weight is the checkpoint's (a meta-built layer gets it assigned)."""
