@@ -22,12 +22,13 @@ import os
 import shutil
 import sys
 import tempfile
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 
-from f8tensor.export.frozen import FrozenFloat8Linear, FrozenFloat8Weight, granularity_of_block
+from f8tensor.export.frozen import FrozenFloat8Linear, FrozenFloat8Weight, frozen_weight, granularity_of_block
+from f8tensor.export.frozen_experts import CHECKPOINT_SCALE, FrozenFloat8ExpertWeight
 from f8tensor.export.load import load_fp8_pretrained
 from f8tensor.moe import Float8ExpertWeight
 from f8tensor.nn.linear import Float8Linear
@@ -70,7 +71,7 @@ def _default_strategy(model: nn.Module) -> str:
     for mod in model.modules():
         config = mod.config if isinstance(mod, Float8Linear) else None
         for p in mod.parameters(recurse=False):
-            if isinstance(p, Float8ExpertWeight):
+            if isinstance(p, (Float8ExpertWeight, FrozenFloat8ExpertWeight)):
                 config = p._config
         if config is None:
             continue
@@ -93,7 +94,7 @@ def _targets(model: nn.Module) -> dict[str, torch.Tensor]:
     """{state_dict key: parameter} of the weights to write in FP8."""
     out_emb = _output_embeddings(model)
     converted = any(isinstance(m, Float8Linear) for m in model.modules()) or any(
-        isinstance(p, Float8ExpertWeight) for p in model.parameters()
+        isinstance(p, (Float8ExpertWeight, FrozenFloat8ExpertWeight)) for p in model.parameters()
     )
     targets: dict[str, torch.Tensor] = {}
     for fqn, mod in model.named_modules():
@@ -106,7 +107,7 @@ def _targets(model: nn.Module) -> dict[str, torch.Tensor]:
         n = getattr(mod, "num_experts", None)
         for name, p in mod.named_parameters(recurse=False):
             is_experts = isinstance(n, int) and p.dim() == 3 and p.shape[0] == n
-            if isinstance(p, Float8ExpertWeight) or (is_experts and not converted):
+            if isinstance(p, (Float8ExpertWeight, FrozenFloat8ExpertWeight)) or (is_experts and not converted):
                 targets[prefix + name] = p
     return targets
 
@@ -131,16 +132,15 @@ def _multiplier(scale: torch.Tensor) -> torch.Tensor:
 
 
 def _frozen_cast(
-    layer: FrozenFloat8Linear, granularity: Granularity | BlockGranularity, power_of_2: bool
+    w: torch.Tensor, checkpoint_scale: torch.Tensor, granularity: Granularity | BlockGranularity, power_of_2: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`_cast` of a frozen layer: its bytes and the file's multiplier where the granularity is the
-    checkpoint's (and still held), else a cast of the dequantized weight."""
-    w: torch.Tensor = layer.weight
+    """:func:`_cast` of a frozen 2D weight: its bytes and the file's multiplier (``checkpoint_scale``) where the
+    granularity is the checkpoint's (and still held), else a cast of the dequantized weight."""
     assert isinstance(w, Float8Tensor)  # a frozen layer holds its FP8 weight
     if not isinstance(w, FrozenFloat8Weight) or granularity_of_block(w._block, w._scale.dtype) != granularity:
         return _cast(dequantize(w, torch.float32), granularity, power_of_2)
     held = _multiplier(w._scale)
-    m = layer.checkpoint_scale.to(held.dtype).reshape(held.shape)
+    m = checkpoint_scale.to(held.dtype).reshape(held.shape)
     if torch.equal(_multiplier(torch.reciprocal(m)) if m.is_floating_point() else m, held):
         held = m  # the layer still holds the file's bytes: the file's multiplier, not its fp32 round trip
     if power_of_2 and not bool((torch.frexp(held.float()).mantissa == 0.5).all()):
@@ -325,7 +325,15 @@ def save_fp8_pretrained(
     power_of_2 = scale_fmt == "ue8m0"
     if power_of_2:
         _check_power_of_2(model, targets)
-    frozen = {id(m.weight): m for m in model.modules() if isinstance(m, FrozenFloat8Linear)}
+    frozen = {
+        id(m.weight): (m.weight, m.checkpoint_scale) for m in model.modules() if isinstance(m, FrozenFloat8Linear)
+    }
+    frozen_experts = {
+        id(p): getattr(m, CHECKPOINT_SCALE.format(name))
+        for m in model.modules()
+        for name, p in m.named_parameters(recurse=False)
+        if isinstance(p, FrozenFloat8ExpertWeight)
+    }
     float8_buffers = {
         f"{fqn}.{name}" if fqn else name
         for fqn, mod in model.named_modules()
@@ -337,7 +345,16 @@ def save_fp8_pretrained(
     with torch.no_grad():
         for key, p in targets.items():
             if id(p) in frozen:
-                state[key], scales[key] = _frozen_cast(frozen[id(p)], granularity, power_of_2)
+                state[key], scales[key] = _frozen_cast(*frozen[id(p)], granularity, power_of_2)
+                continue
+            if id(p) in frozen_experts:  # per expert, as loaded
+                m, experts = frozen_experts[id(p)], cast(FrozenFloat8ExpertWeight, p)
+                pairs = [
+                    _frozen_cast(frozen_weight(experts.expert(e)), m[e], granularity, power_of_2)
+                    for e in range(p.shape[0])
+                ]
+                state[key] = torch.stack([d for d, _ in pairs])
+                scales[key] = torch.stack([s for _, s in pairs])
                 continue
             w = p._hp if isinstance(p, Float8ExpertWeight) else p.detach()
             w = w.as_subclass(torch.Tensor) if type(w) is not torch.Tensor else w
