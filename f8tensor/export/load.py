@@ -1,8 +1,10 @@
 """Load an FP8 checkpoint into a Hugging Face model as f8tensor's FP8 layers: no dequantizing pass.
 
 :func:`load_fp8_pretrained` reads every format :mod:`f8tensor.export.checkpoint` reads. Frozen,
-each quantized weight stays the file's FP8 bytes (:class:`~f8tensor.export.frozen.FrozenFloat8Linear`);
-trainable, it becomes a high-precision master ``(fp8.float() * multiplier).to(dtype)``.
+each quantized weight stays the file's FP8 bytes (:class:`~f8tensor.export.frozen.FrozenFloat8Linear`;
+expert tensors :class:`~f8tensor.export.frozen_experts.FrozenFloat8ExpertWeight`, assembled from
+the per-expert linears the checkpoint stores); trainable, it becomes a high-precision master
+``(fp8.float() * multiplier).to(dtype)``.
 """
 
 from __future__ import annotations
