@@ -297,7 +297,14 @@ def checkpoint_names(model: nn.Module, state: dict[str, torch.Tensor]) -> tuple[
             base += 1
     names: dict[str, str] = {}
     rows: dict[str, ExpertRows] = {}
-    for disk, ids in revert(model, probes).items():
+    try:
+        reverted = revert(model, probes)
+    except (RuntimeError, ValueError, IndexError, KeyError) as err:
+        raise NotImplementedError(
+            f"load_fp8_pretrained: {type(model).__name__}'s checkpoint conversion is not a rename or a split of "
+            f"expert tensors into rows; its names are not read ({type(err).__name__}: {err})"
+        ) from err
+    for disk, ids in reverted.items():
         first = int(ids.reshape(-1)[0])
         key, n = owners[bisect.bisect_right(starts, first) - 1]
         if n == 0 and ids.numel() == 1:

@@ -154,11 +154,15 @@ def _plan(model: nn.Module, tensors: dict[str, torch.Tensor], fmt: CheckpointFor
             continue
         fqn = names.get(key, key).removesuffix(".weight")
         mod = modules.get(fqn)
+        if mod is None:
+            raise ValueError(
+                f"load_fp8_pretrained: {key} in the checkpoint is not in the model (a model built from another config?)"
+            )
         if not isinstance(mod, nn.Linear) or isinstance(mod, FrozenFloat8Linear):
-            what = "is not in the model" if mod is None else f"is a {type(mod).__name__}, not an nn.Linear"
             raise NotImplementedError(
-                f"load_fp8_pretrained: the checkpoint quantizes {key}, which {what}; FP8 weights load into "
-                f"nn.Linear layers and the rows of expert tensors (3D, first dim the module's num_experts)"
+                f"load_fp8_pretrained: the checkpoint quantizes {key}, which is a {type(mod).__name__}, not an "
+                f"nn.Linear; FP8 weights load into nn.Linear layers and the rows of expert tensors (3D, first dim "
+                f"the module's num_experts)"
             )
         shape = tuple(tensors[key].shape)
         if shape != (mod.out_features, mod.in_features):

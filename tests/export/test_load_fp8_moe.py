@@ -451,6 +451,11 @@ def _fused_on_disk(t):
     t["model.layers.0.mlp.experts.gate_proj"] = torch.stack(gate)
 
 
+def _extra_expert(t):
+    for name in ("weight", "weight_scale_inv"):
+        t[f"model.layers.0.mlp.experts.{EXPERTS}.up_proj.{name}"] = t[f"{_UP1.removesuffix('.weight')}.{name}"].clone()
+
+
 def _edit(key, fn):
     def edit(t):
         t[key] = fn(t[key])
@@ -476,6 +481,7 @@ def _edit(key, fn):
             "experts.1.up_proj.weight_scale_inv must hold finite positive",
         ),
         (_fused_on_disk, NotImplementedError, "experts.gate_proj is a 3D FP8 tensor"),
+        (_extra_expert, ValueError, f"experts.{EXPERTS}.up_proj.weight in the checkpoint is not in the model"),
     ],
 )
 def test_bad_expert_checkpoint_is_refused_and_the_model_unchanged(tmp_path, edit, error, match):
