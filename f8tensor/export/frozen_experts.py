@@ -202,9 +202,11 @@ def _route_bmm(args: tuple, kwargs: dict) -> torch.Tensor:
         raise NotImplementedError("torch.bmm with frozen FP8 expert weights needs one 3D weight and one 3D input")
     if isinstance(b, FrozenFloat8ExpertWeight):  # x (B, M, K) @ w (B, K, N)
         _plain_operand(a, "inputs")
-        return torch.stack([_linear(a[i], b[i].t(), None) for i in range(a.shape[0])])
+        pieces = [_linear(a[i], b[i].t(), None) for i in range(a.shape[0])]
+        return torch.stack(pieces) if pieces else a.new_zeros(0, a.shape[1], b.shape[2])
     _plain_operand(b, "inputs")  # w (B, N, K) @ x (B, K, M): the transposed product
-    return torch.stack([_linear(b[i].t(), a[i], None).t() for i in range(b.shape[0])])
+    pieces = [_linear(b[i].t(), a[i], None).t() for i in range(b.shape[0])]
+    return torch.stack(pieces) if pieces else b.new_zeros(0, a.shape[1], b.shape[2])
 
 
 _ROUTES: dict[Any, Any] = {

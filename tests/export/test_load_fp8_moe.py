@@ -388,6 +388,33 @@ def test_frozen_experts_are_fp8_refuse_gradients_and_pass_input_gradients(tmp_pa
 
 
 @pytest.mark.parametrize(
+    ("fmt", "strategy", "recipe", "batched_db"),
+    [
+        ("fp8_block", None, "blockwise", 80),  # measured 88.1 dB
+        ("compressed_tensors", "channel", "rowwise", 70),  # measured 75.5 dB
+        ("mxfp8", None, "mxfp8", None),  # measured: bit for bit
+    ],
+)
+def test_every_experts_implementation_multiplies_the_same(tmp_path, fmt, strategy, recipe, batched_db):
+    """transformers' eager loop (F.linear per expert) and grouped_mm run the same per-expert products; batched_mm
+    (one product per token, inputs cast per token as these recipes do) only sums in another order."""
+    path = _exported(tmp_path, fmt, strategy, None, recipe)
+    out = {}
+    for implementation in ("eager", "grouped_mm", "batched_mm"):
+        model = load_fp8_pretrained(_model(meta=True, implementation=implementation), path)
+        out[implementation] = _experts_output(model)
+        empty = torch.zeros(0, HIDDEN, dtype=torch.bfloat16)
+        with torch.no_grad():
+            none = _experts(model)(empty, torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2, dtype=torch.bfloat16))
+        assert none.shape == (0, HIDDEN), implementation
+    assert torch.equal(out["eager"], out["grouped_mm"])
+    if batched_db is None:
+        assert torch.equal(out["batched_mm"], out["grouped_mm"])
+    else:
+        assert sqnr(out["grouped_mm"], out["batched_mm"]) > batched_db
+
+
+@pytest.mark.parametrize(
     ("fmt", "strategy", "recipe", "limit"),
     [
         ("fp8_block", None, "blockwise", 1.001),  # measured 1.0005 (128x128 fp32 scales, twice)
