@@ -110,8 +110,8 @@ class FrozenFloat8ExpertWeight(FrozenFloat8Weight):
     ) -> Any:
         kwargs = kwargs or {}
         route = _ROUTES.get(func)
-        if route is None and is_op_of_namespace(func, "transformers"):
-            route = _route_hf_fallback
+        if route is None and is_op_of_namespace(func, "transformers") and "grouped_mm" in str(func):
+            route = _route_hf_fallback  # transformers' grouped fallback op
         if route is not None:
             return route(args, kwargs)
         if func in _REFUSED:
@@ -119,9 +119,9 @@ class FrozenFloat8ExpertWeight(FrozenFloat8Weight):
                 f"{getattr(func, '__name__', func)} with frozen FP8 expert weights is not supported; they multiply "
                 f"through F.linear(x, w[e]), torch._grouped_mm / F.grouped_mm or torch.bmm"
             )
-        config = next(
-            t._config for t in (*args, *kwargs.values()) if isinstance(t, FrozenFloat8ExpertWeight)
-        )  # the class's __torch_function__ runs only with one among the arguments
+        found: list[FrozenFloat8ExpertWeight] = []
+        tree_map_only(FrozenFloat8ExpertWeight, found.append, (args, kwargs))
+        config = found[0]._config  # this __torch_function__ runs only with one among the arguments
         with disable_torch_function_subclass():
             out = func(*args, **kwargs)
         return tree_map_only(Float8Tensor, lambda t: t if isinstance(t, cls) else cls.of(t, config), out)

@@ -371,6 +371,8 @@ def test_frozen_experts_are_fp8_refuse_gradients_and_pass_input_gradients(tmp_pa
         experts.gate_up_proj.requires_grad_(True)
     with pytest.raises(RuntimeError, match="frozen=False"):
         model.requires_grad_(True)
+    with pytest.raises(NotImplementedError, match="matmul with frozen FP8 expert weights is not supported"):
+        torch.matmul(torch.randn(4, HIDDEN, dtype=torch.bfloat16), experts.gate_up_proj[0].t())
     # The experts' input gradient, against the dequantized weights in fp32 (measured: 27.1 dB).
     x = torch.randn(32, HIDDEN, dtype=torch.bfloat16, requires_grad=True)
     idx = torch.arange(64).reshape(32, 2) % EXPERTS
