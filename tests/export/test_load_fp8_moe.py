@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
+from transformers import AutoModelForCausalLM, DeepseekV3Config, MixtralConfig, Qwen3MoeConfig
 
 from f8tensor import Float8Linear, Float8LinearConfig, convert_to_float8_training, sqnr
 from f8tensor.export import load_fp8_pretrained, save_fp8_pretrained
@@ -63,6 +63,23 @@ def _config(arch: str = "qwen3_moe", implementation: str | None = None):
     }
     if arch == "mixtral":
         cfg = MixtralConfig(**common, intermediate_size=MOE_FFN, num_local_experts=EXPERTS, num_experts_per_tok=2)
+    elif arch == "deepseek_v3":  # MLA attention; its kv_a_proj_with_mqa (192 rows) stays bf16
+        cfg = DeepseekV3Config(
+            **common,
+            intermediate_size=256,
+            moe_intermediate_size=MOE_FFN,
+            n_routed_experts=EXPERTS,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            first_k_dense_replace=0,
+            q_lora_rank=128,
+            kv_lora_rank=128,
+            qk_rope_head_dim=64,
+            qk_nope_head_dim=64,
+            v_head_dim=64,
+            n_group=1,
+            topk_group=1,
+        )
     else:
         cfg = Qwen3MoeConfig(
             **common, intermediate_size=256, moe_intermediate_size=MOE_FFN, num_experts=EXPERTS, num_experts_per_tok=2
@@ -92,7 +109,11 @@ def _recipe(name: str) -> Float8LinearConfig:
 def _exported(tmp_path, fmt, strategy, scale_fmt, recipe, arch="qwen3_moe", keep=False):
     torch.manual_seed(0)
     model = _model(arch)
-    convert_to_float8_training(model, config=_recipe(recipe), module_filter_fn=lambda m, fqn: fqn != "lm_head")
+    convert_to_float8_training(
+        model,
+        config=_recipe(recipe),
+        module_filter_fn=lambda m, fqn: fqn != "lm_head" and not fqn.endswith("kv_a_proj_with_mqa"),
+    )
     assert isinstance(model.model.layers[0].mlp.experts.gate_up_proj, Float8ExpertWeight)
     out = str(tmp_path / "ckpt")
     save_fp8_pretrained(model, out, format=fmt, strategy=strategy, scale_fmt=scale_fmt)
@@ -152,8 +173,11 @@ def _check_multiplies_file(seen: list[torch.Tensor], file: dict, arch: str) -> N
     assert all(hit), hit
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
-@pytest.mark.parametrize(("fmt", "strategy", "scale_fmt", "recipe"), WRITES)
+@pytest.mark.parametrize(
+    ("arch", "fmt", "strategy", "scale_fmt", "recipe"),
+    [(arch, *w) for arch in ("qwen3_moe", "mixtral") for w in WRITES]
+    + [("deepseek_v3", *w) for w in WRITES if w[0] == "fp8_block"],
+)
 def test_round_trip_holds_the_file_bytes_and_writes_them_back(
     tmp_path, monkeypatch, arch, fmt, strategy, scale_fmt, recipe
 ):
