@@ -10,10 +10,12 @@ precision; f8tensor's ``_scale`` is its reciprocal.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import json
 import os
-from typing import Any
+import sys
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -22,7 +24,19 @@ from f8tensor.quant.formats import E8M0
 from f8tensor.quant.specs import BLOCK_128x128, BlockGranularity, Granularity, MX_1x32
 from f8tensor.tensor.float8 import Float8Tensor
 
-__all__ = ["CheckpointFormat", "default_config", "read_format", "read_tensors", "weight_of"]
+if TYPE_CHECKING:
+    from torch import nn
+
+__all__ = [
+    "CheckpointFormat",
+    "ExpertRows",
+    "checkpoint_names",
+    "default_config",
+    "expert_keys",
+    "read_format",
+    "read_tensors",
+    "weight_of",
+]
 
 _E8M0_BIAS = 127
 _WEIGHTS, _INDEX = "model.safetensors", "model.safetensors.index.json"
@@ -224,3 +238,87 @@ def weight_of(
 def _check_shape(name: str, scale: torch.Tensor, expected: tuple[int, ...]) -> None:
     if tuple(scale.shape) != expected:
         raise ValueError(f"load_fp8_pretrained: {name} has shape {tuple(scale.shape)}; the weight needs {expected}")
+
+
+class ExpertRows(NamedTuple):
+    """Where a checkpoint tensor lies in a model's expert tensor (E, N, K): ``key``'s expert ``expert``, rows
+    ``row`` to ``row + rows``."""
+
+    key: str
+    expert: int
+    row: int
+    rows: int
+
+
+def expert_keys(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """{state key: shape} of the model's expert tensors: 3D parameters whose first dim is their module's
+    ``num_experts`` (as the converter finds them)."""
+    found = {}
+    for fqn, mod in model.named_modules():
+        n = getattr(mod, "num_experts", None)
+        if not isinstance(n, int) or isinstance(n, bool):
+            continue
+        for name, p in mod.named_parameters(recurse=False):
+            if p.dim() == 3 and p.shape[0] == n:
+                found[f"{fqn}.{name}" if fqn else name] = tuple(p.shape)
+    return found
+
+
+def checkpoint_names(model: nn.Module, state: dict[str, torch.Tensor]) -> tuple[dict[str, str], dict[str, ExpertRows]]:
+    """({checkpoint key: state key} of renamed tensors, {checkpoint key: its :class:`ExpertRows`}).
+
+    The names are transformers' own reversal of its load-time conversion (the one
+    ``save_pretrained`` writes), run on probes: one id per tensor, one per expert row. A model
+    without a conversion reads every key as its own.
+
+    Raises:
+        NotImplementedError: a conversion that is not a rename or a split of expert tensors into
+            whole rows (e.g. experts stored transposed), the tensor named.
+    """
+    package = type(model).__module__.split(".", 1)[0]
+    revert = getattr(sys.modules.get(f"{package}.core_model_loading"), "revert_weight_conversion", None)
+    if revert is None:
+        return {k: k for k in state}, {}
+    experts = expert_keys(model)
+    starts: list[int] = []
+    owners: list[tuple[str, int]] = []  # (state key, rows per expert; 0: not an expert tensor)
+    probes: dict[str, torch.Tensor] = {}
+    base = 0
+    for key, value in state.items():
+        starts.append(base)
+        if key in experts:
+            e, n = experts[key][:2]
+            probes[key] = torch.arange(base, base + e * n).reshape(e, n, 1)
+            owners.append((key, n))
+            base += e * n
+        else:
+            probes[key] = torch.full((1,) * value.dim(), base, dtype=torch.int64)
+            owners.append((key, 0))
+            base += 1
+    names: dict[str, str] = {}
+    rows: dict[str, ExpertRows] = {}
+    try:
+        reverted = revert(model, probes)
+    except (RuntimeError, ValueError, IndexError, KeyError) as err:
+        raise NotImplementedError(
+            f"load_fp8_pretrained: {type(model).__name__}'s checkpoint conversion is not a rename or a split of "
+            f"expert tensors into rows; its names are not read ({type(err).__name__}: {err})"
+        ) from err
+    for disk, ids in reverted.items():
+        first = int(ids.reshape(-1)[0])
+        key, n = owners[bisect.bisect_right(starts, first) - 1]
+        if n == 0 and ids.numel() == 1:
+            names[disk] = key
+            continue
+        offset = first - starts[bisect.bisect_right(starts, first) - 1]
+        e, row = divmod(offset, max(n, 1))
+        count = ids.shape[0] if ids.dim() == 2 else 0
+        want = torch.arange(first, first + count).reshape(count, 1)
+        if n == 0 or ids.dim() != 2 or ids.shape[1] != 1 or row + count > n or not torch.equal(ids, want):
+            raise NotImplementedError(
+                f"load_fp8_pretrained: {type(model).__name__}'s checkpoint name {disk} is not a rename of one of its "
+                f"tensors nor whole rows of one expert of {key}; FP8 loading reads renames and experts split per "
+                f"expert into linear weights (fused or transposed experts on disk are not read)"
+            )
+        rows[disk] = ExpertRows(key, e, row, count)
+    return names, rows

@@ -16,11 +16,11 @@ import torch
 from torch import nn
 
 from f8tensor.nn.linear import Float8Linear
-from f8tensor.quant.config import Float8LinearConfig
+from f8tensor.quant.config import CastConfig, Float8LinearConfig
 from f8tensor.quant.specs import BlockGranularity, Granularity
 from f8tensor.tensor.float8 import Float8Tensor, dequantize
 
-__all__ = ["FrozenFloat8Linear", "FrozenFloat8Weight", "granularity_of_block"]
+__all__ = ["FrozenFloat8Linear", "FrozenFloat8Weight", "granularity_of_block", "recipe_reads"]
 
 _FROZEN = (
     "this FP8 weight was loaded with load_fp8_pretrained(..., frozen=True) and is held as the checkpoint's "
@@ -72,6 +72,12 @@ def granularity_of_block(block: tuple[int, ...], scale_dtype: torch.dtype) -> Gr
     return BlockGranularity(block, scale_dtype)
 
 
+def recipe_reads(w8: Float8Tensor, cast: CastConfig) -> bool:
+    """Whether a weight cast per ``cast`` gives a 2D Float8Tensor ``w8``'s layout: then the product multiplies
+    ``w8``'s bytes, not a re-cast."""
+    return cast.dtype == w8._data.dtype and cast.granularity == granularity_of_block(w8._block, w8._scale.dtype)
+
+
 class FrozenFloat8Linear(Float8Linear):
     """A Float8Linear over a checkpoint's FP8 weight, held as FP8 and never trained.
 
@@ -104,12 +110,7 @@ class FrozenFloat8Linear(Float8Linear):
     def multiplies_file_bytes(self) -> bool:
         """Whether the recipe casts the weight as the checkpoint stores it (no re-cast per call)."""
         w = self.weight
-        cast = self.config.weight
-        return (
-            isinstance(w, Float8Tensor)
-            and cast.dtype == w._data.dtype
-            and cast.granularity == granularity_of_block(w._block, w._scale.dtype)
-        )
+        return isinstance(w, Float8Tensor) and recipe_reads(w, self.config.weight)
 
     def _weight_matrix(self) -> torch.Tensor:
         w = self.weight

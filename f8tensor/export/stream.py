@@ -16,7 +16,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from f8tensor.compat import dtensor_local, dtensor_local_offset
-from f8tensor.export.frozen import FrozenFloat8Linear, FrozenFloat8Weight, granularity_of_block
+from f8tensor.export.frozen import FrozenFloat8Linear, FrozenFloat8Weight, frozen_weight, granularity_of_block
+from f8tensor.export.frozen_experts import CHECKPOINT_SCALE, FrozenFloat8ExpertWeight
 from f8tensor.moe import Float8ExpertWeight
 from f8tensor.nn.linear import Float8Linear
 from f8tensor.quant.block_quantizers import export_quantizer
@@ -71,7 +72,7 @@ def _weight_configs(model: nn.Module) -> dict[str, Any]:
             found[fqn] = mod.config
         for name, p in mod.named_parameters(recurse=False):
             local = dtensor_local(p) if _is_dtensor(p) else p
-            if isinstance(local, Float8ExpertWeight):
+            if isinstance(local, (Float8ExpertWeight, FrozenFloat8ExpertWeight)):
                 found[f"{fqn}.{name}"] = local._config
     return found
 
@@ -179,16 +180,17 @@ def _multiplier(scale: torch.Tensor) -> torch.Tensor:
     return torch.reciprocal(scale.to(torch.float32))
 
 
-def _frozen_cast(layer: FrozenFloat8Linear, options: _Export, who: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`_cast` of a frozen layer: its bytes and the file's multiplier where the granularity is the
-    checkpoint's (and still held), else a cast of the dequantized weight."""
-    w: torch.Tensor = layer.weight
+def _frozen_cast(
+    w: torch.Tensor, checkpoint_scale: torch.Tensor, options: _Export, who: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_cast` of a frozen 2D weight: its bytes and the file's multiplier (``checkpoint_scale``) where
+    the granularity is the checkpoint's (and still held), else a cast of the dequantized weight."""
     assert isinstance(w, Float8Tensor)  # a frozen layer holds its FP8 weight
     granularity = options.granularity
     if not isinstance(w, FrozenFloat8Weight) or granularity_of_block(w._block, w._scale.dtype) != granularity:
         return _cast(dequantize(w, torch.float32), options)
     held = _multiplier(w._scale)
-    m = layer.checkpoint_scale.to(held.dtype).reshape(held.shape)
+    m = checkpoint_scale.to(held.dtype).reshape(held.shape)
     if torch.equal(_multiplier(torch.reciprocal(m)) if m.is_floating_point() else m, held):
         held = m  # the layer still holds the file's bytes: the file's multiplier, not its fp32 round trip
     if options.power_of_2 and not bool((torch.frexp(held.float()).mantissa == 0.5).all()):
@@ -323,11 +325,12 @@ def _check_renamed_only(model: nn.Module, key: str, t: torch.Tensor, who: str) -
 
 
 class _Sources(NamedTuple):
-    """The model's tensors by state_dict key: all saved ones, those written in FP8, frozen layers."""
+    """The model's tensors by state_dict key: all saved ones, those written in FP8, frozen weights with the
+    file's multipliers."""
 
     saved: dict[str, torch.Tensor]
     targets: dict[str, torch.Tensor]
-    frozen: dict[str, FrozenFloat8Linear]
+    frozen: dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
 def _unit(
@@ -342,7 +345,13 @@ def _unit(
         if key in sources.frozen:
             if _is_dtensor(t):
                 raise NotImplementedError(f"{who}: {key}: a frozen FP8 layer sharded by FSDP2/TP is not exported")
-            state[key], scales[key] = _frozen_cast(sources.frozen[key], options, who)
+            w, m = sources.frozen[key]
+            if isinstance(w, FrozenFloat8ExpertWeight):  # per expert, as loaded
+                pairs = [_frozen_cast(frozen_weight(w.expert(e)), m[e], options, who) for e in range(w.shape[0])]
+                state[key] = torch.stack([d for d, _ in pairs])
+                scales[key] = torch.stack([s for _, s in pairs])
+            else:
+                state[key], scales[key] = _frozen_cast(w, m, options, who)
             continue
         if not gather:
             _check_renamed_only(model, key, t, who)
@@ -390,7 +399,15 @@ def generate_fp8_weights(
     """The generator of :func:`iter_fp8_weights`, for checked ``options``."""
     saved = _saved_keys(model)
     targets = _targets(model)
-    frozen = {f"{fqn}.weight": m for fqn, m in model.named_modules() if isinstance(m, FrozenFloat8Linear)}
+    frozen = {
+        f"{fqn}.weight": (m.weight, m.checkpoint_scale)
+        for fqn, m in model.named_modules()
+        if isinstance(m, FrozenFloat8Linear)
+    }
+    for fqn, mod in model.named_modules():
+        for name, p in mod.named_parameters(recurse=False):
+            if isinstance(p, FrozenFloat8ExpertWeight):
+                frozen[f"{fqn}.{name}" if fqn else name] = (p, getattr(mod, CHECKPOINT_SCALE.format(name)))
     for keys in _units(list(saved)):
         # no_grad around the work only: a context held across a yield would reach the caller's code.
         with torch.no_grad():
