@@ -50,6 +50,11 @@ SIZES: dict[str, LlamaConfig] = {
     "100m": LlamaConfig(vocab=32768, dim=768, layers=12, heads=12, kv_heads=4, ffn=2048, seq=2048, batch=8, lr=6e-4),
     # GPU default: ~0.35B parameters.
     "300m": LlamaConfig(vocab=32768, dim=1024, layers=24, heads=16, kv_heads=8, ffn=2816, seq=2048, batch=8, lr=3e-4),
+    # GPU: Llama-3-8B's block widths (head dim 128, GQA 32/8, SwiGLU 14336), 4 of its 32 layers,
+    # a 32k vocabulary, one 8192-token sequence: ~1.1B parameters.
+    "llama8b-4": LlamaConfig(
+        vocab=32768, dim=4096, layers=4, heads=32, kv_heads=8, ffn=14336, seq=8192, batch=1, lr=3e-4
+    ),
 }
 
 

@@ -6,8 +6,9 @@
         --figures-csv <the default run's results.csv>                # the second plan (GPU, <= 240 s)
     python3 benchmarks/gpu_campaign.py --dry-run --out /tmp/c        # CPU rehearsal, tiny sizes
 
-Writes ``campaign.log``, ``results.csv`` and ``summary.md`` into ``--out`` (the second plan
-also ``profile_trace.json.gz``). The items live in ``benchmarks/campaign/`` (one module per
+Writes ``campaign.log``, ``results.csv``, ``summary.md`` and ``profile_trace.json.gz`` (the
+default plan: the Llama-shaped tensorwise step; the second: the first missed figure's) into
+``--out``. The items live in ``benchmarks/campaign/`` (one module per
 item family); BENCHMARKS.md, "GPU campaign: how to run it", has the commands for the GPU
 machine. Exit status 0 when the plan ran (its items' failures are in its files), 2 on bad
 arguments, 3 when the watchdog stopped it at the budget.

@@ -169,6 +169,8 @@ SLOW_TESTS = (
     "tests/optim/test_optim_compiled_step.py::test_compiled_step_follows_lr_and_new_parameters_without_graph_breaks",
     "tests/nn/test_telemetry.py::test_keys_are_stable[delayed]",
     "tests/nn/test_compile_block_gradients.py::test_block_weight_grads_compiled_inductor",
+    "tests/nn/test_compile_cuda_path.py",
+    "tests/nn/test_compile_static_buffers.py::test_compiled_delayed_state_is_updated_in_place[reduce-overhead]",
 )
 
 

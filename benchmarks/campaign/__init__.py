@@ -11,8 +11,8 @@ Modules (one item family each; read one to read an item):
 - ``runner``: items, deadlines, the watchdog, child processes, absent packages.
 - ``plans``: the default and the second plan, with planned seconds.
 - ``environment``: the environment line (``_common.environment`` plus torchao's origin).
-- ``smoke``, ``linear``, ``overhead``, ``e2e``, ``moe``, ``gpu_tests``: the default plan's items.
-- ``profiles``, ``vit``, ``hooks``: the second plan's.
+- ``smoke``, ``llama``, ``linear``, ``moe``, ``references``, ``gpu_tests``: the default plan's items.
+- ``e2e`` (the 300m), ``overhead``, ``profiles``, ``vit``, ``hooks``: the second plan's.
 - ``targets``: the targets, as data; ``report``: the CSV and the summary.
 - ``measure``: timing and SQNR pieces the items share.
 """

@@ -16,10 +16,11 @@ from .runner import Ctx
 RECIPES = ("bf16", "tensorwise", "rowwise")
 
 
-def build_step(ctx: Ctx, recipe: str, size: str, batches=None) -> tuple:
+def build_step(ctx: Ctx, recipe: str, size: str, batches=None, mode: str | None = None) -> tuple:
     """``(model, opt, step, state)``: the ``size`` model under ``recipe`` (bf16, an f8tensor
-    recipe or ``torchao <recipe>``), each block compiled, and one training step over
-    ``batches``. Shared with the ``profiles`` item."""
+    recipe or ``torchao <recipe>``), each block compiled (with torch.compile's ``mode``:
+    ``"reduce-overhead"`` captures CUDA graphs), and one AdamW training step over
+    ``batches``. Shared with the ``llama`` and ``profiles`` items."""
     import _common as C
     import _models as M
     import torch
@@ -36,11 +37,13 @@ def build_step(ctx: Ctx, recipe: str, size: str, batches=None) -> tuple:
     elif recipe != "bf16":
         C.f8tensor_convert(model, recipe, module_filter_fn=M.fp8_filter)
     for block in model.layers:
-        block.compile(dynamic=False)
+        block.compile(dynamic=False, **({"mode": mode} if mode else {}))
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     state = {"i": 0, "loss": float("nan")}
 
     def step():
+        if mode == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()
         b = batches[state["i"] % len(batches)]
         state["i"] += 1
         loss = model(b[:, :-1], b[:, 1:])
@@ -104,6 +107,7 @@ def e2e_step(ctx: Ctx) -> None:
         for recipe, (model, opt, step, state) in runs.items():
             resident = sum(t.numel() * t.element_size() for t in C.state_tensors(model, opt))
             peaks[recipe] = C.measure_peak(step, resident, ctx.device).peak / 2**20
+        split_rows(ctx, {recipe: run[2] for recipe, run in runs.items()}, size, "compiled")
         for (recipe, mode), t in timings.items():
             tps = tokens / (t.median / 1e3)
             ratio = base.median / t.median if base else float("nan")
@@ -129,3 +133,57 @@ def e2e_step(ctx: Ctx) -> None:
             )
     finally:
         runs.clear()
+
+
+def host_device_split(ctx: Ctx, step, steps: int) -> dict[str, float]:
+    """Per step: ``host_ms`` (the call's time from an idle queue: what the host spends issuing
+    the step), ``device_ms`` (the device's busy time: its kernels' durations summed) and
+    ``kernels`` (device kernels, memcpys and memsets; on a CPU: top-level ATen ops, and
+    ``device_ms`` is their time)."""
+    import statistics
+    import time
+
+    import _common as C
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    host = []
+    for _ in range(steps):
+        C.sync(ctx.device)
+        t0 = time.perf_counter()
+        step()
+        host.append(1e3 * (time.perf_counter() - t0))
+    C.sync(ctx.device)
+    cuda = ctx.device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        for _ in range(steps):
+            step()
+        C.sync(ctx.device)
+    if cuda:
+        events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    else:
+        events = [e for e in prof.events() if e.cpu_parent is None and e.name.startswith("aten::")]
+    busy = sum(e.time_range.elapsed_us() for e in events) / 1e3
+    return {"host_ms": statistics.median(host), "device_ms": busy / steps, "kernels": len(events) / steps}
+
+
+def split_rows(ctx: Ctx, steps: dict, shape: str, mode: str) -> None:
+    """``host_ms``, ``device_ms`` and ``kernels`` rows (:func:`host_device_split`) of each step."""
+    n = ctx.pick(3, 1)
+    split = {recipe: host_device_split(ctx, step, n) for recipe, step in steps.items()}
+    units = {"host_ms": "ms", "device_ms": "ms", "kernels": "kernels" if ctx.device.type == "cuda" else "CPU ops"}
+    for recipe, found in split.items():
+        for metric, value in found.items():
+            base = split.get("bf16", {}).get(metric)
+            # Times: bf16's / ours (a speed-up); kernels: ours / bf16's.
+            ratio = (base / value if metric != "kernels" else value / base) if base and value else float("nan")
+            ctx.row(
+                recipe=recipe,
+                mode=mode,
+                shape=shape,
+                metric=metric,
+                value=value,
+                unit=units[metric],
+                ratio=ratio,
+                detail="per step",
+            )

@@ -17,19 +17,7 @@ from .runner import Ctx, ItemDeadline
 REPO = Path(__file__).resolve().parents[2]
 DRY_STUB = Path(__file__).resolve().with_name("dry_pytest_stub.py")
 #: (item name, files, planned seconds on the GPU machine), most important first.
-GROUPS = (
-    ("pytest_gpu_core", ("tests/gemm/test_gpu_scaled_mm.py",), 40),
-    (
-        "pytest_gpu_kernels",
-        (
-            "tests/optim/test_triton_adamw.py",
-            "tests/kernels/test_triton_casts.py",
-            "tests/kernels/test_block_casts_reference.py",
-        ),
-        60,
-    ),
-    ("pytest_gpu_twins", ("tests/nn/test_linear.py", "tests/moe/test_moe.py"), 70),
-)
+GROUPS = (("pytest_gpu_core", ("tests/gemm/test_gpu_scaled_mm.py",), 40),)
 
 
 def run_pytest(ctx: Ctx, paths: list[str], timeout_s: float, extra: tuple[str, ...] = ()) -> None:

@@ -1,9 +1,13 @@
 """The two plans, in the order their items run (by value: what is worth most runs first).
 
 The default plan is the one command a loan surely has time for: after the smoke test it checks
-the features no GPU has run yet (the fused optimizer step, the FP8 saved activations' casts)
-before it re-measures the figures of the first H100 run; the second plan, for a loan with
-time left, holds the rest of the tests, the profiles, ViT-Huge and the client check.
+the features no GPU has run yet (the fused optimizer step, the FP8 saved activations' casts),
+then measures the model that represents users (the Llama-3-8B-shaped one, with CUDA graphs
+too), the big linear, the MoE grouped GEMMs and the reference shapes, then the core gpu
+tests; the second plan, for a loan with time left, holds the 300m overhead check
+(e2e_compile 60 s, e2e_step 15 s), the eager overhead (15 s), the rest of the tests (the
+kernel and twin groups the default plan once ran among them), the profiles, ViT-Huge and the
+client check.
 
 Planned seconds are for an H100/H200, set from the first H100 run (commit 96d2fc2: what each
 item took, with room for what it could not finish); each item's deadline is the cumulative sum, scaled so
@@ -11,7 +15,7 @@ that the plan fills ``--budget-s`` from process start (``runner.plan_deadlines``
 
 from __future__ import annotations
 
-from . import e2e, gpu_tests, hooks, linear, moe, overhead, profiles, smoke, vit
+from . import e2e, gpu_tests, hooks, linear, llama, moe, overhead, profiles, references, smoke, vit
 from .runner import Item
 
 #: The GPU command's wall-clock limit (s) for each plan, the installs of its wheels included.
@@ -33,6 +37,29 @@ def default_plan() -> list[Item]:
         ),
         *_hook_items(DEFAULT_HOOKS),
         Item(
+            "llama_compile",
+            120,
+            llama.llama_compile,
+            "the Llama-3-8B-shaped model (4 layers, 1 x 8192 tokens), bf16 / tensorwise / rowwise / "
+            "blockwise / torchao tensorwise, rowwise: build, compile (per block), first step",
+            min_s=40,
+        ),
+        Item(
+            "llama_step",
+            40,
+            llama.llama_step,
+            "the compiled Llama-shaped models interleaved: tokens/s, peak memory, host and device time, "
+            "kernels per step; the profile of tensorwise and bf16",
+            min_s=15,
+        ),
+        Item(
+            "llama_graphs",
+            50,
+            llama.llama_graphs,
+            "the Llama-shaped model with CUDA graphs (reduce-overhead per block): bf16 vs tensorwise",
+            min_s=25,
+        ),
+        Item(
             "linear_target",
             60,
             linear.linear_target,
@@ -41,26 +68,18 @@ def default_plan() -> list[Item]:
             min_s=30,
         ),
         Item(
-            "eager_overhead",
-            15,
-            overhead.eager_overhead,
-            "kernels and host time per eager step of a tiny linear, per recipe, vs bf16 and torchao",
-            min_s=10,
-        ),
-        Item(
-            "e2e_compile",
-            75,
-            e2e.e2e_compile,
-            "the 300m model, bf16 / tensorwise / rowwise: build, "
-            "compile (per block) and the first step; compile seconds reported",
-            min_s=30,
-        ),
-        Item("e2e_step", 15, e2e.e2e_step, "the compiled 300m models: tokens/s and peak memory, interleaved", min_s=15),
-        Item(
             "moe_grouped",
             25,
             moe.moe_grouped,
             "grouped GEMM fwd+bwd: float8_grouped_mm tensorwise, rowwise vs bf16 torch._grouped_mm, eager and compiled",
+            min_s=15,
+        ),
+        Item(
+            "references",
+            35,
+            references.references,
+            "for reference: TE's getting-started layer and nanochat's d26 MLP GEMM, our FP8 speed-up "
+            "beside the published one",
             min_s=15,
         ),
     ]
@@ -72,7 +91,7 @@ def default_plan() -> list[Item]:
     items.append(
         Item(
             "pytest_gpu_rest",
-            40,
+            30,
             gpu_tests.rest,
             "pytest -m gpu: the other gpu tests, on the time left (the second plan goes on from there)",
             min_s=15,
@@ -84,22 +103,44 @@ def default_plan() -> list[Item]:
 def second_plan() -> list[Item]:
     items = [
         Item(
+            "e2e_compile",
+            60,
+            e2e.e2e_compile,
+            "the 300m model (an overhead check), bf16 / tensorwise / rowwise: build, "
+            "compile (per block) and the first step; compile seconds reported",
+            min_s=25,
+        ),
+        Item(
+            "e2e_step",
+            15,
+            e2e.e2e_step,
+            "the compiled 300m models: tokens/s, peak memory, host and device time per step, interleaved",
+            min_s=10,
+        ),
+        Item(
+            "eager_overhead",
+            15,
+            overhead.eager_overhead,
+            "kernels and host time per eager step of a tiny linear, per recipe, vs bf16 and torchao",
+            min_s=10,
+        ),
+        Item(
             "pytest_gpu_rest",
-            100,
+            50,
             gpu_tests.rest,
             "pytest -m gpu: the gpu tests neither the default plan nor --figures-csv has an outcome for",
-            min_s=30,
+            min_s=20,
         ),
         Item(
             "profiles",
-            55,
+            40,
             profiles.profiles,
             "the figures of --figures-csv below target and their baselines under torch.profiler: top kernels",
             min_s=20,
         ),
         Item(
             "vit_huge",
-            55,
+            50,
             vit.vit,
             "timm ViT-Huge training step, compiled: bf16 vs tensorwise vs rowwise",
             min_s=20,

@@ -3,7 +3,7 @@ the default plan fits one 480-s command and every item has a deadline; each plan
 writes at most 8 files in the agreed shape; the runner keeps one deadline from process start,
 stops items at their deadlines, and reports an absent optional package as ``not run: absent``.
 
-Marked ``campaign`` (deselect with ``-m "not campaign"``); about a minute on a quiet 2-core CPU.
+Marked ``campaign`` (deselect with ``-m "not campaign"``); about three minutes on a quiet 2-core CPU.
 """
 
 from __future__ import annotations
@@ -104,24 +104,28 @@ def test_plan_fits_one_command_and_every_item_has_a_deadline():
     lines, total = _plan()
     assert total <= 480
     names = [ln.split()[0] for ln in lines]
-    # The smoke test, then the checks of the features no GPU has run yet, then the figures.
-    assert names[:8] == [
+    # The smoke test, then the checks of the features no GPU has run yet, then the figures:
+    # the Llama-shaped model first.
+    assert names[:9] == [
         "smoke",
         "fused_optimizer_step",
         "fp8_activation_casts",
+        "llama_compile",
+        "llama_step",
+        "llama_graphs",
         "linear_target",
-        "eager_overhead",
-        "e2e_compile",
-        "e2e_step",
         "moe_grouped",
+        "references",
     ]
-    assert all(n.startswith("pytest_gpu") for n in names[8:]) and len(names) > 8
+    assert all(n.startswith("pytest_gpu") for n in names[9:]) and len(names) > 9
     for ln in lines:
         assert re.search(r"plan +\d+ s +deadline \+ *\d+ s", ln), ln
     deadlines = [int(re.search(r"deadline \+ *(\d+)", ln).group(1)) for ln in lines]
     assert deadlines == sorted(deadlines) and deadlines[-1] <= plans.DEFAULT_BUDGET_S["default"] < 480
     second, total = _plan("--second")
     assert total <= 240 and all("deadline +" in ln for ln in second)
+    # The 300m (an overhead check) and the eager overhead moved to the second plan.
+    assert [ln.split()[0] for ln in second][:3] == ["e2e_compile", "e2e_step", "eager_overhead"]
 
 
 def test_dry_run_writes_at_most_8_files_with_plain_names(dry_default, dry_second):
@@ -167,13 +171,28 @@ def test_default_plan_measures_every_item_and_judges_every_target(dry_default):
 
     assert {r["recipe"] for r in smoke} == set(RECIPES)
     assert all(r["status"] == "passed" and "first kernel: " in r["detail"] for r in smoke)
-    assert {r["metric"] for r in rows if r["item"] == "eager_overhead"} == {"host_us", "kernels"}
-    assert {r["recipe"] for r in rows if r["item"] == "e2e_compile"} == {"bf16", "tensorwise", "rowwise"}
-    assert {r["metric"] for r in rows if r["item"] == "e2e_step"} == {"tokens_per_s", "peak_mib"}
+    llama = {"bf16", "tensorwise", "rowwise", "blockwise"}  # torchao is blocked
+    assert {r["recipe"] for r in rows if r["item"] == "llama_compile"} == llama
+    split = {"host_ms", "device_ms", "kernels"}
+    for recipe in llama:
+        metrics = {r["metric"] for r in rows if r["item"] == "llama_step" and r["recipe"] == recipe}
+        assert metrics >= {"step_ms", "tokens_per_s", "peak_mib"} | split, (recipe, metrics)
+    graphed = {(r["recipe"], r["mode"]) for r in rows if r["item"] == "llama_graphs" and r["metric"] == "tokens_per_s"}
+    assert graphed == {("bf16", "cuda graphs"), ("tensorwise", "cuda graphs")}
+    # The profile of the Llama-shaped step is kept: top kernels and the trace.
+    assert {r["recipe"] for r in rows if r["kind"] == "kernel"} == {
+        "llama_step tensorwise compiled quick",
+        "llama_step bf16 compiled quick",
+    }
+    assert (out / "profile_trace.json.gz").stat().st_size > 0
+    references = [r for r in rows if r["item"] == "references" and r["recipe"] != "bf16"]
+    assert references and all("published 1." in r["detail"] for r in references), references
     assert [r for r in rows if r["kind"] == "pytest"]
     summary = (out / "summary.md").read_text()
+    in_plan = {item.name for item in plans.default_plan()}
     for t in targets.TARGETS:
-        assert f"| {t.text} | {t.item} |" in summary, t.text
+        assert (f"| {t.text} | {t.item} |" in summary) == (t.item in in_plan), t.text
+    assert any(t.item not in in_plan for t in targets.TARGETS)  # the 300m's, judged in the second plan
     # The CPU has no FP8 units: speed targets are missed there.
     assert any(r["status"] == "missed" and r["metric"] == "step_ms" for r in rows)
 
@@ -182,6 +201,11 @@ def test_second_plan_profiles_missed_figures_and_reports_absent_hooks(dry_defaul
     _, out = dry_second
     rows = report.read_csv(out / "results.csv")
     labels = {r["recipe"] for r in rows if r["kind"] == "kernel"}
+    # The 300m overhead check, with the host/device split, and the eager overhead.
+    assert {r["recipe"] for r in rows if r["item"] == "e2e_compile"} == {"bf16", "tensorwise", "rowwise"}
+    e2e_metrics = {r["metric"] for r in rows if r["item"] == "e2e_step"}
+    assert e2e_metrics == {"tokens_per_s", "peak_mib", "host_ms", "device_ms", "kernels"}, e2e_metrics
+    assert {r["metric"] for r in rows if r["item"] == "eager_overhead"} == {"host_us", "kernels"}
     # Every figure the first command missed is profiled with its baseline (which figures a
     # CPU dry run misses depends on the CPU: its FP8 products are emulated in fp32).
     from campaign import profiles
@@ -224,6 +248,15 @@ def test_second_plan_profiles_missed_figures_and_reports_absent_hooks(dry_defaul
         # trains, and FP8's gap to bf16 at the last step and at the worst step.
         assert len(checks) == 8 and set(checks.values()) == {"passed"}, checks
         assert ("bf16", "last loss / first loss") in checks
+
+
+def test_targets_name_what_they_retired_and_moved():
+    keys = [t.key for t in targets.TARGETS]
+    assert len(keys) == len(set(keys))
+    assert not set(keys) & set(targets.RETIRED) and set(targets.MOVED) <= set(keys)
+    llama = {"llama_tw", "llama_tw_vs_torchao", "llama_rw", "llama_rw_vs_torchao"}
+    assert llama | {"e2e_300m_tw", "e2e_300m_rw"} <= set(keys)
+    assert all(t.item == "llama_step" for t in targets.TARGETS if t.key in llama)
 
 
 def test_budget_20_ends_within_20_s_with_its_files(tmp_path):
@@ -333,7 +366,7 @@ def test_a_spent_budget_marks_every_item_not_run(tmp_path):
     assert {s.status.split(" (")[0] for s in r.states.values()} == {"not run: budget"}
     summary = (tmp_path / "summary.md").read_text()
     assert "| tensorwise compiled >= 1.5x bf16 | linear_target | - | >= 1.5x | not run: budget" in summary
-    assert "--items smoke,fused_optimizer_step,fp8_activation_casts,linear_target," in summary  # how to run them next
+    assert "--items smoke,fused_optimizer_step,fp8_activation_casts,llama_compile,llama_step," in summary  # what next
 
 
 def test_plan_deadlines_scale_to_the_budget_and_stop_before_its_end():
