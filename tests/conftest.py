@@ -130,6 +130,14 @@ def _default_device(device):
 #: slow part (``-m slow``) and left out of README's command, which they would double. A node
 #: id, or a prefix of one (every parameter of that test).
 SLOW_TESTS = (
+    # The campaign's dry runs (two module fixtures, ~3.5 min together).
+    "tests/project/test_gpu_campaign.py::test_dry_run_writes_at_most_8_files_with_plain_names",
+    "tests/project/test_gpu_campaign.py::test_environment_is_printed_first",
+    "tests/project/test_gpu_campaign.py::test_every_item_ran_or_says_why",
+    "tests/project/test_gpu_campaign.py::test_default_plan_measures_every_item_and_judges_every_target",
+    "tests/project/test_gpu_campaign.py::test_second_plan_profiles_missed_figures_and_reports_absent_hooks",
+    "tests/project/test_gpu_campaign.py::test_smoke_holds_stochastic_recipes_to_the_cpus_accuracy",
+    "tests/project/test_gpu_campaign.py::test_activation_casts_check_measures_bytes_kernels_and_time",
     "tests/project/test_tutorials.py::test_tutorial_runs[05_torch_compile.py]",
     "tests/project/test_tutorials.py::test_tutorial_runs[07_models_from_other_libraries.py]",
     "tests/project/test_tutorials.py::test_tutorial_runs[11_2d_parallel.py]",
