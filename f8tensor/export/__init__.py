@@ -4,10 +4,10 @@
 linear's weight stored in FP8 next to its scale and the ``quantization_config`` of:
 
 - ``"fp8_block"``: DeepSeek-V3 blocks (vLLM, SGLang, transformers): e4m3fn ``weight``,
-  fp32 ``weight_scale_inv`` (N/128, K/128);
+  fp32 ``weight_scale_inv`` (ceil(N/128), ceil(K/128): a last partial block has its own);
 - ``"mxfp8"``: uint8 e8m0 ``weight_scale_inv`` (N, K/32);
 - ``"compressed_tensors"``: ``float-quantized`` ``weight`` and fp32 ``weight_scale``,
-  strategy ``"tensor"`` (1,), ``"channel"`` (N, 1) or ``"block"`` (N/128, K/128).
+  strategy ``"tensor"`` (1,), ``"channel"`` (N, 1) or ``"block"`` (ceil(N/128), ceil(K/128)).
 
 Scales on disk are multipliers (``weight.float() * scale``): the exact fp32 reciprocal of
 f8tensor's ``_scale``, so a loader dequantizes bit for bit. Converted layers and expert

@@ -5,7 +5,9 @@ by others): DeepSeek-V3 blocks (``quant_method: "fp8"``, ``weight_block_size``, 
 ``weight_scale_inv``; ``scale_fmt: "ue8m0"``: every multiplier a power of two), MXFP8
 (uint8 e8m0 ``weight_scale_inv``) and compressed-tensors ``float-quantized`` (``weight_scale``,
 strategy tensor, channel or block). Every scale on disk is a multiplier back to high
-precision; f8tensor's ``_scale`` is its reciprocal.
+precision; f8tensor's ``_scale`` is its reciprocal. Blocks need not divide a weight: a last
+partial block has its own multiplier (a scale of ``ceil(N / rows) x ceil(K / columns)``, as
+DeepSeek-V3's 576-row ``kv_a_proj_with_mqa`` stores it); MXFP8 needs K a multiple of 32.
 """
 
 from __future__ import annotations
@@ -184,9 +186,9 @@ def weight_of(
     The Float8Tensor holds ``data`` itself and ``1 / multiplier`` (e8m0: the inverse code, exact).
 
     Raises:
-        ValueError: a weight not e4m3 2D, a scale of the wrong dtype or shape, a block that does
-            not divide the weight, a non-finite or non-positive multiplier, or (ue8m0) one that is
-            not a power of two; the tensor is named.
+        ValueError: a weight not e4m3 2D, a scale of the wrong dtype or shape (blocks: one per
+            ``ceil(N / rows) x ceil(K / columns)``; MXFP8 needs K a multiple of 32), a non-finite
+            or non-positive multiplier, or (ue8m0) one that is not a power of two; the tensor is named.
     """
     if data.dtype != torch.float8_e4m3fn or data.dim() != 2:
         raise ValueError(
@@ -210,11 +212,8 @@ def weight_of(
     m = scale.to(torch.float32)  # exact from bf16/fp16
     if fmt.strategy == "block":
         bn, bk = fmt.block  # type: ignore[misc]  # set with strategy "block"
-        if n % bn or k % bk:
-            raise ValueError(
-                f"load_fp8_pretrained: {key} has shape {(n, k)}: {bn}x{bk} blocks must divide both dimensions"
-            )
-        _check_shape(name, m, (n // bn, k // bk))
+        # A last block of fewer rows or columns has its own multiplier, as both block formats store it.
+        _check_shape(name, m, (-(-n // bn), -(-k // bk)))
         block: tuple[int, int] = (bn, bk)
     elif fmt.strategy == "channel":
         _check_shape(name, m, (n, 1))

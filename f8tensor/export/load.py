@@ -65,10 +65,12 @@ def load_fp8_pretrained(
         ``model``, with ``float8_converted_fqns`` naming its FP8 layers and expert tensors.
 
     Raises:
-        ValueError: no quantization config, a missing or malformed scale, a shape mismatch, a block
-            that does not divide a weight, non-finite or non-positive scales, a tensor the model or
-            the file lacks, an expert stored partly in FP8, a frozen expert tensor whose last two
-            dims are not multiples of 16, or a ``config`` that cannot hold a frozen weight (each named).
+        ValueError: no quantization config, a missing or malformed scale (a block scale is
+            ``ceil(N / rows) x ceil(K / columns)``: partial last blocks load), a shape mismatch, an
+            MXFP8 weight whose K is not a multiple of 32, non-finite or non-positive scales, a
+            tensor the model or the file lacks, an expert stored partly in FP8, a frozen expert
+            tensor whose last two dims are not multiples of 16 or of its blocks, or a ``config``
+            that cannot hold a frozen weight (each named).
         NotImplementedError: a quantized tensor that is neither an ``nn.Linear`` weight nor rows of
             an expert tensor, or checkpoint names that are not renames or per-expert splits (e.g.
             experts stored fused or transposed on disk).
@@ -261,7 +263,17 @@ def _fused_experts(
             f"its last two dims multiples of {ALIGN} (load with frozen=False to keep it in high precision)"
         )
     block = read[0][1]._block
-    per = max(block[0], 1)  # rows sharing one scale row
+    bn, bk = block
+    whole = f"{bn}x{bk} blocks do not tile; frozen expert tensors need whole blocks (load with frozen=False)"
+    if bk and k % bk:
+        raise ValueError(f"load_fp8_pretrained(frozen=True): the model's {key} {tuple(shape)} has K={k}, which {whole}")
+    for disk, (where, _) in pieces.items():
+        if bn and (where.row % bn or where.rows % bn):
+            raise ValueError(
+                f"load_fp8_pretrained(frozen=True): the model's {key} {tuple(shape)} takes {disk} as rows "
+                f"{where.row}:{where.row + where.rows} of expert {where.expert}, which {whole}"
+            )
+    per = max(bn, 1)  # rows sharing one scale row
 
     def rows(t: torch.Tensor, where: ExpertRows) -> torch.Tensor:
         return t.reshape(1, 1).expand(where.rows, 1) if t.numel() == 1 and not any(block) else t
@@ -306,7 +318,8 @@ def _master(w8: Float8Tensor, multiplier: torch.Tensor, dtype: torch.dtype) -> t
     else:
         m = multiplier.float()
     bn, bk = w8._block
-    m = m.repeat_interleave(bn, 0).repeat_interleave(bk, 1)
+    n, k = data.shape
+    m = m.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]  # a last partial block: cut
     return (data * m).to(dtype)
 
 

@@ -212,7 +212,15 @@ def _stored_rows(
 def _squeeze_rows(scale: torch.Tensor, key: str, strategy: str, who: str) -> torch.Tensor:
     """The on-disk scale of one weight from its row-repeated form (see :func:`_cast`)."""
     if strategy == "block":
-        return scale[::128].contiguous()
+        squeezed = scale[::128].contiguous()
+        # A piece of a weight the model's conversion split: its blocks must be the model's blocks.
+        if not torch.equal(squeezed.repeat_interleave(128, dim=0)[: scale.shape[0]], scale):
+            raise ValueError(
+                f"{who}: {key}: the model's weight conversion cuts it out of a larger tensor at a row inside a "
+                f"128x128 scale block, which its own scale cannot express (leave the layer out of "
+                f"convert_to_float8_training, or pick another format/strategy)"
+            )
+        return squeezed
     if strategy == "tensor":
         if not torch.equal(scale, scale[:1, :1].expand_as(scale)):
             raise NotImplementedError(f"{who}: {key}: the model's weight conversion mixes tensors")
@@ -221,12 +229,9 @@ def _squeeze_rows(scale: torch.Tensor, key: str, strategy: str, who: str) -> tor
 
 
 def _check_blockable(key: str, shape: tuple[int, ...], strategy: str, who: str) -> None:
+    """Refuse a weight its format's readers cannot block: MXFP8 needs K a multiple of 32 (128x128 blocks
+    take any shape: a last partial block has its own scale, as DeepSeek-V3 and compressed-tensors store it)."""
     n, k = shape
-    if strategy == "block" and (n % 128 or k % 128):
-        raise ValueError(
-            f"{who}: {key} has N={n}, K={k}: 128x128 blocks need N and K multiples of 128 "
-            f"(leave the layer out of convert_to_float8_training, or pick another format/strategy)"
-        )
     if strategy == "mx" and k % 32:
         raise ValueError(f"{who}: {key} has N={n}, K={k}: MXFP8 blocks of 32 need K a multiple of 32")
 

@@ -424,29 +424,6 @@ def test_ue8m0_scales_not_powers_of_two_are_refused(tmp_path):
     _unchanged(model, before)
 
 
-def test_a_block_that_does_not_divide_is_refused(tmp_path):
-    # FFN 192: the checkpoint's 128x128 blocks do not divide up_proj (192, 128); written as vLLM would (ceil).
-    torch.manual_seed(0)
-    src = _model(ffn=192)
-    path = str(tmp_path / "odd")
-    os.makedirs(path)
-    tensors = {k: v for k, v in src.state_dict().items() if k != "lm_head.weight"}
-    for fqn in _linears(src):
-        w = tensors[f"{fqn}.weight"]
-        tensors[f"{fqn}.weight"] = w.to(torch.float8_e4m3fn)
-        tensors[f"{fqn}.weight_scale_inv"] = torch.ones(-(-w.shape[0] // 128), -(-w.shape[1] // 128))
-    save_file(tensors, os.path.join(path, "model.safetensors"))
-    config = src.config.to_dict()
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f)
-    model = _model(ffn=192)
-    before = _state(model)
-    with pytest.raises(ValueError, match=r"down_proj.weight has shape \(128, 192\): 128x128 blocks must divide"):
-        load_fp8_pretrained(model, path)
-    _unchanged(model, before)
-
-
 def test_frozen_refuses_a_delayed_config(tmp_path):
     path = _exported(tmp_path, "compressed_tensors", "tensor", None, "tensorwise")
     with pytest.raises(ValueError, match="pass such a config or frozen=False"):
