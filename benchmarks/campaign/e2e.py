@@ -93,8 +93,8 @@ def e2e_compile(ctx: Ctx) -> None:
 def e2e_step(ctx: Ctx) -> None:
     import _common as C
 
-    built = ctx.shared.pop("e2e", None)
-    if not built or not built["runs"]:
+    built = ctx.shared_from("e2e", "e2e_compile")
+    if not built["runs"]:
         raise RuntimeError("e2e_compile left no compiled model (see its status)")
     cfg, size, runs = built["cfg"], built["size"], built["runs"]
     tokens = cfg.batch * cfg.seq

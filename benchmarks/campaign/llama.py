@@ -103,9 +103,7 @@ def llama_compile(ctx: Ctx) -> None:
 def llama_step(ctx: Ctx) -> None:
     from . import e2e, profiles
 
-    runs = ctx.shared.pop("llama", None)
-    if not runs:
-        raise RuntimeError("llama_compile left no compiled model (see its status)")
+    runs = ctx.shared_from("llama", "llama_compile")
     size = ctx.pick(SIZE, DRY_SIZE)
     try:
         _time_rows(ctx, runs, "compiled")

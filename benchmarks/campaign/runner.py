@@ -48,6 +48,14 @@ class ItemDeadline(BaseException):
     ``except Exception`` in the code under test does not swallow it)."""
 
 
+class PrerequisiteNotRun(Exception):
+    """Raised by an item whose earlier item did not run: it is not run for the same reason."""
+
+    def __init__(self, status: str) -> None:
+        super().__init__(status)
+        self.status = status
+
+
 @dataclasses.dataclass
 class Item:
     name: str
@@ -156,6 +164,17 @@ class Ctx:
 
     def say(self, text: str) -> None:
         self.runner.say(text)
+
+    def shared_from(self, key: str, item: str) -> Any:
+        """What ``item`` left under ``key``; raises :class:`PrerequisiteNotRun` where ``item`` was
+        not run (the same reason), RuntimeError where it ran and left nothing."""
+        value = self.shared.pop(key, None)
+        if value:
+            return value
+        status = self.runner.states[item].status if item in self.runner.states else "absent"
+        if status.startswith("not run"):
+            raise PrerequisiteNotRun(f"{status.split(' (')[0]} ({item} did not run)")
+        raise RuntimeError(f"{item} left no compiled model (see its status: {status})")
 
     def note(self, text: str) -> None:
         self.notes.append(text)
@@ -294,6 +313,9 @@ class Runner:
             item.fn(ctx)
             self.armed = False
             st.status = "ok"
+        except PrerequisiteNotRun as e:
+            self.armed = False
+            st.status = e.status
         except ItemDeadline:
             self.armed = False
             st.status = "not run: budget"
