@@ -3,8 +3,9 @@
 Each qualifying saved tensor is cast by its block quantizer (one fp32 scale per ``block``
 elements of the last dim, or of memory order where the last dim is shorter) and restored
 once per backward. Invariants: nothing that a parameter's storage keeps alive, no per-row
-statistic, and no tensor changed in place since its save is ever read back; a non-finite
-block comes back NaN. Details: docs/activations.rst.
+statistic, no attention mask, and no tensor changed in place since its save is ever read
+back; a fused attention's q, k, v and output stay exact where its logits are too large for
+FP8 (sharp attention); a non-finite block comes back NaN. Details: docs/activations.rst.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from torch.nn.modules import module as nn_module
 from typing_extensions import Self
 
 from f8tensor.nn.activations._packing import (
+    ATTENTION_LOGIT_ERROR,
     COMPRESSED_DTYPES,
     DEFAULT_MIN_NUMEL,
     EAGER_ONLY,
@@ -31,7 +33,7 @@ from f8tensor.nn.activations._packing import (
 from f8tensor.nn.activations._recompute import NormHooks
 from f8tensor.quant.formats import FLOAT8_DTYPES
 
-__all__ = ["COMPRESSED_DTYPES", "DEFAULT_MIN_NUMEL", "save_activations_in_float8"]
+__all__ = ["ATTENTION_LOGIT_ERROR", "COMPRESSED_DTYPES", "DEFAULT_MIN_NUMEL", "save_activations_in_float8"]
 # Private names the tests reach through this module.
 _INTERNALS = (_Hooks, _Kept, _Packed, _restore)
 
@@ -44,6 +46,10 @@ class save_activations_in_float8:
         block: elements per fp32 scale along the last dim, or along memory order where the
             last dim is shorter (attention's q, k, v: blocks across heads); default 128.
         min_numel: the smallest tensor compressed (default :data:`DEFAULT_MIN_NUMEL`).
+            A fused attention (SDPA) keeps its mask and logsumexp exact, and its q, k, v and
+            output too unless ``eps * (scale * max|q_i| * max|k_j| + mask spread / 2)``, the
+            bound on the logit error FP8 q and k can cause, is at most
+            :data:`ATTENTION_LOGIT_ERROR` nats (its backward recomputes the probabilities).
         model, module_filter_fn: ``fn(module, fqn) -> False`` keeps what that module saves as is.
         recompute: also store the outputs of cheap modules as recipes recomputed in backward
             from what is saved in FP8 anyway (default False). Covered: ``nn.RMSNorm``,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -15,6 +16,9 @@ from f8tensor.quant.formats import FLOAT8_DTYPES
 
 #: Below this many elements a saved tensor is kept as is.
 DEFAULT_MIN_NUMEL = 65536
+#: The largest bound on attention's logit error (nats) from FP8 q and k at which a fused
+#: attention's saved tensors stay in FP8; above it (sharp attention) all of them stay exact.
+ATTENTION_LOGIT_ERROR = 0.5
 #: The dtypes of the saved tensors that are compressed.
 COMPRESSED_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -45,12 +49,13 @@ def _modified(t: torch.Tensor, saved: int) -> RuntimeError:
     )
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class _Packed:
     """A saved tensor in FP8: data, scales, its quantizer, and what the restore needs.
 
     ``order``: the dims in memory order when the blocks follow memory order (a last dim
-    shorter than the block), else None (blocks along the last dim).
+    shorter than the block), else None (blocks along the last dim). ``exact``: the saved
+    tensor itself once :func:`keep_exact` decided it must not be rounded (data then empty).
     """
 
     data: torch.Tensor
@@ -63,9 +68,14 @@ class _Packed:
     # Weak: held only to read the version counter at unpack.
     refs: tuple[weakref.ReferenceType[torch.Tensor], ...]
     restored: R.Restored
+    exact: torch.Tensor | None = None
 
     def build(self, unpack: Any = None) -> torch.Tensor:
-        return _restore(self)
+        return self.exact if self.exact is not None else _restore(self)
+
+    def keep_exact(self, t: torch.Tensor) -> None:
+        self.exact = t
+        self.data, self.scale = self.data.new_empty(0), self.scale.new_empty(0)
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -160,6 +170,8 @@ class _Hooks:
             return _Kept(t)
         if type(t) is not torch.Tensor:
             return self._subclass(t)
+        if t.grad_fn is not None and t.output_nr == 0 and _is_attention(t.grad_fn) and self._sharp(t.grad_fn, t):
+            return _Kept(t)
         # A per-row statistic of a saved tensor (a logsumexp; a norm's mean or rstd) stays exact.
         if not self._eligible(t) or t.shape in self.rows or (t.shape[-1] == 1 and t.shape[:-1] in self.rows):
             return _Kept(t)
@@ -172,14 +184,32 @@ class _Hooks:
             R.note(t, packed)
         return packed
 
-    # Run eagerly: dynamo would otherwise trace this frame, called from a hook it runs eagerly.
-    @torch.compiler.disable
-    # Run eagerly: dynamo would otherwise trace this frame, called from a hook it runs eagerly.
-    @torch.compiler.disable
-    def _statistic(self, t: torch.Tensor) -> bool:
-        """A per-row statistic of a saved tensor: its shape minus the last dim (a logsumexp),
-        or that with a last dim of 1 (a norm's mean or rstd)."""
-        return t.shape in self.rows or (t.shape[-1] == 1 and t.shape[:-1] in self.rows)
+    def _sharp(self, node: Any, out: torch.Tensor) -> bool:
+        """Whether a fused attention whose output ``out`` is being saved needs its saved
+        tensors exact; if so, its q, k, v already packed become exact. Its mask always does.
+
+        Its backward recomputes the probabilities from q, k and the exact logsumexp, so an
+        FP8 error in q or k moves a logit by up to ``eps * scale * |q_i| * |k_j|`` nats, and
+        in sharp attention FP8 v or output break the cancellation in ``dP - rowsum(dO * O)``.
+        """
+        kind = type(node)
+        saved = {name: _peek(node, name) for name in _ATTENTION_SAVES if hasattr(kind, f"_saved_{name}")}
+        mask = saved.get("attn_mask") or saved.get("attn_bias")
+        _keep_exact(mask)
+        q, k = saved["query"], saved["key"]
+        if q is None or k is None:
+            return False
+        scale = getattr(node, "_saved_scale", None)
+        scale = q[1].shape[-1] ** -0.5 if scale is None else scale
+        with torch.no_grad():
+            # |logit| <= scale * |q_i| * |k_j| + half the mask's spread (its masked values aside).
+            logits = scale * _row_norm(q[1]) * _row_norm(k[1]) + (0.0 if mask is None else _spread(mask[1]) / 2)
+        bound = torch.finfo(self.float8_dtype).eps * float(logits)
+        if bound <= ATTENTION_LOGIT_ERROR:  # False for NaN: kept exact
+            return False
+        for name in ("query", "key", "value"):
+            _keep_exact(saved.get(name))
+        return True
 
     def _packed(self, t: torch.Tensor) -> _Packed:
         key = (
@@ -255,6 +285,10 @@ class _Hooks:
 
     @staticmethod
     def unpack(packed: Any) -> torch.Tensor:
+        peeked = getattr(_PEEK, "found", None)
+        if peeked is not None:
+            peeked.append(packed)
+            return torch.empty(0)
         if type(packed) is _Kept:
             if version_counter(packed.tensor) != packed.version:
                 raise _modified(packed.tensor, packed.version)
@@ -272,6 +306,63 @@ class _Hooks:
         restored.pending -= 1
         restored.tensor = hp if restored.pending > 0 else None
         return hp
+
+
+# A fused attention's node: its backward recomputes the softmax from these saves.
+_ATTENTION_SAVES = ("query", "key", "value", "attn_mask", "attn_bias")
+# The packed form of a saved tensor, read back through its node (see _peek).
+_PEEK = threading.local()
+
+
+def _is_attention(node: Any) -> bool:
+    """A fused attention's node (SDPA's flash, efficient, cuDNN, CPU kernels): it saves
+    query, key and a logsumexp (read on its class: reading the node unpacks)."""
+    kind = type(node)
+    return (
+        hasattr(kind, "_saved_query")
+        and hasattr(kind, "_saved_key")
+        and (hasattr(kind, "_saved_logsumexp") or hasattr(kind, "_saved_log_sumexp"))
+    )
+
+
+def _peek(node: Any, name: str) -> tuple[Any, torch.Tensor] | None:
+    """What ``node`` saved as ``name``: (its packed form, the live tensor), or None where
+    nothing was saved or the tensor is no longer alive (a copy made inside the op)."""
+    found: list[Any] = []
+    _PEEK.found = found
+    try:
+        getattr(node, f"_saved_{name}")
+    except RuntimeError:
+        return None  # nothing saved (an optional tensor)
+    finally:
+        _PEEK.found = None
+    if not found:
+        return None
+    packed = found[0]
+    if type(packed) is _Kept:
+        return packed, packed.tensor
+    refs = getattr(packed, "refs", None)
+    alive = None if refs is None else refs[0]()
+    return None if alive is None else (packed, alive)
+
+
+def _keep_exact(saved: tuple[Any, torch.Tensor] | None) -> None:
+    if saved is not None and isinstance(saved[0], (_Packed, R.Recomputed)):
+        saved[0].keep_exact(saved[1])
+
+
+def _row_norm(t: torch.Tensor) -> torch.Tensor:
+    """The largest L2 norm along the last dim, in fp32."""
+    return torch.linalg.vector_norm(t, dim=-1, dtype=torch.float32).amax()
+
+
+def _spread(mask: torch.Tensor) -> torch.Tensor:
+    """Max minus min of a float mask's values above its dtype's minimum (masked-out
+    positions: -inf, or the dtype's minimum as Hugging Face writes them); 0 for a bool mask."""
+    if not mask.is_floating_point():
+        return torch.zeros(())
+    values = mask[mask > torch.finfo(mask.dtype).min].float()
+    return values.amax() - values.amin() if values.numel() else torch.zeros(())
 
 
 def _row_length(sizes: list[int], block: int) -> int:

@@ -52,10 +52,11 @@ class Recomputed:
 
     Fields: ``fn``, ``inputs`` (packed forms, each holding one pending unpack for this
     recipe), ``kind`` (``"norm"``, ``"activation"`` or ``"product"``), ``shape``, ``stride``,
-    ``version`` and weak ``refs`` (checked at unpack as for a packed tensor), ``restored``.
+    ``version`` and weak ``refs`` (checked at unpack as for a packed tensor), ``restored``,
+    ``exact`` (the tensor itself once :meth:`keep_exact` dropped the recipe).
     """
 
-    __slots__ = ("fn", "inputs", "kind", "refs", "restored", "shape", "stride", "version")
+    __slots__ = ("exact", "fn", "inputs", "kind", "refs", "restored", "shape", "stride", "version")
 
     def __init__(self, fn: Callable[..., torch.Tensor], inputs: tuple[Any, ...], kind: str, t: torch.Tensor) -> None:
         self.fn = fn
@@ -66,12 +67,23 @@ class Recomputed:
         self.version = version_counter(t)
         self.refs = (weakref.ref(t),)
         self.restored = Restored()
+        self.exact: torch.Tensor | None = None
         for packed in inputs:
             if hasattr(packed, "restored"):
                 packed.restored.pending += 1
 
+    def keep_exact(self, t: torch.Tensor) -> None:
+        """Keep ``t`` itself instead of the recipe (its inputs lose this recipe's unpack)."""
+        self.exact = t
+        for packed in self.inputs:
+            if hasattr(packed, "restored"):
+                packed.restored.pending -= 1
+        self.inputs = ()
+
     def build(self, unpack: Callable[[Any], torch.Tensor]) -> torch.Tensor:
         """The tensor, recomputed from its inputs (each unpacked once)."""
+        if self.exact is not None:
+            return self.exact
         with torch.no_grad():
             hp = self.fn(*(unpack(packed) for packed in self.inputs))
         return with_strides(hp, self.stride)
