@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
-from f8tensor.compat import version_counter
+from f8tensor.compat import innermost_pack_hook, version_counter
 
 _KEY = "f8tensor.saved_activations"
 _ACTIVATIONS = ("SiluBackward0", "GeluBackward0")
@@ -205,7 +205,14 @@ class NormHooks:
             return
         call = None
         x = args[0] if len(args) == 1 else None
-        if type(x) is torch.Tensor and torch.is_grad_enabled() and not self.skip(module):
+        # Inside a checkpoint region (its own saved-tensor hooks innermost) the norm runs as
+        # is: the region saves nothing, and its recomputation must save what it saved.
+        if (
+            type(x) is torch.Tensor
+            and torch.is_grad_enabled()
+            and innermost_pack_hook() == self.pack
+            and not self.skip(module)
+        ):
             call = _Call(module, x)
             if x.requires_grad or call.params:
                 torch.set_grad_enabled(False)
