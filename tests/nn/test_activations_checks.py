@@ -160,3 +160,23 @@ def test_attention_mask_stays_exact(monkeypatch, bias, packed, min_db):
             assert torch.equal(a, b), name
         else:
             assert_sqnr(a, b, min_db, name)
+
+
+def test_every_fused_attention_node_is_recognised():
+    """SDPA's efficient, flash and cuDNN kernels and flash attention's own (CUDA kernels; their
+    autograd nodes are built on meta tensors here) save query, key and a logsumexp."""
+    q = torch.randn(2, 4, 64, 16, device="meta", requires_grad=True)
+    t = q.transpose(1, 2)
+    nodes = {
+        "efficient": torch.ops.aten._scaled_dot_product_efficient_attention(q * 1, q * 1, q * 1, None, True),
+        "flash": torch.ops.aten._scaled_dot_product_flash_attention(q * 1, q * 1, q * 1),
+        "cudnn": torch.ops.aten._scaled_dot_product_cudnn_attention(q * 1, q * 1, q * 1, None, True),
+        "flash_attention": torch.ops.aten._flash_attention_forward(
+            t * 1, t * 1, t * 1, None, None, 64, 64, 0.0, False, False
+        ),
+    }
+    for name, out in nodes.items():
+        assert activations._packing._is_attention(out[0].grad_fn), name
+    cpu = F.scaled_dot_product_attention(*(torch.randn(1, 1, 4, 8, requires_grad=True) for _ in range(3)))
+    assert activations._packing._is_attention(cpu.grad_fn)
+    assert not activations._packing._is_attention((q @ q.mT).grad_fn)

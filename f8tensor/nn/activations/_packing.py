@@ -199,6 +199,8 @@ class _Hooks:
         q, k = saved["query"], saved["key"]
         if q is None or k is None:
             return False
+        if q[1].is_meta or k[1].is_meta:
+            return False  # no values to bound
         scale = getattr(node, "_saved_scale", None)
         scale = q[1].shape[-1] ** -0.5 if scale is None else scale
         with torch.no_grad():
@@ -310,19 +312,26 @@ class _Hooks:
 
 # A fused attention's node: its backward recomputes the softmax from these saves.
 _ATTENTION_SAVES = ("query", "key", "value", "attn_mask", "attn_bias")
+# Autograd node classes -> whether they are a fused attention's.
+_ATTENTION_CLASSES: dict[type, bool] = {}
 # The packed form of a saved tensor, read back through its node (see _peek).
 _PEEK = threading.local()
 
 
 def _is_attention(node: Any) -> bool:
-    """A fused attention's node (SDPA's flash, efficient, cuDNN, CPU kernels): it saves
-    query, key and a logsumexp (read on its class: reading the node unpacks)."""
+    """A fused attention's node (SDPA's flash, efficient, cuDNN, CPU kernels, flash
+    attention's own): it saves query, key and a logsumexp."""
     kind = type(node)
-    return (
-        hasattr(kind, "_saved_query")
-        and hasattr(kind, "_saved_key")
-        and (hasattr(kind, "_saved_logsumexp") or hasattr(kind, "_saved_log_sumexp"))
-    )
+    found = _ATTENTION_CLASSES.get(kind)
+    if found is None:
+        # Read on the class: reading a saved tensor on the node unpacks it.
+        names = [name for name in dir(kind) if name.startswith("_saved_")]
+        found = _ATTENTION_CLASSES[kind] = (
+            "_saved_query" in names
+            and "_saved_key" in names
+            and any(name.endswith(("logsumexp", "log_sumexp")) for name in names)
+        )
+    return found
 
 
 def _peek(node: Any, name: str) -> tuple[Any, torch.Tensor] | None:
