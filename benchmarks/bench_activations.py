@@ -26,6 +26,13 @@ Per row:
 
     python benchmarks/bench_activations.py                   # CPU: the "tiny" block, 1,024 tokens
     python benchmarks/bench_activations.py --size 100m       # a GPU-sized block (16,384 tokens)
+    python benchmarks/bench_activations.py --checkpoint      # also: the block under activation checkpointing
+
+``--checkpoint`` adds a table: the block (bf16 and each recipe) wrapped in
+``torch.utils.checkpoint`` (reentrant and not), ``checkpoint_wrapper`` and selective
+activation checkpointing (the products' outputs saved, the rest recomputed); the bytes it
+keeps for backward without and with ``save_activations_in_float8(recompute=True)``, and
+the gradient SQNR of the step with the context against the step without it.
 """
 
 from __future__ import annotations
@@ -176,12 +183,64 @@ def _recompute_step(model, x0, cos, sin, rounds: int, device: torch.device, cont
     return statistics.median(flops), statistics.median(seconds)
 
 
+CHECKPOINTS = ("reentrant", "non-reentrant", "checkpoint_wrapper", "selective")
+
+
+def _save_products(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    products = (torch.ops.aten.mm.default, torch.ops.aten._scaled_mm.default)
+    return CheckpointPolicy.MUST_SAVE if op in products else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class _Checkpointed(nn.Module):
+    """``block`` run under one of :data:`CHECKPOINTS`."""
+
+    def __init__(self, block: nn.Module, mode: str) -> None:
+        super().__init__()
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        self.mode = mode
+        self.block = checkpoint_wrapper(block) if mode == "checkpoint_wrapper" else block
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+        if self.mode == "checkpoint_wrapper":
+            return self.block(x, cos, sin) * 1
+        kwargs: dict = {"use_reentrant": self.mode == "reentrant"}
+        if self.mode == "selective":
+            kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _save_products)
+        # "* 1": the next op reads the block's output and lets it go.
+        return checkpoint(self.block, x, cos, sin, **kwargs) * 1
+
+
+def _checkpoint_table(base, variants, x0, cos, sin, context) -> None:
+    print("\n### Under activation checkpointing: bytes kept for backward (the block's input, what the policy saves)\n")
+    rows = []
+    x0 = x0.detach().requires_grad_()
+    for name in variants:
+        for mode in CHECKPOINTS:
+            model = copy.deepcopy(base)
+            if name != BASELINE:
+                convert_to_float8_training(model, config=Float8LinearConfig.from_recipe(name))
+            wrapped = _Checkpointed(model, mode)
+            plain = _measure(wrapped, x0, cos, sin, contextlib.nullcontext)
+            packed = _measure(wrapped, x0, cos, sin, context)
+            ref, got = (_grads(wrapped, x0, cos, sin, c) for c in (contextlib.nullcontext, context))
+            db = sqnr(torch.cat([g.flatten() for g in ref.values()]), torch.cat([g.flatten() for g in got.values()]))
+            rows.append([name, mode, plain, packed, f"{packed / plain:.3f}x", f"{db:.1f}"])
+    headers = ["variant", "checkpointing", "kept", "kept (recompute=True)", "vs without", "grad SQNR (dB)"]
+    print(C.markdown_table(headers, rows))
+
+
 def main(argv=None) -> None:
     parser = C.BenchArgumentParser(__doc__.splitlines()[0], recipes=RECIPES)
     parser.add_argument(
         "--size", choices=list(M.SIZES), help="block shapes (default: tiny on CPU, 100m on CUDA; --quick: quick)"
     )
     parser.add_argument("--rounds", type=int, default=3, help="timed steps per variant and context (interleaved)")
+    parser.add_argument("--checkpoint", action="store_true", help="also the block under activation checkpointing")
     parser.add_argument("--block", type=int, help="the context's block (default: 128; --quick: 32)")
     parser.add_argument(
         "--min-numel", type=int, help=f"the context's min_numel (default: {DEFAULT_MIN_NUMEL:,}; --quick: 0)"
@@ -296,6 +355,8 @@ def main(argv=None) -> None:
         "recompute ms / step ms",
     ]
     print(C.markdown_table(headers, rows))
+    if args.checkpoint:
+        _checkpoint_table(base, variants, x0, cos, sin, recompute)
     C.write_csv(args.csv, csv_rows, env)
 
 

@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from f8tensor import convert_to_float8_training, save_activations_in_float8
+from f8tensor import convert_to_float8_training, save_activations_in_float8, sqnr
 from f8tensor.stats import alive_tensor_bytes
 
 TOKENS, DIM, FFN, LAYERS = 2048, 256, 768, 2
@@ -103,6 +103,9 @@ def test_checkpoint_with_an_fp8_recipe_and_recompute(mode):
     plain, want = _step(mode, "tensorwise", contextlib.nullcontext)
     packed, got = _step(mode, "tensorwise", functools.partial(save_activations_in_float8, recompute=True))
     assert plain == LAYERS * BF16_INPUT and packed == LAYERS * FP8_INPUT, (plain, packed)
-    # Measured 23.0 dB: the recomputed linears cast again what was rounded to e4m3 (two
-    # roundings of the residual stream; 30.1 dB with bf16 linears).
+    # Measured 23.0 dB: the recomputed linears cast again what was rounded to e4m3 (30.1 dB
+    # with bf16 linears). That is the recipe's own noise: against the bf16 step the recipe
+    # alone measures 22.7 dB and with the context 21.9 dB.
     assert_sqnr(want, got, 22.0)
+    _, bf16 = _step(mode, None, contextlib.nullcontext)
+    assert sqnr(bf16, got) >= sqnr(bf16, want) - 1.5, (sqnr(bf16, want), sqnr(bf16, got))
