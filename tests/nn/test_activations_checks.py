@@ -180,3 +180,12 @@ def test_every_fused_attention_node_is_recognised():
     cpu = F.scaled_dot_product_attention(*(torch.randn(1, 1, 4, 8, requires_grad=True) for _ in range(3)))
     assert activations._packing._is_attention(cpu.grad_fn)
     assert not activations._packing._is_attention((q @ q.mT).grad_fn)
+
+
+def test_a_mask_spread_ignores_masked_positions_and_broadcast_dims():
+    mask = torch.full((1, 1, 4, 4), torch.finfo(torch.float32).min)
+    mask[..., :2] = torch.tensor([-1.0, 2.5])
+    expanded = mask.expand(8, 16, 4, 4)
+    assert float(activations._packing._spread(expanded)) == 3.5
+    assert float(activations._packing._spread(torch.full((2, 2), float("-inf")))) == 0.0
+    assert float(activations._packing._spread(torch.ones(2, 2, dtype=torch.bool))) == 0.0

@@ -370,8 +370,15 @@ def _spread(mask: torch.Tensor) -> torch.Tensor:
     positions: -inf, or the dtype's minimum as Hugging Face writes them); 0 for a bool mask."""
     if not mask.is_floating_point():
         return torch.zeros(())
-    values = mask[mask > torch.finfo(mask.dtype).min].float()
-    return values.amax() - values.amin() if values.numel() else torch.zeros(())
+    for dim in range(mask.dim()):
+        if mask.stride(dim) == 0:  # a broadcast dim: its values repeat
+            mask = mask.narrow(dim, 0, 1)
+    kept = mask > torch.finfo(mask.dtype).min
+    if not bool(kept.any()):
+        return torch.zeros(())
+    high = torch.where(kept, mask, float("-inf")).amax().float()
+    low = torch.where(kept, mask, float("inf")).amin().float()
+    return high - low
 
 
 def _row_length(sizes: list[int], block: int) -> int:
