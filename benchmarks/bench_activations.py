@@ -19,9 +19,20 @@ Per row:
   rounding draws the same numbers): all parameters together, and the worst one.
 - *step*: median time of forward + backward without and with the context (interleaved
   rounds; on a CPU the FP8 products run in software, so compare the two columns of a row).
+- *recompute*: the same with ``recompute=True``: saved bytes, gradient SQNR, and the extra
+  compute of one backward: the outputs rebuilt (norms, SiLU/GELU, the SwiGLU product) in
+  estimated FLOPs (elements x per-element cost: RMSNorm 4, LayerNorm 7, SiLU 4, GELU 8,
+  product 1) and the CPU time spent rebuilding them, against the step's time.
 
     python benchmarks/bench_activations.py                   # CPU: the "tiny" block, 1,024 tokens
     python benchmarks/bench_activations.py --size 100m       # a GPU-sized block (16,384 tokens)
+    python benchmarks/bench_activations.py --checkpoint      # also: the block under activation checkpointing
+
+``--checkpoint`` adds a table: the block (bf16 and each recipe) wrapped in
+``torch.utils.checkpoint`` (reentrant and not), ``checkpoint_wrapper`` and selective
+activation checkpointing (the products' outputs saved, the rest recomputed); the bytes it
+keeps for backward without and with ``save_activations_in_float8(recompute=True)``, and
+the gradient SQNR of the step with the context against the step without it.
 """
 
 from __future__ import annotations
@@ -50,6 +61,7 @@ from f8tensor import (
     sqnr,
 )
 from f8tensor.nn.activations import DEFAULT_MIN_NUMEL
+from f8tensor.nn.activations import _recompute as R
 from f8tensor.stats import alive_tensor_bytes
 
 BASELINE = "bf16"
@@ -115,12 +127,120 @@ def _times(model, x0, cos, sin, rounds: int, device: torch.device, context) -> t
     return statistics.median(runs["without"]), statistics.median(runs["with"])
 
 
+# Estimated FLOPs per element of what recompute=True rebuilds in backward.
+_FLOPS_PER_ELEMENT = {"RMSNorm": 4, "LayerNorm": 7, "silu": 4, "gelu": 8, "product": 1}
+
+
+def _flops_per_element(fn) -> int:
+    owner = getattr(fn, "__self__", None) or getattr(getattr(fn, "fn", None), "__self__", None)
+    if owner is not None:
+        return _FLOPS_PER_ELEMENT["LayerNorm" if isinstance(owner, nn.LayerNorm) else "RMSNorm"]
+    name = getattr(getattr(fn, "func", fn), "__name__", "")
+    return _FLOPS_PER_ELEMENT.get(name, _FLOPS_PER_ELEMENT["product"])
+
+
+@contextlib.contextmanager
+def _recompute_cost(totals: dict[str, float]):
+    """Adds to ``totals`` the FLOPs (estimated) and seconds of what recompute=True rebuilds."""
+    call, build = R._Call.__call__, R.Recomputed.build
+
+    def timed_call(self, x):
+        t0 = time.perf_counter()
+        out = call(self, x)
+        totals["seconds"] += time.perf_counter() - t0
+        totals["flops"] += out.numel() * _flops_per_element(self.fn)
+        return out
+
+    def timed_build(self, unpack):
+        if self.kind == "norm" or self.exact is not None:
+            return build(self, unpack)  # a norm's time is counted in its call
+        t0 = time.perf_counter()
+        out = build(self, unpack)
+        totals["seconds"] += time.perf_counter() - t0
+        totals["flops"] += out.numel() * _flops_per_element(self.fn)
+        return out
+
+    R._Call.__call__, R.Recomputed.build = timed_call, timed_build
+    try:
+        yield
+    finally:
+        R._Call.__call__, R.Recomputed.build = call, build
+
+
+def _recompute_step(model, x0, cos, sin, rounds: int, device: torch.device, context) -> tuple[float, float]:
+    """Median (estimated FLOPs, seconds) that recompute=True rebuilds in one backward."""
+    flops, seconds = [], []
+    for _ in range(rounds):
+        totals = {"flops": 0.0, "seconds": 0.0}
+        with context():
+            out = model(x0 * 1, cos, sin)
+        with _recompute_cost(totals):
+            out.float().pow(2).mean().backward()
+        C.sync(device)
+        model.zero_grad(set_to_none=True)
+        flops.append(totals["flops"])
+        seconds.append(totals["seconds"])
+    return statistics.median(flops), statistics.median(seconds)
+
+
+CHECKPOINTS = ("reentrant", "non-reentrant", "checkpoint_wrapper", "selective")
+
+
+def _save_products(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    products = (torch.ops.aten.mm.default, torch.ops.aten._scaled_mm.default)
+    return CheckpointPolicy.MUST_SAVE if op in products else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class _Checkpointed(nn.Module):
+    """``block`` run under one of :data:`CHECKPOINTS`."""
+
+    def __init__(self, block: nn.Module, mode: str) -> None:
+        super().__init__()
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        self.mode = mode
+        self.block = checkpoint_wrapper(block) if mode == "checkpoint_wrapper" else block
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+        if self.mode == "checkpoint_wrapper":
+            return self.block(x, cos, sin) * 1
+        kwargs: dict = {"use_reentrant": self.mode == "reentrant"}
+        if self.mode == "selective":
+            kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _save_products)
+        # "* 1": the next op reads the block's output and lets it go.
+        return checkpoint(self.block, x, cos, sin, **kwargs) * 1
+
+
+def _checkpoint_table(base, variants, x0, cos, sin, context) -> None:
+    print("\n### Under activation checkpointing: bytes kept for backward (the block's input, what the policy saves)\n")
+    rows = []
+    x0 = x0.detach().requires_grad_()
+    for name in variants:
+        for mode in CHECKPOINTS:
+            model = copy.deepcopy(base)
+            if name != BASELINE:
+                convert_to_float8_training(model, config=Float8LinearConfig.from_recipe(name))
+            wrapped = _Checkpointed(model, mode)
+            plain = _measure(wrapped, x0, cos, sin, contextlib.nullcontext)
+            packed = _measure(wrapped, x0, cos, sin, context)
+            ref, got = (_grads(wrapped, x0, cos, sin, c) for c in (contextlib.nullcontext, context))
+            db = sqnr(torch.cat([g.flatten() for g in ref.values()]), torch.cat([g.flatten() for g in got.values()]))
+            rows.append([name, mode, plain, packed, f"{packed / plain:.3f}x", f"{db:.1f}"])
+    headers = ["variant", "checkpointing", "kept", "kept (recompute=True)", "vs without", "grad SQNR (dB)"]
+    print(C.markdown_table(headers, rows))
+
+
 def main(argv=None) -> None:
     parser = C.BenchArgumentParser(__doc__.splitlines()[0], recipes=RECIPES)
     parser.add_argument(
         "--size", choices=list(M.SIZES), help="block shapes (default: tiny on CPU, 100m on CUDA; --quick: quick)"
     )
     parser.add_argument("--rounds", type=int, default=3, help="timed steps per variant and context (interleaved)")
+    parser.add_argument("--checkpoint", action="store_true", help="also the block under activation checkpointing")
     parser.add_argument("--block", type=int, help="the context's block (default: 128; --quick: 32)")
     parser.add_argument(
         "--min-numel", type=int, help=f"the context's min_numel (default: {DEFAULT_MIN_NUMEL:,}; --quick: 0)"
@@ -131,6 +251,7 @@ def main(argv=None) -> None:
         min_numel = args.min_numel if args.min_numel is not None else (0 if args.quick else DEFAULT_MIN_NUMEL)
         context = functools.partial(save_activations_in_float8, block=block, min_numel=min_numel)
         context()
+        recompute = functools.partial(context, recompute=True)
     except ValueError as error:
         parser.error(f"--block / --min-numel: {error}")
     device = args.device
@@ -166,6 +287,13 @@ def main(argv=None) -> None:
         worst = min(per, key=lambda n: per[n])
         linear = 1.0 if name == BASELINE else _linear_input_ratio(name, cfg.dim, tokens, device)
         t_without, t_with = _times(model, x0, cos, sin, rounds, device, context)
+        rebuilt = _measure(model, x0, cos, sin, recompute)
+        rebuilt_db = sqnr(
+            torch.cat([g.flatten() for g in ref.values()]),
+            torch.cat([g.flatten() for g in _grads(model, x0, cos, sin, recompute).values()]),
+        )
+        _, t_recompute = _times(model, x0, cos, sin, rounds, device, recompute)
+        flops, seconds = _recompute_step(model, x0, cos, sin, rounds, device, recompute)
         assert bf16_bytes is not None
         rows.append(
             [
@@ -179,6 +307,10 @@ def main(argv=None) -> None:
                 f"{per[worst]:.1f} ({worst})",
                 f"{t_without * 1e3:.1f}",
                 f"{t_with * 1e3:.1f}",
+                f"{rebuilt / bf16_bytes:.3f}x",
+                f"{rebuilt_db:.1f}",
+                f"{flops / 1e6:.1f}",
+                f"{seconds * 1e3:.1f} / {t_recompute * 1e3:.1f}",
             ]
         )
         csv_rows.append(
@@ -196,6 +328,12 @@ def main(argv=None) -> None:
                 "worst_param_sqnr_db": per[worst],
                 "step_ms": t_without * 1e3,
                 "step_context_ms": t_with * 1e3,
+                "saved_bytes_recompute": rebuilt,
+                "saved_recompute_vs_bf16": rebuilt / bf16_bytes,
+                "grad_sqnr_recompute_db": rebuilt_db,
+                "recomputed_mflop": flops / 1e6,
+                "recompute_ms": seconds * 1e3,
+                "step_recompute_ms": t_recompute * 1e3,
             }
         )
         progress.update(name)
@@ -211,8 +349,14 @@ def main(argv=None) -> None:
         "worst parameter (dB)",
         "step ms",
         "step ms (context)",
+        "recompute=True vs bf16",
+        "grad SQNR (dB)",
+        "recomputed MFLOP",
+        "recompute ms / step ms",
     ]
     print(C.markdown_table(headers, rows))
+    if args.checkpoint:
+        _checkpoint_table(base, variants, x0, cos, sin, recompute)
     C.write_csv(args.csv, csv_rows, env)
 
 

@@ -13,6 +13,15 @@ Two tables.
    after a few warm-up steps (so the optimizer state exists): saved-for-backward bytes of
    the forward (eager) and peak memory.
 
+3. The whole step (``--whole-step``): peak memory of one training step of the
+   Llama-shaped model with 4 layers (``--size``'s shapes, its synthetic batches), eager, in
+   three configurations: bf16 under autocast with fp32 master weights and
+   ``torch.optim.AdamW`` (the reference), bf16 parameters with ``torch.optim.AdamW``, and
+   everything on: an FP8 recipe (``--recipes``' first), ``save_activations_in_float8(
+   recompute=True)`` and ``f8tensor.optim.AdamW`` with FP8 (e4m3) moments and bf16 master
+   weights with remainders. A per-step FP8 weight cache does not exist yet: each linear
+   casts its weight in its forward, which the peak holds.
+
 Peak memory = the bytes alive before the step (parameters, buffers, optimizer state,
 the batch: counted from their storages) plus the highest point the step's own
 allocations reach above that. On CUDA that rise is ``torch.cuda.max_memory_allocated``
@@ -24,11 +33,15 @@ not; the "w/o CPU GEMM scratch" column leaves exactly those allocations out, and
 CPU figure to compare with what a GPU would hold.
 
     python benchmarks/bench_memory.py [--batch 4 --seq 1024 --in-features 4096 --out-features 4096] [--size tiny]
+    python benchmarks/bench_memory.py --no-linear-peak --no-model --whole-step   # table 3 alone
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import dataclasses
+import functools
 import math
 import sys
 from pathlib import Path
@@ -40,7 +53,8 @@ import _models as M
 import torch
 from torch import nn
 
-from f8tensor import Float8Linear, Float8LinearConfig
+import f8tensor.optim
+from f8tensor import Float8Linear, Float8LinearConfig, convert_to_float8_training, save_activations_in_float8
 from f8tensor.stats import saved_tensor_bytes
 
 RECIPES = C.F8_RECIPES
@@ -148,6 +162,92 @@ def _model_step_memory(variant: C.Variant, mode: str, cfg, batches: torch.Tensor
     }
 
 
+#: The whole-step table's configurations: (name, what it is).
+WHOLE_STEP = {
+    "autocast": "bf16 autocast, fp32 master weights, torch AdamW",
+    "bf16": "bf16 parameters, torch AdamW",
+    "fp8": "{recipe} + recompute=True + f8tensor AdamW (FP8 moments, bf16 + remainder masters)",
+}
+
+
+def whole_step_peak(config: str, cfg: M.LlamaConfig, recipe: str, device: torch.device, warmup: int = 2):
+    """Peak memory (:class:`_common.PeakMemory`) of training step ``warmup + 1`` of ``cfg``'s
+    model in one of :data:`WHOLE_STEP`'s configurations."""
+    model = M.build_model(cfg, device, dtype=torch.float32 if config == "autocast" else torch.bfloat16)
+    context = contextlib.nullcontext
+    if config == "fp8":
+        convert_to_float8_training(model, config=Float8LinearConfig.from_recipe(recipe), module_filter_fn=M.fp8_filter)
+        context = functools.partial(save_activations_in_float8, recompute=True)
+        opt: torch.optim.Optimizer = f8tensor.optim.AdamW(
+            model.parameters(), lr=cfg.lr, state_dtype=torch.float8_e4m3fn, master_weights="remainder"
+        )
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    autocast = functools.partial(torch.autocast, device.type, dtype=torch.bfloat16, enabled=config == "autocast")
+    batches = M.synthetic_batches(cfg, warmup + 1, device)
+    step_index = 0
+
+    def step() -> None:
+        nonlocal step_index
+        batch = batches[step_index]
+        with autocast(), context():
+            loss = model(batch[:, :-1], batch[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step_index += 1
+
+    for _ in range(warmup):
+        step()
+    resident = C.tensor_bytes([*C.state_tensors(model, opt), batches[step_index]])
+    return C.measure_peak(step, resident, device)
+
+
+def _whole_step_table(size: str, recipe: str, device: torch.device, warmup: int, csv_rows: list) -> None:
+    cfg = dataclasses.replace(M.SIZES[size], layers=4)
+    print(
+        f"### Whole training step: Llama-style model {size} with 4 layers ({cfg.describe()}), eager, step {warmup + 1}"
+    )
+    print()
+    peaks = {name: whole_step_peak(name, cfg, recipe, device, warmup) for name in WHOLE_STEP}
+    scratch = device.type == "cpu"
+    headers = ["configuration", "resident MiB", "peak MiB", "vs autocast", "vs bf16"]
+    table = []
+    for name, what in WHOLE_STEP.items():
+        mem = peaks[name]
+        peak = {key: m.peak_no_gemm_scratch if scratch else m.peak for key, m in peaks.items()}
+        table.append(
+            [
+                what.format(recipe=recipe),
+                mem.resident / 2**20,
+                peak[name] / 2**20,
+                f"{peak[name] / peak['autocast']:.3f}x",
+                f"{peak[name] / peak['bf16']:.3f}x",
+            ]
+        )
+        csv_rows.append(
+            {
+                "table": "whole_step",
+                "size": size,
+                "configuration": name,
+                "recipe": recipe if name == "fp8" else "-",
+                "resident_bytes": mem.resident,
+                "peak_bytes": mem.peak,
+                "peak_no_gemm_scratch_bytes": mem.peak_no_gemm_scratch,
+                "peak_vs_autocast": peak[name] / peak["autocast"],
+                "peak_vs_bf16": peak[name] / peak["bf16"],
+            }
+        )
+    print(C.markdown_table(headers, table, numeric=[False, True, True, False, False]))
+    print()
+    print(
+        "peak: "
+        + ("without CPU GEMM scratch (what a GPU would hold); " if scratch else "")
+        + "no per-step FP8 weight cache exists yet (each FP8 linear casts its weight in its forward)"
+    )
+    print()
+
+
 def main(argv=None) -> None:
     parser = C.BenchArgumentParser(__doc__)
     parser.add_modes()
@@ -164,6 +264,11 @@ def main(argv=None) -> None:
     )
     parser.add_argument("--no-model", action="store_true", help="skip the training-step table")
     parser.add_argument("--model-warmup", type=int, default=2, help="training steps before the measured one")
+    parser.add_argument(
+        "--whole-step",
+        action="store_true",
+        help="also the whole-step table: 4 layers, FP8 + recompute=True + FP8-moment AdamW vs bf16",
+    )
     args = parser.parse_args(argv)
     quick = args.quick
     batch = args.batch or (2 if quick else 4)
@@ -271,6 +376,9 @@ def main(argv=None) -> None:
             "saved: what autograd keeps from forward to backward (eager only: compiled graphs save "
             "inside the compiled function); resident: parameters, buffers, AdamW state and the batch"
         )
+    if args.whole_step:
+        recipe = args.recipes[0] if args.recipes else "tensorwise"
+        _whole_step_table(size, recipe, args.device, args.model_warmup, csv_rows)
     progress.close()
     C.write_csv(args.csv, csv_rows, env)
 

@@ -386,6 +386,13 @@ def version_counter(t: torch.Tensor) -> int:
     return t._version
 
 
+def innermost_pack_hook() -> Callable[[torch.Tensor], Any] | None:
+    """The pack hook of the innermost active ``saved_tensors_hooks`` (a checkpoint region's
+    inside one), or None (``torch._C._autograd._top_saved_tensors_default_hooks``)."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return None if top is None else top[0]
+
+
 def is_functorch_wrapped(t: torch.Tensor) -> bool:
     """``torch._C._functorch.is_functorch_wrapped_tensor`` (torch >= 2.0)."""
     return torch._C._functorch.is_functorch_wrapped_tensor(t)

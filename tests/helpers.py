@@ -402,7 +402,7 @@ def dequantized(x8: Float8Tensor) -> torch.Tensor:
 
 #: The demo table's columns after ``run``, in order; a column can be left out (the same in
 #: every row). A ``vs bf16`` column is read as ``"<the column before it> vs bf16"``.
-DEMO_COLUMNS = ("loss", "vs bf16", "tokens/s", "vs bf16", "act. MiB", "vs bf16", "saturated", "opt. MiB")
+DEMO_COLUMNS = ("loss", "vs bf16", "tok/s", "vs bf16", "act. MiB", "vs bf16", "sat.", "opt. MiB", "peak MiB")
 
 
 def demo_table(stdout: str) -> dict[str, dict[str, str]]:

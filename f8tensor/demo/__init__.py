@@ -19,14 +19,17 @@ import argparse
 import contextlib
 import copy
 import dataclasses
+import functools
 import math
 import os
 import shutil
 import statistics
 import sys
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +38,7 @@ from torch import nn
 import f8tensor
 import f8tensor.stats
 from f8tensor import FP4_CAST_DTYPE, CastConfig, Float8LinearConfig, NVFP4_1x16, convert_to_float8_training
+from f8tensor.compat import TorchDispatchMode, tree_map_only
 from f8tensor.demo.gpt import (  # noqa: F401  (re-exported: the demo's model and data)
     CORPUS,
     DEFAULT_SIZE,
@@ -91,6 +95,51 @@ def saved_activation_bytes(
             return _loss(logits, y)
 
     return f8tensor.stats.alive_tensor_bytes(model, forward_and_loss)[0]
+
+
+class _Peak(TorchDispatchMode):
+    """The highest sum of bytes of the storages ops created while it was active and still
+    alive (read on CPU, where no allocator statistic exists; CUDA reads the allocator's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.alive = self.peak = 0
+        self.seen: set[int] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        parts: list[torch.Tensor] = []
+        tree_map_only(torch.Tensor, lambda t: parts.extend(f8tensor.stats.storage_parts(t)), out)
+        for part in parts:
+            storage = part.untyped_storage()
+            key = storage.data_ptr()
+            if key in self.seen or storage.nbytes() == 0:
+                continue
+            self.seen.add(key)
+            self.alive += storage.nbytes()
+            weakref.finalize(storage, self._free, key, storage.nbytes())
+        self.peak = max(self.peak, self.alive)
+        return out
+
+    def _free(self, key: int, nbytes: int) -> None:
+        self.seen.discard(key)
+        self.alive -= nbytes
+
+
+def step_peak_bytes(step: Callable[[], object], resident: Iterable[torch.Tensor], device: torch.device) -> int:
+    """Peak memory of one call of ``step``: the bytes of ``resident`` (what lives between
+    steps) plus the highest point the step's own allocations reach above them."""
+    before = f8tensor.stats.tensor_bytes(resident)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        start = torch.cuda.memory_allocated(device)
+        step()
+        torch.cuda.synchronize(device)
+        return before + torch.cuda.max_memory_allocated(device) - start
+    with _Peak() as peak:
+        step()
+    return before + peak.peak
 
 
 def _saturation_rate(model: nn.Module, probe_step: Callable[[], object]) -> float | None:
@@ -167,6 +216,11 @@ OPTIMIZERS: dict[str, str] = {
     "adamw-fp8": "f8tensor.optim.AdamW, FP8 (e4m3) moments",
 }
 DEFAULT_OPTIM = "adamw"
+#: ``--fp8-activations`` choices (the flag alone: ``fp8``).
+FP8_ACTIVATIONS: dict[str, str] = {
+    "fp8": "save_activations_in_float8",
+    "recompute": "save_activations_in_float8(recompute=True)",
+}
 
 
 #: The demo's AdamW hyperparameters (every ``--optim`` choice, and a benchmark's own builder).
@@ -186,6 +240,10 @@ def make_optimizer(name: str | OptimizerBuilder, params: Iterable[torch.Tensor],
     if state_dtype is not None:
         return AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, state_dtype=state_dtype)
     raise ValueError(f"optim must be one of {', '.join(OPTIMIZERS)}; got {name!r}")
+
+
+def _optimizer_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [v for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
 
 
 def optimizer_state_bytes(opt: torch.optim.Optimizer) -> int:
@@ -208,12 +266,14 @@ def train_run(
     device: torch.device,
     compile_model: bool,
     optim: str | OptimizerBuilder = DEFAULT_OPTIM,
-    fp8_activations: bool = False,
+    fp8_activations: bool | str | None = False,
 ) -> RunResult:
     """Train a copy of ``base_model`` in ``name`` ("bf16" or an FP8 recipe), then measure it.
 
-    ``fp8_activations``: an FP8 recipe's forward and loss save activations in FP8. ``starts``
-    has one row more than steps: the saturation is measured on that last, untrained batch.
+    ``fp8_activations``: an FP8 recipe's forward and loss save activations in FP8 (True or
+    ``"fp8"``), and also recompute its norms and activations in backward (``"recompute"``).
+    ``starts`` has one row more than steps: the saturation is measured on that last,
+    untrained batch. The last training step's peak memory is measured (and not timed).
     """
     model = copy.deepcopy(base_model)
     if name != BASELINE:
@@ -225,9 +285,13 @@ def train_run(
     if compile_model:
         torch.compiler.reset()  # a fresh model each run: start from an empty compile cache
     forward = torch.compile(model) if compile_model else model
-    activations: Callable[[], contextlib.AbstractContextManager] = (
-        f8tensor.save_activations_in_float8 if fp8_activations and name != BASELINE else contextlib.nullcontext
-    )
+    if fp8_activations not in (None, False, True, *FP8_ACTIVATIONS):
+        raise ValueError(
+            f"fp8_activations must be a bool or one of {', '.join(FP8_ACTIVATIONS)}; got {fp8_activations!r}"
+        )
+    activations: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    if fp8_activations and name != BASELINE:
+        activations = functools.partial(f8tensor.save_activations_in_float8, recompute=fp8_activations == "recompute")
 
     warmup = min(3, steps // 4)  # first steps (allocations, compilation) are not timed
     tokens_per_step = starts.shape[1] * size.seq_len
@@ -236,9 +300,9 @@ def train_run(
     tokens_per_s = 0.0
     progress = Progress(name, steps)
     t_run = time.perf_counter()
-    for i in range(steps):
-        x, y = get_batch(data, starts[i], size.seq_len)
-        t0 = time.perf_counter()
+    peak = 0
+
+    def train_step(x: torch.Tensor, y: torch.Tensor) -> None:
         with activations():
             with amp:
                 logits = forward(x)
@@ -249,6 +313,16 @@ def train_run(
         opt.step()
         sched.step()
         losses.append(loss.item())  # synchronizes, so the step time below is complete
+
+    for i in range(steps):
+        x, y = get_batch(data, starts[i], size.seq_len)
+        t0 = time.perf_counter()
+        if i == steps - 1:
+            resident = [*model.parameters(), *model.buffers(), *_optimizer_tensors(opt), x, y]
+            peak = step_peak_bytes(functools.partial(train_step, x, y), resident, device)
+            progress.update(i + 1, losses[-1], tokens_per_s)
+            continue
+        train_step(x, y)
         if i >= warmup:
             step_s.append(time.perf_counter() - t0)
             # The median step: robust to the odd step slowed by another process.
@@ -269,7 +343,7 @@ def train_run(
         model.zero_grad(set_to_none=True)
 
     saturation = _saturation_rate(model, probe_step) if name != BASELINE else None
-    return RunResult(name, losses, tokens_per_s, saved, saturation, seconds, optimizer_state_bytes(opt))
+    return RunResult(name, losses, tokens_per_s, saved, saturation, seconds, optimizer_state_bytes(opt), peak)
 
 
 # ===================================================================== command line
@@ -336,8 +410,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--fp8-activations",
-        action="store_true",
-        help="FP8 runs save the activations autograd keeps for backward in FP8 (f8tensor.save_activations_in_float8)",
+        nargs="?",
+        const="fp8",
+        choices=list(FP8_ACTIVATIONS),
+        help=(
+            "FP8 runs save the activations autograd keeps for backward in FP8 (f8tensor.save_activations_in_float8); "
+            "'recompute' also rebuilds norms, SiLU/GELU and the SwiGLU product in backward (recompute=True)"
+        ),
     )
     parser.add_argument("--seed", type=int, default=0, help="seed for the initial weights and the batches (default: 0)")
     parser.add_argument("--batch-size", type=_positive_int, help="sequences per step (default: from --size)")
@@ -471,7 +550,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         print(f"  optim   {args.optim}: {OPTIMIZERS[args.optim]}")
         if args.fp8_activations:
-            print("  act.    FP8 runs save their activations in FP8 (save_activations_in_float8)")
+            print(f"  act.    FP8 runs save their activations in FP8 ({FP8_ACTIVATIONS[args.fp8_activations]})")
         print(f"  runs    {', '.join(runs)}", flush=True)
 
         t_all = time.perf_counter()

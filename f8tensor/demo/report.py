@@ -22,6 +22,7 @@ class RunResult:
     saturation: float | None
     seconds: float
     optim_bytes: int = 0  # the optimizer's state (moments, scales, master remainders)
+    peak_bytes: int = 0  # peak memory of the last training step
 
     def final_loss(self, last: int) -> float:
         tail = self.losses[-last:]
@@ -37,7 +38,7 @@ TABLE_WIDTH = 80
 #: Shaded in the figure, said under the table.
 SEED_NOISE_PCT = 1.0
 
-_TITLES = ("run", "loss", "vs bf16", "tokens/s", "vs bf16", "act. MiB", "vs bf16", "saturated", "opt. MiB")
+_TITLES = ("run", "loss", "vs bf16", "tok/s", "vs bf16", "act. MiB", "vs bf16", "sat.", "opt. MiB", "peak MiB")
 _NOT_COMPARED = "-"  # a cell with nothing to say: the baseline against itself, no baseline
 
 
@@ -75,6 +76,7 @@ def _cells(results: Sequence[RunResult], last: int) -> list[list[str]]:
                 rel_mem,
                 sat,
                 f"{r.optim_bytes / 2**20:.2f}",
+                f"{r.peak_bytes / 2**20:.1f}",
             ]
         )
     return rows
@@ -103,10 +105,14 @@ def format_table(results: Sequence[RunResult], last: int) -> str:
 
 
 def table_notes(
-    results: Sequence[RunResult], last: int, steps: int, device: torch.device, fp8_activations: bool = False
+    results: Sequence[RunResult],
+    last: int,
+    steps: int,
+    device: torch.device,
+    fp8_activations: bool | str | None = False,
 ) -> str:
     """What each column means, under the table, wrapped to :data:`TABLE_WIDTH`."""
-    speed = "from the median step time, warm-up steps excluded."
+    speed = "tokens per second, from the median step time, warm-up steps excluded."
     if device.type == "cpu":
         n = torch.get_num_threads()
         speed += (
@@ -120,6 +126,8 @@ def table_notes(
     )
     if fp8_activations:
         memory += " --fp8-activations: FP8 runs saved their activations in FP8; bf16 did not."
+    if fp8_activations == "recompute":
+        memory += " recompute: they rebuilt norms and activations in backward instead of saving them."
     if any(r.name != BASELINE and r.saturation is None for r in results):
         saturated = "n/a: this f8tensor has no per-layer telemetry (f8tensor.stats.float8_stats)."
     else:
@@ -133,12 +141,17 @@ def table_notes(
             f" weights and sees the same batches. A gap to bf16 within {SEED_NOISE_PCT:g}% either way"
             " is noise: another --seed moves bf16 itself that much."
         ),
-        "tokens/s": speed,
+        "tok/s": speed,
         "act. MiB": memory,
-        "saturated": saturated,
+        "sat.": saturated,
         "opt. MiB": (
             "the optimizer's state after training: moments (and their FP8 scales), step counters"
             " excluded; --optim picks fp32 (adamw), bf16 (adamw-bf16) or FP8 (adamw-fp8) moments."
+        ),
+        "peak MiB": (
+            "peak memory of the last training step: what lives between steps (weights, optimizer"
+            " state, batch) plus the highest point the step's allocations reach (CPU: storages"
+            " torch's ops return, a kernel's own scratch aside)."
         ),
     }
     for j, text in _same_in_every_row(_cells(results, last)).items():

@@ -230,7 +230,6 @@ def test_left_alone_tensors():
         "fp64": torch.randn(64, 256, dtype=torch.float64),
         "fp8": torch.randn(64, 256).to(torch.float8_e4m3fn),
         "Float8Tensor": Float8Tensor.from_hp(torch.randn(64, 256)),
-        "last dim below block": torch.randn(256, 64),
         "broadcast": torch.randn(1, 256).expand(64, 256),
     }
     for what, t in left_alone.items():
@@ -242,6 +241,8 @@ def test_left_alone_tensors():
         torch.randn(64, 256, dtype=torch.float16),
         torch.randn(4, 200).t().t(),
         torch.randn(256, 4).t(),
+        torch.randn(256, 64) * 1,  # last dim below block: blocks follow memory order
+        torch.randn(2, 256, 4, 32).transpose(1, 2),
     ):
         packed = hooks.pack(t)
         assert isinstance(packed, activations._Packed) and packed.data.dtype == torch.float8_e4m3fn

@@ -157,7 +157,7 @@ def test_restored_copy_is_dropped_after_its_last_unpack(monkeypatch):
     x = torch.randn(8, 64, requires_grad=True)
     restores, casts = [], []
     real_restore, real_cast = activations._restore, BlockQuantizer.quantize
-    monkeypatch.setattr(activations, "_restore", lambda p: restores.append(p) or real_restore(p))
+    monkeypatch.setattr(activations._packing, "_restore", lambda p: restores.append(p) or real_restore(p))
     monkeypatch.setattr(
         BlockQuantizer, "quantize", lambda q, t, *a, **k: casts.append(t.shape) or real_cast(q, t, *a, **k)
     )

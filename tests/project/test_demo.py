@@ -46,10 +46,10 @@ def test_tiny_run_prints_a_row_per_run_and_writes_the_png(tmp_path):
     assert list(rows) == ALL_RUNS
     for name, cells in rows.items():
         assert math.isfinite(float(cells["loss"])) and 0 < float(cells["loss"]) < 10, (name, cells)
-        assert math.isfinite(float(cells["tokens/s"])) and float(cells["tokens/s"]) > 0, (name, cells)
+        assert math.isfinite(float(cells["tok/s"])) and float(cells["tok/s"]) > 0, (name, cells)
         assert float(cells["act. MiB"]) > 0, (name, cells)
-        assert cells["saturated"] in ("-", "n/a") or cells["saturated"].endswith("%"), (name, cells)
-    assert rows["tensorwise"]["loss vs bf16"].endswith("%") and rows["tensorwise"]["tokens/s vs bf16"].endswith("x")
+        assert cells["sat."] in ("-", "n/a") or cells["sat."].endswith("%"), (name, cells)
+    assert rows["tensorwise"]["loss vs bf16"].endswith("%") and rows["tensorwise"]["tok/s vs bf16"].endswith("x")
     # The optimizer state is the same in every run: said once under the table, no column.
     assert "opt. MiB" not in rows["bf16"]
     assert re.search(r"^opt\. MiB +\d+\.\d\d in every run", proc.stdout, re.MULTILINE)
