@@ -98,3 +98,58 @@ def activation_casts(ctx: Ctx) -> None:
             unit="x",
             detail=f"{t_none:.2f} -> {t_ctx:.2f} ms" + (" (CPU)" if ctx.device.type != "cuda" else ""),
         )
+
+
+def recompute_step(ctx: Ctx) -> None:
+    """The Llama-3-8B-shaped model (``llama8b-4``; dry: ``quick``), tensorwise, eager: step time
+    and peak memory of ``save_activations_in_float8(recompute=True)`` against the plain FP8 step,
+    interleaved (the memory issue's GPU figure)."""
+    import _common as C
+    import _models as M
+    import torch
+
+    from f8tensor import save_activations_in_float8
+
+    size = ctx.pick("llama8b-4", "quick")
+    cfg = M.SIZES[size]
+    batches = M.synthetic_batches(cfg, 2, ctx.device)
+    model = M.build_model(cfg, ctx.device)
+    C.f8tensor_convert(model, "tensorwise", module_filter_fn=M.fp8_filter)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    state = {"i": 0}
+    kwargs = {} if not ctx.dry else {"min_numel": 0, "block": 32}
+
+    def step(context) -> None:
+        b = batches[state["i"] % len(batches)]
+        state["i"] += 1
+        with context():
+            loss = model(b[:, :-1], b[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    variants = {
+        "tensorwise": lambda: step(contextlib.nullcontext),
+        "tensorwise recompute": lambda: step(lambda: save_activations_in_float8(recompute=True, **kwargs)),
+    }
+    for fn in variants.values():  # warm-up: the optimizer's states exist before any peak is read
+        fn()
+    C.sync(ctx.device)
+    rounds, per_round = ctx.pick((3, 2), (1, 1))
+    timings = C.interleaved(variants, rounds, per_round, ctx.device)
+    base = timings["tensorwise"].median
+    resident = sum(t.numel() * t.element_size() for t in C.state_tensors(model, opt))
+    peaks = {name: C.measure_peak(fn, resident, ctx.device).peak / 2**20 for name, fn in variants.items()}
+    for name, t in timings.items():
+        ratio = t.median / base
+        ctx.row(recipe=name, mode="eager", shape=size, metric="step_ms", value=t.median, unit="ms", ratio=ratio)
+        ctx.row(
+            recipe=name,
+            mode="eager",
+            shape=size,
+            metric="peak_mib",
+            value=peaks[name],
+            unit="MiB",
+            ratio=peaks[name] / peaks["tensorwise"],
+            detail="ratios against the plain tensorwise step",
+        )

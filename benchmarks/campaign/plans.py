@@ -5,7 +5,8 @@ the features no GPU has run yet (the fused optimizer step, the FP8 saved activat
 then measures the model that represents users (the Llama-3-8B-shaped one, with CUDA graphs
 too), the big linear, the MoE grouped GEMMs and the reference shapes, then the core gpu
 tests; the second plan, for a loan with time left, holds the 300m overhead check
-(e2e_compile 60 s, e2e_step 15 s), the eager overhead (15 s), the rest of the tests (the
+(e2e_compile 60 s, e2e_step 15 s), the eager overhead (15 s), ``recompute=True`` on the
+Llama-shaped model (20 s), the rest of the tests (the
 kernel and twin groups the default plan once ran among them), the profiles, ViT-Huge and the
 client check.
 
@@ -15,7 +16,7 @@ that the plan fills ``--budget-s`` from process start (``runner.plan_deadlines``
 
 from __future__ import annotations
 
-from . import e2e, gpu_tests, hooks, linear, llama, moe, overhead, profiles, references, smoke, vit
+from . import activations, e2e, gpu_tests, hooks, linear, llama, moe, overhead, profiles, references, smoke, vit
 from .runner import Item
 
 #: The GPU command's wall-clock limit (s) for each plan, the installs of its wheels included.
@@ -125,22 +126,30 @@ def second_plan() -> list[Item]:
             min_s=10,
         ),
         Item(
+            "recompute_step",
+            20,
+            activations.recompute_step,
+            "the Llama-3-8B-shaped model, tensorwise, eager: step time and peak memory with "
+            "save_activations_in_float8(recompute=True) against the plain step",
+            min_s=15,
+        ),
+        Item(
             "pytest_gpu_rest",
-            50,
+            45,
             gpu_tests.rest,
             "pytest -m gpu: the gpu tests neither the default plan nor --figures-csv has an outcome for",
             min_s=20,
         ),
         Item(
             "profiles",
-            40,
+            35,
             profiles.profiles,
             "the figures of --figures-csv below target and their baselines under torch.profiler: top kernels",
             min_s=20,
         ),
         Item(
             "vit_huge",
-            50,
+            40,
             vit.vit,
             "timm ViT-Huge training step, compiled: bf16 vs tensorwise vs rowwise",
             min_s=20,
