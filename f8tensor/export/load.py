@@ -160,7 +160,12 @@ def _plan(model: nn.Module, tensors: dict[str, torch.Tensor], fmt: CheckpointFor
             raise ValueError(
                 f"load_fp8_pretrained: {key} in the checkpoint is not in the model (a model built from another config?)"
             )
-        if not isinstance(mod, nn.Linear) or isinstance(mod, FrozenFloat8Linear):
+        if isinstance(mod, FrozenFloat8Linear):
+            raise NotImplementedError(
+                f"load_fp8_pretrained: the checkpoint quantizes {key}, whose layer already holds a frozen FP8 "
+                f"weight (load into a freshly built model)"
+            )
+        if not isinstance(mod, nn.Linear):
             raise NotImplementedError(
                 f"load_fp8_pretrained: the checkpoint quantizes {key}, which is a {type(mod).__name__}, not an "
                 f"nn.Linear; FP8 weights load into nn.Linear layers and the rows of expert tensors (3D, first dim "
