@@ -244,11 +244,17 @@ cpu_scaled_mm = torch.ops.f8tensor.cpu_scaled_mm.default
 def _fp32_epilogue(
     acc: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype, out: torch.Tensor | None
 ) -> torch.Tensor:
-    """``acc`` plus the bias in fp32, one cast, into ``out`` if given."""
+    """``acc`` plus the bias in fp32, one cast, into ``out`` if given (resized as torch's ``out=`` is)."""
     if bias is not None:
         acc = acc + bias.float()
     result = acc.to(out_dtype)
-    return out.copy_(result) if out is not None else result
+    if out is None:
+        return result
+    if out.dtype != out_dtype:
+        raise RuntimeError(f"out_dtype must match output matrix type: out is {out.dtype}, out_dtype {out_dtype}")
+    if out.shape != result.shape:
+        out.resize_(result.shape)
+    return out.copy_(result)
 
 
 def set_scaled_mm(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:

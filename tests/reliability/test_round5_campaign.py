@@ -165,6 +165,52 @@ def test_config_assigned_a_string_is_refused():
         layer.config = "rowwise"  # type: ignore[assignment]
 
 
+@pytest.mark.parametrize("after", ["delayed", "rowwise", "mxfp8"])
+def test_conv1d_config_change_computes_as_a_fresh_layer(after):
+    transformers = pytest.importorskip("transformers")
+    from f8tensor.nn.linear import Float8Conv1D
+
+    torch.manual_seed(0)
+    conv = transformers.pytorch_utils.Conv1D(DIM, DIM)
+    layer = Float8Conv1D.from_conv1d(copy.deepcopy(conv), R("tensorwise"))
+    layer.config = R(after)
+    assert _equal(_step(layer, _x()), _step(Float8Conv1D.from_conv1d(conv, R(after)), _x()))
+
+
+def test_conv1d_refuses_fp8_all_gather_through_the_setter():
+    transformers = pytest.importorskip("transformers")
+    from f8tensor.nn.linear import Float8Conv1D
+
+    layer = Float8Conv1D.from_conv1d(transformers.pytorch_utils.Conv1D(DIM, DIM), R("tensorwise"))
+    with pytest.raises(ValueError, match="enable_fsdp_float8_all_gather"):
+        layer.config = R("tensorwise", enable_fsdp_float8_all_gather=True)
+
+
+@pytest.mark.parametrize("role", ["grad_output", "weight"])
+def test_config_change_to_stochastic_rounding_as_a_fresh_layer(role):
+    stochastic = dataclasses.replace(
+        R("tensorwise"), **{role: dataclasses.replace(getattr(R("tensorwise"), role), rounding="stochastic")}
+    )
+    layer, fresh = _layer(R("tensorwise")), _layer(stochastic)
+    layer.config = stochastic
+    results = []
+    for each in (layer, fresh):
+        torch.manual_seed(7)
+        results.append(_step(each, _x()))
+    assert _equal(*results)
+
+
+def test_config_change_inside_reuse_weight_casts_reads_the_new_cast():
+    from f8tensor import reuse_weight_casts
+
+    layer = _layer(R("tensorwise"))
+    with reuse_weight_casts(layer):
+        layer(_x())
+        layer.config = R("rowwise")
+        y = layer(_x())
+    assert torch.equal(y, _layer(R("rowwise"))(_x()))
+
+
 # ------------------------------------------------------------ moves, copies, loads
 
 
@@ -280,6 +326,25 @@ def test_compiled_follows_a_config_change():
     layer.set_collect_stats(True)
     _step(compiled, _x())
     assert float8_stats(layer)["input/amax"] == pytest.approx(_x().abs().max().item())
+
+
+def test_dynamic_token_counts_one_graph_per_config():
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+    layer = _layer(R("rowwise"))
+    compiled = torch.compile(layer, backend=counter, fullgraph=True, dynamic=True)
+    with torch.no_grad():
+        for tokens in (3, 5, 9):
+            x = torch.randn(tokens, DIM)
+            assert torch.equal(compiled(x), layer(x))
+    frames = counter.frame_count
+    layer.config = R("tensorwise")
+    with torch.no_grad():
+        for tokens in (4, 6):
+            x = torch.randn(2, tokens, DIM)
+            assert torch.equal(compiled(x), _layer(R("tensorwise"))(x))
+    assert frames == 1 and counter.frame_count == 2
 
 
 def test_inductor_equals_eager():

@@ -103,6 +103,48 @@ def test_compat_scaled_mm_refuses_epilogue_arguments(kwargs, match):
         compat.scaled_mm(_f8(16, 32), _f8(32, 16), ONE, ONE, **kwargs)
 
 
+def _out_case(out: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16):
+    a, b = _f8(16, 32), _f8(32, 16, seed=1)
+    return compat.scaled_mm(a, b, ONE, ONE, out_dtype=out_dtype, out=out), TORCH_SCALED_MM(
+        a, b, ONE, ONE, out_dtype=out_dtype
+    )
+
+
+def test_out_argument_receives_the_product():
+    out = torch.empty(16, 16, dtype=torch.bfloat16)
+    got, want = _out_case(out)
+    assert got is out and torch.equal(out, want)
+
+
+def test_out_argument_of_another_shape_is_resized_as_torch_does():
+    # Found: the copy into a (3, 3) out failed with a broadcasting error; torch resizes out=.
+    out = torch.empty(3, 3, dtype=torch.bfloat16)
+    got, want = _out_case(out)
+    assert got.shape == (16, 16) and torch.equal(got, want)
+
+
+def test_out_argument_of_another_dtype_is_refused_as_torch_does():
+    # Found: an fp32 out= with out_dtype=bf16 silently returned fp32.
+    out = torch.empty(16, 16)
+    with pytest.raises(RuntimeError, match="out_dtype must match output matrix type"):
+        compat.scaled_mm(_f8(16, 32), _f8(32, 16), ONE, ONE, out_dtype=torch.bfloat16, out=out)
+    with pytest.raises(RuntimeError, match="out_dtype must match output matrix type"):
+        TORCH_SCALED_MM(_f8(16, 32), _f8(32, 16), ONE, ONE, out_dtype=torch.bfloat16, out=out)
+
+
+@pytest.mark.parametrize("bias_dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_bias_in_the_epilogue_as_torch(bias_dtype):
+    a, b, bias = _f8(16, 32), _f8(32, 16, seed=1), torch.linspace(-1, 1, 16).to(bias_dtype)
+    got = compat.scaled_mm(a, b, ONE, ONE, bias=bias, out_dtype=torch.bfloat16)
+    assert torch.equal(got, TORCH_SCALED_MM(a, b, ONE, ONE, bias=bias, out_dtype=torch.bfloat16))
+
+
+def test_empty_inner_dimension_gives_the_bias():
+    bias = torch.linspace(-1, 1, 16)
+    got = compat.scaled_mm(_f8(4, 0), _f8(0, 16), ONE, ONE, bias=bias, out_dtype=torch.float32)
+    assert torch.equal(got, bias.expand(4, 16))
+
+
 def test_scale_requiring_grad_is_refused_as_aten_has_no_derivative():
     # Found: autograd recorded the op's fp32 body (a gradient torch._scaled_mm refuses to give).
     scale = torch.tensor(1.0, requires_grad=True)
