@@ -146,10 +146,18 @@ class FrozenFloat8Linear(Float8Linear):
         if scale is not None and moved is not None and moved.dtype != scale.dtype:
             # The file's multiplier, written back as stored: model.to(dtype) moves it, never rounds it.
             self._buffers["checkpoint_scale"] = scale.to(device=moved.device)
+        self._keep_frozen()
+        return self
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._keep_frozen()  # unpickled, the weight is rebuilt as a plain Float8Tensor
+
+    def _keep_frozen(self) -> None:
+        """Re-wrap a weight that lost its frozen type (``_apply``, unpickling)."""
         w = self._parameters.get("weight")
         if isinstance(w, Float8Tensor) and not isinstance(w, FrozenFloat8Weight):
             self._parameters["weight"] = nn.Parameter(frozen_weight(w), requires_grad=False)
-        return self
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, frozen_fp8_weight"

@@ -45,11 +45,20 @@ def _quiet():
         yield
 
 
-def _model(dtype: torch.dtype = torch.bfloat16, *, meta: bool = False, tie: bool = True, seed: int = 0):
+def _model(
+    dtype: torch.dtype = torch.bfloat16,
+    *,
+    meta: bool = False,
+    tie: bool = True,
+    seed: int = 0,
+    ffn: int = 256,
+    bias: bool = False,
+):
     config = LlamaConfig(
         vocab_size=256,
         hidden_size=128,
-        intermediate_size=256,
+        intermediate_size=ffn,
+        attention_bias=bias,
         num_hidden_layers=1,
         num_attention_heads=2,
         num_key_value_heads=2,
@@ -620,3 +629,90 @@ def test_refused_double_names_the_dtype_and_to_restores(deepseek):
     model.to(torch.bfloat16)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert all(torch.equal(_bytes(model)[k], v) for k, v in before.items())
+
+
+# ------------------------------------------------------- shapes and whole-model use
+
+
+def _ct_channel_odd(tmp_path) -> tuple[str, torch.nn.Module]:
+    """A per-channel checkpoint of a model whose MLP is 200 wide (not a multiple of 16)."""
+    source = _model(ffn=200)
+    path = str(tmp_path / "odd")
+    _write(path, source, "ct_channel")
+    return path, source
+
+
+def test_frozen_dims_the_recipe_cannot_take_are_refused_before_any_change(tmp_path):
+    # Found: the embeddings were overwritten, then Float8Linear refused the 200-wide layer.
+    path, _ = _ct_channel_odd(tmp_path)
+    model = _model(ffn=200, seed=1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"down_proj \(200 -> 128\) has dims .* pad_inner_dim=True"):
+        load_fp8_pretrained(model, path)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+
+
+def test_frozen_odd_dims_load_with_padding(tmp_path):
+    path, source = _ct_channel_odd(tmp_path)
+    config = Float8LinearConfig.from_recipe("rowwise", pad_inner_dim=True)
+    model = load_fp8_pretrained(_model(ffn=200, meta=True), path, config=config)
+    assert len(_frozen(model)) == len(LINEARS)
+    assert sqnr(_logits(source).float(), _logits(model).float()) >= LOGITS_MIN_DB  # measured 28.7 dB
+
+
+def test_trainable_odd_dims_stay_high_precision_holding_the_file(tmp_path):
+    # As convert_to_float8_training: layers FP8 GEMMs cannot take are left in high precision (logged).
+    path, source = _ct_channel_odd(tmp_path)
+    model = load_fp8_pretrained(_model(ffn=200, meta=True), path, frozen=False)
+    up = model.get_submodule(UP)
+    assert type(up) is torch.nn.Linear and UP not in model.float8_converted_fqns
+    assert sqnr(source.get_submodule(UP).weight.float(), up.weight.float()) >= 30.0
+
+
+def test_linear_biases_load_as_the_file(tmp_path):
+    source = _model(bias=True)
+    _write(str(tmp_path / "b"), source)
+    model = load_fp8_pretrained(_model(bias=True, meta=True), str(tmp_path / "b"))
+    q = model.get_submodule("model.layers.0.self_attn.q_proj")
+    assert isinstance(q, FrozenFloat8Linear) and q.bias.requires_grad
+    assert torch.equal(q.bias, source.get_submodule("model.layers.0.self_attn.q_proj").bias)
+
+
+def test_torch_save_of_the_whole_model_keeps_the_weights_frozen(deepseek):
+    # Found: unpickled, the weights came back as plain Float8Tensors that accepted requires_grad.
+    path, _, _ = deepseek
+    model = load_fp8_pretrained(_model(meta=True), path)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert all(isinstance(m.weight, FrozenFloat8Weight) for m in _frozen(loaded).values())
+    assert torch.equal(_logits(loaded), _logits(model))
+    with pytest.raises(RuntimeError, match="frozen=False"):
+        loaded.get_submodule(UP).weight.requires_grad_(True)
+
+
+def test_eval_mode_is_kept(deepseek):
+    path, _, _ = deepseek
+    model = _model()
+    model.eval()
+    load_fp8_pretrained(model, path)
+    assert not any(m.training for m in _frozen(model).values())
+
+
+def test_gradient_checkpointing_trains_the_rest(deepseek):
+    path, _, _ = deepseek
+    model = load_fp8_pretrained(_model(meta=True), path)
+    model.gradient_checkpointing_enable()
+    model.train()
+    model(_ids(), labels=_ids(), use_cache=False).loss.backward()
+    assert model.model.norm.weight.grad is not None
+    assert all(m.weight.grad is None for m in _frozen(model).values())
+
+
+def test_generate_keeps_the_prompt_and_adds_tokens(deepseek):
+    path, _, _ = deepseek
+    model = load_fp8_pretrained(_model(meta=True), path)
+    ids = _ids()[:1, :4]
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert out.shape == (1, 8) and torch.equal(out[:, :4], ids)
