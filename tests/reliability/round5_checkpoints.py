@@ -79,10 +79,14 @@ def quantize_by_hand(w: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Te
         dense = m.repeat_interleave(32, 1)
         return (w / dense).to(torch.float8_e4m3fn), code, dense
     if kind in ("deepseek", "deepseek_ue8m0", "ct_block"):
-        m = w.reshape(n // 128, 128, k // 128, 128).abs().amax(dim=(1, 3)) / 448
+        # A partial last block (a dim 128 does not divide) gets a scale of its own.
+        bn, bk = -(-n // 128), -(-k // 128)
+        padded = torch.zeros(bn * 128, bk * 128)
+        padded[:n, :k] = w
+        m = padded.reshape(bn, 128, bk, 128).abs().amax(dim=(1, 3)) / 448
         if kind == "deepseek_ue8m0":
             m = torch.exp2(torch.ceil(torch.log2(m)))  # powers of two, rounded up: no overflow
-        dense = m.repeat_interleave(128, 0).repeat_interleave(128, 1)
+        dense = m.repeat_interleave(128, 0).repeat_interleave(128, 1)[:n, :k]
     elif kind == "ct_channel":
         m = w.abs().amax(dim=1, keepdim=True) / 448
         dense = m.expand(n, k)

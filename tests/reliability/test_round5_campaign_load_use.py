@@ -376,3 +376,47 @@ def test_trainable_masters_are_transformers_dequantized_weights(tmp_path, kind, 
     model = load_fp8_pretrained(build_model(dtype, meta=True), path, frozen=False)
     for key in (k for k in reference.state_dict() if is_linear(k)):
         assert torch.equal(model.get_parameter(key).detach(), reference.get_parameter(key).detach()), key
+
+
+# DeepSeek-V3's shapes: kv_a_proj_with_mqa has 576 rows, 4.5 blocks of 128. Here an MLP 192 wide.
+
+
+@pytest.mark.parametrize("kind", ["deepseek", "ct_block"])
+def test_partial_blocks_load_as_transformers_dequantizes_them(tmp_path, kind):
+    # Found: refused ("blocks must divide"), where transformers reads the ceil-divided scale grid.
+    from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+
+    source = build_model(ffn=192)
+    path = str(tmp_path / kind)
+    write_checkpoint(path, source, kind)
+    file = load_file(os.path.join(path, "model.safetensors"))
+    model = load_fp8_pretrained(build_model(ffn=192, meta=True), path, frozen=False)
+    suffix = "_scale_inv" if kind == "deepseek" else "_scale"
+    for key in (k for k in file if is_linear(k)):
+        want = _dequantize_fp8_weight(file[key], file[key + suffix], [128, 128], torch.float32)
+        assert torch.equal(model.get_parameter(key).detach(), want.bfloat16()), key
+
+
+def test_partial_blocks_frozen_compute_as_the_dequantized_model(tmp_path):
+    source = build_model(ffn=192)
+    dequantized = write_checkpoint(str(tmp_path / "p"), source)
+    model = load_fp8_pretrained(build_model(ffn=192, meta=True), str(tmp_path / "p"))
+    assert frozen_layers(model)[UP].weight._scale.shape == (2, 1)
+    want = logits_of(dequantized_model(source, dequantized, torch.bfloat16))
+    assert sqnr(want.float(), logits_of(model).float()) >= LOGITS_MIN_DB  # measured 28.0 dB
+
+
+def test_partial_blocks_with_a_floor_divided_scale_grid_are_refused(tmp_path):
+    def floor_grid(t):
+        t[UP + ".weight_scale_inv"] = t[UP + ".weight_scale_inv"][:1]
+
+    write_checkpoint(str(tmp_path / "p"), build_model(ffn=192), edit=floor_grid)
+    with pytest.raises(ValueError, match=r"up_proj.weight_scale_inv has shape \(1, 1\); the weight needs \(2, 1\)"):
+        load_fp8_pretrained(build_model(ffn=192), str(tmp_path / "p"))
+
+
+def test_partial_blocks_frozen_save_names_the_whole_block_rule(tmp_path):
+    write_checkpoint(str(tmp_path / "p"), build_model(ffn=192))
+    model = load_fp8_pretrained(build_model(ffn=192, meta=True), str(tmp_path / "p"))
+    with pytest.raises(ValueError, match="128x128 blocks need N and K multiples of 128"):
+        save_fp8_pretrained(model, tmp_path / "again")
