@@ -211,6 +211,19 @@ def test_config_change_inside_reuse_weight_casts_reads_the_new_cast():
     assert torch.equal(y, _layer(R("rowwise"))(_x()))
 
 
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [("tensorwise", "rowwise"), ("delayed", "tensorwise"), ("tensorwise", "delayed"), ("rowwise", "mxfp8")],
+)
+def test_config_change_between_forward_and_backward_keeps_the_forward_plan(before, after):
+    layer, reference = _layer(R(before)), _layer(R(before))
+    x = _x().requires_grad_(True)
+    y = layer(x)
+    layer.config = R(after)
+    y.square().sum().backward()
+    assert _equal((y.detach(), x.grad, layer.weight.grad), _step(reference, _x())[:3])
+
+
 # ------------------------------------------------------------ moves, copies, loads
 
 
@@ -246,6 +259,17 @@ def test_load_state_dict_of_a_delayed_layer_after_switching_to_delayed():
     layer.config = R("delayed")
     layer.load_state_dict(trained.state_dict())
     assert torch.equal(layer.amax_history_input, trained.amax_history_input)
+    assert _equal(_step(layer, _x()), _step(trained, _x()))
+
+
+def test_load_state_dict_assign_into_a_meta_layer_switched_to_delayed():
+    with torch.device("meta"):
+        layer = Float8Linear(DIM, DIM, config=R("tensorwise"))
+    layer.config = R("delayed")
+    trained = _layer(R("delayed"))
+    _step(trained, _x())
+    layer.load_state_dict(trained.state_dict(), assign=True)
+    assert {b.device.type for b in layer.buffers()} == {"cpu"}
     assert _equal(_step(layer, _x()), _step(trained, _x()))
 
 
@@ -347,6 +371,15 @@ def test_dynamic_token_counts_one_graph_per_config():
     assert frames == 1 and counter.frame_count == 2
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_compiled_under_autocast_equals_eager(recipe):
+    layer = _layer(R(recipe))
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, want = compiled(_x()), layer(_x())
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+
+
 def test_inductor_equals_eager():
     layer = _layer(R("rowwise"))
     compiled = torch.compile(layer, fullgraph=True)
@@ -428,3 +461,16 @@ def test_fsdp2_config_change_after_sharding(one_rank):
         layers[0].set_collect_stats(True)
     assert all(torch.equal(a, b) for a, b in zip(_train(model), _train(reference), strict=True))
     assert torch.equal(model[0].float8_stats_input, reference[0].float8_stats_input)
+
+
+def test_fsdp2_refuses_an_all_gather_change_after_sharding(one_rank):
+    from torch.distributed.fsdp import fully_shard
+
+    config = R("rowwise", enable_fsdp_float8_all_gather=True)
+    model, reference = nn.Sequential(_layer(config)), nn.Sequential(_layer(config))
+    fully_shard(model)
+    fully_shard(reference)
+    with pytest.raises(ValueError, match="the weight's cast cannot change"):
+        model[0].config = R("tensorwise", enable_fsdp_float8_all_gather=True)
+    assert model[0].config is config
+    assert torch.equal(_train(model, steps=1)[0], _train(reference, steps=1)[0])
