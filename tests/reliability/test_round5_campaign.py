@@ -334,14 +334,14 @@ def test_input_shapes_as_nn_linear(recipe, shape):
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "delayed"])
-def test_compiled_equals_eager(recipe):
+def test_compiled_equals_eager(fresh_dynamo, recipe):
     eager, layer = _layer(R(recipe)), _layer(R(recipe))
     compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
     for _ in range(2):
         assert _equal(_step(compiled, _x()), _step(eager, _x()))
 
 
-def test_compiled_follows_a_config_change():
+def test_compiled_follows_a_config_change(fresh_dynamo):
     layer = _layer(R("tensorwise"))
     compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
     _step(compiled, _x())
@@ -352,7 +352,7 @@ def test_compiled_follows_a_config_change():
     assert float8_stats(layer)["input/amax"] == pytest.approx(_x().abs().max().item())
 
 
-def test_dynamic_token_counts_one_graph_per_config():
+def test_dynamic_token_counts_one_graph_per_config(fresh_dynamo):
     from torch._dynamo.testing import CompileCounter
 
     counter = CompileCounter()
@@ -372,7 +372,7 @@ def test_dynamic_token_counts_one_graph_per_config():
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
-def test_compiled_under_autocast_equals_eager(recipe):
+def test_compiled_under_autocast_equals_eager(fresh_dynamo, recipe):
     layer = _layer(R(recipe))
     compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -380,7 +380,7 @@ def test_compiled_under_autocast_equals_eager(recipe):
     assert got.dtype == torch.bfloat16 and torch.equal(got, want)
 
 
-def test_inductor_equals_eager():
+def test_inductor_equals_eager(fresh_dynamo):
     layer = _layer(R("rowwise"))
     compiled = torch.compile(layer, fullgraph=True)
     with torch.no_grad():

@@ -175,7 +175,7 @@ def test_peft_lora_trains_only_the_adapters(deepseek):
 
 
 @pytest.mark.parametrize("kind", ["deepseek", "ct_channel", "ct_tensor"])
-def test_compiled_frozen_layer_equals_eager(tmp_path, kind):
+def test_compiled_frozen_layer_equals_eager(fresh_dynamo, tmp_path, kind):
     # Found: dynamo rebuilt the frozen weight as a plain Float8Tensor and refused the graph.
     write_checkpoint(str(tmp_path / kind), build_model(), kind)
     layer = frozen_layers(load_fp8_pretrained(build_model(meta=True), str(tmp_path / kind)))[UP]

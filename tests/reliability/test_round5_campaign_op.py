@@ -222,13 +222,13 @@ def test_opcheck_fake_and_dispatch(rowwise):
 
 
 @pytest.mark.parametrize("rowwise", [False, True], ids=["tensorwise", "rowwise"])
-def test_compiled_equals_eager(rowwise):
+def test_compiled_equals_eager(fresh_dynamo, rowwise):
     args = _operands(16, 32, 16, E4, E4, rowwise)
     compiled = torch.compile(lambda a, b, sa, sb: OP(a, b, sa, sb), backend="aot_eager", fullgraph=True)
     assert torch.equal(compiled(*args), OP(*args))
 
 
-def test_compiled_dynamic_rows_one_graph():
+def test_compiled_dynamic_rows_one_graph(fresh_dynamo):
     from torch._dynamo.testing import CompileCounter
 
     counter = CompileCounter()
