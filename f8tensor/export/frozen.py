@@ -111,9 +111,9 @@ class FrozenFloat8Linear(Float8Linear):
         new.register_buffer("checkpoint_scale", multiplier, persistent=False)
         return new
 
-    def _check_new_config(self, old: Float8LinearConfig, new: Float8LinearConfig) -> None:
-        super()._check_new_config(old, new)
-        if new.uses_gemm_formats or new.weight.delayed:
+    def check_new_config(self, config: Float8LinearConfig) -> None:
+        super().check_new_config(config)
+        if config.uses_gemm_formats or config.weight.delayed:
             raise ValueError(
                 "FrozenFloat8Linear.config: a frozen FP8 weight is cast dynamically in FP8, one format for every "
                 "GEMM (no delayed weight scaling, no per-GEMM formats or FP4); load with frozen=False to train "

@@ -183,24 +183,31 @@ class Float8Linear(nn.Linear):
         config = check_config(config)
         old: Float8LinearConfig | None = self.__dict__.get("_config")
         changed = old is not None and old != config
-        if old is not None and changed:
-            self._check_new_config(old, config)
+        if changed:
+            self.check_new_config(config)
         self._config = config
         self._plan: LinearPlan = linear_plan(config)
         if changed:
             self._match_buffers(config)
 
-    def _check_new_config(self, old: Float8LinearConfig, new: Float8LinearConfig) -> None:
-        """Refuse, before anything changes, a config this built layer cannot take."""
-        _check_dims(self.in_features, self.out_features, new)
-        wrapped = old.enable_fsdp_float8_all_gather
-        if new.enable_fsdp_float8_all_gather != wrapped or (
-            wrapped and (new.weight != old.weight or new.delayed != old.delayed)
+    def check_new_config(self, config: Float8LinearConfig) -> None:
+        """Raise ValueError if ``config`` cannot replace this built layer's (nothing changes).
+
+        Refused: dims its GEMMs cannot take, FP8 all-gather that does not match the weight
+        (wrapped or not), or, while wrapped, another weight cast or delayed setting.
+        """
+        _check_dims(self.in_features, self.out_features, config)
+        weight = self._parameters.get("weight")
+        local = dtensor_local(weight) if isinstance(weight, DTensor) else weight
+        wrapped = isinstance(local, Float8AllGatherWeight)
+        if config.enable_fsdp_float8_all_gather != wrapped or (
+            wrapped and (config.weight != self.config.weight or config.delayed != self.config.delayed)
         ):
             raise ValueError(
                 f"{type(self).__name__}.config: FP8 all-gather wraps the weight with its cast when the layer is "
-                f"built; enable_fsdp_float8_all_gather and (while it is on) the weight's cast cannot change "
-                f"afterwards. Build the layer with the new config (Float8Linear.from_float of an nn.Linear)"
+                f"built; enable_fsdp_float8_all_gather (the weight is {'' if wrapped else 'not '}wrapped) and, "
+                f"while it is on, the weight's cast cannot change afterwards. Build the layer with the new config "
+                f"(Float8Linear.from_float of an nn.Linear)"
             )
 
     def _match_buffers(self, config: Float8LinearConfig) -> None:

@@ -474,3 +474,41 @@ def test_fsdp2_refuses_an_all_gather_change_after_sharding(one_rank):
         model[0].config = R("tensorwise", enable_fsdp_float8_all_gather=True)
     assert model[0].config is config
     assert torch.equal(_train(model, steps=1)[0], _train(reference, steps=1)[0])
+
+
+# ------------------------------------------------------------- the converter's setters
+
+
+def test_set_gemm_formats_refuses_dims_before_any_layer_changes():
+    # Found: the FP4 formats were set on the first layer, and the 48-wide one failed at its forward.
+    from f8tensor import CastConfig, set_gemm_formats
+    from f8tensor.quant.config import FP4_CAST_DTYPE
+    from f8tensor.quant.specs import NVFP4_1x16
+
+    model = nn.Sequential(_layer(R("mxfp8")), Float8Linear.from_float(nn.Linear(DIM, 48), R("mxfp8")))
+    nvfp4 = CastConfig(FP4_CAST_DTYPE, NVFP4_1x16)
+    with pytest.raises(ValueError, match=r"layer '1' refuses .* multiples of 32"):
+        set_gemm_formats(model, {("grad_weight", "grad_output"): nvfp4, ("grad_weight", "input"): nvfp4})
+    assert model[0].config == R("mxfp8") and model[1].config == R("mxfp8")
+
+
+def test_set_forward_in_high_precision_computes_as_a_fresh_layer():
+    from f8tensor import set_forward_in_high_precision
+
+    model = nn.Sequential(_layer(R("rowwise")))
+    assert set_forward_in_high_precision(model) == 1
+    fresh = _layer(R("rowwise").with_gemm_formats({("forward", "input"): None, ("forward", "weight"): None}))
+    assert model[0]._plan.uses_gemm_formats
+    assert _equal(_step(model[0], _x()), _step(fresh, _x()))
+
+
+def test_tied_weight_conversion_turns_all_gather_off_through_the_setter():
+    from f8tensor import convert_to_float8_training
+
+    emb, head = nn.Embedding(64, DIM), nn.Linear(DIM, 64, bias=False)
+    head.weight = emb.weight
+    model = convert_to_float8_training(
+        nn.Sequential(emb, head), config=R("tensorwise", enable_fsdp_float8_all_gather=True)
+    )
+    assert not model[1].config.enable_fsdp_float8_all_gather and not model[1]._plan.gathers_delayed_weight
+    assert model[1]._plan.config is model[1].config
