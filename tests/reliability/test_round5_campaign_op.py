@@ -270,6 +270,10 @@ def _round_trip(obj, weights_only: bool = True):
     return torch.load(buf, weights_only=weights_only)
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.element_size() == 1 and t.is_floating_point() else t
+
+
 def _same(a: Float8Tensor, b: Float8Tensor) -> bool:
     return (
         type(a) is type(b)
@@ -353,3 +357,39 @@ def test_format_0_inside_a_state_dict_is_refused(weights_only, tmp_path):
 def test_retired_message_says_how_to_convert():
     assert LEGACY_TAG in RETIRED_FORMAT and "save it again" in RETIRED_FORMAT
     assert _SERIAL_VERSION == 2
+
+
+# What today's f8tensor saves loads with weights_only=True, after the retired formats left the safe globals.
+STATE_DICTS = [
+    ("tensorwise", False),
+    ("tensorwise", True),
+    ("delayed", False),
+    ("delayed", True),
+    ("mxfp8", True),
+    ("nvfp4", False),
+]
+
+
+@pytest.mark.parametrize(("recipe", "all_gather"), STATE_DICTS, ids=[r + "_ag" * ag for r, ag in STATE_DICTS])
+def test_layer_state_dict_loads_weights_only(recipe, all_gather):
+    from f8tensor import Float8Linear, Float8LinearConfig
+
+    torch.manual_seed(0)
+    config = Float8LinearConfig.from_recipe(recipe, enable_fsdp_float8_all_gather=all_gather)
+    layer = Float8Linear.from_float(torch.nn.Linear(32, 32), config)
+    state = layer.state_dict()
+    back = _round_trip(state)
+    assert back.keys() == state.keys() and all(torch.equal(back[k], v) for k, v in state.items())
+
+
+def test_fp8_moment_optimizer_state_loads_weights_only():
+    import f8tensor.optim
+
+    p = torch.nn.Parameter(torch.randn(256, 256))
+    opt = f8tensor.optim.AdamW([p], lr=0.1, state_dtype=torch.float8_e4m3fn)
+    p.grad = torch.randn(256, 256)
+    opt.step()
+    state = opt.state_dict()["state"][0]
+    back = _round_trip(opt.state_dict())["state"][0]
+    assert back.keys() == state.keys()
+    assert all(torch.equal(_bits(back[k]), _bits(v)) for k, v in state.items() if isinstance(v, torch.Tensor))
