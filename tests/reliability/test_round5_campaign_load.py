@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 
 import pytest
 import torch
@@ -30,7 +31,7 @@ from round5_checkpoints import (
     write_checkpoint,
 )
 
-from f8tensor import sqnr
+from f8tensor import Float8LinearConfig, sqnr
 from f8tensor.export import load_fp8_pretrained
 from f8tensor.tensor.float8 import dequantize
 
@@ -270,3 +271,38 @@ def test_loading_twice_names_the_frozen_layer(deepseek):
     model = load_fp8_pretrained(build_model(meta=True), path)
     with pytest.raises(NotImplementedError, match="already holds a frozen FP8 weight"):
         load_fp8_pretrained(model, path)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"config": "rowwise"}, TypeError, "config must be a Float8LinearConfig; got str"),
+        ({"frozen": 1}, TypeError, "frozen must be a bool; got 1"),
+        (
+            {"config": Float8LinearConfig.from_recipe("rowwise", enable_fsdp_float8_all_gather=True)},
+            ValueError,
+            "no FP8 all-gather",
+        ),
+    ],
+    ids=["config_str", "frozen_int", "frozen_all_gather"],
+)
+def test_bad_arguments_are_refused_by_name(deepseek, kwargs, error, match):
+    path, _, _ = deepseek
+    with pytest.raises(error, match=match):
+        load_fp8_pretrained(build_model(), path, **kwargs)
+
+
+def test_missing_directory_names_its_config_json(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_fp8_pretrained(build_model(), tmp_path / "nowhere")
+
+
+def test_trainable_load_with_fp8_all_gather_wraps_the_masters(deepseek):
+    from f8tensor import Float8AllGatherWeight
+
+    path, _, dequantized = deepseek
+    config = Float8LinearConfig.from_recipe("blockwise", enable_fsdp_float8_all_gather=True)
+    model = load_fp8_pretrained(build_model(meta=True), pathlib.Path(path), frozen=False, config=config)
+    up = model.get_submodule(UP)
+    assert isinstance(up.weight, Float8AllGatherWeight)
+    assert torch.equal(up.weight._hp, dequantized[UP + ".weight"].bfloat16())
