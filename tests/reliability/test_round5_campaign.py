@@ -73,6 +73,61 @@ def test_config_change_computes_as_a_fresh_layer(before, after):
         assert _equal(_step(layer, _x()), _step(fresh, _x()))
 
 
+def _variant(name: str) -> Float8LinearConfig:
+    """A config one field (or role) away from a recipe: what each role's plan reads."""
+    t, rw = R("tensorwise"), R("rowwise")
+    e4, e5 = torch.float8_e4m3fn, torch.float8_e5m2
+    roles = ("input", "weight", "grad_output")
+    return {
+        "grad_e4m3": lambda: dataclasses.replace(t, grad_output=dataclasses.replace(t.grad_output, dtype=e4)),
+        "weight_e5m2": lambda: dataclasses.replace(
+            t, weight=dataclasses.replace(t.weight, dtype=e5), grad_output=dataclasses.replace(t.grad_output, dtype=e4)
+        ),
+        "pow2": lambda: dataclasses.replace(
+            t, **{r: dataclasses.replace(getattr(t, r), power_of_2_scale=True) for r in roles}
+        ),
+        "fast_accum": lambda: dataclasses.replace(t, use_fast_accum=True),
+        "wgrad_hp": lambda: dataclasses.replace(t, weight_grad_in_hp=True),
+        "pad": lambda: dataclasses.replace(t, pad_inner_dim=True),
+        "emulate": lambda: dataclasses.replace(rw, emulate=True),
+        "rowwise_pow2_weight": lambda: dataclasses.replace(
+            rw, weight=dataclasses.replace(rw.weight, power_of_2_scale=True)
+        ),
+        "rowwise_input_tensorwise_weight": lambda: dataclasses.replace(t, input=rw.input),
+        "nvfp4_hadamard": lambda: R("nvfp4", hadamard_wgrad=True),
+        "nvfp4_four_over_six": lambda: R("nvfp4", four_over_six=True),
+    }[name]()
+
+
+VARIANTS = [
+    "grad_e4m3",
+    "weight_e5m2",
+    "pow2",
+    "fast_accum",
+    "wgrad_hp",
+    "pad",
+    "emulate",
+    "rowwise_pow2_weight",
+    "rowwise_input_tensorwise_weight",
+    "nvfp4_hadamard",
+    "nvfp4_four_over_six",
+]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("start", ["tensorwise", "delayed", "mxfp8"])
+def test_config_change_to_a_variant_computes_as_a_fresh_layer(start, variant):
+    layer = _layer(R(start))
+    _step(layer, _x())
+    layer.config = _variant(variant)
+    fresh = _layer(_variant(variant))
+    results = []
+    for each in (layer, fresh):
+        torch.manual_seed(3)  # stochastic rounding (four_over_six, hadamard) draws the same
+        results.append(_step(each, _x()))
+    assert _equal(*results)
+
+
 @pytest.mark.parametrize("after", ["nvfp4", "mxfp4", "rowwise_with_gw_hp"])
 def test_config_change_to_fp4_and_gw_hp_computes_as_a_fresh_layer(after):
     layer = _layer(R("delayed"))
