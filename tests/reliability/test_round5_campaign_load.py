@@ -187,11 +187,6 @@ REFUSED = [
         _set("model.layers.0.mlp.extra_proj.weight_scale_inv", torch.ones(1, 1)),
         "has no model.layers.0.mlp.extra_proj.weight beside it",
     ),
-    (
-        "fp8_norm_without_scale",
-        _set("model.norm.weight", lambda w: w.float().to(torch.float8_e4m3fn)),
-        "model.norm.weight is stored in torch.float8_e4m3fn",
-    ),
     ("norm_shape", _set("model.norm.weight", lambda w: w[:64]), "model.norm.weight has shape"),
 ]
 
@@ -306,3 +301,11 @@ def test_trainable_load_with_fp8_all_gather_wraps_the_masters(deepseek):
     up = model.get_submodule(UP)
     assert isinstance(up.weight, Float8AllGatherWeight)
     assert torch.equal(up.weight._hp, dequantized[UP + ".weight"].bfloat16())
+
+
+def test_fp8_norm_without_a_scale_is_refused_by_name(tmp_path):
+    write_checkpoint(
+        str(tmp_path / "n"), build_model(), edit=_set("model.norm.weight", lambda w: w.float().to(torch.float8_e4m3fn))
+    )
+    with pytest.raises(NotImplementedError, match="model.norm.weight is a 1D FP8 tensor"):
+        load_fp8_pretrained(build_model(), str(tmp_path / "n"))
