@@ -214,6 +214,14 @@ def _cpu_scaled_mm(
     compile keeps it whole (eager's bits).
     """
     _check_scaled_mm_args(mat1, mat2, scale_a, scale_b)  # as the fake kernel
+    if (scale_a.requires_grad or scale_b.requires_grad or mat1.requires_grad or mat2.requires_grad) and (
+        torch.is_grad_enabled()
+    ):
+        # aten::_scaled_mm has no derivative; autograd would otherwise record this body's fp32 ops.
+        raise RuntimeError(
+            "f8tensor::cpu_scaled_mm has no derivative (as aten::_scaled_mm): its operands and scales must not "
+            "require grad (detach them, or call it under torch.no_grad())"
+        )
     # Deliberate fp32: FP8 values are exact in it. Layouts as given: the reference's bits depend on them.
     if scale_a.numel() == 1 and scale_b.numel() == 1:
         acc = (mat1.float() * scale_a.float()) @ (mat2.float() * scale_b.float())
@@ -236,11 +244,17 @@ cpu_scaled_mm = torch.ops.f8tensor.cpu_scaled_mm.default
 def _fp32_epilogue(
     acc: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype, out: torch.Tensor | None
 ) -> torch.Tensor:
-    """``acc`` plus the bias in fp32, one cast, into ``out`` if given."""
+    """``acc`` plus the bias in fp32, one cast, into ``out`` if given (resized as torch's ``out=`` is)."""
     if bias is not None:
         acc = acc + bias.float()
     result = acc.to(out_dtype)
-    return out.copy_(result) if out is not None else result
+    if out is None:
+        return result
+    if out.dtype != out_dtype:
+        raise RuntimeError(f"out_dtype must match output matrix type: out is {out.dtype}, out_dtype {out_dtype}")
+    if out.shape != result.shape:
+        out.resize_(result.shape)
+    return out.copy_(result)
 
 
 def set_scaled_mm(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:

@@ -570,7 +570,9 @@ def set_gemm_formats(model: nn.Module, overrides: dict) -> int:
     for name, mod in model.named_modules():
         if isinstance(mod, Float8Linear):
             try:
-                planned.append((mod, mod.config.with_gemm_formats(overrides)))
+                config = mod.config.with_gemm_formats(overrides)
+                mod.check_new_config(config)
+                planned.append((mod, config))
             except (TypeError, ValueError) as e:
                 raise type(e)(
                     f"layer {name or '<root>'!r} refuses the per-GEMM formats {overrides!r} (no layer was changed): {e}"

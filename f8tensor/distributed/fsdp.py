@@ -192,6 +192,9 @@ class Float8AllGatherWeight(HighPrecisionWeight):
             ).to(scale.dtype)
             scale_bytes = torch.cat([scale_bytes, filler.view(torch.uint8)])
         data_bytes = _pad_rows(data.view(torch.uint8), padded_rows)
+        if mesh.size() == 1:
+            # FSDP2 on one rank copies only the first all-gather input: the scales go as metadata.
+            return (data_bytes,), (rows, scale_rows, scale.dtype, block, scale_bytes)
         if rows % mesh.size() == 0:
             return (data_bytes, scale_bytes), (rows, scale_rows, scale.dtype, block, None)
         # Uneven shards: FSDP takes only padded-size inputs, so the scales are gathered apart.
@@ -260,7 +263,10 @@ class Float8AllGatherWeight(HighPrecisionWeight):
         amax = tensor_amax(self._hp)
         held = layer.__dict__.get("fsdp_weight_amax")
         if isinstance(held, torch.Tensor) and held.device == amax.device:
-            held.copy_(amax)  # in place: compile guards on it
+            # In place: compile guards on it. Saved for backward on one rank (no all-reduce copies
+            # it); a backward re-gather writes the same value, so hide the write from autograd's check.
+            with preserve_version_counter(held):
+                held.copy_(amax)
         else:
             layer.fsdp_weight_amax = amax
         history = layer.amax_history_weight

@@ -41,6 +41,10 @@ __all__ = [
 ]
 
 _E8M0_BIAS = 127
+_FP32_MAX = torch.finfo(torch.float32).max
+#: The range of an fp32 multiplier on disk: its reciprocal, and e4m3's largest value times it, finite.
+_MULTIPLIER_MIN = float(torch.reciprocal(torch.tensor(_FP32_MAX)).nextafter(torch.tensor(1.0)))
+_MULTIPLIER_MAX = float(torch.tensor(_FP32_MAX / 448.0, dtype=torch.float32))
 _WEIGHTS, _INDEX = "model.safetensors", "model.safetensors.index.json"
 
 
@@ -225,10 +229,14 @@ def weight_of(
             )
         m = m.reshape(())
         block = (0, 0)
-    ok = torch.isfinite(m) & (m > 0)
+    # The held scale 1 / m must be finite, and 448 * m too: else weights silently become 0 or inf.
+    ok = torch.isfinite(m) & (m >= _MULTIPLIER_MIN) & (m <= _MULTIPLIER_MAX)
     if not bool(ok.all()):
         bad = m[~ok].flatten()[0].item()
-        raise ValueError(f"load_fp8_pretrained: {name} must hold finite positive multipliers; got {bad!r}")
+        raise ValueError(
+            f"load_fp8_pretrained: {name} must hold finite positive multipliers in [{_MULTIPLIER_MIN:.3g}, "
+            f"{_MULTIPLIER_MAX:.3g}] (so that 1 / multiplier and 448 * multiplier are finite in fp32); got {bad!r}"
+        )
     if fmt.ue8m0 and not bool((torch.frexp(m).mantissa == 0.5).all()):
         raise ValueError(f"load_fp8_pretrained: {name}: scale_fmt 'ue8m0' needs every multiplier a power of two")
     return Float8Tensor(data, torch.reciprocal(m), dtype, block), scale

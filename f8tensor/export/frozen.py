@@ -10,7 +10,7 @@ gradients; the weight none.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -45,6 +45,11 @@ class FrozenFloat8Weight(Float8Tensor):
     def requires_grad(self, value: bool) -> None:
         if value:
             raise RuntimeError(f"requires_grad = True: {_FROZEN}")
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict, meta: tuple, outer_size: Any, outer_stride: Any) -> FrozenFloat8Weight:
+        # Traced (torch.compile), the rebuilt weight keeps this type.
+        return FrozenFloat8Weight(inner["_data"], inner["_scale"], *meta)
 
     def detach(self) -> FrozenFloat8Weight:  # type: ignore[override]
         # nn.Parameter(x) wraps x.detach(), which must keep the type.
@@ -106,6 +111,15 @@ class FrozenFloat8Linear(Float8Linear):
         new.register_buffer("checkpoint_scale", multiplier, persistent=False)
         return new
 
+    def check_new_config(self, config: Float8LinearConfig) -> None:
+        super().check_new_config(config)
+        if config.uses_gemm_formats or config.weight.delayed:
+            raise ValueError(
+                "FrozenFloat8Linear.config: a frozen FP8 weight is cast dynamically in FP8, one format for every "
+                "GEMM (no delayed weight scaling, no per-GEMM formats or FP4); load with frozen=False to train "
+                "with such a recipe"
+            )
+
     @property
     def multiplies_file_bytes(self) -> bool:
         """Whether the recipe casts the weight as the checkpoint stores it (no re-cast per call)."""
@@ -126,11 +140,24 @@ class FrozenFloat8Linear(Float8Linear):
         super().reset_parameters()
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> FrozenFloat8Linear:  # type: ignore[override]
+        scale = self._buffers.get("checkpoint_scale")
         super()._apply(fn, recurse)
+        moved = self._buffers.get("checkpoint_scale")
+        if scale is not None and moved is not None and moved.dtype != scale.dtype:
+            # The file's multiplier, written back as stored: model.to(dtype) moves it, never rounds it.
+            self._buffers["checkpoint_scale"] = scale.to(device=moved.device)
+        self._keep_frozen()
+        return self
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._keep_frozen()  # unpickled, the weight is rebuilt as a plain Float8Tensor
+
+    def _keep_frozen(self) -> None:
+        """Re-wrap a weight that lost its frozen type (``_apply``, unpickling)."""
         w = self._parameters.get("weight")
         if isinstance(w, Float8Tensor) and not isinstance(w, FrozenFloat8Weight):
             self._parameters["weight"] = nn.Parameter(frozen_weight(w), requires_grad=False)
-        return self
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, frozen_fp8_weight"

@@ -10,6 +10,7 @@ the per-expert linears the checkpoint stores); trainable, it becomes a high-prec
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 import torch
@@ -29,6 +30,7 @@ from f8tensor.export.checkpoint import (
 from f8tensor.export.frozen import FrozenFloat8Linear
 from f8tensor.export.frozen_experts import CHECKPOINT_SCALE, FrozenFloat8ExpertWeight
 from f8tensor.gemm.rules import ALIGN
+from f8tensor.nn.linear import dims_ok
 from f8tensor.quant.config import Float8LinearConfig
 from f8tensor.tensor.float8 import Float8Tensor
 
@@ -91,6 +93,8 @@ def load_fp8_pretrained(
         )
     tensors = read_tensors(directory)
     plan = _plan(model, tensors, fmt)
+    if frozen:
+        _check_frozen_dims(model, plan.linears, config)
     dtype = _model_dtype(model)
     built = {fqn: weight_of(key, tensors[key], scale, fmt, dtype) for fqn, (key, scale) in plan.linears.items()}
     experts = {
@@ -160,7 +164,12 @@ def _plan(model: nn.Module, tensors: dict[str, torch.Tensor], fmt: CheckpointFor
             raise ValueError(
                 f"load_fp8_pretrained: {key} in the checkpoint is not in the model (a model built from another config?)"
             )
-        if not isinstance(mod, nn.Linear) or isinstance(mod, FrozenFloat8Linear):
+        if isinstance(mod, FrozenFloat8Linear):
+            raise NotImplementedError(
+                f"load_fp8_pretrained: the checkpoint quantizes {key}, whose layer already holds a frozen FP8 "
+                f"weight (load into a freshly built model)"
+            )
+        if not isinstance(mod, nn.Linear):
             raise NotImplementedError(
                 f"load_fp8_pretrained: the checkpoint quantizes {key}, which is a {type(mod).__name__}, not an "
                 f"nn.Linear; FP8 weights load into nn.Linear layers and the rows of expert tensors (3D, first dim "
@@ -297,6 +306,19 @@ def _set_frozen_experts(
     mod = model.get_submodule(parent)
     mod._parameters[name] = nn.Parameter(FrozenFloat8ExpertWeight.of(w8, config), requires_grad=False)
     mod.register_buffer(CHECKPOINT_SCALE.format(name), multiplier, persistent=False)
+
+
+def _check_frozen_dims(model: nn.Module, fqns: Iterable[str], config: Float8LinearConfig) -> None:
+    """Refuse, before the model changes, a frozen layer whose dims ``config``'s GEMMs cannot take."""
+    for fqn in fqns:
+        mod = model.get_submodule(fqn)
+        assert isinstance(mod, nn.Linear)  # checked by _plan
+        if not dims_ok(mod.in_features, mod.out_features, config):
+            raise ValueError(
+                f"load_fp8_pretrained: {fqn} ({mod.in_features} -> {mod.out_features}) has dims the config's FP8 "
+                f"GEMMs cannot take (multiples of 16; FP4: of 32); pass a config with pad_inner_dim=True, or "
+                f"frozen=False (such layers then stay in high precision)"
+            )
 
 
 def _model_dtype(model: nn.Module) -> torch.dtype:

@@ -113,7 +113,12 @@ def _summary(mat1, mat2, scale_a, scale_b, bias, out_dtype, use_fast_accum) -> d
         "kind": _scaling_kind(mat1, mat2, scale_a, scale_b),
         "mat1": mat1.dtype,
         "mat2": mat2.dtype,
-        "shape": (mat1.shape[0], mat1.shape[1], mat2.shape[1]),
+        # (M, K, N); operands that are not matrices (refused by the product) as they are.
+        "shape": (
+            (mat1.shape[0], mat1.shape[1], mat2.shape[1])
+            if mat1.dim() == 2 and mat2.dim() == 2
+            else (tuple(mat1.shape), tuple(mat2.shape))
+        ),
         "out_dtype": out_dtype if out_dtype is not None else mat1.dtype,
         "bias": None if bias is None else bias.dtype,
         "use_fast_accum": use_fast_accum,

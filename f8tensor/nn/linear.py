@@ -160,13 +160,7 @@ class Float8Linear(nn.Linear):
         self.config = check_config(config)
         _check_dims(in_features, out_features, self.config)
         if self.config.any_delayed:
-            n = self.config.delayed.history_len
-            for name in _HISTORY_BUFFERS:
-                self.register_buffer(name, torch.zeros(n, dtype=torch.float32, device=device))
-            for name in _SCALE_BUFFERS:
-                self.register_buffer(name, torch.ones((), dtype=torch.float32, device=device))
-            self.register_buffer(_CALL_KEYS, torch.full((_CALLS,), -1.0, device=device), persistent=False)
-            self.register_buffer(_CALL_SCALES, torch.ones((_CALLS, 2), device=device), persistent=False)
+            self._register_delayed_buffers(device)
         if self.config.collect_stats:
             self._register_stats_buffers(device)
         if self.config.enable_fsdp_float8_all_gather:
@@ -174,14 +168,74 @@ class Float8Linear(nn.Linear):
 
     @property
     def config(self) -> Float8LinearConfig:
-        """The layer's :class:`~f8tensor.Float8LinearConfig`; assigning one re-plans the calls."""
+        """The layer's :class:`~f8tensor.Float8LinearConfig`.
+
+        Assigning one re-plans the calls and adds or drops the delayed and telemetry buffers it
+        reads (fresh, as a newly built layer has them; kept where the new config reads them alike).
+        Raises ValueError, before anything changes, for dims the config cannot take, or for a
+        change of ``enable_fsdp_float8_all_gather`` (or, while on, of the weight's cast).
+        """
         return self._config
 
     @config.setter
     def config(self, config: Float8LinearConfig) -> None:
         # The plan is all a call reads of the config: derived here, never per call.
-        self._config = check_config(config)
-        self._plan: LinearPlan = linear_plan(self._config)
+        config = check_config(config)
+        old: Float8LinearConfig | None = self.__dict__.get("_config")
+        changed = old is not None and old != config
+        if changed:
+            self.check_new_config(config)
+        self._config = config
+        self._plan: LinearPlan = linear_plan(config)
+        if changed:
+            self._match_buffers(config)
+
+    def check_new_config(self, config: Float8LinearConfig) -> None:
+        """Raise ValueError if ``config`` cannot replace this built layer's (nothing changes).
+
+        Refused: dims its GEMMs cannot take, FP8 all-gather that does not match the weight
+        (wrapped or not), or, while wrapped, another weight cast or delayed setting.
+        """
+        _check_dims(self.in_features, self.out_features, config)
+        weight = self._parameters.get("weight")
+        local = dtensor_local(weight) if isinstance(weight, DTensor) else weight
+        wrapped = isinstance(local, Float8AllGatherWeight)
+        if config.enable_fsdp_float8_all_gather != wrapped or (
+            wrapped and (config.weight != self.config.weight or config.delayed != self.config.delayed)
+        ):
+            raise ValueError(
+                f"{type(self).__name__}.config: FP8 all-gather wraps the weight with its cast when the layer is "
+                f"built; enable_fsdp_float8_all_gather (the weight is {'' if wrapped else 'not '}wrapped) and, "
+                f"while it is on, the weight's cast cannot change afterwards. Build the layer with the new config "
+                f"(Float8Linear.from_float of an nn.Linear)"
+            )
+
+    def _match_buffers(self, config: Float8LinearConfig) -> None:
+        """The delayed and telemetry buffers ``config`` reads, as a newly built layer has them (kept if alike)."""
+        device = self.weight.device
+        history = self._buffers.get(_HISTORY_BUFFERS[0])
+        if not config.any_delayed or history is None or history.shape[0] != config.delayed.history_len:
+            for name in _DELAYED_BUFFERS:
+                if name in self._buffers:
+                    delattr(self, name)
+        if config.any_delayed and _HISTORY_BUFFERS[0] not in self._buffers:
+            self._register_delayed_buffers(device)
+        if config.collect_stats != (STATS_BUFFERS[0] in self._buffers):
+            for name in STATS_BUFFERS:
+                if name in self._buffers:
+                    delattr(self, name)
+            if config.collect_stats:
+                self._register_stats_buffers(device)
+        drop_weight_casts(self)
+
+    def _register_delayed_buffers(self, device: torch.device | str | None) -> None:
+        n = self.config.delayed.history_len
+        for name in _HISTORY_BUFFERS:
+            self.register_buffer(name, torch.zeros(n, dtype=torch.float32, device=device))
+        for name in _SCALE_BUFFERS:
+            self.register_buffer(name, torch.ones((), dtype=torch.float32, device=device))
+        self.register_buffer(_CALL_KEYS, torch.full((_CALLS,), -1.0, device=device), persistent=False)
+        self.register_buffer(_CALL_SCALES, torch.ones((_CALLS, 2), device=device), persistent=False)
 
     def _register_stats_buffers(self, device: torch.device | str | None) -> None:
         for name in STATS_BUFFERS:
@@ -352,6 +406,9 @@ class Float8Linear(nn.Linear):
     def _keep_fsdp_weight(self) -> None:
         """Re-wrap a weight replaced by a plain tensor: FP8 all-gather must not silently turn off."""
         weight = self._parameters.get("weight")
+        if isinstance(weight, Float8AllGatherWeight) and weight._source is not None:
+            # A copied or unpickled layer: its weight reads this layer's history, not the original's.
+            weight._source = self._delayed_source()
         # A DTensor (after fully_shard) is FSDP's to manage.
         managed = isinstance(weight, (Float8AllGatherWeight, DTensor))
         if self.config.enable_fsdp_float8_all_gather and weight is not None and not managed:
