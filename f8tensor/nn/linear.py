@@ -19,7 +19,7 @@ from f8tensor.compat import dtensor_local, is_fake
 from f8tensor.distributed.fsdp import DelayedWeightSource, DTensor, Float8AllGatherWeight, wrap_weight
 from f8tensor.gemm.rules import ALIGN
 from f8tensor.kernels import CAST_STATS_FIELDS
-from f8tensor.nn.linear_autograd import LinearArgs, LinearPlan, QuantizedLinearFn, linear_plan
+from f8tensor.nn.linear_autograd import LinearArgs, QuantizedLinearFn, plan_number, planned
 from f8tensor.nn.weight_cache import WeightCasts, drop_weight_casts, weight_casts_of
 from f8tensor.quant.config import Float8LinearConfig
 from f8tensor.quant.formats import HP_DTYPES
@@ -181,7 +181,7 @@ class Float8Linear(nn.Linear):
     def config(self, config: Float8LinearConfig) -> None:
         # The plan is all a call reads of the config: derived here, never per call.
         self._config = check_config(config)
-        self._plan: LinearPlan = linear_plan(self._config)
+        self._plan_number = plan_number(self._config)
 
     def _register_stats_buffers(self, device: torch.device | str | None) -> None:
         for name in STATS_BUFFERS:
@@ -286,8 +286,7 @@ class Float8Linear(nn.Linear):
         if self.in_features == 0 or self.out_features == 0:
             # An empty product: nn.Linear's, in high precision.
             return nn.functional.linear(x, weight.to(x.dtype), bias)
-        # Traced, the plan is derived in the graph: dynamo would guard a stored one field by field.
-        plan = linear_plan(self._config) if compiling else self._plan
+        plan = planned(self._plan_number)
         delayed = DelayedBuffers(*(getattr(self, name) for name in _DELAYED_BUFFERS)) if plan.any_delayed else None
         stats = StatsBuffers(*(getattr(self, name) for name in STATS_BUFFERS)) if plan.collect_stats else None
         on_dtensors = isinstance(x, DTensor) or isinstance(weight, DTensor) or isinstance(bias, DTensor)
@@ -313,7 +312,7 @@ class Float8Linear(nn.Linear):
         if casts is None:
             return None
         param = self.weight
-        if not self._plan.caches_weight or not WeightCasts.cacheable(param):
+        if not planned(self._plan_number).caches_weight or not WeightCasts.cacheable(param):
             return None
         return casts, param
 
@@ -365,7 +364,9 @@ class Float8Linear(nn.Linear):
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
-        # A layer pickled before the plan keeps its config in __dict__: re-plan from it either way.
+        # A layer pickled before the plan keeps its config in __dict__: re-plan from it either way
+        # (a pickled plan number is another process's).
+        self.__dict__.pop("_plan", None)
         self.config = self.__dict__.pop("config", None) or self._config
         self._keep_fsdp_weight()
 

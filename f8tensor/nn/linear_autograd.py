@@ -35,7 +35,7 @@ from f8tensor.tensor.fp4 import Float4Tensor, is_float4
 from f8tensor.tensor.fp4 import transpose_2d as transpose_2d_fp4
 from f8tensor.tensor.product_ops import transpose_2d
 
-__all__ = ["LinearArgs", "LinearPlan", "NoDoubleBackward", "QuantizedLinearFn", "linear_plan"]
+__all__ = ["LinearArgs", "LinearPlan", "NoDoubleBackward", "QuantizedLinearFn", "linear_plan", "plan_number", "planned"]
 
 
 class LinearPlan(NamedTuple):
@@ -89,6 +89,27 @@ def linear_plan(config: Float8LinearConfig) -> LinearPlan:
         # A tensorwise weight re-cast in backward with forward's scale.
         weight_rescale=CastSpec(p_w.cast.dtype),
     )
+
+
+# Plans by number, one per distinct config: a layer keeps only the number, so traced code
+# reads one int (one guard) and gets the plan as a constant.
+_PLANS: list[LinearPlan] = []
+_PLAN_NUMBERS: dict[Float8LinearConfig, int] = {}
+
+
+def plan_number(config: Float8LinearConfig) -> int:
+    """The number of ``config``'s :class:`LinearPlan` (:func:`planned`), planned on first sight."""
+    number = _PLAN_NUMBERS.get(config)
+    if number is None:
+        _PLANS.append(linear_plan(config))
+        number = _PLAN_NUMBERS.setdefault(config, len(_PLANS) - 1)
+    return number
+
+
+@torch.compiler.assume_constant_result
+def planned(number: int) -> LinearPlan:
+    """The :class:`LinearPlan` numbered ``number``; to torch.compile a constant, its fields unguarded."""
+    return _PLANS[number]
 
 
 class LinearArgs(NamedTuple):
