@@ -94,7 +94,8 @@ def cast_for_gemm(
         fused = triton_cast.maybe_cast(hp, spec, scale, layouts=code)
         if fused is not None:
             return GemmCast(*fused)
-    data, scale, _, _, _ = cast_values(hp, spec, scale)
+    # Every argument given: traced, a default read is a guard.
+    data, scale, _, _, _ = cast_values(hp, spec, scale, None, need_amax=False, amax=None, uniform=None)
     compiling = torch.compiler.is_compiling()
     inverse = inverse_scale_of(scale) if scale.dim() == 0 and not compiling else None
     if layouts == "natural":

@@ -121,6 +121,91 @@ def _check_delayed_state(state_dict: dict, prefix: str) -> None:
             raise ValueError(f"load_state_dict: {prefix + name} must hold {allowed}; got {bad!r}")
 
 
+def _check_input(x: object, weight: torch.Tensor, config: Float8LinearConfig) -> None:
+    """What nn.Linear takes, restricted to what FP8 GEMMs can take; said at the entry."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"Float8Linear expects a tensor input; got {type(x).__name__}")
+    f8 = dtensor_local(x) if isinstance(x, DTensor) and isinstance(dtensor_local(x), Float8Tensor) else x
+    if isinstance(f8, Float8Tensor):
+        # Only as this layer's own input cast writes it (distributed.tp); never re-cast.
+        if not _is_own_input_cast(f8, config):
+            raise TypeError(
+                "Float8Linear casts its input itself: pass a high-precision tensor (call .to_hp() first). "
+                f"Got a Float8Tensor ({f8._data.dtype}, blocks {f8._block}) where this layer's input cast is "
+                f"{_describe_cast(config)}; an input gathered by PrepareFloat8ModuleInput must be cast "
+                "as its consumers cast it: pass config= this layer's Float8LinearConfig to "
+                "PrepareFloat8ModuleInput (or leave config unset: it then follows the module's layers)"
+            )
+        return
+    if not x.is_floating_point() or x.dtype not in HP_DTYPES:
+        allowed = ", ".join(str(d) for d in HP_DTYPES)
+        hint = (
+            " (float64 has no FP8 GEMM on GPUs: convert the input, or keep this layer as nn.Linear)"
+            if x.dtype == torch.float64
+            else ""
+        )
+        raise TypeError(f"Float8Linear input must be a floating tensor of dtype {allowed}; got {x.dtype}{hint}")
+    if x.dim() == 0:
+        raise ValueError("Float8Linear input must have at least one dimension (..., in_features); got a 0-dim tensor")
+    # The weight's shape, not the layer's in_features: traced, a module attribute read is a
+    # guard per layer. Also fixes in_features under dynamic=True: torch 2.11's dynamo asserts
+    # if first read inside the autograd Function.
+    if x.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"Float8Linear input must have in_features={weight.shape[1]} as its last dimension; got shape {tuple(x.shape)}"
+        )
+    if weight.dtype not in HP_DTYPES:  # e.g. after model.double()
+        allowed = ", ".join(str(d) for d in HP_DTYPES)
+        raise TypeError(f"Float8Linear weight must have dtype {allowed}; got {weight.dtype}")
+
+
+def _linear_forward(layer: Float8Linear, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``layer``'s forward with ``weight`` as the (out, in) matrix (Float8Conv1D passes a view).
+
+    A function, not a method: traced, each method looked up on a layer is a guard.
+    """
+    bias = cast("torch.Tensor | None", layer.bias)
+    # Not for meta; not while compiling (torch 2.11 cannot trace is_autocast_available).
+    compiling = torch.compiler.is_compiling()
+    if isinstance(x, torch.Tensor) and _autocasting(x, compiling):
+        # As nn.Linear under autocast; the weight is cast to FP8 from its own dtype, the
+        # bias to the input's below.
+        device_type = x.device.type
+        with torch.autocast(device_type, enabled=False):
+            return _linear_forward(layer, x.to(torch.get_autocast_dtype(device_type)), weight)
+    plan = planned(layer._plan_number)
+    _check_input(x, weight, plan.config)
+    if bias is not None and bias.dtype != x.dtype:
+        bias = bias.to(x.dtype)
+    if weight.numel() == 0:
+        # An empty product: nn.Linear's, in high precision.
+        return nn.functional.linear(x, weight.to(x.dtype), bias)
+    delayed = DelayedBuffers(*(getattr(layer, name) for name in _DELAYED_BUFFERS)) if plan.any_delayed else None
+    stats = StatsBuffers(*(getattr(layer, name) for name in STATS_BUFFERS)) if plan.collect_stats else None
+    on_dtensors = isinstance(x, DTensor) or isinstance(weight, DTensor) or isinstance(bias, DTensor)
+    if plan.uses_gemm_formats:
+        if on_dtensors:
+            raise NotImplementedError(f"Float8Linear: {NOT_ON_DTENSORS}")
+        return QuantizedLinearFn.apply(x, weight, bias, LinearArgs(plan.config, None, stats, None, None, plan))
+    # A delayed weight gathered in FP8 by FSDP2: its shard's amax, left here by the gather.
+    weight_amax = layer.__dict__.get("fsdp_weight_amax") if plan.gathers_delayed_weight else None
+    if on_dtensors:
+        return _dtensor_linear_of()(x, weight, bias, LinearArgs(plan.config, delayed, stats, weight_amax, None, None))
+    casts = _weight_casts(layer) if plan.caches_weight else None
+    return QuantizedLinearFn.apply(x, weight, bias, LinearArgs(plan.config, delayed, stats, weight_amax, casts, plan))
+
+
+def _weight_casts(layer: Float8Linear) -> tuple[WeightCasts, torch.Tensor] | None:
+    """(cache, parameter) inside a reuse_weight_casts scope for a cacheable weight; else None."""
+    casts = weight_casts_of(layer)
+    if casts is None:
+        return None
+    param = layer.weight
+    if not WeightCasts.cacheable(param):
+        return None
+    return casts, param
+
+
 class Float8Linear(nn.Linear):
     """A drop-in ``nn.Linear`` whose forward and backward GEMMs run in FP8.
 
@@ -228,93 +313,11 @@ class Float8Linear(nn.Linear):
                 if buf is not None and (name in _DELAYED_BUFFERS or name in STATS_BUFFERS):
                     buf.copy_(_fresh_state(name, buf))
 
-    def _check_input(self, x: object, weight: torch.Tensor) -> None:
-        """What nn.Linear takes, restricted to what FP8 GEMMs can take; said at the entry."""
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"Float8Linear expects a tensor input; got {type(x).__name__}")
-        f8 = dtensor_local(x) if isinstance(x, DTensor) and isinstance(dtensor_local(x), Float8Tensor) else x
-        if isinstance(f8, Float8Tensor):
-            # Only as this layer's own input cast writes it (distributed.tp); never re-cast.
-            if not _is_own_input_cast(f8, self.config):
-                raise TypeError(
-                    "Float8Linear casts its input itself: pass a high-precision tensor (call .to_hp() first). "
-                    f"Got a Float8Tensor ({f8._data.dtype}, blocks {f8._block}) where this layer's input cast is "
-                    f"{_describe_cast(self.config)}; an input gathered by PrepareFloat8ModuleInput must be cast "
-                    "as its consumers cast it: pass config= this layer's Float8LinearConfig to "
-                    "PrepareFloat8ModuleInput (or leave config unset: it then follows the module's layers)"
-                )
-            return
-        if not x.is_floating_point() or x.dtype not in HP_DTYPES:
-            allowed = ", ".join(str(d) for d in HP_DTYPES)
-            hint = (
-                " (float64 has no FP8 GEMM on GPUs: convert the input, or keep this layer as nn.Linear)"
-                if x.dtype == torch.float64
-                else ""
-            )
-            raise TypeError(f"Float8Linear input must be a floating tensor of dtype {allowed}; got {x.dtype}{hint}")
-        if x.dim() == 0:
-            raise ValueError(
-                "Float8Linear input must have at least one dimension (..., in_features); got a 0-dim tensor"
-            )
-        # Also fixes in_features under dynamic=True: torch 2.11's dynamo asserts if first read
-        # inside the autograd Function.
-        if x.shape[-1] != self.in_features:
-            raise ValueError(
-                f"Float8Linear input must have in_features={self.in_features} as its last dimension; got shape {tuple(x.shape)}"
-            )
-        if weight.dtype not in HP_DTYPES:  # e.g. after model.double()
-            allowed = ", ".join(str(d) for d in HP_DTYPES)
-            raise TypeError(f"Float8Linear weight must have dtype {allowed}; got {weight.dtype}")
-
-    def _weight_matrix(self) -> torch.Tensor:
-        """The (out, in) matrix the forward multiplies by."""
-        return self.weight
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight, bias = self._weight_matrix(), cast("torch.Tensor | None", self.bias)
-        # Not for meta; not while compiling (torch 2.11 cannot trace is_autocast_available).
-        compiling = torch.compiler.is_compiling()
-        if isinstance(x, torch.Tensor) and _autocasting(x, compiling):
-            # As nn.Linear under autocast; the weight is cast to FP8 from its own dtype, the
-            # bias to the input's below.
-            device_type = x.device.type
-            with torch.autocast(device_type, enabled=False):
-                return self.forward(x.to(torch.get_autocast_dtype(device_type)))
-        self._check_input(x, weight)
-        if bias is not None and bias.dtype != x.dtype:
-            bias = bias.to(x.dtype)
-        if self.in_features == 0 or self.out_features == 0:
-            # An empty product: nn.Linear's, in high precision.
-            return nn.functional.linear(x, weight.to(x.dtype), bias)
-        plan = planned(self._plan_number)
-        delayed = DelayedBuffers(*(getattr(self, name) for name in _DELAYED_BUFFERS)) if plan.any_delayed else None
-        stats = StatsBuffers(*(getattr(self, name) for name in STATS_BUFFERS)) if plan.collect_stats else None
-        on_dtensors = isinstance(x, DTensor) or isinstance(weight, DTensor) or isinstance(bias, DTensor)
-        if plan.uses_gemm_formats:
-            if on_dtensors:
-                raise NotImplementedError(f"Float8Linear: {NOT_ON_DTENSORS}")
-            return QuantizedLinearFn.apply(x, weight, bias, LinearArgs(plan.config, stats=stats, plan=plan))
-        # A delayed weight gathered in FP8 by FSDP2: its shard's amax, left here by the gather.
-        weight_amax = self.__dict__.get("fsdp_weight_amax") if plan.gathers_delayed_weight else None
-        if on_dtensors:
-            return _dtensor_linear_of()(x, weight, bias, LinearArgs(plan.config, delayed, stats, weight_amax))
-        casts = self._weight_casts() if plan.caches_weight else None
-        return QuantizedLinearFn.apply(
-            x, weight, bias, LinearArgs(plan.config, delayed, stats, weight_amax, casts, plan)
-        )
+        return _linear_forward(self, x, self.weight)
 
     #: Opts in to f8tensor.reuse_weight_casts.
     reuses_weight_casts = True
-
-    def _weight_casts(self) -> tuple[WeightCasts, torch.Tensor] | None:
-        """(cache, parameter) inside a reuse_weight_casts scope for a dynamic, round-to-nearest weight; else None."""
-        casts = weight_casts_of(self)
-        if casts is None:
-            return None
-        param = self.weight
-        if not planned(self._plan_number).caches_weight or not WeightCasts.cacheable(param):
-            return None
-        return casts, param
 
     def _load_from_state_dict(
         self,
@@ -488,6 +491,6 @@ class Float8Conv1D(Float8Linear):
         new.train(conv.training)
         return new
 
-    def _weight_matrix(self) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         # A transposed view: the gradient lands in the parameter's own (in, out) layout.
-        return self.weight.t()
+        return _linear_forward(self, x, self.weight.t())

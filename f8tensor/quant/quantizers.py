@@ -162,7 +162,7 @@ def cast_operand(
     amax_local = None if stats is None else _amax_by_rows(hp)
     # This rank's own amax, not the all-reduced one.
     fp8 = quantize(guarded, spec, gemm, scale=scale, stats=stats, amax=amax_local)[0]
-    fp8 = fp8._replace(data=materialized(fp8._data))
+    fp8 = fp8._replace(data=materialized(fp8._data, None))
     if amax_local is None:
         amax_local = _amax_by_rows(hp)
     if scale_buffer is not None and not recompute:
@@ -317,7 +317,7 @@ class Quantizer(NamedTuple):
             return Quantized(f8, twin, amax)
         # Dynamic, unmeasured: straight to the kernels' cast (what quantize() does, without its branches).
         spec = plan.specs[contracted_dim]
-        out = cast_for_gemm(hp, spec, layouts="natural" if column_major is None else "both")
+        out = cast_for_gemm(hp, spec, None, layouts="natural" if column_major is None else "both")
         f8, twin = from_gemm_cast(out, hp.dtype, spec.block or (0,) * hp.dim(), gemm, column_major)
         if column_major is not None and twin is None:
             twin = column_major_copy(f8, column_major)
@@ -374,7 +374,7 @@ def linear_quantizers(
     hist_in, hist_w, hist_go, scale_in, scale_w = (None,) * 5 if delayed is None else delayed[:5]
     st_in, st_w, st_go = (None,) * 3 if stats is None else stats
     return (
-        Quantizer("input", config, p_in, hist_in, scale_in, st_in),
+        Quantizer("input", config, p_in, hist_in, scale_in, st_in, None),
         Quantizer("weight", config, p_w, hist_w, scale_w, st_w, weight_cache),
-        Quantizer("grad_output", config, p_go, hist_go, None, st_go),
+        Quantizer("grad_output", config, p_go, hist_go, None, st_go, None),
     )

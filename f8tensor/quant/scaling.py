@@ -68,12 +68,13 @@ def amax_to_scale(amax: torch.Tensor, float8_dtype: torch.dtype, *, round_pow2: 
     if round_pow2:
         scale = _round_down_pow2((fmax / amax64.clamp(min=2.0**-100)).to(torch.float32))  # 2.0**-100: EPS (see there)
         # After the rounding, which would turn a NaN scale into inf.
-        return materialized(torch.where(torch.isfinite(amax64), scale, torch.nan))
+        return materialized(torch.where(torch.isfinite(amax64), scale, torch.nan), None)
     # Non-finite -> NaN in one op (the eager hot path counts ops).
-    amax64 = torch.nan_to_num(amax64, nan=math.nan, posinf=math.nan, neginf=math.nan)
+    nan = float("nan")  # not math.nan: traced, a module attribute read is a guard
+    amax64 = torch.nan_to_num(amax64, nan=nan, posinf=nan, neginf=nan)
     scale = (fmax / amax64.clamp(min=2.0**-100)).to(torch.float32)  # 2.0**-100: EPS (see there)
     # Stored once, not recomputed per element.
-    return materialized(scale)
+    return materialized(scale, None)
 
 
 def inverse_scale_of(scale: torch.Tensor) -> torch.Tensor:
