@@ -17,6 +17,9 @@ import torch
 from f8tensor.gemm.check import scaled_mm
 from f8tensor.gemm.operands import col_major, inverse_scale, kernel_scale, row_major
 from f8tensor.gemm.rules import ALIGN
+
+# product() writes ALIGN as the literal 16: traced, a global read is a guard per product.
+assert ALIGN == 16, ALIGN
 from f8tensor.quant.specs import GemmConfig
 from f8tensor.tensor.float8 import Float8Tensor
 
@@ -153,7 +156,7 @@ def product(
     # Layouts the kernels take: A row-major, B column-major.
     a_data, b_data = row_major(a8._data, compiling), col_major(b8._data, compiling)
 
-    pad_k, pad_n = (-k) % ALIGN, (-n) % ALIGN
+    pad_k, pad_n = (-k) % 16, (-n) % 16  # ALIGN
     if pad_k or pad_n:
         if not gemm.pad_inner_dim:
             raise ValueError(

@@ -12,7 +12,7 @@ import torch
 from f8tensor.gemm.blocks import fp4_product
 from f8tensor.gemm.blocks import product as block_product
 from f8tensor.gemm.dense import product as dense_product
-from f8tensor.gemm.operands import BLOCKS, DENSE, check_devices, prepare
+from f8tensor.gemm.operands import BLOCKS, DENSE, prepare
 from f8tensor.quant.formats import FLOAT8_DTYPES, check_hp_dtype
 from f8tensor.quant.specs import DEFAULT_GEMM, CastSpec, GemmConfig
 from f8tensor.tensor.float8 import Float8Tensor, check_scale_values, is_float8, scale_from_number, to_float8
@@ -125,7 +125,9 @@ def matmul(
         RuntimeError: operands not 2D, or inner dims that differ.
         ValueError: operands (or ``bias``) on different devices.
     """
-    _check_devices(a, b, bias)
+    # Operand devices: checked by prepare() (and prepare_fp4()).
+    if bias is not None and bias.device != a.device:
+        raise ValueError(f"FP8 matmul bias is on {bias.device}, the operands on {a.device}: they must share a device")
     if isinstance(a, Float4Tensor) or isinstance(b, Float4Tensor):
         return _fp4_matmul(a, b, bias, out_dtype)
     blockwise = (isinstance(a, Float8Tensor) and a.is_blockwise) or (isinstance(b, Float8Tensor) and b.is_blockwise)
@@ -157,12 +159,6 @@ def _fp4_matmul(
         assert is_float4(ref) or is_float8(ref)
         out_dtype = gemm.out_dtype or ref._orig_dtype
     return fp4_product(a, b, bias, out_dtype, gemm)
-
-
-def _check_devices(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> None:
-    check_devices(a, b)
-    if bias is not None and bias.device != a.device:
-        raise ValueError(f"FP8 matmul bias is on {bias.device}, the operands on {a.device}: they must share a device")
 
 
 _FNUZ = (torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)

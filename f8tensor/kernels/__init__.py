@@ -85,13 +85,13 @@ def cast_for_gemm(
     Raises:
         ValueError: unknown ``layouts``, or a non-2D tensor with a column-major layout.
     """
-    code = _LAYOUTS.get(layouts)
-    if code is None:
+    # A literal, not _LAYOUTS: traced, each key read of a global dict is a guard.
+    if layouts not in ("natural", "both", "column_major"):
         raise ValueError(f"layouts must be one of {sorted(_LAYOUTS)}; got {layouts!r}")
     if layouts != "natural" and hp.dim() != 2:
         raise ValueError(f"cast_for_gemm(layouts={layouts!r}) takes a 2D tensor; got shape {tuple(hp.shape)}")
     if _fused_device(hp):
-        fused = triton_cast.maybe_cast(hp, spec, scale, layouts=code)
+        fused = triton_cast.maybe_cast(hp, spec, scale, layouts=_LAYOUTS[layouts])
         if fused is not None:
             return GemmCast(*fused)
     # Every argument given: traced, a default read is a guard.

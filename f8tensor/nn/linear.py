@@ -191,7 +191,7 @@ def _linear_forward(layer: Float8Linear, x: torch.Tensor, weight: torch.Tensor) 
     weight_amax = layer.__dict__.get("fsdp_weight_amax") if plan.gathers_delayed_weight else None
     if on_dtensors:
         return _dtensor_linear_of()(x, weight, bias, LinearArgs(plan.config, delayed, stats, weight_amax, None, None))
-    casts = _weight_casts(layer) if plan.caches_weight else None
+    casts = _weight_casts(layer) if plan.caches_weight and not compiling else None  # an eager cache
     return QuantizedLinearFn.apply(x, weight, bias, LinearArgs(plan.config, delayed, stats, weight_amax, casts, plan))
 
 

@@ -239,7 +239,7 @@ def _recipe_forward(ctx, x, weight, bias, plan: LinearPlan, args: LinearArgs) ->
     if calls is not None and not recompute:
         key = amax_x if amax_x is not None else sync_amax(tensor_amax(x2))  # type: ignore[arg-type]
         record_call(*calls, key, scale_in, scale_w)  # type: ignore[arg-type]  # calls: delayed buffers exist
-    y = matmul(x8, transpose_2d(w8), bias=bias)  # built, not dispatched: torch.export traces it
+    y = matmul(x8, transpose_2d(w8), bias=bias, out_dtype=None)  # built, not dispatched: torch.export traces it
 
     # Saved for grad_W: a tensorwise x8 as is; other granularities cast along the tokens
     # here, in eager (compiled: the partitioner decides); hp only where no FP8 grad_W runs.
@@ -293,7 +293,7 @@ def _recipe_backward(ctx, grad_y, saved) -> tuple[torch.Tensor | None, ...]:
             w8 = weight._replace(scale=unit, block=(0, 0), gemm=bwd)
         elif isinstance(weight, Float8Tensor) and _blocked_along_k(weight, spec0 := w_plan.specs[0]):
             # Blocks along K (MX 1x32) no kernel reads along N: re-cast, via fp32 deliberately.
-            w8 = cast_second_operand(dequantize(weight, torch.float32), spec0, bwd)
+            w8 = cast_second_operand(dequantize(weight, torch.float32), spec0, bwd, None)
             w8 = w8._replace(orig_dtype=weight._orig_dtype)
         elif isinstance(weight, Float8Tensor):
             w8 = weight._replace(gemm=bwd)
@@ -302,15 +302,15 @@ def _recipe_backward(ctx, grad_y, saved) -> tuple[torch.Tensor | None, ...]:
             if w_plan.tensorwise:
                 w8 = q_w.cached("forward", lambda: quantize(weight, plan.weight_rescale, scale=w_scale)[0])
             else:
-                w8 = q_w.cached("backward", lambda: cast_second_operand(weight, w_plan.specs[0], bwd))
+                w8 = q_w.cached("backward", lambda: cast_second_operand(weight, w_plan.specs[0], bwd, None))
             w8 = w8._replace(gemm=bwd)
         elif not w_plan.tensorwise:
-            w8 = cast_second_operand(weight, w_plan.specs[0], bwd)
+            w8 = cast_second_operand(weight, w_plan.specs[0], bwd, None)
         else:
             # Forward's scale: the same bytes. A delayed scale never saw an inf: make it NaN.
-            hp_w = torch.where(torch.isinf(weight), torch.nan, weight) if w_plan.delayed else weight
+            hp_w = torch.where(torch.isinf(weight), float("nan"), weight) if w_plan.delayed else weight
             w8 = cast_second_operand(hp_w, plan.weight_rescale, bwd, scale=w_scale)
-        grad_x = _unrows(matmul(g8, w8), ctx.x_shape)  # type: ignore[arg-type]  # need_grad_x: g8 was cast
+        grad_x = _unrows(matmul(g8, w8, bias=None, out_dtype=None), ctx.x_shape)  # type: ignore[arg-type]  # need_grad_x: g8 was cast
 
     # grad_W = g.t() @ x: contraction over M.
     grad_w = None
@@ -328,7 +328,7 @@ def _recipe_backward(ctx, grad_y, saved) -> tuple[torch.Tensor | None, ...]:
             else:
                 x8 = q_in.quantize_column_major(saved_x, 0, bwd_w)
             # In the weight's dtype, deliberately: a bf16 output adds a rounding and a pass.
-            grad_w = matmul(transpose_2d(gt8), x8, out_dtype=weight.dtype)
+            grad_w = matmul(transpose_2d(gt8), x8, bias=None, out_dtype=weight.dtype)
         grad_w = grad_w.to(weight.dtype)
     grad_b = g.sum(0) if need_grad_b else None
     # Last: a recomputed amax then shares the weight re-cast's pass.

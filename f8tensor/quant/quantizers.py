@@ -141,13 +141,16 @@ def cast_operand(
     spec = role.specs[contracted_dim]
     if not role.delayed:
         if column_major is not None:
-            f8, twin = quantize(hp, spec, gemm, stats=stats, layouts="both", column_major_gemm=column_major)
+            f8, twin = quantize(
+                hp, spec, gemm, scale=None, stats=stats, amax=None, layouts="both", column_major_gemm=column_major
+            )
             return f8, None, twin
-        return quantize(hp, spec, gemm, stats=stats)[0], None, None
+        f8 = quantize(hp, spec, gemm, scale=None, stats=stats, amax=None, layouts="natural", column_major_gemm=None)[0]
+        return f8, None, None
     assert history is not None  # a delayed cast comes with its amax history
     # The amax is taken after the cast so inductor fuses it into the cast's pass; a scale
     # decided in advance does not see inf, which would saturate: make it NaN.
-    guarded = torch.where(torch.isinf(hp), torch.nan, hp)
+    guarded = torch.where(torch.isinf(hp), float("nan"), hp)  # not torch.nan: traced, a read is a guard
     if recompute:
         assert scale_buffer is not None  # recomputed casts (input, weight) keep their scale
         scale = scale_buffer.clone()
@@ -161,7 +164,9 @@ def cast_operand(
         )
     amax_local = None if stats is None else _amax_by_rows(hp)
     # This rank's own amax, not the all-reduced one.
-    fp8 = quantize(guarded, spec, gemm, scale=scale, stats=stats, amax=amax_local)[0]
+    fp8 = quantize(
+        guarded, spec, gemm, scale=scale, stats=stats, amax=amax_local, layouts="natural", column_major_gemm=None
+    )[0]
     fp8 = fp8._replace(data=materialized(fp8._data, None))
     if amax_local is None:
         amax_local = _amax_by_rows(hp)
@@ -218,7 +223,7 @@ def quantize(
         return f8, None
     if layouts == "both":
         return f8, column_major_copy(f8, column_major_gemm)
-    return column_major_copy(f8), None
+    return column_major_copy(f8, None), None
 
 
 def cast_second_operand(
@@ -226,14 +231,17 @@ def cast_second_operand(
 ) -> Float8Tensor:
     """The weight cast for grad_x's product: column-major on CUDA (and tensorwise on CPU), eager."""
     column_major = not torch.compiler.is_compiling() and (hp.is_cuda or is_tensorwise(spec.block))
-    return quantize(hp, spec, gemm, scale=scale, layouts="column_major" if column_major else "natural")[0]
+    layouts = "column_major" if column_major else "natural"
+    return quantize(hp, spec, gemm, scale=scale, stats=None, amax=None, layouts=layouts, column_major_gemm=None)[0]
 
 
 def cast_column_major(
     stats: torch.Tensor | None, hp: torch.Tensor, spec: CastSpec, gemm: GemmConfig, scale: torch.Tensor | None = None
 ) -> Float8Tensor:
     """:func:`quantize` of a 2D ``hp`` with its bytes column-major."""
-    return quantize(hp, spec, gemm, scale=scale, stats=stats, layouts="column_major")[0]
+    return quantize(
+        hp, spec, gemm, scale=scale, stats=stats, amax=None, layouts="column_major", column_major_gemm=None
+    )[0]
 
 
 def column_major_copy(f8: Float8Tensor, gemm: GemmConfig | None = None) -> Float8Tensor:

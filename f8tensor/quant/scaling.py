@@ -68,7 +68,7 @@ def amax_to_scale(amax: torch.Tensor, float8_dtype: torch.dtype, *, round_pow2: 
     if round_pow2:
         scale = _round_down_pow2((fmax / amax64.clamp(min=2.0**-100)).to(torch.float32))  # 2.0**-100: EPS (see there)
         # After the rounding, which would turn a NaN scale into inf.
-        return materialized(torch.where(torch.isfinite(amax64), scale, torch.nan), None)
+        return materialized(torch.where(torch.isfinite(amax64), scale, float("nan")), None)
     # Non-finite -> NaN in one op (the eager hot path counts ops).
     nan = float("nan")  # not math.nan: traced, a module attribute read is a guard
     amax64 = torch.nan_to_num(amax64, nan=nan, posinf=nan, neginf=nan)
@@ -99,11 +99,11 @@ def materialized(t: torch.Tensor, stride: tuple | None = None) -> torch.Tensor:
 
 
 def _contiguous_strides(shape) -> tuple:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step = step * size
-    return tuple(reversed(strides))
+    # Indexed, not reversed(): traced, each builtin iterator is a guard.
+    strides = [1] * len(shape)
+    for i in range(len(shape) - 1, 0, -1):
+        strides[i - 1] = strides[i] * shape[i]
+    return tuple(strides)
 
 
 def _round_down_pow2(scale: torch.Tensor) -> torch.Tensor:

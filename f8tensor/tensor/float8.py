@@ -15,9 +15,12 @@ from typing import Any, ClassVar, NoReturn
 import torch
 from typing_extensions import TypeIs
 
-from f8tensor import kernels
 from f8tensor.compat import called_by_weights_only_load, is_fake, make_wrapper_subclass
-from f8tensor.kernels import CAST_STATS_FIELDS
+
+# By name: traced, a module reached two ways (here and by the quantizers) is a guard per read.
+from f8tensor.kernels import CAST_STATS_FIELDS, GemmCast, cast_for_gemm, cast_with_stats
+from f8tensor.kernels import cast as kernels_cast
+from f8tensor.kernels import dequantize as kernels_dequantize
 from f8tensor.quant.formats import E8M0, SCALE_DTYPES, check_hp_dtype
 from f8tensor.quant.scaling import inverse_scale_of
 from f8tensor.quant.specs import (
@@ -380,7 +383,7 @@ def to_float8(
     generator: torch.Generator | None = None,
 ) -> Float8Tensor:
     """``hp`` cast per ``spec``, unchecked and without autograd (the library's cast)."""
-    data, scale = kernels.cast(hp, spec, scale, generator=generator)
+    data, scale = kernels_cast(hp, spec, scale, generator=generator)
     return Float8Tensor(data, scale, orig_dtype or hp.dtype, layout_block(spec.block, hp.dim()), gemm)
 
 
@@ -394,12 +397,12 @@ def to_float8_for_gemm(
     column_major_gemm: GemmConfig | None = None,
 ) -> tuple[Float8Tensor, Float8Tensor | None]:
     """:func:`to_float8` and, with ``layouts='both'``, the column-major twin (else None)."""
-    out = kernels.cast_for_gemm(hp, spec, scale, layouts=layouts)
+    out = cast_for_gemm(hp, spec, scale, layouts=layouts)
     return from_gemm_cast(out, hp.dtype, spec.block or (0,) * hp.dim(), gemm, column_major_gemm)
 
 
 def from_gemm_cast(
-    out: kernels.GemmCast,
+    out: GemmCast,
     orig_dtype: torch.dtype,
     block: tuple[int, ...],
     gemm: GemmConfig,
@@ -445,7 +448,7 @@ def to_float8_with_stats(
     generator: torch.Generator | None = None,
 ) -> tuple[Float8Tensor, torch.Tensor]:
     """:func:`to_float8`, also returning the cast's statistics."""
-    data, scale, stats = kernels.cast_with_stats(hp, spec, scale, amax=amax, generator=generator)
+    data, scale, stats = cast_with_stats(hp, spec, scale, amax=amax, generator=generator)
     return Float8Tensor(data, scale, orig_dtype or hp.dtype, layout_block(spec.block, hp.dim()), gemm), stats
 
 
@@ -499,7 +502,7 @@ def cast_to_float8_with_stats(
 
 def dequantize(f8: Float8Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``_data / _scale`` in fp32 per block, cast to ``dtype`` (default: the original)."""
-    return kernels.dequantize(f8._data, f8._scale, f8._block, dtype or f8._orig_dtype)
+    return kernels_dequantize(f8._data, f8._scale, f8._block, dtype or f8._orig_dtype)
 
 
 class _FromHP(torch.autograd.Function):
