@@ -335,7 +335,7 @@ class Quantizer(NamedTuple):
         self, hp: torch.Tensor, contracted_dim: int, gemm: GemmConfig, *, measure: bool = False
     ) -> Float8Tensor:
         """The role's dynamic cast of 2D ``hp``, bytes column-major."""
-        return cast_column_major(self.stats if measure else None, hp, self.plan.specs[contracted_dim], gemm)
+        return cast_column_major(self.stats if measure else None, hp, self.plan.specs[contracted_dim], gemm, None)
 
     def quantize_for(
         self, gemm_name: str, hp: torch.Tensor, contracted_dim: int, gemm: GemmConfig, *, measure: bool = True

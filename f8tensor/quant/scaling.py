@@ -33,6 +33,10 @@ __all__ = [
     "tensor_amax",
 ]
 
+# amax_to_e8m0_scale writes the e8m0 exponent range as literals: traced, a global read is
+# a guard per cast.
+assert (E8M0_MIN_EXP, E8M0_MAX_EXP) == (-127, 127), (E8M0_MIN_EXP, E8M0_MAX_EXP)
+
 #: The least amax: an all-zero tensor gets a finite scale.
 EPS = 2.0**-100
 # Traced code writes the literal 2.0**-100: dynamo would lift a global float to an input.
@@ -226,7 +230,7 @@ def amax_to_e8m0_scale(amax: torch.Tensor, float8_dtype: torch.dtype, mode: str 
         scale = _floor_pow2_f64(format_number(float8_dtype, "max") / amax64)
     else:
         scale = (2.0 ** format_number(float8_dtype, "emax")) / _floor_pow2_f64(amax64)
-    scale = scale.clamp(min=2.0**E8M0_MIN_EXP, max=2.0**E8M0_MAX_EXP)
+    scale = scale.clamp(min=2.0**-127, max=2.0**127)  # E8M0_MIN_EXP, E8M0_MAX_EXP (see there)
     # + (amax - amax): NaN for a non-finite amax, else 0.
     scale = scale + (amax64 - amax64)
     return scale.to(torch.float32).to(E8M0)
