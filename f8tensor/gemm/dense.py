@@ -175,6 +175,7 @@ def product(
         out_dtype=out_dtype,
         use_fast_accum=gemm.use_fast_accum,
         m=m,
+        precise_route=None,
     )
     a_inv, b_inv = inverse_scale(a8, compiling), inverse_scale(b8, compiling)
     if route is Route.TENSORWISE:

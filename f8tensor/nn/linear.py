@@ -164,7 +164,7 @@ def _linear_forward(layer: Float8Linear, x: torch.Tensor, weight: torch.Tensor) 
 
     A function, not a method: traced, each method looked up on a layer is a guard.
     """
-    bias = cast("torch.Tensor | None", layer.bias)
+    bias: torch.Tensor | None = layer.bias  # type: ignore[assignment]  # not typing.cast: a call, and traced a guard
     # Not for meta; not while compiling (torch 2.11 cannot trace is_autocast_available).
     compiling = torch.compiler.is_compiling()
     if isinstance(x, torch.Tensor) and _autocasting(x, compiling):

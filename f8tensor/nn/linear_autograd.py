@@ -233,7 +233,7 @@ def _recipe_forward(ctx, x, weight, bias, plan: LinearPlan, args: LinearArgs) ->
             if not recompute:
                 q_w.keep_scale(weight._scale)
     elif q_w.cache is not None:
-        w8, amax_w = q_w.cached("forward", lambda: q_w.quantize(weight, 1, fwd).tensor), None
+        w8, amax_w = q_w.cached("forward", lambda: q_w.quantize(weight, 1, fwd)[0]), None
     else:
         w8, _, amax_w = q_w.quantize(weight, 1, fwd, recompute=recompute)
     if calls is not None and not recompute:

@@ -23,7 +23,6 @@ from f8tensor.quant.scaling import delayed_scale, materialized, push_amax, tenso
 from f8tensor.tensor.float8 import (
     Float8Tensor,
     from_gemm_cast,
-    to_float8_for_gemm,
     to_float8_with_stats,
     with_inverse_scale,
 )
@@ -210,9 +209,8 @@ def quantize(
         stats.copy_(measured)
         return f4, None
     if stats is None:
-        f8, twin = to_float8_for_gemm(
-            hp, spec, scale=scale, gemm=gemm, layouts=layouts, column_major_gemm=column_major_gemm
-        )
+        out = cast_for_gemm(hp, spec, scale, layouts=layouts)
+        f8, twin = from_gemm_cast(out, hp.dtype, spec.block or (0,) * hp.dim(), gemm, column_major_gemm)
         if layouts == "both" and twin is None:
             twin = column_major_copy(f8, column_major_gemm)
         return f8, twin
@@ -279,12 +277,9 @@ def cast_gemm_operand(
     return quantize(hp, fspec, gemm, stats=stats)[0]
 
 
-class Quantized(NamedTuple):
-    """A role's cast, its column-major copy (or None), and a delayed cast's amax (or None)."""
-
-    tensor: Float8Tensor
-    column_major: Float8Tensor | None
-    amax: torch.Tensor | None
+#: A role's cast, its column-major copy (or None), and a delayed cast's amax (or None). A
+#: plain tuple: traced, building a NamedTuple costs guards.
+Quantized = tuple[Float8Tensor, "Float8Tensor | None", "torch.Tensor | None"]
 
 
 class Quantizer(NamedTuple):
@@ -322,14 +317,14 @@ class Quantizer(NamedTuple):
             f8, amax, twin = cast_operand(
                 hp, plan, contracted_dim, gemm, self.config, self.history, self.scale, recompute, stats, column_major
             )
-            return Quantized(f8, twin, amax)
+            return f8, twin, amax
         # Dynamic, unmeasured: straight to the kernels' cast (what quantize() does, without its branches).
         spec = plan.specs[contracted_dim]
         out = cast_for_gemm(hp, spec, None, layouts="natural" if column_major is None else "both")
         f8, twin = from_gemm_cast(out, hp.dtype, spec.block or (0,) * hp.dim(), gemm, column_major)
         if column_major is not None and twin is None:
             twin = column_major_copy(f8, column_major)
-        return Quantized(f8, twin, None)
+        return f8, twin, None
 
     def quantize_column_major(
         self, hp: torch.Tensor, contracted_dim: int, gemm: GemmConfig, *, measure: bool = False
