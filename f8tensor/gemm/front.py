@@ -130,12 +130,15 @@ def matmul(
         raise ValueError(f"FP8 matmul bias is on {bias.device}, the operands on {a.device}: they must share a device")
     if isinstance(a, Float4Tensor) or isinstance(b, Float4Tensor):
         return _fp4_matmul(a, b, bias, out_dtype)
-    blockwise = (isinstance(a, Float8Tensor) and a.is_blockwise) or (isinstance(b, Float8Tensor) and b.is_blockwise)
+    # A 0-dim scale first: is_blockwise's own first test, without its call.
+    blockwise = (isinstance(a, Float8Tensor) and a._scale.dim() > 0 and a.is_blockwise) or (
+        isinstance(b, Float8Tensor) and b._scale.dim() > 0 and b.is_blockwise
+    )
     if a.dim() != 2 or b.dim() != 2:
         raise RuntimeError(f"FP8 mm expects 2D operands; got {tuple(a.shape)} and {tuple(b.shape)}")
     a8, b8 = prepare(a, b, BLOCKS if blockwise else DENSE, a_k=1, b_k=0)
     _check_operand_dtypes(a8._data.dtype, b8._data.dtype, a8._data.device)
-    gemm = _merged_gemm(a8._gemm, b8._gemm)
+    gemm = a8._gemm if a8._gemm == b8._gemm else _merged_gemm(a8._gemm, b8._gemm)  # the common case inline
     (m, k), (k2, n) = a8.shape, b8.shape
     if k != k2:
         raise RuntimeError(f"mat1 and mat2 shapes cannot be multiplied ({m}x{k} and {k2}x{n})")
@@ -177,7 +180,7 @@ def _check_operand_dtypes(a: torch.dtype, b: torch.dtype, device: torch.device |
         )
     if (a in _FNUZ) != (b in _FNUZ):
         raise ValueError(f"FP8 matmul operands must both be fnuz formats or neither; got {a} x {b}")
-    if device is not None and _nvidia_cuda(device) and a in _FNUZ:
+    if a in _FNUZ and device is not None and _nvidia_cuda(device):
         raise ValueError(
             f"FP8 matmul of {_name(a)} x {_name(b)} on an NVIDIA CUDA device: the fnuz formats exist "
             f"for AMD ROCm GPUs (MI300) only. This device multiplies {_name(torch.float8_e4m3fn)} and "

@@ -94,9 +94,11 @@ def cast_for_gemm(
         fused = triton_cast.maybe_cast(hp, spec, scale, layouts=_LAYOUTS[layouts])
         if fused is not None:
             return GemmCast(*fused)
-    # Every argument given: traced, a default read is a guard.
-    data, scale, _, _, _ = cast_values(hp, spec, scale, None, need_amax=False, amax=None, uniform=None)
     compiling = torch.compiler.is_compiling()
+    # Every argument given: traced, a default read is a guard.
+    data, scale, _, _, _ = cast_values(
+        hp, spec, scale, None, need_amax=False, amax=None, uniform=None, eager=not compiling
+    )
     inverse = inverse_scale_of(scale) if scale.dim() == 0 and not compiling else None
     if layouts == "natural":
         return GemmCast(data, None, scale, inverse)

@@ -159,42 +159,6 @@ def _check_input(x: object, weight: torch.Tensor, config: Float8LinearConfig) ->
         raise TypeError(f"Float8Linear weight must have dtype {allowed}; got {weight.dtype}")
 
 
-def _linear_forward(layer: Float8Linear, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``layer``'s forward with ``weight`` as the (out, in) matrix (Float8Conv1D passes a view).
-
-    A function, not a method: traced, each method looked up on a layer is a guard.
-    """
-    bias: torch.Tensor | None = layer.bias  # type: ignore[assignment]  # not typing.cast: a call, and traced a guard
-    # Not for meta; not while compiling (torch 2.11 cannot trace is_autocast_available).
-    compiling = torch.compiler.is_compiling()
-    if isinstance(x, torch.Tensor) and _autocasting(x, compiling):
-        # As nn.Linear under autocast; the weight is cast to FP8 from its own dtype, the
-        # bias to the input's below.
-        device_type = x.device.type
-        with torch.autocast(device_type, enabled=False):
-            return _linear_forward(layer, x.to(torch.get_autocast_dtype(device_type)), weight)
-    plan = planned(layer._plan_number)
-    _check_input(x, weight, plan.config)
-    if bias is not None and bias.dtype != x.dtype:
-        bias = bias.to(x.dtype)
-    if weight.numel() == 0:
-        # An empty product: nn.Linear's, in high precision.
-        return nn.functional.linear(x, weight.to(x.dtype), bias)
-    delayed = DelayedBuffers(*(getattr(layer, name) for name in _DELAYED_BUFFERS)) if plan.any_delayed else None
-    stats = StatsBuffers(*(getattr(layer, name) for name in STATS_BUFFERS)) if plan.collect_stats else None
-    on_dtensors = isinstance(x, DTensor) or isinstance(weight, DTensor) or isinstance(bias, DTensor)
-    if plan.uses_gemm_formats:
-        if on_dtensors:
-            raise NotImplementedError(f"Float8Linear: {NOT_ON_DTENSORS}")
-        return QuantizedLinearFn.apply(x, weight, bias, LinearArgs(plan.config, None, stats, None, None, plan))
-    # A delayed weight gathered in FP8 by FSDP2: its shard's amax, left here by the gather.
-    weight_amax = layer.__dict__.get("fsdp_weight_amax") if plan.gathers_delayed_weight else None
-    if on_dtensors:
-        return _dtensor_linear_of()(x, weight, bias, LinearArgs(plan.config, delayed, stats, weight_amax, None, None))
-    casts = _weight_casts(layer) if plan.caches_weight and not compiling else None  # an eager cache
-    return QuantizedLinearFn.apply(x, weight, bias, LinearArgs(plan.config, delayed, stats, weight_amax, casts, plan))
-
-
 def _weight_casts(layer: Float8Linear) -> tuple[WeightCasts, torch.Tensor] | None:
     """(cache, parameter) inside a reuse_weight_casts scope for a cacheable weight; else None."""
     casts = weight_casts_of(layer)
@@ -314,7 +278,43 @@ class Float8Linear(nn.Linear):
                     buf.copy_(_fresh_state(name, buf))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _linear_forward(self, x, self.weight)
+        # Float8Conv1D's weight is (in, out): the GEMMs see a transposed view, so the gradient
+        # lands in the parameter's own layout. A type test, not a method: traced, each method
+        # looked up on a layer is a guard.
+        weight = self.weight.t() if isinstance(self, Float8Conv1D) else self.weight
+        bias: torch.Tensor | None = self.bias  # type: ignore[assignment]  # not typing.cast: a call, and traced a guard
+        # Not for meta; not while compiling (torch 2.11 cannot trace is_autocast_available).
+        compiling = torch.compiler.is_compiling()
+        if isinstance(x, torch.Tensor) and _autocasting(x, compiling):
+            # As nn.Linear under autocast; the weight is cast to FP8 from its own dtype, the
+            # bias to the input's below.
+            device_type = x.device.type
+            with torch.autocast(device_type, enabled=False):
+                return self.forward(x.to(torch.get_autocast_dtype(device_type)))
+        plan = planned(self._plan_number)
+        _check_input(x, weight, plan.config)
+        if bias is not None and bias.dtype != x.dtype:
+            bias = bias.to(x.dtype)
+        if weight.numel() == 0:
+            # An empty product: nn.Linear's, in high precision.
+            return nn.functional.linear(x, weight.to(x.dtype), bias)
+        delayed = DelayedBuffers(*(getattr(self, name) for name in _DELAYED_BUFFERS)) if plan.any_delayed else None
+        stats = StatsBuffers(*(getattr(self, name) for name in STATS_BUFFERS)) if plan.collect_stats else None
+        on_dtensors = isinstance(x, DTensor) or isinstance(weight, DTensor) or isinstance(bias, DTensor)
+        if plan.uses_gemm_formats:
+            if on_dtensors:
+                raise NotImplementedError(f"Float8Linear: {NOT_ON_DTENSORS}")
+            return QuantizedLinearFn.apply(x, weight, bias, LinearArgs(plan.config, None, stats, None, None, plan))
+        # A delayed weight gathered in FP8 by FSDP2: its shard's amax, left here by the gather.
+        weight_amax = self.__dict__.get("fsdp_weight_amax") if plan.gathers_delayed_weight else None
+        if on_dtensors:
+            return _dtensor_linear_of()(
+                x, weight, bias, LinearArgs(plan.config, delayed, stats, weight_amax, None, None)
+            )
+        casts = _weight_casts(self) if plan.caches_weight and not compiling else None  # an eager cache
+        return QuantizedLinearFn.apply(
+            x, weight, bias, LinearArgs(plan.config, delayed, stats, weight_amax, casts, plan)
+        )
 
     #: Opts in to f8tensor.reuse_weight_casts.
     reuses_weight_casts = True
@@ -490,7 +490,3 @@ class Float8Conv1D(Float8Linear):
             setattr(new, name, fill)
         new.train(conv.training)
         return new
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # A transposed view: the gradient lands in the parameter's own (in, out) layout.
-        return _linear_forward(self, x, self.weight.t())

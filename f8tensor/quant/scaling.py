@@ -28,6 +28,7 @@ __all__ = [
     "inverse_scale_of",
     "materialized",
     "push_amax",
+    "scale_of_amax",
     "segment_amax",
     "stochastic_round",
     "tensor_amax",
@@ -66,19 +67,25 @@ def _keepdim_shape(shape: torch.Size, dim: int) -> tuple[int, ...]:
 
 def amax_to_scale(amax: torch.Tensor, float8_dtype: torch.dtype, *, round_pow2: bool = False) -> torch.Tensor:
     """``float8_max / amax`` in fp32: finite for amax 0, NaN for a non-finite amax."""
+    # Stored once, not recomputed per element.
+    return materialized(scale_of_amax(amax, float8_dtype, round_pow2), None)
+
+
+def scale_of_amax(amax: torch.Tensor, float8_dtype: torch.dtype, round_pow2: bool) -> torch.Tensor:
+    """:func:`amax_to_scale` not materialized (for a caller that knows it runs eager)."""
     # float64: correctly rounded everywhere, so eager == compiled bitwise.
     amax64 = amax.to(torch.float64)
     fmax = format_number(float8_dtype, "max")
+    # fmax / amax as Tensor.__rdiv__ computes it (reciprocal, then multiply), without its
+    # Python wrapper; 2.0**-100 is EPS (see there).
     if round_pow2:
-        scale = _round_down_pow2((fmax / amax64.clamp(min=2.0**-100)).to(torch.float32))  # 2.0**-100: EPS (see there)
+        scale = _round_down_pow2((amax64.clamp(min=2.0**-100).reciprocal() * fmax).to(torch.float32))
         # After the rounding, which would turn a NaN scale into inf.
-        return materialized(torch.where(torch.isfinite(amax64), scale, float("nan")), None)
+        return torch.where(torch.isfinite(amax64), scale, float("nan"))
     # Non-finite -> NaN in one op (the eager hot path counts ops).
     nan = float("nan")  # not math.nan: traced, a module attribute read is a guard
     amax64 = torch.nan_to_num(amax64, nan=nan, posinf=nan, neginf=nan)
-    scale = (fmax / amax64.clamp(min=2.0**-100)).to(torch.float32)  # 2.0**-100: EPS (see there)
-    # Stored once, not recomputed per element.
-    return materialized(scale, None)
+    return (amax64.clamp(min=2.0**-100).reciprocal() * fmax).to(torch.float32)
 
 
 def inverse_scale_of(scale: torch.Tensor) -> torch.Tensor:

@@ -140,13 +140,7 @@ class Float8Tensor(QuantizedTensor):
             if block is None and isinstance(data, torch.Tensor):
                 block = layout_block((), data.dim())
             scale = validate_fields(data, scale, orig_dtype, block, gemm)
-        self = make_wrapper_subclass(cls, data, dtype=orig_dtype, requires_grad=False)
-        self._data = data
-        self._scale = scale
-        self._orig_dtype = orig_dtype
-        self._block = layout_block((), data.dim()) if block is None else block
-        self._gemm = gemm
-        return self
+        return _built(cls, data, scale, orig_dtype, layout_block((), data.dim()) if block is None else block, gemm)
 
     # ----------------------------------------------------------------- construction
 
@@ -270,9 +264,13 @@ class Float8Tensor(QuantizedTensor):
         if "data" in changes and "block" not in changes and changes["data"].dim() != self._data.dim():
             raise ValueError("Float8Tensor._replace: new data of another ndim needs its block")
         fields.update(changes)
-        new = Float8Tensor(**fields)
         # Only eager casts set the cache: traced tensors never carry one (no is_compiling() read).
-        if fields["scale"] is self._scale and self._inv_scale is not None:
+        if self._inv_scale is None or fields["block"] is None:
+            return Float8Tensor(**fields)
+        new = _built(
+            Float8Tensor, fields["data"], fields["scale"], fields["orig_dtype"], fields["block"], fields["gemm"]
+        )
+        if fields["scale"] is self._scale:
             new._inv_scale = self._inv_scale
         return new
 
@@ -401,6 +399,36 @@ def to_float8_for_gemm(
     return from_gemm_cast(out, hp.dtype, spec.block or (0,) * hp.dim(), gemm, column_major_gemm)
 
 
+def _built(
+    cls: type[Float8Tensor],
+    data: torch.Tensor,
+    scale: torch.Tensor,
+    orig_dtype: torch.dtype,
+    block: tuple[int, ...],
+    gemm: GemmConfig,
+) -> Float8Tensor:
+    """A ``cls`` of these fields, unchecked: the library's own casts and rebuilds (and ``__new__``)."""
+    self = make_wrapper_subclass(cls, data, dtype=orig_dtype, requires_grad=False)
+    self._data = data
+    self._scale = scale
+    self._orig_dtype = orig_dtype
+    self._block = block
+    self._gemm = gemm
+    return self
+
+
+def _class_call(
+    cls: type[Float8Tensor],
+    data: torch.Tensor,
+    scale: torch.Tensor,
+    orig_dtype: torch.dtype,
+    block: tuple[int, ...],
+    gemm: GemmConfig,
+) -> Float8Tensor:
+    """``cls(...)``: :func:`_built`'s traced twin."""
+    return cls(data, scale, orig_dtype, block, gemm)
+
+
 def from_gemm_cast(
     out: GemmCast,
     orig_dtype: torch.dtype,
@@ -414,12 +442,14 @@ def from_gemm_cast(
         block: the data's ``_block`` (a spec's block, or zeros for tensorwise).
         column_major_gemm: the twin's GEMM config (default ``gemm``).
     """
-    f8 = Float8Tensor(out.data, out.scale, orig_dtype, block, gemm)
+    # Eager (a kept inverse says so without asking): built without __new__'s load check, which
+    # dynamo traces only as a class call.
+    cls = _built if out.inverse is not None or not torch.compiler.is_compiling() else _class_call
+    f8 = cls(Float8Tensor, out.data, out.scale, orig_dtype, block, gemm)
     twin = None
     if out.column_major is not None:
-        twin = Float8Tensor(
-            out.column_major, out.scale, orig_dtype, block, gemm if column_major_gemm is None else column_major_gemm
-        )
+        twin_gemm = gemm if column_major_gemm is None else column_major_gemm
+        twin = cls(Float8Tensor, out.column_major, out.scale, orig_dtype, block, twin_gemm)
     if out.inverse is not None:
         f8._inv_scale = out.inverse
         if twin is not None:
