@@ -19,7 +19,7 @@ from f8tensor.compat import dtensor_local, is_fake
 from f8tensor.distributed.fsdp import DelayedWeightSource, DTensor, Float8AllGatherWeight, wrap_weight
 from f8tensor.gemm.rules import ALIGN
 from f8tensor.kernels import CAST_STATS_FIELDS
-from f8tensor.nn.linear_autograd import LinearArgs, QuantizedLinearFn, plan_number, planned
+from f8tensor.nn.linear_autograd import LinearArgs, QuantizedLinearFn, linear_plan, plan_number, planned
 from f8tensor.nn.weight_cache import WeightCasts, drop_weight_casts, weight_casts_of
 from f8tensor.quant.config import Float8LinearConfig
 from f8tensor.quant.formats import HP_DTYPES
@@ -121,13 +121,16 @@ def _check_delayed_state(state_dict: dict, prefix: str) -> None:
             raise ValueError(f"load_state_dict: {prefix + name} must hold {allowed}; got {bad!r}")
 
 
-def _check_input(x: object, weight: torch.Tensor, config: Float8LinearConfig) -> None:
+def _check_input(x: object, weight: torch.Tensor, layer: Float8Linear) -> None:
     """What nn.Linear takes, restricted to what FP8 GEMMs can take; said at the entry."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"Float8Linear expects a tensor input; got {type(x).__name__}")
     f8 = dtensor_local(x) if isinstance(x, DTensor) and isinstance(dtensor_local(x), Float8Tensor) else x
     if isinstance(f8, Float8Tensor):
-        # Only as this layer's own input cast writes it (distributed.tp); never re-cast.
+        # Only as this layer's own input cast writes it (distributed.tp); never re-cast. The
+        # layer's config, not its plan's: traced, the plan is a constant whose methods dynamo
+        # cannot call.
+        config = layer._config
         if not _is_own_input_cast(f8, config):
             raise TypeError(
                 "Float8Linear casts its input itself: pass a high-precision tensor (call .to_hp() first). "
@@ -292,7 +295,11 @@ class Float8Linear(nn.Linear):
             with torch.autocast(device_type, enabled=False):
                 return self.forward(x.to(torch.get_autocast_dtype(device_type)))
         plan = planned(self._plan_number)
-        _check_input(x, weight, plan.config)
+        if plan.uses_gemm_formats and compiling:
+            # Per-GEMM formats call the config's methods, which dynamo cannot on a constant:
+            # traced, their plan is derived from the config (guarded field by field).
+            plan = linear_plan(self._config)
+        _check_input(x, weight, self)
         if bias is not None and bias.dtype != x.dtype:
             bias = bias.to(x.dtype)
         if weight.numel() == 0:
@@ -309,7 +316,7 @@ class Float8Linear(nn.Linear):
         weight_amax = self.__dict__.get("fsdp_weight_amax") if plan.gathers_delayed_weight else None
         if on_dtensors:
             return _dtensor_linear_of()(
-                x, weight, bias, LinearArgs(plan.config, delayed, stats, weight_amax, None, None)
+                x, weight, bias, LinearArgs(self._config, delayed, stats, weight_amax, None, None)
             )
         casts = _weight_casts(self) if plan.caches_weight and not compiling else None  # an eager cache
         return QuantizedLinearFn.apply(

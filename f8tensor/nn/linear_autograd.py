@@ -276,7 +276,7 @@ def _recipe_backward(ctx, grad_y, saved) -> tuple[torch.Tensor | None, ...]:
     g8 = None
     gw_uses_g8 = plan.gw_uses_g8
     # FP8-gathered rowwise W = W8 / s: g @ W = (g / s) @ W8 keeps the gathered bytes (CHANGELOG).
-    fold = need_grad_x and isinstance(weight, Float8Tensor) and _row_scaled(weight) and go_plan.cast.rowwise
+    fold = need_grad_x and isinstance(weight, Float8Tensor) and _row_scaled(weight) and go_plan.rowwise
     g8_cm = None
     if need_grad_x or (need_grad_w and gw_uses_g8) or go_plan.delayed:
         g_x = g.float() / weight._scale.reshape(1, -1) if fold else g
@@ -331,9 +331,10 @@ def _recipe_backward(ctx, grad_y, saved) -> tuple[torch.Tensor | None, ...]:
             grad_w = matmul(transpose_2d(gt8), x8, bias=None, out_dtype=weight.dtype)
         grad_w = grad_w.to(weight.dtype)
     grad_b = g.sum(0) if need_grad_b else None
-    # Last: a recomputed amax then shares the weight re-cast's pass.
-    q_in.push(amax_x)
-    q_w.push(amax_w)
+    if plan.any_delayed:  # only delayed casts return an amax
+        # Last: a recomputed amax then shares the weight re-cast's pass.
+        q_in.push(amax_x)
+        q_w.push(amax_w)
     return grad_x, grad_w, grad_b
 
 

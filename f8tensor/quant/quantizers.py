@@ -73,12 +73,15 @@ class RolePlan(NamedTuple):
     """A role's CastConfig and what each of its casts reads of it, derived once.
 
     ``specs``: the operand :class:`CastSpec` of a 2D operand contracted over dim 0 and dim 1.
+    Traced, a plan is a constant whose config methods and properties dynamo cannot call:
+    what the calls read of them is a field here.
     """
 
     cast: CastConfig
     delayed: bool
     tensorwise: bool
     specs: tuple[CastSpec, CastSpec]
+    rowwise: bool
 
 
 def role_plan(cast: CastConfig) -> RolePlan:
@@ -86,7 +89,7 @@ def role_plan(cast: CastConfig) -> RolePlan:
     along_k = cast.operand_spec(1)
     # A 2D operand contracted over dim 0 has the transposed block (one read of cast: one guard traced).
     along_m = CastSpec(along_k.float8_dtype, along_k.block[::-1], *along_k[2:])
-    return RolePlan(cast, cast.delayed, cast.tensorwise, (along_m, along_k))
+    return RolePlan(cast, cast.delayed, cast.tensorwise, (along_m, along_k), cast.rowwise)
 
 
 def record_call(

@@ -222,7 +222,13 @@ class Float8Tensor(QuantizedTensor):
     @property
     def is_blockwise(self) -> bool:
         """True for a block scale (1x128, 128x128, MX, ...)."""
-        return self._scale.dim() > 0 and is_blockwise(self._block)
+        if self._scale.dim() == 0:
+            return False
+        # specs.is_blockwise's rule, inlined: read by every product. Not all-zero (tensorwise),
+        # not one 0 among 1s (axiswise).
+        block = self._block
+        zeros = block.count(0)
+        return zeros != len(block) and not (zeros == 1 and block.count(1) == len(block) - 1)
 
     @property
     def block(self) -> tuple[int, ...]:
