@@ -16,15 +16,17 @@ from helpers import load_script
 BENCH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
 
 #: variant -> (guards, CPU kernels of forward + backward), at most (torch 2.13, CPU).
-#: bf16's are the reference the ratios are taken against (169 guards, 13 kernels).
+#: bf16's are the reference the ratios are taken against (169 guards, 13 kernels). Guards
+#: measured 337, 356, 343, 426, 335, 335 (torchao 0.18: 347 both); budgets +3%, capped at
+#: 2x bf16 where reached.
 BUDGETS = {
     "bf16": (169, 13),
-    "tensorwise": (708, 17),
-    "rowwise": (809, 20),
-    "rowwise_with_gw_hp": (733, 20),
-    "delayed": (1007, 17),
-    "blockwise": (908, 24),
-    "mxfp8": (904, 52),
+    "tensorwise": (338, 17),
+    "rowwise": (367, 20),
+    "rowwise_with_gw_hp": (353, 20),
+    "delayed": (439, 17),
+    "blockwise": (338, 24),
+    "mxfp8": (338, 52),
 }
 
 pytestmark = [
