@@ -103,6 +103,7 @@ PYTHON_CALL_BUDGETS = {
     "mxfp8": (432, 290),
 }
 
+
 @pytest.mark.skipif(
     torch.__version__.split("+")[0].rsplit(".", 1)[0] != "2.13",
     reason="the budgets count torch 2.13's own Python calls too",
