@@ -333,7 +333,11 @@ class Quantizer(NamedTuple):
         self, hp: torch.Tensor, contracted_dim: int, gemm: GemmConfig, *, measure: bool = False
     ) -> Float8Tensor:
         """The role's dynamic cast of 2D ``hp``, bytes column-major."""
-        return cast_column_major(self.stats if measure else None, hp, self.plan.specs[contracted_dim], gemm, None)
+        stats, spec = self.stats if measure else None, self.plan.specs[contracted_dim]
+        # quantize() itself, not cast_column_major(): one call and, traced, one guard fewer.
+        return quantize(
+            hp, spec, gemm, scale=None, stats=stats, amax=None, layouts="column_major", column_major_gemm=None
+        )[0]
 
     def quantize_for(
         self, gemm_name: str, hp: torch.Tensor, contracted_dim: int, gemm: GemmConfig, *, measure: bool = True
