@@ -85,16 +85,6 @@ def _describe_cast(config: Float8LinearConfig) -> str:
     return f"{cast.dtype} {cast.granularity} {cast.scaling.value}"
 
 
-def _autocasting(x: torch.Tensor, compiling: bool) -> bool:
-    """Whether autocast is on for floating ``x``'s device (never for meta)."""
-    device_type = x.device.type
-    if compiling:
-        available = device_type != "meta"
-    else:
-        available = torch.amp.is_autocast_available(device_type)
-    return available and torch.is_autocast_enabled(device_type) and x.is_floating_point()
-
-
 def _is_own_input_cast(x: Float8Tensor, config: Float8LinearConfig) -> bool:
     """``x`` carries the FP8 dtype and blocks of ``config``'s (dynamic) input cast."""
     cast = config.input
@@ -288,12 +278,14 @@ class Float8Linear(nn.Linear):
         bias: torch.Tensor | None = self.bias  # type: ignore[assignment]  # not typing.cast: a call, and traced a guard
         # Not for meta; not while compiling (torch 2.11 cannot trace is_autocast_available).
         compiling = torch.compiler.is_compiling()
-        if isinstance(x, torch.Tensor) and _autocasting(x, compiling):
-            # As nn.Linear under autocast; the weight is cast to FP8 from its own dtype, the
-            # bias to the input's below.
+        if isinstance(x, torch.Tensor):
             device_type = x.device.type
-            with torch.autocast(device_type, enabled=False):
-                return self.forward(x.to(torch.get_autocast_dtype(device_type)))
+            available = device_type != "meta" if compiling else torch.amp.is_autocast_available(device_type)
+            if available and torch.is_autocast_enabled(device_type) and x.is_floating_point():
+                # As nn.Linear under autocast; the weight is cast to FP8 from its own dtype, the
+                # bias to the input's below.
+                with torch.autocast(device_type, enabled=False):
+                    return self.forward(x.to(torch.get_autocast_dtype(device_type)))
         plan = planned(self._plan_number)
         if plan.uses_gemm_formats and compiling:
             # Per-GEMM formats call the config's methods, which dynamo cannot on a constant:

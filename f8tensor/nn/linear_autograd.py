@@ -134,11 +134,6 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
 
 
-def _unrows(t: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    """The 2D product ``t`` in the caller's ``shape``."""
-    return t if t.shape == shape else t.reshape(shape)
-
-
 def _token_rows(x: Float8Tensor, gemm: GemmConfig) -> Float8Tensor:
     """An FP8 input (..., K) as the (tokens, K) operand; its scales must be per tensor or token."""
     k = x.shape[-1]
@@ -310,7 +305,9 @@ def _recipe_backward(ctx, grad_y, saved) -> tuple[torch.Tensor | None, ...]:
             # Forward's scale: the same bytes. A delayed scale never saw an inf: make it NaN.
             hp_w = torch.where(torch.isinf(weight), float("nan"), weight) if w_plan.delayed else weight
             w8 = cast_second_operand(hp_w, plan.weight_rescale, bwd, scale=w_scale)
-        grad_x = _unrows(matmul(g8, w8, bias=None, out_dtype=None), ctx.x_shape)  # type: ignore[arg-type]  # need_grad_x: g8 was cast
+        grad_x = matmul(g8, w8, bias=None, out_dtype=None)  # type: ignore[arg-type]  # need_grad_x: g8 was cast
+        if grad_x.shape != ctx.x_shape:  # not a view of another shape
+            grad_x = grad_x.reshape(ctx.x_shape)
 
     # grad_W = g.t() @ x: contraction over M.
     grad_w = None

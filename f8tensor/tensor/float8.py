@@ -423,18 +423,6 @@ def _built(
     return self
 
 
-def _class_call(
-    cls: type[Float8Tensor],
-    data: torch.Tensor,
-    scale: torch.Tensor,
-    orig_dtype: torch.dtype,
-    block: tuple[int, ...],
-    gemm: GemmConfig,
-) -> Float8Tensor:
-    """``cls(...)``: :func:`_built`'s traced twin."""
-    return cls(data, scale, orig_dtype, block, gemm)
-
-
 def from_gemm_cast(
     out: GemmCast,
     orig_dtype: torch.dtype,
@@ -450,12 +438,16 @@ def from_gemm_cast(
     """
     # Eager (a kept inverse says so without asking): built without __new__'s load check, which
     # dynamo traces only as a class call.
-    cls = _built if out.inverse is not None or not torch.compiler.is_compiling() else _class_call
-    f8 = cls(Float8Tensor, out.data, out.scale, orig_dtype, block, gemm)
+    twin_gemm = gemm if column_major_gemm is None else column_major_gemm
     twin = None
-    if out.column_major is not None:
-        twin_gemm = gemm if column_major_gemm is None else column_major_gemm
-        twin = cls(Float8Tensor, out.column_major, out.scale, orig_dtype, block, twin_gemm)
+    if out.inverse is not None or not torch.compiler.is_compiling():
+        f8 = _built(Float8Tensor, out.data, out.scale, orig_dtype, block, gemm)
+        if out.column_major is not None:
+            twin = _built(Float8Tensor, out.column_major, out.scale, orig_dtype, block, twin_gemm)
+    else:
+        f8 = Float8Tensor(out.data, out.scale, orig_dtype, block, gemm)
+        if out.column_major is not None:
+            twin = Float8Tensor(out.column_major, out.scale, orig_dtype, block, twin_gemm)
     if out.inverse is not None:
         f8._inv_scale = out.inverse
         if twin is not None:
