@@ -89,18 +89,18 @@ def test_ops_per_step_at_most_the_ceiling(recipe, no_rules_check):
 
 
 #: recipe -> (Python calls in all, in f8tensor's files) of one eager step, at most (torch 2.13,
-#: CPU, benchmarks/bench_eager_overhead.py's step after three warm-ups; measured 245/170, 317/221,
-#: 219/142, 334/223, 425/287, 419/281, plus ~3%). torchao 0.18 on the
+#: CPU, benchmarks/bench_eager_overhead.py's step after three warm-ups; measured 233/158, 300/204,
+#: 210/133, 322/211, 411/273, 405/267, plus ~3%). torchao 0.18 on the
 #: same step: tensorwise 416 (116 in torchao), rowwise 423 (120). The CPU product's input
 #: checks (a CPU-only path) added 4-12 calls, the block recipes' one compilation for every
 #: token count 52 (a traced-or-not test per block expansion).
 PYTHON_CALL_BUDGETS = {
-    "tensorwise": (250, 175),
-    "rowwise": (327, 228),
-    "rowwise_with_gw_hp": (226, 146),
-    "delayed": (344, 230),
-    "blockwise": (438, 296),
-    "mxfp8": (432, 290),
+    "tensorwise": (240, 163),
+    "rowwise": (309, 210),
+    "rowwise_with_gw_hp": (216, 137),
+    "delayed": (332, 217),
+    "blockwise": (423, 281),
+    "mxfp8": (417, 275),
 }
 
 
