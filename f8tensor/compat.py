@@ -119,6 +119,12 @@ _SCALED_GROUPED_MM = torch._scaled_grouped_mm
 _GROUPED_MM = torch._grouped_mm
 
 
+@torch.compiler.assume_constant_result
+def _has_cpu_rowwise_scaled_mm() -> bool:
+    """:data:`HAS_CPU_ROWWISE_SCALED_MM`, fixed per torch build: a constant to torch.compile (no guard)."""
+    return HAS_CPU_ROWWISE_SCALED_MM
+
+
 #: False: every CPU product to ``torch._scaled_mm`` (benchmarks of compiled graphs).
 CPU_PRODUCTS_IN_FP32: bool = True
 
@@ -157,9 +163,10 @@ def scaled_mm(
         and not torch.compiler.is_exporting()
         and (
             (scale_a.numel() == 1 and scale_b.numel() == 1)
-            or not HAS_CPU_ROWWISE_SCALED_MM
-            or mat1.dtype in _FNUZ
-            or mat2.dtype in _FNUZ
+            or not _has_cpu_rowwise_scaled_mm()
+            # By name, not membership in _FNUZ: traced, each read of a global tuple is a guard.
+            or "fnuz" in str(mat1.dtype)
+            or "fnuz" in str(mat2.dtype)
         )
     ):
         acc = cpu_scaled_mm(mat1, mat2, scale_a, scale_b)

@@ -61,7 +61,7 @@ def product(
 ) -> torch.Tensor:
     """``a8 (M, K) @ b8 (K, N)`` (+ ``bias``) where at least one operand is block-scaled."""
     scale_dtype = a8._scale.dtype if a8._scale.dtype == b8._scale.dtype else None
-    rule = block_rule_for(a8._block, b8._block, scale_dtype) if scale_dtype is not None else None
+    rule = block_rule_for(a8._block, b8._block, scale_dtype, None) if scale_dtype is not None else None
     on_cuda = a8._data.device.type == "cuda"
     if on_cuda and not gemm.emulate:
         return _kernel_mm(rule, a8, b8, bias, out_dtype, gemm)
@@ -220,7 +220,18 @@ def _block_kernel_scales(rule: BlockScaledMMRule, a8: Float8Tensor, b8: Float8Te
 
 
 def _takes_operands(rule: BlockScaledMMRule, a8: Float8Tensor, b8: Float8Tensor) -> bool:
-    return a8._data.dtype in rule.operand_dtypes and b8._data.dtype in rule.operand_dtypes
+    return _takes_dtypes(rule.name, a8._data.dtype, b8._data.dtype)
+
+
+#: The rows of BLOCK_SCALED_MM_RULES by name.
+_RULES_BY_NAME = {r.name: r for r in BLOCK_SCALED_MM_RULES}
+
+
+# A constant to torch.compile: dynamo cannot guard a set test on a constant row.
+@torch.compiler.assume_constant_result
+def _takes_dtypes(rule_name: str, a: torch.dtype, b: torch.dtype) -> bool:
+    dtypes = _RULES_BY_NAME[rule_name].operand_dtypes
+    return a in dtypes and b in dtypes
 
 
 def _kernel_args(rule: BlockScaledMMRule, a8: Float8Tensor, b8: Float8Tensor, pads=(0, 0, 0)):

@@ -197,7 +197,9 @@ def scaled_mm(mat1, mat2, scale_a, scale_b, *, bias=None, out_dtype=None, use_fa
         return checked_scaled_mm(
             mat1, mat2, scale_a, scale_b, bias=bias, out_dtype=out_dtype, use_fast_accum=use_fast_accum
         )
-    return compat_scaled_mm(mat1, mat2, scale_a, scale_b, bias=bias, out_dtype=out_dtype, use_fast_accum=use_fast_accum)
+    return compat_scaled_mm(
+        mat1, mat2, scale_a, scale_b, bias=bias, out_dtype=out_dtype, scale_result=None, use_fast_accum=use_fast_accum
+    )
 
 
 def block_scaled_mm(mat_a, mat_b, scale_a, recipe_a, scale_b, recipe_b, **kwargs: Any) -> torch.Tensor:

@@ -85,17 +85,20 @@ def cast_for_gemm(
     Raises:
         ValueError: unknown ``layouts``, or a non-2D tensor with a column-major layout.
     """
-    code = _LAYOUTS.get(layouts)
-    if code is None:
+    # A literal, not _LAYOUTS: traced, each key read of a global dict is a guard.
+    if layouts not in ("natural", "both", "column_major"):
         raise ValueError(f"layouts must be one of {sorted(_LAYOUTS)}; got {layouts!r}")
     if layouts != "natural" and hp.dim() != 2:
         raise ValueError(f"cast_for_gemm(layouts={layouts!r}) takes a 2D tensor; got shape {tuple(hp.shape)}")
     if _fused_device(hp):
-        fused = triton_cast.maybe_cast(hp, spec, scale, layouts=code)
+        fused = triton_cast.maybe_cast(hp, spec, scale, layouts=_LAYOUTS[layouts])
         if fused is not None:
             return GemmCast(*fused)
-    data, scale, _, _, _ = cast_values(hp, spec, scale)
     compiling = torch.compiler.is_compiling()
+    # Every argument given: traced, a default read is a guard.
+    data, scale, _, _, _ = cast_values(
+        hp, spec, scale, None, need_amax=False, amax=None, uniform=None, eager=not compiling
+    )
     inverse = inverse_scale_of(scale) if scale.dim() == 0 and not compiling else None
     if layouts == "natural":
         return GemmCast(data, None, scale, inverse)

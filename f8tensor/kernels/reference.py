@@ -11,12 +11,13 @@ import torch
 
 from f8tensor.quant.formats import E8M0, format_number, saturated_cast, saturation_bound
 from f8tensor.quant.scaling import (
+    abs_max,
     amax_to_e8m0_scale,
     amax_to_scale,
     block_abs_max,
     block_amax,
-    dynamic_scale,
     expand_block_scale,
+    scale_of_amax,
     stochastic_round,
     tensor_amax,
 )
@@ -46,7 +47,7 @@ def cast(
         generator: for stochastic rounding.
         uniform: the draws of a stochastic rounding, given instead.
     """
-    data, scale, _, _, _ = cast_values(hp, spec, scale, generator, need_amax=False, uniform=uniform)
+    data, scale, _, _, _ = cast_values(hp, spec, scale, generator, need_amax=False, amax=None, uniform=uniform)
     return data, scale
 
 
@@ -85,8 +86,13 @@ def cast_with_stats(
     return data, scale, _cast_stats(hp, scaled, group_amax, scale32, spec.float8_dtype)
 
 
-def cast_values(hp, spec: CastSpec, scale=None, generator=None, *, need_amax=False, amax=None, uniform=None):
-    """The saturating cast both casts share: (data, scale, scaled fp32 values, group amax, fp32 scale)."""
+def cast_values(
+    hp, spec: CastSpec, scale=None, generator=None, *, need_amax=False, amax=None, uniform=None, eager=False
+):
+    """The saturating cast both casts share: (data, scale, scaled fp32 values, group amax, fp32 scale).
+
+    ``eager``: the caller knows it runs eager (a dynamic scale is then not materialized).
+    """
     float8_dtype, block = spec.float8_dtype, spec.block
     group_amax = None
     # Tensorwise or axiswise with fp32 scales: the per-axis amax kernels (same bits as block ones).
@@ -102,7 +108,12 @@ def cast_values(hp, spec: CastSpec, scale=None, generator=None, *, need_amax=Fal
         axis = block.index(0)
     if tensorwise or axis is not None:
         if scale is None and not need_amax:
-            scale = dynamic_scale(hp, float8_dtype, axiswise_dim=axis, round_pow2=spec.power_of_2)
+            # dynamic_scale's body; materialized only where it matters (compiled).
+            amax = abs_max(hp, axis)
+            if eager:
+                scale = scale_of_amax(amax, float8_dtype, spec.power_of_2)
+            else:
+                scale = amax_to_scale(amax, float8_dtype, round_pow2=spec.power_of_2)
         elif scale is None:
             group_amax = tensor_amax(hp, axis)
             scale = amax_to_scale(group_amax, float8_dtype, round_pow2=spec.power_of_2)

@@ -19,7 +19,7 @@ from f8tensor.compat import dtensor_local, is_fake
 from f8tensor.distributed.fsdp import DelayedWeightSource, DTensor, Float8AllGatherWeight, wrap_weight
 from f8tensor.gemm.rules import ALIGN
 from f8tensor.kernels import CAST_STATS_FIELDS
-from f8tensor.nn.linear_autograd import LinearArgs, LinearPlan, QuantizedLinearFn, linear_plan
+from f8tensor.nn.linear_autograd import LinearArgs, QuantizedLinearFn, linear_plan, plan_number, planned
 from f8tensor.nn.weight_cache import WeightCasts, drop_weight_casts, weight_casts_of
 from f8tensor.quant.config import Float8LinearConfig
 from f8tensor.quant.formats import HP_DTYPES
@@ -85,16 +85,6 @@ def _describe_cast(config: Float8LinearConfig) -> str:
     return f"{cast.dtype} {cast.granularity} {cast.scaling.value}"
 
 
-def _autocasting(x: torch.Tensor, compiling: bool) -> bool:
-    """Whether autocast is on for floating ``x``'s device (never for meta)."""
-    device_type = x.device.type
-    if compiling:
-        available = device_type != "meta"
-    else:
-        available = torch.amp.is_autocast_available(device_type)
-    return available and torch.is_autocast_enabled(device_type) and x.is_floating_point()
-
-
 def _is_own_input_cast(x: Float8Tensor, config: Float8LinearConfig) -> bool:
     """``x`` carries the FP8 dtype and blocks of ``config``'s (dynamic) input cast."""
     cast = config.input
@@ -119,6 +109,58 @@ def _check_delayed_state(state_dict: dict, prefix: str) -> None:
             bad = v[~ok].flatten()[0].item()
             allowed = "finite amaxes >= 0" if name in _HISTORY_BUFFERS else "a positive finite fp32 scale"
             raise ValueError(f"load_state_dict: {prefix + name} must hold {allowed}; got {bad!r}")
+
+
+def _check_input(x: object, weight: torch.Tensor, layer: Float8Linear) -> None:
+    """What nn.Linear takes, restricted to what FP8 GEMMs can take; said at the entry."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"Float8Linear expects a tensor input; got {type(x).__name__}")
+    f8 = dtensor_local(x) if isinstance(x, DTensor) and isinstance(dtensor_local(x), Float8Tensor) else x
+    if isinstance(f8, Float8Tensor):
+        # Only as this layer's own input cast writes it (distributed.tp); never re-cast. The
+        # layer's config, not its plan's: traced, the plan is a constant whose methods dynamo
+        # cannot call.
+        config = layer._config
+        if not _is_own_input_cast(f8, config):
+            raise TypeError(
+                "Float8Linear casts its input itself: pass a high-precision tensor (call .to_hp() first). "
+                f"Got a Float8Tensor ({f8._data.dtype}, blocks {f8._block}) where this layer's input cast is "
+                f"{_describe_cast(config)}; an input gathered by PrepareFloat8ModuleInput must be cast "
+                "as its consumers cast it: pass config= this layer's Float8LinearConfig to "
+                "PrepareFloat8ModuleInput (or leave config unset: it then follows the module's layers)"
+            )
+        return
+    if not x.is_floating_point() or x.dtype not in HP_DTYPES:
+        allowed = ", ".join(str(d) for d in HP_DTYPES)
+        hint = (
+            " (float64 has no FP8 GEMM on GPUs: convert the input, or keep this layer as nn.Linear)"
+            if x.dtype == torch.float64
+            else ""
+        )
+        raise TypeError(f"Float8Linear input must be a floating tensor of dtype {allowed}; got {x.dtype}{hint}")
+    if x.dim() == 0:
+        raise ValueError("Float8Linear input must have at least one dimension (..., in_features); got a 0-dim tensor")
+    # The weight's shape, not the layer's in_features: traced, a module attribute read is a
+    # guard per layer. Also fixes in_features under dynamic=True: torch 2.11's dynamo asserts
+    # if first read inside the autograd Function.
+    if x.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"Float8Linear input must have in_features={weight.shape[1]} as its last dimension; got shape {tuple(x.shape)}"
+        )
+    if weight.dtype not in HP_DTYPES:  # e.g. after model.double()
+        allowed = ", ".join(str(d) for d in HP_DTYPES)
+        raise TypeError(f"Float8Linear weight must have dtype {allowed}; got {weight.dtype}")
+
+
+def _weight_casts(layer: Float8Linear) -> tuple[WeightCasts, torch.Tensor] | None:
+    """(cache, parameter) inside a reuse_weight_casts scope for a cacheable weight; else None."""
+    casts = weight_casts_of(layer)
+    if casts is None:
+        return None
+    param = layer.weight
+    if not WeightCasts.cacheable(param):
+        return None
+    return casts, param
 
 
 class Float8Linear(nn.Linear):
@@ -186,7 +228,7 @@ class Float8Linear(nn.Linear):
         if changed:
             self.check_new_config(config)
         self._config = config
-        self._plan: LinearPlan = linear_plan(config)
+        self._plan_number = plan_number(config)
         if changed:
             self._match_buffers(config)
 
@@ -282,94 +324,53 @@ class Float8Linear(nn.Linear):
                 if buf is not None and (name in _DELAYED_BUFFERS or name in STATS_BUFFERS):
                     buf.copy_(_fresh_state(name, buf))
 
-    def _check_input(self, x: object, weight: torch.Tensor) -> None:
-        """What nn.Linear takes, restricted to what FP8 GEMMs can take; said at the entry."""
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"Float8Linear expects a tensor input; got {type(x).__name__}")
-        f8 = dtensor_local(x) if isinstance(x, DTensor) and isinstance(dtensor_local(x), Float8Tensor) else x
-        if isinstance(f8, Float8Tensor):
-            # Only as this layer's own input cast writes it (distributed.tp); never re-cast.
-            if not _is_own_input_cast(f8, self.config):
-                raise TypeError(
-                    "Float8Linear casts its input itself: pass a high-precision tensor (call .to_hp() first). "
-                    f"Got a Float8Tensor ({f8._data.dtype}, blocks {f8._block}) where this layer's input cast is "
-                    f"{_describe_cast(self.config)}; an input gathered by PrepareFloat8ModuleInput must be cast "
-                    "as its consumers cast it: pass config= this layer's Float8LinearConfig to "
-                    "PrepareFloat8ModuleInput (or leave config unset: it then follows the module's layers)"
-                )
-            return
-        if not x.is_floating_point() or x.dtype not in HP_DTYPES:
-            allowed = ", ".join(str(d) for d in HP_DTYPES)
-            hint = (
-                " (float64 has no FP8 GEMM on GPUs: convert the input, or keep this layer as nn.Linear)"
-                if x.dtype == torch.float64
-                else ""
-            )
-            raise TypeError(f"Float8Linear input must be a floating tensor of dtype {allowed}; got {x.dtype}{hint}")
-        if x.dim() == 0:
-            raise ValueError(
-                "Float8Linear input must have at least one dimension (..., in_features); got a 0-dim tensor"
-            )
-        # Also fixes in_features under dynamic=True: torch 2.11's dynamo asserts if first read
-        # inside the autograd Function.
-        if x.shape[-1] != self.in_features:
-            raise ValueError(
-                f"Float8Linear input must have in_features={self.in_features} as its last dimension; got shape {tuple(x.shape)}"
-            )
-        if weight.dtype not in HP_DTYPES:  # e.g. after model.double()
-            allowed = ", ".join(str(d) for d in HP_DTYPES)
-            raise TypeError(f"Float8Linear weight must have dtype {allowed}; got {weight.dtype}")
-
-    def _weight_matrix(self) -> torch.Tensor:
-        """The (out, in) matrix the forward multiplies by."""
-        return self.weight
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight, bias = self._weight_matrix(), cast("torch.Tensor | None", self.bias)
+        # Float8Conv1D's weight is (in, out): the GEMMs see a transposed view, so the gradient
+        # lands in the parameter's own layout. A type test, not a method: traced, each method
+        # looked up on a layer is a guard.
+        weight = self.weight.t() if isinstance(self, Float8Conv1D) else self.weight
+        bias: torch.Tensor | None = self.bias  # type: ignore[assignment]  # not typing.cast: a call, and traced a guard
         # Not for meta; not while compiling (torch 2.11 cannot trace is_autocast_available).
         compiling = torch.compiler.is_compiling()
-        if isinstance(x, torch.Tensor) and _autocasting(x, compiling):
-            # As nn.Linear under autocast; the weight is cast to FP8 from its own dtype, the
-            # bias to the input's below.
+        if isinstance(x, torch.Tensor):
             device_type = x.device.type
-            with torch.autocast(device_type, enabled=False):
-                return self.forward(x.to(torch.get_autocast_dtype(device_type)))
-        self._check_input(x, weight)
+            available = device_type != "meta" if compiling else torch.amp.is_autocast_available(device_type)
+            if available and torch.is_autocast_enabled(device_type) and x.is_floating_point():
+                # As nn.Linear under autocast; the weight is cast to FP8 from its own dtype, the
+                # bias to the input's below.
+                with torch.autocast(device_type, enabled=False):
+                    return self.forward(x.to(torch.get_autocast_dtype(device_type)))
+        plan = planned(self._plan_number)
+        if plan.uses_gemm_formats and compiling:
+            # Per-GEMM formats call the config's methods, which dynamo cannot on a constant:
+            # traced, their plan is derived from the config (guarded field by field).
+            plan = linear_plan(self._config)
+        _check_input(x, weight, self)
         if bias is not None and bias.dtype != x.dtype:
             bias = bias.to(x.dtype)
-        if self.in_features == 0 or self.out_features == 0:
+        if weight.numel() == 0:
             # An empty product: nn.Linear's, in high precision.
             return nn.functional.linear(x, weight.to(x.dtype), bias)
-        # Traced, the plan is derived in the graph: dynamo would guard a stored one field by field.
-        plan = linear_plan(self._config) if compiling else self._plan
         delayed = DelayedBuffers(*(getattr(self, name) for name in _DELAYED_BUFFERS)) if plan.any_delayed else None
         stats = StatsBuffers(*(getattr(self, name) for name in STATS_BUFFERS)) if plan.collect_stats else None
         on_dtensors = isinstance(x, DTensor) or isinstance(weight, DTensor) or isinstance(bias, DTensor)
         if plan.uses_gemm_formats:
             if on_dtensors:
                 raise NotImplementedError(f"Float8Linear: {NOT_ON_DTENSORS}")
-            return QuantizedLinearFn.apply(x, weight, bias, LinearArgs(plan.config, stats=stats, plan=plan))
+            return QuantizedLinearFn.apply(x, weight, bias, LinearArgs(plan.config, None, stats, None, None, plan))
         # A delayed weight gathered in FP8 by FSDP2: its shard's amax, left here by the gather.
         weight_amax = self.__dict__.get("fsdp_weight_amax") if plan.gathers_delayed_weight else None
         if on_dtensors:
-            return _dtensor_linear_of()(x, weight, bias, LinearArgs(plan.config, delayed, stats, weight_amax))
-        casts = self._weight_casts() if plan.caches_weight else None
+            return _dtensor_linear_of()(
+                x, weight, bias, LinearArgs(self._config, delayed, stats, weight_amax, None, None)
+            )
+        casts = _weight_casts(self) if plan.caches_weight and not compiling else None  # an eager cache
         return QuantizedLinearFn.apply(
             x, weight, bias, LinearArgs(plan.config, delayed, stats, weight_amax, casts, plan)
         )
 
     #: Opts in to f8tensor.reuse_weight_casts.
     reuses_weight_casts = True
-
-    def _weight_casts(self) -> tuple[WeightCasts, torch.Tensor] | None:
-        """(cache, parameter) inside a reuse_weight_casts scope for a dynamic, round-to-nearest weight; else None."""
-        casts = weight_casts_of(self)
-        if casts is None:
-            return None
-        param = self.weight
-        if not self._plan.caches_weight or not WeightCasts.cacheable(param):
-            return None
-        return casts, param
 
     def _load_from_state_dict(
         self,
@@ -422,7 +423,9 @@ class Float8Linear(nn.Linear):
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
-        # A layer pickled before the plan keeps its config in __dict__: re-plan from it either way.
+        # A layer pickled before the plan keeps its config in __dict__: re-plan from it either way
+        # (a pickled plan number is another process's).
+        self.__dict__.pop("_plan", None)
         self.config = self.__dict__.pop("config", None) or self._config
         self._keep_fsdp_weight()
 
@@ -543,7 +546,3 @@ class Float8Conv1D(Float8Linear):
             setattr(new, name, fill)
         new.train(conv.training)
         return new
-
-    def _weight_matrix(self) -> torch.Tensor:
-        # A transposed view: the gradient lands in the parameter's own (in, out) layout.
-        return self.weight.t()

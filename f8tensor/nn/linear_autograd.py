@@ -35,7 +35,7 @@ from f8tensor.tensor.fp4 import Float4Tensor, is_float4
 from f8tensor.tensor.fp4 import transpose_2d as transpose_2d_fp4
 from f8tensor.tensor.product_ops import transpose_2d
 
-__all__ = ["LinearArgs", "LinearPlan", "NoDoubleBackward", "QuantizedLinearFn", "linear_plan"]
+__all__ = ["LinearArgs", "LinearPlan", "NoDoubleBackward", "QuantizedLinearFn", "linear_plan", "plan_number", "planned"]
 
 
 class LinearPlan(NamedTuple):
@@ -91,6 +91,27 @@ def linear_plan(config: Float8LinearConfig) -> LinearPlan:
     )
 
 
+# Plans by number, one per distinct config: a layer keeps only the number, so traced code
+# reads one int (one guard) and gets the plan as a constant.
+_PLANS: list[LinearPlan] = []
+_PLAN_NUMBERS: dict[Float8LinearConfig, int] = {}
+
+
+def plan_number(config: Float8LinearConfig) -> int:
+    """The number of ``config``'s :class:`LinearPlan` (:func:`planned`), planned on first sight."""
+    number = _PLAN_NUMBERS.get(config)
+    if number is None:
+        _PLANS.append(linear_plan(config))
+        number = _PLAN_NUMBERS.setdefault(config, len(_PLANS) - 1)
+    return number
+
+
+@torch.compiler.assume_constant_result
+def planned(number: int) -> LinearPlan:
+    """The :class:`LinearPlan` numbered ``number``; to torch.compile a constant, its fields unguarded."""
+    return _PLANS[number]
+
+
 class LinearArgs(NamedTuple):
     """Everything but the tensors that :class:`QuantizedLinearFn` takes.
 
@@ -111,11 +132,6 @@ class LinearArgs(NamedTuple):
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """``t`` (..., features) as a (tokens, features) matrix, ``t`` itself when already 2D."""
     return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
-
-
-def _unrows(t: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    """The 2D product ``t`` in the caller's ``shape``."""
-    return t if t.shape == shape else t.reshape(shape)
 
 
 def _token_rows(x: Float8Tensor, gemm: GemmConfig) -> Float8Tensor:
@@ -212,13 +228,13 @@ def _recipe_forward(ctx, x, weight, bias, plan: LinearPlan, args: LinearArgs) ->
             if not recompute:
                 q_w.keep_scale(weight._scale)
     elif q_w.cache is not None:
-        w8, amax_w = q_w.cached("forward", lambda: q_w.quantize(weight, 1, fwd).tensor), None
+        w8, amax_w = q_w.cached("forward", lambda: q_w.quantize(weight, 1, fwd)[0]), None
     else:
         w8, _, amax_w = q_w.quantize(weight, 1, fwd, recompute=recompute)
     if calls is not None and not recompute:
         key = amax_x if amax_x is not None else sync_amax(tensor_amax(x2))  # type: ignore[arg-type]
         record_call(*calls, key, scale_in, scale_w)  # type: ignore[arg-type]  # calls: delayed buffers exist
-    y = matmul(x8, transpose_2d(w8), bias=bias)  # built, not dispatched: torch.export traces it
+    y = matmul(x8, transpose_2d(w8), bias=bias, out_dtype=None)  # built, not dispatched: torch.export traces it
 
     # Saved for grad_W: a tensorwise x8 as is; other granularities cast along the tokens
     # here, in eager (compiled: the partitioner decides); hp only where no FP8 grad_W runs.
@@ -255,7 +271,7 @@ def _recipe_backward(ctx, grad_y, saved) -> tuple[torch.Tensor | None, ...]:
     g8 = None
     gw_uses_g8 = plan.gw_uses_g8
     # FP8-gathered rowwise W = W8 / s: g @ W = (g / s) @ W8 keeps the gathered bytes (CHANGELOG).
-    fold = need_grad_x and isinstance(weight, Float8Tensor) and _row_scaled(weight) and go_plan.cast.rowwise
+    fold = need_grad_x and isinstance(weight, Float8Tensor) and _row_scaled(weight) and go_plan.rowwise
     g8_cm = None
     if need_grad_x or (need_grad_w and gw_uses_g8) or go_plan.delayed:
         g_x = g.float() / weight._scale.reshape(1, -1) if fold else g
@@ -272,7 +288,7 @@ def _recipe_backward(ctx, grad_y, saved) -> tuple[torch.Tensor | None, ...]:
             w8 = weight._replace(scale=unit, block=(0, 0), gemm=bwd)
         elif isinstance(weight, Float8Tensor) and _blocked_along_k(weight, spec0 := w_plan.specs[0]):
             # Blocks along K (MX 1x32) no kernel reads along N: re-cast, via fp32 deliberately.
-            w8 = cast_second_operand(dequantize(weight, torch.float32), spec0, bwd)
+            w8 = cast_second_operand(dequantize(weight, torch.float32), spec0, bwd, None)
             w8 = w8._replace(orig_dtype=weight._orig_dtype)
         elif isinstance(weight, Float8Tensor):
             w8 = weight._replace(gemm=bwd)
@@ -281,15 +297,17 @@ def _recipe_backward(ctx, grad_y, saved) -> tuple[torch.Tensor | None, ...]:
             if w_plan.tensorwise:
                 w8 = q_w.cached("forward", lambda: quantize(weight, plan.weight_rescale, scale=w_scale)[0])
             else:
-                w8 = q_w.cached("backward", lambda: cast_second_operand(weight, w_plan.specs[0], bwd))
+                w8 = q_w.cached("backward", lambda: cast_second_operand(weight, w_plan.specs[0], bwd, None))
             w8 = w8._replace(gemm=bwd)
         elif not w_plan.tensorwise:
-            w8 = cast_second_operand(weight, w_plan.specs[0], bwd)
+            w8 = cast_second_operand(weight, w_plan.specs[0], bwd, None)
         else:
             # Forward's scale: the same bytes. A delayed scale never saw an inf: make it NaN.
-            hp_w = torch.where(torch.isinf(weight), torch.nan, weight) if w_plan.delayed else weight
+            hp_w = torch.where(torch.isinf(weight), float("nan"), weight) if w_plan.delayed else weight
             w8 = cast_second_operand(hp_w, plan.weight_rescale, bwd, scale=w_scale)
-        grad_x = _unrows(matmul(g8, w8), ctx.x_shape)  # type: ignore[arg-type]  # need_grad_x: g8 was cast
+        grad_x = matmul(g8, w8, bias=None, out_dtype=None)  # type: ignore[arg-type]  # need_grad_x: g8 was cast
+        if grad_x.shape != ctx.x_shape:  # not a view of another shape
+            grad_x = grad_x.reshape(ctx.x_shape)
 
     # grad_W = g.t() @ x: contraction over M.
     grad_w = None
@@ -307,12 +325,13 @@ def _recipe_backward(ctx, grad_y, saved) -> tuple[torch.Tensor | None, ...]:
             else:
                 x8 = q_in.quantize_column_major(saved_x, 0, bwd_w)
             # In the weight's dtype, deliberately: a bf16 output adds a rounding and a pass.
-            grad_w = matmul(transpose_2d(gt8), x8, out_dtype=weight.dtype)
+            grad_w = matmul(transpose_2d(gt8), x8, bias=None, out_dtype=weight.dtype)
         grad_w = grad_w.to(weight.dtype)
     grad_b = g.sum(0) if need_grad_b else None
-    # Last: a recomputed amax then shares the weight re-cast's pass.
-    q_in.push(amax_x)
-    q_w.push(amax_w)
+    if plan.any_delayed:  # only delayed casts return an amax
+        # Last: a recomputed amax then shares the weight re-cast's pass.
+        q_in.push(amax_x)
+        q_w.push(amax_w)
     return grad_x, grad_w, grad_b
 
 

@@ -23,7 +23,6 @@ from f8tensor.quant.scaling import delayed_scale, materialized, push_amax, tenso
 from f8tensor.tensor.float8 import (
     Float8Tensor,
     from_gemm_cast,
-    to_float8_for_gemm,
     to_float8_with_stats,
     with_inverse_scale,
 )
@@ -74,12 +73,15 @@ class RolePlan(NamedTuple):
     """A role's CastConfig and what each of its casts reads of it, derived once.
 
     ``specs``: the operand :class:`CastSpec` of a 2D operand contracted over dim 0 and dim 1.
+    Traced, a plan is a constant whose config methods and properties dynamo cannot call:
+    what the calls read of them is a field here.
     """
 
     cast: CastConfig
     delayed: bool
     tensorwise: bool
     specs: tuple[CastSpec, CastSpec]
+    rowwise: bool
 
 
 def role_plan(cast: CastConfig) -> RolePlan:
@@ -87,7 +89,7 @@ def role_plan(cast: CastConfig) -> RolePlan:
     along_k = cast.operand_spec(1)
     # A 2D operand contracted over dim 0 has the transposed block (one read of cast: one guard traced).
     along_m = CastSpec(along_k.float8_dtype, along_k.block[::-1], *along_k[2:])
-    return RolePlan(cast, cast.delayed, cast.tensorwise, (along_m, along_k))
+    return RolePlan(cast, cast.delayed, cast.tensorwise, (along_m, along_k), cast.rowwise)
 
 
 def record_call(
@@ -141,13 +143,16 @@ def cast_operand(
     spec = role.specs[contracted_dim]
     if not role.delayed:
         if column_major is not None:
-            f8, twin = quantize(hp, spec, gemm, stats=stats, layouts="both", column_major_gemm=column_major)
+            f8, twin = quantize(
+                hp, spec, gemm, scale=None, stats=stats, amax=None, layouts="both", column_major_gemm=column_major
+            )
             return f8, None, twin
-        return quantize(hp, spec, gemm, stats=stats)[0], None, None
+        f8 = quantize(hp, spec, gemm, scale=None, stats=stats, amax=None, layouts="natural", column_major_gemm=None)[0]
+        return f8, None, None
     assert history is not None  # a delayed cast comes with its amax history
     # The amax is taken after the cast so inductor fuses it into the cast's pass; a scale
     # decided in advance does not see inf, which would saturate: make it NaN.
-    guarded = torch.where(torch.isinf(hp), torch.nan, hp)
+    guarded = torch.where(torch.isinf(hp), float("nan"), hp)  # not torch.nan: traced, a read is a guard
     if recompute:
         assert scale_buffer is not None  # recomputed casts (input, weight) keep their scale
         scale = scale_buffer.clone()
@@ -161,8 +166,10 @@ def cast_operand(
         )
     amax_local = None if stats is None else _amax_by_rows(hp)
     # This rank's own amax, not the all-reduced one.
-    fp8 = quantize(guarded, spec, gemm, scale=scale, stats=stats, amax=amax_local)[0]
-    fp8 = fp8._replace(data=materialized(fp8._data))
+    fp8 = quantize(
+        guarded, spec, gemm, scale=scale, stats=stats, amax=amax_local, layouts="natural", column_major_gemm=None
+    )[0]
+    fp8 = fp8._replace(data=materialized(fp8._data, None))
     if amax_local is None:
         amax_local = _amax_by_rows(hp)
     if scale_buffer is not None and not recompute:
@@ -205,9 +212,8 @@ def quantize(
         stats.copy_(measured)
         return f4, None
     if stats is None:
-        f8, twin = to_float8_for_gemm(
-            hp, spec, scale=scale, gemm=gemm, layouts=layouts, column_major_gemm=column_major_gemm
-        )
+        out = cast_for_gemm(hp, spec, scale, layouts=layouts)
+        f8, twin = from_gemm_cast(out, hp.dtype, spec.block or (0,) * hp.dim(), gemm, column_major_gemm)
         if layouts == "both" and twin is None:
             twin = column_major_copy(f8, column_major_gemm)
         return f8, twin
@@ -218,7 +224,7 @@ def quantize(
         return f8, None
     if layouts == "both":
         return f8, column_major_copy(f8, column_major_gemm)
-    return column_major_copy(f8), None
+    return column_major_copy(f8, None), None
 
 
 def cast_second_operand(
@@ -226,14 +232,17 @@ def cast_second_operand(
 ) -> Float8Tensor:
     """The weight cast for grad_x's product: column-major on CUDA (and tensorwise on CPU), eager."""
     column_major = not torch.compiler.is_compiling() and (hp.is_cuda or is_tensorwise(spec.block))
-    return quantize(hp, spec, gemm, scale=scale, layouts="column_major" if column_major else "natural")[0]
+    layouts = "column_major" if column_major else "natural"
+    return quantize(hp, spec, gemm, scale=scale, stats=None, amax=None, layouts=layouts, column_major_gemm=None)[0]
 
 
 def cast_column_major(
     stats: torch.Tensor | None, hp: torch.Tensor, spec: CastSpec, gemm: GemmConfig, scale: torch.Tensor | None = None
 ) -> Float8Tensor:
     """:func:`quantize` of a 2D ``hp`` with its bytes column-major."""
-    return quantize(hp, spec, gemm, scale=scale, stats=stats, layouts="column_major")[0]
+    return quantize(
+        hp, spec, gemm, scale=scale, stats=stats, amax=None, layouts="column_major", column_major_gemm=None
+    )[0]
 
 
 def column_major_copy(f8: Float8Tensor, gemm: GemmConfig | None = None) -> Float8Tensor:
@@ -271,12 +280,9 @@ def cast_gemm_operand(
     return quantize(hp, fspec, gemm, stats=stats)[0]
 
 
-class Quantized(NamedTuple):
-    """A role's cast, its column-major copy (or None), and a delayed cast's amax (or None)."""
-
-    tensor: Float8Tensor
-    column_major: Float8Tensor | None
-    amax: torch.Tensor | None
+#: A role's cast, its column-major copy (or None), and a delayed cast's amax (or None). A
+#: plain tuple: traced, building a NamedTuple costs guards.
+Quantized = tuple[Float8Tensor, "Float8Tensor | None", "torch.Tensor | None"]
 
 
 class Quantizer(NamedTuple):
@@ -314,20 +320,24 @@ class Quantizer(NamedTuple):
             f8, amax, twin = cast_operand(
                 hp, plan, contracted_dim, gemm, self.config, self.history, self.scale, recompute, stats, column_major
             )
-            return Quantized(f8, twin, amax)
+            return f8, twin, amax
         # Dynamic, unmeasured: straight to the kernels' cast (what quantize() does, without its branches).
         spec = plan.specs[contracted_dim]
-        out = cast_for_gemm(hp, spec, layouts="natural" if column_major is None else "both")
+        out = cast_for_gemm(hp, spec, None, layouts="natural" if column_major is None else "both")
         f8, twin = from_gemm_cast(out, hp.dtype, spec.block or (0,) * hp.dim(), gemm, column_major)
         if column_major is not None and twin is None:
             twin = column_major_copy(f8, column_major)
-        return Quantized(f8, twin, None)
+        return f8, twin, None
 
     def quantize_column_major(
         self, hp: torch.Tensor, contracted_dim: int, gemm: GemmConfig, *, measure: bool = False
     ) -> Float8Tensor:
         """The role's dynamic cast of 2D ``hp``, bytes column-major."""
-        return cast_column_major(self.stats if measure else None, hp, self.plan.specs[contracted_dim], gemm)
+        stats, spec = self.stats if measure else None, self.plan.specs[contracted_dim]
+        # quantize() itself, not cast_column_major(): one call and, traced, one guard fewer.
+        return quantize(
+            hp, spec, gemm, scale=None, stats=stats, amax=None, layouts="column_major", column_major_gemm=None
+        )[0]
 
     def quantize_for(
         self, gemm_name: str, hp: torch.Tensor, contracted_dim: int, gemm: GemmConfig, *, measure: bool = True
@@ -374,7 +384,7 @@ def linear_quantizers(
     hist_in, hist_w, hist_go, scale_in, scale_w = (None,) * 5 if delayed is None else delayed[:5]
     st_in, st_w, st_go = (None,) * 3 if stats is None else stats
     return (
-        Quantizer("input", config, p_in, hist_in, scale_in, st_in),
+        Quantizer("input", config, p_in, hist_in, scale_in, st_in, None),
         Quantizer("weight", config, p_w, hist_w, scale_w, st_w, weight_cache),
-        Quantizer("grad_output", config, p_go, hist_go, None, st_go),
+        Quantizer("grad_output", config, p_go, hist_go, None, st_go, None),
     )

@@ -28,10 +28,15 @@ __all__ = [
     "inverse_scale_of",
     "materialized",
     "push_amax",
+    "scale_of_amax",
     "segment_amax",
     "stochastic_round",
     "tensor_amax",
 ]
+
+# amax_to_e8m0_scale writes the e8m0 exponent range as literals: traced, a global read is
+# a guard per cast.
+assert (E8M0_MIN_EXP, E8M0_MAX_EXP) == (-127, 127), (E8M0_MIN_EXP, E8M0_MAX_EXP)
 
 #: The least amax: an all-zero tensor gets a finite scale.
 EPS = 2.0**-100
@@ -62,18 +67,25 @@ def _keepdim_shape(shape: torch.Size, dim: int) -> tuple[int, ...]:
 
 def amax_to_scale(amax: torch.Tensor, float8_dtype: torch.dtype, *, round_pow2: bool = False) -> torch.Tensor:
     """``float8_max / amax`` in fp32: finite for amax 0, NaN for a non-finite amax."""
+    # Stored once, not recomputed per element.
+    return materialized(scale_of_amax(amax, float8_dtype, round_pow2), None)
+
+
+def scale_of_amax(amax: torch.Tensor, float8_dtype: torch.dtype, round_pow2: bool) -> torch.Tensor:
+    """:func:`amax_to_scale` not materialized (for a caller that knows it runs eager)."""
     # float64: correctly rounded everywhere, so eager == compiled bitwise.
     amax64 = amax.to(torch.float64)
     fmax = format_number(float8_dtype, "max")
+    # fmax / amax as Tensor.__rdiv__ computes it (reciprocal, then multiply), without its
+    # Python wrapper; 2.0**-100 is EPS (see there).
     if round_pow2:
-        scale = _round_down_pow2((fmax / amax64.clamp(min=2.0**-100)).to(torch.float32))  # 2.0**-100: EPS (see there)
+        scale = _round_down_pow2((amax64.clamp(min=2.0**-100).reciprocal() * fmax).to(torch.float32))
         # After the rounding, which would turn a NaN scale into inf.
-        return materialized(torch.where(torch.isfinite(amax64), scale, torch.nan))
+        return torch.where(torch.isfinite(amax64), scale, float("nan"))
     # Non-finite -> NaN in one op (the eager hot path counts ops).
-    amax64 = torch.nan_to_num(amax64, nan=math.nan, posinf=math.nan, neginf=math.nan)
-    scale = (fmax / amax64.clamp(min=2.0**-100)).to(torch.float32)  # 2.0**-100: EPS (see there)
-    # Stored once, not recomputed per element.
-    return materialized(scale)
+    nan = float("nan")  # not math.nan: traced, a module attribute read is a guard
+    amax64 = torch.nan_to_num(amax64, nan=nan, posinf=nan, neginf=nan)
+    return (amax64.clamp(min=2.0**-100).reciprocal() * fmax).to(torch.float32)
 
 
 def inverse_scale_of(scale: torch.Tensor) -> torch.Tensor:
@@ -98,11 +110,11 @@ def materialized(t: torch.Tensor, stride: tuple | None = None) -> torch.Tensor:
 
 
 def _contiguous_strides(shape) -> tuple:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step = step * size
-    return tuple(reversed(strides))
+    # Indexed, not reversed(): traced, each builtin iterator is a guard.
+    strides = [1] * len(shape)
+    for i in range(len(shape) - 1, 0, -1):
+        strides[i - 1] = strides[i] * shape[i]
+    return tuple(strides)
 
 
 def _round_down_pow2(scale: torch.Tensor) -> torch.Tensor:
@@ -225,7 +237,7 @@ def amax_to_e8m0_scale(amax: torch.Tensor, float8_dtype: torch.dtype, mode: str 
         scale = _floor_pow2_f64(format_number(float8_dtype, "max") / amax64)
     else:
         scale = (2.0 ** format_number(float8_dtype, "emax")) / _floor_pow2_f64(amax64)
-    scale = scale.clamp(min=2.0**E8M0_MIN_EXP, max=2.0**E8M0_MAX_EXP)
+    scale = scale.clamp(min=2.0**-127, max=2.0**127)  # E8M0_MIN_EXP, E8M0_MAX_EXP (see there)
     # + (amax - amax): NaN for a non-finite amax, else 0.
     scale = scale + (amax64 - amax64)
     return scale.to(torch.float32).to(E8M0)

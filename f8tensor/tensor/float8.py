@@ -15,9 +15,12 @@ from typing import Any, ClassVar, NoReturn
 import torch
 from typing_extensions import TypeIs
 
-from f8tensor import kernels
 from f8tensor.compat import called_by_weights_only_load, is_fake, make_wrapper_subclass
-from f8tensor.kernels import CAST_STATS_FIELDS
+
+# By name: traced, a module reached two ways (here and by the quantizers) is a guard per read.
+from f8tensor.kernels import CAST_STATS_FIELDS, GemmCast, cast_for_gemm, cast_with_stats
+from f8tensor.kernels import cast as kernels_cast
+from f8tensor.kernels import dequantize as kernels_dequantize
 from f8tensor.quant.formats import E8M0, SCALE_DTYPES, check_hp_dtype
 from f8tensor.quant.scaling import inverse_scale_of
 from f8tensor.quant.specs import (
@@ -137,13 +140,7 @@ class Float8Tensor(QuantizedTensor):
             if block is None and isinstance(data, torch.Tensor):
                 block = layout_block((), data.dim())
             scale = validate_fields(data, scale, orig_dtype, block, gemm)
-        self = make_wrapper_subclass(cls, data, dtype=orig_dtype, requires_grad=False)
-        self._data = data
-        self._scale = scale
-        self._orig_dtype = orig_dtype
-        self._block = layout_block((), data.dim()) if block is None else block
-        self._gemm = gemm
-        return self
+        return _built(cls, data, scale, orig_dtype, layout_block((), data.dim()) if block is None else block, gemm)
 
     # ----------------------------------------------------------------- construction
 
@@ -225,7 +222,13 @@ class Float8Tensor(QuantizedTensor):
     @property
     def is_blockwise(self) -> bool:
         """True for a block scale (1x128, 128x128, MX, ...)."""
-        return self._scale.dim() > 0 and is_blockwise(self._block)
+        if self._scale.dim() == 0:
+            return False
+        # specs.is_blockwise's rule, inlined: read by every product. Not all-zero (tensorwise),
+        # not one 0 among 1s (axiswise).
+        block = self._block
+        zeros = block.count(0)
+        return zeros != len(block) and not (zeros == 1 and block.count(1) == len(block) - 1)
 
     @property
     def block(self) -> tuple[int, ...]:
@@ -267,9 +270,13 @@ class Float8Tensor(QuantizedTensor):
         if "data" in changes and "block" not in changes and changes["data"].dim() != self._data.dim():
             raise ValueError("Float8Tensor._replace: new data of another ndim needs its block")
         fields.update(changes)
-        new = Float8Tensor(**fields)
         # Only eager casts set the cache: traced tensors never carry one (no is_compiling() read).
-        if fields["scale"] is self._scale and self._inv_scale is not None:
+        if self._inv_scale is None or fields["block"] is None:
+            return Float8Tensor(**fields)
+        new = _built(
+            Float8Tensor, fields["data"], fields["scale"], fields["orig_dtype"], fields["block"], fields["gemm"]
+        )
+        if fields["scale"] is self._scale:
             new._inv_scale = self._inv_scale
         return new
 
@@ -380,7 +387,7 @@ def to_float8(
     generator: torch.Generator | None = None,
 ) -> Float8Tensor:
     """``hp`` cast per ``spec``, unchecked and without autograd (the library's cast)."""
-    data, scale = kernels.cast(hp, spec, scale, generator=generator)
+    data, scale = kernels_cast(hp, spec, scale, generator=generator)
     return Float8Tensor(data, scale, orig_dtype or hp.dtype, layout_block(spec.block, hp.dim()), gemm)
 
 
@@ -394,12 +401,30 @@ def to_float8_for_gemm(
     column_major_gemm: GemmConfig | None = None,
 ) -> tuple[Float8Tensor, Float8Tensor | None]:
     """:func:`to_float8` and, with ``layouts='both'``, the column-major twin (else None)."""
-    out = kernels.cast_for_gemm(hp, spec, scale, layouts=layouts)
+    out = cast_for_gemm(hp, spec, scale, layouts=layouts)
     return from_gemm_cast(out, hp.dtype, spec.block or (0,) * hp.dim(), gemm, column_major_gemm)
 
 
+def _built(
+    cls: type[Float8Tensor],
+    data: torch.Tensor,
+    scale: torch.Tensor,
+    orig_dtype: torch.dtype,
+    block: tuple[int, ...],
+    gemm: GemmConfig,
+) -> Float8Tensor:
+    """A ``cls`` of these fields, unchecked: the library's own casts and rebuilds (and ``__new__``)."""
+    self = make_wrapper_subclass(cls, data, dtype=orig_dtype, requires_grad=False)
+    self._data = data
+    self._scale = scale
+    self._orig_dtype = orig_dtype
+    self._block = block
+    self._gemm = gemm
+    return self
+
+
 def from_gemm_cast(
-    out: kernels.GemmCast,
+    out: GemmCast,
     orig_dtype: torch.dtype,
     block: tuple[int, ...],
     gemm: GemmConfig,
@@ -411,12 +436,18 @@ def from_gemm_cast(
         block: the data's ``_block`` (a spec's block, or zeros for tensorwise).
         column_major_gemm: the twin's GEMM config (default ``gemm``).
     """
-    f8 = Float8Tensor(out.data, out.scale, orig_dtype, block, gemm)
+    # Eager (a kept inverse says so without asking): built without __new__'s load check, which
+    # dynamo traces only as a class call.
+    twin_gemm = gemm if column_major_gemm is None else column_major_gemm
     twin = None
-    if out.column_major is not None:
-        twin = Float8Tensor(
-            out.column_major, out.scale, orig_dtype, block, gemm if column_major_gemm is None else column_major_gemm
-        )
+    if out.inverse is not None or not torch.compiler.is_compiling():
+        f8 = _built(Float8Tensor, out.data, out.scale, orig_dtype, block, gemm)
+        if out.column_major is not None:
+            twin = _built(Float8Tensor, out.column_major, out.scale, orig_dtype, block, twin_gemm)
+    else:
+        f8 = Float8Tensor(out.data, out.scale, orig_dtype, block, gemm)
+        if out.column_major is not None:
+            twin = Float8Tensor(out.column_major, out.scale, orig_dtype, block, twin_gemm)
     if out.inverse is not None:
         f8._inv_scale = out.inverse
         if twin is not None:
@@ -445,7 +476,7 @@ def to_float8_with_stats(
     generator: torch.Generator | None = None,
 ) -> tuple[Float8Tensor, torch.Tensor]:
     """:func:`to_float8`, also returning the cast's statistics."""
-    data, scale, stats = kernels.cast_with_stats(hp, spec, scale, amax=amax, generator=generator)
+    data, scale, stats = cast_with_stats(hp, spec, scale, amax=amax, generator=generator)
     return Float8Tensor(data, scale, orig_dtype or hp.dtype, layout_block(spec.block, hp.dim()), gemm), stats
 
 
@@ -499,7 +530,7 @@ def cast_to_float8_with_stats(
 
 def dequantize(f8: Float8Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``_data / _scale`` in fp32 per block, cast to ``dtype`` (default: the original)."""
-    return kernels.dequantize(f8._data, f8._scale, f8._block, dtype or f8._orig_dtype)
+    return kernels_dequantize(f8._data, f8._scale, f8._block, dtype or f8._orig_dtype)
 
 
 class _FromHP(torch.autograd.Function):

@@ -19,16 +19,18 @@ BENCH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
 
 #: workload -> variant -> (guards, CPU kernels of forward + backward, bytes outside the GEMMs
 #: over bf16's / the floor), at most (torch 2.13, CPU; bf16 has no floor). bf16's are the
-#: reference the ratios are taken against.
+#: reference the ratios are taken against. Llama guards measured 327, 336, 324, 416, 324, 324
+#: (torchao 0.18: 347 both); budgets +3%, capped at 2x bf16 (338). The 300m and MoE guards
+#: were measured before the plan became a constant (they are ceilings).
 BUDGETS = {
     "llama": {
         "bf16": (169, 13, None),
-        "tensorwise": (708, 17, 0.82),
-        "rowwise": (809, 20, 1.78),
-        "rowwise_with_gw_hp": (733, 20, 2.21),
-        "delayed": (1007, 17, 1.02),
-        "blockwise": (908, 24, 5.57),
-        "mxfp8": (904, 52, 5.50),
+        "tensorwise": (337, 17, 0.82),
+        "rowwise": (338, 20, 1.78),
+        "rowwise_with_gw_hp": (334, 20, 2.21),
+        "delayed": (428, 17, 1.02),
+        "blockwise": (334, 24, 5.57),
+        "mxfp8": (334, 52, 5.50),
     },
     # The recipes measured at this size so far (each costs a compile of a dim-1024 block).
     "300m": {

@@ -89,18 +89,18 @@ def test_ops_per_step_at_most_the_ceiling(recipe, no_rules_check):
 
 
 #: recipe -> (Python calls in all, in f8tensor's files) of one eager step, at most (torch 2.13,
-#: CPU, benchmarks/bench_eager_overhead.py's step after three warm-ups; measured 310/204, 385/262,
-#: 265/169, 394/252, 457/304, 445/304, plus ~3%). torchao 0.18 on the
+#: CPU, benchmarks/bench_eager_overhead.py's step after three warm-ups; measured 233/158, 300/204,
+#: 210/133, 322/211, 411/273, 405/267, plus ~3%). torchao 0.18 on the
 #: same step: tensorwise 416 (116 in torchao), rowwise 423 (120). The CPU product's input
 #: checks (a CPU-only path) added 4-12 calls, the block recipes' one compilation for every
 #: token count 52 (a traced-or-not test per block expansion).
 PYTHON_CALL_BUDGETS = {
-    "tensorwise": (319, 210),
-    "rowwise": (396, 270),
-    "rowwise_with_gw_hp": (273, 174),
-    "delayed": (406, 260),
-    "blockwise": (471, 313),
-    "mxfp8": (458, 313),
+    "tensorwise": (240, 163),
+    "rowwise": (309, 210),
+    "rowwise_with_gw_hp": (216, 137),
+    "delayed": (332, 217),
+    "blockwise": (423, 281),
+    "mxfp8": (417, 275),
 }
 
 

@@ -344,12 +344,12 @@ def test_set_collect_stats_replans_the_calls():
 
 
 def test_a_layer_pickled_before_the_plan_loads_and_plans():
-    # Its __dict__ holds "config" (no "_config", no "_plan"): unpickling re-plans from it.
+    # Its __dict__ holds "config" (no "_config", no plan): unpickling re-plans from it.
     torch.manual_seed(0)
     layer = Float8Linear(64, 32, bias=False, config=Float8LinearConfig.from_recipe("rowwise"))
     state = dict(vars(layer))
     state["config"] = state.pop("_config")
-    del state["_plan"]
+    del state["_plan_number"]
     old = Float8Linear.__new__(Float8Linear)
     old.__setstate__(state)
     x = torch.randn(16, 64)

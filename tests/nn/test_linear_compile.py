@@ -14,7 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 from f8tensor import Float8Linear, sqnr
 
-from linear_utils import MLP, RECIPE_NAMES, assert_sqnr, fp8_copy, grads
+from linear_utils import MLP, RECIPE_NAMES, assert_sqnr, fp8_copy, fp8_linear, grads
 
 # Inductor-compiled against eager, in dB, where inductor fuses kernels (GELU, the bias-gradient
 # sums) and so rounds differently: measured 125.0-139.4 dB over the outputs, input gradients and
@@ -146,3 +146,30 @@ def test_compile_varying_token_counts(recipe):
         compiled(x).pow(2).mean().backward()
         assert x.grad.shape == x.shape
     assert counter.frame_count <= 2
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "delayed"])
+def test_the_plan_is_a_constant_to_dynamo(recipe):
+    # A layer keeps only its plan's number: traced, no field of its config is guarded (a plan
+    # derived in the graph guarded each config field it read, per layer).
+    layer = fp8_linear(nn.Linear(32, 32, bias=False), recipe)
+    explained = torch._dynamo.explain(layer)(torch.randn(16, 32, requires_grad=True))
+    names = [g.name for g in explained.out_guards]
+    assert not [n for n in names if "_config" in n], [n for n in names if "_config" in n]
+    assert sum("_plan_number" in n for n in names) >= 1
+
+
+def test_equal_configs_share_a_plan_and_a_new_config_re_plans():
+    from f8tensor import Float8LinearConfig
+
+    a = fp8_linear(nn.Linear(32, 32, bias=False), "rowwise")
+    b = fp8_linear(nn.Linear(32, 32, bias=False), "rowwise")
+    assert a._plan_number == b._plan_number  # one plan per distinct config, not per layer
+    compiled = torch.compile(a, backend="aot_eager", fullgraph=True)
+    x = torch.randn(16, 32)
+    compiled(x)
+    a.config = Float8LinearConfig.from_recipe("tensorwise")
+    assert a._plan_number != b._plan_number
+    # The compiled layer follows the new config (its number is guarded): eager's bits.
+    assert torch.equal(compiled(x), a(x))
+    assert not torch.equal(a(x), b(x))

@@ -62,7 +62,6 @@ ALLOWED: dict[str, frozenset[str]] = {
     "f8tensor/quant/quantizers.py": frozenset(
         {
             "f8tensor.kernels.cast_for_gemm",
-            "f8tensor.tensor.float8.to_float8_for_gemm",
             "f8tensor.tensor.float8.to_float8_with_stats",
             "f8tensor.tensor.fp4.to_float4",
             "f8tensor.tensor.fp4.to_float4_with_stats",

@@ -232,6 +232,8 @@ BLOCK_SCALED_MM_RULES: tuple[BlockScaledMMRule, ...] = (
 )
 
 
+# A constant to torch.compile: traced, a scan of the table would guard every row it reads.
+@torch.compiler.assume_constant_result
 def block_rule_for(
     block_a: tuple[int, ...],
     block_b: tuple[int, ...],
