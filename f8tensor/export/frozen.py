@@ -15,7 +15,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from f8tensor.nn.linear import Float8Linear
+from f8tensor.nn.linear import Float8Linear, WeightFromMethod
 from f8tensor.quant.config import CastConfig, Float8LinearConfig
 from f8tensor.quant.specs import BlockGranularity, Granularity
 from f8tensor.tensor.float8 import Float8Tensor, dequantize
@@ -83,7 +83,7 @@ def recipe_reads(w8: Float8Tensor, cast: CastConfig) -> bool:
     return cast.dtype == w8._data.dtype and cast.granularity == granularity_of_block(w8._block, w8._scale.dtype)
 
 
-class FrozenFloat8Linear(Float8Linear):
+class FrozenFloat8Linear(WeightFromMethod, Float8Linear):
     """A Float8Linear over a checkpoint's FP8 weight, held as FP8 and never trained.
 
     Fields beyond Float8Linear's: ``weight``, a :class:`FrozenFloat8Weight` Parameter;
@@ -126,7 +126,8 @@ class FrozenFloat8Linear(Float8Linear):
         w = self.weight
         return isinstance(w, Float8Tensor) and recipe_reads(w, self.config.weight)
 
-    def _weight_matrix(self) -> torch.Tensor:
+    def weight_matrix(self) -> torch.Tensor:
+        """The file's FP8 weight, or (another granularity) its transient dequantization."""
         w = self.weight
         if not self.multiplies_file_bytes:
             assert isinstance(w, Float8Tensor)  # the layer holds its FP8 weight

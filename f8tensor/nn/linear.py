@@ -32,6 +32,7 @@ __all__ = [
     "TRANSPOSED_LINEAR_CLASSES",
     "Float8Conv1D",
     "Float8Linear",
+    "WeightFromMethod",
     "set_dtensor_linear",
 ]
 
@@ -161,6 +162,14 @@ def _weight_casts(layer: Float8Linear) -> tuple[WeightCasts, torch.Tensor] | Non
     if not WeightCasts.cacheable(param):
         return None
     return casts, param
+
+
+class WeightFromMethod:
+    """Mixin for a Float8Linear whose forward multiplies ``self.weight_matrix()``, not ``self.weight``."""
+
+    def weight_matrix(self) -> torch.Tensor:
+        """The (out, in) matrix the forward multiplies."""
+        raise NotImplementedError
 
 
 class Float8Linear(nn.Linear):
@@ -328,7 +337,12 @@ class Float8Linear(nn.Linear):
         # Float8Conv1D's weight is (in, out): the GEMMs see a transposed view, so the gradient
         # lands in the parameter's own layout. A type test, not a method: traced, each method
         # looked up on a layer is a guard.
-        weight = self.weight.t() if isinstance(self, Float8Conv1D) else self.weight
+        if isinstance(self, Float8Conv1D):
+            weight = self.weight.t()
+        elif isinstance(self, WeightFromMethod):
+            weight = self.weight_matrix()
+        else:
+            weight = self.weight
         bias: torch.Tensor | None = self.bias  # type: ignore[assignment]  # not typing.cast: a call, and traced a guard
         # Not for meta; not while compiling (torch 2.11 cannot trace is_autocast_available).
         compiling = torch.compiler.is_compiling()

@@ -23,6 +23,7 @@ from torch import nn
 
 from f8tensor import Float8Linear, Float8LinearConfig, float8_stats
 from f8tensor.nn.linear import STATS_BUFFERS
+from f8tensor.nn.linear_autograd import planned
 
 R = Float8LinearConfig.from_recipe
 DIM = 32
@@ -67,7 +68,7 @@ def test_config_change_computes_as_a_fresh_layer(before, after):
     _step(layer, _x())  # a used layer (delayed: a history written)
     layer.config = R(after)
     fresh = _layer(R(after))
-    assert layer._plan.config is layer.config
+    assert planned(layer._plan_number).config == layer.config
     assert layer.state_dict().keys() == fresh.state_dict().keys()
     for _ in range(2):  # delayed: the second step reads the history the first wrote
         assert _equal(_step(layer, _x()), _step(fresh, _x()))
@@ -198,7 +199,7 @@ def test_refused_config_change_leaves_the_layer(start, change, match):
     before = _step(layer, _x())
     with pytest.raises((ValueError, TypeError), match=match):
         layer.config = dataclasses.replace(layer.config, **change)
-    assert layer.config is config and layer._plan.config is config
+    assert layer.config is config and planned(layer._plan_number).config == config
     assert _equal(_step(layer, _x()), before)
 
 
@@ -334,7 +335,7 @@ def test_deepcopy_plans_apart_from_the_original(recipe):
     layer.config = R(recipe)
     copied = copy.deepcopy(layer)
     copied.config = R("tensorwise") if recipe != "tensorwise" else R("rowwise")
-    assert layer._plan.config is layer.config and layer.config == R(recipe)
+    assert planned(layer._plan_number).config == layer.config and layer.config == R(recipe)
     assert _equal(_step(layer, _x()), _step(_layer(R(recipe)), _x()))
 
 
@@ -346,7 +347,7 @@ def test_torch_save_of_the_module_after_a_config_change(recipe):
     torch.save(layer, buf)
     buf.seek(0)
     loaded = torch.load(buf, weights_only=False)
-    assert loaded.config == R(recipe) and loaded._plan.config is loaded.config
+    assert loaded.config == R(recipe) and planned(loaded._plan_number).config == loaded.config
     assert _equal(_step(loaded, _x()), _step(layer, _x()))
 
 
@@ -553,7 +554,7 @@ def test_set_forward_in_high_precision_computes_as_a_fresh_layer():
     model = nn.Sequential(_layer(R("rowwise")))
     assert set_forward_in_high_precision(model) == 1
     fresh = _layer(R("rowwise").with_gemm_formats({("forward", "input"): None, ("forward", "weight"): None}))
-    assert model[0]._plan.uses_gemm_formats
+    assert planned(model[0]._plan_number).uses_gemm_formats
     assert _equal(_step(model[0], _x()), _step(fresh, _x()))
 
 
@@ -565,5 +566,7 @@ def test_tied_weight_conversion_turns_all_gather_off_through_the_setter():
     model = convert_to_float8_training(
         nn.Sequential(emb, head), config=R("tensorwise", enable_fsdp_float8_all_gather=True)
     )
-    assert not model[1].config.enable_fsdp_float8_all_gather and not model[1]._plan.gathers_delayed_weight
-    assert model[1]._plan.config is model[1].config
+    assert (
+        not model[1].config.enable_fsdp_float8_all_gather and not planned(model[1]._plan_number).gathers_delayed_weight
+    )
+    assert planned(model[1]._plan_number).config == model[1].config
