@@ -7,8 +7,10 @@ import pathlib
 from helpers import load_script
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-#: The ratio at most (0.45 measured); lower it with every change that lowers the ratio.
-MAX_RATIO = 0.46
+#: The ratio at most (the lean-path issue's bar: 0.6). 0.45 after the prose cut; 0.47 once
+#: the round's new public APIs (FP8 checkpoint loading and streaming, recompute=True) came
+#: with their docstrings. Lower it with every change that lowers the ratio.
+MAX_RATIO = 0.48
 
 
 def _tool():
