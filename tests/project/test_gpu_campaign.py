@@ -273,7 +273,8 @@ def test_budget_20_ends_within_20_s_with_its_files(tmp_path):
     assert took < 20.5 + 15, (took, proc.stdout[-2000:])
     assert proc.returncode in (0, 3), proc.stderr[-2000:]
     files = sorted(p.name for p in (tmp_path / "b").iterdir())
-    assert files == ["campaign.log", "results.csv", "summary.md"]
+    # The Llama item keeps its profile's trace where it had time to run.
+    assert [f for f in files if f != "profile_trace.json.gz"] == ["campaign.log", "results.csv", "summary.md"], files
     statuses = _statuses(tmp_path / "b")
     assert list(statuses) == [i.name for i in plans.default_plan()]
     log = (tmp_path / "b" / "campaign.log").read_text()[-3000:]
