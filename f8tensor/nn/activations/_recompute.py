@@ -146,13 +146,15 @@ def is_norm(module: nn.Module) -> bool:
 class _Call:
     """One norm call: the bound forward, the autocast state it ran under, its output."""
 
-    __slots__ = ("autocast", "fn", "output", "params")
+    __slots__ = ("autocast", "fn", "output", "params", "state")
 
     def __init__(self, module: nn.Module, x: torch.Tensor) -> None:
         self.fn = module.forward
         device = x.device.type
         self.autocast = (device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device))
         self.params = tuple(p for p in module.parameters() if p.requires_grad)
+        # Saved beside the input: backward reads them again, so a change in place since raises.
+        self.state = tuple(module.parameters())
         self.output: torch.Tensor | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -173,20 +175,23 @@ class _Norm(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, call: _Call, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
         ctx.call = call
-        ctx.save_for_backward(x)
+        ctx.save_for_backward(x, *call.state)
         assert call.output is not None
         return call.output
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        (x,) = ctx.saved_tensors
+        x = ctx.saved_tensors[0]
         call: _Call = ctx.call
         wants_x = ctx.needs_input_grad[1]
+        # Grad mode is on here only under create_graph=True: then the gradients are differentiated
+        # again, through the saved input's own graph.
+        create_graph = torch.is_grad_enabled()
         with torch.enable_grad():
-            xd = x.detach().requires_grad_(wants_x)
+            xd = x if create_graph and x.requires_grad else x.detach().requires_grad_(wants_x)
             out = call(xd)
         inputs = ((xd,) if wants_x else ()) + call.params
-        grads = list(torch.autograd.grad(out, inputs, grad, allow_unused=True))
+        grads = list(torch.autograd.grad(out, inputs, grad, allow_unused=True, create_graph=create_graph))
         gx = grads.pop(0) if wants_x else None
         return (None, gx, *grads)
 
@@ -212,6 +217,8 @@ class NormHooks:
             and torch.is_grad_enabled()
             and innermost_pack_hook() == self.pack
             and not self.skip(module)
+            # Its own pre-hooks run after this one: they must see grad mode as the caller set it.
+            and not module._forward_pre_hooks
         ):
             call = _Call(module, x)
             if x.requires_grad or call.params:
@@ -227,6 +234,8 @@ class NormHooks:
         if call is None:
             return None
         torch.set_grad_enabled(True)
+        if output is None:
+            return None  # its forward raised: nothing to wrap, nothing to run again
         if type(output) is not torch.Tensor:
             return call(args[0])  # not a plain tensor: run it again, with autograd
         call.output = output
