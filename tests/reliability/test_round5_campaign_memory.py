@@ -645,3 +645,76 @@ def test_e5m2_gradients():
     _, got = grads(model, [x], params, fp8(float8_dtype=torch.float8_e5m2))
     # Measured 21-27 dB: e5m2 has two mantissa bits.
     assert_close_db(want, got, db=18.0)
+
+
+# ---------------------------------------------------------------- in-place inside forward, filters
+
+
+def test_in_place_silu_module():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.RMSNorm(64), nn.Linear(64, 128), nn.SiLU(inplace=True), nn.Linear(128, 64))
+    x = torch.randn(4, 8, 64)
+    params = list(model.parameters())
+    _, want = grads(model, [x], params)
+    _, got = grads(model, [x], params, fp8())
+    assert_close_db(want, got)
+
+
+def test_forward_hook_changing_a_norm_output_in_place():
+    torch.manual_seed(0)
+    model = mlp_with(nn.RMSNorm(64), torch.float32)
+    model[0].register_forward_hook(lambda m, a, out: out.mul_(2))
+    x = torch.randn(4, 8, 64)
+    params = list(model.parameters())
+    out0, want = grads(model, [x], params)
+    out1, got = grads(model, [x], params, fp8())
+    assert torch.equal(out0, out1)
+    assert_close_db(want, got)
+
+
+def test_norm_output_changed_in_place_after_it_was_saved_raises():
+    norm, lin = nn.RMSNorm(64), nn.Linear(64, 64)
+    x = torch.randn(16, 64, requires_grad=True)
+    with fp8():
+        h = norm(x)
+        y = lin(h)
+    with torch.no_grad():
+        h.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+def test_swiglu_up_output_changed_in_place_after_forward_raises():
+    gate, up = nn.Linear(64, 128), nn.Linear(64, 128)
+    x = torch.randn(16, 64, requires_grad=True)
+    with fp8():
+        u = up(x)
+        y = F.silu(gate(x)) * u
+    with torch.no_grad():
+        u.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+def test_filtered_norm_is_not_rewritten_and_matches_torch():
+    model = mlp_with(nn.RMSNorm(64), torch.float32)
+    x = torch.randn(4, 8, 64)
+    params = list(model.parameters())
+    keep_norm = lambda module, fqn: fqn != "0"
+    _, want = grads(model, [x], params)
+    _, got = grads(model, [x], params, fp8(model=model, module_filter_fn=keep_norm))
+    assert_close_db(want, got)
+    with fp8(model=model, module_filter_fn=keep_norm):
+        out = model[0](x.requires_grad_(True))
+    assert type(out.grad_fn).__name__ != "_NormBackward"
+
+
+def test_context_exit_removes_the_global_norm_hooks():
+    from torch.nn.modules import module as nn_module
+
+    before = (len(nn_module._global_forward_pre_hooks), len(nn_module._global_forward_hooks))
+    with fp8():
+        pass
+    assert (len(nn_module._global_forward_pre_hooks), len(nn_module._global_forward_hooks)) == before
+    x = torch.randn(4, 64, requires_grad=True)
+    assert type(nn.RMSNorm(64)(x).grad_fn).__name__ != "_NormBackward"
