@@ -449,11 +449,16 @@ def iter_fp8_weights(
         ValueError: ``gather=False`` and this rank's piece of an FP8 weight cuts a scale block.
         NotImplementedError: ``gather=False`` and a piece whose checkpoint names split it.
     """
-    who = "iter_fp8_weights"
+    return _checked_generator(model, format, strategy, scale_fmt, gather, "iter_fp8_weights")
+
+
+def _checked_generator(
+    model: nn.Module, format: str, strategy: str | None, scale_fmt: str | None, gather: bool, who: str
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """:func:`generate_fp8_weights` after checking the arguments (``who`` names the caller in errors)."""
     options = export_options(model, format, strategy, scale_fmt, who)
     if not isinstance(gather, bool):
         raise TypeError(f"{who}: gather must be a bool; got {gather!r}")
-
     return generate_fp8_weights(model, options, gather, who)
 
 
@@ -462,6 +467,7 @@ def fp8_state_dict(
 ) -> dict[str, torch.Tensor]:
     """Every tensor :func:`save_fp8_pretrained` writes with the same arguments, in memory.
 
-    Under FSDP2/TP the tensors are whole (every rank calls it). Raises as :func:`iter_fp8_weights`.
+    Under FSDP2/TP the tensors are whole (every rank calls it). High-precision tensors are the
+    model's own, as :func:`iter_fp8_weights` yields them. Raises as :func:`iter_fp8_weights`.
     """
-    return dict(iter_fp8_weights(model, format=format, strategy=strategy, scale_fmt=scale_fmt))
+    return dict(_checked_generator(model, format, strategy, scale_fmt, True, "fp8_state_dict"))
