@@ -726,3 +726,134 @@ def test_context_exit_removes_the_global_norm_hooks():
     assert (len(nn_module._global_forward_pre_hooks), len(nn_module._global_forward_hooks)) == before
     x = torch.randn(4, 64, requires_grad=True)
     assert type(nn.RMSNorm(64)(x).grad_fn).__name__ != "_NormBackward"
+
+
+# ---------------------------------------------------------------- more norms and attention gates
+
+
+class FusedAddRMSNorm(nn.Module):
+    """A norm returning (normed, residual), as fused-add kernels' wrappers do."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(n))
+
+    def forward(self, x):
+        return F.rms_norm(x, (x.shape[-1],), self.weight), x
+
+
+def test_norm_returning_a_tuple_matches_torch():
+    torch.manual_seed(0)
+    norm, lin = FusedAddRMSNorm(64), nn.Linear(64, 64)
+
+    def fn(x):
+        h, residual = norm(x)
+        return lin(h) + residual
+
+    params = [*norm.parameters(), *lin.parameters()]
+    x = torch.randn(16, 64)
+    _, want = grads(fn, [x], params)
+    _, got = grads(fn, [x], params, fp8())
+    assert_close_db(want, got)
+
+
+def test_norm_on_an_input_without_grad_trains_its_weight():
+    torch.manual_seed(0)
+    norm, lin = randomize(nn.RMSNorm(64)), nn.Linear(64, 64)
+    params = [*norm.parameters(), *lin.parameters()]
+    x = torch.randn(16, 64)
+
+    def run(ctx):
+        for p in params:
+            p.grad = None
+        if ctx is None:
+            out = lin(norm(x))
+        else:
+            with ctx:
+                out = lin(norm(x))
+        out.pow(2).sum().backward()
+        return [p.grad.clone() for p in params]
+
+    assert_close_db(run(None), run(fp8()))
+
+
+def test_fp32_weight_norm_on_bf16_input():
+    torch.manual_seed(0)
+    norm, lin = LlamaRMSNorm(64), nn.Linear(64, 64).to(torch.bfloat16)
+    fn = lambda x: lin(norm(x).to(torch.bfloat16))
+    params = [*norm.parameters(), *lin.parameters()]
+    x = torch.randn(16, 64, dtype=torch.bfloat16)
+    out0, want = grads(fn, [x], params)
+    out1, got = grads(fn, [x], params, fp8())
+    assert torch.equal(out0, out1)
+    assert_close_db(want, got)
+
+
+def test_same_context_object_entered_twice_nested():
+    model = mlp_with(nn.RMSNorm(64), torch.float32)
+    x = torch.randn(4, 8, 64)
+    params = list(model.parameters())
+    ctx = fp8()
+
+    class Twice:
+        def __enter__(self):
+            ctx.__enter__()
+            ctx.__enter__()
+
+        def __exit__(self, *exc):
+            ctx.__exit__(*exc)
+            ctx.__exit__(*exc)
+
+    _, want = grads(model, [x], params)
+    _, got = grads(model, [x], params, Twice())
+    assert_close_db(want, got)
+    x.requires_grad_(True)
+    assert type(model[0](x).grad_fn).__name__ != "_NormBackward"
+
+
+def test_exception_inside_the_context_removes_its_hooks():
+    norm = nn.RMSNorm(64)
+    x = torch.randn(4, 64, requires_grad=True)
+    with pytest.raises(KeyError, match="boom"), fp8():
+        norm(x)
+        raise KeyError("boom")
+    assert type(norm(x).grad_fn).__name__ != "_NormBackward"
+    assert torch.is_grad_enabled()
+
+
+def test_explicit_scale_enters_the_logit_gate():
+    # |q|, |k| small, but scale=30 makes the logits sharp: everything stays exact.
+    q, k, v = qkv()
+    _, want = sdpa_grads(None, q, k, v, scale=30.0)
+    _, got = sdpa_grads(fp8(), q, k, v, scale=30.0)
+    for w, g in zip(want, got):
+        assert torch.equal(w, g)
+
+
+def test_sharp_gqa_attention_stays_exact():
+    q, k, v = qkv(heads=4, kv_heads=2, scale=30.0)
+    _, want = sdpa_grads(None, q, k, v, enable_gqa=True)
+    _, got = sdpa_grads(fp8(), q, k, v, enable_gqa=True)
+    for w, g in zip(want, got):
+        assert torch.equal(w, g)
+
+
+def test_large_float_mask_spread_enters_the_logit_gate():
+    # Logits bounded by q, k are small; a mask spanning 40 nats makes the bound sharp.
+    q, k, v = qkv()
+    mask = torch.linspace(-20, 20, 16).expand(16, 16).contiguous()
+    _, want = sdpa_grads(None, q, k, v, attn_mask=mask)
+    _, got = sdpa_grads(fp8(), q, k, v, attn_mask=mask)
+    for w, g in zip(want, got):
+        assert torch.equal(w, g)
+
+
+def test_e5m2_attention_uses_its_own_epsilon_in_the_gate():
+    # Bound 0.25 * scale * |q| * |k| is above 0.5 at e5m2 where e4m3's is below: exact.
+    q, k, v = qkv(scale=0.45)
+    _, want = sdpa_grads(None, q, k, v)
+    _, got = sdpa_grads(fp8(float8_dtype=torch.float8_e5m2), q, k, v)
+    for w, g in zip(want, got):
+        assert torch.equal(w, g)
+    _, e4m3 = sdpa_grads(fp8(), q, k, v)
+    assert not torch.equal(want[0], e4m3[0])
