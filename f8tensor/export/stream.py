@@ -347,6 +347,11 @@ def _unit(
     scales: dict[str, torch.Tensor] = {}
     for key in keys:
         t = targets.get(key, sources.saved[key])
+        if t.is_meta:
+            raise ValueError(
+                f"{who}: {key} is on the meta device and has no values to write; materialise the model "
+                f"(load or initialise its weights) first"
+            )
         if key in sources.frozen:
             if _is_dtensor(t):
                 raise NotImplementedError(f"{who}: {key}: a frozen FP8 layer sharded by FSDP2/TP is not exported")

@@ -320,3 +320,41 @@ def test_non_finite_weight_in_a_converted_model_is_refused_by_name():
         model.model.layers[0].mlp.gate_proj.weight[1, 2] = float("-inf")
     with pytest.raises(ValueError, match=r"fp8_state_dict: model\.layers\.0\.mlp\.gate_proj\.weight holds non-finite"):
         fp8_state_dict(model)
+
+
+@pytest.mark.parametrize("api", [fp8_state_dict, iter_fp8_weights], ids=lambda f: f.__name__)
+def test_meta_model_is_refused_by_name(api):
+    with torch.device("meta"):
+        model = llama()
+    with pytest.raises(ValueError, match=f"^{api.__name__}: model.embed_tokens.weight is on the meta device"):
+        dict(api(model))
+
+
+def test_meta_model_save_is_refused_by_name_and_writes_nothing(tmp_path):
+    with torch.device("meta"):
+        model = llama()
+    with pytest.raises(ValueError, match="^save_fp8_pretrained: model.embed_tokens.weight is on the meta device"):
+        save_fp8_pretrained(model, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("api", [fp8_state_dict, iter_fp8_weights], ids=lambda f: f.__name__)
+def test_mxfp8_weight_with_k_not_a_multiple_of_32_is_refused_by_name(api):
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=128,
+            intermediate_size=200,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            head_dim=64,
+        )
+    )
+    with pytest.raises(ValueError, match=f"^{api.__name__}: model.layers.0.mlp.down_proj.weight has N=128, K=200"):
+        dict(api(model, format="mxfp8"))
+
+
+def test_gather_false_on_a_plain_model_is_the_dict():
+    model = converted()
+    assert_same(dict(iter_fp8_weights(model, gather=False)), fp8_state_dict(model))
