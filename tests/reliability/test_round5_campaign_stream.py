@@ -127,10 +127,11 @@ def test_iterator_yields_the_dict_in_the_files_order_once(dtype):
 
 @pytest.mark.parametrize(("fmt", "strategy"), [("fp8_block", None), ("compressed_tensors", "channel")])
 @pytest.mark.parametrize("frozen", [True, False], ids=["frozen", "trainable"])
-def test_model_loaded_from_an_fp8_checkpoint_exports_the_file(tmp_path, frozen, fmt, strategy):
-    source = converted("blockwise" if strategy is None else "rowwise", tied=False)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_model_loaded_from_an_fp8_checkpoint_exports_the_file(tmp_path, dtype, frozen, fmt, strategy):
+    source = converted("blockwise" if strategy is None else "rowwise", tied=False, dtype=dtype)
     original = written(source, tmp_path / "a", fmt, strategy)
-    loaded = load_fp8_pretrained(llama(tied=False, seed=1), str(tmp_path / "a"), frozen=frozen)
+    loaded = load_fp8_pretrained(llama(dtype, tied=False, seed=1), str(tmp_path / "a"), frozen=frozen)
     assert any(isinstance(m, FrozenFloat8Linear) for m in loaded.modules()) is frozen
     state = fp8_state_dict(loaded, format=fmt, strategy=strategy)
     assert_same(state, written(loaded, tmp_path / "b", fmt, strategy))
@@ -358,3 +359,17 @@ def test_mxfp8_weight_with_k_not_a_multiple_of_32_is_refused_by_name(api):
 def test_gather_false_on_a_plain_model_is_the_dict():
     model = converted()
     assert_same(dict(iter_fp8_weights(model, gather=False)), fp8_state_dict(model))
+
+
+def test_frozen_model_trained_around_its_fp8_layers_exports_the_same_fp8_bytes(tmp_path):
+    source = converted("blockwise", tied=False, dtype=torch.float32)
+    original = written(source, tmp_path / "a")
+    model = load_fp8_pretrained(llama(torch.float32, tied=False, seed=1), str(tmp_path / "a"))
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    train_step(model, opt)
+    state = fp8_state_dict(model)
+    assert_same(state, written(model, tmp_path / "b"))
+    fp8_keys = [k for k, v in original.items() if v.dtype == torch.float8_e4m3fn or k.endswith("_scale_inv")]
+    assert len(fp8_keys) == 14
+    assert_same({k: state[k] for k in fp8_keys}, {k: original[k] for k in fp8_keys})
+    assert not torch.equal(state["model.norm.weight"], original["model.norm.weight"])
