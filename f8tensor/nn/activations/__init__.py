@@ -62,7 +62,7 @@ class save_activations_in_float8:
             one saved before it (q, k and v casting one input), is kept once. The norms are
             found by global module hooks: while the context is active they fire for modules
             run on every thread (a norm another thread runs is rewritten too); norms in a
-            checkpointed region, and norms with forward pre-hooks of their own, run as they are.
+            checkpointed region, and norms with forward pre-hooks or backward hooks, run as they are.
             A norm's weights are saved with it (changed in place before backward: autograd's
             error) and its backward supports ``create_graph``. Backward then reruns what it rebuilds
             (``benchmarks/bench_activations.py`` reports its FLOPs and time).

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
+from torch.nn.modules import module as nn_module
 
 from f8tensor.compat import innermost_pack_hook, version_counter
 
@@ -196,6 +197,18 @@ class _Norm(torch.autograd.Function):
         return (None, gx, *grads)
 
 
+def _own_hooks(module: nn.Module) -> bool:
+    """Whether ``module`` has forward pre-hooks or backward hooks of its own (or global backward
+    hooks apply): they run after the global pre-hook and must see grad mode as the caller set it."""
+    return bool(
+        module._forward_pre_hooks
+        or module._backward_hooks
+        or module._backward_pre_hooks
+        or nn_module._global_backward_hooks
+        or nn_module._global_backward_pre_hooks
+    )
+
+
 class NormHooks:
     """Global module hooks: a norm called with grad enabled runs without autograd, then
     becomes a :class:`_Norm` output (``pack``: the context's pack, for the recipe's input)."""
@@ -217,8 +230,7 @@ class NormHooks:
             and torch.is_grad_enabled()
             and innermost_pack_hook() == self.pack
             and not self.skip(module)
-            # Its own pre-hooks run after this one: they must see grad mode as the caller set it.
-            and not module._forward_pre_hooks
+            and not _own_hooks(module)
         ):
             call = _Call(module, x)
             if x.requires_grad or call.params:
