@@ -866,3 +866,59 @@ def test_e5m2_attention_uses_its_own_epsilon_in_the_gate():
         assert torch.equal(w, g)
     _, e4m3 = sdpa_grads(fp8(), q, k, v)
     assert not torch.equal(want[0], e4m3[0])
+
+
+@pytest.mark.parametrize("kind", ["rms", "ln", "llama"])
+def test_full_backward_hook_on_a_recomputed_norm(kind):
+    torch.manual_seed(0)
+    model = mlp_with(NORMS[kind](), torch.float32)
+    seen = []
+    model[0].register_full_backward_hook(lambda m, gin, gout: seen.append((gin[0], gout[0])))
+    x = torch.randn(4, 8, 64)
+    params = list(model.parameters())
+    _, want = grads(model, [x], params)
+    plain = seen.pop()
+    _, got = grads(model, [x], params, fp8())
+    hooked = seen.pop()
+    assert not seen
+    assert_close_db(want, got)
+    assert_close_db(list(plain), list(hooked))
+
+
+def test_gradient_hook_on_the_norm_weight_runs_once_per_backward():
+    torch.manual_seed(0)
+    model = mlp_with(nn.RMSNorm(64), torch.float32)
+    seen = []
+
+    def halve(g):
+        seen.append(g.clone())
+        return g * 0.5
+
+    model[0].weight.register_hook(halve)
+    x = torch.randn(4, 8, 64)
+    params = list(model.parameters())
+    _, want = grads(model, [x], params)
+    _, got = grads(model, [x], params, fp8())
+    assert len(seen) == 2
+    assert sqnr(seen[0], seen[1]) >= GRAD_MIN_DB
+    assert_close_db(want, got)
+
+
+def test_norm_run_on_another_thread_inside_the_context():
+    import threading
+
+    torch.manual_seed(0)
+    model = mlp_with(nn.RMSNorm(64), torch.float32)
+    x = torch.randn(4, 8, 64)
+    params = list(model.parameters())
+    _, want = grads(model, [x], params)
+
+    def fn(x):
+        out = []
+        worker = threading.Thread(target=lambda: out.append(model(x)))
+        worker.start()
+        worker.join()
+        return out[0]
+
+    _, got = grads(fn, [x], params, fp8())
+    assert_close_db(want, got)

@@ -22,7 +22,7 @@ from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.nn.modules import module as nn_module
 
-from f8tensor.compat import innermost_pack_hook, version_counter
+from f8tensor.compat import innermost_pack_hook, reparametrized, version_counter
 
 _KEY = "f8tensor.saved_activations"
 _ACTIVATIONS = ("SiluBackward0", "GeluBackward0")
@@ -147,13 +147,16 @@ def is_norm(module: nn.Module) -> bool:
 class _Call:
     """One norm call: the bound forward, the autocast state it ran under, its output."""
 
-    __slots__ = ("autocast", "fn", "output", "params", "state")
+    __slots__ = ("autocast", "fn", "module", "names", "output", "params", "state")
 
     def __init__(self, module: nn.Module, x: torch.Tensor) -> None:
         self.fn = module.forward
         device = x.device.type
         self.autocast = (device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device))
-        self.params = tuple(p for p in module.parameters() if p.requires_grad)
+        self.module = module
+        trained = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+        self.names = tuple(name for name, _ in trained)
+        self.params = tuple(p for _, p in trained)
         # Saved beside the input: backward reads them again, so a change in place since raises.
         self.state = tuple(module.parameters())
         self.output: torch.Tensor | None = None
@@ -190,8 +193,12 @@ class _Norm(torch.autograd.Function):
         create_graph = torch.is_grad_enabled()
         with torch.enable_grad():
             xd = x if create_graph and x.requires_grad else x.detach().requires_grad_(wants_x)
-            out = call(xd)
-        inputs = ((xd,) if wants_x else ()) + call.params
+            # The recomputation differentiates views of the weights: the weights' own gradient
+            # hooks run once, when autograd passes them the gradient returned here.
+            views = tuple(p.view_as(p) for p in call.params)
+            with reparametrized(call.module, dict(zip(call.names, views, strict=True))):
+                out = call(xd)
+        inputs = ((xd,) if wants_x else ()) + views
         grads = list(torch.autograd.grad(out, inputs, grad, allow_unused=True, create_graph=create_graph))
         gx = grads.pop(0) if wants_x else None
         return (None, gx, *grads)
