@@ -922,3 +922,22 @@ def test_norm_run_on_another_thread_inside_the_context():
 
     _, got = grads(fn, [x], params, fp8())
     assert_close_db(want, got)
+
+
+def test_double_backward_through_the_norm_weight():
+    torch.manual_seed(0)
+    norm = randomize(nn.RMSNorm(64))
+    x0 = torch.randn(16, 64)
+
+    def gradgrad(ctx):
+        x = x0.clone().requires_grad_(True)
+        if ctx is None:
+            y = norm(x)
+        else:
+            with ctx:
+                y = norm(x)
+        (g,) = torch.autograd.grad(y.pow(3).sum(), norm.weight, create_graph=True)
+        gw, gx = torch.autograd.grad(g.pow(2).sum(), (norm.weight, x))
+        return [g.detach(), gw, gx]
+
+    assert_close_db(gradgrad(None), gradgrad(fp8()))
