@@ -373,3 +373,23 @@ def test_frozen_model_trained_around_its_fp8_layers_exports_the_same_fp8_bytes(t
     assert len(fp8_keys) == 14
     assert_same({k: state[k] for k in fp8_keys}, {k: original[k] for k in fp8_keys})
     assert not torch.equal(state["model.norm.weight"], original["model.norm.weight"])
+
+
+def test_abandoned_iterator_keeps_no_made_tensor_alive():
+    import gc
+    import weakref
+
+    model = converted(layers=2)
+    weights = iter_fp8_weights(model)
+    refs = []
+    for key, t in weights:
+        if t.dtype == torch.float8_e4m3fn:
+            refs.append(weakref.ref(t))
+            break
+    del t
+    gc.collect()
+    # the rest of the layer is held by the suspended generator until it is dropped
+    weights.close()
+    del weights
+    gc.collect()
+    assert refs and all(r() is None for r in refs), key
