@@ -414,6 +414,14 @@ def innermost_pack_hook() -> Callable[[torch.Tensor], Any] | None:
     return None if top is None else top[0]
 
 
+def reparametrized(module: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> Any:
+    """A context in which ``module``'s parameters named in ``tensors`` are those tensors
+    (``torch.nn.utils.stateless._reparametrize_module``, what ``torch.func.functional_call`` uses)."""
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    return _reparametrize_module(module, tensors)
+
+
 def is_functorch_wrapped(t: torch.Tensor) -> bool:
     """``torch._C._functorch.is_functorch_wrapped_tensor`` (torch >= 2.0)."""
     return torch._C._functorch.is_functorch_wrapped_tensor(t)

@@ -347,6 +347,11 @@ def _unit(
     scales: dict[str, torch.Tensor] = {}
     for key in keys:
         t = targets.get(key, sources.saved[key])
+        if t.is_meta:
+            raise ValueError(
+                f"{who}: {key} is on the meta device and has no values to write; materialise the model "
+                f"(load or initialise its weights) first"
+            )
         if key in sources.frozen:
             if _is_dtensor(t):
                 raise NotImplementedError(f"{who}: {key}: a frozen FP8 layer sharded by FSDP2/TP is not exported")
@@ -449,11 +454,16 @@ def iter_fp8_weights(
         ValueError: ``gather=False`` and this rank's piece of an FP8 weight cuts a scale block.
         NotImplementedError: ``gather=False`` and a piece whose checkpoint names split it.
     """
-    who = "iter_fp8_weights"
+    return _checked_generator(model, format, strategy, scale_fmt, gather, "iter_fp8_weights")
+
+
+def _checked_generator(
+    model: nn.Module, format: str, strategy: str | None, scale_fmt: str | None, gather: bool, who: str
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """:func:`generate_fp8_weights` after checking the arguments (``who`` names the caller in errors)."""
     options = export_options(model, format, strategy, scale_fmt, who)
     if not isinstance(gather, bool):
         raise TypeError(f"{who}: gather must be a bool; got {gather!r}")
-
     return generate_fp8_weights(model, options, gather, who)
 
 
@@ -462,6 +472,7 @@ def fp8_state_dict(
 ) -> dict[str, torch.Tensor]:
     """Every tensor :func:`save_fp8_pretrained` writes with the same arguments, in memory.
 
-    Under FSDP2/TP the tensors are whole (every rank calls it). Raises as :func:`iter_fp8_weights`.
+    Under FSDP2/TP the tensors are whole (every rank calls it). High-precision tensors are the
+    model's own, as :func:`iter_fp8_weights` yields them. Raises as :func:`iter_fp8_weights`.
     """
-    return dict(iter_fp8_weights(model, format=format, strategy=strategy, scale_fmt=scale_fmt))
+    return dict(_checked_generator(model, format, strategy, scale_fmt, True, "fp8_state_dict"))

@@ -61,8 +61,10 @@ class save_activations_in_float8:
             in FP8 as without it. An FP8 tensor that a linear saves, with the same bits as the
             one saved before it (q, k and v casting one input), is kept once. The norms are
             found by global module hooks: while the context is active they fire for modules
-            run on every thread (a norm another thread runs is rewritten too); inside a
-            checkpointed region norms run as they are. Backward then reruns what it rebuilds
+            run on every thread (a norm another thread runs is rewritten too); norms in a
+            checkpointed region, and norms with forward pre-hooks or backward hooks, run as they are.
+            A norm's weights are saved with it (changed in place before backward: autograd's
+            error) and its backward supports ``create_graph``. Backward then reruns what it rebuilds
             (``benchmarks/bench_activations.py`` reports its FLOPs and time).
     Raises:
         ValueError: a bad ``float8_dtype``, ``block`` or ``min_numel``, or a filter without ``model``.

@@ -20,8 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
+from torch.nn.modules import module as nn_module
 
-from f8tensor.compat import innermost_pack_hook, version_counter
+from f8tensor.compat import innermost_pack_hook, reparametrized, version_counter
 
 _KEY = "f8tensor.saved_activations"
 _ACTIVATIONS = ("SiluBackward0", "GeluBackward0")
@@ -146,13 +147,18 @@ def is_norm(module: nn.Module) -> bool:
 class _Call:
     """One norm call: the bound forward, the autocast state it ran under, its output."""
 
-    __slots__ = ("autocast", "fn", "output", "params")
+    __slots__ = ("autocast", "fn", "module", "names", "output", "params", "state")
 
     def __init__(self, module: nn.Module, x: torch.Tensor) -> None:
         self.fn = module.forward
         device = x.device.type
         self.autocast = (device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device))
-        self.params = tuple(p for p in module.parameters() if p.requires_grad)
+        self.module = module
+        trained = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+        self.names = tuple(name for name, _ in trained)
+        self.params = tuple(p for _, p in trained)
+        # Saved beside the input: backward reads them again, so a change in place since raises.
+        self.state = tuple(module.parameters())
         self.output: torch.Tensor | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -173,22 +179,41 @@ class _Norm(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, call: _Call, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
         ctx.call = call
-        ctx.save_for_backward(x)
+        ctx.save_for_backward(x, *call.state)
         assert call.output is not None
         return call.output
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        (x,) = ctx.saved_tensors
+        x = ctx.saved_tensors[0]
         call: _Call = ctx.call
         wants_x = ctx.needs_input_grad[1]
+        # Grad mode is on here only under create_graph=True: then the gradients are differentiated
+        # again, through the saved input's own graph.
+        create_graph = torch.is_grad_enabled()
         with torch.enable_grad():
-            xd = x.detach().requires_grad_(wants_x)
-            out = call(xd)
-        inputs = ((xd,) if wants_x else ()) + call.params
-        grads = list(torch.autograd.grad(out, inputs, grad, allow_unused=True))
+            xd = x if create_graph and x.requires_grad else x.detach().requires_grad_(wants_x)
+            # The recomputation differentiates views of the weights: the weights' own gradient
+            # hooks run once, when autograd passes them the gradient returned here.
+            views = tuple(p.view_as(p) for p in call.params)
+            with reparametrized(call.module, dict(zip(call.names, views, strict=True))):
+                out = call(xd)
+        inputs = ((xd,) if wants_x else ()) + views
+        grads = list(torch.autograd.grad(out, inputs, grad, allow_unused=True, create_graph=create_graph))
         gx = grads.pop(0) if wants_x else None
         return (None, gx, *grads)
+
+
+def _own_hooks(module: nn.Module) -> bool:
+    """Whether ``module`` has forward pre-hooks or backward hooks of its own (or global backward
+    hooks apply): they run after the global pre-hook and must see grad mode as the caller set it."""
+    return bool(
+        module._forward_pre_hooks
+        or module._backward_hooks
+        or module._backward_pre_hooks
+        or nn_module._global_backward_hooks
+        or nn_module._global_backward_pre_hooks
+    )
 
 
 class NormHooks:
@@ -212,6 +237,7 @@ class NormHooks:
             and torch.is_grad_enabled()
             and innermost_pack_hook() == self.pack
             and not self.skip(module)
+            and not _own_hooks(module)
         ):
             call = _Call(module, x)
             if x.requires_grad or call.params:
@@ -227,6 +253,8 @@ class NormHooks:
         if call is None:
             return None
         torch.set_grad_enabled(True)
+        if output is None:
+            return None  # its forward raised: nothing to wrap, nothing to run again
         if type(output) is not torch.Tensor:
             return call(args[0])  # not a plain tensor: run it again, with autograd
         call.output = output
