@@ -22,6 +22,8 @@ from torch._inductor import config as _inductor_config
 from torch._inductor import inductor_prims as _inductor_prims
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.nn.modules import module as _nn_module
+from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils import _pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._python_dispatch import return_and_correct_aliasing as _return_and_correct_aliasing
@@ -417,9 +419,13 @@ def innermost_pack_hook() -> Callable[[torch.Tensor], Any] | None:
 def reparametrized(module: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> Any:
     """A context in which ``module``'s parameters named in ``tensors`` are those tensors
     (``torch.nn.utils.stateless._reparametrize_module``, what ``torch.func.functional_call`` uses)."""
-    from torch.nn.utils.stateless import _reparametrize_module
-
     return _reparametrize_module(module, tensors)
+
+
+def global_module_backward_hooks() -> bool:
+    """Whether global module backward hooks are registered (``torch.nn.modules.module``'s
+    ``_global_backward_hooks`` and ``_global_backward_pre_hooks``)."""
+    return bool(_nn_module._global_backward_hooks or _nn_module._global_backward_pre_hooks)
 
 
 def is_functorch_wrapped(t: torch.Tensor) -> bool:

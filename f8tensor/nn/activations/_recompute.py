@@ -20,9 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
-from torch.nn.modules import module as nn_module
 
-from f8tensor.compat import innermost_pack_hook, reparametrized, version_counter
+from f8tensor.compat import global_module_backward_hooks, innermost_pack_hook, reparametrized, version_counter
 
 _KEY = "f8tensor.saved_activations"
 _ACTIVATIONS = ("SiluBackward0", "GeluBackward0")
@@ -211,8 +210,7 @@ def _own_hooks(module: nn.Module) -> bool:
         module._forward_pre_hooks
         or module._backward_hooks
         or module._backward_pre_hooks
-        or nn_module._global_backward_hooks
-        or nn_module._global_backward_pre_hooks
+        or global_module_backward_hooks()
     )
 
 
