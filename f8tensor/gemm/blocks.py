@@ -12,7 +12,7 @@ exact (padded) call the CUDA branch sends.
 from __future__ import annotations
 
 import warnings
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
@@ -234,6 +234,21 @@ def _takes_dtypes(rule_name: str, a: torch.dtype, b: torch.dtype) -> bool:
     return a in dtypes and b in dtypes
 
 
+# Constants to torch.compile: dynamo cannot guard a set test on a constant row (nor format one).
+@torch.compiler.assume_constant_result
+def _runs_here(rule_name: str, torch_version: Any, cuda: tuple[int, int], sm: tuple[int, int]) -> bool:
+    return CudaBuild(torch_version, cuda, sm) in _RULES_BY_NAME[rule_name].builds
+
+
+@torch.compiler.disable
+def _no_kernel_here(rule_name: str, major: int, minor: int) -> str:
+    builds = _RULES_BY_NAME[rule_name].builds
+    return (
+        f"the {rule_name} kernel needs {builds} and torch.nn.functional.scaled_mm; this is "
+        f"sm{major}{minor} with CUDA {torch.version.cuda}. Use emulate=True for the reference path."
+    )
+
+
 def _kernel_args(rule: BlockScaledMMRule, a8: Float8Tensor, b8: Float8Tensor, pads=(0, 0, 0)):
     """The operands (A row-major, B column-major, padded by ``pads``) and scales of ``rule``'s kernel."""
     pm, pk, pn = pads
@@ -260,12 +275,8 @@ def _kernel_mm(
     functional = torch.nn.functional
     major, minor = torch.cuda.get_device_capability(a8._data.device)
     cuda = cast("tuple[int, int]", tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2]))
-    here = CudaBuild(compat.TORCH_VERSION, cuda, (major, minor))
-    if not hasattr(functional, "scaled_mm") or here not in rule.builds:
-        raise NotImplementedError(
-            f"the {rule.name} kernel needs {rule.builds} and torch.nn.functional.scaled_mm; this is "
-            f"sm{major}{minor} with CUDA {torch.version.cuda}. Use emulate=True for the reference path."
-        )
+    if not hasattr(functional, "scaled_mm") or not _runs_here(rule.name, compat.TORCH_VERSION, cuda, (major, minor)):
+        raise NotImplementedError(_no_kernel_here(rule.name, major, minor))
     if not _takes_operands(rule, a8, b8):
         raise ValueError(_refusal(rule, a8, b8))
     pads = _padding(rule, a8, b8, gemm, traced=torch.compiler.is_compiling())
