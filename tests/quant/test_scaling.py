@@ -143,6 +143,12 @@ def test_dynamic_scale_default_is_not_rounded():
     assert scaling.dynamic_scale(x, E4M3, round_pow2=True).item() == 128.0
 
 
+def test_dynamic_scale_along_an_axis_is_one_scale_per_row():
+    x = torch.tensor([[3.0, -1.0], [0.5, -2.0]])
+    expected = torch.tensor([[448.0 / 3.0], [448.0 / 2.0]])
+    assert torch.equal(scaling.dynamic_scale(x, E4M3, axiswise_dim=-1), expected)
+
+
 # ----------------------------------------------------------------------------- segments
 
 
