@@ -22,7 +22,9 @@ Per row:
 - *recompute*: the same with ``recompute=True``: saved bytes, gradient SQNR, and the extra
   compute of one backward: the outputs rebuilt (norms, SiLU/GELU, the SwiGLU product) in
   estimated FLOPs (elements x per-element cost: RMSNorm 4, LayerNorm 7, SiLU 4, GELU 8,
-  product 1) and the CPU time spent rebuilding them, against the step's time.
+  product 1; a causal or masked attention's output, rebuilt under the context with or
+  without recompute=True: 2 x its multiply-adds) and the CPU time spent rebuilding them,
+  against the step's time.
 
     python benchmarks/bench_activations.py                   # CPU: the "tiny" block, 1,024 tokens
     python benchmarks/bench_activations.py --size 100m       # a GPU-sized block (16,384 tokens)
@@ -139,6 +141,14 @@ def _flops_per_element(fn) -> int:
     return _FLOPS_PER_ELEMENT.get(name, _FLOPS_PER_ELEMENT["product"])
 
 
+def _attention_flops(recipe, out: torch.Tensor) -> float:
+    """Multiply-adds x 2 of a rebuilt attention output: q k^T and P v, half of them causal."""
+    key = recipe.inputs[1]
+    lk, d = (key.shape if hasattr(key, "shape") else key.tensor.shape)[-2:]
+    rows = out.numel() // out.shape[-1]
+    return 2.0 * rows * lk * (d + out.shape[-1]) * (0.5 if recipe.fn.keywords.get("is_causal") else 1.0)
+
+
 @contextlib.contextmanager
 def _recompute_cost(totals: dict[str, float]):
     """Adds to ``totals`` the FLOPs (estimated) and seconds of what recompute=True rebuilds."""
@@ -157,7 +167,9 @@ def _recompute_cost(totals: dict[str, float]):
         t0 = time.perf_counter()
         out = build(self, unpack)
         totals["seconds"] += time.perf_counter() - t0
-        totals["flops"] += out.numel() * _flops_per_element(self.fn)
+        totals["flops"] += (
+            _attention_flops(self, out) if self.kind == "attention" else out.numel() * _flops_per_element(self.fn)
+        )
         return out
 
     R._Call.__call__, R.Recomputed.build = timed_call, timed_build

@@ -16,6 +16,7 @@ from torch import nn
 
 from f8tensor import convert_to_float8_training, save_activations_in_float8
 from f8tensor.nn import activations
+from f8tensor.nn.activations._recompute import Recomputed
 
 
 def _model(kind: str) -> nn.Sequential:
@@ -141,11 +142,12 @@ def test_multihead_attention_keeps_its_logsumexp_exact(monkeypatch):
     assert_sqnr(want[1], got[1], 30.0, "in_proj_weight")  # measured 31.7 dB
 
 
-@pytest.mark.parametrize(("bias", "packed", "min_db"), [(0.5, 4, 25.0), (8.0, 0, float("inf"))])
+@pytest.mark.parametrize(("bias", "packed", "min_db"), [(0.5, 3, 25.0), (8.0, 0, float("inf"))])
 def test_attention_mask_stays_exact(monkeypatch, bias, packed, min_db):
     """A float mask is a logit operand: its -inf in FP8 came back NaN. It stays exact, and
     its spread counts in how sharp the attention may be: a bias of a few nats keeps q, k, v
-    in FP8 (measured 28.8 dB), one of tens of nats keeps them exact (bit-identical)."""
+    in FP8 (measured 28.6 dB) and the output is recomputed from them in backward, one of
+    tens of nats keeps them and the output exact (bit-identical)."""
     torch.manual_seed(0)
     q, k, v, g = (torch.randn(2, 4, 256, 16) * 0.25 for _ in range(4))
     mask = torch.randn(2, 1, 256, 256) * bias
@@ -154,7 +156,9 @@ def test_attention_mask_stays_exact(monkeypatch, bias, packed, min_db):
     kept = _packs(monkeypatch)
     got = _sdpa_grads(q, k, v, g, save_activations_in_float8(min_numel=0), attn_mask=mask)
     assert _exact(kept, mask.shape) and _in_fp8(kept, mask.shape) == 0
-    assert _in_fp8(kept, q.shape) == packed  # q, k, v, output
+    assert _in_fp8(kept, q.shape) == packed  # q, k, v
+    recomputed = [p for shape, p in kept if shape == q.shape and isinstance(p, Recomputed)]
+    assert len(recomputed) == (packed > 0) and all(p.kind == "attention" for p in recomputed)
     for name, a, b in zip("qkv", want, got):
         if min_db == float("inf"):
             assert torch.equal(a, b), name
@@ -189,3 +193,19 @@ def test_a_mask_spread_ignores_masked_positions_and_broadcast_dims():
     assert float(activations._packing._spread(expanded)) == 3.5
     assert float(activations._packing._spread(torch.full((2, 2), float("-inf")))) == 0.0
     assert float(activations._packing._spread(torch.ones(2, 2, dtype=torch.bool))) == 0.0
+
+
+@pytest.mark.parametrize(("dropout", "stored"), [(0.0, Recomputed), (0.1, activations._Kept)])
+def test_causal_attention_output_is_recomputed_unless_dropout(monkeypatch, dropout, stored):
+    """Causal attention's output is rebuilt in backward from the q, k, v it saved; with
+    dropout (its mask is not saved on every kernel) v and the output stay exact. CUDA's
+    efficient-attention node, built on meta tensors (q, k, v of distinct shapes: meta
+    tensors share an address, so the context would take equal shapes for one tensor)."""
+    q, k, v = (torch.randn(2, 4, n, d, device="meta", requires_grad=True) for n, d in ((256, 16), (128, 16), (128, 32)))
+    kept = _packs(monkeypatch)
+    with save_activations_in_float8(min_numel=0):
+        torch.ops.aten._scaled_dot_product_efficient_attention(q * 1, k * 1, v * 1, None, True, dropout, True)
+    outputs = [p for shape, p in kept if shape == (2, 4, 256, 32)]
+    assert [type(p) for p in outputs] == [stored]
+    assert _in_fp8(kept, q.shape) == _in_fp8(kept, k.shape) == 1
+    assert _in_fp8(kept, v.shape) == (stored is Recomputed)  # v exact with dropout

@@ -50,6 +50,8 @@ class save_activations_in_float8:
             output too unless ``eps * (scale * max|q_i| * max|k_j| + mask spread / 2)``, the
             bound on the logit error FP8 q and k can cause, is at most
             :data:`ATTENTION_LOGIT_ERROR` nats (its backward recomputes the probabilities).
+            A causal or masked one's output is rebuilt in backward from its saved q, k, v
+            (one attention forward more; with dropout, v and the output stay exact).
         model, module_filter_fn: ``fn(module, fqn) -> False`` keeps what that module saves as is.
         recompute: also store the outputs of cheap modules as recipes recomputed in backward
             from what is saved in FP8 anyway (default False). Covered: ``nn.RMSNorm``,

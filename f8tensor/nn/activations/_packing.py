@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from f8tensor.compat import version_counter, view_base
 from f8tensor.nn.activations import _recompute as R
@@ -170,8 +172,10 @@ class _Hooks:
             return _Kept(t)
         if type(t) is not torch.Tensor:
             return self._subclass(t)
-        if t.grad_fn is not None and t.output_nr == 0 and _is_attention(t.grad_fn) and self._sharp(t.grad_fn, t):
-            return _Kept(t)
+        if t.grad_fn is not None and t.output_nr == 0 and _is_attention(t.grad_fn):
+            stored = self._attention_output(t.grad_fn, t)
+            if stored is not None:
+                return stored
         # A per-row statistic of a saved tensor (a logsumexp; a norm's mean or rstd) stays exact.
         if not self._eligible(t) or t.shape in self.rows or (t.shape[-1] == 1 and t.shape[:-1] in self.rows):
             return _Kept(t)
@@ -184,18 +188,35 @@ class _Hooks:
             R.note(t, packed)
         return packed
 
-    def _sharp(self, node: Any, out: torch.Tensor) -> bool:
-        """Whether a fused attention whose output ``out`` is being saved needs its saved
-        tensors exact; if so, its q, k, v already packed become exact. Its mask always does.
+    def _attention_output(self, node: Any, out: torch.Tensor) -> Any:
+        """How a fused attention's output ``out`` is stored: kept (sharp attention, its q, k,
+        v already packed made exact too), recomputed in backward from the saved q, k, v
+        (causal or masked attention), or None (packed as any tensor). Its mask stays exact.
 
         Its backward recomputes the probabilities from q, k and the exact logsumexp, so an
-        FP8 error in q or k moves a logit by up to ``eps * scale * |q_i| * |k_j|`` nats, and
-        in sharp attention FP8 v or output break the cancellation in ``dP - rowsum(dO * O)``.
+        FP8 error in q or k moves a logit by up to ``eps * scale * |q_i| * |k_j|`` nats. And
+        ``dP - rowsum(dO * O)`` cancels in a row that attends to few keys (causal and masked
+        attention have such rows) only while the output is ``P @ v`` of the v backward reads:
+        an output rounded apart from v measured 24 dB in dq; recomputed, 27 or more.
         """
         kind = type(node)
         saved = {name: _peek(node, name) for name in _ATTENTION_SAVES if hasattr(kind, f"_saved_{name}")}
         mask = saved.get("attn_mask") or saved.get("attn_bias")
         _keep_exact(mask)
+        if self._sharp(node, saved, mask):
+            return _Kept(out)
+        causal = bool(getattr(node, "_saved_is_causal", False))
+        if mask is None and not causal:
+            return None
+        recipe = _attention_recipe(node, saved, mask, causal)
+        if recipe is None:  # dropout, or an input no longer alive: v and the output exact
+            _keep_exact(saved.get("value"))
+            return _Kept(out)
+        return R.Recomputed(recipe[0], recipe[1], "attention", out)
+
+    def _sharp(self, node: Any, saved: dict[str, Any], mask: Any) -> bool:
+        """Whether the logit error FP8 q and k can cause exceeds :data:`ATTENTION_LOGIT_ERROR`;
+        if so, q, k and v already packed become exact."""
         q, k = saved["query"], saved["key"]
         if q is None or k is None:
             return False
@@ -353,6 +374,32 @@ def _peek(node: Any, name: str) -> tuple[Any, torch.Tensor] | None:
     refs = getattr(packed, "refs", None)
     alive = None if refs is None else refs[0]()
     return None if alive is None else (packed, alive)
+
+
+def _attention_recipe(node: Any, saved: dict[str, Any], mask: Any, causal: bool) -> tuple[Any, tuple[Any, ...]] | None:
+    """(fn, packed inputs) recomputing a fused attention's output from its saved q, k, v
+    (and mask), or None where it cannot (dropout, a missing input, a mask with is_causal)."""
+    if getattr(node, "_saved_dropout_p", 0.0) or (mask is not None and causal):
+        return None
+    names = ("query", "key", "value")
+    if any(saved.get(name) is None for name in names):
+        return None
+    q, k = saved["query"][1], saved["key"][1]
+    options = {
+        "is_causal": causal,
+        "scale": getattr(node, "_saved_scale", None),
+        "enable_gqa": q.shape[-3] != k.shape[-3],
+    }
+    inputs = tuple(saved[name][0] for name in names)
+    if mask is not None:
+        inputs += (mask[0],)
+    return functools.partial(_attention, **options), inputs
+
+
+def _attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None, **options: Any
+) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **options)
 
 
 def _keep_exact(saved: tuple[Any, torch.Tensor] | None) -> None:
