@@ -41,6 +41,7 @@ __all__ = [
     "HAS_INDUCTOR_FMA",
     "META_FLOORS_BLOCK_SCALES",
     "TORCH_VERSION",
+    "WRAPPER_SUBCLASS",
     "TorchDispatchMode",
     "assert_async",
     "block_scaled_mm",
@@ -162,7 +163,6 @@ def scaled_mm(
         mat1.device.type == "cpu"
         and CPU_PRODUCTS_IN_FP32
         and scale_result is None
-        and not torch.compiler.is_exporting()
         and (
             (scale_a.numel() == 1 and scale_b.numel() == 1)
             or not _has_cpu_rowwise_scaled_mm()
@@ -170,6 +170,7 @@ def scaled_mm(
             or "fnuz" in str(mat1.dtype)
             or "fnuz" in str(mat2.dtype)
         )
+        and not torch.compiler.is_exporting()
     ):
         acc = cpu_scaled_mm(mat1, mat2, scale_a, scale_b)
         return _fp32_epilogue(acc, bias, out_dtype or mat1.dtype, kwargs.get("out"))
@@ -329,6 +330,12 @@ def make_wrapper_subclass(cls: type, like: torch.Tensor, *, dtype: torch.dtype, 
         device=like.device,
         requires_grad=requires_grad,
     )
+
+
+#: ``torch.Tensor._make_wrapper_subclass`` itself (torch >= 1.12), for the one caller that
+#: builds every FP8 tensor and saves the wrapper's call: ``(cls, shape, *, strides,
+#: storage_offset, dtype, layout, device, requires_grad)``.
+WRAPPER_SUBCLASS: Any = torch.Tensor._make_wrapper_subclass
 
 
 def make_wrapper_subclass_shaped(

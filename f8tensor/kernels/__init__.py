@@ -56,12 +56,14 @@ def dequantize(data: torch.Tensor, scale: torch.Tensor, block: tuple[int, ...], 
 
 
 class GemmCast(NamedTuple):
-    """What :func:`cast_for_gemm` returns: data, its column-major copy or None, scale, inverse or None."""
+    """What :func:`cast_for_gemm` returns: data, its column-major copy or None, scale, inverse
+    or None, and whether it ran eager (None: not known)."""
 
     data: torch.Tensor
     column_major: torch.Tensor | None
     scale: torch.Tensor
     inverse: torch.Tensor | None
+    eager: bool | None = None
 
 
 #: ``layouts`` of :func:`cast_for_gemm`, as the fused op numbers them.
@@ -101,10 +103,10 @@ def cast_for_gemm(
     )
     inverse = inverse_scale_of(scale) if scale.dim() == 0 and not compiling else None
     if layouts == "natural":
-        return GemmCast(data, None, scale, inverse)
+        return GemmCast(data, None, scale, inverse, not compiling)
     copy = to_column_major(data)
     if compiling:
         copy = materialized(copy, (1, data.shape[0]))
     if layouts == "both":
-        return GemmCast(data, copy, scale, inverse)
-    return GemmCast(copy, None, scale, inverse)
+        return GemmCast(data, copy, scale, inverse, not compiling)
+    return GemmCast(copy, None, scale, inverse, not compiling)

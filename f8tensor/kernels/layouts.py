@@ -17,6 +17,8 @@ __all__ = ["column_major_strides", "empty_column_major", "to_column_major"]
 def column_major_strides(shape: tuple[int, ...] | torch.Size) -> tuple[int, ...]:
     """Strides of ``shape`` with the last two dims column-major, batch dims contiguous over the matrices."""
     rows, cols = shape[-2], shape[-1]
+    if len(shape) == 2:
+        return (1, rows)
     batch = tuple(rows * cols * math.prod(shape[d + 1 : -2]) for d in range(len(shape) - 2))
     return (*batch, 1, rows)
 
@@ -30,4 +32,5 @@ def empty_column_major(
 
 def to_column_major(t: torch.Tensor) -> torch.Tensor:
     """A copy of ``t`` (2D or more) with its last two dims stored column-major."""
-    return empty_column_major(t.shape, t.dtype, t.device).copy_(t)
+    # empty_column_major's body, inlined: a product's operand is copied so.
+    return torch.empty_strided(tuple(t.shape), column_major_strides(t.shape), dtype=t.dtype, device=t.device).copy_(t)

@@ -94,6 +94,7 @@ def cast_values(
     ``eager``: the caller knows it runs eager (a dynamic scale is then not materialized).
     """
     float8_dtype, block = spec.float8_dtype, spec.block
+    fmax = format_number(float8_dtype, "max")  # read once per cast
     group_amax = None
     # Tensorwise or axiswise with fp32 scales: the per-axis amax kernels (same bits as block ones).
     axis = None
@@ -111,7 +112,7 @@ def cast_values(
             # dynamic_scale's body; materialized only where it matters (compiled).
             amax = abs_max(hp, axis)
             if eager:
-                scale = scale_of_amax(amax, float8_dtype, spec.power_of_2)
+                scale = scale_of_amax(amax, fmax, spec.power_of_2)
             else:
                 scale = amax_to_scale(amax, float8_dtype, round_pow2=spec.power_of_2)
         elif scale is None:
@@ -133,13 +134,12 @@ def cast_values(
         expanded = expand_block_scale(scale32, block, tuple(hp.shape))
     scaled = _scaled_fp32(hp, expanded)
     if spec.rounding == "stochastic":
-        fmax = format_number(float8_dtype, "max")
         data = saturated_cast(
-            stochastic_round(scaled.clamp(-fmax, fmax), float8_dtype, generator, uniform), float8_dtype
+            stochastic_round(scaled.clamp(-fmax, fmax), float8_dtype, generator, uniform), float8_dtype, fmax=fmax
         )
     else:
         # The product is a temporary of our own: clamp it in place unless stats read it.
-        data = saturated_cast(scaled, float8_dtype, inplace=not need_amax)
+        data = saturated_cast(scaled, float8_dtype, inplace=not need_amax, fmax=fmax)
     return data, scale, scaled, group_amax, scale32
 
 

@@ -142,9 +142,17 @@ def format_number(float8_dtype: torch.dtype, name: str) -> float:
     return getattr(FORMATS[float8_dtype], name)
 
 
-def saturated_cast(x: torch.Tensor, float8_dtype: torch.dtype, *, inplace: bool = False) -> torch.Tensor:
-    """Clamp scaled fp32 ``x`` to the format's range and convert; NaN stays NaN."""
-    fmax = format_number(float8_dtype, "max")
+def saturated_cast(
+    x: torch.Tensor, float8_dtype: torch.dtype, *, inplace: bool = False, fmax: float | None = None
+) -> torch.Tensor:
+    """Clamp scaled fp32 ``x`` to the format's range and convert; NaN stays NaN.
+
+    Args:
+        inplace: clamp ``x`` itself.
+        fmax: the format's largest value, where the caller read it already.
+    """
+    if fmax is None:
+        fmax = format_number(float8_dtype, "max")
     clamped = x.clamp_(min=-fmax, max=fmax) if inplace else x.clamp(min=-fmax, max=fmax)
     return clamped.to(float8_dtype)
 

@@ -68,14 +68,14 @@ def _keepdim_shape(shape: torch.Size, dim: int) -> tuple[int, ...]:
 def amax_to_scale(amax: torch.Tensor, float8_dtype: torch.dtype, *, round_pow2: bool = False) -> torch.Tensor:
     """``float8_max / amax`` in fp32: finite for amax 0, NaN for a non-finite amax."""
     # Stored once, not recomputed per element.
-    return materialized(scale_of_amax(amax, float8_dtype, round_pow2), None)
+    return materialized(scale_of_amax(amax, format_number(float8_dtype, "max"), round_pow2), None)
 
 
-def scale_of_amax(amax: torch.Tensor, float8_dtype: torch.dtype, round_pow2: bool) -> torch.Tensor:
-    """:func:`amax_to_scale` not materialized (for a caller that knows it runs eager)."""
+def scale_of_amax(amax: torch.Tensor, fmax: float, round_pow2: bool) -> torch.Tensor:
+    """:func:`amax_to_scale` not materialized (for a caller that knows it runs eager), of the
+    format's largest value ``fmax``."""
     # float64: correctly rounded everywhere, so eager == compiled bitwise.
     amax64 = amax.to(torch.float64)
-    fmax = format_number(float8_dtype, "max")
     # fmax / amax as Tensor.__rdiv__ computes it (reciprocal, then multiply), without its
     # Python wrapper; 2.0**-100 is EPS (see there).
     if round_pow2:

@@ -15,7 +15,7 @@ from typing import Any, ClassVar, NoReturn
 import torch
 from typing_extensions import TypeIs
 
-from f8tensor.compat import called_by_weights_only_load, is_fake, make_wrapper_subclass
+from f8tensor.compat import WRAPPER_SUBCLASS, called_by_weights_only_load, is_fake
 
 # By name: traced, a module reached two ways (here and by the quantizers) is a guard per read.
 from f8tensor.kernels import CAST_STATS_FIELDS, GemmCast, cast_for_gemm, cast_with_stats
@@ -414,7 +414,17 @@ def _built(
     gemm: GemmConfig,
 ) -> Float8Tensor:
     """A ``cls`` of these fields, unchecked: the library's own casts and rebuilds (and ``__new__``)."""
-    self = make_wrapper_subclass(cls, data, dtype=orig_dtype, requires_grad=False)
+    # make_wrapper_subclass's body, inlined: every FP8 tensor is built here.
+    self = WRAPPER_SUBCLASS(
+        cls,
+        data.shape,
+        strides=data.stride(),
+        storage_offset=data.storage_offset(),
+        dtype=orig_dtype,
+        layout=data.layout,
+        device=data.device,
+        requires_grad=False,
+    )
     self._data = data
     self._scale = scale
     self._orig_dtype = orig_dtype
@@ -436,11 +446,11 @@ def from_gemm_cast(
         block: the data's ``_block`` (a spec's block, or zeros for tensorwise).
         column_major_gemm: the twin's GEMM config (default ``gemm``).
     """
-    # Eager (a kept inverse says so without asking): built without __new__'s load check, which
-    # dynamo traces only as a class call.
+    # Eager (the cast or a kept inverse says so without asking): built without __new__'s load
+    # check, which dynamo traces only as a class call.
     twin_gemm = gemm if column_major_gemm is None else column_major_gemm
     twin = None
-    if out.inverse is not None or not torch.compiler.is_compiling():
+    if out.eager or out.inverse is not None or (out.eager is None and not torch.compiler.is_compiling()):
         f8 = _built(Float8Tensor, out.data, out.scale, orig_dtype, block, gemm)
         if out.column_major is not None:
             twin = _built(Float8Tensor, out.column_major, out.scale, orig_dtype, block, twin_gemm)
