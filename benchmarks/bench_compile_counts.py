@@ -4,8 +4,9 @@ Three workloads: a Llama-shaped block (RMSNorm, grouped-query attention through 
 rotary positions, SwiGLU; dim 256, 4 heads, 2 KV heads, FFN 768, x (2, 256, 256) bf16: the
 ``tiny`` size of ``_models`` at 256 tokens), the 300m's block (dim 1024 at 2 x 128 tokens)
 and the MoE grouped GEMM step (4 experts, 512 tokens, 256 -> 512). Each variant (bf16,
-f8tensor's recipes, torchao.float8's tensorwise and rowwise where it has a CPU path; "n/a"
-and the reason where not), in one process:
+f8tensor's recipes, ``tensorwise+step_casts``, tensorwise with the weights cast once per
+optimizer step outside the block (``f8tensor.per_step_weight_casts``), torchao.float8's
+tensorwise and rowwise where it has a CPU path; "n/a" and the reason where not), in one process:
 
 - **guards**: ``len(torch._dynamo.explain(block)(x, cos, sin).out_guards)``;
 - **graph breaks** and **graphs** from the same explain;
@@ -89,8 +90,18 @@ class GroupedStep(torch.nn.Module):
         return float8_grouped_mm(x, self.weight.transpose(-2, -1), self.offs, self.config)
 
 
+#: A recipe name's suffix: its weights cast once per step (``f8tensor.per_step_weight_casts``).
+STEP_CASTS = "+step_casts"
+
+
 def build(workload: str, variant: C.Variant, float8=None):
     """``(module, inputs)`` of ``workload`` converted for ``variant``."""
+    if variant.recipe.endswith(STEP_CASTS):
+        import f8tensor
+
+        module, inputs = build(workload, dataclasses.replace(variant, recipe=variant.recipe[: -len(STEP_CASTS)]))
+        f8tensor.per_step_weight_casts(module)  # the per-step pass itself runs outside the block
+        return module, inputs
     if workload == "llama":
         return build_block(variant, float8)
     if workload == "300m":
@@ -136,8 +147,9 @@ FLOOR_PER_ELEMENT = {
 
 def floor_bytes(workload: str, recipe: str) -> int:
     """The least bytes outside the GEMMs FP8 adds to ``workload`` under ``recipe``
-    (:data:`FLOOR_PER_ELEMENT` over its unique FP8 operands)."""
-    x, w, g = FLOOR_PER_ELEMENT[recipe]
+    (:data:`FLOOR_PER_ELEMENT` over its unique FP8 operands; weights cast once per step: the
+    recipe's floor, as if cast in the block)."""
+    x, w, g = FLOOR_PER_ELEMENT[recipe.removesuffix(STEP_CASTS)]
     inputs, weights, grads = linear_operands(workload)
     return x * sum(inputs) + w * sum(weights) + g * sum(grads)
 
@@ -346,6 +358,8 @@ def main(argv=None) -> None:
     env = C.environment(torch.device("cpu"), args.torchao_note)
     C.print_environment(env, "Compiled block: guards, graph breaks, generated kernels, bytes outside GEMMs (CPU)")
     variants = [C.Variant("bf16", "")] + [C.Variant("f8tensor", r) for r in args.recipes]
+    if "tensorwise" in args.recipes:
+        variants.append(C.Variant("f8tensor", "tensorwise" + STEP_CASTS))
     variants += [C.Variant("torchao", r) for r in args.torchao_recipes if r in TORCHAO_RECIPES]
     titles = {
         "llama": f"Llama-shaped block ({BLOCK_CONFIG.describe()})",

@@ -24,6 +24,7 @@ from f8tensor.moe import Float8ExpertWeight, convert_experts_to_float8, float8_g
 from f8tensor.nn.activations import save_activations_in_float8
 from f8tensor.nn.linear import Float8Linear
 from f8tensor.nn.weight_cache import reuse_weight_casts
+from f8tensor.nn.weight_precast import per_step_weight_casts
 from f8tensor.quant.config import (
     FP4_CAST_DTYPE,
     RECIPES,
@@ -109,6 +110,7 @@ __all__ = [
     "float8_stats",
     "format_float8_stats",
     "keep_last_blocks_in_hp",
+    "per_step_weight_casts",
     "precompute_float8_scales_for_fsdp",
     "reuse_weight_casts",
     "saturation_bound",

@@ -21,6 +21,7 @@ from f8tensor.gemm.rules import ALIGN
 from f8tensor.kernels import CAST_STATS_FIELDS
 from f8tensor.nn.linear_autograd import LinearArgs, QuantizedLinearFn, linear_plan, plan_number, planned
 from f8tensor.nn.weight_cache import WeightCasts, drop_weight_casts, weight_casts_of
+from f8tensor.nn.weight_precast import PRECAST_BUFFERS, check_precast, precast_refusal, precast_weight
 from f8tensor.quant.config import Float8LinearConfig
 from f8tensor.quant.formats import HP_DTYPES
 from f8tensor.quant.quantizers import DelayedBuffers, StatsBuffers
@@ -167,6 +168,8 @@ def _weight_casts(layer: Float8Linear) -> tuple[WeightCasts, torch.Tensor] | Non
 class WeightFromMethod:
     """Mixin for a Float8Linear whose forward multiplies ``self.weight_matrix()``, not ``self.weight``."""
 
+    precasts_weight = False
+
     def weight_matrix(self) -> torch.Tensor:
         """The (out, in) matrix the forward multiplies."""
         raise NotImplementedError
@@ -236,8 +239,14 @@ class Float8Linear(nn.Linear):
         changed = old is not None and old != config
         if changed:
             self.check_new_config(config)
+        precast = PRECAST_BUFFERS[0] in self._buffers
+        if precast and precast_refusal(self, config) is not None:
+            raise ValueError(
+                f"{type(self).__name__}.config: per_step_weight_casts serves this layer and cannot with the new "
+                f"config ({precast_refusal(self, config)}); call remove() on its handle first"
+            )
         self._config = config
-        self._plan_number = plan_number(config)
+        self._plan_number = plan_number(config, precast)
         if changed:
             self._match_buffers(config)
 
@@ -379,12 +388,20 @@ class Float8Linear(nn.Linear):
                 x, weight, bias, LinearArgs(self._config, delayed, stats, weight_amax, None, None)
             )
         casts = _weight_casts(self) if plan.caches_weight and not compiling else None  # an eager cache
+        precast: Any = None
+        if plan.precast_weight:  # cast once per step (per_step_weight_casts)
+            buffers = self._buffers  # not getattr: traced, Module.__getattr__ guards three dicts
+            precast = (buffers["fp8_weight_data"], buffers["fp8_weight_scale"])
+            if not compiling:
+                check_precast(self, weight)
         return QuantizedLinearFn.apply(
-            x, weight, bias, LinearArgs(plan.config, delayed, stats, weight_amax, casts, plan)
+            x, weight, bias, LinearArgs(plan.config, delayed, stats, weight_amax, casts, plan, precast)
         )
 
     #: Opts in to f8tensor.reuse_weight_casts.
     reuses_weight_casts = True
+    #: Opts in to f8tensor.per_step_weight_casts (its forward multiplies ``self.weight``).
+    precasts_weight = True
 
     def _load_from_state_dict(
         self,
@@ -417,6 +434,8 @@ class Float8Linear(nn.Linear):
                     self._buffers[name] = _fresh_state(name, kept, device)
         self._keep_fsdp_weight()
         drop_weight_casts(self)
+        if PRECAST_BUFFERS[0] in self._buffers:
+            precast_weight(self)
 
     def _keep_fsdp_weight(self) -> None:
         """Re-wrap a weight replaced by a plain tensor: FP8 all-gather must not silently turn off."""
@@ -454,6 +473,8 @@ class Float8Linear(nn.Linear):
             new = self._buffers[name]
             if new is not None and new.dtype != old.dtype:
                 self._buffers[name] = old.to(device=new.device)
+        if PRECAST_BUFFERS[0] in self._buffers:
+            precast_weight(self)  # moved or converted: cast again, FP8 buffers fresh
         return self
 
     def _check_weight_dtype_change(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -536,6 +557,8 @@ class Float8Conv1D(Float8Linear):
 
     The Parameter keeps Conv1D's layout (the very same object); the GEMMs see its transpose.
     """
+
+    precasts_weight = False
 
     @classmethod
     def from_conv1d(cls, conv: nn.Module, config: Float8LinearConfig | None = None) -> Float8Conv1D:

@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 import torch
 
 from f8tensor.gemm import matmul
+from f8tensor.kernels import GemmCast
 from f8tensor.quant.config import CastSpec, Float8LinearConfig, GemmConfig
 from f8tensor.quant.hadamard import RHT_SIZE, apply_rht
 from f8tensor.quant.quantizers import (
@@ -30,7 +31,7 @@ from f8tensor.quant.quantizers import (
     sync_amax,
 )
 from f8tensor.quant.scaling import tensor_amax
-from f8tensor.tensor.float8 import Float8Tensor, dequantize
+from f8tensor.tensor.float8 import Float8Tensor, dequantize, from_gemm_cast
 from f8tensor.tensor.fp4 import Float4Tensor, is_float4
 from f8tensor.tensor.fp4 import transpose_2d as transpose_2d_fp4
 from f8tensor.tensor.product_ops import transpose_2d
@@ -44,8 +45,9 @@ class LinearPlan(NamedTuple):
     Immutable values only (a constant to dynamo). Fields: ``roles``, the (input, weight,
     grad_output) :class:`~f8tensor.quant.quantizers.RolePlan`; ``fwd``, ``bwd`` and ``bwd_w``,
     the GEMM configs of the output, grad_input and grad_weight products; ``weight_rescale``, the
-    spec of a tensorwise weight re-cast with forward's scale; the rest, flags of ``config``
-    the calls branch on.
+    spec of a tensorwise weight re-cast with forward's scale; ``precast_weight``, the weight
+    cast once per step into the layer's buffers (:func:`~f8tensor.per_step_weight_casts`);
+    the rest, flags of ``config`` the calls branch on.
     """
 
     config: Float8LinearConfig
@@ -62,10 +64,11 @@ class LinearPlan(NamedTuple):
     bwd: GemmConfig
     bwd_w: GemmConfig
     weight_rescale: CastSpec
+    precast_weight: bool = False
 
 
-def linear_plan(config: Float8LinearConfig) -> LinearPlan:
-    """The :class:`LinearPlan` of ``config``."""
+def linear_plan(config: Float8LinearConfig, precast_weight: bool = False) -> LinearPlan:
+    """The :class:`LinearPlan` of ``config``; ``precast_weight``: the weight cast once per step."""
     # Each config attribute read once: traced, every read is a guard.
     roles = p_in, p_w, p_go = role_plan(config.input), role_plan(config.weight), role_plan(config.grad_output)
     any_delayed = p_in.delayed or p_w.delayed or p_go.delayed
@@ -88,21 +91,23 @@ def linear_plan(config: Float8LinearConfig) -> LinearPlan:
         bwd_w=GemmConfig(pad_inner_dim=True, emulate=emulate),
         # A tensorwise weight re-cast in backward with forward's scale.
         weight_rescale=CastSpec(p_w.cast.dtype),
+        precast_weight=precast_weight,
     )
 
 
 # Plans by number, one per distinct config: a layer keeps only the number, so traced code
 # reads one int (one guard) and gets the plan as a constant.
 _PLANS: list[LinearPlan] = []
-_PLAN_NUMBERS: dict[Float8LinearConfig, int] = {}
+_PLAN_NUMBERS: dict[tuple[Float8LinearConfig, bool], int] = {}
 
 
-def plan_number(config: Float8LinearConfig) -> int:
+def plan_number(config: Float8LinearConfig, precast_weight: bool = False) -> int:
     """The number of ``config``'s :class:`LinearPlan` (:func:`planned`), planned on first sight."""
-    number = _PLAN_NUMBERS.get(config)
+    key = (config, precast_weight)
+    number = _PLAN_NUMBERS.get(key)
     if number is None:
-        _PLANS.append(linear_plan(config))
-        number = _PLAN_NUMBERS.setdefault(config, len(_PLANS) - 1)
+        _PLANS.append(linear_plan(config, precast_weight))
+        number = _PLAN_NUMBERS.setdefault(key, len(_PLANS) - 1)
     return number
 
 
@@ -118,7 +123,8 @@ class LinearArgs(NamedTuple):
     Fields: ``config``; ``delayed`` and ``stats``, the layer's buffers or None; ``weight_amax``,
     the shard amax of a delayed weight FSDP2 gathered in FP8; ``weight_casts``, a
     ``reuse_weight_casts`` cache (on ctx, not saved: later steps update it on purpose);
-    ``plan``, ``config``'s :class:`LinearPlan` where the caller keeps one (else built per call).
+    ``plan``, ``config``'s :class:`LinearPlan` where the caller keeps one (else built per call);
+    ``precast``, the (data, scale) buffers of a weight cast once per step, or None.
     """
 
     config: Float8LinearConfig
@@ -127,6 +133,7 @@ class LinearArgs(NamedTuple):
     weight_amax: torch.Tensor | None = None
     weight_casts: tuple[Any, torch.Tensor] | None = None
     plan: LinearPlan | None = None
+    precast: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -227,6 +234,8 @@ def _recipe_forward(ctx, x, weight, bias, plan: LinearPlan, args: LinearArgs) ->
             amax_w = sync_amax(weight_amax)
             if not recompute:
                 q_w.keep_scale(weight._scale)
+    elif args.precast is not None:  # cast once per step, as the call would (tensorwise, dynamic)
+        w8, amax_w = _precast(*args.precast, weight.dtype, fwd), None
     elif q_w.cache is not None:
         w8, amax_w = q_w.cached("forward", lambda: q_w.quantize(weight, 1, fwd)[0]), None
     else:
@@ -251,14 +260,21 @@ def _recipe_forward(ctx, x, weight, bias, plan: LinearPlan, args: LinearArgs) ->
         saved_x = q_in.quantize_column_major(x2, 0, plan.bwd_w)
     # Only a tensorwise weight is re-cast with this scale in backward.
     reuse_w_scale = not isinstance(weight, Float8Tensor) and q_w.plan.tensorwise
-    ctx.save_for_backward(saved_x, weight, w8._scale if reuse_w_scale else None, amax_x, amax_w)
+    precast_data = None if args.precast is None else args.precast[0]
+    ctx.save_for_backward(saved_x, weight, w8._scale if reuse_w_scale else None, amax_x, amax_w, precast_data)
     ctx.quantizers = (q_in, q_w, q_go)
     return y
 
 
+def _precast(data: torch.Tensor, scale: torch.Tensor, orig_dtype: torch.dtype, gemm: GemmConfig) -> Float8Tensor:
+    """The Float8Tensor of a weight cast once per step (tensorwise)."""
+    # Every argument given: traced, a default read is a guard.
+    return from_gemm_cast(GemmCast(data, None, scale, None, None), orig_dtype, (0, 0), gemm, None)[0]
+
+
 def _recipe_backward(ctx, grad_y, saved) -> tuple[torch.Tensor | None, ...]:
     """The gradients of x, weight and bias for a per-role recipe."""
-    saved_x, weight, w_scale, amax_x, amax_w = saved
+    saved_x, weight, w_scale, amax_x, amax_w, precast_data = saved
     q_in, q_w, q_go = ctx.quantizers
     need_grad_x, need_grad_w, need_grad_b = ctx.needs_input_grad[:3]
     plan: LinearPlan = ctx.plan
@@ -292,6 +308,8 @@ def _recipe_backward(ctx, grad_y, saved) -> tuple[torch.Tensor | None, ...]:
             w8 = w8._replace(orig_dtype=weight._orig_dtype)
         elif isinstance(weight, Float8Tensor):
             w8 = weight._replace(gemm=bwd)
+        elif precast_data is not None:  # forward's bytes and scale, cast once per step
+            w8 = _precast(precast_data, w_scale, weight.dtype, bwd)
         elif q_w.cache is not None:
             # Tensorwise: forward's cached bytes serve as they are (the same scale).
             if w_plan.tensorwise:

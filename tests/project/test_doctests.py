@@ -39,6 +39,7 @@ PUBLIC_MODULES = (
     "f8tensor.tensor",
     "f8tensor.tensor.float8",
     "f8tensor.nn.weight_cache",
+    "f8tensor.nn.weight_precast",
 )
 
 _FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
