@@ -14,13 +14,14 @@ Two tables.
    the forward (eager) and peak memory.
 
 3. The whole step (``--whole-step``): peak memory of one training step of the
-   Llama-shaped model with 4 layers (``--size``'s shapes, its synthetic batches), eager, in
+   Llama-shaped model with 4 layers (``--size``'s shapes, batches of the demo's corpus), eager, in
    three configurations: bf16 under autocast with fp32 master weights and
    ``torch.optim.AdamW`` (the reference), bf16 parameters with ``torch.optim.AdamW``, and
    everything on: an FP8 recipe (``--recipes``' first), ``save_activations_in_float8(
    recompute=True)`` and ``f8tensor.optim.AdamW`` with FP8 (e4m3) moments and bf16 master
-   weights with remainders. A per-step FP8 weight cache does not exist yet: each linear
-   casts its weight in its forward, which the peak holds.
+   weights with remainders, and the weights cast once per step
+   (``f8tensor.per_step_weight_casts``, where the recipe's weights allow it): their FP8
+   bytes live between steps and count as resident.
 
 Peak memory = the bytes alive before the step (parameters, buffers, optimizer state,
 the batch: counted from their storages) plus the highest point the step's own
@@ -53,6 +54,7 @@ import _models as M
 import torch
 from torch import nn
 
+import f8tensor.nn.weight_precast
 import f8tensor.optim
 from f8tensor import Float8Linear, Float8LinearConfig, convert_to_float8_training, save_activations_in_float8
 from f8tensor.stats import saved_tensor_bytes
@@ -166,7 +168,7 @@ def _model_step_memory(variant: C.Variant, mode: str, cfg, batches: torch.Tensor
 WHOLE_STEP = {
     "autocast": "bf16 autocast, fp32 master weights, torch AdamW",
     "bf16": "bf16 parameters, torch AdamW",
-    "fp8": "{recipe} + recompute=True + f8tensor AdamW (FP8 moments, bf16 + remainder masters)",
+    "fp8": "{recipe} + recompute=True + f8tensor AdamW (FP8 moments, bf16 + remainder masters) + per-step weight casts",
 }
 
 
@@ -181,10 +183,12 @@ def whole_step_peak(config: str, cfg: M.LlamaConfig, recipe: str, device: torch.
         opt: torch.optim.Optimizer = f8tensor.optim.AdamW(
             model.parameters(), lr=cfg.lr, state_dtype=torch.float8_e4m3fn, master_weights="remainder"
         )
+        if f8tensor.nn.weight_precast.precast_refusal(_first_fp8_layer(model)) is None:
+            f8tensor.per_step_weight_casts(model, opt)  # their bytes live between steps: counted
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     autocast = functools.partial(torch.autocast, device.type, dtype=torch.bfloat16, enabled=config == "autocast")
-    batches = M.synthetic_batches(cfg, warmup + 1, device)
+    batches = demo_batches(cfg, warmup + 1, device)
     step_index = 0
 
     def step() -> None:
@@ -201,6 +205,20 @@ def whole_step_peak(config: str, cfg: M.LlamaConfig, recipe: str, device: torch.
         step()
     resident = C.tensor_bytes([*C.state_tensors(model, opt), batches[step_index]])
     return C.measure_peak(step, resident, device)
+
+
+def _first_fp8_layer(model: nn.Module) -> nn.Module:
+    return next(m for m in model.modules() if isinstance(m, Float8Linear))
+
+
+def demo_batches(cfg: M.LlamaConfig, steps: int, device: torch.device) -> torch.Tensor:
+    """``(steps, batch, seq + 1)`` byte ids of the demo's corpus, as the demo draws them (seed 0)."""
+    from f8tensor.demo.gpt import batch_starts, load_corpus
+
+    data = load_corpus(torch.device("cpu"))
+    starts = batch_starts(len(data), steps, cfg.batch, cfg.seq, seed=0)
+    offsets = torch.arange(cfg.seq + 1)
+    return data[starts[..., None] + offsets].to(device)
 
 
 def _whole_step_table(size: str, recipe: str, device: torch.device, warmup: int, csv_rows: list) -> None:

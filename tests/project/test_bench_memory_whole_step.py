@@ -20,7 +20,8 @@ def test_whole_step_peak_below_055_of_autocast():
     cpu = torch.device("cpu")
     peaks = {name: bench.whole_step_peak(name, cfg, "tensorwise", cpu) for name in bench.WHOLE_STEP}
     # Without the CPU GEMM's fp32 scratch (a GPU GEMM has none). Measured: autocast 121.2 MiB,
-    # bf16 83.2 MiB, FP8 + recompute + FP8-moment AdamW 61.7 MiB: 0.509x and 0.742x.
+    # bf16 83.2 MiB, FP8 + recompute + FP8-moment AdamW + per-step weight casts 63.7 MiB:
+    # 0.526x and 0.766x (0.509x / 0.742x before the weights' FP8 bytes lived between steps).
     peak = {name: m.peak_no_gemm_scratch for name, m in peaks.items()}
     assert peak["fp8"] <= 0.55 * peak["autocast"], peak["fp8"] / peak["autocast"]
-    assert peak["fp8"] <= 0.76 * peak["bf16"], peak["fp8"] / peak["bf16"]
+    assert peak["fp8"] <= 0.77 * peak["bf16"], peak["fp8"] / peak["bf16"]
