@@ -172,7 +172,7 @@ def product(
         m=m,
         precise_route=None,
     )
-    a_inv, b_inv = inverse_scale(a8, compiling), inverse_scale(b8, compiling)
+    a_inv, b_inv = inverse_scale(a8), inverse_scale(b8)
     if route is Route.TENSORWISE:
         return _fused_bias_mm(a_data, b_data, a_inv, b_inv, bias, out_dtype, gemm.use_fast_accum, pad_n)
     if route is Route.TENSORWISE_POSTSCALE:

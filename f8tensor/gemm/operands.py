@@ -211,12 +211,10 @@ def col_major(t: torch.Tensor, compiling: bool | None = None) -> torch.Tensor:
     return to_column_major(t)
 
 
-def inverse_scale(x: Float8Tensor, compiling: bool | None = None) -> torch.Tensor:
-    """``1 / x._scale`` in the scale's dtype (exact for e8m0), the cast's own where it kept one.
-
-    ``compiling``: as :func:`row_major`.
-    """
-    inv = None if (torch.compiler.is_compiling() if compiling is None else compiling) else x._inv_scale
+def inverse_scale(x: Float8Tensor) -> torch.Tensor:
+    """``1 / x._scale`` in the scale's dtype (exact for e8m0), the cast's own where it kept one
+    (an eager cast's, a weight cast once per step's)."""
+    inv = x._inv_scale
     if inv is not None:
         return inv
     # inverse_scale_of's fp32 case, inlined: twice per product.

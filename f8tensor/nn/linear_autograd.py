@@ -260,21 +260,23 @@ def _recipe_forward(ctx, x, weight, bias, plan: LinearPlan, args: LinearArgs) ->
         saved_x = q_in.quantize_column_major(x2, 0, plan.bwd_w)
     # Only a tensorwise weight is re-cast with this scale in backward.
     reuse_w_scale = not isinstance(weight, Float8Tensor) and q_w.plan.tensorwise
-    precast_data = None if args.precast is None else args.precast[0]
-    ctx.save_for_backward(saved_x, weight, w8._scale if reuse_w_scale else None, amax_x, amax_w, precast_data)
+    precast = (None, None) if args.precast is None else args.precast
+    ctx.save_for_backward(saved_x, weight, w8._scale if reuse_w_scale else None, amax_x, amax_w, *precast)
     ctx.quantizers = (q_in, q_w, q_go)
     return y
 
 
-def _precast(data: torch.Tensor, scale: torch.Tensor, orig_dtype: torch.dtype, gemm: GemmConfig) -> Float8Tensor:
-    """The Float8Tensor of a weight cast once per step (tensorwise)."""
+def _precast(data: torch.Tensor, scales: torch.Tensor, orig_dtype: torch.dtype, gemm: GemmConfig) -> Float8Tensor:
+    """The Float8Tensor of a weight cast once per step (tensorwise): ``scales`` is (scale, 1 / scale)."""
     # Every argument given: traced, a default read is a guard.
-    return from_gemm_cast(GemmCast(data, None, scale, None, None), orig_dtype, (0, 0), gemm, None)[0]
+    f8 = from_gemm_cast(GemmCast(data, None, scales[0], None, None), orig_dtype, (0, 0), gemm, None)[0]
+    f8._inv_scale = scales[1]  # set here, not through GemmCast.inverse: that means "eager"
+    return f8
 
 
 def _recipe_backward(ctx, grad_y, saved) -> tuple[torch.Tensor | None, ...]:
     """The gradients of x, weight and bias for a per-role recipe."""
-    saved_x, weight, w_scale, amax_x, amax_w, precast_data = saved
+    saved_x, weight, w_scale, amax_x, amax_w, precast_data, precast_scales = saved
     q_in, q_w, q_go = ctx.quantizers
     need_grad_x, need_grad_w, need_grad_b = ctx.needs_input_grad[:3]
     plan: LinearPlan = ctx.plan
@@ -309,7 +311,7 @@ def _recipe_backward(ctx, grad_y, saved) -> tuple[torch.Tensor | None, ...]:
         elif isinstance(weight, Float8Tensor):
             w8 = weight._replace(gemm=bwd)
         elif precast_data is not None:  # forward's bytes and scale, cast once per step
-            w8 = _precast(precast_data, w_scale, weight.dtype, bwd)
+            w8 = _precast(precast_data, precast_scales, weight.dtype, bwd)
         elif q_w.cache is not None:
             # Tensorwise: forward's cached bytes serve as they are (the same scale).
             if w_plan.tensorwise:

@@ -18,7 +18,7 @@ from f8tensor.quant.quantizers import quantize, role_plan
 
 __all__ = ["StepWeightCasts", "per_step_weight_casts"]
 
-#: The buffers of a weight cast once per step: FP8 data (out, in) and its fp32 scale.
+#: The buffers of a weight cast once per step: FP8 data (out, in) and fp32 (scale, 1 / scale).
 PRECAST_BUFFERS = ("fp8_weight_data", "fp8_weight_scale")
 
 
@@ -56,7 +56,8 @@ def per_step_weight_casts(
     """Cast each FP8 layer's weight once per optimizer step, not in every forward and backward.
 
     The casts live in each layer's non-persistent buffers ``fp8_weight_data`` (1 byte per
-    weight element) and ``fp8_weight_scale``; forward and backward multiply them, with the bits
+    weight element) and ``fp8_weight_scale`` (the scale and its inverse, which the products
+    read); forward and backward multiply them, with the bits
     a cast in the call would give. They are cast now, after every ``optimizer.step()`` (a step
     post hook), ``load_state_dict`` and ``Module.to()``, and by an eager forward whose weight
     changed since; a compiled forward cannot tell: after any other change of a weight (an
@@ -107,7 +108,7 @@ def per_step_weight_casts(
             persistent=False,
         )
         layer.register_buffer(
-            PRECAST_BUFFERS[1], torch.ones((), dtype=torch.float32, device=weight.device), persistent=False
+            PRECAST_BUFFERS[1], torch.ones(2, dtype=torch.float32, device=weight.device), persistent=False
         )
         layer.config = layer.config  # re-planned with the buffers
     hook = None
@@ -144,6 +145,7 @@ def precast_weight(layer: Any) -> None:
     if (
         data is None
         or scale is None
+        or scale.dtype != torch.float32
         or data.device != weight.device
         or data.dtype != config.weight.dtype
         or data.shape != weight.shape
@@ -152,11 +154,12 @@ def precast_weight(layer: Any) -> None:
         data = layer._buffers[PRECAST_BUFFERS[0]] = torch.empty(
             weight.shape, dtype=config.weight.dtype, device=weight.device
         )
-        scale = layer._buffers[PRECAST_BUFFERS[1]] = torch.ones((), dtype=torch.float32, device=weight.device)
+        scale = layer._buffers[PRECAST_BUFFERS[1]] = torch.ones(2, dtype=torch.float32, device=weight.device)
     with torch.no_grad():
         f8 = quantize(weight.detach(), role_plan(config.weight).specs[1])[0]
         data.copy_(f8._data)
-        scale.copy_(f8._scale)
+        scale[0].copy_(f8._scale)
+        scale[1].copy_(f8._scale.reciprocal())  # the bits the products compute from it
     layer.__dict__["_precast_version"] = version_counter(weight)
 
 

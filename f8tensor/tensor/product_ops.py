@@ -72,7 +72,13 @@ def transpose_2d(x: Float8Tensor) -> Float8Tensor:
     # ops._permuted's rule for (1, 0), inlined: two per linear call.
     b0, b1 = x._block
     scale = x._scale if x._scale.dim() == 0 else x._scale.t()
-    return x._replace(data=x._data.t(), scale=scale, block=(b1, b0))
+    out = x._replace(data=x._data.t(), scale=scale, block=(b1, b0))
+    inverse = x._inv_scale
+    if inverse is not None and scale is x._scale:
+        # Kept by _replace in eager; traced, _replace is one opaque call (a weight cast once
+        # per step brings its inverse into the graph).
+        out._inv_scale = inverse
+    return out
 
 
 def _bmm(func, types, args, kwargs):

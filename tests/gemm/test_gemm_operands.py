@@ -19,6 +19,7 @@ from f8tensor.gemm.operands import BLOCKS, DENSE, GROUPED, prepare, prepare_fp4,
 from f8tensor.kernels.fp4 import FP4Spec
 from f8tensor.quant.specs import CastSpec
 from f8tensor.tensor import Float8Tensor, to_float8
+from f8tensor.tensor.float8 import with_inverse_scale
 from f8tensor.tensor.fp4 import Float4Tensor, to_float4
 
 E4M3, E5M2, E8M0 = torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu
@@ -279,16 +280,22 @@ def test_col_major_gives_column_major_matrices(compiling, monkeypatch):
         assert operands.col_major(cm) is cm
 
 
-@pytest.mark.parametrize("compiling", [False, True], ids=["eager", "traced"])
-def test_inverse_scale_uses_the_cast_reciprocal_in_eager_mode_only(compiling, monkeypatch):
+def test_inverse_scale_uses_a_kept_reciprocal_else_computes_it():
     x8 = to_float8(torch.randn(4, 16), CastSpec(E4M3))
     x8._inv_scale = torch.tensor(0.5)  # a marker, not the reciprocal
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: compiling)
-    got = operands.inverse_scale(x8)
-    expected = x8._scale.reciprocal() if compiling else torch.tensor(0.5)
-    assert torch.equal(float_bits(got), float_bits(expected))
+    assert torch.equal(float_bits(operands.inverse_scale(x8)), float_bits(torch.tensor(0.5)))
     x8._inv_scale = None
     assert torch.equal(float_bits(operands.inverse_scale(x8)), float_bits(x8._scale.reciprocal()))
+
+
+def test_a_compiled_product_reads_each_input_operands_own_kept_inverse():
+    """A Float8Tensor input carrying an eager inverse: read per call, never a stale constant."""
+    product = torch.compile(lambda x, w8: x @ w8.t(), fullgraph=True)
+    x = torch.randn(16, 32, dtype=torch.bfloat16)
+    for spread in (1.0, 7.0, 0.01):
+        w8 = with_inverse_scale(to_float8((torch.randn(64, 32) * spread).to(torch.bfloat16), CastSpec(E4M3)))
+        assert w8._inv_scale is not None
+        assert torch.equal(product(x, w8), x @ w8.t())
 
 
 def test_kernel_scale_broadcasts_and_lays_out_the_inverse():
