@@ -240,10 +240,11 @@ class Float8Linear(nn.Linear):
         if changed:
             self.check_new_config(config)
         precast = PRECAST_BUFFERS[0] in self._buffers
-        if precast and precast_refusal(self, config) is not None:
+        refusal = precast_refusal(self, config) if precast else None
+        if refusal is not None:
             raise ValueError(
                 f"{type(self).__name__}.config: per_step_weight_casts serves this layer and cannot with the new "
-                f"config ({precast_refusal(self, config)}); call remove() on its handle first"
+                f"config ({refusal}); call remove() on its handle first"
             )
         self._config = config
         self._plan_number = plan_number(config, precast)

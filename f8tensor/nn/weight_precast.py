@@ -25,9 +25,9 @@ PRECAST_BUFFERS = ("fp8_weight_data", "fp8_weight_scale")
 class StepWeightCasts:
     """What :func:`per_step_weight_casts` returns: its layers, ``refresh()`` and ``remove()``."""
 
-    def __init__(self, layers: list[Any], hook: Any) -> None:
+    def __init__(self, layers: list[Any]) -> None:
         self.layers = layers
-        self._hook = hook
+        self._hook: Any = None
 
     def refresh(self) -> None:
         """Cast every layer's weight now, into its buffers (in place: no new guard or recompile)."""
@@ -101,21 +101,12 @@ def per_step_weight_casts(
             )
         layers.append(module)
     for layer in layers:
-        weight = layer.weight
-        layer.register_buffer(
-            PRECAST_BUFFERS[0],
-            torch.empty(weight.shape, dtype=layer.config.weight.dtype, device=weight.device),
-            persistent=False,
-        )
-        layer.register_buffer(
-            PRECAST_BUFFERS[1], torch.ones(2, dtype=torch.float32, device=weight.device), persistent=False
-        )
+        for name in PRECAST_BUFFERS:  # allocated by the first refresh()
+            layer.register_buffer(name, None, persistent=False)
         layer.config = layer.config  # re-planned with the buffers
-    hook = None
-    casts = StepWeightCasts(layers, None)
+    casts = StepWeightCasts(layers)
     if optimizer is not None:
-        hook = optimizer.register_step_post_hook(lambda *_: casts.refresh())
-    casts._hook = hook
+        casts._hook = optimizer.register_step_post_hook(lambda *_: casts.refresh())
     casts.refresh()
     return casts
 
@@ -150,7 +141,7 @@ def precast_weight(layer: Any) -> None:
         or data.dtype != config.weight.dtype
         or data.shape != weight.shape
     ):
-        # Moved or converted (Module.to() casts FP8 buffers too): fresh buffers.
+        # First cast, or moved or converted (Module.to() casts FP8 buffers too): fresh buffers.
         data = layer._buffers[PRECAST_BUFFERS[0]] = torch.empty(
             weight.shape, dtype=config.weight.dtype, device=weight.device
         )

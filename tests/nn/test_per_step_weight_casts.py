@@ -108,9 +108,13 @@ def test_remove_restores_casts_per_call():
     casts.remove()
     assert "fp8_weight_data" not in dict(model[0].named_buffers())
     assert not f8tensor.nn.linear_autograd.planned(model[0]._plan_number).precast_weight
-    model(torch.randn(4, 64, dtype=torch.bfloat16)).float().sum().backward()
-    opt.step()  # the hook is gone: nothing recast, nothing raised
-    assert casts.layers == []
+    plain = _model()
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    for m, step in ((model, opt), (plain, torch.optim.SGD(plain.parameters(), lr=0.5))):
+        m(x).float().sum().backward()
+        step.step()  # model's: the hook is gone, nothing recast
+    assert "fp8_weight_data" not in dict(model[0].named_buffers())
+    assert torch.equal(model(x), plain(x))  # cast per call, from the stepped weights
 
 
 @pytest.mark.parametrize(

@@ -196,8 +196,7 @@ class _Hooks:
         Its backward recomputes the probabilities from q, k and the exact logsumexp, so an
         FP8 error in q or k moves a logit by up to ``eps * scale * |q_i| * |k_j|`` nats. And
         ``dP - rowsum(dO * O)`` cancels in a row that attends to few keys (causal and masked
-        attention have such rows) only while the output is ``P @ v`` of the v backward reads:
-        an output rounded apart from v measured 24 dB in dq; recomputed, 27 or more.
+        attention have such rows) only while the output is ``P @ v`` of the v backward reads.
         """
         kind = type(node)
         saved = {name: _peek(node, name) for name in _ATTENTION_SAVES if hasattr(kind, f"_saved_{name}")}
