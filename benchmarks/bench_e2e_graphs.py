@@ -80,6 +80,7 @@ def graph_stats(recipe: str, cfg: M.LlamaConfig, device: torch.device) -> dict[s
     )
     cpu_products = compat.CPU_PRODUCTS_IN_FP32
     compat.CPU_PRODUCTS_IN_FP32 = False  # aten._scaled_mm in the graph, as a GPU traces it
+    torch._dynamo.reset()  # the flag is a constant to traced code
     try:
         model = build(recipe, cfg, device)
         model.layers[0].compile(backend=backend, dynamic=False)
@@ -87,6 +88,7 @@ def graph_stats(recipe: str, cfg: M.LlamaConfig, device: torch.device) -> dict[s
         model(tokens[:, :-1], tokens[:, 1:]).backward()
     finally:
         compat.CPU_PRODUCTS_IN_FP32 = cpu_products
+        torch._dynamo.reset()
     out: dict[str, Any] = {}
     for name, gm in graphs.items():
         ops: collections.Counter[str] = collections.Counter()

@@ -128,8 +128,15 @@ def _has_cpu_rowwise_scaled_mm() -> bool:
     return HAS_CPU_ROWWISE_SCALED_MM
 
 
-#: False: every CPU product to ``torch._scaled_mm`` (benchmarks of compiled graphs).
+#: False: every CPU product to ``torch._scaled_mm`` (benchmarks of compiled graphs). Read
+#: when a graph is traced, as a constant: set it before compiling (or ``torch._dynamo.reset()``).
 CPU_PRODUCTS_IN_FP32: bool = True
+
+
+@torch.compiler.assume_constant_result
+def _cpu_products_in_fp32() -> bool:
+    """:data:`CPU_PRODUCTS_IN_FP32`; traced, a constant (a global read is a guard per product)."""
+    return CPU_PRODUCTS_IN_FP32
 
 
 def scaled_mm(
@@ -152,7 +159,9 @@ def scaled_mm(
     Raises:
         RuntimeError, ValueError: on CPU or with K = 0, what ``torch._scaled_mm`` refuses on CUDA.
     """
-    if (mat1.device.type == "cpu" or mat1.shape[-1] == 0) and not torch.compiler.is_compiling():
+    on_cpu = mat1.device.type == "cpu"
+    compiling = (on_cpu or mat1.shape[-1] == 0) and torch.compiler.is_compiling()
+    if (on_cpu or mat1.shape[-1] == 0) and not compiling:
         # Traced, the fake kernels check: no guards on this Python.
         _check_scaled_mm_args(mat1, mat2, scale_a, scale_b, bias, out_dtype)
     if mat1.shape[-1] == 0:
@@ -160,8 +169,8 @@ def scaled_mm(
         acc = torch.zeros(mat1.shape[0], mat2.shape[1], dtype=torch.float32, device=mat1.device)
         return _fp32_epilogue(acc, bias, out_dtype or mat1.dtype, kwargs.get("out"))
     if (
-        mat1.device.type == "cpu"
-        and CPU_PRODUCTS_IN_FP32
+        on_cpu
+        and (_cpu_products_in_fp32() if compiling else CPU_PRODUCTS_IN_FP32)
         and scale_result is None
         and (
             (scale_a.numel() == 1 and scale_b.numel() == 1)

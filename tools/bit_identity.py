@@ -43,7 +43,26 @@ def _module_state(prefix: str, model: nn.Module, out: dict[str, str]) -> None:
         if p.grad is not None:
             out[f"{prefix}.grad.{name}"] = _digest(p.grad)
     for name, b in model.named_buffers():
-        out[f"{prefix}.buffer.{name}"] = _digest(b)
+        out.update(_delayed_parts(f"{prefix}.buffer.", name, b))
+
+
+def _delayed_parts(prefix: str, name: str, b: torch.Tensor) -> dict[str, str]:
+    """Digests of a buffer; delayed scaling's two, once one buffer per part, digested as those
+    parts under their old names, so the baseline's digests still hold."""
+    stem, _, leaf = name.rpartition(".")
+    stem = f"{prefix}{stem}." if stem else prefix
+    if leaf == "delayed_amax_history":
+        roles = ("input", "weight", "grad_output")
+        return {f"{stem}amax_history_{role}": _digest(b[i]) for i, role in enumerate(roles)}
+    if leaf == "delayed_step":
+        calls = b[2:].view(-1, 3)
+        return {
+            f"{stem}scale_input": _digest(b[0]),
+            f"{stem}scale_weight": _digest(b[1]),
+            f"{stem}delayed_call_keys": _digest(calls[:, 0]),
+            f"{stem}delayed_call_scales": _digest(calls[:, 1:]),
+        }
+    return {f"{prefix}{name}": _digest(b)}
 
 
 def _layer(recipe: str, k: int, seed: int = 0) -> nn.Module:

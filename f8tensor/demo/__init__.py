@@ -267,13 +267,17 @@ def train_run(
     compile_model: bool,
     optim: str | OptimizerBuilder = DEFAULT_OPTIM,
     fp8_activations: bool | str | None = False,
+    *,
+    measure_peak: bool = True,
 ) -> RunResult:
     """Train a copy of ``base_model`` in ``name`` ("bf16" or an FP8 recipe), then measure it.
 
     ``fp8_activations``: an FP8 recipe's forward and loss save activations in FP8 (True or
     ``"fp8"``), and also recompute its norms and activations in backward (``"recompute"``).
     ``starts`` has one row more than steps: the saturation is measured on that last,
-    untrained batch. The last training step's peak memory is measured (and not timed).
+    untrained batch. With ``measure_peak`` (the default) the last training step's peak memory
+    is measured (and not timed; on a CPU under a dispatch mode, which an optimizer compiled
+    with ``fullgraph=True`` refuses: pass False for one, and the peak reads 0).
     """
     model = copy.deepcopy(base_model)
     if name != BASELINE:
@@ -317,7 +321,7 @@ def train_run(
     for i in range(steps):
         x, y = get_batch(data, starts[i], size.seq_len)
         t0 = time.perf_counter()
-        if i == steps - 1:
+        if i == steps - 1 and measure_peak:
             resident = [*model.parameters(), *model.buffers(), *_optimizer_tensors(opt), x, y]
             peak = step_peak_bytes(functools.partial(train_step, x, y), resident, device)
             progress.update(i + 1, losses[-1], tokens_per_s)

@@ -46,7 +46,7 @@ def dtensor_linear(x, weight, bias, args: LinearArgs) -> torch.Tensor:
     config, delayed, stats = args.config, args.delayed, args.stats
     # Buffers are replicated DTensors: the Function updates their local tensors in place.
     if delayed is not None:
-        delayed = type(delayed)(*(_local_buffer(b) for b in delayed))
+        delayed = (_local_buffer(delayed[0]), _local_buffer(delayed[1]))
     if stats is not None:
         stats = type(stats)(*(_local_buffer(b) for b in stats))
     local_args = LinearArgs(config, delayed, stats, args.weight_amax)

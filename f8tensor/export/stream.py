@@ -249,13 +249,13 @@ def _revert_names(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> dict
 
 
 def _saved_keys(model: nn.Module) -> dict[str, torch.Tensor]:
-    """{key: tensor} of the state dict ``save_pretrained`` writes: no Float8Linear buffers, no
+    """{key: tensor} of the state dict ``save_pretrained`` writes: no Float8Linear delayed state, no
     ``_keys_to_ignore_on_save``, one name per tied tensor (transformers' own choice of it)."""
     float8_buffers = {
         f"{fqn}.{name}" if fqn else name
         for fqn, mod in model.named_modules()
         if isinstance(mod, Float8Linear)
-        for name, _ in mod.named_buffers(recurse=False)
+        for name in mod.float8_state()
     }
     state = {k: v for k, v in model.state_dict().items() if k not in float8_buffers}
     for key in getattr(model, "_keys_to_ignore_on_save", None) or ():

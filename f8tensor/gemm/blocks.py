@@ -23,7 +23,7 @@ from f8tensor.gemm.operands import col_major, inverse_scale, prepare_fp4, row_ma
 from f8tensor.gemm.rules import BLOCK_SCALED_MM_RULES, BlockScaledMMRule, CudaBuild, block_rule_for, fp4_rule_for
 from f8tensor.quant.formats import E8M0
 from f8tensor.quant.specs import GemmConfig
-from f8tensor.tensor.float8 import Float8Tensor, dequantize
+from f8tensor.tensor.float8 import Float8Tensor, dequantize, dequantize_fields
 from f8tensor.tensor.fp4 import Float4Tensor, is_float4
 
 __all__ = ["fp4_path", "fp4_product", "product"]
@@ -156,13 +156,40 @@ def _reference_mm(
     ``a8``'s first rows (``a8`` was padded): a CPU BLAS may order sums by the row count, so
     leaving the padding out keeps the unpadded product's bits.
     """
-    a = dequantize(a8, torch.float32)
+    if torch.compiler.is_compiling() and not torch.compiler.is_exporting():
+        # One op to the compiler, as a GPU's product is one kernel: traced, the dequantized
+        # fp32 operands would be kernels and bytes of their own (eager's bits either way).
+        return _REFERENCE_OP(a8._data, a8._scale, a8._block, b8._data, b8._scale, b8._block, bias, out_dtype, rows)
+    return _reference(a8._data, a8._scale, a8._block, b8._data, b8._scale, b8._block, bias, out_dtype, rows)
+
+
+def _reference(a, a_scale, a_block, b, b_scale, b_block, bias, out_dtype: torch.dtype, rows) -> torch.Tensor:
+    """:func:`_reference_mm` on the operands' fields (data, scale, block)."""
+    a = dequantize_fields(a, a_scale, tuple(a_block), torch.float32)
     if rows is not None:
         a = a[:rows]
-    acc = a @ dequantize(b8, torch.float32)
+    acc = a @ dequantize_fields(b, b_scale, tuple(b_block), torch.float32)
     if bias is not None:
         acc = acc + bias.to(torch.float32)
     return acc.to(out_dtype)
+
+
+def _reference_fake(a, a_scale, a_block, b, b_scale, b_block, bias, out_dtype: torch.dtype, rows) -> torch.Tensor:
+    return a.new_empty((a.shape[0] if rows is None else rows, b.shape[1]), dtype=out_dtype)
+
+
+# A plain kernel for every device, not torch.library.custom_op (one dispatcher hop; FP8
+# operands carry no grad).
+_LIB = torch.library.Library("f8tensor", "FRAGMENT")  # noqa: TOR901 (kept for the process's lifetime)
+_LIB.define(
+    "block_scaled_mm_reference(Tensor a, Tensor a_scale, int[] a_block, Tensor b, Tensor b_scale, int[] b_block, "
+    "Tensor? bias, ScalarType out_dtype, SymInt? rows) -> Tensor",
+    # The operands' strides as eager has them: a CPU BLAS orders its sums by the layout.
+    tags=(torch.Tag.needs_exact_strides,),
+)
+_LIB.impl("block_scaled_mm_reference", _reference, "CompositeExplicitAutograd")
+torch.library.register_fake("f8tensor::block_scaled_mm_reference", _reference_fake, lib=_LIB)
+_REFERENCE_OP = torch.ops.f8tensor.block_scaled_mm_reference.default
 
 
 def _round_up(x: int, m: int) -> int:

@@ -26,13 +26,12 @@ _SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 
 def float8_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The persistent buffers of ``model``'s Float8Linear layers, keyed as in ``state_dict()``."""
+    """The state ``model``'s Float8Linear layers add to ``state_dict()`` (live views), keyed as there."""
     state: dict[str, torch.Tensor] = {}
     for fqn, mod in model.named_modules():
         if isinstance(mod, Float8Linear):
-            for name, buf in mod.named_buffers(recurse=False):
-                if name not in mod._non_persistent_buffers_set:
-                    state[f"{fqn}.{name}" if fqn else name] = buf
+            for name, view in mod.float8_state().items():
+                state[f"{fqn}.{name}" if fqn else name] = view
     return state
 
 

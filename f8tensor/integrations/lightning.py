@@ -37,12 +37,12 @@ _RNG_STATE = "f8tensor_rng_state"  # torch's global CPU generator, for stochasti
 
 
 def _fp8_state_keys(module: nn.Module) -> list[str]:
-    """The state_dict keys only FP8 layers have (their persistent buffers)."""
+    """The state_dict keys only FP8 layers have (:meth:`Float8Linear.float8_state`)."""
     keys: list[str] = []
     for fqn, mod in module.named_modules():
         if isinstance(mod, (Float8Linear, Float8Conv1D)):
             prefix = f"{fqn}." if fqn else ""
-            keys.extend(prefix + name for name in mod._buffers if name not in mod._non_persistent_buffers_set)
+            keys.extend(prefix + name for name in mod.float8_state())
     return keys
 
 

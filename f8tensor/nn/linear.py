@@ -15,16 +15,26 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from f8tensor.compat import dtensor_local, is_fake
+from f8tensor.compat import dtensor_local
 from f8tensor.distributed.fsdp import DelayedWeightSource, DTensor, Float8AllGatherWeight, wrap_weight
 from f8tensor.gemm.rules import ALIGN
 from f8tensor.kernels import CAST_STATS_FIELDS
+from f8tensor.nn.delayed_state import (
+    DELAYED_BUFFERS,
+    DELAYED_STATE_KEYS,
+    check_delayed_state,
+    delayed_buffer_shapes,
+    delayed_part,
+    delayed_state_of,
+    fresh_delayed_buffer,
+    load_delayed_state,
+)
 from f8tensor.nn.linear_autograd import LinearArgs, QuantizedLinearFn, linear_plan, plan_number, planned
 from f8tensor.nn.weight_cache import WeightCasts, drop_weight_casts, weight_casts_of
 from f8tensor.nn.weight_precast import PRECAST_BUFFERS, check_precast, precast_refusal, precast_weight
 from f8tensor.quant.config import Float8LinearConfig
 from f8tensor.quant.formats import HP_DTYPES
-from f8tensor.quant.quantizers import DelayedBuffers, StatsBuffers
+from f8tensor.quant.quantizers import DelayedState, StatsBuffers, delayed_views
 from f8tensor.tensor.float8 import Float8Tensor
 
 __all__ = [
@@ -37,13 +47,6 @@ __all__ = [
     "set_dtensor_linear",
 ]
 
-# Recorded calls: the scales of the last _CALLS forwards, keyed by the input's amax, so a
-# checkpointed recompute of each call uses its own scales. Not persistent.
-_DELAYED_BUFFERS = DelayedBuffers._fields
-_HISTORY_BUFFERS = _DELAYED_BUFFERS[:3]
-_SCALE_BUFFERS = _DELAYED_BUFFERS[3:5]
-_CALL_KEYS, _CALL_SCALES = _DELAYED_BUFFERS[5:]
-_CALLS = 8
 # Telemetry: separate buffers, not rows of one (a row write in backward trips torch
 # 2.13's default partitioner). Not persistent.
 STATS_ROLES = ("input", "weight", "grad_output")
@@ -51,11 +54,10 @@ STATS_BUFFERS = StatsBuffers._fields
 
 
 def _fresh_state(name: str, like: torch.Tensor, device: torch.device | str | None = None) -> torch.Tensor:
-    """A buffer as a newly built layer has it: empty history, unit scale, no call (key -1), NaN telemetry."""
+    """A buffer as a newly built layer has it: NaN telemetry, or fresh delayed-scaling state."""
     if name in STATS_BUFFERS:
         return torch.full_like(like, torch.nan, device=device)
-    fill = 1.0 if name in _SCALE_BUFFERS or name == _CALL_SCALES else -1.0 if name == _CALL_KEYS else 0.0
-    return torch.full_like(like, fill, dtype=torch.float32, device=device)
+    return fresh_delayed_buffer(name, like, device)
 
 
 #: Why an FP4 or per-GEMM-format layer refuses tensor/sequence parallel.
@@ -94,23 +96,6 @@ def _is_own_input_cast(x: Float8Tensor, config: Float8LinearConfig) -> bool:
         return False
     block = cast.operand_spec(x.dim() - 1, ndim=x.dim()).block
     return x._block == (block or (0,) * x.dim())
-
-
-def _check_delayed_state(state_dict: dict, prefix: str) -> None:
-    """Refuse a delayed-scaling state that would poison training (non-finite or negative).
-
-    Read on the host (loading is no hot path); meta and fake tensors are skipped.
-    """
-    for name in (*_HISTORY_BUFFERS, *_SCALE_BUFFERS):
-        value = state_dict.get(prefix + name)
-        if not isinstance(value, torch.Tensor) or value.device.type == "meta" or is_fake(value):
-            continue
-        v = (value.to_local() if isinstance(value, DTensor) else value).detach().float()
-        ok = torch.isfinite(v) & ((v >= 0) if name in _HISTORY_BUFFERS else (v >= torch.finfo(torch.float32).tiny))
-        if not bool(ok.all()):
-            bad = v[~ok].flatten()[0].item()
-            allowed = "finite amaxes >= 0" if name in _HISTORY_BUFFERS else "a positive finite fp32 scale"
-            raise ValueError(f"load_state_dict: {prefix + name} must hold {allowed}; got {bad!r}")
 
 
 def _check_input(x: object, weight: torch.Tensor, layer: Float8Linear) -> None:
@@ -274,12 +259,11 @@ class Float8Linear(nn.Linear):
     def _match_buffers(self, config: Float8LinearConfig) -> None:
         """The delayed and telemetry buffers ``config`` reads, as a newly built layer has them (kept if alike)."""
         device = self.weight.device
-        history = self._buffers.get(_HISTORY_BUFFERS[0])
-        if not config.any_delayed or history is None or history.shape[0] != config.delayed.history_len:
-            for name in _DELAYED_BUFFERS:
-                if name in self._buffers:
-                    delattr(self, name)
-        if config.any_delayed and _HISTORY_BUFFERS[0] not in self._buffers:
+        histories = self._buffers.get(DELAYED_BUFFERS[0])
+        if histories is not None and (not config.any_delayed or histories.shape[1] != config.delayed.history_len):
+            for name in DELAYED_BUFFERS:
+                delattr(self, name)
+        if config.any_delayed and DELAYED_BUFFERS[0] not in self._buffers:
             self._register_delayed_buffers(device)
         if config.collect_stats != (STATS_BUFFERS[0] in self._buffers):
             for name in STATS_BUFFERS:
@@ -290,13 +274,8 @@ class Float8Linear(nn.Linear):
         drop_weight_casts(self)
 
     def _register_delayed_buffers(self, device: torch.device | str | None) -> None:
-        n = self.config.delayed.history_len
-        for name in _HISTORY_BUFFERS:
-            self.register_buffer(name, torch.zeros(n, dtype=torch.float32, device=device))
-        for name in _SCALE_BUFFERS:
-            self.register_buffer(name, torch.ones((), dtype=torch.float32, device=device))
-        self.register_buffer(_CALL_KEYS, torch.full((_CALLS,), -1.0, device=device), persistent=False)
-        self.register_buffer(_CALL_SCALES, torch.ones((_CALLS, 2), device=device), persistent=False)
+        for name, shape in zip(DELAYED_BUFFERS, delayed_buffer_shapes(self.config.delayed.history_len)):
+            self.register_buffer(name, fresh_delayed_buffer(name, torch.empty(shape, device=device)), persistent=False)
 
     def _register_stats_buffers(self, device: torch.device | str | None) -> None:
         for name in STATS_BUFFERS:
@@ -340,7 +319,7 @@ class Float8Linear(nn.Linear):
         super().reset_parameters()
         with torch.no_grad():
             for name, buf in self._buffers.items():  # empty while nn.Linear.__init__ calls this
-                if buf is not None and (name in _DELAYED_BUFFERS or name in STATS_BUFFERS):
+                if buf is not None and (name in DELAYED_BUFFERS or name in STATS_BUFFERS):
                     buf.copy_(_fresh_state(name, buf))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -375,7 +354,10 @@ class Float8Linear(nn.Linear):
         if weight.numel() == 0:
             # An empty product: nn.Linear's, in high precision.
             return nn.functional.linear(x, weight.to(x.dtype), bias)
-        delayed = DelayedBuffers(*(getattr(self, name) for name in _DELAYED_BUFFERS)) if plan.any_delayed else None
+        delayed: DelayedState | None = None
+        if plan.any_delayed:  # not getattr: traced, Module.__getattr__ guards three dicts
+            buffers = self._buffers
+            delayed = (buffers["delayed_amax_history"], buffers["delayed_step"])  # type: ignore[assignment]  # registered
         stats = StatsBuffers(*(getattr(self, name) for name in STATS_BUFFERS)) if plan.collect_stats else None
         on_dtensors = isinstance(x, DTensor) or isinstance(weight, DTensor) or isinstance(bias, DTensor)
         if plan.uses_gemm_formats:
@@ -404,6 +386,13 @@ class Float8Linear(nn.Linear):
     #: Opts in to f8tensor.per_step_weight_casts (its forward multiplies ``self.weight``).
     precasts_weight = True
 
+    amax_history_input = delayed_part(0)
+    amax_history_weight = delayed_part(1)
+    amax_history_grad_output = delayed_part(2)
+    scale_input = delayed_part(3)
+    scale_weight = delayed_part(4)
+    delayed_calls = delayed_part(5)
+
     def _load_from_state_dict(
         self,
         state_dict: dict[str, Any],
@@ -420,11 +409,12 @@ class Float8Linear(nn.Linear):
         # nothing it does not name). Fresh buffers go where the loaded weight is (assign=True on meta).
         loaded = state_dict.get(prefix + "weight")
         device = loaded.device if isinstance(loaded, torch.Tensor) else None
-        persistent = [(n, b) for n, b in self.named_buffers(recurse=False) if n not in self._non_persistent_buffers_set]
-        if prefix + "weight" in state_dict and not any(prefix + n in state_dict for n, _ in persistent):
-            for name, buf in persistent:
-                state_dict[prefix + name] = _fresh_state(name, buf, device)
-        _check_delayed_state(state_dict, prefix)
+        state = delayed_state_of(self)
+        keys = [prefix + name for name in DELAYED_STATE_KEYS] if state is not None else []
+        fresh = prefix + "weight" in state_dict and not any(key in state_dict for key in keys)
+        check_delayed_state(state_dict, prefix)
+        # The delayed state's parts, loaded below (not buffers: super would call them unexpected).
+        parts = {key: state_dict.pop(key) for key in keys if key in state_dict}
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
@@ -433,10 +423,24 @@ class Float8Linear(nn.Linear):
                 kept = self._buffers[name]
                 if kept is not None and kept.device != device:
                     self._buffers[name] = _fresh_state(name, kept, device)
+        if state is not None:  # read again: assign=True may have replaced the buffers above
+            load_delayed_state(delayed_state_of(self), parts, keys, fresh, missing_keys, error_msgs)  # type: ignore[arg-type]
         self._keep_fsdp_weight()
         drop_weight_casts(self)
         if PRECAST_BUFFERS[0] in self._buffers:
             precast_weight(self)
+
+    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        # Copies, each its own tensor as a buffer would be (views of one storage are refused by
+        # safetensors); keep_vars: the live views.
+        for name, view in self.float8_state().items():
+            destination[prefix + name] = view if keep_vars else view.detach().clone()
+
+    def float8_state(self) -> dict[str, torch.Tensor]:
+        """The layer's state-dict entries beyond ``nn.Linear``'s (delayed scaling's), as live views."""
+        state = delayed_state_of(self)
+        return {} if state is None else dict(zip(DELAYED_STATE_KEYS, delayed_views(state)))
 
     def _keep_fsdp_weight(self) -> None:
         """Re-wrap a weight replaced by a plain tensor: FP8 all-gather must not silently turn off."""
@@ -466,7 +470,7 @@ class Float8Linear(nn.Linear):
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Float8Linear:
         # Delayed state stays fp32 through model.to(dtype) (a bf16 history rounds the amax,
         # _scaled_mm refuses a bf16 scale): it follows device moves only.
-        state = {name: buf for name in _DELAYED_BUFFERS if (buf := self._buffers.get(name)) is not None}
+        state = {name: buf for name in DELAYED_BUFFERS if (buf := self._buffers.get(name)) is not None}
         self._check_weight_dtype_change(fn)
         drop_weight_casts(self)
         super()._apply(fn, recurse)

@@ -17,11 +17,12 @@ from f8tensor.kernels import GemmCast
 from f8tensor.quant.config import CastSpec, Float8LinearConfig, GemmConfig
 from f8tensor.quant.hadamard import RHT_SIZE, apply_rht
 from f8tensor.quant.quantizers import (
-    DelayedBuffers,
+    DelayedState,
     RolePlan,
     StatsBuffers,
     cast_second_operand,
     column_major_copy,
+    delayed_views,
     linear_quantizers,
     quantize,
     recomputing,
@@ -30,7 +31,7 @@ from f8tensor.quant.quantizers import (
     role_plan,
     sync_amax,
 )
-from f8tensor.quant.scaling import tensor_amax
+from f8tensor.quant.scaling import push_amaxes, tensor_amax
 from f8tensor.tensor.float8 import Float8Tensor, dequantize, from_gemm_cast
 from f8tensor.tensor.fp4 import Float4Tensor, is_float4
 from f8tensor.tensor.fp4 import transpose_2d as transpose_2d_fp4
@@ -96,23 +97,24 @@ def linear_plan(config: Float8LinearConfig, precast_weight: bool = False) -> Lin
 
 
 # Plans by number, one per distinct config: a layer keeps only the number, so traced code
-# reads one int (one guard) and gets the plan as a constant.
-_PLANS: list[LinearPlan] = []
-_PLAN_NUMBERS: dict[tuple[Float8LinearConfig, bool], int] = {}
+# reads one str (one guard; an int attribute is two) and gets the plan as a constant.
+_PLANS: dict[str, LinearPlan] = {}
+_PLAN_NUMBERS: dict[tuple[Float8LinearConfig, bool], str] = {}
 
 
-def plan_number(config: Float8LinearConfig, precast_weight: bool = False) -> int:
+def plan_number(config: Float8LinearConfig, precast_weight: bool = False) -> str:
     """The number of ``config``'s :class:`LinearPlan` (:func:`planned`), planned on first sight."""
     key = (config, precast_weight)
     number = _PLAN_NUMBERS.get(key)
     if number is None:
-        _PLANS.append(linear_plan(config, precast_weight))
-        number = _PLAN_NUMBERS.setdefault(key, len(_PLANS) - 1)
+        number = f"plan{len(_PLANS)}"
+        _PLANS[number] = linear_plan(config, precast_weight)
+        number = _PLAN_NUMBERS.setdefault(key, number)
     return number
 
 
 @torch.compiler.assume_constant_result
-def planned(number: int) -> LinearPlan:
+def planned(number: str) -> LinearPlan:
     """The :class:`LinearPlan` numbered ``number``; to torch.compile a constant, its fields unguarded."""
     return _PLANS[number]
 
@@ -128,7 +130,7 @@ class LinearArgs(NamedTuple):
     """
 
     config: Float8LinearConfig
-    delayed: DelayedBuffers | None = None
+    delayed: DelayedState | None = None
     stats: StatsBuffers | None = None
     weight_amax: torch.Tensor | None = None
     weight_casts: tuple[Any, torch.Tensor] | None = None
@@ -201,11 +203,12 @@ def _recipe_forward(ctx, x, weight, bias, plan: LinearPlan, args: LinearArgs) ->
     """The forward of a per-role recipe: the 2D product."""
     config = plan.config
     d, weight_amax = args.delayed, args.weight_amax
-    q_in, q_w, q_go = linear_quantizers(config, d, args.stats, args.weight_casts, plan.roles)
+    parts = None if d is None else delayed_views(d)
+    q_in, q_w, q_go = linear_quantizers(config, parts, args.stats, args.weight_casts, plan.roles)
     scale_in, scale_w = q_in.scale, q_w.scale
     recompute = plan.any_delayed and recomputing()
     fwd = plan.fwd
-    calls = (d.delayed_call_keys, d.delayed_call_scales) if d and plan.records_calls else None
+    calls = parts[5] if parts is not None and plan.records_calls else None
     keep_fp8_input = plan.keep_fp8_input
     if isinstance(x, Float8Tensor):  # an input gathered in FP8 (distributed.tp): cast already
         x8, amax_x = _token_rows(x, fwd), None
@@ -214,7 +217,7 @@ def _recipe_forward(ctx, x, weight, bias, plan: LinearPlan, args: LinearArgs) ->
         x2 = _rows(x)
     if calls is not None and recompute:
         assert x2 is not None  # delayed buffers: an FP8 input was dequantized above
-        scale_in, scale_w = recorded_scales(*calls, sync_amax(tensor_amax(x2)))
+        scale_in, scale_w = recorded_scales(calls, sync_amax(tensor_amax(x2)))
         q_in, q_w = q_in._replace(scale=scale_in), q_w._replace(scale=scale_w)
     x8_cm = None
     if not isinstance(x, Float8Tensor):
@@ -242,7 +245,7 @@ def _recipe_forward(ctx, x, weight, bias, plan: LinearPlan, args: LinearArgs) ->
         w8, _, amax_w = q_w.quantize(weight, 1, fwd, recompute=recompute)
     if calls is not None and not recompute:
         key = amax_x if amax_x is not None else sync_amax(tensor_amax(x2))  # type: ignore[arg-type]
-        record_call(*calls, key, scale_in, scale_w)  # type: ignore[arg-type]  # calls: delayed buffers exist
+        record_call(calls, key, scale_in, scale_w)  # type: ignore[arg-type]  # calls: delayed buffers exist
     y = matmul(x8, transpose_2d(w8), bias=bias, out_dtype=None)  # built, not dispatched: torch.export traces it
 
     # Saved for grad_W: a tensorwise x8 as is; other granularities cast along the tokens
@@ -263,6 +266,7 @@ def _recipe_forward(ctx, x, weight, bias, plan: LinearPlan, args: LinearArgs) ->
     precast = (None, None) if args.precast is None else args.precast
     ctx.save_for_backward(saved_x, weight, w8._scale if reuse_w_scale else None, amax_x, amax_w, *precast)
     ctx.quantizers = (q_in, q_w, q_go)
+    ctx.histories = None if d is None else d[0]  # backward pushes the amaxes in one write
     return y
 
 
@@ -290,13 +294,12 @@ def _recipe_backward(ctx, grad_y, saved) -> tuple[torch.Tensor | None, ...]:
     gw_uses_g8 = plan.gw_uses_g8
     # FP8-gathered rowwise W = W8 / s: g @ W = (g / s) @ W8 keeps the gathered bytes (CHANGELOG).
     fold = need_grad_x and isinstance(weight, Float8Tensor) and _row_scaled(weight) and go_plan.rowwise
-    g8_cm = None
+    g8_cm = amax_g = None
     if need_grad_x or (need_grad_w and gw_uses_g8) or go_plan.delayed:
         g_x = g.float() / weight._scale.reshape(1, -1) if fold else g
         g8, g8_cm, amax_g = q_go.quantize(g_x, 1, bwd, column_major=bwd_w if need_grad_w and gw_uses_g8 else None)
         if fold:
             g8 = g8._replace(orig_dtype=g.dtype)  # grad_x comes out in grad_output's dtype
-        q_go.push(amax_g)
 
     # grad_x = g @ W: over N, so W's scale must be constant along dim 0.
     grad_x = None
@@ -323,7 +326,7 @@ def _recipe_backward(ctx, grad_y, saved) -> tuple[torch.Tensor | None, ...]:
             w8 = cast_second_operand(weight, w_plan.specs[0], bwd, None)
         else:
             # Forward's scale: the same bytes. A delayed scale never saw an inf: make it NaN.
-            hp_w = torch.where(torch.isinf(weight), float("nan"), weight) if w_plan.delayed else weight
+            hp_w = weight.masked_fill(weight.isinf(), float("nan")) if w_plan.delayed else weight
             w8 = cast_second_operand(hp_w, plan.weight_rescale, bwd, scale=w_scale)
         grad_x = matmul(g8, w8, bias=None, out_dtype=None)  # type: ignore[arg-type]  # need_grad_x: g8 was cast
         if grad_x.shape != ctx.x_shape:  # not a view of another shape
@@ -349,9 +352,8 @@ def _recipe_backward(ctx, grad_y, saved) -> tuple[torch.Tensor | None, ...]:
         grad_w = grad_w.to(weight.dtype)
     grad_b = g.sum(0) if need_grad_b else None
     if plan.any_delayed:  # only delayed casts return an amax
-        # Last: a recomputed amax then shares the weight re-cast's pass.
-        q_in.push(amax_x)
-        q_w.push(amax_w)
+        # Last, all three in one write: a recomputed amax then shares the weight re-cast's pass.
+        push_amaxes(ctx.histories, (amax_x, amax_w, amax_g))
     return grad_x, grad_w, grad_b
 
 

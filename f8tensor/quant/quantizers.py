@@ -19,7 +19,7 @@ from f8tensor.kernels import cast_for_gemm
 from f8tensor.kernels.fp4 import FP4Spec
 from f8tensor.kernels.layouts import to_column_major
 from f8tensor.quant.config import DEFAULT_GEMM, CastConfig, CastSpec, Float8LinearConfig, GemmConfig, is_tensorwise
-from f8tensor.quant.scaling import delayed_scale, materialized, push_amax, tensor_amax
+from f8tensor.quant.scaling import delayed_scale, materialized, tensor_amax
 from f8tensor.tensor.float8 import (
     Float8Tensor,
     from_gemm_cast,
@@ -29,7 +29,9 @@ from f8tensor.tensor.float8 import (
 from f8tensor.tensor.fp4 import Float4Tensor, to_float4, to_float4_with_stats
 
 __all__ = [
-    "DelayedBuffers",
+    "DELAYED_CALLS",
+    "DELAYED_PARTS",
+    "DelayedState",
     "Quantized",
     "Quantizer",
     "RolePlan",
@@ -39,6 +41,7 @@ __all__ = [
     "cast_operand",
     "cast_second_operand",
     "column_major_copy",
+    "delayed_views",
     "linear_quantizers",
     "quantize",
     "recomputing",
@@ -49,16 +52,30 @@ __all__ = [
 ]
 
 
-class DelayedBuffers(NamedTuple):
-    """A layer's delayed-scaling buffers: amax histories, the step's scales, recorded calls."""
+#: A layer's delayed-scaling state, two fp32 buffers (traced, each buffer read is a guard):
+#: ``histories`` (3, history_len), the amax histories of input, weight and grad_output,
+#: newest first, written in backward only; ``step`` (2 + 3 * DELAYED_CALLS,), the step's
+#: input and weight scales, then the recorded calls, written in forward only (torch 2.13's
+#: default partitioner refuses a buffer written in both).
+DelayedState = tuple[torch.Tensor, torch.Tensor]
+#: The state's parts (:func:`delayed_views`), by attribute and state-dict name.
+DELAYED_PARTS = (
+    "amax_history_input",
+    "amax_history_weight",
+    "amax_history_grad_output",
+    "scale_input",
+    "scale_weight",
+    "delayed_calls",
+)
+#: Recorded calls the state keeps: the last forwards' rows (input amax as the key, input
+#: scale, weight scale), so a checkpointed recompute of each uses its own scales.
+DELAYED_CALLS = 8
 
-    amax_history_input: torch.Tensor
-    amax_history_weight: torch.Tensor
-    amax_history_grad_output: torch.Tensor
-    scale_input: torch.Tensor
-    scale_weight: torch.Tensor
-    delayed_call_keys: torch.Tensor
-    delayed_call_scales: torch.Tensor
+
+def delayed_views(state: DelayedState) -> tuple[torch.Tensor, ...]:
+    """The parts of a layer's delayed state (:data:`DELAYED_PARTS`), as views of its buffers."""
+    histories, step = state
+    return histories[0], histories[1], histories[2], step[0], step[1], step[2:].view(-1, 3)
 
 
 class StatsBuffers(NamedTuple):
@@ -92,19 +109,18 @@ def role_plan(cast: CastConfig) -> RolePlan:
     return RolePlan(cast, cast.delayed, cast.tensorwise, (along_m, along_k), cast.rowwise)
 
 
-def record_call(
-    keys: torch.Tensor, scales: torch.Tensor, key: torch.Tensor, scale_in: torch.Tensor, scale_w: torch.Tensor
-) -> None:
-    """Push this forward's (key, input scale, weight scale) as the newest recorded call."""
-    keys.copy_(torch.cat([key.reshape(1).to(keys.dtype), keys[:-1]]))
-    scales.copy_(torch.cat([torch.stack([scale_in, scale_w]).reshape(1, 2), scales[:-1]]))
+def record_call(calls: torch.Tensor, key: torch.Tensor, scale_in: torch.Tensor, scale_w: torch.Tensor) -> None:
+    """Push this forward's row (key, input scale, weight scale) as the newest of ``calls``."""
+    # cat, not stack: traced, each torch function first used is a guard.
+    row = torch.cat([key.reshape(1).to(calls.dtype), scale_in.reshape(1), scale_w.reshape(1)]).reshape(1, 3)
+    calls.copy_(torch.cat([row, calls[:-1]]))
 
 
-def recorded_scales(keys: torch.Tensor, scales: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The input and weight scales of the newest call with ``key`` (else the newest); no sync."""
-    index = (keys == key).to(torch.int32).argmax()
-    row = scales[index]
-    return row[0], row[1]
+def recorded_scales(calls: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The input and weight scales of the newest recorded call with ``key`` (else the newest); no sync."""
+    index = (calls[:, 0] == key).to(torch.int32).argmax()
+    row = calls[index]
+    return row[1], row[2]
 
 
 def sync_amax(amax: torch.Tensor) -> torch.Tensor:
@@ -152,7 +168,7 @@ def cast_operand(
     assert history is not None  # a delayed cast comes with its amax history
     # The amax is taken after the cast so inductor fuses it into the cast's pass; a scale
     # decided in advance does not see inf, which would saturate: make it NaN.
-    guarded = torch.where(torch.isinf(hp), float("nan"), hp)  # not torch.nan: traced, a read is a guard
+    guarded = hp.masked_fill(hp.isinf(), float("nan"))  # not torch.nan: traced, a read is a guard
     if recompute:
         assert scale_buffer is not None  # recomputed casts (input, weight) keep their scale
         scale = scale_buffer.clone()
@@ -357,12 +373,6 @@ class Quantizer(NamedTuple):
         casts, param = self.cache
         return casts.get(key, param, self.config, make)
 
-    def push(self, amax: torch.Tensor | None) -> None:
-        """Add a delayed cast's amax to the history (nothing for None)."""
-        if amax is not None:
-            assert self.history is not None  # only a delayed cast returns an amax
-            push_amax(self.history, amax)
-
     def keep_scale(self, scale: torch.Tensor) -> None:
         """Keep ``scale`` as a delayed role's step scale."""
         if self.scale is not None:
@@ -371,14 +381,15 @@ class Quantizer(NamedTuple):
 
 def linear_quantizers(
     config: Float8LinearConfig,
-    delayed: DelayedBuffers | None = None,
+    delayed: tuple[torch.Tensor, ...] | None = None,
     stats: StatsBuffers | None = None,
     weight_cache: tuple[Any, torch.Tensor] | None = None,
     roles: tuple[RolePlan, RolePlan, RolePlan] | None = None,
 ) -> tuple[Quantizer, Quantizer, Quantizer]:
     """The (input, weight, grad_output) quantizers of a linear with ``config``.
 
-    ``roles``: the three :class:`RolePlan` of ``config`` when the caller planned them already.
+    ``delayed``: the parts of the layer's delayed state (:func:`delayed_views`); ``roles``:
+    the three :class:`RolePlan` of ``config`` when the caller planned them already.
     """
     p_in, p_w, p_go = roles or (role_plan(config.input), role_plan(config.weight), role_plan(config.grad_output))
     hist_in, hist_w, hist_go, scale_in, scale_w = (None,) * 5 if delayed is None else delayed[:5]

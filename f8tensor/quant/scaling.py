@@ -27,7 +27,7 @@ __all__ = [
     "expand_block_scale",
     "inverse_scale_of",
     "materialized",
-    "push_amax",
+    "push_amaxes",
     "scale_of_amax",
     "segment_amax",
     "stochastic_round",
@@ -153,16 +153,31 @@ def delayed_scale(
         amax = history[0]
     else:
         raise ValueError(f"reduction must be one of {HISTORY_REDUCTIONS}; got {reduction!r}")
-    amax = torch.where(amax > 0, amax, format_number(float8_dtype, "max"))
+    amax = amax.where(amax > 0, format_number(float8_dtype, "max"))  # a method: traced, torch.where is a guard
     if margin:
         amax = amax * (2.0**margin)
     return amax_to_scale(amax, float8_dtype, round_pow2=round_pow2)
 
 
-def push_amax(history: torch.Tensor, amax: torch.Tensor) -> None:
-    """Shift ``history`` in place, ``amax`` first; a non-finite amax repeats the newest."""
-    amax = torch.where(torch.isfinite(amax), amax.to(history.dtype), history[0])
-    history.copy_(torch.cat([amax.reshape(1), history[:-1]]))
+def push_amaxes(histories: torch.Tensor, amaxes: tuple[torch.Tensor | None, ...]) -> None:
+    """Shift each row of ``histories`` whose amax is given, that amax first, in one write.
+
+    A non-finite amax repeats the row's newest; a None leaves the row as it is.
+    """
+    # Methods, not torch.where/isfinite: traced, each torch function first used is a guard.
+    # No generators: each is a Python call per step.
+    if len(amaxes) == 3 and amaxes[0] is not None and amaxes[1] is not None and amaxes[2] is not None:
+        raw = torch.cat([amaxes[0].reshape(1), amaxes[1].reshape(1), amaxes[2].reshape(1)])
+        newest = raw.to(histories.dtype).where(raw.isfinite(), histories[:, 0])
+        histories.copy_(torch.cat([newest.reshape(-1, 1), histories[:, :-1]], 1))
+        return
+    rows = []
+    for history, amax in zip(histories.unbind(0), amaxes):
+        if amax is not None:
+            amax = amax.to(history.dtype).where(amax.isfinite(), history[0])
+            history = torch.cat([amax.reshape(1), history[:-1]])
+        rows.append(history.reshape(1, -1))
+    histories.copy_(torch.cat(rows))
 
 
 def _blocked(x: torch.Tensor, block: tuple[int, ...]) -> torch.Tensor:

@@ -55,6 +55,7 @@ __all__ = [
     "cast_to_float8_with_stats",
     "check_scale_values",
     "dequantize",
+    "dequantize_fields",
     "from_gemm_cast",
     "is_float8",
     "scale_from_number",
@@ -541,6 +542,13 @@ def cast_to_float8_with_stats(
 def dequantize(f8: Float8Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``_data / _scale`` in fp32 per block, cast to ``dtype`` (default: the original)."""
     return kernels_dequantize(f8._data, f8._scale, f8._block, dtype or f8._orig_dtype)
+
+
+def dequantize_fields(
+    data: torch.Tensor, scale: torch.Tensor, block: tuple[int, ...], dtype: torch.dtype
+) -> torch.Tensor:
+    """:func:`dequantize` of a Float8Tensor's fields (as an op takes them apart)."""
+    return kernels_dequantize(data, scale, block, dtype)
 
 
 class _FromHP(torch.autograd.Function):

@@ -77,6 +77,25 @@ def test_compile_fullgraph_aot_eager(recipe):
     _check_compiled_matches_eager(recipe, "aot_eager", torch.bfloat16)
 
 
+@pytest.mark.parametrize("recipe", ["blockwise", "mxfp8"])
+def test_inductor_multiplies_blocks_as_eager_does(recipe):
+    # A CPU's block-scaled product is one op to inductor (as a GPU's is one kernel), so a
+    # compiled step of two linears gives eager's bits; traced into the graph, its dequantized
+    # operands were fused kernels that rounded otherwise (not bit-identical before).
+    base = nn.Sequential(nn.Linear(128, 128), nn.Linear(128, 128, bias=False)).to(torch.bfloat16)
+    eager, compiled_model = fp8_copy(base, recipe), fp8_copy(base, recipe)
+    compiled = torch.compile(compiled_model, fullgraph=True)
+    x = torch.randn(32, 128, dtype=torch.bfloat16) * 3
+    g = torch.randn(32, 128, dtype=torch.bfloat16)
+    x_e, x_c = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    y_e, y_c = eager(x_e), compiled(x_c)
+    y_e.backward(g)
+    y_c.backward(g)
+    assert torch.equal(y_e, y_c) and torch.equal(x_e.grad, x_c.grad)
+    for name, grad in grads(eager).items():
+        assert torch.equal(grad, compiled_model.get_parameter(name).grad), name
+
+
 @pytest.mark.device_param
 @pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
 def test_compile_fullgraph_inductor(recipe):

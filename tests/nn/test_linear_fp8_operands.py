@@ -20,9 +20,7 @@ from torch import nn
 
 from f8tensor import BlockGranularity, CastConfig, Float8Linear, Float8LinearConfig, GemmConfig
 from f8tensor.nn import linear_autograd
-from f8tensor.nn.linear import _DELAYED_BUFFERS
 from f8tensor.nn.linear_autograd import LinearArgs, QuantizedLinearFn
-from f8tensor.quant.quantizers import DelayedBuffers
 from f8tensor.quant.specs import CastSpec
 from f8tensor.tensor import Float8Tensor, to_float8
 
@@ -250,7 +248,7 @@ def test_an_fp8_weight_blocked_along_k_is_cast_again_along_n_from_fp32():
 def test_a_delayed_fp8_weight_needs_its_amax():
     config = Float8LinearConfig.from_recipe("delayed")
     layer = Float8Linear.from_float(nn.Linear(128, 256), config)
-    delayed = DelayedBuffers(*(getattr(layer, name) for name in _DELAYED_BUFFERS))
+    delayed = (layer.delayed_amax_history, layer.delayed_step)
     w8 = to_float8(layer.weight.detach(), CastSpec(E4M3), scale=torch.tensor(4.0))
     message = (
         r"^a delayed-scaled weight gathered in FP8 arrived without its amax; call the layer "
@@ -266,7 +264,7 @@ def test_a_delayed_fp8_weight_records_its_scale_and_amax(products):
     weight's history, as a cast here would have."""
     config = Float8LinearConfig.from_recipe("delayed")
     layer = Float8Linear.from_float(nn.Linear(128, 256), config)
-    delayed = DelayedBuffers(*(getattr(layer, name) for name in _DELAYED_BUFFERS))
+    delayed = (layer.delayed_amax_history, layer.delayed_step)
     w = layer.weight.detach()
     w8 = to_float8(w, CastSpec(E4M3), scale=torch.tensor(4.0)).requires_grad_()
     whole_amax = torch.tensor(7.5)  # the gathered weight's, over every rank's shard

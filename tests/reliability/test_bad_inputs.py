@@ -166,13 +166,13 @@ def test_deferred_init_resets_delayed_state():
     with torch.device("meta"):
         layer = Float8Linear(32, 16, config=DELAYED)
     layer.to_empty(device="cpu")
-    for name in ("amax_history_input", "scale_input", "delayed_call_keys"):
+    for name in ("amax_history_input", "scale_input", "delayed_calls"):
         getattr(layer, name).fill_(1e30)  # what uninitialized memory may hold
     layer.reset_parameters()
     assert torch.equal(layer.amax_history_input, torch.zeros(16))
     assert torch.equal(layer.amax_history_grad_output, torch.zeros(16))
     assert torch.equal(layer.scale_input, torch.ones(())) and torch.equal(layer.scale_weight, torch.ones(()))
-    assert torch.equal(layer.delayed_call_keys, torch.full((8,), -1.0))
+    assert torch.equal(layer.delayed_calls, torch.tensor([[-1.0, 1.0, 1.0]]).expand(8, 3))
     x = torch.randn(8, 32)
     ref = x @ layer.weight.detach().t() + layer.bias.detach()
     assert_sqnr(ref, layer(x), 25.0, "first step after deferred init")  # measured 27.7 dB
