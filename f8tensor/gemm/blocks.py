@@ -156,11 +156,9 @@ def _reference_mm(
     ``a8``'s first rows (``a8`` was padded): a CPU BLAS may order sums by the row count, so
     leaving the padding out keeps the unpadded product's bits.
     """
-    if torch.compiler.is_compiling() and not torch.compiler.is_exporting():
-        # One op to the compiler, as a GPU's product is one kernel: traced, the dequantized
-        # fp32 operands would be kernels and bytes of their own (eager's bits either way).
-        return _REFERENCE_OP(a8._data, a8._scale, a8._block, b8._data, b8._scale, b8._block, bias, out_dtype, rows)
-    return _reference(a8._data, a8._scale, a8._block, b8._data, b8._scale, b8._block, bias, out_dtype, rows)
+    # One op, as a GPU's product is one kernel: traced, the dequantized fp32 operands would
+    # otherwise be kernels and bytes of the graph, rounded as inductor fuses them.
+    return _REFERENCE_OP(a8._data, a8._scale, a8._block, b8._data, b8._scale, b8._block, bias, out_dtype, rows)
 
 
 def _reference(a, a_scale, a_block, b, b_scale, b_block, bias, out_dtype: torch.dtype, rows) -> torch.Tensor:

@@ -1,12 +1,5 @@
-"""A Float8Linear's delayed-scaling state: two buffers, its parts as attributes and state-dict entries.
-
-Traced, each buffer a layer reads is a guard, so the state is two fp32 buffers
-(:data:`~f8tensor.quant.quantizers.DelayedState`): the amax histories, written in backward
-only, and the step's scales with the recorded calls, written in forward only (torch 2.13's
-default partitioner refuses a buffer written in both). Neither is persistent itself: the
-state dict keeps the persistent parts under their own names, and each part is an attribute
-of the layer (a view).
-"""
+"""A Float8Linear's delayed-scaling state (:data:`~f8tensor.quant.quantizers.DelayedState`):
+two buffers, not persistent themselves; its parts are attributes (views) and state-dict entries."""
 
 from __future__ import annotations
 
@@ -109,8 +102,7 @@ def load_delayed_state(
 ) -> None:
     """Copy the loaded ``parts`` (by state-dict ``keys``) into ``state``; fresh for a plain nn.Linear checkpoint.
 
-    What is lacking goes to ``missing_keys``, a shape mismatch to ``error_msgs`` (as
-    ``Module.load_state_dict`` reports them).
+    What is lacking goes to ``missing_keys``, a shape mismatch to ``error_msgs``.
     """
     with torch.no_grad():
         if fresh:

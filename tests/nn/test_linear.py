@@ -241,8 +241,8 @@ def test_activation_checkpointing_gives_the_same_gradients(recipe):
 
 class _CountScaledMM(TorchDispatchMode):
     """Counts FP8 GEMMs: calls of ``compat.scaled_mm`` (``torch._scaled_mm``, or on a CPU its
-    fp32 emulation), and with ``reference_mm`` the fp32 ``mm`` of the block-scaled reference
-    path (block recipes on CPU)."""
+    fp32 emulation), and with ``reference_mm`` the block-scaled reference product's op
+    (block recipes on CPU)."""
 
     def __init__(self, reference_mm: bool = False) -> None:
         super().__init__()
@@ -268,7 +268,7 @@ class _CountScaledMM(TorchDispatchMode):
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.calls += self.reference_mm and func is torch.ops.aten.mm.default
+        self.calls += self.reference_mm and func is torch.ops.f8tensor.block_scaled_mm_reference.default
         return func(*args, **(kwargs or {}))
 
 

@@ -4,6 +4,7 @@ state that lives in module buffers (checkpoint resume, strict loads, recomputati
 from __future__ import annotations
 
 import copy
+import dataclasses
 import io
 
 import pytest
@@ -151,6 +152,23 @@ def test_non_finite_step_does_not_poison_the_history():
     assert layer.amax_history_input.tolist() == [2.0, 2.0, 0.0, 0.0]  # newest entry repeated
     _step(layer, 1.0)
     assert layer.amax_history_input.tolist()[0] == 1.0
+
+
+def test_non_finite_step_repeats_the_newest_when_only_the_input_is_delayed():
+    # The weight and grad_output casts are dynamic: their rows stay as they are, and the
+    # input's row takes its own newest entry again (pushed row by row, not all three at once).
+    dynamic = Float8LinearConfig.from_recipe("tensorwise")
+    config = dataclasses.replace(
+        dynamic, input=Float8LinearConfig.from_recipe("delayed").input, delayed=DelayedScalingConfig(history_len=4)
+    )
+    layer = Float8Linear(64, 32, config=config)
+    _step(layer, 2.0)
+    _step(layer, 1.5)
+    x = _with_amax(3.0, 8, 64)
+    x[0, 0] = float("inf")
+    layer(x).sum().backward()
+    assert layer.amax_history_input.tolist() == [1.5, 1.5, 2.0, 0.0]
+    assert not layer.amax_history_weight.any() and not layer.amax_history_grad_output.any()
 
 
 def test_forward_without_backward_leaves_the_history_alone():
