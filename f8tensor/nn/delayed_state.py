@@ -15,6 +15,7 @@ from f8tensor.quant.quantizers import DELAYED_CALLS, DELAYED_PARTS, DelayedState
 __all__ = [
     "DELAYED_BUFFERS",
     "DELAYED_STATE_KEYS",
+    "adopt_part_buffers",
     "check_delayed_state",
     "delayed_buffer_shapes",
     "delayed_part",
@@ -48,6 +49,23 @@ def delayed_state_of(layer: nn.Module) -> DelayedState | None:
     """``layer``'s delayed-scaling buffers, or None."""
     histories, step = (layer._buffers.get(name) for name in DELAYED_BUFFERS)
     return None if histories is None or step is None else (histories, step)
+
+
+def adopt_part_buffers(layer: nn.Module) -> None:
+    """Move the parts of a layer pickled with one buffer per part (before the two) into the two.
+
+    Its recorded calls start fresh (they link a forward to its recompute within one step).
+    """
+    old = (*DELAYED_STATE_KEYS, "delayed_call_keys", "delayed_call_scales")
+    parts: dict[str, Any] = {name: layer._buffers.pop(name) for name in old if name in layer._buffers}
+    layer._non_persistent_buffers_set.difference_update(old)
+    if not parts:
+        return
+    histories = torch.stack([parts[name] for name in DELAYED_STATE_KEYS[:3]]).float()
+    step = fresh_delayed_buffer(DELAYED_BUFFERS[1], torch.empty(delayed_buffer_shapes(1)[1]), histories.device)
+    step[:2] = torch.stack([parts["scale_input"], parts["scale_weight"]])
+    for name, buffer in zip(DELAYED_BUFFERS, (histories, step)):
+        layer.register_buffer(name, buffer, persistent=False)
 
 
 def delayed_part(index: int) -> property:

@@ -22,6 +22,7 @@ from f8tensor.kernels import CAST_STATS_FIELDS
 from f8tensor.nn.delayed_state import (
     DELAYED_BUFFERS,
     DELAYED_STATE_KEYS,
+    adopt_part_buffers,
     check_delayed_state,
     delayed_buffer_shapes,
     delayed_part,
@@ -461,6 +462,7 @@ class Float8Linear(nn.Linear):
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
+        adopt_part_buffers(self)
         # A layer pickled before the plan keeps its config in __dict__: re-plan from it either way
         # (a pickled plan number is another process's).
         self.__dict__.pop("_plan", None)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import io
+import pickle
 
 import pytest
 import torch
@@ -76,6 +77,27 @@ def test_state_is_two_buffers_with_its_parts_as_views_and_keys():
         layer.amax_history_input = torch.zeros(5)
     with pytest.raises(AttributeError, match="object has no attribute 'scale_input'"):
         Float8Linear(64, 32).scale_input  # noqa: B018
+
+
+def test_a_layer_pickled_with_a_buffer_per_part_loads_and_trains():
+    # Before the two buffers, each part was a buffer of its own (and the calls two more).
+    layer = _delayed_layer(history_len=4)
+    _step(layer, 2.0)
+    want = {name: getattr(layer, name).clone() for name in DELAYED_BUFFERS}
+    for name in DELAYED_BUFFERS:
+        layer._buffers[name] = want[name].clone()
+    layer._buffers["delayed_call_keys"] = torch.full((8,), -1.0)
+    layer._buffers["delayed_call_scales"] = torch.ones(8, 2)
+    layer._non_persistent_buffers_set.update({"delayed_call_keys", "delayed_call_scales"})
+    for name in ("delayed_amax_history", "delayed_step"):
+        del layer._buffers[name]
+    old = pickle.dumps(layer)
+    loaded = pickle.loads(old)
+    assert set(loaded._buffers) == {"delayed_amax_history", "delayed_step"}
+    for name, value in want.items():
+        assert torch.equal(getattr(loaded, name), value), name
+    _step(loaded, 1.0)
+    assert loaded.amax_history_input.tolist() == [1.0, 2.0, 0.0, 0.0]
 
 
 def test_history_fills_newest_first_and_rolls_over():
