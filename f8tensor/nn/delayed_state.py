@@ -133,6 +133,7 @@ def load_delayed_state(
                 continue
             value = parts[key]
             value = dtensor_local(value) if isinstance(value, DTensor) else value
+            view = dtensor_local(view) if isinstance(view, DTensor) else view  # a replicated buffer's
             if value.shape != view.shape:
                 error_msgs.append(
                     f"size mismatch for {key}: copying a param with shape {value.shape} from checkpoint, "

@@ -11,6 +11,7 @@ import pickle
 import pytest
 import torch
 import torch._dynamo
+from helpers import free_port, init_gloo, run_processes
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -441,3 +442,25 @@ def test_to_bf16_keeps_delayed_state_fp32():
     checkpoint(ckpt, x, use_reentrant=False).float().pow(2).sum().backward()
     assert torch.equal(plain.fc1.weight.grad, ckpt.fc1.weight.grad)
     assert plain.fc1.weight.grad.dtype == torch.bfloat16
+
+
+def _load_into_replicated_buffers(rank: int, port: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    init_gloo(rank, 1, port)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        layer, saved = _delayed_layer(), _delayed_layer()
+        saved.amax_history_input = torch.arange(16.0)
+        for name in ("delayed_amax_history", "delayed_step"):  # as a plan that distributes buffers leaves them
+            layer._buffers[name] = distribute_tensor(layer._buffers[name], mesh, [Replicate()])
+        layer.load_state_dict(saved.state_dict())
+        assert torch.equal(layer.amax_history_input.to_local(), torch.arange(16.0))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_a_state_dict_loads_into_replicated_dtensor_buffers():
+    run_processes(_load_into_replicated_buffers, 1, (free_port(),), timeout_s=120)
