@@ -160,8 +160,9 @@ def scaled_mm(
         RuntimeError, ValueError: on CPU or with K = 0, what ``torch._scaled_mm`` refuses on CUDA.
     """
     on_cpu = mat1.device.type == "cpu"
-    compiling = (on_cpu or mat1.shape[-1] == 0) and torch.compiler.is_compiling()
-    if (on_cpu or mat1.shape[-1] == 0) and not compiling:
+    checked = on_cpu or mat1.shape[-1] == 0
+    compiling = checked and torch.compiler.is_compiling()
+    if checked and not compiling:
         # Traced, the fake kernels check: no guards on this Python.
         _check_scaled_mm_args(mat1, mat2, scale_a, scale_b, bias, out_dtype)
     if mat1.shape[-1] == 0:

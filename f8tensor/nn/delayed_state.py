@@ -62,7 +62,8 @@ def adopt_part_buffers(layer: nn.Module) -> None:
     if not parts:
         return
     histories = torch.stack([parts[name] for name in DELAYED_STATE_KEYS[:3]]).float()
-    step = fresh_delayed_buffer(DELAYED_BUFFERS[1], torch.empty(delayed_buffer_shapes(1)[1]), histories.device)
+    step_shape = delayed_buffer_shapes(histories.shape[1])[1]
+    step = fresh_delayed_buffer(DELAYED_BUFFERS[1], torch.empty(step_shape), histories.device)
     step[:2] = torch.stack([parts["scale_input"], parts["scale_weight"]])
     for name, buffer in zip(DELAYED_BUFFERS, (histories, step)):
         layer.register_buffer(name, buffer, persistent=False)

@@ -159,14 +159,16 @@ def delayed_scale(
     return amax_to_scale(amax, float8_dtype, round_pow2=round_pow2)
 
 
-def push_amaxes(histories: torch.Tensor, amaxes: tuple[torch.Tensor | None, ...]) -> None:
+def push_amaxes(
+    histories: torch.Tensor, amaxes: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+) -> None:
     """Shift each row of ``histories`` whose amax is given, that amax first, in one write.
 
     A non-finite amax repeats the row's newest; a None leaves the row as it is.
     """
     # Methods, not torch.where/isfinite: traced, each torch function first used is a guard.
     # No generators: each is a Python call per step.
-    if len(amaxes) == 3 and amaxes[0] is not None and amaxes[1] is not None and amaxes[2] is not None:
+    if amaxes[0] is not None and amaxes[1] is not None and amaxes[2] is not None:
         raw = torch.cat([amaxes[0].reshape(1), amaxes[1].reshape(1), amaxes[2].reshape(1)])
         newest = raw.to(histories.dtype).where(raw.isfinite(), histories[:, 0])
         histories.copy_(torch.cat([newest.reshape(-1, 1), histories[:, :-1]], 1))
