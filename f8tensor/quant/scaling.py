@@ -67,13 +67,15 @@ def _keepdim_shape(shape: torch.Size, dim: int) -> tuple[int, ...]:
 
 def amax_to_scale(amax: torch.Tensor, float8_dtype: torch.dtype, *, round_pow2: bool = False) -> torch.Tensor:
     """``float8_max / amax`` in fp32: finite for amax 0, NaN for a non-finite amax."""
-    # Stored once, not recomputed per element.
-    return materialized(scale_of_amax(amax, format_number(float8_dtype, "max"), round_pow2), None)
+    traced = torch.compiler.is_compiling()
+    scale = scale_of_amax(amax, format_number(float8_dtype, "max"), round_pow2, traced)
+    # Traced, stored once, not recomputed per element.
+    return materialized(scale, None) if traced else scale
 
 
-def scale_of_amax(amax: torch.Tensor, fmax: float, round_pow2: bool) -> torch.Tensor:
+def scale_of_amax(amax: torch.Tensor, fmax: float, round_pow2: bool, traced: bool = False) -> torch.Tensor:
     """:func:`amax_to_scale` not materialized (for a caller that knows it runs eager), of the
-    format's largest value ``fmax``."""
+    format's largest value ``fmax``; ``traced``: inside a graph being compiled."""
     # float64: correctly rounded everywhere, so eager == compiled bitwise.
     amax64 = amax.to(torch.float64)
     # fmax / amax as Tensor.__rdiv__ computes it (reciprocal, then multiply), without its
@@ -82,9 +84,14 @@ def scale_of_amax(amax: torch.Tensor, fmax: float, round_pow2: bool) -> torch.Te
         scale = _round_down_pow2((amax64.clamp(min=2.0**-100).reciprocal() * fmax).to(torch.float32))
         # After the rounding, which would turn a NaN scale into inf.
         return torch.where(torch.isfinite(amax64), scale, float("nan"))
-    # Non-finite -> NaN in one op (the eager hot path counts ops).
-    nan = float("nan")  # not math.nan: traced, a module attribute read is a guard
-    amax64 = torch.nan_to_num(amax64, nan=nan, posinf=nan, neginf=nan)
+    if traced:
+        # Non-finite -> NaN as |inf + 0 * inf|: a NaN constant (NaN != NaN) would keep the
+        # graph's equal casts of one input (q/k/v's) from merging into one.
+        amax64 = amax64.add(amax64, alpha=0).abs()
+    else:
+        # Non-finite -> NaN in one op (the eager hot path counts ops).
+        nan = float("nan")  # not math.nan: a module attribute read is a guard
+        amax64 = torch.nan_to_num(amax64, nan=nan, posinf=nan, neginf=nan)
     return (amax64.clamp(min=2.0**-100).reciprocal() * fmax).to(torch.float32)
 
 

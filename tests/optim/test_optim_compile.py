@@ -56,11 +56,13 @@ def _sqnr_db(got: torch.Tensor, want: torch.Tensor) -> float:
 @pytest.mark.parametrize(
     "state_dtype, min_db",
     # Parameters after 3 steps, compiled vs eager (weight, bias): measured 153.8 / 149.9 dB
-    # (FP8 moments; the bias has fp32 ones) and 158.2 / 154.4 dB (fp32 moments). Not bit for
-    # bit: the traced step's fused multiply-adds (lerp, addcmul) round twice when run by this
-    # backend (see the module docstring; inductor rounds them once, as the eager kernels do);
-    # the last bits differ after the first step and move the next steps' gradients.
-    [(FP8, 145.0), (torch.float32, 150.0)],
+    # (FP8 moments; the bias has fp32 ones) and 158.2 / 154.4 dB (fp32 moments) on one CPU,
+    # 147.5 / 157.9 and 145.8 / 145.8 on another. Not bit for bit: the traced step's fused
+    # multiply-adds (lerp, addcmul) round twice when run by this backend (see the module
+    # docstring; inductor rounds them once, as the eager kernels do); the last bits differ
+    # after the first step and move the next steps' gradients. The bound: a few fp32 ulps
+    # (one ulp on every element is 144.5 dB; five, 130.5); a wrong moment costs far more.
+    [(FP8, 130.0), (torch.float32, 130.0)],
     ids=["fp8", "fp32"],
 )
 def test_compiled_training_step_matches_eager(state_dtype, min_db):

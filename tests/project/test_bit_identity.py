@@ -54,3 +54,17 @@ def test_the_check_fails_on_a_changed_bit(tmp_path):
     module.BASELINE = tmp_path / "baseline.json"
     module.BASELINE.write_text(json.dumps(baseline))
     assert module.main(["--check", "--eager", "--recipes", "tensorwise"]) == 1
+
+
+def test_bf16_gemm_digests_are_compared_only_on_the_baseline_cpu(tmp_path, capsys):
+    # A bf16 GEMM's bits depend on the CPU: with another CPU's probe, a changed high-precision
+    # weight gradient is skipped (and said); with this CPU's probe, it fails the check.
+    module = load_script(TOOL)
+    baseline = json.loads(BASELINE.read_text())
+    key = next(k for k in baseline["digests"] if module._depends_on_cpu_bf16_gemm(k) and ".compiled." not in k)
+    baseline["digests"][key] = "0" * 16
+    module.BASELINE = tmp_path / "baseline.json"
+    for probe, want in (("another CPU", 0), (module._bf16_gemm_probe(), 1)):
+        module.BASELINE.write_text(json.dumps({**baseline, "bf16_gemm_probe": probe}))
+        assert module.main(["--check", "--eager", "--recipes", "rowwise_with_gw_hp"]) == want
+        assert ("skipped" in capsys.readouterr().out) == (want == 0)

@@ -254,10 +254,21 @@ def test_trainable_model_saved_and_reloaded_frozen_computes_the_same(deepseek, t
     path, _, _ = deepseek
     model = load_fp8_pretrained(build_model(meta=True), path, frozen=False)
     save_fp8_pretrained(model, tmp_path / "again")
-    # The masters are the file's dequantized weights: cast again, the same bytes and logits.
-    assert _fp8_entries(str(tmp_path / "again")).keys() == _fp8_entries(path).keys()
+    # The masters are the file's dequantized weights: cast again, the same FP8 bytes. A
+    # multiplier is the fp32 reciprocal of the cast's scale, 1 / fl(448 / amax), which may sit
+    # one ulp from the file's fl(amax / 448) (IEEE rounding; which blocks do depends on the
+    # weights): no further.
+    again, file = _fp8_entries(str(tmp_path / "again")), _fp8_entries(path)
+    assert again.keys() == file.keys()
+    for key, want in file.items():
+        if key.endswith("_scale_inv"):
+            ulp = torch.nextafter(want, torch.full_like(want, torch.inf)) - want
+            assert ((again[key] - want).abs() <= ulp).all(), key
+        else:
+            assert torch.equal(again[key], want), key
     reloaded = load_fp8_pretrained(build_model(meta=True), str(tmp_path / "again"))
-    assert torch.equal(logits_of(reloaded), logits_of(load_fp8_pretrained(build_model(meta=True), path)))
+    want = logits_of(load_fp8_pretrained(build_model(meta=True), path))
+    assert sqnr(want.float(), logits_of(reloaded).float()) >= 90.0  # measured 111 dB
 
 
 def test_refused_double_names_the_dtype_and_to_restores(deepseek):
