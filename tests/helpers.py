@@ -426,3 +426,27 @@ def demo_table(stdout: str) -> dict[str, dict[str, str]]:
         name = line.split()[0]
         rows[name] = {key: line[max(lo, len(name)) : hi].strip() for key, lo, hi in spans}
     return rows
+
+
+def compiled_fp8_casts(fn: Callable, *inputs: torch.Tensor) -> tuple[int, int]:
+    """FP8 casts (``_to_copy`` to an FP8 dtype) in the forward and backward graphs of
+    ``fn(*inputs).sum().backward()``, partitioned as inductor partitions (CSE on), not run
+    through inductor."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    counts: list[int] = []
+
+    def compiler(gm: torch.fx.GraphModule, _):
+        fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+        counts.append(
+            sum(n.target is torch.ops.aten._to_copy.default and n.kwargs.get("dtype") in fp8 for n in gm.graph.nodes)
+        )
+        return make_boxed_func(gm.forward)
+
+    backend = aot_autograd(fw_compiler=compiler, bw_compiler=compiler, partition_fn=min_cut_rematerialization_partition)
+    torch._dynamo.reset()
+    torch.compile(fn, backend=backend, fullgraph=True)(*inputs).sum().backward()
+    forward, backward = counts
+    return forward, backward

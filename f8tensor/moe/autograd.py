@@ -18,7 +18,7 @@ from f8tensor.nn.linear_autograd import QuantizedLinearFn as _QuantizedLinearFn 
 from f8tensor.quant.block_quantizers import BlockQuantizer
 from f8tensor.quant.config import CastConfig, Float8LinearConfig
 from f8tensor.quant.quantizers import quantize
-from f8tensor.quant.scaling import segment_amax
+from f8tensor.quant.scaling import materialized, segment_amax
 from f8tensor.quant.specs import CastSpec, is_tensorwise
 from f8tensor.tensor.float8 import Float8Tensor
 from f8tensor.tensor.ops import _permuted
@@ -150,33 +150,38 @@ def _check_contraction(k: int, what: str) -> None:
 # ===================================================================== grouped GEMMs (2D x 3D, offs)
 
 
-def _pad_groups(offs: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Row positions that give every group a multiple of 16 rows.
+def _pad_groups(offs: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Where each row of a layout giving every group a multiple of 16 rows comes from.
 
     Returns:
-        ``dest`` (M,), ``padded_offs`` (G,) int32, and a static row count P (no host sync).
-        Rows past ``offs[-1]`` go to the last row, which the kernel never reads.
+        ``src`` (P,): each padded row's source row; ``pad`` (P, 1): True for padding (zero)
+        rows; ``padded_offs`` (G,) int32; a static row count P (no host sync). Rows past
+        ``offs[-1]`` are in no group.
     """
     g = offs.shape[0]
     o = offs.to(torch.int64)
     sizes = torch.diff(o, prepend=o.new_zeros(1))
     padded_sizes = (sizes + ALIGN - 1) // ALIGN * ALIGN
     padded_offs = torch.cumsum(padded_sizes, 0)
-    rows = torch.arange(m, device=offs.device)
-    gid = torch.searchsorted(o, rows, right=True)
-    gid_c = gid.clamp(max=g - 1)
     p = (m + ALIGN - 1) // ALIGN * ALIGN + ALIGN * g + ALIGN
-    dest = (padded_offs - padded_sizes)[gid_c] + rows - (o - sizes)[gid_c]
-    dest = torch.where(gid < g, dest, p - 1)
-    return dest, padded_offs.to(torch.int32), p
+    rows = torch.arange(p, device=offs.device)
+    gid = torch.searchsorted(padded_offs, rows, right=True)
+    gid_c = gid.clamp(max=g - 1)
+    local = rows - (padded_offs - padded_sizes)[gid_c]
+    pad = (gid >= g) | (local >= sizes[gid_c])
+    src = ((o - sizes)[gid_c] + local).masked_fill(pad, 0)
+    return src, pad.unsqueeze(1), padded_offs.to(torch.int32), p
 
 
-def _scatter_rows(t: torch.Tensor, dest: torch.Tensor, p: int) -> torch.Tensor:
-    """``t`` (M, C) placed at rows ``dest`` of a zero (P, C) tensor (FP8 through its bytes)."""
+def _padded(t: torch.Tensor, src: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+    """``t`` (M, C) in the padded (P, C) layout of :func:`_pad_groups` (FP8 through its bytes).
+
+    A gather: traced, its readers (amax, cast) read ``t`` through the index, writing no padded
+    copy. FP8 bytes are read as written, not cast again.
+    """
     if t.dtype.itemsize == 1 and t.dtype.is_floating_point:
-        raw = t.view(torch.uint8).new_zeros(p, t.shape[1]).index_copy_(0, dest, t.view(torch.uint8))
-        return raw.view(t.dtype)
-    return t.new_zeros(p, t.shape[1]).index_copy_(0, dest, t)
+        return _padded(materialized(t).view(torch.uint8), src, pad).view(t.dtype)
+    return t[src].masked_fill_(pad, 0)
 
 
 def _group_cast(t: torch.Tensor, offs: torch.Tensor, g: int, spec: CastSpec) -> tuple[torch.Tensor, torch.Tensor]:
@@ -198,7 +203,7 @@ def _group_cast(t: torch.Tensor, offs: torch.Tensor, g: int, spec: CastSpec) -> 
 
 def _grouped_wgrad(
     x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
-    grad: torch.Tensor,
+    grad: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
     offs: torch.Tensor,
     g: int,
     config: Float8LinearConfig,
@@ -206,18 +211,21 @@ def _grouped_wgrad(
 ) -> torch.Tensor:
     """FP8 ``x[group].t() @ grad[group]`` per group: (G, K, N), in bf16.
 
-    ``x``: high precision, or the forward's tensorwise ``(x8, scale)``. ``transposed``: the
+    ``x``, ``grad``: high precision, or tensorwise ``(FP8 data, scale)`` (the forward's x, the
+    input gradient's grad), placed in the padded layout as bytes. ``transposed``: the
     result is laid out as a (G, N, K)-stored weight, so autograd makes no transposing copy.
     """
-    m = grad.shape[0]
-    dest, poffs, p = _pad_groups(offs, m)
-    gp = _scatter_rows(grad, dest, p)
+    src, pad, poffs, _ = _pad_groups(offs, (grad[0] if isinstance(grad, tuple) else grad).shape[0])
     if isinstance(x, tuple):
         x8, scale = x
-        x8, xs = _scatter_rows(x8, dest, p), scale.expand(g, x8.shape[1])
+        x8, xs = _padded(x8, src, pad), scale.expand(g, x8.shape[1])
     else:
-        x8, xs = _group_cast(_scatter_rows(x, dest, p), poffs, g, _spec(config.input, 0))  # (P, K), (G, K)
-    g8, gs = _group_cast(gp, poffs, g, _spec(config.grad_output, 0))  # (P, N), (G, N)
+        x8, xs = _group_cast(_padded(x, src, pad), poffs, g, _spec(config.input, 0))  # (P, K), (G, K)
+    if isinstance(grad, tuple):
+        g8, scale = grad
+        g8, gs = _padded(g8, src, pad), scale.expand(g, g8.shape[1])
+    else:
+        g8, gs = _group_cast(_padded(grad, src, pad), poffs, g, _spec(config.grad_output, 0))  # (P, N), (G, N)
     k, n = x8.shape[1], g8.shape[1]
     sa, sb = kernel_scale(xs.reciprocal(), (g, k), (g * k,)), kernel_scale(gs.reciprocal(), (g, n), (g * n,))
     if transposed:
@@ -259,7 +267,7 @@ class _GroupedMMFn(torch.autograd.Function):
         x_dtype = ctx.x_dtype
         config: Float8LinearConfig = ctx.config
         g, _, n = w.shape
-        grad_x = grad_w = None
+        grad_x = grad_w = g8 = None
         if ctx.needs_input_grad[0]:
             _check_contraction(n, "input gradient")
             g8 = quantize(grad, _spec(config.grad_output, 1))[0]
@@ -270,14 +278,16 @@ class _GroupedMMFn(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             transposed = _stored_transposed(w)
             if config.weight_grad_in_hp:
-                dest, poffs, p = _pad_groups(offs, x.shape[0])
-                xp, gp = _scatter_rows(x, dest, p), _scatter_rows(grad.to(x.dtype), dest, p)
+                src, pad, poffs, _ = _pad_groups(offs, x.shape[0])
+                xp, gp = _padded(x, src, pad), _padded(grad.to(x.dtype), src, pad)
                 if transposed:
                     grad_w = hp_grouped_mm(gp.t().contiguous(), xp, poffs).transpose(-2, -1)
                 else:
                     grad_w = hp_grouped_mm(xp.t().contiguous(), gp, poffs)
             else:
-                grad_w = _grouped_wgrad((x8, xs) if x is None else x, grad, offs, g, config, transposed)
+                # A tensorwise gradient's bytes serve both products (its scale has no group).
+                g_w = (g8._data, g8._scale) if g8 is not None and g8._scale.numel() == 1 else grad
+                grad_w = _grouped_wgrad((x8, xs) if x is None else x, g_w, offs, g, config, transposed)
             grad_w = grad_w.to(w.dtype)
         return grad_x, grad_w, None, None
 

@@ -287,6 +287,10 @@ def _recipe_backward(ctx, grad_y, saved) -> tuple[torch.Tensor | None, ...]:
     config = plan.config
     bwd, bwd_w = plan.bwd, plan.bwd_w
     g = _rows(grad_y)
+    if torch.compiler.is_compiling():
+        # Written once (as bf16's GEMMs have it), not recomputed by each cast; materialized,
+        # inlined (a call is guards).
+        g = g.contiguous().as_strided(g.shape, (g.shape[1], 1))
     go_plan, w_plan = q_go.plan, q_w.plan
 
     # A delayed cast measures every backward's grad_output, needed or not.

@@ -85,8 +85,7 @@ def scale_of_amax(amax: torch.Tensor, fmax: float, round_pow2: bool, traced: boo
         # After the rounding, which would turn a NaN scale into inf.
         return torch.where(torch.isfinite(amax64), scale, float("nan"))
     if traced:
-        # Non-finite -> NaN as |inf + 0 * inf|: a NaN constant (NaN != NaN) would keep the
-        # graph's equal casts of one input (q/k/v's) from merging into one.
+        # |inf + 0 * inf|: a NaN constant (NaN != NaN) would keep equal casts of one input apart.
         amax64 = amax64.add(amax64, alpha=0).abs()
     else:
         # Non-finite -> NaN in one op (the eager hot path counts ops).

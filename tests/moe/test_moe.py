@@ -17,7 +17,7 @@ from torch import nn
 from f8tensor import Float8LinearConfig, Float8Tensor
 from f8tensor import gemm as gg
 from f8tensor.moe import Float8ExpertWeight, _pad_groups, convert_experts_to_float8, float8_grouped_mm
-from tests.helpers import assert_sqnr, bits
+from tests.helpers import assert_sqnr, bits, compiled_fp8_casts
 
 E4M3 = torch.float8_e4m3fn
 RECIPES = ["tensorwise", "rowwise"]
@@ -70,14 +70,32 @@ def test_grouped_rows_past_the_last_offset_are_zero():
 
 def test_weight_gradient_groups_padded_to_16():
     offs = _offs(SIZES)
-    dest, padded, p = _pad_groups(offs, int(offs[-1]))
+    src, pad, padded, p = _pad_groups(offs, int(offs[-1]) + 5)  # 5 rows routed to no group
     sizes = torch.diff(padded, prepend=padded.new_zeros(1))
     assert (sizes % 16 == 0).all() and int(padded[-1]) <= p and p % 16 == 0
+    assert src.shape == (p,) and pad.shape == (p, 1)
+    kept = torch.zeros(p, dtype=torch.bool)
     start = 0
     for e, end in enumerate(offs.tolist()):
         lo = int(padded[e]) - int(sizes[e])
-        assert dest[start:end].tolist() == list(range(lo, lo + end - start))
+        assert src[lo : lo + end - start].tolist() == list(range(start, end))
+        kept[lo : lo + end - start] = True
         start = end
+    assert torch.equal(pad.squeeze(1), ~kept)  # padding rows, and nothing of the unrouted rows
+
+
+@pytest.mark.parametrize(("recipe", "backward_casts"), [("tensorwise", 1), ("delayed", 1), ("rowwise", 3)])
+def test_compiled_weight_gradient_casts_each_operand_once(recipe, backward_casts):
+    # Backward's casts (the weight's transposed cast sits in forward, where the partitioner
+    # puts it): tensorwise the gradient once, its bytes padded for the weight gradient (a
+    # second cast of a padded copy before); rowwise the gradient by rows and by groups, and
+    # the input by groups.
+    offs = _offs([16, 40, 0, 8])
+    x = torch.randn(int(offs[-1]), K, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(4, N, K, dtype=torch.bfloat16, requires_grad=True)
+    config = Float8LinearConfig.from_recipe(recipe)
+    _, backward = compiled_fp8_casts(lambda x, w: float8_grouped_mm(x, w.transpose(-2, -1), offs, config), x, w)
+    assert backward == backward_casts
 
 
 def test_reference_kernel_is_exact():

@@ -6,15 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch._dynamo
-from functorch.compile import make_boxed_func
+from helpers import compiled_fp8_casts
 from torch import nn
-from torch._dynamo.backends.common import aot_autograd
-from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from f8tensor import Float8LinearConfig, convert_to_float8_training
-
-FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 class TwoReaders(nn.Module):
@@ -34,20 +29,9 @@ def _fp8_casts(recipe: str, shared: bool) -> int:
     torch.manual_seed(0)
     model = TwoReaders().to(torch.bfloat16)
     convert_to_float8_training(model, config=Float8LinearConfig.from_recipe(recipe))
-    count = 0
-
-    def compiler(gm: torch.fx.GraphModule, _):
-        nonlocal count
-        for node in gm.graph.nodes:
-            count += node.target is torch.ops.aten._to_copy.default and node.kwargs.get("dtype") in FP8
-        return make_boxed_func(gm.forward)
-
-    backend = aot_autograd(fw_compiler=compiler, bw_compiler=compiler, partition_fn=min_cut_rematerialization_partition)
-    torch._dynamo.reset()
     x = torch.randn(32, 64, dtype=torch.bfloat16, requires_grad=True)
     inputs = (x,) if shared else (x, x.detach().clone().requires_grad_(True))
-    torch.compile(model, backend=backend, fullgraph=True)(*inputs).sum().backward()
-    return count
+    return sum(compiled_fp8_casts(model, *inputs))
 
 
 # FP8 casts of one input: tensorwise one (both layouts from it), rowwise two (rows for the
