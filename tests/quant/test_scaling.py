@@ -225,6 +225,30 @@ def test_materialized_under_tracing_lays_a_plain_tensor_out_where_computed(monke
     assert scaling.materialized(param) is param
 
 
+def test_amax_to_scale_traced_holds_no_nan_constant_and_is_materialized(monkeypatch):
+    """Traced (run here eagerly): no NaN scalar (NaN != NaN: equal casts of one input would
+    not merge into one), eager's bits (+NaN for a non-finite amax, as the Triton kernels
+    write), and the scale laid out where computed (as_strided)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    amax = torch.tensor([0.0, 3.5, 1e-30, math.inf, -math.inf, math.nan])
+    eager = scaling.amax_to_scale(amax, E4M3)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    with Ops() as mode:
+        traced = scaling.amax_to_scale(amax, E4M3)
+    assert "nan_to_num" not in mode.ops and "as_strided" in mode.ops
+    assert torch.equal(traced.view(torch.int32), eager.view(torch.int32))  # bits, NaN's sign included
+
+
 def test_expand_block_scale_of_a_tensorwise_scale_broadcasts():
     # A 0-dim scale with the tensorwise block: nothing to expand (tutorial 08 reads it so).
     from f8tensor.quant.scaling import expand_block_scale
