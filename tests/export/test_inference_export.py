@@ -98,6 +98,9 @@ def test_export_float8linear_model(recipe):
     assert_sqnr(hp(x), decomposed.module()(x), MODEL_MIN_DB, f"exported {recipe} model")
 
 
+# One thread: with two, the decomposed tensorwise program differed from eager in the last bits
+# for every seed tried on one CPU (a 2-core AMD EPYC; not on the CPU the test was written on).
+@pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("granularity", ["tensorwise", "rowwise"])
 def test_export_from_hp_weights_and_run_decompositions(granularity):
     w, b = torch.randn(48, 64), torch.randn(48)
