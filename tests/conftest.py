@@ -38,9 +38,8 @@ def _rules_check_on() -> bool:
 
 
 def pytest_configure(config):
-    # One torch thread per CPU under xdist (README's `-n auto`): workers times torch's default
-    # threads oversubscribe the CPUs (README's command on a 2-core AMD EPYC: 8 min 9 s, 7 min
-    # 6 s with one thread per worker).
+    # Under xdist (README's `-n auto`) the workers share the CPUs: torch's default threads in
+    # each would oversubscribe them.
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
     if workers:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))

@@ -168,7 +168,7 @@ def _pad_groups(offs: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor,
     gid = torch.searchsorted(padded_offs, rows, right=True)
     gid_c = gid.clamp(max=g - 1)
     local = rows - (padded_offs - padded_sizes)[gid_c]
-    pad = (gid >= g) | (local >= sizes[gid_c])
+    pad = local >= sizes[gid_c]  # past the last group too: there local >= its padded size
     src = ((o - sizes)[gid_c] + local).masked_fill(pad, 0)
     return src, pad.unsqueeze(1), padded_offs.to(torch.int32), p
 

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import math
+import pathlib
 
 import pytest
 import torch
+from helpers import load_script
 
 from f8tensor.quant import scaling
 
@@ -229,21 +231,11 @@ def test_amax_to_scale_traced_holds_no_nan_constant_and_is_materialized(monkeypa
     """Traced (run here eagerly): no NaN scalar (NaN != NaN: equal casts of one input would
     not merge into one), eager's bits (+NaN for a non-finite amax, as the Triton kernels
     write), and the scale laid out where computed (as_strided)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
-
+    bench = load_script(pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "bench_eager_overhead.py")
     amax = torch.tensor([0.0, 3.5, 1e-30, math.inf, -math.inf, math.nan])
     eager = scaling.amax_to_scale(amax, E4M3)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    with Ops() as mode:
+    with bench.DispatchOpCounter() as mode:
         traced = scaling.amax_to_scale(amax, E4M3)
     assert "nan_to_num" not in mode.ops and "as_strided" in mode.ops
     assert torch.equal(traced.view(torch.int32), eager.view(torch.int32))  # bits, NaN's sign included
