@@ -200,6 +200,20 @@ SLOW_TESTS = (
     "tests/nn/test_telemetry.py::test_inductor_stats_equal_eager",
     "tests/project/test_gpu_campaign.py::test_budget_20_ends_within_20_s_with_its_files",
     "tests/project/test_bench_optim.py::test_quality_trains_the_demo_per_optimizer_and_seed",
+    # 6 s or more there.
+    "tests/nn/test_memory_flat_over_steps.py::test_memory_is_flat_over_300_steps",
+    "tests/project/test_tutorials.py::test_tutorial_runs[15_fp8_checkpoint_finetune.py]",
+    "tests/project/test_tutorials.py::test_tutorial_runs[01_fp8_formats.py]",
+    "tests/distributed/test_nan_collectives.py::test_all_reduce_max_keeps_nan_from_any_rank",
+    "tests/project/test_gpu_campaign.py::test_a_spent_budget_marks_every_item_not_run",
+    "tests/project/test_gpu_campaign.py::test_an_item_is_stopped_at_its_deadline_and_the_next_runs",
+    "tests/gemm/test_gemm_routes.py::test_env_var_checks_products_and_import_changes_nothing",
+    "tests/recipes/test_block_recipes.py::test_tiny_transformer_trains_within_2_percent_of_bf16[mxfp8]",
+    "tests/nn/test_telemetry.py::test_stats_off_leaves_the_graph_unchanged[delayed]",
+    "tests/nn/test_telemetry.py::test_stats_off_leaves_the_graph_unchanged[rowwise]",
+    "tests/distributed/test_moe_fsdp.py::test_fsdp2_shards_fp8_expert_weights",
+    "tests/nn/test_weight_cache_copies.py::test_a_weight_broadcast_from_another_rank_is_cast_again",
+    "tests/project/test_benchmarks.py::test_bench_moe",
 )
 
 
