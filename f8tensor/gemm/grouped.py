@@ -113,6 +113,12 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+@torch.compiler.assume_constant_result
+def _delayed(config: Float8LinearConfig) -> bool:
+    """Whether ``config`` scales a role by delayed amaxes; traced, a constant (its reads unguarded)."""
+    return config.any_delayed
+
+
 def validate_grouped_mm_args(x: torch.Tensor, w: torch.Tensor, offs: object, config: object) -> torch.Tensor:
     """The checks ``Float8Linear`` makes, for ``x (M, K) @ w[g] (K, N)`` grouped by ``offs``.
 
@@ -127,8 +133,8 @@ def validate_grouped_mm_args(x: torch.Tensor, w: torch.Tensor, offs: object, con
         ``offs`` as an int32 tensor on ``x``'s device.
     Raises:
         TypeError: ``config``, ``x``, ``w`` or ``offs`` of the wrong type or dtype (named).
-        ValueError: wrong shapes, ``offs`` on another device, K or N not a multiple of 16, or
-            ``offs`` decreasing or outside [0, M].
+        ValueError: a delayed ``config``, wrong shapes, ``offs`` on another device, K or N not a
+            multiple of 16, or ``offs`` decreasing or outside [0, M].
 
     Example:
         >>> from f8tensor import Float8LinearConfig
@@ -143,6 +149,12 @@ def validate_grouped_mm_args(x: torch.Tensor, w: torch.Tensor, offs: object, con
     """
     if not isinstance(config, Float8LinearConfig):
         raise TypeError(f"float8_grouped_mm: config must be a Float8LinearConfig; got {type(config).__name__}")
+    if _delayed(config):
+        raise ValueError(
+            "float8_grouped_mm: delayed scaling is not supported for expert GEMMs (they keep no amax "
+            "history); use a dynamic recipe (tensorwise, rowwise, rowwise_with_gw_hp) or keep the experts in "
+            "high precision, as convert_to_float8_training does under a delayed recipe"
+        )
     for name, t in (("x", x), ("w", w)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"float8_grouped_mm: {name} must be a tensor; got {type(t).__name__}")

@@ -212,8 +212,8 @@ def float8_grouped_mm(
 
     Raises:
         TypeError: ``x``/``w`` not bf16/fp16/fp32, a bad ``offs`` or ``config``.
-        ValueError: bad shapes; K or N not a multiple of 16; ``offs`` decreasing or outside
-            [0, M] (on CUDA and under compile by an asynchronous assert).
+        ValueError: a delayed recipe; bad shapes; K or N not a multiple of 16; ``offs``
+            decreasing or outside [0, M] (on CUDA and under compile by an asynchronous assert).
 
     Example:
         >>> from f8tensor import float8_grouped_mm

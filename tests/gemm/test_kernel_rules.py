@@ -291,6 +291,29 @@ def test_grouped_weight_dtype_and_config_type_refused():
         float8_grouped_mm(x, w, [4, 8], config="tensorwise")
 
 
+@pytest.mark.parametrize("role", ["input", "weight", "grad_output"])
+def test_grouped_delayed_config_refused_not_run_dynamic(role):
+    # Experts keep no amax history: a delayed cast ran as a dynamic one, silently, before.
+    x, w = _xw()
+    delayed = Float8LinearConfig.from_recipe("delayed")
+    config = Float8LinearConfig(**{role: getattr(delayed, role)})
+    with pytest.raises(ValueError, match="delayed scaling is not supported for expert GEMMs"):
+        float8_grouped_mm(x, w, [4, 8], config=config)
+
+
+def test_grouped_delayed_config_refused_after_a_compiled_dynamic_call(fresh_dynamo):
+    # Traced, the check is a constant per config (no guard on its fields): a config switched
+    # to delayed must still reach it.
+    x, w = _xw()
+    holder = torch.nn.Module()
+    holder.config = Float8LinearConfig()
+    compiled = torch.compile(lambda x: float8_grouped_mm(x, w, [4, 8], holder.config), backend="eager")
+    compiled(x)
+    holder.config = Float8LinearConfig(input=Float8LinearConfig.from_recipe("delayed").input)
+    with pytest.raises(ValueError, match="delayed scaling is not supported for expert GEMMs"):
+        compiled(x)
+
+
 def test_offs_values_on_a_device_are_asserted_without_a_sync(monkeypatch):
     seen = []
     monkeypatch.setattr(compat, "assert_async", lambda cond, msg: seen.append((bool(cond), msg)))

@@ -84,7 +84,7 @@ def test_weight_gradient_groups_padded_to_16():
     assert torch.equal(pad.squeeze(1), ~kept)  # padding rows, and nothing of the unrouted rows
 
 
-@pytest.mark.parametrize(("recipe", "backward_casts"), [("tensorwise", 1), ("delayed", 1), ("rowwise", 3)])
+@pytest.mark.parametrize(("recipe", "backward_casts"), [("tensorwise", 1), ("rowwise", 3)])
 def test_compiled_weight_gradient_casts_each_operand_once(recipe, backward_casts):
     # Backward's casts (the weight's transposed cast sits in forward, where the partitioner
     # puts it): tensorwise the gradient once, its bytes padded for the weight gradient (a

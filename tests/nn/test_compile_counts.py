@@ -21,7 +21,8 @@ BENCH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
 #: over bf16's / the floor), at most (torch 2.13, CPU; bf16 has no floor). bf16's are the
 #: reference the ratios are taken against. Llama guards measured 302, 308, 302, 334, 307, 309
 #: (torchao 0.18: 347 both); budgets +3%, capped at 2x bf16 (338); bytes +0.01. The 300m's and
-#: the MoE step's as measured (300m 302, 308; MoE 284, 303, 251, 284), +3%.
+#: the MoE step's as measured (300m 302, 308; MoE 284, 303, 251), +3%. Delayed scaling has no
+#: expert GEMM: float8_grouped_mm refuses it (that check, MoE guards +2: 286, 305, 253).
 BUDGETS = {
     "llama": {
         "bf16": (169, 13, None),
@@ -55,7 +56,6 @@ BUDGETS = {
         "tensorwise": (292, 5, 1.08),
         "rowwise": (312, 12, 1.78),
         "rowwise_with_gw_hp": (259, 5, 1.68),
-        "delayed": (292, 5, 1.50),
     },
 }
 
