@@ -23,6 +23,7 @@ from f8tensor.quant.config import Float8LinearConfig
 from f8tensor.quant.formats import FLOAT8_DTYPES
 
 __all__ = [
+    "DELAYED_EXPERTS",
     "MAX_GROUPS",
     "batched_mm",
     "check_grouped_dims",
@@ -113,6 +114,14 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+#: Why an expert GEMM refuses a delayed config.
+DELAYED_EXPERTS = (
+    "delayed scaling is not supported for expert GEMMs (they keep no amax history); use a dynamic recipe "
+    "(tensorwise, rowwise, rowwise_with_gw_hp) or keep the experts in high precision, as "
+    "convert_to_float8_training does under a delayed recipe"
+)
+
+
 @torch.compiler.assume_constant_result
 def _delayed(config: Float8LinearConfig) -> bool:
     """Whether ``config`` scales a role by delayed amaxes; traced, a constant (its reads unguarded)."""
@@ -150,11 +159,7 @@ def validate_grouped_mm_args(x: torch.Tensor, w: torch.Tensor, offs: object, con
     if not isinstance(config, Float8LinearConfig):
         raise TypeError(f"float8_grouped_mm: config must be a Float8LinearConfig; got {type(config).__name__}")
     if _delayed(config):
-        raise ValueError(
-            "float8_grouped_mm: delayed scaling is not supported for expert GEMMs (they keep no amax "
-            "history); use a dynamic recipe (tensorwise, rowwise, rowwise_with_gw_hp) or keep the experts in "
-            "high precision, as convert_to_float8_training does under a delayed recipe"
-        )
+        raise ValueError(f"float8_grouped_mm: {DELAYED_EXPERTS}")
     for name, t in (("x", x), ("w", w)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"float8_grouped_mm: {name} must be a tensor; got {type(t).__name__}")

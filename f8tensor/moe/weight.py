@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from f8tensor.compat import GROUPED_MM_FUNCTIONS, is_op_of_namespace
-from f8tensor.gemm.grouped import validate_grouped_mm_args
+from f8tensor.gemm.grouped import DELAYED_EXPERTS, validate_grouped_mm_args
 from f8tensor.moe.autograd import _expert_loop, _ExpertBmmFn, _GroupedMMFn, per_expert_loop
 from f8tensor.nn.linear_autograd import LinearArgs
 from f8tensor.nn.linear_autograd import QuantizedLinearFn as _QuantizedLinearFn  # looked up at call time, here
@@ -140,11 +140,18 @@ class Float8ExpertWeight(RecipeWeight):
     tensor, a parameter pickles wrapped.
 
     Raises:
+        ValueError: a delayed ``config`` (its products would have no amax history).
         NotImplementedError: a product it cannot run in FP8 (named), never a silent upcast.
         TypeError: its data set to another dtype (``model.double()``).
     """
 
     _config: Float8LinearConfig
+
+    @staticmethod
+    def __new__(cls, hp: torch.Tensor, config: Float8LinearConfig, *, writes: Any = None) -> Any:
+        if config.any_delayed:
+            raise ValueError(f"Float8ExpertWeight: {DELAYED_EXPERTS}")
+        return RecipeWeight.__new__(cls, hp, config, writes=writes)
 
     VIEWS = frozenset(
         {

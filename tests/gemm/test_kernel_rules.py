@@ -14,6 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from f8tensor import (
     BlockGranularity,
+    Float8ExpertWeight,
     Float8LinearConfig,
     Float8Tensor,
     GemmConfig,
@@ -299,6 +300,13 @@ def test_grouped_delayed_config_refused_not_run_dynamic(role):
     config = Float8LinearConfig(**{role: getattr(delayed, role)})
     with pytest.raises(ValueError, match="delayed scaling is not supported for expert GEMMs"):
         float8_grouped_mm(x, w, [4, 8], config=config)
+
+
+def test_expert_weight_with_a_delayed_config_refused():
+    # Its bmm ran dynamic casts silently, its F.linear failed an assert, before.
+    delayed = Float8LinearConfig.from_recipe("delayed")
+    with pytest.raises(ValueError, match="Float8ExpertWeight: delayed scaling is not supported"):
+        Float8ExpertWeight(torch.randn(2, 32, 16), delayed)
 
 
 def test_grouped_delayed_config_refused_after_a_compiled_dynamic_call(fresh_dynamo):
