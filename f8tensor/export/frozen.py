@@ -15,7 +15,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from f8tensor.nn.linear import Float8Linear, WeightFromMethod
+from f8tensor.nn.linear import Float8Linear, WeightFromMethod, fresh_layer_buffer
 from f8tensor.quant.config import CastConfig, Float8LinearConfig
 from f8tensor.quant.specs import BlockGranularity, Granularity
 from f8tensor.tensor.float8 import Float8Tensor, dequantize
@@ -104,10 +104,11 @@ class FrozenFloat8Linear(WeightFromMethod, Float8Linear):
         """A frozen layer with ``linear``'s bias and the FP8 ``weight`` (``multiplier``: the file's)."""
         new = cast(FrozenFloat8Linear, cls.from_float(linear, config))
         new.weight = nn.Parameter(frozen_weight(weight), requires_grad=False)
-        # Delayed configs are refused by the loader: only telemetry (NaN until measured) is left.
+        # Built on meta: the state a layer built on the weight's device starts from (a delayed
+        # input's or gradient's history, NaN telemetry).
         for name, buf in list(new._buffers.items()):
             if buf is not None and buf.device != weight.device:
-                new._buffers[name] = torch.full_like(buf, torch.nan, device=weight.device)
+                new._buffers[name] = fresh_layer_buffer(name, buf, weight.device)
         new.register_buffer("checkpoint_scale", multiplier, persistent=False)
         return new
 

@@ -45,6 +45,7 @@ __all__ = [
     "Float8Conv1D",
     "Float8Linear",
     "WeightFromMethod",
+    "fresh_layer_buffer",
     "set_dtensor_linear",
 ]
 
@@ -54,7 +55,7 @@ STATS_ROLES = ("input", "weight", "grad_output")
 STATS_BUFFERS = StatsBuffers._fields
 
 
-def _fresh_state(name: str, like: torch.Tensor, device: torch.device | str | None = None) -> torch.Tensor:
+def fresh_layer_buffer(name: str, like: torch.Tensor, device: torch.device | str | None = None) -> torch.Tensor:
     """A buffer as a newly built layer has it: NaN telemetry, or fresh delayed-scaling state."""
     if name in STATS_BUFFERS:
         return torch.full_like(like, torch.nan, device=device)
@@ -311,7 +312,7 @@ class Float8Linear(nn.Linear):
         new.bias = linear.bias
         device = linear.weight.device
         for name, buf in list(new.named_buffers(recurse=False)):
-            setattr(new, name, _fresh_state(name, buf, device))
+            setattr(new, name, fresh_layer_buffer(name, buf, device))
         new.train(linear.training)
         return new
 
@@ -321,7 +322,7 @@ class Float8Linear(nn.Linear):
         with torch.no_grad():
             for name, buf in self._buffers.items():  # empty while nn.Linear.__init__ calls this
                 if buf is not None and (name in DELAYED_BUFFERS or name in STATS_BUFFERS):
-                    buf.copy_(_fresh_state(name, buf))
+                    buf.copy_(fresh_layer_buffer(name, buf))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Float8Conv1D's weight is (in, out): the GEMMs see a transposed view, so the gradient
@@ -423,7 +424,7 @@ class Float8Linear(nn.Linear):
             for name in self._non_persistent_buffers_set & set(self._buffers):
                 kept = self._buffers[name]
                 if kept is not None and kept.device != device:
-                    self._buffers[name] = _fresh_state(name, kept, device)
+                    self._buffers[name] = fresh_layer_buffer(name, kept, device)
         if state is not None:  # read again: assign=True may have replaced the buffers above
             load_delayed_state(delayed_state_of(self), parts, keys, fresh, missing_keys, error_msgs)  # type: ignore[arg-type]
         self._keep_fsdp_weight()
@@ -585,7 +586,7 @@ class Float8Conv1D(Float8Linear):
             fill = (
                 torch.full_like(buf, torch.nan, device=device)
                 if name in STATS_BUFFERS
-                else _fresh_state(name, buf, device)
+                else fresh_layer_buffer(name, buf, device)
             )
             setattr(new, name, fill)
         new.train(conv.training)

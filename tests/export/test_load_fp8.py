@@ -430,6 +430,26 @@ def test_frozen_refuses_a_delayed_config(tmp_path):
         load_fp8_pretrained(_model(), path, config=Float8LinearConfig.from_recipe("delayed"))
 
 
+def test_frozen_load_into_a_meta_model_starts_a_delayed_input_fresh(tmp_path):
+    # A delayed input (the weight dynamic, as frozen allows): a meta-built model's state came
+    # back NaN, its input scale stuck at 1.0, silently; it must be a CPU-built model's.
+    path = _exported(tmp_path, "compressed_tensors", "tensor", None, "tensorwise")
+    config = Float8LinearConfig(input=Float8LinearConfig.from_recipe("delayed").input)
+    models = [load_fp8_pretrained(_model(meta=meta), path, config=config) for meta in (False, True)]
+    on_cpu, on_meta = (_linears(m) for m in models)
+    for fqn, layer in on_cpu.items():
+        for name, buf in layer.named_buffers(recurse=False):
+            torch.testing.assert_close(on_meta[fqn].get_buffer(name), buf, rtol=0, atol=0, equal_nan=True)
+    ids = torch.randint(0, VOCAB, (2, 16))
+    for _ in range(3):  # the histories fill: the scales move off 1.0 alike
+        logits = [m(ids).logits for m in models]
+        for m, out in zip(models, logits):
+            out.float().sum().backward()
+    assert torch.equal(logits[0], logits[1])
+    layer = on_meta["model.layers.0.mlp.up_proj"]
+    assert float(layer.scale_input) != 1.0
+
+
 # ------------------------------------------------------------------ scale_fmt="ue8m0" on save
 
 

@@ -20,6 +20,7 @@ from f8tensor import (
     GemmConfig,
     compat,
     gemm,
+    sqnr,
 )
 from f8tensor.gemm import blocks, grouped
 from f8tensor.gemm.rules import (
@@ -300,6 +301,27 @@ def test_grouped_delayed_config_refused_not_run_dynamic(role):
     config = Float8LinearConfig(**{role: getattr(delayed, role)})
     with pytest.raises(ValueError, match="delayed scaling is not supported for expert GEMMs"):
         float8_grouped_mm(x, w, [4, 8], config=config)
+
+
+def test_grouped_product_honours_per_gemm_formats():
+    # A forward in high precision: the grouped kernel cast it to FP8 anyway, silently; the
+    # per-expert loop runs Float8Linear's GEMMs, formats included.
+    x, w = _xw(m=32, k=32, n=32)
+    hp_forward = Float8LinearConfig().with_gemm_formats({("forward", "input"): None, ("forward", "weight"): None})
+    reference = torch.cat([x[:16] @ w[0], x[16:] @ w[1]])
+    assert sqnr(float8_grouped_mm(x, w, [16, 32], hp_forward), reference) >= 100  # measured: exact
+    assert sqnr(float8_grouped_mm(x, w, [16, 32]), reference) < 40  # FP8: ~30 dB
+
+
+def test_compiled_grouped_product_follows_a_switch_to_per_gemm_formats(fresh_dynamo):
+    # Traced, the path is a constant per config: a switched config must still take the loop.
+    x, w = _xw(m=32, k=32, n=32)
+    holder = torch.nn.Module()
+    holder.config = Float8LinearConfig()
+    compiled = torch.compile(lambda x: float8_grouped_mm(x, w, [16, 32], holder.config), backend="eager")
+    compiled(x)
+    holder.config = Float8LinearConfig().with_gemm_formats({("forward", "input"): None, ("forward", "weight"): None})
+    assert torch.equal(compiled(x), float8_grouped_mm(x, w, [16, 32], holder.config))
 
 
 def test_expert_weight_with_a_delayed_config_refused():

@@ -22,7 +22,7 @@ BENCH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
 #: reference the ratios are taken against. Llama guards measured 302, 308, 302, 334, 307, 309
 #: (torchao 0.18: 347 both); budgets +3%, capped at 2x bf16 (338); bytes +0.01. The 300m's and
 #: the MoE step's as measured (300m 302, 308; MoE 284, 303, 251), +3%. Delayed scaling has no
-#: expert GEMM: float8_grouped_mm refuses it (that check, MoE guards +2: 286, 305, 253).
+#: expert GEMM: float8_grouped_mm refuses it.
 BUDGETS = {
     "llama": {
         "bf16": (169, 13, None),
