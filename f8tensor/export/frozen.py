@@ -104,8 +104,7 @@ class FrozenFloat8Linear(WeightFromMethod, Float8Linear):
         """A frozen layer with ``linear``'s bias and the FP8 ``weight`` (``multiplier``: the file's)."""
         new = cast(FrozenFloat8Linear, cls.from_float(linear, config))
         new.weight = nn.Parameter(frozen_weight(weight), requires_grad=False)
-        # Built on meta: the state a layer built on the weight's device starts from (a delayed
-        # input's or gradient's history, NaN telemetry).
+        # Built on meta: fresh state on the weight's device.
         for name, buf in list(new._buffers.items()):
             if buf is not None and buf.device != weight.device:
                 new._buffers[name] = fresh_layer_buffer(name, buf, weight.device)

@@ -124,7 +124,7 @@ DELAYED_EXPERTS = (
 
 @torch.compiler.assume_constant_result
 def _delayed(config: Float8LinearConfig) -> bool:
-    """Whether ``config`` scales a role by delayed amaxes; traced, a constant (its reads unguarded)."""
+    """``config.any_delayed``; traced, a constant (its reads unguarded)."""
     return config.any_delayed
 
 

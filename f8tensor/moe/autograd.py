@@ -23,7 +23,7 @@ from f8tensor.quant.specs import CastSpec, is_tensorwise
 from f8tensor.tensor.float8 import Float8Tensor
 from f8tensor.tensor.ops import _permuted
 
-__all__ = ["expert_path", "loops_per_expert", "per_expert_loop"]
+__all__ = ["expert_path", "per_expert_loop"]
 
 
 # ===================================================================== casts
@@ -67,10 +67,12 @@ def _cast_weight(w: torch.Tensor, cast: CastConfig, scale: torch.Tensor | None =
     return _cast_stored(w, _spec(cast, 1, ndim=3, per_expert=True), scale)
 
 
+@torch.compiler.assume_constant_result
 def per_expert_loop(config: Float8LinearConfig) -> bool:
     """Whether ``config``'s expert GEMMs run as a per-expert loop of ``Float8Linear``'s GEMMs.
 
-    True for block scales, stochastic rounding or per-GEMM formats, which no grouped kernel takes.
+    True for block scales, stochastic rounding or per-GEMM formats, which no grouped kernel
+    takes. Traced, a constant per config.
 
     Example:
         >>> from f8tensor import Float8LinearConfig
@@ -80,12 +82,6 @@ def per_expert_loop(config: Float8LinearConfig) -> bool:
     """
     roles = (config.input, config.weight, config.grad_output)
     return bool(config.gemm_overrides) or any(c.blockwise or c.rounding != "nearest" for c in roles)
-
-
-@torch.compiler.assume_constant_result
-def loops_per_expert(config: Float8LinearConfig) -> bool:
-    """:func:`per_expert_loop`; traced, a constant per config (its reads unguarded)."""
-    return per_expert_loop(config)
 
 
 def expert_path(config: Float8LinearConfig, device: torch.device | str) -> str:

@@ -13,7 +13,7 @@ import torch
 
 from f8tensor.compat import GROUPED_MM_FUNCTIONS, is_op_of_namespace
 from f8tensor.gemm.grouped import DELAYED_EXPERTS, validate_grouped_mm_args
-from f8tensor.moe.autograd import _expert_loop, _ExpertBmmFn, _GroupedMMFn, loops_per_expert
+from f8tensor.moe.autograd import _expert_loop, _ExpertBmmFn, _GroupedMMFn, per_expert_loop
 from f8tensor.nn.linear_autograd import LinearArgs
 from f8tensor.nn.linear_autograd import QuantizedLinearFn as _QuantizedLinearFn  # looked up at call time, here
 from f8tensor.quant.config import Float8LinearConfig
@@ -68,7 +68,7 @@ def _route_bmm(args: tuple, kwargs: dict) -> torch.Tensor:
         raise NotImplementedError("bmm of two FP8 expert weights is not an expert GEMM")
     bmm = (
         (lambda x, w: _expert_loop(x, w, None, config))
-        if loops_per_expert(config)
+        if per_expert_loop(config)
         else (lambda x, w: _ExpertBmmFn.apply(x, w, config))
     )
     if isinstance(b, Float8ExpertWeight):
@@ -149,7 +149,7 @@ class Float8ExpertWeight(RecipeWeight):
 
     @staticmethod
     def __new__(cls, hp: torch.Tensor, config: Float8LinearConfig, *, writes: Any = None) -> Any:
-        if config.any_delayed:
+        if writes is None and config.any_delayed:  # a view shares a checked weight's config
             raise ValueError(f"Float8ExpertWeight: {DELAYED_EXPERTS}")
         return RecipeWeight.__new__(cls, hp, config, writes=writes)
 
@@ -236,6 +236,6 @@ def float8_grouped_mm(
     elif config is None:
         config = Float8LinearConfig()
     offs = validate_grouped_mm_args(x, w, offs, config)
-    if loops_per_expert(config):
+    if per_expert_loop(config):
         return _expert_loop(x.to(w.dtype), w, offs, config)
     return _GroupedMMFn.apply(x.to(w.dtype), w, offs, config)

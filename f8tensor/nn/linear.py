@@ -583,11 +583,6 @@ class Float8Conv1D(Float8Linear):
         new.weight, new.bias = weight, bias  # type: ignore[assignment]  # nn.Linear's bias may be None
         device = weight.device
         for name, buf in list(new.named_buffers(recurse=False)):
-            fill = (
-                torch.full_like(buf, torch.nan, device=device)
-                if name in STATS_BUFFERS
-                else fresh_layer_buffer(name, buf, device)
-            )
-            setattr(new, name, fill)
+            setattr(new, name, fresh_layer_buffer(name, buf, device))
         new.train(conv.training)
         return new
