@@ -19,12 +19,29 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from f8tensor.distributed.fsdp import Float8AllGatherWeight
 from f8tensor.gemm.blocks import fp4_path
-from f8tensor.gemm.rules import ALIGN
-from f8tensor.moe import Float8ExpertWeight, expert_path, plan_experts, wrap_experts
-from f8tensor.nn.attention import attention_config, attention_ties, attention_weight_names, wrap_attention
-from f8tensor.nn.linear import FP4_ALIGN, Float8Conv1D, Float8Linear, check_config, dims_ok, is_transposed_linear
+from f8tensor.gemm.rules import ALIGN, FP4_ALIGN
+from f8tensor.moe import (
+    Float8ExpertWeight,
+    expert_path,
+    plan_experts,
+    wrap_experts,
+)
+from f8tensor.nn.attention import (
+    attention_config,
+    attention_ties,
+    attention_weight_names,
+    wrap_attention,
+)
+from f8tensor.nn.linear import Float8Conv1D, Float8Linear, check_config, dims_ok, is_transposed_linear
 from f8tensor.quant.config import GEMMS, Float8LinearConfig
-from f8tensor.quant.policies import BLOCK_PATTERN, block_policy, keep_last_blocks_in_hp  # noqa: F401  (re-exported)
+from f8tensor.quant.policies import (  # noqa: F401  (re-exported)
+    BLOCK_PATTERN,
+    attention_dims_ok,
+    block_policy,
+    keep_last_blocks_in_hp,
+    set_forward_in_high_precision,
+    set_gemm_formats,
+)
 
 _FSDPModule: type | None
 if torch.distributed.is_available():
@@ -53,7 +70,6 @@ _SKIP_FORWARD = "nn.Linear subclass overriding forward"
 _SKIP_FSDP = "Conv1D with FP8 all-gather (needs an (out, in) weight)"
 _SKIP_FP4_DIMS = f"dims not multiples of {FP4_ALIGN} (whole FP4 blocks)"
 _SKIP_POLICY = "kept in high precision by the layer policy"
-_SKIP_EXPERTS_FP4 = "expert weights (FP4 and per-GEMM formats run on linear layers only)"
 _SKIP_EXPERTS_NO_CONFIG = "expert weights (convert_with_policy without experts_config)"
 _SKIP_MHA_DELAYED = "nn.MultiheadAttention (delayed scaling is not supported for attention projections)"
 _SKIP_MHA_TIED = "nn.MultiheadAttention whose projection weights are all tied to other modules"
@@ -322,13 +338,12 @@ def _convert(
         if config.any_delayed:
             skipped.setdefault(_SKIP_MHA_DELAYED, []).append(name)
             return None
-        e = mha.embed_dim
-        if not all(dims_ok(k, e, config) for k in (e, mha.kdim, mha.vdim)):
+        if not attention_dims_ok(mha, config):
             logger.warning(
                 "f8tensor: left %s (embed_dim %d, kdim %d, vdim %d) in high precision: %s GEMMs need dimensions "
                 "that are multiples of %d",
                 name,
-                e,
+                mha.embed_dim,
                 mha.kdim,
                 mha.vdim,
                 "FP4" if config.any_fp4 else "FP8",
@@ -413,12 +428,11 @@ def _convert(
 def _plan_experts(
     module: nn.Module, config: Float8LinearConfig | None, experts_filter_fn: Callable[[nn.Module, str], bool] | None
 ) -> tuple[list, dict[str, list[str]]]:
-    """:func:`~f8tensor.moe.plan_experts`; FP4, per-GEMM or no config keeps experts high precision (reported)."""
-    if config is not None and not config.uses_gemm_formats:
+    """:func:`~f8tensor.moe.plan_experts`; without a config experts stay high precision (reported)."""
+    if config is not None:
         return plan_experts(module, config, experts_filter_fn)
     todo, _ = plan_experts(module, Float8LinearConfig(), None)
-    reason = _SKIP_EXPERTS_NO_CONFIG if config is None else _SKIP_EXPERTS_FP4
-    return [], ({reason: [fqn for _, _, fqn in todo]} if todo else {})
+    return [], ({_SKIP_EXPERTS_NO_CONFIG: [fqn for _, _, fqn in todo]} if todo else {})
 
 
 def _fp4_gemm_paths(config: Float8LinearConfig, device: torch.device) -> list[str]:
@@ -555,37 +569,3 @@ def convert_with_policy(
     if experts_config is not None:
         experts_config = check_config(experts_config)
     return _convert(module, policy, experts_config, module_filter_fn, experts_filter_fn)
-
-
-def set_gemm_formats(model: nn.Module, overrides: dict) -> int:
-    """Merge per-GEMM format ``overrides`` into every Float8Linear's config, all or nothing.
-
-    Returns:
-        How many layers changed.
-
-    Raises:
-        TypeError, ValueError: a layer refuses the overrides (named; no layer changed).
-    """
-    planned = []
-    for name, mod in model.named_modules():
-        if isinstance(mod, Float8Linear):
-            try:
-                config = mod.config.with_gemm_formats(overrides)
-                mod.check_new_config(config)
-                planned.append((mod, config))
-            except (TypeError, ValueError) as e:
-                raise type(e)(
-                    f"layer {name or '<root>'!r} refuses the per-GEMM formats {overrides!r} (no layer was changed): {e}"
-                ) from e
-    for mod, config in planned:
-        mod.config = config
-    return len(planned)
-
-
-def set_forward_in_high_precision(model: nn.Module) -> int:
-    """Run every Float8Linear's forward GEMM in high precision from now on (backward keeps its formats).
-
-    Returns:
-        How many layers changed.
-    """
-    return set_gemm_formats(model, {("forward", "input"): None, ("forward", "weight"): None})

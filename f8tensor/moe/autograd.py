@@ -71,8 +71,8 @@ def _cast_weight(w: torch.Tensor, cast: CastConfig, scale: torch.Tensor | None =
 def per_expert_loop(config: Float8LinearConfig) -> bool:
     """Whether ``config``'s expert GEMMs run as a per-expert loop of ``Float8Linear``'s GEMMs.
 
-    True for block scales, stochastic rounding or per-GEMM formats, which no grouped kernel
-    takes. Traced, a constant per config.
+    True for block scales, stochastic rounding, per-GEMM formats or FP4, which no grouped
+    kernel takes. Traced, a constant per config.
 
     Example:
         >>> from f8tensor import Float8LinearConfig
@@ -81,7 +81,7 @@ def per_expert_loop(config: Float8LinearConfig) -> bool:
         True
     """
     roles = (config.input, config.weight, config.grad_output)
-    return bool(config.gemm_overrides) or any(c.blockwise or c.rounding != "nearest" for c in roles)
+    return config.uses_gemm_formats or any(c.blockwise or c.rounding != "nearest" for c in roles)
 
 
 def expert_path(config: Float8LinearConfig, device: torch.device | str) -> str:
@@ -101,6 +101,8 @@ def expert_path(config: Float8LinearConfig, device: torch.device | str) -> str:
         if grouped_kernel_available(device):
             return "grouped FP8 kernel (torch._scaled_grouped_mm)"
         return "grouped FP8 product, emulated (no grouped kernel on this device)"
+    if config.uses_gemm_formats:
+        return "per-expert loop of Float8Linear's per-GEMM-format GEMMs (no grouped kernel takes them)"
     reason = "no grouped kernel takes block scales or stochastic rounding"
     if device.type == "cuda" and not config.emulate and _block_kernel_here(config, device):
         return f"per-expert loop of block-scaled F.scaled_mm ({reason})"

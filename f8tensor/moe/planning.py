@@ -7,13 +7,22 @@ from collections.abc import Callable, Iterator
 
 from torch import nn
 
-from f8tensor.gemm.rules import ALIGN
+from f8tensor.gemm.grouped import DELAYED_EXPERTS
+from f8tensor.gemm.rules import ALIGN, FP4_ALIGN
 from f8tensor.moe.autograd import expert_path
 from f8tensor.moe.state import _EXPERT_CONFIGS, _plain_expert_state, _rewrap_after_load
 from f8tensor.moe.weight import Float8ExpertWeight, _register_hf_fallback
 from f8tensor.quant.config import Float8LinearConfig
+from f8tensor.tensor.weights import set_recipe
 
-__all__ = ["convert_experts_to_float8", "plan_experts", "wrap_experts"]
+__all__ = [
+    "check_expert_config",
+    "convert_experts_to_float8",
+    "expert_configs",
+    "plan_experts",
+    "set_expert_config",
+    "wrap_experts",
+]
 
 logger = logging.getLogger("f8tensor")
 
@@ -30,6 +39,11 @@ def _expert_params(module: nn.Module) -> Iterator[tuple[nn.Module, str, str, nn.
         for name, p in mod.named_parameters(recurse=False):
             if p.dim() == 3 and p.shape[0] == n:
                 yield mod, mod_fqn, name, p
+
+
+def expert_align(config: Float8LinearConfig) -> int:
+    """What an expert weight's last two dims must be multiples of under ``config``."""
+    return FP4_ALIGN if config.any_fp4 else ALIGN
 
 
 def plan_experts(
@@ -55,14 +69,16 @@ def plan_experts(
         if experts_filter_fn is not None and not experts_filter_fn(mod, fqn):
             skipped.setdefault("rejected by experts_filter_fn", []).append(fqn)
             continue
-        if p.shape[1] % ALIGN or p.shape[2] % ALIGN:
+        align = expert_align(config)
+        if p.shape[1] % align or p.shape[2] % align:
             logger.warning(
-                "f8tensor: left %s %s in high precision: FP8 expert GEMMs need its last two dims to be multiples of %d",
+                "f8tensor: left %s %s in high precision: %s expert GEMMs need its last two dims to be multiples of %d",
                 fqn,
                 tuple(p.shape),
-                ALIGN,
+                "FP4" if config.any_fp4 else "FP8",
+                align,
             )
-            skipped.setdefault(f"expert weights with dims not multiples of {ALIGN}", []).append(fqn)
+            skipped.setdefault(f"expert weights with dims not multiples of {align}", []).append(fqn)
             continue
         todo.append((mod, name, fqn))
     return todo, skipped
@@ -81,6 +97,30 @@ def wrap_experts(todo: list[tuple[nn.Module, str, str]], config: Float8LinearCon
             mod.register_load_state_dict_post_hook(_rewrap_after_load)
         getattr(mod, _EXPERT_CONFIGS)[name] = config
     return [fqn for _, _, fqn in todo]
+
+
+def expert_configs(module: nn.Module) -> dict[str, Float8LinearConfig]:
+    """``{parameter name: recipe}`` of the expert weights wrapped in ``module`` itself."""
+    return dict(getattr(module, _EXPERT_CONFIGS, {}))
+
+
+def check_expert_config(module: nn.Module, name: str, config: Float8LinearConfig) -> None:
+    """Raise ValueError if ``config`` cannot run ``module``'s expert weight ``name`` (delayed, or dims)."""
+    if config.any_delayed:
+        raise ValueError(DELAYED_EXPERTS)
+    shape = module._parameters[name].shape  # type: ignore[union-attr]  # a wrapped weight is there
+    align = expert_align(config)
+    if shape[1] % align or shape[2] % align:
+        raise ValueError(
+            f"{'FP4' if config.any_fp4 else 'FP8'} expert GEMMs need the last two dims of {tuple(shape)} to be multiples of {align}"
+        )
+
+
+def set_expert_config(module: nn.Module, name: str, config: Float8LinearConfig) -> None:
+    """Run ``module``'s expert weight ``name`` with ``config``; raises as :func:`check_expert_config`."""
+    check_expert_config(module, name, config)
+    getattr(module, _EXPERT_CONFIGS)[name] = config
+    set_recipe(module._parameters[name], config)  # type: ignore[arg-type]  # checked above
 
 
 def convert_experts_to_float8(

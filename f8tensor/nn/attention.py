@@ -20,7 +20,7 @@ from torch import nn
 from f8tensor.compat import multi_head_attention_forward_with
 from f8tensor.nn.linear_autograd import LinearArgs, QuantizedLinearFn
 from f8tensor.quant.config import Float8LinearConfig
-from f8tensor.tensor.weights import RecipeWeight
+from f8tensor.tensor.weights import RecipeWeight, set_recipe
 from f8tensor.tensor.weights import Unwrap as _Unwrap
 
 __all__ = [
@@ -28,6 +28,7 @@ __all__ = [
     "attention_config",
     "attention_ties",
     "attention_weight_names",
+    "set_attention_config",
     "wrap_attention",
 ]
 
@@ -156,6 +157,15 @@ _ROUTES: dict[Any, Callable[[tuple, dict], Any]] = {
     F.multi_head_attention_forward: _route_attention,
     F.linear: _route_linear,
 }
+
+
+def set_attention_config(mha: nn.MultiheadAttention, config: Float8LinearConfig) -> None:
+    """Run the projections of a converted ``mha`` with ``config`` (checked by the caller) from now on."""
+    mha.__dict__[_CONFIG] = config
+    for _, _, p in _weights(mha):
+        if isinstance(getattr(p, "_local_tensor", p), Float8AttentionWeight):  # a tied plain weight stays plain
+            set_recipe(p, config)
+
 
 # Products reaching dispatch would run in high precision: refused, never silently upcast.
 _REFUSED = frozenset(

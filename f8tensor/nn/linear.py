@@ -17,7 +17,7 @@ from torch import nn
 
 from f8tensor.compat import dtensor_local
 from f8tensor.distributed.fsdp import DelayedWeightSource, DTensor, Float8AllGatherWeight, wrap_weight
-from f8tensor.gemm.rules import ALIGN
+from f8tensor.gemm.rules import ALIGN, FP4_ALIGN
 from f8tensor.kernels import CAST_STATS_FIELDS
 from f8tensor.nn.delayed_state import (
     DELAYED_BUFFERS,
@@ -527,12 +527,8 @@ def check_config(config: Float8LinearConfig | None) -> Float8LinearConfig:
 
 def dims_ok(in_features: int, out_features: int, config: Float8LinearConfig) -> bool:
     if config.any_fp4:
-        # FP4 blocks tile the dims exactly: 32 covers MXFP4 and NVFP4 blocks.
         return in_features % FP4_ALIGN == 0 and out_features % FP4_ALIGN == 0
     return config.pad_inner_dim or (in_features % ALIGN == 0 and out_features % ALIGN == 0)
-
-
-FP4_ALIGN = 32
 
 
 def _check_dims(in_features: int, out_features: int, config: Float8LinearConfig) -> None:

@@ -1,4 +1,5 @@
-"""Layer policies: which config each linear layer of a model gets, by its name.
+"""Layer policies: which config each linear layer of a model gets, by its name, and the
+setters that change the recipes of a converted model in place.
 
 Transformer blocks are found by name (:data:`BLOCK_PATTERN`); ``convert`` applies the result.
 """
@@ -6,14 +7,24 @@ Transformer blocks are found by name (:data:`BLOCK_PATTERN`); ``convert`` applie
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from functools import partial
 
 from torch import nn
 
-from f8tensor.nn.linear import is_transposed_linear
+from f8tensor.moe import check_expert_config, expert_configs, set_expert_config
+from f8tensor.nn.attention import attention_config, set_attention_config
+from f8tensor.nn.linear import Float8Linear, dims_ok, is_transposed_linear
 from f8tensor.quant.config import Float8LinearConfig
 
-__all__ = ["BLOCK_PATTERN", "block_policy", "keep_last_blocks_in_hp"]
+__all__ = [
+    "BLOCK_PATTERN",
+    "attention_dims_ok",
+    "block_policy",
+    "keep_last_blocks_in_hp",
+    "set_forward_in_high_precision",
+    "set_gemm_formats",
+]
 
 #: The dotted-name pattern of a transformer block index: ``layers.3``, ``h.3``, ``blocks.3``.
 BLOCK_PATTERN = r"(?:^|\.)(?:layers|h|blocks)\.(\d+)(?:\.|$)"
@@ -98,3 +109,68 @@ def block_policy(
         return config if keep(mod, fqn) else None
 
     return policy
+
+
+# ===================================================================== the recipes of a converted model
+
+
+def attention_dims_ok(mha: nn.MultiheadAttention, config: Float8LinearConfig) -> bool:
+    """Whether ``config``'s GEMMs take ``mha``'s projections (embed, key and value dims)."""
+    e = mha.embed_dim
+    return all(dims_ok(k, e, config) for k in (e, mha.kdim, mha.vdim))
+
+
+def _check_attention(mha: nn.MultiheadAttention, config: Float8LinearConfig) -> None:
+    if not attention_dims_ok(mha, config):
+        raise ValueError(
+            f"its dims (embed_dim {mha.embed_dim}, kdim {mha.kdim}, vdim {mha.vdim}) do not fit these GEMMs"
+        )
+
+
+def _fp8_gemm_owners(model: nn.Module) -> Iterator[tuple[str, Float8LinearConfig, Callable, Callable]]:
+    """``(what, recipe, check(config), set(config))`` for each holder of a recipe in ``model``."""
+    for name, mod in model.named_modules():
+        if isinstance(mod, Float8Linear):
+            yield f"layer {name!r}", mod.config, mod.check_new_config, partial(setattr, mod, "config")
+        elif (config := attention_config(mod)) is not None:
+            yield (
+                f"attention {name!r}",
+                config,
+                partial(_check_attention, mod),
+                partial(set_attention_config, mod),
+            )
+        for p, config in expert_configs(mod).items():
+            what = f"expert weight {name + '.' + p if name else p!r}"
+            yield what, config, partial(check_expert_config, mod, p), partial(set_expert_config, mod, p)
+
+
+def set_gemm_formats(model: nn.Module, overrides: dict) -> int:
+    """Merge per-GEMM format ``overrides`` into every FP8 recipe of ``model`` (layers, attentions,
+    expert weights), all or nothing.
+
+    Returns:
+        How many changed.
+
+    Raises:
+        TypeError, ValueError: one of them refuses the overrides (named; nothing was changed).
+    """
+    planned = []
+    for what, config, check, apply in _fp8_gemm_owners(model):
+        try:
+            config = config.with_gemm_formats(overrides)
+            check(config)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"{what} refuses the per-GEMM formats {overrides!r} (nothing was changed): {e}") from e
+        planned.append((apply, config))
+    for apply, config in planned:
+        apply(config)
+    return len(planned)
+
+
+def set_forward_in_high_precision(model: nn.Module) -> int:
+    """Run every FP8 forward GEMM of ``model`` in high precision (backward keeps its formats).
+
+    Returns:
+        How many layers, attentions and expert weights changed.
+    """
+    return set_gemm_formats(model, {("forward", "input"): None, ("forward", "weight"): None})

@@ -40,6 +40,7 @@ from f8tensor.tensor.validation import (
     SERIAL_VERSION,
     check_given_scale,
     check_scale_values,
+    check_unused_cast_args,
     checkpoint_fields,
     from_hp_spec,
     scale_from_number,
@@ -170,8 +171,9 @@ class Float8Tensor(QuantizedTensor):
             generator: the random source of stochastic rounding.
 
         Raises:
-            TypeError: ``hp`` is not bf16/fp16/fp32, or ``float8_dtype`` is not FP8.
-            ValueError: an unknown granularity or rounding, or a bad ``scale``.
+            TypeError: ``hp`` is not bf16/fp16/fp32, ``float8_dtype`` is not FP8, or a bad ``generator``.
+            ValueError: an unknown granularity or rounding, a bad ``scale``, ``power_of_2_scale`` with a
+                given ``scale``, or ``generator`` without stochastic rounding.
 
         Example:
             >>> from f8tensor import Float8Tensor
@@ -183,6 +185,7 @@ class Float8Tensor(QuantizedTensor):
         if not isinstance(hp, torch.Tensor):
             raise TypeError(f"from_hp expects a torch.Tensor; got {type(hp).__name__}")
         spec, gemm_config = from_hp_spec(hp, float8_dtype, granularity, power_of_2_scale, rounding, gemm_config)
+        check_unused_cast_args(scale is not None and power_of_2_scale, rounding, generator)
         if scale is not None:
             scale = check_given_scale(scale, hp, spec.block, spec.scale_dtype)
         return _FromHP.apply(hp, spec, scale, gemm_config, generator)

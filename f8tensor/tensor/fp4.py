@@ -20,6 +20,7 @@ from f8tensor.kernels.fp4 import FP4Spec, cast_fp4, dequantize_fp4, pack_e2m1, u
 from f8tensor.quant.formats import check_hp_dtype
 from f8tensor.quant.specs import DEFAULT_GEMM, GemmConfig
 from f8tensor.tensor.subclass import OpHandler, QuantizedTensor
+from f8tensor.tensor.validation import check_unused_cast_args
 
 __all__ = ["Float4Tensor", "from_hp_fp4", "is_float4", "to_float4", "to_float4_with_stats"]
 
@@ -116,7 +117,8 @@ class Float4Tensor(QuantizedTensor):
         Raises:
             TypeError: ``hp`` is not bf16/fp16/fp32; a bad ``four_over_six`` or ``generator``.
             ValueError: an unknown ``kind``, ``scale_mode`` or ``rounding``; a bad ``pack_dim`` or
-                ``block`` (one int ``>= 0`` per dim, tiling the tensor).
+                ``block`` (one int ``>= 0`` per dim, tiling the tensor); ``generator`` without
+                stochastic rounding.
         """
         return from_hp_fp4(
             hp,
@@ -280,8 +282,7 @@ def from_hp_fp4(
         raise TypeError(f"four_over_six must be a bool; got {four_over_six!r}")
     if four_over_six and kind != "nvfp4":
         raise ValueError("four_over_six is an NVFP4 option (MXFP4's power-of-two scales cannot map a block to 4)")
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(f"generator must be a torch.Generator or None; got {type(generator).__name__}")
+    check_unused_cast_args(False, rounding, generator)
     spec = FP4Spec(kind, block, pack_dim, scale_mode, rounding, four_over_six)
     return _FromHP4.apply(hp, spec, generator)
 

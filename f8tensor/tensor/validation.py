@@ -29,6 +29,7 @@ __all__ = [
     "check_given_scale",
     "check_layout",
     "check_scale_values",
+    "check_unused_cast_args",
     "checkpoint_fields",
     "compact",
     "extent",
@@ -302,6 +303,29 @@ def checkpoint_fields(version: object, fields: object) -> tuple:
 
 
 # ===================================================================== what users pass
+
+
+def check_unused_cast_args(rounds_given_scale: bool, rounding: object, generator: object) -> None:
+    """Refuse cast arguments that would do nothing.
+
+    Raises:
+        TypeError: a bad ``generator``.
+        ValueError: ``rounds_given_scale``, or a generator without stochastic rounding.
+    """
+    if rounds_given_scale:
+        raise ValueError(
+            "power_of_2_scale rounds a computed scale; a given scale is used as is: round it yourself "
+            "(torch.exp2(torch.floor(torch.log2(scale)))) or leave power_of_2_scale False"
+        )
+    if generator is None:
+        return
+    if not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None; got {type(generator).__name__}")
+    if rounding != "stochastic":
+        raise ValueError(
+            f"generator draws stochastic rounding's noise; with rounding={rounding!r} it has no effect: "
+            f"pass rounding='stochastic' or no generator"
+        )
 
 
 def from_hp_spec(

@@ -238,6 +238,7 @@ class RecipeWeight(HighPrecisionWeight):
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None:
         (data,) = all_gather_outputs
         if out is not None:
+            out._config = self._config  # type: ignore[attr-defined]  # the recipe may have changed since the last gather
             return None
         return type(self)(data, *self._meta()), (data,)
 
@@ -265,6 +266,13 @@ class RecipeWeight(HighPrecisionWeight):
 
 
 _SET_DATA = torch.Tensor.data.__set__  # type: ignore[attr-defined]  # a getset descriptor at run time; the stubs declare a plain attribute
+
+
+def set_recipe(weight: torch.Tensor, config: Any) -> None:
+    """Run the products of ``weight`` (a :class:`RecipeWeight`, or a DTensor of one) with ``config`` from now on."""
+    local = getattr(weight, "_local_tensor", weight)
+    assert isinstance(local, RecipeWeight)  # callers pass the weights they wrapped
+    local._config = config
 
 
 def rebuild_recipe_parameter(kind: type, hp: torch.Tensor, config: Any, requires_grad: bool) -> nn.Parameter:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from helpers import free_port, init_gloo, run_processes
 from torch import nn
 
-from f8tensor import Float8ExpertWeight, Float8LinearConfig, convert_experts_to_float8
+from f8tensor import Float8ExpertWeight, Float8LinearConfig, convert_experts_to_float8, set_forward_in_high_precision
 
 E, H, I_, STEPS, WORLD = 4, 32, 16, 3, 2
 OFFS = torch.tensor([3, 3, 10, 16], dtype=torch.int32)  # per rank: 16 tokens, one expert empty
@@ -80,6 +80,8 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         result["gate_up"] = (
             result["gate_up"]._hp if isinstance(result["gate_up"], Float8ExpertWeight) else result["gate_up"]
         )
+        set_forward_in_high_precision(model)  # reaches the shards and the gathered weight FSDP2 reuses
+        result["hp_out"] = model(_data(STEPS, rank)).detach()
     except Exception:  # noqa: BLE001  (read by the test)
         result["error"] = traceback.format_exc()
     torch.save(result, Path(out_dir) / f"rank{rank}.pt")
@@ -99,3 +101,5 @@ def test_fsdp2_shards_fp8_expert_weights(tmp_path):
     reference = _train(single, range(WORLD))
     torch.testing.assert_close(results[0]["losses"], reference, rtol=1e-5, atol=0)
     torch.testing.assert_close(results[0]["gate_up"], single.gate_up_proj._hp.detach(), rtol=1e-5, atol=1e-6)
+    set_forward_in_high_precision(single)
+    torch.testing.assert_close(results[0]["hp_out"], single(_data(STEPS, 0)).detach(), rtol=1e-5, atol=1e-6)

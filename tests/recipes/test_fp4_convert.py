@@ -14,6 +14,7 @@ import f8tensor.convert
 from f8tensor import (
     FP4_CAST_DTYPE,
     CastConfig,
+    Float8ExpertWeight,
     Float8Linear,
     Float8LinearConfig,
     MX_1x32,
@@ -153,12 +154,28 @@ class _Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.randn(2, 64, 64))
 
 
-def test_expert_weights_stay_high_precision_under_fp4(caplog):
+def test_expert_weights_run_fp4_under_fp4_by_the_per_expert_loop(caplog):
+    # Before: experts stayed bf16 under FP4 and per-GEMM formats ("run on linear layers only").
     model = nn.ModuleDict({"experts": _Experts(), "proj": nn.Linear(64, 64)})
+    nv = Float8LinearConfig.from_recipe("nvfp4", emulate=True)
     with caplog.at_level("INFO", logger="f8tensor"):
-        convert_to_float8_training(model, config=Float8LinearConfig.from_recipe("nvfp4"))
-    assert "1 expert weights (FP4 and per-GEMM formats run on linear layers only) [experts.gate_up_proj]" in caplog.text
-    assert type(model["experts"].gate_up_proj) is nn.Parameter and isinstance(model["proj"], Float8Linear)
+        convert_to_float8_training(model, config=nv)
+    assert "per-expert loop of Float8Linear's per-GEMM-format GEMMs" in caplog.text
+    w = model["experts"].gate_up_proj
+    assert isinstance(w, Float8ExpertWeight) and w._config == nv
+    x = torch.randn(12, 64)
+    offs = torch.tensor([5, 12], dtype=torch.int32)
+    y = torch._grouped_mm(x, w, offs=offs)
+    for g, rows in enumerate((slice(0, 5), slice(5, 12))):
+        layer = Float8Linear.from_float(nn.Linear(64, 64, bias=False), nv)
+        layer.weight.data = w._hp[g].t().contiguous()
+        assert torch.equal(y[rows], layer(x[rows]))
+    narrow = _Experts()
+    narrow.gate_up_proj = nn.Parameter(torch.randn(2, 64, 48))
+    with caplog.at_level("INFO", logger="f8tensor"):
+        convert_to_float8_training(nn.ModuleDict({"experts": narrow, "proj": nn.Linear(64, 64)}), config=nv)
+    assert "expert weights with dims not multiples of 32" in caplog.text
+    assert type(narrow.gate_up_proj) is nn.Parameter
     model = nn.ModuleDict({"experts": _Experts(), "proj": nn.Linear(64, 64)})
     nv = Float8LinearConfig.from_recipe("nvfp4")
     convert_with_policy(model, lambda mod, fqn: nv, experts_config=Float8LinearConfig.from_recipe("rowwise"))

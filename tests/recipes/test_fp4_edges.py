@@ -302,6 +302,8 @@ def test_from_hp_refuses_a_non_bool_four_over_six_and_a_non_generator():
         Float4Tensor.from_hp(torch.randn(4, 32), four_over_six=1)
     with pytest.raises(TypeError, match=r"generator must be a torch.Generator"):
         Float4Tensor.from_hp(torch.randn(4, 32), generator=0)
+    with pytest.raises(ValueError, match=r"with rounding='nearest' it has no effect"):
+        Float4Tensor.from_hp(torch.randn(4, 32), generator=torch.Generator())
 
 
 def test_to_hp_refuses_a_non_high_precision_dtype():

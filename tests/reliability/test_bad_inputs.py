@@ -319,6 +319,18 @@ def test_power_of_2_scale_must_be_a_bool_in_from_hp():
         Float8Tensor.from_hp(torch.randn(4, 16), power_of_2_scale="no")
 
 
+def test_from_hp_refuses_arguments_that_would_do_nothing():
+    x = torch.randn(4, 16)
+    with pytest.raises(ValueError, match=r"power_of_2_scale rounds a computed scale; a given scale is used as is"):
+        Float8Tensor.from_hp(x, scale=0.3, power_of_2_scale=True)
+    with pytest.raises(ValueError, match=r"with rounding='nearest' it has no effect"):
+        Float8Tensor.from_hp(x, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(TypeError, match=r"generator must be a torch.Generator or None; got int"):
+        Float8Tensor.from_hp(x, rounding="stochastic", generator=0)
+    assert Float8Tensor.from_hp(x, power_of_2_scale=True)._scale.log2().frac().item() == 0.0
+    assert Float8Tensor.from_hp(x, scale=0.3)._scale.item() == pytest.approx(0.3)
+
+
 @pytest.mark.parametrize("role", ["input", "weight", "grad_output"])
 def test_fnuz_mixed_with_fn_is_refused_by_the_config(role):
     fields = {"input": CastConfig(E4M3), "weight": CastConfig(E4M3), "grad_output": CastConfig(E5M2)}

@@ -26,7 +26,7 @@ def _mixed_model() -> nn.Module:
 def test_set_forward_in_high_precision_is_all_or_nothing():
     model = _mixed_model()
     before = [m.config for m in model]
-    with pytest.raises(ValueError, match=r"layer '1'.*no layer was changed"):
+    with pytest.raises(ValueError, match=r"layer '1'.*nothing was changed"):
         f8tensor.set_forward_in_high_precision(model)
     # Before the fix layer 0 was already switched when layer 1 refused.
     assert [m.config for m in model] == before
@@ -160,3 +160,61 @@ def test_eps_literals_equal_eps():
 
     assert scaling.EPS == 2.0**-100
     assert inspect.getsource(scaling).count("clamp(min=2.0**-100)") == 3
+
+
+class _Experts(nn.Module):
+    def __init__(self, n: int = 2, k: int = 64, out: int = 64):
+        super().__init__()
+        self.num_experts = n
+        self.gate_up_proj = nn.Parameter(torch.randn(n, k, out))
+
+
+def _attention_experts_linear() -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.ModuleDict(
+        {"attn": nn.MultiheadAttention(64, 4, batch_first=True), "experts": _Experts(), "proj": nn.Linear(64, 64)}
+    )
+    return convert_to_float8_training(model, config=Float8LinearConfig.from_recipe("rowwise"))
+
+
+def _attend(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model["attn"](x, x, x, need_weights=False)[0]
+
+
+def test_set_forward_in_high_precision_reaches_attention_and_expert_weights():
+    # Before: only Float8Linear layers changed; attention projections and experts kept FP8 forwards.
+    model = _attention_experts_linear()
+    x = torch.randn(2, 8, 64)
+    tokens, offs = torch.randn(12, 64), torch.tensor([5, 12], dtype=torch.int32)
+    assert f8tensor.set_forward_in_high_precision(model) == 3  # the layer, the attention, the expert weight
+    hp = Float8LinearConfig.from_recipe("rowwise").with_gemm_formats(
+        {("forward", "input"): None, ("forward", "weight"): None}
+    )
+    reference = nn.ModuleDict(
+        {"attn": nn.MultiheadAttention(64, 4, batch_first=True), "experts": _Experts(), "proj": nn.Linear(64, 64)}
+    )
+    reference.load_state_dict(model.state_dict())
+    reference = convert_to_float8_training(reference, config=hp)
+    assert torch.equal(_attend(model, x), _attend(reference, x))
+    w, w_ref = model["experts"].gate_up_proj, reference["experts"].gate_up_proj
+    assert w._config == hp
+    assert torch.equal(torch._grouped_mm(tokens, w, offs=offs), torch._grouped_mm(tokens, w_ref, offs=offs))
+    plain = torch.cat([tokens[:5] @ w._hp[0], tokens[5:] @ w._hp[1]])
+    assert torch.equal(torch._grouped_mm(tokens, w, offs=offs), plain)  # the forward runs in high precision
+
+
+def test_set_gemm_formats_refuses_an_expert_weight_before_anything_changes():
+    from f8tensor import FP4_CAST_DTYPE, CastConfig, NVFP4_1x16
+
+    model = _attention_experts_linear()
+    model["narrow"] = _Experts(out=48)
+    f8tensor.convert_experts_to_float8(model["narrow"], Float8LinearConfig.from_recipe("rowwise"))
+    before = (model["proj"].config, model["attn"].in_proj_weight._config, model["experts"].gate_up_proj._config)
+    nvfp4 = CastConfig(FP4_CAST_DTYPE, NVFP4_1x16)
+    with pytest.raises(
+        ValueError,
+        match=r"expert weight 'narrow.gate_up_proj' refuses .*\(nothing was changed\): FP4 expert GEMMs need the last two dims of \(2, 64, 48\) to be multiples of 32",
+    ):
+        f8tensor.set_gemm_formats(model, {("grad_weight", "input"): nvfp4, ("grad_weight", "grad_output"): nvfp4})
+    after = (model["proj"].config, model["attn"].in_proj_weight._config, model["experts"].gate_up_proj._config)
+    assert after == before and model["narrow"].gate_up_proj._config == before[2]

@@ -20,6 +20,7 @@ from f8tensor.gemm.rules.block_scaled import (
 from f8tensor.gemm.rules.builds import (  # noqa: F401
     ALIGN,
     ALL_BUILDS,
+    FP4_ALIGN,
     ROCM_BUILDS,
     SCALE_COLS,
     SCALE_ONE,
@@ -46,6 +47,7 @@ __all__ = [
     "ALIGN",
     "ALL_BUILDS",
     "BLOCK_SCALED_MM_RULES",
+    "FP4_ALIGN",
     "FP4_SCALED_MM_RULES",
     "GROUPED_RULES",
     "ROCM_BUILDS",

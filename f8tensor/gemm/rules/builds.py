@@ -10,6 +10,7 @@ import torch
 __all__ = [
     "ALIGN",
     "ALL_BUILDS",
+    "FP4_ALIGN",
     "ROCM_BUILDS",
     "SCALE_COLS",
     "SCALE_ONE",
@@ -29,6 +30,8 @@ _BF16, _FP16, _FP32 = torch.bfloat16, torch.float16, torch.float32
 #: K and N of a ``torch._scaled_mm`` call (and each group cutting a grouped GEMM's K) must
 #: be multiples of this.
 ALIGN = 16
+#: An FP4 cast's dims must be multiples of this: whole NVFP4 (16) and MXFP4 (32) blocks.
+FP4_ALIGN = 32
 
 # ===================================================================== builds
 
