@@ -179,14 +179,21 @@ def _pad_groups(offs: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor,
 
 
 def _padded(t: torch.Tensor, src: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
-    """``t`` (M, C) in the padded (P, C) layout of :func:`_pad_groups` (FP8 through its bytes).
-
-    A gather: traced, its readers (amax, cast) read ``t`` through the index, writing no padded
-    copy. FP8 bytes are read as written, not cast again.
-    """
+    """``t`` (M, C) in the padded (P, C) layout of :func:`_pad_groups` (FP8 through its bytes,
+    not cast again): a gather."""
     if t.dtype.itemsize == 1 and t.dtype.is_floating_point:
         return _padded(materialized(t).view(torch.uint8), src, pad).view(t.dtype)
     return t[src].masked_fill_(pad, 0)
+
+
+def _padded_to_cast(t: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+    """:func:`_padded` for a group cast: a row's source is its index less the padding rows up
+    to it. Traced, the gather reads one scan besides ``t``, so inductor folds it into the
+    cast's passes (through ``_pad_groups``' index it wrote a padded copy)."""
+    pads = torch.cumsum(pad.squeeze(1), 0)
+    again = torch.diff(pads, prepend=pads.new_zeros(1)) != 0  # == pad
+    src = torch.arange(pads.shape[0], device=pads.device) - pads
+    return _padded(t, src.masked_fill(again, 0), again.unsqueeze(1))
 
 
 def _group_cast(t: torch.Tensor, offs: torch.Tensor, g: int, spec: CastSpec) -> tuple[torch.Tensor, torch.Tensor]:
@@ -225,12 +232,12 @@ def _grouped_wgrad(
         x8, scale = x
         x8, xs = _padded(x8, src, pad), scale.expand(g, x8.shape[1])
     else:
-        x8, xs = _group_cast(_padded(x, src, pad), poffs, g, _spec(config.input, 0))  # (P, K), (G, K)
+        x8, xs = _group_cast(_padded_to_cast(x, pad), poffs, g, _spec(config.input, 0))  # (P, K), (G, K)
     if isinstance(grad, tuple):
         g8, scale = grad
         g8, gs = _padded(g8, src, pad), scale.expand(g, g8.shape[1])
     else:
-        g8, gs = _group_cast(_padded(grad, src, pad), poffs, g, _spec(config.grad_output, 0))  # (P, N), (G, N)
+        g8, gs = _group_cast(_padded_to_cast(grad, pad), poffs, g, _spec(config.grad_output, 0))  # (P, N), (G, N)
     k, n = x8.shape[1], g8.shape[1]
     sa, sb = kernel_scale(xs.reciprocal(), (g, k), (g * k,)), kernel_scale(gs.reciprocal(), (g, n), (g * n,))
     if transposed:

@@ -7,7 +7,9 @@ whose own rounding caps a product near 50 dB, and e4m3 operands put a single GEM
 
 from __future__ import annotations
 
+import importlib
 import io
+import pathlib
 
 import pytest
 import torch
@@ -17,8 +19,10 @@ from torch import nn
 from f8tensor import Float8LinearConfig, Float8Tensor
 from f8tensor import gemm as gg
 from f8tensor.moe import Float8ExpertWeight, _pad_groups, convert_experts_to_float8, float8_grouped_mm
+from f8tensor.moe.autograd import _group_cast, _padded, _padded_to_cast, _spec
 from tests.helpers import assert_sqnr, bits, compiled_fp8_casts
 
+BENCH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
 E4M3 = torch.float8_e4m3fn
 RECIPES = ["tensorwise", "rowwise"]
 # Groups: empty first and in the middle, single-token, ragged (not multiples of 16), aligned.
@@ -82,6 +86,39 @@ def test_weight_gradient_groups_padded_to_16():
         kept[lo : lo + end - start] = True
         start = end
     assert torch.equal(pad.squeeze(1), ~kept)  # padding rows, and nothing of the unrouted rows
+
+
+@pytest.mark.parametrize("sizes", [SIZES, [0, 0, 37, 0], [16, 32, 5, 0]])
+def test_group_cast_gather_is_the_pad_groups_gather(sizes):
+    offs = _offs(sizes)
+    m = int(offs[-1]) + 5  # 5 rows routed to no group
+    x = torch.randn(m, K)
+    src, pad, _, _ = _pad_groups(offs, m)
+    assert torch.equal(_padded_to_cast(x, pad), _padded(x, src, pad))
+
+
+def test_compiled_group_cast_writes_no_padded_copy(monkeypatch):
+    # Before: the gather through _pad_groups' index was written as padded bf16 rows, then read
+    # by the amax and the cast passes.
+    from torch._inductor.utils import run_and_get_code
+
+    monkeypatch.syspath_prepend(str(BENCH))
+    traffic = importlib.import_module("bench_cast_traffic")
+    offs, spec = _offs([100, 160, 140, 112]), _spec(Float8LinearConfig.from_recipe("rowwise").input, 0)
+    x = torch.randn(512, 256, dtype=torch.bfloat16)
+
+    def group_cast(x, offs):
+        _, pad, padded_offs, _ = _pad_groups(offs, x.shape[0])
+        data, scale = _group_cast(_padded_to_cast(x, pad), padded_offs, 4, spec)
+        return data.view(torch.uint8), scale
+
+    eager = group_cast(x, offs)
+    torch._dynamo.reset()
+    compiled, (code,) = run_and_get_code(torch.compile(group_cast), x, offs)
+    assert all(torch.equal(a, b) for a, b in zip(eager, compiled))
+    rows = compiled[0].shape[0]  # padded
+    written = traffic.parse_graph_code(code, 1).written_bytes
+    assert written < rows * 256 * 2, f"{written} bytes written: a padded bf16 copy is {rows * 256 * 2}"
 
 
 @pytest.mark.parametrize(("recipe", "backward_casts"), [("tensorwise", 1), ("rowwise", 3)])
