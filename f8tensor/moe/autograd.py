@@ -290,12 +290,12 @@ class _GroupedMMFn(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             transposed = _stored_transposed(w)
             if config.weight_grad_in_hp:
-                src, pad, poffs, _ = _pad_groups(offs, x.shape[0])
-                xp, gp = _padded(x, src, pad), _padded(grad.to(x.dtype), src, pad)
+                # bf16's own derivative: any group size.
+                grad = grad.to(x.dtype)
                 if transposed:
-                    grad_w = hp_grouped_mm(gp.t().contiguous(), xp, poffs).transpose(-2, -1)
+                    grad_w = hp_grouped_mm(grad.t(), x, offs).transpose(-2, -1)
                 else:
-                    grad_w = hp_grouped_mm(xp.t().contiguous(), gp, poffs)
+                    grad_w = hp_grouped_mm(x.t(), grad, offs)
             else:
                 # A tensorwise gradient's bytes serve both products (its scale has no group).
                 g_w = (g8._data, g8._scale) if g8 is not None and g8._scale.numel() == 1 else grad

@@ -128,7 +128,7 @@ def _check_attention(mha: nn.MultiheadAttention, config: Float8LinearConfig) -> 
 
 
 def _fp8_gemm_owners(model: nn.Module) -> Iterator[tuple[str, Float8LinearConfig, Callable, Callable]]:
-    """``(what, recipe, check(config), set(config))`` for each holder of a recipe in ``model``."""
+    """``(what, recipe, check, set)`` per recipe holder of ``model``."""
     for name, mod in model.named_modules():
         if isinstance(mod, Float8Linear):
             yield f"layer {name!r}", mod.config, mod.check_new_config, partial(setattr, mod, "config")

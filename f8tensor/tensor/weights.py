@@ -238,7 +238,7 @@ class RecipeWeight(HighPrecisionWeight):
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None:
         (data,) = all_gather_outputs
         if out is not None:
-            out._config = self._config  # type: ignore[attr-defined]  # the recipe may have changed since the last gather
+            out._config = self._config  # type: ignore[attr-defined]  # a recipe set since
             return None
         return type(self)(data, *self._meta()), (data,)
 

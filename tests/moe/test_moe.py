@@ -88,6 +88,20 @@ def test_weight_gradient_groups_padded_to_16():
     assert torch.equal(pad.squeeze(1), ~kept)  # padding rows, and nothing of the unrouted rows
 
 
+@pytest.mark.parametrize("stored", ["(G, K, N)", "(G, N, K)"])
+def test_high_precision_weight_gradient_is_bf16s_own(stored):
+    # Unpadded now (the padded copies gave the same sums); the compiled copies: test_compile_counts.
+    offs = _offs(SIZES)
+    x = torch.randn(int(offs[-1]) + 3, K, dtype=torch.bfloat16)  # 3 rows routed to no group
+    grad = torch.randn(x.shape[0], N, dtype=torch.bfloat16)
+    base = torch.randn(len(SIZES), K, N) if stored == "(G, K, N)" else torch.randn(len(SIZES), N, K).transpose(-2, -1)
+    w = base.to(torch.bfloat16).detach().requires_grad_()
+    (expected,) = torch.autograd.grad(torch._grouped_mm(x, w, offs=offs), w, grad)
+    config = Float8LinearConfig.from_recipe("rowwise_with_gw_hp")
+    (got,) = torch.autograd.grad(float8_grouped_mm(x, w, offs, config), w, grad)
+    assert torch.equal(got, expected) and got.stride() == expected.stride()
+
+
 @pytest.mark.parametrize("sizes", [SIZES, [0, 0, 37, 0], [16, 32, 5, 0]])
 def test_group_cast_gather_is_the_pad_groups_gather(sizes):
     offs = _offs(sizes)

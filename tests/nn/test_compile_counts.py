@@ -21,7 +21,7 @@ BENCH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
 #: over bf16's / the floor), at most (torch 2.13, CPU; bf16 has no floor). bf16's are the
 #: reference the ratios are taken against. Llama guards measured 302, 308, 302, 334, 307, 309
 #: (torchao 0.18: 347 both); budgets +3%, capped at 2x bf16 (338); bytes +0.01. The 300m's and
-#: the MoE step's as measured (300m 302, 308; MoE 284, 304, 251), +3%. Delayed scaling has no
+#: the MoE step's as measured (300m 302, 308; MoE 284, 304, 243), +3%. Delayed scaling has no
 #: expert GEMM: float8_grouped_mm refuses it.
 BUDGETS = {
     "llama": {
@@ -57,7 +57,9 @@ BUDGETS = {
         # 1.48, 12 -> 14 kernels (the scan's input, one per graph; 592 rows here), 303 -> 304 guards.
         "tensorwise": (292, 5, 1.08),
         "rowwise": (312, 14, 1.49),
-        "rowwise_with_gw_hp": (259, 5, 1.68),
+        # The high-precision weight gradient as bf16's own derivative, unpadded (bits the same):
+        # rowwise_with_gw_hp 251 -> 243 guards, 5 -> 2 kernels, 1.67 -> 1.36.
+        "rowwise_with_gw_hp": (250, 2, 1.37),
     },
 }
 
