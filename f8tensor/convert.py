@@ -20,18 +20,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from f8tensor.distributed.fsdp import Float8AllGatherWeight
 from f8tensor.gemm.blocks import fp4_path
 from f8tensor.gemm.rules import ALIGN, FP4_ALIGN
-from f8tensor.moe import (
-    Float8ExpertWeight,
-    expert_path,
-    plan_experts,
-    wrap_experts,
-)
-from f8tensor.nn.attention import (
-    attention_config,
-    attention_ties,
-    attention_weight_names,
-    wrap_attention,
-)
+from f8tensor.moe import Float8ExpertWeight, expert_path, plan_experts, wrap_experts
+from f8tensor.nn.attention import attention_config, attention_ties, attention_weight_names, wrap_attention
 from f8tensor.nn.linear import Float8Conv1D, Float8Linear, check_config, dims_ok, is_transposed_linear
 from f8tensor.quant.config import GEMMS, Float8LinearConfig
 from f8tensor.quant.policies import (  # noqa: F401  (re-exported)
