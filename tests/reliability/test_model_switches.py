@@ -218,3 +218,26 @@ def test_set_gemm_formats_refuses_an_expert_weight_before_anything_changes():
         f8tensor.set_gemm_formats(model, {("grad_weight", "input"): nvfp4, ("grad_weight", "grad_output"): nvfp4})
     after = (model["proj"].config, model["attn"].in_proj_weight._config, model["experts"].gate_up_proj._config)
     assert after == before and model["narrow"].gate_up_proj._config == before[2]
+
+
+class _AttentionExperts(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(64, 4, batch_first=True)
+        self.experts = _Experts()
+
+    def forward(self, x, offs):
+        a = self.attn(x, x, x, need_weights=False)[0].reshape(-1, 64)
+        return torch._grouped_mm(a, self.experts.gate_up_proj, offs=offs)
+
+
+def test_a_compiled_model_follows_the_switch():
+    torch.manual_seed(0)
+    model = convert_to_float8_training(_AttentionExperts(), config=Float8LinearConfig.from_recipe("rowwise"))
+    compiled = torch.compile(model, backend="aot_eager")
+    x, offs = torch.randn(2, 8, 64), torch.tensor([7, 16], dtype=torch.int32)
+    with torch.no_grad():
+        before = compiled(x, offs)
+        f8tensor.set_forward_in_high_precision(model)
+        after, eager = compiled(x, offs), model(x, offs)
+    assert torch.equal(after, eager) and not torch.equal(after, before)
