@@ -87,6 +87,10 @@ TORCH_VERSION: tuple[int, int] = _release(torch.__version__)
 #: Whether the CPU ``torch._scaled_mm`` takes rowwise scales (from 2.12).
 HAS_CPU_ROWWISE_SCALED_MM: bool = TORCH_VERSION >= (2, 12)
 
+#: ``assume_constant_result`` for a function of a config (traced on 2.11: frozen dataclass args).
+constant_per_config: Callable = torch.compiler.assume_constant_result if TORCH_VERSION >= (2, 12) else (lambda fn: fn)
+
+
 #: Whether ``F.scaled_mm`` has a CPU kernel (from 2.12; never block-scaled).
 HAS_CPU_SCALED_MM_V2: bool = TORCH_VERSION >= (2, 12)
 

@@ -122,7 +122,7 @@ DELAYED_EXPERTS = (
 )
 
 
-@torch.compiler.assume_constant_result
+@compat.constant_per_config
 def _delayed(config: Float8LinearConfig) -> bool:
     """``config.any_delayed``; traced, a constant (its reads unguarded)."""
     return config.any_delayed

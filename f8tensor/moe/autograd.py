@@ -67,7 +67,7 @@ def _cast_weight(w: torch.Tensor, cast: CastConfig, scale: torch.Tensor | None =
     return _cast_stored(w, _spec(cast, 1, ndim=3, per_expert=True), scale)
 
 
-@torch.compiler.assume_constant_result
+@compat.constant_per_config
 def per_expert_loop(config: Float8LinearConfig) -> bool:
     """Whether ``config``'s expert GEMMs run as a per-expert loop of ``Float8Linear``'s GEMMs.
 
@@ -188,8 +188,8 @@ def _padded(t: torch.Tensor, src: torch.Tensor, pad: torch.Tensor) -> torch.Tens
 
 def _padded_to_cast(t: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
     """:func:`_padded` for a group cast: a row's source is its index less the padding rows up
-    to it. Traced, the gather reads one scan besides ``t``, so inductor folds it into the
-    cast's passes (through ``_pad_groups``' index it wrote a padded copy)."""
+    to it. Traced, the gather reads one scan besides ``t``: inductor folds it into the cast's
+    passes (it wrote a padded copy of a gather reading more buffers)."""
     pads = torch.cumsum(pad.squeeze(1), 0)
     again = torch.diff(pads, prepend=pads.new_zeros(1)) != 0  # == pad
     src = torch.arange(pads.shape[0], device=pads.device) - pads

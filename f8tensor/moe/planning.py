@@ -105,7 +105,7 @@ def expert_configs(module: nn.Module) -> dict[str, Float8LinearConfig]:
 
 
 def check_expert_config(module: nn.Module, name: str, config: Float8LinearConfig) -> None:
-    """Raise ValueError if ``config`` cannot run ``module``'s expert weight ``name`` (delayed, or dims)."""
+    """Raise ValueError if ``config`` cannot run expert weight ``name`` of ``module``."""
     if config.any_delayed:
         raise ValueError(DELAYED_EXPERTS)
     shape = module._parameters[name].shape  # type: ignore[union-attr]  # a wrapped weight is there

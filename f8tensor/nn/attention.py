@@ -160,7 +160,7 @@ _ROUTES: dict[Any, Callable[[tuple, dict], Any]] = {
 
 
 def set_attention_config(mha: nn.MultiheadAttention, config: Float8LinearConfig) -> None:
-    """Run the projections of a converted ``mha`` with ``config`` (checked by the caller) from now on."""
+    """Run a converted ``mha``'s projections with ``config`` (checked by the caller)."""
     mha.__dict__[_CONFIG] = config
     for _, _, p in _weights(mha):
         if isinstance(getattr(p, "_local_tensor", p), Float8AttentionWeight):  # a tied plain weight stays plain

@@ -115,7 +115,7 @@ def block_policy(
 
 
 def attention_dims_ok(mha: nn.MultiheadAttention, config: Float8LinearConfig) -> bool:
-    """Whether ``config``'s GEMMs take ``mha``'s projections (embed, key and value dims)."""
+    """Whether ``config``'s GEMMs take ``mha``'s projection dims."""
     e = mha.embed_dim
     return all(dims_ok(k, e, config) for k in (e, mha.kdim, mha.vdim))
 

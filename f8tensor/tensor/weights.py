@@ -269,7 +269,7 @@ _SET_DATA = torch.Tensor.data.__set__  # type: ignore[attr-defined]  # a getset 
 
 
 def set_recipe(weight: torch.Tensor, config: Any) -> None:
-    """Run the products of ``weight`` (a :class:`RecipeWeight`, or a DTensor of one) with ``config`` from now on."""
+    """Run ``weight``'s products (a :class:`RecipeWeight` or a DTensor of one) with ``config``."""
     local = getattr(weight, "_local_tensor", weight)
     assert isinstance(local, RecipeWeight)  # callers pass the weights they wrapped
     local._config = config

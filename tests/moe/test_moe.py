@@ -18,6 +18,7 @@ from torch import nn
 
 from f8tensor import Float8LinearConfig, Float8Tensor
 from f8tensor import gemm as gg
+from f8tensor.compat import TORCH_VERSION
 from f8tensor.moe import Float8ExpertWeight, _pad_groups, convert_experts_to_float8, float8_grouped_mm
 from f8tensor.moe.autograd import _group_cast, _padded, _padded_to_cast, _spec
 from tests.helpers import assert_sqnr, bits, compiled_fp8_casts
@@ -135,6 +136,9 @@ def test_compiled_group_cast_writes_no_padded_copy(monkeypatch):
     assert written < rows * 256 * 2, f"{written} bytes written: a padded bf16 copy is {rows * 256 * 2}"
 
 
+@pytest.mark.skipif(
+    TORCH_VERSION < (2, 12), reason="torch 2.11's partitioner places casts apart (tensorwise 4 + 1, rowwise 4 + 2)"
+)
 @pytest.mark.parametrize(("recipe", "backward_casts"), [("tensorwise", 1), ("rowwise", 3)])
 def test_compiled_weight_gradient_casts_each_operand_once(recipe, backward_casts):
     # Backward's casts (the weight's transposed cast sits in forward, where the partitioner
