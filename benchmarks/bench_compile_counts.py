@@ -171,6 +171,7 @@ def compiled_codes(block: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> 
     import torch._inductor.config as inductor_config
     from torch._inductor.utils import run_and_get_code
 
+    _fallbacks_as_after_first_graph()
     torch._dynamo.reset()
     compiled = torch.compile(block)  # a graph break shows in the counts, not as an error
     torch.manual_seed(1)
@@ -182,6 +183,19 @@ def compiled_codes(block: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> 
     with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
         _, codes = run_and_get_code(step)
     return codes
+
+
+def _fallbacks_as_after_first_graph() -> None:
+    """Mark f8tensor's ops as inductor marks an op without a lowering once a graph used it.
+
+    Inductor makes such an op's fallback on first meeting it, and only then realizes a
+    buffer read by several of them once (q/k/v's shared FP8 input): a process's first graph
+    would write it per reader, later ones once. Marked up front, the counts do not depend on
+    what the process compiled before.
+    """
+    from torch._inductor import lowering
+
+    lowering.add_needs_realized_inputs([getattr(torch.ops.f8tensor, name) for name in torch.ops.f8tensor])
 
 
 def kernel_count(block: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> int:

@@ -117,10 +117,10 @@ def check_expert_config(module: nn.Module, name: str, config: Float8LinearConfig
 
 
 def set_expert_config(module: nn.Module, name: str, config: Float8LinearConfig) -> None:
-    """Run ``module``'s expert weight ``name`` with ``config``; raises as :func:`check_expert_config`."""
-    check_expert_config(module, name, config)
+    """Run ``module``'s expert weight ``name`` with ``config`` (checked by the caller:
+    :func:`check_expert_config`)."""
     getattr(module, _EXPERT_CONFIGS)[name] = config
-    set_recipe(module._parameters[name], config)  # type: ignore[arg-type]  # checked above
+    set_recipe(module._parameters[name], config)  # type: ignore[arg-type]  # a wrapped weight is there
 
 
 def convert_experts_to_float8(

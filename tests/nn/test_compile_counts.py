@@ -9,7 +9,10 @@ commit (and BENCHMARKS.md's table). Marked ``slow``: CI's second part runs them.
 from __future__ import annotations
 
 import functools
+import os
 import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -30,14 +33,16 @@ BUDGETS = {
         # tensorwise 0.79 -> 0.67, rowwise 1.70 -> 1.18, rowwise_with_gw_hp 2.19 -> 1.48 (20 ->
         # 18 kernels), delayed 1.01 -> 0.77, blockwise 1.54 -> 1.05 (19 -> 18), mxfp8 2.02 ->
         # 1.40 (46 -> 40). Before: an input shared by q/k/v cast once, rowwise 20 -> 18 kernels.
-        "tensorwise": (311, 17, 0.68),
+        # Counted as after a process's first graph (the bench marks f8tensor's ops up front):
+        # tensorwise 0.67 -> 0.65, blockwise 1.05 -> 1.03, the same in any order.
+        "tensorwise": (311, 17, 0.66),
         # per_step_weight_casts: measured 323 guards (3 per layer: its buffers), 15 kernels, 0.40.
         "tensorwise+step_casts": (333, 15, 0.41),
         "rowwise": (317, 18, 1.19),
         "rowwise_with_gw_hp": (311, 18, 1.49),
         "delayed": (338, 17, 0.78),
         # A CPU's block product is one op (f8tensor::block_scaled_mm_reference).
-        "blockwise": (316, 18, 1.06),
+        "blockwise": (316, 18, 1.04),
         "mxfp8": (318, 40, 1.41),
     },
     # The recipes measured at this size so far (each costs a compile of a dim-1024 block).
@@ -99,3 +104,17 @@ def test_compiled_within_budget(workload, variant, no_rules_check):
     if over_floor_max is not None:
         over = (counts["bytes"] - _bf16_bytes(workload)) / bench.floor_bytes(workload, variant)
         assert over <= over_floor_max, f"{workload} {variant}: {over:.3f} x the floor (budget {over_floor_max})"
+
+
+def test_counts_do_not_depend_on_what_the_process_compiled_before():
+    # Inductor marks an op without a lowering (f8tensor's CPU product) once a graph used it,
+    # and only then writes an FP8 input several products read once: the first graph of a
+    # process wrote q/k/v's three times (+0.25 MiB), and a budget passed or failed by order.
+    script = (
+        f"import sys; sys.path.insert(0, {str(BENCH)!r}); import bench_compile_counts as b; "
+        "v = b.C.Variant('f8tensor', 'tensorwise'); print(b.measure(v)['bytes'], b.measure(v)['bytes'])"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "F8TENSOR_CHECK_CUDA_RULES": "0"}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, env=env)
+    first, again = out.stdout.split()
+    assert first == again

@@ -169,12 +169,13 @@ class _Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.randn(n, k, out))
 
 
-def _attention_experts_linear() -> nn.Module:
+def _attention_experts_linear(recipe: str | Float8LinearConfig = "rowwise") -> nn.Module:
     torch.manual_seed(0)
     model = nn.ModuleDict(
         {"attn": nn.MultiheadAttention(64, 4, batch_first=True), "experts": _Experts(), "proj": nn.Linear(64, 64)}
     )
-    return convert_to_float8_training(model, config=Float8LinearConfig.from_recipe("rowwise"))
+    config = recipe if isinstance(recipe, Float8LinearConfig) else Float8LinearConfig.from_recipe(recipe)
+    return convert_to_float8_training(model, config=config)
 
 
 def _attend(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -190,11 +191,7 @@ def test_set_forward_in_high_precision_reaches_attention_and_expert_weights():
     hp = Float8LinearConfig.from_recipe("rowwise").with_gemm_formats(
         {("forward", "input"): None, ("forward", "weight"): None}
     )
-    reference = nn.ModuleDict(
-        {"attn": nn.MultiheadAttention(64, 4, batch_first=True), "experts": _Experts(), "proj": nn.Linear(64, 64)}
-    )
-    reference.load_state_dict(model.state_dict())
-    reference = convert_to_float8_training(reference, config=hp)
+    reference = _attention_experts_linear(hp)  # the same seed: the same weights
     assert torch.equal(_attend(model, x), _attend(reference, x))
     w, w_ref = model["experts"].gate_up_proj, reference["experts"].gate_up_proj
     assert w._config == hp
