@@ -89,6 +89,10 @@ HAS_CPU_ROWWISE_SCALED_MM: bool = TORCH_VERSION >= (2, 12)
 
 #: ``assume_constant_result`` for a function of a config (traced on 2.11: frozen dataclass args).
 constant_per_config: Callable = torch.compiler.assume_constant_result if TORCH_VERSION >= (2, 12) else (lambda fn: fn)
+#: ``torch.compiler.is_exporting`` (2.11's dynamo: True when compiling).
+is_exporting: Callable[[], bool] = (
+    torch.compiler.is_exporting if TORCH_VERSION >= (2, 12) else (lambda: torch.compiler._is_exporting_flag)
+)
 
 
 #: Whether ``F.scaled_mm`` has a CPU kernel (from 2.12; never block-scaled).
@@ -114,7 +118,6 @@ def assert_async(condition: torch.Tensor, message: str) -> None:
 
 
 # The originals, captured at import: install_rules_check may later wrap the public names.
-
 _FNUZ = (torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
 #: ``torch._scaled_mm`` (torch >= 2.4 signature).
 _SCALED_MM = torch._scaled_mm
@@ -128,7 +131,7 @@ _GROUPED_MM = torch._grouped_mm
 
 @torch.compiler.assume_constant_result
 def _has_cpu_rowwise_scaled_mm() -> bool:
-    """:data:`HAS_CPU_ROWWISE_SCALED_MM`, fixed per torch build: a constant to torch.compile (no guard)."""
+    """:data:`HAS_CPU_ROWWISE_SCALED_MM`: a constant to torch.compile (no guard)."""
     return HAS_CPU_ROWWISE_SCALED_MM
 
 
@@ -184,7 +187,7 @@ def scaled_mm(
             or "fnuz" in str(mat1.dtype)
             or "fnuz" in str(mat2.dtype)
         )
-        and not torch.compiler.is_exporting()
+        and not is_exporting()
     ):
         acc = cpu_scaled_mm(mat1, mat2, scale_a, scale_b)
         return _fp32_epilogue(acc, bias, out_dtype or mat1.dtype, kwargs.get("out"))
@@ -235,8 +238,7 @@ def _cpu_scaled_mm(
     mat1: torch.Tensor, mat2: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor
 ) -> torch.Tensor:
     """An FP8 product on a CPU in fp32, bitwise torch's reference CPU kernel; a custom op so
-    compile keeps it whole (eager's bits).
-    """
+    compile keeps it whole (eager's bits)."""
     _check_scaled_mm_args(mat1, mat2, scale_a, scale_b)  # as the fake kernel
     if (scale_a.requires_grad or scale_b.requires_grad or mat1.requires_grad or mat2.requires_grad) and (
         torch.is_grad_enabled()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import datetime
+import functools
 import importlib.util
 import os
 import socket
@@ -375,6 +376,30 @@ def interpreter_problem(probe: Callable[[], object]) -> str | None:
     except Exception as error:  # noqa: BLE001 (the interpreter's own error types differ by release)
         return f"triton {triton.__version__}'s interpreter cannot run the kernels here: {error!r}"
     return None
+
+
+@functools.cache
+def unfused_interpreter_fma() -> str | None:
+    """Why the interpreter's ``tl.fma`` cannot give torch's bits, or None: the fused AdamW
+    step's large-weight lerp of a first step, ``fma(w - 1, g, g)``, rounded once as ATen's CPU
+    lerp rounds it (triton 3.6's interpreter, the one torch 2.11 pins, rounds twice)."""
+    import triton
+
+    from f8tensor.optim import AdamW
+
+    g = torch.full((128,), 1.7535215616226196)
+    p = torch.nn.Parameter(torch.zeros(128))
+    p.grad = g.clone()
+    opt = AdamW([p], betas=(0.3, 0.95), state_dtype=torch.float32, fused=True)
+    opt.step()
+    w1 = torch.tensor(0.7, dtype=torch.float32).double()
+    once = ((w1 - 1) * g.double() + g.double()).float()  # the product exact in float64
+    if torch.equal(opt.state[p]["exp_avg"], once):
+        return None
+    return (
+        f"triton {triton.__version__}'s interpreter rounds tl.fma twice (a multiply, then an add): "
+        "its bits cannot be torch's here; the gpu-marked tests compare the compiled kernel"
+    )
 
 
 def skip_without_interpreter(

@@ -31,7 +31,7 @@ logger = logging.getLogger("f8tensor")
 
 
 def _expert_params(module: nn.Module) -> Iterator[tuple[nn.Module, str, str, nn.Parameter]]:
-    """(module, fqn prefix, name, param) for every 3D parameter (num_experts, ., .) of an experts module."""
+    """(module, fqn prefix, name, param) per 3D (num_experts, ., .) parameter of an experts module."""
     for mod_fqn, mod in module.named_modules():
         n = getattr(mod, "num_experts", None)
         if not isinstance(n, int) or isinstance(n, bool):
@@ -117,8 +117,7 @@ def check_expert_config(module: nn.Module, name: str, config: Float8LinearConfig
 
 
 def set_expert_config(module: nn.Module, name: str, config: Float8LinearConfig) -> None:
-    """Run ``module``'s expert weight ``name`` with ``config`` (checked by the caller:
-    :func:`check_expert_config`)."""
+    """Run ``module``'s expert weight ``name`` with ``config`` (the caller checked)."""
     getattr(module, _EXPERT_CONFIGS)[name] = config
     set_recipe(module._parameters[name], config)  # type: ignore[arg-type]  # a wrapped weight is there
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import free_port, run_processes
+from helpers import free_port, run_processes, unfused_interpreter_fma
 
 pytest.importorskip("triton", reason="the fused AdamW step needs triton")
 
@@ -121,6 +121,9 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def ranks2(tmp_path_factory) -> list[dict]:
+    why = unfused_interpreter_fma()
+    if why is not None:
+        pytest.skip(why)
     out = tmp_path_factory.mktemp("optim_fused_ranks2")
     run_processes(_worker, 2, (2, free_port(), str(out)), timeout_s=300)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]

@@ -161,3 +161,17 @@ def test_compiled_graph_shape_is_the_real_shape():
         [sys.executable, "-c", code], check=False, capture_output=True, text=True, env=env, timeout=600
     )
     assert done.returncode == 0 and done.stdout.strip() == f"ok {len(ACCEPTED)}", done.stderr[-3000:]
+
+
+def test_is_exporting_only_under_export():
+    # torch 2.11's dynamo traced torch.compiler.is_exporting() as True under torch.compile, so
+    # a compiled CPU rowwise product went to the CPU kernel that refuses rowwise scales.
+    class Probe(torch.nn.Module):
+        def forward(self, x):
+            return x + 1 if compat.is_exporting() else x - 1
+
+    x = torch.zeros(2)
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(Probe(), backend="eager", fullgraph=True)(x), x - 1)
+    assert torch.equal(torch.export.export(Probe(), (x,)).module()(x), x + 1)
+    assert not compat.is_exporting()

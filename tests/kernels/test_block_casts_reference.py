@@ -18,7 +18,7 @@ import math
 import pytest
 import torch
 
-from f8tensor import BLOCK_1x128, BLOCK_128x128, Float8Tensor, MX_1x32, MX_1x32_FLOOR, gemm, sqnr
+from f8tensor import BLOCK_1x128, BLOCK_128x128, Float8Tensor, MX_1x32, MX_1x32_FLOOR, compat, gemm, sqnr
 from tests.helpers import assert_consistent, assert_sqnr
 
 E4M3 = torch.float8_e4m3fn
@@ -330,10 +330,21 @@ def test_eager_equals_compiled_bitwise():
     assert counter.frame_count == 1
 
 
+#: torch 2.11's and 2.12's inductor CPU loop, fusing a cast and its dequantization, splits a
+#: 300-wide dim into two 128-wide blocks and never writes the short last one (not in 2.13).
+_SPLIT_DROPS_SHORT_BLOCK = pytest.mark.xfail(
+    compat.TORCH_VERSION < (2, 13), reason="torch 2.11/2.12 inductor CPU drops a short last block", strict=True
+)
+
+
 @pytest.mark.parametrize(
     ("name", "gran"),
-    [("randn", BLOCK_1x128), ("randn", MX_1x32), ("tall", BLOCK_1x128), ("tall", BLOCK_128x128)],
-    ids=["1x128", "mx", "tall", "tall-128x128"],
+    [
+        pytest.param("randn", BLOCK_1x128, id="1x128", marks=_SPLIT_DROPS_SHORT_BLOCK),
+        pytest.param("randn", MX_1x32, id="mx", marks=_SPLIT_DROPS_SHORT_BLOCK),
+        pytest.param("tall", BLOCK_1x128, id="tall", marks=_SPLIT_DROPS_SHORT_BLOCK),
+        pytest.param("tall", BLOCK_128x128, id="tall-128x128"),
+    ],
 )
 def test_eager_equals_compiled_bitwise_with_short_last_blocks(name, gran):
     """One block cast cut short at a dim's end (300 = 2 x 128 + 44 = 9 x 32 + 12; 130 =

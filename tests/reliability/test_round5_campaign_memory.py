@@ -562,6 +562,16 @@ def test_attention_with_non_finite_query_stays_non_finite():
         assert bool((~torch.isfinite(g))[~torch.isfinite(w)].all())
 
 
+def test_empty_saved_tensors_are_kept_even_at_min_numel_0():
+    # Before: a saved (4, 0) operand was reshaped to (-1, 0) for its blocks and raised.
+    x = torch.randn(4, 0, requires_grad=True)
+    w = torch.randn(0, 8, requires_grad=True)
+    with save_activations_in_float8(min_numel=0):
+        y = (x * 2) @ (w * 2)
+    y.sum().backward()
+    assert x.grad.shape == (4, 0) and torch.equal(w.grad, torch.zeros(0, 8))
+
+
 def test_attention_zero_length():
     q, k, v = qkv(length=0)
     _, want = sdpa_grads(None, q, k, v)

@@ -131,7 +131,7 @@ class _Hooks:
     def __init__(self, float8_dtype: torch.dtype, block: int, min_numel: int, recompute: bool = False) -> None:
         self.float8_dtype = float8_dtype
         self.block = block
-        self.min_numel = min_numel
+        self.min_numel = max(min_numel, 1)
         self.recompute = recompute
         self.cache: _Cache = _Cache()
         # The last FP8 tensor subclass saved per layout: an equal one saved next is kept once.
