@@ -368,7 +368,7 @@ def _records_backward(ctx) -> bool:
 
 def _blocked_along_k(w8: Float8Tensor, spec: CastSpec) -> bool:
     """``w8`` (N, K) has blocks grad_x's product (over N, per ``spec``) cannot read."""
-    return w8.is_blockwise and not w8._block == spec.block  # noqa: SIM201 (2.11's dynamo: no tuple !=)
+    return w8.is_blockwise and not w8._block == spec.block  # noqa: SIM201 (2.11's dynamo fails on !=)
 
 
 def _row_scaled(w8: Float8Tensor) -> bool:

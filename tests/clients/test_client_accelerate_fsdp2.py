@@ -110,6 +110,9 @@ def _worker(rank, world, port, out):
     moved = {n: not torch.equal(before[n], p.full_tensor()) for n, p in model.named_parameters()}
     if rank == 0:
         torch.save({"db": db, "moved": moved}, out)
+    # Both ranks past every collective before teardown (a rank's gloo threads once aborted
+    # when its peer tore down first).
+    torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
 
