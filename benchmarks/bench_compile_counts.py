@@ -4,8 +4,8 @@ Three workloads: a Llama-shaped block (RMSNorm, grouped-query attention through 
 rotary positions, SwiGLU; dim 256, 4 heads, 2 KV heads, FFN 768, x (2, 256, 256) bf16: the
 ``tiny`` size of ``_models`` at 256 tokens), the 300m's block (dim 1024 at 2 x 128 tokens)
 and the MoE grouped GEMM step (4 experts, 512 tokens, 256 -> 512). Each variant (bf16,
-f8tensor's recipes, ``tensorwise+step_casts``, tensorwise with the weights cast once per
-optimizer step outside the block (``f8tensor.per_step_weight_casts``), torchao.float8's
+f8tensor's recipes, ``tensorwise+step_casts`` and ``delayed+step_casts``, the weights cast once
+per optimizer step outside the block (``f8tensor.per_step_weight_casts``), torchao.float8's
 tensorwise and rowwise where it has a CPU path; "n/a" and the reason where not), in one process:
 
 - **guards**: ``len(torch._dynamo.explain(block)(x, cos, sin).out_guards)``;
@@ -376,8 +376,7 @@ def main(argv=None) -> None:
     env = C.environment(torch.device("cpu"), args.torchao_note)
     C.print_environment(env, "Compiled block: guards, graph breaks, generated kernels, bytes outside GEMMs (CPU)")
     variants = [C.Variant("bf16", "")] + [C.Variant("f8tensor", r) for r in args.recipes]
-    if "tensorwise" in args.recipes:
-        variants.append(C.Variant("f8tensor", "tensorwise" + STEP_CASTS))
+    variants += [C.Variant("f8tensor", r + STEP_CASTS) for r in ("tensorwise", "delayed") if r in args.recipes]
     variants += [C.Variant("torchao", r) for r in args.torchao_recipes if r in TORCHAO_RECIPES]
     titles = {
         "llama": f"Llama-shaped block ({BLOCK_CONFIG.describe()})",

@@ -237,6 +237,8 @@ class Float8Linear(nn.Linear):
         self._plan_number = plan_number(config, precast)
         if changed:
             self._match_buffers(config)
+            if precast:
+                precast_weight(self)
 
     def check_new_config(self, config: Float8LinearConfig) -> None:
         """Raise ValueError if ``config`` cannot replace this built layer's (nothing changes).

@@ -237,8 +237,12 @@ def _recipe_forward(ctx, x, weight, bias, plan: LinearPlan, args: LinearArgs) ->
             amax_w = sync_amax(weight_amax)
             if not recompute:
                 q_w.keep_scale(weight._scale)
-    elif args.precast is not None:  # cast once per step, as the call would (tensorwise, dynamic)
+    elif args.precast is not None:  # cast once per step, as the call would (tensorwise)
         w8, amax_w = _precast(*args.precast, weight.dtype, fwd), None
+        if q_w.plan.delayed:
+            amax_w = args.precast[1][2]
+            if not recompute:
+                q_w.keep_scale(w8._scale)
     elif q_w.cache is not None:
         w8, amax_w = q_w.cached("forward", lambda: q_w.quantize(weight, 1, fwd)[0]), None
     else:
@@ -271,7 +275,7 @@ def _recipe_forward(ctx, x, weight, bias, plan: LinearPlan, args: LinearArgs) ->
 
 
 def _precast(data: torch.Tensor, scales: torch.Tensor, orig_dtype: torch.dtype, gemm: GemmConfig) -> Float8Tensor:
-    """The Float8Tensor of a weight cast once per step (tensorwise): ``scales`` is (scale, 1 / scale)."""
+    """The Float8Tensor of a weight cast once per step (tensorwise): ``scales[:2]`` is (scale, 1 / scale)."""
     # Every argument given: traced, a default read is a guard.
     f8 = from_gemm_cast(GemmCast(data, None, scales[0], None, None), orig_dtype, (0, 0), gemm, None)[0]
     f8._inv_scale = scales[1]  # set here, not through GemmCast.inverse: that means "eager"

@@ -14,11 +14,12 @@ import torch
 from torch import nn
 
 from f8tensor.compat import version_counter
-from f8tensor.quant.quantizers import quantize, role_plan
+from f8tensor.quant.config import DEFAULT_GEMM
+from f8tensor.quant.quantizers import cast_operand, quantize, role_plan
 
 __all__ = ["StepWeightCasts", "per_step_weight_casts"]
 
-#: The buffers of a weight cast once per step: FP8 data (out, in) and fp32 (scale, 1 / scale).
+#: The buffers of a weight cast once per step: FP8 data (out, in) and fp32 (scale, 1 / scale[, delayed amax]).
 PRECAST_BUFFERS = ("fp8_weight_data", "fp8_weight_scale")
 
 
@@ -57,11 +58,12 @@ def per_step_weight_casts(
 
     The casts live in each layer's non-persistent buffers ``fp8_weight_data`` (1 byte per
     weight element) and ``fp8_weight_scale`` (the scale and its inverse, which the products
-    read); forward and backward multiply them, with the bits
-    a cast in the call would give. They are cast now, after every ``optimizer.step()`` (a step
-    post hook), ``load_state_dict`` and ``Module.to()``, and by an eager forward whose weight
-    changed since; a compiled forward cannot tell: after any other change of a weight (an
-    in-place write, another optimizer) call ``refresh()``, or it multiplies the old cast.
+    read; a delayed weight's amax third); forward and backward multiply them, with the bits
+    a cast in the call would give (a delayed weight: one scale for the step's micro-batches).
+    They are cast now, after every ``optimizer.step()`` (a step post hook), ``load_state_dict``,
+    ``Module.to()`` and a new config, and by an eager forward whose weight changed since; a
+    compiled forward cannot tell: after any other change of a weight (an in-place write,
+    another optimizer) call ``refresh()``, or it multiplies the old cast.
 
     Args:
         model: a module holding Float8Linear layers.
@@ -71,7 +73,7 @@ def per_step_weight_casts(
         A :class:`StepWeightCasts` (``refresh()``, ``remove()``).
     Raises:
         TypeError: ``model`` not an ``nn.Module``.
-        ValueError: a layer it cannot serve (the weight's cast not tensorwise dynamic, a weight
+        ValueError: a layer it cannot serve (the weight's cast not per tensor, a weight
             that is a DTensor or an FSDP2/FP8-gathered one, per-GEMM formats, telemetry),
             named; ``module_filter_fn`` leaves such layers out. Nothing changes then.
 
@@ -97,7 +99,7 @@ def per_step_weight_casts(
         if refusal is not None:
             raise ValueError(
                 f"per_step_weight_casts cannot serve {fqn or type(module).__name__}: {refusal}. It serves "
-                "tensorwise dynamic weight casts of plain weights; leave the layer out with module_filter_fn"
+                "tensorwise weight casts (dynamic or delayed) of plain weights; leave the layer out with module_filter_fn"
             )
         layers.append(module)
     for layer in layers:
@@ -120,8 +122,8 @@ def precast_refusal(layer: Any, config: Any = None) -> str | None:
         return "its config names per-GEMM formats"
     if config.collect_stats:
         return "it collects cast telemetry (collect_stats), which measures every cast"
-    if not plan.tensorwise or plan.delayed or plan.specs[1].rounding != "nearest":
-        return f"its weight's cast is {config.weight!r}, not tensorwise dynamic with nearest rounding"
+    if not plan.tensorwise or plan.specs[1].rounding != "nearest":
+        return f"its weight's cast is {config.weight!r}, not tensorwise with nearest rounding"
     if config.enable_fsdp_float8_all_gather or type(weight) is not nn.Parameter:
         return f"its weight is a {type(weight).__name__} (a DTensor, an FSDP2 or FP8-gathered weight)"
     if not getattr(type(layer), "precasts_weight", False):
@@ -132,11 +134,13 @@ def precast_refusal(layer: Any, config: Any = None) -> str | None:
 def precast_weight(layer: Any) -> None:
     """Cast ``layer``'s weight into its per-step buffers, as its forward's cast would."""
     config, weight = layer.config, layer.weight
+    plan = role_plan(config.weight)
     data, scale = layer._buffers[PRECAST_BUFFERS[0]], layer._buffers[PRECAST_BUFFERS[1]]
     if (
         data is None
         or scale is None
         or scale.dtype != torch.float32
+        or scale.shape != (3 if plan.delayed else 2,)
         or data.device != weight.device
         or data.dtype != config.weight.dtype
         or data.shape != weight.shape
@@ -145,9 +149,15 @@ def precast_weight(layer: Any) -> None:
         data = layer._buffers[PRECAST_BUFFERS[0]] = torch.empty(
             weight.shape, dtype=config.weight.dtype, device=weight.device
         )
-        scale = layer._buffers[PRECAST_BUFFERS[1]] = torch.ones(2, dtype=torch.float32, device=weight.device)
+        scale = layer._buffers[PRECAST_BUFFERS[1]] = torch.ones(
+            3 if plan.delayed else 2, dtype=torch.float32, device=weight.device
+        )
     with torch.no_grad():
-        f8 = quantize(weight.detach(), role_plan(config.weight).specs[1])[0]
+        if plan.delayed:  # the forward's cast (which keeps its scale as scale_weight)
+            f8, amax, _ = cast_operand(weight.detach(), plan, 1, DEFAULT_GEMM, config, layer.amax_history_weight)
+            scale[2].copy_(amax)
+        else:
+            f8 = quantize(weight.detach(), plan.specs[1])[0]
         data.copy_(f8._data)
         scale[0].copy_(f8._scale)
         scale[1].copy_(f8._scale.reciprocal())  # the bits the products compute from it

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import pytest
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 import f8tensor
@@ -17,12 +21,16 @@ def _model(recipe: str = "tensorwise", **config) -> nn.Module:
     return convert_to_float8_training(mlp, config=Float8LinearConfig.from_recipe(recipe, **config))
 
 
-def _train(model: nn.Module, *, compiled: bool, precast: bool, steps: int = 3) -> list[torch.Tensor]:
-    """Outputs of ``steps`` SGD steps, then the parameters."""
+def _train(
+    model: nn.Module, *, compiled: bool, precast: bool, steps: int = 3, checkpointed: bool = False
+) -> list[torch.Tensor]:
+    """Outputs of ``steps`` SGD steps, then the parameters and buffers (delayed scaling's state)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     if precast:
         per_step_weight_casts(model, opt)
     run = torch.compile(model, fullgraph=True) if compiled else model
+    if checkpointed:  # forward run again in backward, with the recorded scales
+        run = functools.partial(torch.utils.checkpoint.checkpoint, model, use_reentrant=False)
     torch.manual_seed(1)
     outs = []
     for _ in range(steps):
@@ -31,16 +39,59 @@ def _train(model: nn.Module, *, compiled: bool, precast: bool, steps: int = 3) -
         opt.step()
         opt.zero_grad()
         outs.append(y.detach())
-    return outs + [p.detach().clone() for p in model.parameters()]
+    kept = [t.detach().clone() for t in model.parameters()]
+    return outs + kept + [b.clone() for name, b in model.named_buffers() if "fp8_weight" not in name]
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
 @pytest.mark.parametrize(
     "compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"]
-)  # compiled: 9 s, in CI's slow part
-def test_training_is_bitwise_a_cast_per_call(compiled):
-    want = _train(_model(), compiled=compiled, precast=False)
-    got = _train(_model(), compiled=compiled, precast=True)
+)  # compiled: 9 s each, in CI's slow part
+def test_training_is_bitwise_a_cast_per_call(compiled, recipe):
+    want = _train(_model(recipe), compiled=compiled, precast=False)
+    got = _train(_model(recipe), compiled=compiled, precast=True)
+    assert len(want) == (10 if recipe == "delayed" else 6)  # 3 outputs, 3 parameters, delayed: 2 buffers each
     assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+
+
+def test_a_checkpointed_delayed_step_is_bitwise_a_cast_per_call():
+    want = _train(_model("delayed"), compiled=False, precast=False, checkpointed=True)
+    got = _train(_model("delayed"), compiled=False, precast=True, checkpointed=True)
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+
+
+def test_a_delayed_weight_keeps_its_step_scale_over_micro_batches_and_pushes_each_amax():
+    def two_micro_batches(precast: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
+        model = _model("delayed")
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        if precast:
+            per_step_weight_casts(model, opt)
+        torch.manual_seed(1)
+        scales = []
+        for _ in range(2):  # one optimizer step, two micro-batches
+            model(torch.randn(4, 64, dtype=torch.bfloat16)).float().pow(2).mean().backward()
+            scales.append(model[0].scale_weight.clone())
+        return scales, model[0].amax_history_weight.clone()
+
+    per_call, history = two_micro_batches(precast=False)
+    per_step, history_per_step = two_micro_batches(precast=True)
+    assert not torch.equal(per_call[0], per_call[1])  # a cast per call: the first push moved it
+    assert torch.equal(per_step[0], per_call[0]) and torch.equal(per_step[1], per_step[0])  # the step's scale
+    assert torch.equal(history_per_step, history) and int((history > 0).sum()) == 2  # both amaxes pushed
+
+
+def test_a_delayed_weight_is_recast_from_a_loaded_history():
+    model, source = _model("delayed"), _model("delayed")
+    with torch.no_grad():
+        source[0].amax_history_weight.fill_(0.25)
+    per_step_weight_casts(model)
+    model.load_state_dict(source.state_dict())
+    scale = model[0].fp8_weight_scale
+    assert scale.shape == (3,) and torch.equal(scale[0], torch.tensor(448.0 / 0.25))
+    assert torch.equal(scale[1], scale[0].reciprocal())
+    assert torch.equal(scale[2], model[0].weight.detach().abs().max().float())  # pushed by the next backward
+    want = f8tensor.Float8Tensor.from_hp(model[0].weight.detach(), scale=scale[0])
+    assert torch.equal(model[0].fp8_weight_data.view(torch.uint8), want._data.view(torch.uint8))
 
 
 def test_the_buffers_hold_the_forward_cast_and_follow_the_optimizer():
@@ -120,8 +171,7 @@ def test_remove_restores_casts_per_call():
 @pytest.mark.parametrize(
     ("config", "why"),
     [
-        ({"recipe": "rowwise"}, "not tensorwise dynamic"),
-        ({"recipe": "delayed"}, "not tensorwise dynamic"),
+        ({"recipe": "rowwise"}, "not tensorwise with nearest rounding"),
         ({"recipe": "tensorwise", "collect_stats": True}, "telemetry"),
         ({"recipe": "tensorwise", "enable_fsdp_float8_all_gather": True}, "FP8-gathered"),
     ],
@@ -141,6 +191,21 @@ def test_a_config_it_cannot_serve_is_refused_while_on():
     with pytest.raises(ValueError, match="per_step_weight_casts serves this layer"):
         model[0].config = Float8LinearConfig.from_recipe("rowwise")
     assert isinstance(model[0], Float8Linear) and model[0].config == Float8LinearConfig.from_recipe("tensorwise")
+
+
+@pytest.mark.parametrize("new", ["delayed", "power_of_2_scale"])
+def test_a_new_config_recasts(new):
+    model, plain = _model(), _model("delayed" if new == "delayed" else "tensorwise")
+    if new == "power_of_2_scale":
+        config = plain[0].config
+        plain[0].config = plain[2].config = dataclasses.replace(
+            config, weight=dataclasses.replace(config.weight, power_of_2_scale=True)
+        )
+    per_step_weight_casts(model)
+    model[0].config = model[2].config = plain[0].config  # cast again (delayed: a third scale slot)
+    assert model[0].fp8_weight_scale.shape == (3 if new == "delayed" else 2,)
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    assert torch.equal(model(x), plain(x))
 
 
 def test_not_a_module_is_a_type_error():
