@@ -387,7 +387,7 @@ def unfused_interpreter_fma() -> str | None:
 
     from f8tensor.optim import AdamW
 
-    g = torch.full((128,), 1.7535215616226196)
+    g = torch.full((128,), 1.7535215616226196)  # a gradient whose fma rounded once and twice differ
     p = torch.nn.Parameter(torch.zeros(128))
     p.grad = g.clone()
     opt = AdamW([p], betas=(0.3, 0.95), state_dtype=torch.float32, fused=True)

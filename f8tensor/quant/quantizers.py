@@ -228,7 +228,7 @@ def quantize(
         stats.copy_(measured)
         return f4, None
     if stats is None:
-        out = cast_for_gemm(hp, spec, scale, layouts=layouts)
+        out = cast_for_gemm(hp, spec, scale, layouts=layouts, products_only=False)
         f8, twin = from_gemm_cast(out, hp.dtype, spec.block or (0,) * hp.dim(), gemm, column_major_gemm)
         if layouts == "both" and twin is None:
             twin = column_major_copy(f8, column_major_gemm)
@@ -339,7 +339,7 @@ class Quantizer(NamedTuple):
             return f8, twin, amax
         # Dynamic, unmeasured: straight to the kernels' cast (what quantize() does, without its branches).
         spec = plan.specs[contracted_dim]
-        out = cast_for_gemm(hp, spec, None, layouts="natural" if column_major is None else "both")
+        out = cast_for_gemm(hp, spec, None, layouts="natural" if column_major is None else "both", products_only=True)
         f8, twin = from_gemm_cast(out, hp.dtype, spec.block or (0,) * hp.dim(), gemm, column_major)
         if column_major is not None and twin is None:
             twin = column_major_copy(f8, column_major)

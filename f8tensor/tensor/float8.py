@@ -405,7 +405,7 @@ def to_float8_for_gemm(
     column_major_gemm: GemmConfig | None = None,
 ) -> tuple[Float8Tensor, Float8Tensor | None]:
     """:func:`to_float8` and, with ``layouts='both'``, the column-major twin (else None)."""
-    out = cast_for_gemm(hp, spec, scale, layouts=layouts)
+    out = cast_for_gemm(hp, spec, scale, layouts=layouts, products_only=False)
     return from_gemm_cast(out, hp.dtype, spec.block or (0,) * hp.dim(), gemm, column_major_gemm)
 
 
