@@ -86,7 +86,7 @@ def cast_for_gemm(
         scale: a given scale, else dynamic.
         layouts: ``"natural"``, ``"both"`` (plus a column-major copy, for the weight-gradient
             GEMM) or ``"column_major"`` (the data itself); the last two for 2D tensors.
-        products_only: compiled, the data is written once, not recomputed by each product.
+        products_only: compiled, the data is written once, not per product.
     Returns:
         A :class:`GemmCast`; ``inverse`` is set where computing it here saves work (fused
         kernels; a per-tensor scale in eager).
@@ -108,7 +108,7 @@ def cast_for_gemm(
         hp, spec, scale, None, need_amax=False, amax=None, uniform=None, eager=not compiling
     )
     inverse = inverse_scale_of(scale) if scale.dim() == 0 and not compiling else None
-    if compiling and products_only:
+    if compiling and products_only:  # materialized(), inlined: a call is a guard
         data = data.as_strided(data.shape, data.stride())
     if layouts == "natural":
         return GemmCast(data, None, scale, inverse, not compiling)

@@ -59,7 +59,7 @@ def per_step_weight_casts(
     The casts live in each layer's non-persistent buffers ``fp8_weight_data`` (1 byte per
     weight element) and ``fp8_weight_scale`` (the scale and its inverse, which the products
     read; a delayed weight's amax third); forward and backward multiply them, with the bits
-    a cast in the call would give (a delayed weight: one scale for the step's micro-batches).
+    a cast in the call would give (a delayed weight: one scale per step).
     They are cast now, after every ``optimizer.step()`` (a step post hook), ``load_state_dict``,
     ``Module.to()`` and a new config, and by an eager forward whose weight changed since; a
     compiled forward cannot tell: after any other change of a weight (an in-place write,
@@ -135,12 +135,13 @@ def precast_weight(layer: Any) -> None:
     """Cast ``layer``'s weight into its per-step buffers, as its forward's cast would."""
     config, weight = layer.config, layer.weight
     plan = role_plan(config.weight)
+    n_scales = 3 if plan.delayed else 2
     data, scale = layer._buffers[PRECAST_BUFFERS[0]], layer._buffers[PRECAST_BUFFERS[1]]
     if (
         data is None
         or scale is None
         or scale.dtype != torch.float32
-        or scale.shape != (3 if plan.delayed else 2,)
+        or scale.shape != (n_scales,)
         or data.device != weight.device
         or data.dtype != config.weight.dtype
         or data.shape != weight.shape
@@ -149,11 +150,9 @@ def precast_weight(layer: Any) -> None:
         data = layer._buffers[PRECAST_BUFFERS[0]] = torch.empty(
             weight.shape, dtype=config.weight.dtype, device=weight.device
         )
-        scale = layer._buffers[PRECAST_BUFFERS[1]] = torch.ones(
-            3 if plan.delayed else 2, dtype=torch.float32, device=weight.device
-        )
+        scale = layer._buffers[PRECAST_BUFFERS[1]] = torch.ones(n_scales, dtype=torch.float32, device=weight.device)
     with torch.no_grad():
-        if plan.delayed:  # the forward's cast (which keeps its scale as scale_weight)
+        if plan.delayed:  # the forward's cast (the forward keeps its scale)
             f8, amax, _ = cast_operand(weight.detach(), plan, 1, DEFAULT_GEMM, config, layer.amax_history_weight)
             scale[2].copy_(amax)
         else:

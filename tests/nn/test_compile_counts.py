@@ -18,6 +18,8 @@ import pytest
 import torch
 from helpers import load_script
 
+from f8tensor import Float8LinearConfig, convert_to_float8_training
+
 BENCH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
 
 #: workload -> variant -> (guards, CPU kernels of forward + backward, bytes outside the GEMMs
@@ -127,8 +129,6 @@ def test_counts_do_not_depend_on_what_the_process_compiled_before():
 def test_an_input_read_by_several_products_is_cast_once():
     # torch._scaled_mm (rowwise on a CPU, every recipe on a GPU) has a lowering that does not
     # realize its inputs: an FP8 cast read by q, k and v was computed and written per product.
-    from f8tensor import Float8LinearConfig, convert_to_float8_training
-
     bench = _bench()
     import bench_cast_traffic
 
