@@ -17,13 +17,18 @@ tensorwise and rowwise where it has a CPU path; "n/a" and the reason where not),
 - **bytes outside GEMMs**: what the generated kernels read and write, counted as
   ``bench_cast_traffic`` counts them (each pass reads and writes each buffer it touches
   once), against bf16's, and against the **floor** (:data:`FLOOR_PER_ELEMENT`): the bytes the
-  unique FP8 operands must move at least.
+  unique FP8 operands must move at least. With ``--scalar-codegen`` kernels and bytes are read
+  from code generated with vectorization off (``cpp.simdlen=1``): the vectorized C++ splits a
+  row's amax from its cast by loop step alone, which is no fusion decision and which the
+  floor's rowwise rule (a row reduced, then cast, in one loop) does not count; this reading
+  is ``bench_cast_traffic --scalar-codegen``'s, the closer one to a GPU back end's fusion.
 
 The CUDA path (fake CUDA tensors, an sm90 capability) is traced by :func:`cuda_trace`
 (``tests/nn/test_compile_cuda_path.py``): graph breaks, graphs and host reads there.
 
     python benchmarks/bench_compile_counts.py               # every workload; ~10 minutes on 2 cores
     python benchmarks/bench_compile_counts.py --no-kernels  # guards and breaks only (dynamo, seconds)
+    python benchmarks/bench_compile_counts.py --scalar-codegen  # kernels and bytes, vectorization off
 
 Prints a Markdown table for BENCHMARKS.md, with ratios to bf16 in the same run.
 """
@@ -165,8 +170,9 @@ def dynamo_counts(block: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> d
     return {"guards": len(explained.out_guards), "graphs": explained.graph_count, "breaks": explained.graph_break_count}
 
 
-def compiled_codes(block: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> list[str]:
-    """Inductor's output code for one compiled forward + backward (FX and AOTAutograd caches off)."""
+def compiled_codes(block: torch.nn.Module, inputs: tuple[torch.Tensor, ...], scalar: bool = False) -> list[str]:
+    """Inductor's output code for one compiled forward + backward (FX and AOTAutograd caches off;
+    ``scalar``: vectorization off, ``bench_cast_traffic --scalar-codegen``'s reading)."""
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
     from torch._inductor.utils import run_and_get_code
@@ -180,7 +186,8 @@ def compiled_codes(block: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> 
     def step() -> None:
         compiled(*inputs).backward(grad)
 
-    with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+    simd = {"cpp.simdlen": 1} if scalar else {}
+    with inductor_config.patch(fx_graph_cache=False, **simd), functorch_config.patch(enable_autograd_cache=False):
         _, codes = run_and_get_code(step)
     return codes
 
@@ -215,13 +222,16 @@ def outside_gemm_bytes(codes: list[str]) -> int:
     return sum(g.read_bytes + g.written_bytes for g in graphs)
 
 
-def measure(variant: C.Variant, float8=None, kernels: bool = True, workload: str = "llama") -> dict[str, int]:
-    """Every count of one variant on ``workload`` (``kernels`` and ``bytes`` -1 when not measured)."""
+def measure(
+    variant: C.Variant, float8=None, kernels: bool = True, workload: str = "llama", scalar: bool = False
+) -> dict[str, int]:
+    """Every count of one variant on ``workload`` (``kernels`` and ``bytes`` -1 when not measured;
+    ``scalar``: the generated code read with vectorization off)."""
     block, inputs = build(workload, variant, float8)
     counts = dynamo_counts(block, inputs)
     counts["kernels"] = counts["bytes"] = -1
     if kernels:
-        codes = compiled_codes(block, inputs)
+        codes = compiled_codes(block, inputs, scalar)
         counts["kernels"], counts["bytes"] = _kernels(codes), outside_gemm_bytes(codes)
     return counts
 
@@ -370,6 +380,9 @@ def main(argv=None) -> None:
     parser = C.BenchArgumentParser(__doc__, recipes=RECIPES)
     parser.add_argument("--no-kernels", action="store_true", help="skip inductor (guards and breaks only)")
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, of {WORKLOADS}")
+    parser.add_argument(
+        "--scalar-codegen", action="store_true", help="kernels and bytes with inductor's C++ vectorization off"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     C.setup_compile()
@@ -387,14 +400,15 @@ def main(argv=None) -> None:
         rows, missing = {}, {}
         for variant in variants:
             try:
-                rows[variant.name] = measure(variant, args.torchao, not args.no_kernels, workload)
+                rows[variant.name] = measure(variant, args.torchao, not args.no_kernels, workload, args.scalar_codegen)
             except Exception as e:  # noqa: BLE001  (one variant failing is said in its row)
                 # "n/a": no such path (torchao's on a CPU, a recipe's); anything else is a failure of ours.
                 why = " ".join(str(e).split())[:120]
                 na = variant.library == "torchao" or (workload, variant.recipe.removesuffix(STEP_CASTS)) in F8TENSOR_NA
                 missing[variant.name] = f"n/a: {why}" if na else f"fails: {why}"
         base = rows["bf16"]
-        print(f"### CPU: {titles[workload]}, bf16, forward + backward")
+        reading = ", scalar codegen (cpp.simdlen=1)" if args.scalar_codegen else ""
+        print(f"### CPU: {titles[workload]}, bf16, forward + backward{reading}")
         print()
         table = [
             _row(n, r, base, None if n == "bf16" else floor_bytes(workload, n.split()[1])) for n, r in rows.items()

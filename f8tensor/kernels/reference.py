@@ -95,7 +95,7 @@ def cast_values(
     """
     float8_dtype, block = spec.float8_dtype, spec.block
     fmax = format_number(float8_dtype, "max")  # read once per cast
-    group_amax = None
+    group_amax, to_e8m0 = None, False
     # Tensorwise or axiswise with fp32 scales: the per-axis amax kernels (same bits as block ones).
     axis = None
     tensorwise = not block  # is_tensorwise, inlined: once per cast
@@ -128,7 +128,15 @@ def cast_values(
         if scale is None:
             # Without stats the amax goes from hp's dtype straight to the scale's float64.
             amax = group_amax if group_amax is not None else block_abs_max(hp, block)
-            scale = block_scale(amax, spec)
+            # block_scale's body, e8m0 in fp32: converted after the cast (on a CPU a call, which
+            # would split amax from cast), the fp32 scale written once for the cast.
+            to_e8m0 = spec.scale_dtype == E8M0
+            if to_e8m0:
+                scale = amax_to_e8m0_scale(amax, float8_dtype, spec.scale_mode, torch.float32)
+                if not eager:
+                    scale = scale.as_strided(scale.shape, scale.stride())
+            else:
+                scale = amax_to_scale(amax, float8_dtype, round_pow2=spec.power_of_2)
         # Deliberate upcast of e8m0 scales: powers of two, exact in fp32.
         scale32 = scale if scale.dtype == torch.float32 else scale.to(torch.float32)
         expanded = expand_block_scale(scale32, block, tuple(hp.shape))
@@ -140,6 +148,8 @@ def cast_values(
     else:
         # The product is a temporary of our own: clamp it in place unless stats read it.
         data = saturated_cast(scaled, float8_dtype, inplace=not need_amax, fmax=fmax)
+    if to_e8m0:
+        scale = scale.to(E8M0)
     return data, scale, scaled, group_amax, scale32
 
 

@@ -244,11 +244,14 @@ def _floor_pow2_f64(x: torch.Tensor) -> torch.Tensor:
     return (x.view(torch.int64) & 0x7FF0000000000000).view(torch.float64)
 
 
-def amax_to_e8m0_scale(amax: torch.Tensor, float8_dtype: torch.dtype, mode: str = "rceil") -> torch.Tensor:
+def amax_to_e8m0_scale(
+    amax: torch.Tensor, float8_dtype: torch.dtype, mode: str = "rceil", dtype: torch.dtype = E8M0
+) -> torch.Tensor:
     """Power-of-two MX block scales (e8m0); a non-finite amax gives NaN.
 
     Args:
         mode: ``"rceil"`` (nothing saturates) or ``"floor"`` (OCP MX v1.0; a block's top may clamp).
+        dtype: ``E8M0``, or ``torch.float32`` for the same values in fp32.
     Raises:
         ValueError: an unknown ``mode``.
     """
@@ -263,7 +266,9 @@ def amax_to_e8m0_scale(amax: torch.Tensor, float8_dtype: torch.dtype, mode: str 
     scale = scale.clamp(min=2.0**-127, max=2.0**127)  # E8M0_MIN_EXP, E8M0_MAX_EXP (see there)
     # + (amax - amax): NaN for a non-finite amax, else 0.
     scale = scale + (amax64 - amax64)
-    return scale.to(torch.float32).to(E8M0)
+    if dtype == E8M0:
+        return scale.to(torch.float32).to(E8M0)
+    return scale.abs().to(dtype)  # a NaN as e8m0's reads back: positive
 
 
 def expand_block_scale(scale: torch.Tensor, block: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:

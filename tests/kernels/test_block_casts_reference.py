@@ -14,12 +14,13 @@ Rounding to the e4m3 grid is done here on the table of all 127 non-negative e4m3
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
 
 from f8tensor import BLOCK_1x128, BLOCK_128x128, Float8Tensor, MX_1x32, MX_1x32_FLOOR, compat, gemm, sqnr
-from tests.helpers import assert_consistent, assert_sqnr
+from tests.helpers import assert_consistent, assert_sqnr, bits
 
 E4M3 = torch.float8_e4m3fn
 FMAX = 448.0
@@ -328,6 +329,27 @@ def test_eager_equals_compiled_bitwise():
         assert torch.equal(c._scale.view(torch.uint8), e._scale.view(torch.uint8))
         assert c._block == e._block
     assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("name", ["wide_rows", "nan_inf"])
+def test_compiled_mx_cast_is_one_kernel(name):
+    # Inductor's C++ has no e8m0 type: the scale's conversion is a call. Between a block's
+    # amax and its cast (e8m0, then fp32 again for the cast) it split them into two kernels.
+    from torch._inductor.utils import run_and_get_code
+
+    def cast(x):
+        c = Float8Tensor.from_hp(x, granularity=MX_1x32)
+        return c._data, c._scale.view(torch.uint8)
+
+    x = INPUTS[name].to(torch.bfloat16)
+    torch._dynamo.reset()
+    (data, scale), (code,) = run_and_get_code(torch.compile(cast, fullgraph=True), x)
+    want_data, want_scale = cast(x)
+    assert torch.equal(scale, want_scale)
+    # Bit for bit, a NaN's sign aside (a compiled block cast's NaN is negative, eager's positive).
+    nan = want_data.float().isnan()
+    assert torch.equal(data.float().isnan(), nan) and torch.equal(bits(data)[~nan], bits(want_data)[~nan])
+    assert len(re.findall(r"^cpp_fused_\w+ = async_compile", code, re.MULTILINE)) == 1
 
 
 #: torch 2.11's and 2.12's inductor CPU loop, fusing a cast and its dequantization, splits a

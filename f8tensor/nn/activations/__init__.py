@@ -1,11 +1,7 @@
 """Activations saved for backward in FP8: :func:`save_activations_in_float8`.
 
-Each qualifying saved tensor is cast by its block quantizer (one fp32 scale per ``block``
-elements of the last dim, or of memory order where the last dim is shorter) and restored
-once per backward. Invariants: nothing that a parameter's storage keeps alive, no per-row
-statistic, no attention mask, and no tensor changed in place since its save is ever read
-back; a fused attention's q, k, v and output stay exact where its logits are too large for
-FP8 (sharp attention); a non-finite block comes back NaN. Details: docs/activations.rst.
+Each qualifying saved tensor is cast by its block quantizer and restored once per backward;
+what stays exact, and why: docs/activations.rst.
 """
 
 from __future__ import annotations
