@@ -113,6 +113,20 @@ def test_the_buffers_hold_the_forward_cast_and_follow_the_optimizer():
     )
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_a_recast_writes_the_buffers_in_place(recipe):
+    # A compiled forward or a captured CUDA graph keeps reading the buffers it first saw.
+    model = _model(recipe)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    casts = per_step_weight_casts(model, opt)
+    buffers = [b for layer in casts.layers for b in (layer.fp8_weight_data, layer.fp8_weight_scale)]
+    model(torch.randn(4, 64, dtype=torch.bfloat16)).float().sum().backward()
+    opt.step()  # recasts
+    casts.refresh()
+    after = [b for layer in casts.layers for b in (layer.fp8_weight_data, layer.fp8_weight_scale)]
+    assert all(a is b for a, b in zip(after, buffers)) and len(after) == 4
+
+
 def test_an_eager_forward_recasts_a_weight_changed_otherwise():
     model, plain = _model(), _model()
     per_step_weight_casts(model)  # no optimizer: refresh() is the caller's

@@ -125,6 +125,19 @@ def test_e8m0_scale_exponent_is_clamped_to_the_e8m0_range(mode):
     assert got[2].item() == 2.0**-118  # rceil: 2**floor(log2(448 / 2**126)); floor: 2**(8 - 126)
 
 
+@pytest.mark.parametrize("mode", ["rceil", "floor"])
+def test_e8m0_scale_in_fp32_is_the_e8m0_values(mode):
+    """``dtype=torch.float32``: the same powers of two; a non-finite amax's NaN positive, as
+    e8m0's NaN reads back (its payload aside)."""
+    amax = torch.tensor([1.0, 3.0, 500.0, 2.0**-100, 0.0, float("inf"), float("nan")])
+    got = scaling.amax_to_e8m0_scale(amax, E4M3, mode, torch.float32)
+    e8m0 = scaling.amax_to_e8m0_scale(amax, E4M3, mode)
+    assert got.dtype == torch.float32 and e8m0.dtype == torch.float8_e8m0fnu
+    nan = e8m0.float().isnan()
+    assert nan.tolist() == [False] * 5 + [True] * 2 and torch.equal(got.isnan(), nan)
+    assert not got.signbit().any() and torch.equal(got[~nan], e8m0.float()[~nan])
+
+
 # ----------------------------------------------------------------------------- delayed scaling
 
 
