@@ -26,7 +26,7 @@ SCRIPT = REPO / "benchmarks" / "gpu_campaign.py"
 NAME_OK = re.compile(r"^[A-Za-z0-9._-]+$")
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from campaign import plans, report, runner, targets
+from campaign import linear, plans, report, runner, targets
 
 
 def _run(*args: str, blocked=None, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -65,16 +65,32 @@ def dry_default(tmp_path_factory, blocked):
     return proc, out
 
 
+FORCED_MISS = {
+    "item": "linear_target",
+    "kind": "figure",
+    "recipe": "tensorwise",
+    "mode": "compiled",
+    "shape": "x".join(map(str, linear.DRY_SHAPE)),
+    "metric": "step_ms",
+    "status": "missed",
+}
+
+
 @pytest.fixture(scope="module")
 def dry_second(tmp_path_factory, blocked, dry_default):
-    out = tmp_path_factory.mktemp("campaign") / "second"
+    root = tmp_path_factory.mktemp("campaign")
+    out = root / "second"
+    # Which figures a CPU dry run misses depends on the CPU's timings; one compiled miss is
+    # added so that the compiled profile is always exercised.
+    forced = root / "forced.csv"
+    report.write_csv(forced, [FORCED_MISS])
     proc = _run(
         "--second",
         "--dry-run",
         "--out",
         str(out),
         "--figures-csv",
-        str(dry_default[1] / "results.csv"),
+        f"{dry_default[1] / 'results.csv'},{forced}",
         blocked=blocked,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -212,10 +228,11 @@ def test_second_plan_profiles_missed_figures_and_reports_absent_hooks(dry_defaul
 
     missed = [
         r
-        for r in report.read_csv(dry_default[1] / "results.csv")
+        for figures in (dry_default[1] / "results.csv", out.parent / "forced.csv")
+        for r in report.read_csv(figures)
         if r["status"] == "missed" and r["item"] in profiles.BUILDERS
     ]
-    assert missed, "a CPU dry run misses GPU speed targets"
+    assert len(missed) > 1, "a CPU dry run misses GPU speed targets"
     for r in missed:
         for recipe in (r["recipe"], "bf16" if r["metric"] != "speedup_vs_torchao" else f"torchao {r['recipe']}"):
             assert f"{r['item']} {recipe} {r['mode']} {r['shape']}" in labels, (r, labels)
