@@ -70,7 +70,9 @@ BUDGETS = {
         # group casts' gather folded into their passes (no padded bf16 copy): rowwise 1.77 ->
         # 1.48, 12 -> 14 kernels (the scan's input, one per graph; 592 rows here), 303 -> 304 guards.
         "tensorwise": (291, 5, 1.08),
-        "rowwise": (312, 14, 1.49),
+        # The group amax's chunks one fp32 reduction when traced (min, max, then their
+        # maximum were two passes): 1.48 -> 1.45.
+        "rowwise": (312, 14, 1.46),
         # The high-precision weight gradient as bf16's own derivative, unpadded (bits the same):
         # rowwise_with_gw_hp 251 -> 243 guards, 5 -> 2 kernels, 1.67 -> 1.36.
         "rowwise_with_gw_hp": (250, 2, 1.37),
@@ -79,8 +81,14 @@ BUDGETS = {
 
 #: Bytes over bf16's / the floor, at most, read from code generated with vectorization off
 #: (``bench_compile_counts --scalar-codegen``: a row's amax and its cast in one loop, as the
-#: floor counts them). Measured llama rowwise 0.93, rowwise_with_gw_hp 1.01; +0.01.
-SCALAR_BUDGETS = {("llama", "rowwise"): 0.94, ("llama", "rowwise_with_gw_hp"): 1.02}
+#: floor counts them). Measured llama rowwise 0.93, rowwise_with_gw_hp 1.01; MoE rowwise 1.17
+#: (1.20 before the chunks' one reduction), rowwise_with_gw_hp 1.02; +0.01.
+SCALAR_BUDGETS = {
+    ("llama", "rowwise"): 0.94,
+    ("llama", "rowwise_with_gw_hp"): 1.02,
+    ("moe", "rowwise"): 1.18,
+    ("moe", "rowwise_with_gw_hp"): 1.03,
+}
 
 pytestmark = [
     pytest.mark.slow,
