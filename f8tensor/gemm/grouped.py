@@ -29,6 +29,7 @@ __all__ = [
     "check_grouped_dims",
     "grouped_kernel_available",
     "grouped_mm",
+    "in_dtype",
     "scaled_grouped_mm",
     "validate_grouped_mm_args",
 ]
@@ -39,6 +40,12 @@ _HP_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 #: The one output dtype of the grouped kernel; results are cast to the caller's dtype.
 KERNEL_OUT = torch.bfloat16
+
+
+def in_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` in ``dtype``, ``t`` itself if it is: compiled, torch 2.11 zeroes the gradient of a
+    Function output aliasing an intermediate, as a no-op ``.to`` does (pytorch#180642)."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -55,7 +62,7 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, out_dtype: 
     a_inv = kernel_scale(inverse_scale(a8), (m, 1), (m,))
     b_inv = kernel_scale(inverse_scale(b8), (g, 1, n), (g, n))
     out = scaled_grouped_mm(row_major(a8._data), col_major(b8._data), a_inv, b_inv, offs.to(torch.int32), KERNEL_OUT)
-    return out.to(out_dtype)
+    return in_dtype(out, out_dtype)
 
 
 def batched_mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -81,7 +88,7 @@ def batched_mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torc
                 for i in range(0, bsz, MAX_GROUPS)
             ]
         )
-    return out.to(out_dtype)
+    return in_dtype(out, out_dtype)
 
 
 def check_grouped_dims(k: int, n: int, what: str) -> None:

@@ -10,7 +10,7 @@ from f8tensor import compat
 from f8tensor.compat import grouped_mm as hp_grouped_mm
 from f8tensor.gemm import batched_mm, grouped_mm, scaled_grouped_mm
 from f8tensor.gemm.check import is_col_major, is_row_major
-from f8tensor.gemm.grouped import KERNEL_OUT, grouped_kernel_available
+from f8tensor.gemm.grouped import KERNEL_OUT, grouped_kernel_available, in_dtype
 from f8tensor.gemm.operands import col_major, kernel_scale, row_major
 from f8tensor.gemm.rules import ALIGN, CudaBuild, block_rule_for
 from f8tensor.nn.linear_autograd import LinearArgs
@@ -271,7 +271,7 @@ class _GroupedMMFn(torch.autograd.Function):
         )
         ctx.config = config
         ctx.x_dtype = x.dtype
-        return out.to(x.dtype)
+        return in_dtype(out, x.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
@@ -330,7 +330,7 @@ class _ExpertBmmFn(torch.autograd.Function):
         _check_contraction(x.shape[2], "batched forward")
         _check_contraction(w.shape[2], "batched input gradient, checked in forward")
         w_spec = _spec(config.weight, 1, ndim=3, per_expert=True)
-        return _bmm_fp8(x, w, _spec(config.input, 2, ndim=3), w_spec).to(x.dtype)
+        return in_dtype(_bmm_fp8(x, w, _spec(config.input, 2, ndim=3), w_spec), x.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]

@@ -269,3 +269,29 @@ def test_segment_amax_matches_a_loop_and_keeps_non_finite(rows_per_chunk):
     torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)  # exact (a NaN's sign bit aside)
     assert got[0, 2].isnan() and got[3, 3] == float("inf") and got[3, 0] == 300.0
     assert (got[1] == 0).all() and (got[4] == 0).all()
+
+
+# ----------------------------------------------------------------------------- compiled outputs
+
+
+@pytest.mark.parametrize("route", ["grouped", "batched"])
+def test_traced_function_output_aliases_no_intermediate(route):
+    """Compiled on torch 2.11, an autograd.Function whose output is also one of its traced
+    intermediates (a no-op ``.to``'s alias) got zero gradients (pytorch/pytorch#180642): the
+    expert GEMMs' forward returns a tensor no other traced value is (checked on any torch)."""
+    w, x, _, offs = _inputs()
+    w, x = w.requires_grad_(), x.requires_grad_()
+    config = Float8LinearConfig.from_recipe("rowwise")
+    if route == "grouped":
+        fn, args = _fn("rowwise", offs), (x, w.transpose(-2, -1))
+    else:
+        fn, args = (lambda a, b: _ExpertBmmFn.apply(a, b, config)), (x[:192].view(3, 64, K), w[:3].transpose(-2, -1))
+    graphs = []
+    torch._dynamo.reset()
+    torch.compile(fn, fullgraph=True, backend=lambda gm, _: graphs.append(gm) or gm)(*args)
+    forwards = [sub for name, sub in graphs[0].named_children() if name.startswith("fwd_body")]
+    assert len(forwards) == 1, [name for name, _ in graphs[0].named_children()]
+    nodes = list(forwards[0].graph.nodes)
+    out = nodes[-1].args[0][0][0]  # the output of ((outputs, intermediates), saved)
+    others = [n.name for n in nodes[:-1] if n is not out and n.meta.get("example_value") is out.meta["example_value"]]
+    assert others == [], f"the forward's output {out.name} is also {others}"
