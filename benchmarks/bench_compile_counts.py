@@ -312,6 +312,7 @@ def _graph_calls(gm: torch.fx.GraphModule) -> dict[str, int]:
             continue
         for node in sub.graph.nodes:
             name = getattr(node.target, "__name__", node.target) if node.op != "call_method" else node.target
+            name = name.removesuffix(".default") if isinstance(name, str) else name  # an aten overload
             found["fp8_kernels"] += name in _FP8_KERNELS
             found["host_reads"] += name in HOST_READS and _on_device(node.args[0] if node.args else None)
             value = node.meta.get("example_value")

@@ -44,7 +44,6 @@ __all__ = [
     "WRAPPER_SUBCLASS",
     "TorchDispatchMode",
     "assert_async",
-    "block_scaled_mm",
     "colwise_prepare_input",
     "cpu_compiler",
     "cpu_scaled_mm",
@@ -54,7 +53,6 @@ __all__ = [
     "fma",
     "functional_all_reduce_max",
     "grouped_mm",
-    "has_block_scaled_mm",
     "is_fake",
     "is_functorch_wrapped",
     "is_op_of_namespace",
@@ -121,8 +119,6 @@ def assert_async(condition: torch.Tensor, message: str) -> None:
 _FNUZ = (torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
 #: ``torch._scaled_mm`` (torch >= 2.4 signature).
 _SCALED_MM = torch._scaled_mm
-#: ``F.scaled_mm`` (torch >= 2.10), else None.
-_F_SCALED_MM = getattr(torch.nn.functional, "scaled_mm", None)
 #: ``torch._scaled_grouped_mm`` (torch >= 2.8).
 _SCALED_GROUPED_MM = torch._scaled_grouped_mm
 #: ``torch._grouped_mm`` (torch >= 2.8, CPU from 2.9).
@@ -287,22 +283,6 @@ def set_scaled_mm(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor
     """Make ``torch._scaled_mm`` ``fn``; returns what it was."""
     previous, torch._scaled_mm = torch._scaled_mm, fn
     return previous
-
-
-def has_block_scaled_mm() -> bool:
-    """Whether this torch has ``torch.nn.functional.scaled_mm`` (torch >= 2.10)."""
-    return _F_SCALED_MM is not None
-
-
-def block_scaled_mm(*args: Any, **kwargs: Any) -> torch.Tensor:
-    """``torch.nn.functional.scaled_mm`` (the original; torch >= 2.10).
-
-    Raises:
-        RuntimeError: this torch has no ``F.scaled_mm``.
-    """
-    if _F_SCALED_MM is None:
-        raise RuntimeError(f"torch.nn.functional.scaled_mm needs torch >= 2.10; this is torch {torch.__version__}")
-    return _F_SCALED_MM(*args, **kwargs)
 
 
 def scaled_grouped_mm(a, b, scale_a, scale_b, offs, out_dtype) -> torch.Tensor:

@@ -297,25 +297,23 @@ def _kernel_mm(
     """``torch.nn.functional.scaled_mm`` with block scales, or a clear error."""
     if rule is None:
         raise NotImplementedError(_refusal(rule, a8, b8))
-    functional = torch.nn.functional
     major, minor = torch.cuda.get_device_capability(a8._data.device)
     cuda = cast("tuple[int, int]", tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2]))
-    if not hasattr(functional, "scaled_mm") or not _runs_here(rule.name, compat.TORCH_VERSION, cuda, (major, minor)):
+    if not _runs_here(rule.name, compat.TORCH_VERSION, cuda, (major, minor)):
         raise NotImplementedError(_no_kernel_here(rule.name, major, minor))
     if not _takes_operands(rule, a8, b8):
         raise ValueError(_refusal(rule, a8, b8))
     pads = _padding(rule, a8, b8, gemm, traced=torch.compiler.is_compiling())
     a8_kernel, pads = _outer_rows_padded(rule, a8, pads)
     a_data, b_data, sa, sb = _kernel_args(rule, a8_kernel, b8, pads)
-    kinds, swizzle = functional.ScalingType, functional.SwizzleType
-    swz = swizzle.SWIZZLE_32_4_4 if rule.recipe_a == "BlockWise1x32" else swizzle.NO_SWIZZLE
+    swz = "SWIZZLE_32_4_4" if rule.recipe_a == "BlockWise1x32" else "NO_SWIZZLE"
     out = block_scaled_mm(
         a_data,
         b_data,
         sa,
-        getattr(kinds, rule.recipe_a),
+        rule.recipe_a,
         sb,
-        getattr(kinds, rule.recipe_b),
+        rule.recipe_b,
         swizzle_a=swz,
         swizzle_b=swz,
         output_dtype=out_dtype,
@@ -399,23 +397,20 @@ def _fp4_kernel_args(a4: Float4Tensor, b4: Float4Tensor):
 
 def _fp4_kernel_mm(a4: Float4Tensor, b4: Float4Tensor, bias, out_dtype: torch.dtype) -> torch.Tensor:
     rule = fp4_rule_for(a4._kind)
-    functional = torch.nn.functional
     major, minor = torch.cuda.get_device_capability(a4.device)
     cuda = cast("tuple[int, int]", tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2]))
-    if not hasattr(functional, "scaled_mm") or CudaBuild(compat.TORCH_VERSION, cuda, (major, minor)) not in rule.builds:
+    if CudaBuild(compat.TORCH_VERSION, cuda, (major, minor)) not in rule.builds:
         raise NotImplementedError(
             f"the {rule.name} kernel needs {rule.builds} and torch.nn.functional.scaled_mm; this is "
             f"sm{major}{minor} with CUDA {torch.version.cuda}. Use emulate=True for the reference path."
         )
     a_data, b_data, sa, sb = _fp4_kernel_args(a4, b4)
-    kinds, swizzle = functional.ScalingType, functional.SwizzleType
-    recipe: torch.nn.functional.ScalingType | list[torch.nn.functional.ScalingType]
-    swz: torch.nn.functional.SwizzleType | list[torch.nn.functional.SwizzleType]
+    recipe: str | list[str]
+    swz: str | list[str]
     if a4._kind == "nvfp4":
-        recipe = [kinds.BlockWise1x16, kinds.TensorWise]
-        swz = [swizzle.SWIZZLE_32_4_4, swizzle.NO_SWIZZLE]
+        recipe, swz = ["BlockWise1x16", "TensorWise"], ["SWIZZLE_32_4_4", "NO_SWIZZLE"]
     else:
-        recipe, swz = kinds.BlockWise1x32, swizzle.SWIZZLE_32_4_4
+        recipe, swz = "BlockWise1x32", "SWIZZLE_32_4_4"
     # MXFP4's kernel writes bf16 only; NVFP4's output dtype other than bf16 is unverified.
     out = block_scaled_mm(
         a_data,

@@ -47,6 +47,7 @@ __all__ = [
     "check_grouped_rules",
     "checked_functional_scaled_mm",
     "checked_scaled_mm",
+    "functional_scaled_mm",
     "grouped_mm_violations",
     "install_from_env",
     "install_rules_check",
@@ -170,7 +171,7 @@ def checked_functional_scaled_mm(mat_a, mat_b, scale_a, scale_recipe_a, scale_b,
         problems = [f"no rules row for scale recipes {sorted(recipes)}: add one to f8tensor.gemm.rules"]
         summary = {"kind": "unknown", "recipes": sorted(recipes)}
     _CHECK.record("torch.nn.functional.scaled_mm", summary, problems)
-    return compat.block_scaled_mm(mat_a, mat_b, scale_a, scale_recipe_a, scale_b, scale_recipe_b, *args, **kwargs)
+    return functional_scaled_mm(mat_a, mat_b, scale_a, scale_recipe_a, scale_b, scale_recipe_b, *args, **kwargs)
 
 
 @torch.compiler.allow_in_graph
@@ -203,10 +204,51 @@ def scaled_mm(mat1, mat2, scale_a, scale_b, *, bias=None, out_dtype=None, use_fa
 
 
 def block_scaled_mm(mat_a, mat_b, scale_a, recipe_a, scale_b, recipe_b, **kwargs: Any) -> torch.Tensor:
-    """``torch.nn.functional.scaled_mm`` through ``compat``, checked first when the check mode is on."""
+    """:func:`functional_scaled_mm`, checked first when the check mode is on."""
     if check_active():
         return checked_functional_scaled_mm(mat_a, mat_b, scale_a, recipe_a, scale_b, recipe_b, **kwargs)
-    return compat.block_scaled_mm(mat_a, mat_b, scale_a, recipe_a, scale_b, recipe_b, **kwargs)
+    return functional_scaled_mm(mat_a, mat_b, scale_a, recipe_a, scale_b, recipe_b, **kwargs)
+
+
+#: ``F.ScalingType`` and ``F.SwizzleType`` member values by name: the ints ``F.scaled_mm``'s op takes.
+_SCALED_MM_CODES: dict[str, int] = {
+    name: int(member.value)
+    for kind in (torch.nn.functional.ScalingType, torch.nn.functional.SwizzleType)
+    for name, member in kind.__members__.items()
+}
+
+
+def _codes(values: Any) -> list[int]:
+    """Recipes or swizzles (members, names, a list, or None) as the op's ints."""
+    values = values if isinstance(values, (list, tuple)) else [] if values is None else [values]
+    return [_SCALED_MM_CODES[getattr(v, "name", v)] for v in values]
+
+
+def functional_scaled_mm(
+    mat_a: torch.Tensor,
+    mat_b: torch.Tensor,
+    scale_a: torch.Tensor | list[torch.Tensor],
+    scale_recipe_a: Any,
+    scale_b: torch.Tensor | list[torch.Tensor],
+    scale_recipe_b: Any,
+    swizzle_a: Any = None,
+    swizzle_b: Any = None,
+    bias: torch.Tensor | None = None,
+    output_dtype: torch.dtype | None = torch.bfloat16,
+    contraction_dim: tuple[int, ...] | list[int] = (),
+    use_fast_accum: bool = False,
+) -> torch.Tensor:
+    """``torch.nn.functional.scaled_mm``, its op called here; recipes and swizzles also by name.
+
+    Traced, it reads no enum: dynamo could not trace ``F.scaled_mm``'s call on torch 2.11 nor its
+    enums on 2.12 (a graph break at each block-scaled product).
+    """
+    scales_a, scales_b = ([s] if isinstance(s, torch.Tensor) else list(s) for s in (scale_a, scale_b))
+    a_args = scales_a, _codes(scale_recipe_a), _codes(swizzle_a)
+    b_args = scales_b, _codes(scale_recipe_b), _codes(swizzle_b)
+    return torch.ops.aten._scaled_mm_v2.default(
+        mat_a, mat_b, *a_args, *b_args, bias, output_dtype, list(contraction_dim), use_fast_accum
+    )
 
 
 def install_rules_check(*, raise_on_violation: bool = True) -> _RulesCheck:
@@ -226,9 +268,8 @@ def install_rules_check(*, raise_on_violation: bool = True) -> _RulesCheck:
     if _CHECK.originals:
         return _CHECK
     _CHECK.originals["_scaled_mm"] = compat.set_scaled_mm(checked_scaled_mm)
-    if compat.has_block_scaled_mm():
-        _CHECK.originals["F.scaled_mm"] = torch.nn.functional.scaled_mm
-        torch.nn.functional.scaled_mm = checked_functional_scaled_mm
+    _CHECK.originals["F.scaled_mm"] = torch.nn.functional.scaled_mm
+    torch.nn.functional.scaled_mm = checked_functional_scaled_mm
     return _CHECK
 
 

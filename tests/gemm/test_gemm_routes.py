@@ -168,6 +168,48 @@ def test_wrapper_checks_functional_scaled_mm(cuda_rules):
     assert len(found) == 1 and "torch.nn.functional.scaled_mm" in found[0] and "out_dtype float32" in found[0]
 
 
+@pytest.mark.skipif(
+    not compat.HAS_CPU_SCALED_MM_V2, reason=f"torch {torch.__version__} has no CPU kernel for _scaled_mm_v2 (from 2.12)"
+)
+def test_functional_scaled_mm_is_torchs_by_member_or_name():
+    from f8tensor.gemm.check import _CHECK, functional_scaled_mm
+
+    torch_scaled_mm = _CHECK.originals.get("F.scaled_mm", F.scaled_mm)  # not the check mode's wrapper
+    a, b = _operands()
+    sa, sb = _rowwise_scales()
+    rw = F.ScalingType.RowWise
+    expected = torch_scaled_mm(a, b, sa, rw, sb, rw, output_dtype=torch.float32)
+    for recipe in (rw, "RowWise", [rw], ["RowWise"]):
+        out = functional_scaled_mm(a, b, sa, recipe, sb, recipe, None, None, None, torch.float32)
+        assert torch.equal(out, expected), recipe
+    with pytest.raises(KeyError, match="Rowwise"):
+        functional_scaled_mm(a, b, sa, "Rowwise", sb, rw)
+
+
+def test_block_scaled_product_traces_into_one_graph():
+    # Traced, torch 2.11's dynamo broke the graph at F.scaled_mm's op and 2.12's at its enums:
+    # a break at every block-scaled product of a CUDA run.
+    from f8tensor.gemm.check import functional_scaled_mm
+
+    graphs = []
+
+    def backend(gm, example_inputs):  # records the graph; runs no CUDA kernel on a CPU
+        graphs.append([node.target for node in gm.graph.nodes if node.op == "call_function"])
+        return lambda *args: (torch.zeros(M, 256, dtype=torch.bfloat16),)
+
+    def product(a, b, scale_a, scale_b):
+        swizzle = "NO_SWIZZLE"
+        return functional_scaled_mm(
+            a, b, scale_a, "BlockWise1x128", scale_b, "BlockWise128x128", swizzle, swizzle, output_dtype=torch.bfloat16
+        )
+
+    # 1x128 x 128x128 blocks at K = 256: scales (M, 2) and (4, 2), both column-major.
+    a, b = _operands(m=M, k=256, n=256)
+    torch._dynamo.reset()
+    torch.compile(product, backend=backend, fullgraph=True)(a, b, torch.ones(2, M).t(), torch.ones(2, 4).t())
+    assert graphs == [[torch.ops.aten._scaled_mm_v2.default]]
+
+
 def _run_with_env(code: str, mode: str) -> subprocess.CompletedProcess:
     env = {**os.environ, G.RULES_CHECK_ENV: mode, "PYTHONPATH": os.pathsep.join(sys.path)}
     return subprocess.run(

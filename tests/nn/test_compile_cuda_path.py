@@ -50,11 +50,17 @@ def branching(*args, **kwargs):
         return original_dense(*args, **kwargs)
     return original_dense(*args, **kwargs)
 
+def attempt(name, recipe):
+    try:
+        out[name] = bench.cuda_trace(bench.C.Variant("f8tensor", recipe))
+    except Exception as error:  # torch 2.11: the frame after a break in a product fails to trace
+        out[name] = {"error": f"{type(error).__name__}: {error}"[:2000]}
+
 original_block, original_dense = blocks.block_scaled_mm, dense.scaled_mm
 with mock.patch.object(blocks, "block_scaled_mm", broken):
-    out["blockwise, a break in the kernel call"] = bench.cuda_trace(bench.C.Variant("f8tensor", "blockwise"))
+    attempt("blockwise, a break in the kernel call", "blockwise")
 with mock.patch.object(dense, "scaled_mm", branching):
-    out["tensorwise, a branch on a scale"] = bench.cuda_trace(bench.C.Variant("f8tensor", "tensorwise"))
+    attempt("tensorwise, a branch on a scale", "tensorwise")
 print(json.dumps(out))
 """
 
@@ -90,6 +96,7 @@ def test_cuda_path_compiles_to_one_graph_without_host_reads(traced, recipe):
 
 
 def test_the_trace_sees_breaks_only_the_cuda_branch_has(traced):
-    assert traced["blockwise, a break in the kernel call"]["breaks"] >= 1
+    broken = traced["blockwise, a break in the kernel call"]
+    assert broken.get("breaks", 0) >= 1, broken
     branched = traced["tensorwise, a branch on a scale"]
     assert branched["breaks"] >= 1 and branched["host_reads"] >= 1, branched
