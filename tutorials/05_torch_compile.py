@@ -26,6 +26,7 @@ from torch import nn
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from f8tensor import RECIPES, Float8LinearConfig, Float8Tensor, convert_to_float8_training, sqnr
+from f8tensor.compat import TORCH_VERSION
 
 # Small matrices: a second CPU thread gains little here and, on a busy machine, makes
 # every op wait for the slower thread. One thread keeps the run short and steady.
@@ -175,9 +176,12 @@ assert out_db >= 25.0 and worst_db >= 25.0, "compiled and eager differ by FP8 ro
 torch._inductor.config.emulate_precision_casts = True
 _, out_db, worst_db = compare("emulate_precision_casts=True")
 torch._inductor.config.emulate_precision_casts = False
-assert out_db == float("inf") and worst_db > 60.0, "with eager's roundings: the same output, gradients to fp32 rounding"
+if TORCH_VERSION >= (2, 13):
+    assert out_db == float("inf") and worst_db > 60.0, "with eager's roundings: the same output, gradients to fp32"
 # Now the output is bitwise equal and the gradients agree to fp32 rounding (a reduction
-# may still sum in another order). Worth knowing when a compiled run must reproduce an
+# may still sum in another order). Before torch 2.13 the flag left one rounding out:
+# inductor folded a round trip through bf16 (autocast's bf16 output read back in fp32 by
+# a cast's amax) into the fp32 value, so the printed figures stay the default's there. Worth knowing when a compiled run must reproduce an
 # eager one, or a test compares them; otherwise compare a compiled FP8 run with a
 # compiled bf16 twin, and leave the flag off.
 
