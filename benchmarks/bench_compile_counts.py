@@ -322,7 +322,8 @@ def _graph_calls(gm: torch.fx.GraphModule) -> dict[str, int]:
 
 def cuda_trace(variant: C.Variant, tokens=(128, 96, 160), float8=None) -> dict[str, int]:
     """What dynamo traces of the block's CUDA path: graphs, graph breaks, FP8 kernel calls,
-    host reads and host tensors (the last three summed over the graphs, forward and backward).
+    host reads and host tensors (the last three summed over the graphs, forward and backward),
+    and guards (``torch._dynamo.explain``'s, at ``tokens[0]``, as :func:`dynamo_counts`).
 
     The block runs at each of ``tokens`` (``dynamic=True``: a recompile counts a graph) over
     fake CUDA tensors, scalar outputs not captured (an ``.item()`` breaks the graph).
@@ -335,6 +336,7 @@ def cuda_trace(variant: C.Variant, tokens=(128, 96, 160), float8=None) -> dict[s
     block = M.Block(cfg).to(torch.bfloat16)
     variant.convert(block, float8)
     graphs: list[dict[str, int]] = []
+    guards = -1
 
     def backend(gm: torch.fx.GraphModule, example_inputs):
         graphs.append(_graph_calls(gm))
@@ -352,10 +354,14 @@ def cuda_trace(variant: C.Variant, tokens=(128, 96, 160), float8=None) -> dict[s
                 for n in tokens:
                     x = torch.empty(cfg.batch, n, cfg.dim, dtype=torch.bfloat16, device="cuda", requires_grad=True)
                     cos, sin = (torch.empty(n, cfg.head_dim // 2, device="cuda") for _ in range(2))
+                    if guards < 0:
+                        guards = len(torch._dynamo.explain(block)(x, cos, sin).out_guards)
+                        torch._dynamo.reset()
+                        counters.clear()
                     compiled(x, cos, sin)
         except DataDependentOutputException:
             read_back = 1  # eager code between graphs read a device value (fake tensors have none)
-    found = {"graphs": len(graphs), "breaks": sum(counters["graph_break"].values())}
+    found = {"graphs": len(graphs), "breaks": sum(counters["graph_break"].values()), "guards": guards}
     for key in ("fp8_kernels", "host_reads", "host_tensors"):
         found[key] = sum(g[key] for g in graphs)
     found["host_reads"] += read_back

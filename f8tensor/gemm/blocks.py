@@ -12,7 +12,6 @@ exact (padded) call the CUDA branch sends.
 from __future__ import annotations
 
 import warnings
-from typing import Any, cast
 
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
@@ -20,7 +19,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from f8tensor import compat
 from f8tensor.gemm.check import block_scaled_mm, check_active, record_block_reference, record_block_refusal
 from f8tensor.gemm.operands import col_major, inverse_scale, prepare_fp4, row_major
-from f8tensor.gemm.rules import BLOCK_SCALED_MM_RULES, BlockScaledMMRule, CudaBuild, block_rule_for, fp4_rule_for
+from f8tensor.gemm.rules import BLOCK_SCALED_MM_RULES, BlockScaledMMRule, block_rule_for, build_of, fp4_rule_for
 from f8tensor.quant.formats import E8M0
 from f8tensor.quant.specs import GemmConfig
 from f8tensor.tensor.float8 import Float8Tensor, dequantize, dequantize_fields
@@ -110,7 +109,7 @@ def _padding(
     (m, k), n = a8.shape, b8.shape[1]
     sizes = {"M": m, "K": k, "N": n}
     multiples = {"M": rule.align_m, "K": rule.align_k, "N": rule.align_n}
-    if traced and compat.META_FLOORS_BLOCK_SCALES:
+    if traced and _meta_floors_block_scales():
         for dim, multiple in rule.compile_align:
             multiples[dim] = max(multiples[dim], multiple)
     pads = {dim: (-sizes[dim]) % multiples[dim] for dim in sizes}
@@ -130,6 +129,12 @@ def _padding(
                 f"Float8LinearConfig(pad_inner_dim=True)."
             )
     return pads["M"], pads["K"], pads["N"]
+
+
+# Traced, a constant (a flag read is a guard per product).
+@torch.compiler.assume_constant_result
+def _meta_floors_block_scales() -> bool:
+    return compat.META_FLOORS_BLOCK_SCALES
 
 
 def _outer_rows_padded(
@@ -206,7 +211,7 @@ def _swizzle_32_4_4(scale: torch.Tensor) -> torch.Tensor:
     if not (_known_zero(pr - rows) and _known_zero(pc - cols)):
         # Pad byte: 127 is 2**0 in e8m0; in e4m3fn 127 is NaN, so 0 there.
         pad = 127 if scale.dtype == torch.float8_e8m0fnu else 0
-        raw = torch.nn.functional.pad(raw, (0, pc - cols, 0, pr - rows), value=pad)
+        raw = torch.constant_pad_nd(raw, (0, pc - cols, 0, pr - rows), pad)
     tiles = raw.reshape(pr // 128, 4, 32, pc // 4, 4).permute(0, 3, 2, 1, 4)
     return tiles.contiguous().reshape(-1).view(scale.dtype)
 
@@ -217,9 +222,9 @@ def _pad_scale(inv: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     if _known_zero(pr) and _known_zero(pc):
         return inv
     if inv.dtype == torch.float32:
-        return torch.nn.functional.pad(inv, (0, pc, 0, pr), value=1.0)
+        return torch.constant_pad_nd(inv, (0, pc, 0, pr), 1.0)
     # e8m0 has no fill kernel: through its bytes, 127 is 2**0.
-    return torch.nn.functional.pad(inv.view(torch.uint8), (0, pc, 0, pr), value=127).view(inv.dtype)
+    return torch.constant_pad_nd(inv.view(torch.uint8), (0, pc, 0, pr), 127).view(inv.dtype)
 
 
 def _block_kernel_scales(rule: BlockScaledMMRule, a8: Float8Tensor, b8: Float8Tensor, pads=(0, 0, 0)):
@@ -227,20 +232,22 @@ def _block_kernel_scales(rule: BlockScaledMMRule, a8: Float8Tensor, b8: Float8Te
     (m, k), n = a8.shape, b8.shape[1]
     m, k, n = m + pads[0], k + pads[1], n + pads[2]
     (ba_m, ba_k), (bb_k, bb_n) = rule.block_a, rule.block_b
+    compiling = torch.compiler.is_compiling()  # a default read is a guard
     a_inv = _pad_scale(inverse_scale(a8), -(-m // ba_m), -(-k // ba_k))
     b_inv = _pad_scale(inverse_scale(b8), -(-k // bb_k), -(-n // bb_n))
     if rule.recipe_a == "BlockWise1x32":
         # a: (M, K/32) as is; b: its (K/32, N) scales read per column of b, i.e. (N, K/32).
         return _swizzle_32_4_4(a_inv), _swizzle_32_4_4(b_inv.t().contiguous())
     if rule.block_a == (1, 128):
-        sa = col_major(a_inv)  # (M, K/128), strides (1, M)
+        sa = col_major(a_inv, compiling)  # (M, K/128), strides (1, M)
     else:  # 128x128 a: (M/128, K/128) -> (round_up(K/128, 4), M/128), column-major
         t = a_inv.t()
-        sa = col_major(torch.nn.functional.pad(t, (0, 0, 0, _round_up(t.shape[0], 4) - t.shape[0])))
+        sa = col_major(torch.constant_pad_nd(t, (0, 0, 0, _round_up(t.shape[0], 4) - t.shape[0])), compiling)
     if rule.block_b == (128, 1):
         sb = b_inv.contiguous().t()  # (K/128, N) row-major, read as (N, K/128) with strides (1, N)
     else:  # 128x128 b: (K/128, N/128) -> (round_up(K/128, 4), N/128), column-major
-        sb = col_major(torch.nn.functional.pad(b_inv, (0, 0, 0, _round_up(b_inv.shape[0], 4) - b_inv.shape[0])))
+        pad = (0, 0, 0, _round_up(b_inv.shape[0], 4) - b_inv.shape[0])
+        sb = col_major(torch.constant_pad_nd(b_inv, pad), compiling)
     return sa, sb
 
 
@@ -261,13 +268,13 @@ def _takes_dtypes(rule_name: str, a: torch.dtype, b: torch.dtype) -> bool:
 
 # Constants to torch.compile: dynamo cannot guard a set test on a constant row (nor format one).
 @torch.compiler.assume_constant_result
-def _runs_here(rule_name: str, torch_version: Any, cuda: tuple[int, int], sm: tuple[int, int]) -> bool:
-    return CudaBuild(torch_version, cuda, sm) in _RULES_BY_NAME[rule_name].builds
+def _runs_here(rule_name: str, device: torch.device) -> bool:
+    return build_of(device) in _RULES_BY_NAME[rule_name].builds
 
 
 @torch.compiler.disable
-def _no_kernel_here(rule_name: str, major: int, minor: int) -> str:
-    builds = _RULES_BY_NAME[rule_name].builds
+def _no_kernel_here(rule_name: str, device: torch.device) -> str:
+    builds, (major, minor) = _RULES_BY_NAME[rule_name].builds, build_of(device).sm
     return (
         f"the {rule_name} kernel needs {builds} and torch.nn.functional.scaled_mm; this is "
         f"sm{major}{minor} with CUDA {torch.version.cuda}. Use emulate=True for the reference path."
@@ -277,7 +284,8 @@ def _no_kernel_here(rule_name: str, major: int, minor: int) -> str:
 def _kernel_args(rule: BlockScaledMMRule, a8: Float8Tensor, b8: Float8Tensor, pads=(0, 0, 0)):
     """The operands (A row-major, B column-major, padded by ``pads``) and scales of ``rule``'s kernel."""
     pm, pk, pn = pads
-    a_data, b_data = row_major(a8._data), col_major(b8._data)
+    compiling = torch.compiler.is_compiling()
+    a_data, b_data = row_major(a8._data, compiling), col_major(b8._data, compiling)
     if not (_known_zero(pm) and _known_zero(pk)):
         a_data = _pad_bytes(a_data, pm, pk)
     if not (_known_zero(pk) and _known_zero(pn)):
@@ -287,7 +295,7 @@ def _kernel_args(rule: BlockScaledMMRule, a8: Float8Tensor, b8: Float8Tensor, pa
 
 def _pad_bytes(x: torch.Tensor, pad_rows: int, pad_cols: int) -> torch.Tensor:
     # Through uint8: constant_pad_nd has no FP8 kernels; the zero byte is +0.0 in e4m3fn.
-    raw = torch.nn.functional.pad(x.contiguous().view(torch.uint8), (0, pad_cols, 0, pad_rows))
+    raw = torch.constant_pad_nd(x.contiguous().view(torch.uint8), (0, pad_cols, 0, pad_rows))
     return raw.view(x.dtype)
 
 
@@ -297,10 +305,8 @@ def _kernel_mm(
     """``torch.nn.functional.scaled_mm`` with block scales, or a clear error."""
     if rule is None:
         raise NotImplementedError(_refusal(rule, a8, b8))
-    major, minor = torch.cuda.get_device_capability(a8._data.device)
-    cuda = cast("tuple[int, int]", tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2]))
-    if not _runs_here(rule.name, compat.TORCH_VERSION, cuda, (major, minor)):
-        raise NotImplementedError(_no_kernel_here(rule.name, major, minor))
+    if not _runs_here(rule.name, a8._data.device):
+        raise NotImplementedError(_no_kernel_here(rule.name, a8._data.device))
     if not _takes_operands(rule, a8, b8):
         raise ValueError(_refusal(rule, a8, b8))
     pads = _padding(rule, a8, b8, gemm, traced=torch.compiler.is_compiling())
@@ -316,7 +322,9 @@ def _kernel_mm(
         rule.recipe_b,
         swizzle_a=swz,
         swizzle_b=swz,
+        bias=None,
         output_dtype=out_dtype,
+        contraction_dim=(),
         use_fast_accum=gemm.use_fast_accum and rule.fast_accum,
     )
     if not (_known_zero(pads[0]) and _known_zero(pads[2])) or a8_kernel is not a8:
@@ -365,12 +373,9 @@ def fp4_path(kind_a: str | None, kind_b: str | None, device: torch.device | str,
             "raises (emulate=True runs the reference)"
         )
     rule = fp4_rule_for(kind_a)
-    major, minor = torch.cuda.get_device_capability(device)
-    cuda = cast("tuple[int, int]", tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2]))
-    if (
-        not hasattr(torch.nn.functional, "scaled_mm")
-        or CudaBuild(compat.TORCH_VERSION, cuda, (major, minor)) not in rule.builds
-    ):
+    build = build_of(device)
+    if build not in rule.builds:
+        major, minor = build.sm
         return (
             f"none: the {rule.name} kernel needs {rule.builds}, this is sm{major}{minor}; the first product raises "
             "(emulate=True runs the reference)"
@@ -385,25 +390,17 @@ def _dequantized(x: Float4Tensor | Float8Tensor) -> torch.Tensor:
 def _fp4_kernel_args(a4: Float4Tensor, b4: Float4Tensor):
     """The FP4 kernel's operands and scale lists (NVFP4's global scales beside the block scales)."""
     sa, sb = _swizzle_32_4_4(a4._scale.contiguous()), _swizzle_32_4_4(b4._scale.t().contiguous())
+    compiling = torch.compiler.is_compiling()
+    a_data, b_data = row_major(a4._data, compiling), col_major(b4._data, compiling)
     if a4._kind == "nvfp4":
-        return (
-            row_major(a4._data),
-            col_major(b4._data),
-            [sa, a4._global_scale.reshape(1)],
-            [sb, b4._global_scale.reshape(1)],
-        )
-    return row_major(a4._data), col_major(b4._data), sa, sb
+        return a_data, b_data, [sa, a4._global_scale.reshape(1)], [sb, b4._global_scale.reshape(1)]
+    return a_data, b_data, sa, sb
 
 
 def _fp4_kernel_mm(a4: Float4Tensor, b4: Float4Tensor, bias, out_dtype: torch.dtype) -> torch.Tensor:
     rule = fp4_rule_for(a4._kind)
-    major, minor = torch.cuda.get_device_capability(a4.device)
-    cuda = cast("tuple[int, int]", tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2]))
-    if CudaBuild(compat.TORCH_VERSION, cuda, (major, minor)) not in rule.builds:
-        raise NotImplementedError(
-            f"the {rule.name} kernel needs {rule.builds} and torch.nn.functional.scaled_mm; this is "
-            f"sm{major}{minor} with CUDA {torch.version.cuda}. Use emulate=True for the reference path."
-        )
+    if not _runs_here(rule.name, a4.device):
+        raise NotImplementedError(_no_kernel_here(rule.name, a4.device))
     a_data, b_data, sa, sb = _fp4_kernel_args(a4, b4)
     recipe: str | list[str]
     swz: str | list[str]
@@ -421,7 +418,9 @@ def _fp4_kernel_mm(a4: Float4Tensor, b4: Float4Tensor, bias, out_dtype: torch.dt
         recipe,
         swizzle_a=swz,
         swizzle_b=swz,
+        bias=None,
         output_dtype=torch.bfloat16,
+        contraction_dim=(),
         use_fast_accum=False,
     ).to(out_dtype)
     if bias is not None:

@@ -1,11 +1,10 @@
 """The CUDA-rules check: the checkers of the three kinds of FP8 GEMM, and the check mode.
 
-The checkers (from ``violations``) read the rows of ``rules`` and list what a build would
-refuse in one call (``[]``: legal). The check mode records or raises at every call a
-supported build would refuse; it is switched on explicitly (:func:`install_rules_check`,
-:func:`rules_check`, or :data:`RULES_CHECK_ENV` read at the first FP8 product), never by
-import. gemm calls :func:`scaled_mm` and :func:`block_scaled_mm`, which check when the
-mode is on. Under torch.compile the checked calls are ``allow_in_graph`` and the mode is
+The checkers (from ``violations``) list what a build of the ``rules`` would refuse in one
+call (``[]``: legal). The check mode records or raises at each such call; it is switched on
+explicitly (:func:`install_rules_check`, :func:`rules_check`, or :data:`RULES_CHECK_ENV`
+read at the first FP8 product). gemm calls :func:`scaled_mm` and :func:`block_scaled_mm`,
+which check when it is on: traced, the checked calls are ``allow_in_graph`` and the mode is
 read once per trace (:func:`check_active`), so checking adds no graph break.
 """
 
@@ -149,10 +148,7 @@ checked_scaled_mm.__name__ = "_scaled_mm"
 
 @torch.compiler.allow_in_graph
 def checked_functional_scaled_mm(mat_a, mat_b, scale_a, scale_recipe_a, scale_b, scale_recipe_b, *args, **kwargs):
-    """``torch.nn.functional.scaled_mm``, checked against the table rows for its recipes.
-
-    A recipe pair with no row is reported as a violation.
-    """
+    """``torch.nn.functional.scaled_mm``, checked against its recipes' table row (none: a violation)."""
     recipes = {str(getattr(r, "name", r)).lower() for r in (scale_recipe_a, scale_recipe_b)}
     single = not isinstance(scale_a, (list, tuple)) and not isinstance(scale_b, (list, tuple))
     block_rule = block_rule_by_recipes(scale_recipe_a, scale_recipe_b, mat_a.dtype) if single else None
@@ -210,7 +206,7 @@ def block_scaled_mm(mat_a, mat_b, scale_a, recipe_a, scale_b, recipe_b, **kwargs
     return functional_scaled_mm(mat_a, mat_b, scale_a, recipe_a, scale_b, recipe_b, **kwargs)
 
 
-#: ``F.ScalingType`` and ``F.SwizzleType`` member values by name: the ints ``F.scaled_mm``'s op takes.
+#: The op's ints of ``F.ScalingType`` and ``F.SwizzleType`` names.
 _SCALED_MM_CODES: dict[str, int] = {
     name: int(member.value)
     for kind in (torch.nn.functional.ScalingType, torch.nn.functional.SwizzleType)
@@ -219,7 +215,7 @@ _SCALED_MM_CODES: dict[str, int] = {
 
 
 def _codes(values: Any) -> list[int]:
-    """Recipes or swizzles (members, names, a list, or None) as the op's ints."""
+    """Recipes or swizzles (members, names, lists, None): ints."""
     values = values if isinstance(values, (list, tuple)) else [] if values is None else [values]
     return [_SCALED_MM_CODES[getattr(v, "name", v)] for v in values]
 
@@ -238,11 +234,8 @@ def functional_scaled_mm(
     contraction_dim: tuple[int, ...] | list[int] = (),
     use_fast_accum: bool = False,
 ) -> torch.Tensor:
-    """``torch.nn.functional.scaled_mm``, its op called here; recipes and swizzles also by name.
-
-    Traced, it reads no enum: dynamo could not trace ``F.scaled_mm``'s call on torch 2.11 nor its
-    enums on 2.12 (a graph break at each block-scaled product).
-    """
+    """``torch.nn.functional.scaled_mm`` by its op, recipes and swizzles also by name: traced, no
+    enum is read (2.12's dynamo breaks the graph at one, 2.11's at ``F.scaled_mm``)."""
     scales_a, scales_b = ([s] if isinstance(s, torch.Tensor) else list(s) for s in (scale_a, scale_b))
     a_args = scales_a, _codes(scale_recipe_a), _codes(swizzle_a)
     b_args = scales_b, _codes(scale_recipe_b), _codes(swizzle_b)

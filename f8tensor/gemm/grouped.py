@@ -11,14 +11,12 @@ order, opaque to torch.compile so changing token counts recompile nothing.
 
 from __future__ import annotations
 
-from typing import cast
-
 import torch
 
 from f8tensor import compat
 from f8tensor.gemm.check import check_grouped_rules
 from f8tensor.gemm.operands import GROUPED, col_major, inverse_scale, kernel_scale, prepare, row_major
-from f8tensor.gemm.rules import ALIGN, GROUPED_RULES, CudaBuild, grouped_rule_for
+from f8tensor.gemm.rules import ALIGN, GROUPED_RULES, build_of, grouped_rule_for
 from f8tensor.quant.config import Float8LinearConfig
 from f8tensor.quant.formats import FLOAT8_DTYPES
 
@@ -221,9 +219,7 @@ def grouped_kernel_available(device: torch.device) -> bool:
     """Whether ``torch._scaled_grouped_mm`` runs on ``device`` (a build a grouped rule covers)."""
     if device.type != "cuda" or torch.version.hip is not None:
         return False
-    cuda = cast("tuple[int, int]", tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2]))
-    here = CudaBuild(compat.TORCH_VERSION, cuda, torch.cuda.get_device_capability(device))
-    return grouped_rule_for(here) is not None
+    return grouped_rule_for(build_of(device)) is not None
 
 
 def scaled_grouped_mm(

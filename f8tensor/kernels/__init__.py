@@ -1,11 +1,10 @@
 """Raw casts: a high-precision tensor and a cast spec in, FP8 data and scales out.
 
-Below the tensor layer, so that every cast in the package goes through :func:`cast`,
-:func:`cast_for_gemm` (plus the layouts a step's GEMMs read), :func:`cast_with_stats`,
-:func:`dequantize` or :func:`block_scale`. Two implementations give the same bits: the
-torch-ops reference (:mod:`f8tensor.kernels.reference`, eager and compiled) and, for eager
-CUDA tensors, the fused Triton kernels (:mod:`f8tensor.kernels.triton_cast`;
-``F8TENSOR_FUSED_CASTS=0`` switches them off). The choice is made here, per call.
+Every cast in the package goes through :func:`cast`, :func:`cast_for_gemm`,
+:func:`cast_with_stats`, :func:`dequantize` or :func:`block_scale`. Two implementations
+give the same bits, chosen here per call: the torch-ops reference
+(:mod:`f8tensor.kernels.reference`, eager and compiled) and, for eager CUDA tensors, the
+fused Triton kernels (:mod:`f8tensor.kernels.triton_cast`; ``F8TENSOR_FUSED_CASTS=0``).
 """
 
 from __future__ import annotations
@@ -98,11 +97,11 @@ def cast_for_gemm(
         raise ValueError(f"layouts must be one of {sorted(_LAYOUTS)}; got {layouts!r}")
     if layouts != "natural" and hp.dim() != 2:
         raise ValueError(f"cast_for_gemm(layouts={layouts!r}) takes a 2D tensor; got shape {tuple(hp.shape)}")
-    if _fused_device(hp):
+    compiling = torch.compiler.is_compiling()
+    if not compiling and _fused_device(hp):  # eager only
         fused = triton_cast.maybe_cast(hp, spec, scale, layouts=_LAYOUTS[layouts])
         if fused is not None:
             return GemmCast(*fused)
-    compiling = torch.compiler.is_compiling()
     # Every argument given: traced, a default read is a guard.
     data, scale, _, _, _ = cast_values(
         hp, spec, scale, None, need_amax=False, amax=None, uniform=None, eager=not compiling

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any
 
 import torch
 
@@ -12,7 +12,7 @@ from f8tensor.gemm import batched_mm, grouped_mm, scaled_grouped_mm
 from f8tensor.gemm.check import is_col_major, is_row_major
 from f8tensor.gemm.grouped import KERNEL_OUT, grouped_kernel_available, in_dtype
 from f8tensor.gemm.operands import col_major, kernel_scale, row_major
-from f8tensor.gemm.rules import ALIGN, CudaBuild, block_rule_for
+from f8tensor.gemm.rules import ALIGN, block_rule_for, build_of
 from f8tensor.nn.linear_autograd import LinearArgs
 from f8tensor.nn.linear_autograd import QuantizedLinearFn as _QuantizedLinearFn  # looked up at call time, here
 from f8tensor.quant.block_quantizers import BlockQuantizer
@@ -116,8 +116,7 @@ def _block_kernel_here(config: Float8LinearConfig, device: torch.device) -> bool
     rule = block_rule_for(a.block, b.block, a.scale_dtype) if a.scale_dtype == b.scale_dtype else None
     if rule is None:
         return False
-    cuda = cast("tuple[int, int]", tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2]))
-    return CudaBuild(compat.TORCH_VERSION, cuda, torch.cuda.get_device_capability(device)) in rule.builds
+    return build_of(device) in rule.builds
 
 
 def _expert_loop(

@@ -29,6 +29,7 @@ from f8tensor.gemm.rules.builds import (  # noqa: F401
     SUPPORTED_TORCH,
     Builds,
     CudaBuild,
+    build_of,
 )
 from f8tensor.gemm.rules.grouped import (
     GROUPED_RULES,
@@ -63,6 +64,7 @@ __all__ = [
     "ScaledMMRule",
     "block_rule_by_recipes",
     "block_rule_for",
+    "build_of",
     "fp4_rule_for",
     "grouped_rule_for",
     "rule_for",

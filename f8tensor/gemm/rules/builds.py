@@ -7,6 +7,8 @@ from typing import NamedTuple
 
 import torch
 
+from f8tensor import compat
+
 __all__ = [
     "ALIGN",
     "ALL_BUILDS",
@@ -19,6 +21,7 @@ __all__ = [
     "SUPPORTED_TORCH",
     "Builds",
     "CudaBuild",
+    "build_of",
 ]
 
 _E4M3 = torch.float8_e4m3fn
@@ -50,6 +53,12 @@ class CudaBuild(NamedTuple):
         if self.platform == "rocm":
             return f"torch {t[0]}.{t[1]} rocm{c[0]}.{c[1]} gfx{s[0]}{s[1]}"
         return f"torch {t[0]}.{t[1]} cu{c[0]}{c[1]} sm{s[0]}{s[1]}"
+
+
+def build_of(device: torch.device) -> CudaBuild:
+    """``device``'s build: this torch, its CUDA, the device's capability."""
+    cuda = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
+    return CudaBuild(compat.TORCH_VERSION, (cuda[0], cuda[1]), torch.cuda.get_device_capability(device))
 
 
 #: The torch releases f8tensor supports.
