@@ -320,21 +320,35 @@ def _graph_calls(gm: torch.fx.GraphModule) -> dict[str, int]:
     return found
 
 
-def cuda_trace(variant: C.Variant, tokens=(128, 96, 160), float8=None) -> dict[str, int]:
+def cuda_trace(variant: C.Variant, tokens=(128, 96, 160), float8=None, workload: str = "llama") -> dict[str, int]:
     """What dynamo traces of the block's CUDA path: graphs, graph breaks, FP8 kernel calls,
     host reads and host tensors (the last three summed over the graphs, forward and backward),
     and guards (``torch._dynamo.explain``'s, at ``tokens[0]``, as :func:`dynamo_counts`).
 
     The block runs at each of ``tokens`` (``dynamic=True``: a recompile counts a graph) over
     fake CUDA tensors, scalar outputs not captured (an ``.item()`` breaks the graph).
+    ``workload="moe"``: the MoE grouped step instead, ``tokens`` its rows (split evenly
+    over the experts).
     """
     from torch._dynamo.utils import counters
     from torch._subclasses.fake_tensor import DataDependentOutputException
 
     cfg = BLOCK_CONFIG
     torch.manual_seed(0)
-    block = M.Block(cfg).to(torch.bfloat16)
-    variant.convert(block, float8)
+    if workload == "moe":
+        block = GroupedStep(None if variant.library == "bf16" else variant.recipe)
+    else:
+        block = M.Block(cfg).to(torch.bfloat16)
+        variant.convert(block, float8)
+
+    def inputs(n: int) -> tuple[torch.Tensor, ...]:
+        if workload == "moe":
+            experts = MOE_SHAPE[0]
+            block.offs = torch.arange(1, experts + 1, dtype=torch.int32, device="cuda") * (n // experts)
+            return (torch.empty(n, MOE_SHAPE[2], dtype=torch.bfloat16, device="cuda", requires_grad=True),)
+        x = torch.empty(cfg.batch, n, cfg.dim, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+        return (x, *(torch.empty(n, cfg.head_dim // 2, device="cuda") for _ in range(2)))
+
     graphs: list[dict[str, int]] = []
     guards = -1
 
@@ -352,13 +366,12 @@ def cuda_trace(variant: C.Variant, tokens=(128, 96, 160), float8=None) -> dict[s
         try:
             with mode:
                 for n in tokens:
-                    x = torch.empty(cfg.batch, n, cfg.dim, dtype=torch.bfloat16, device="cuda", requires_grad=True)
-                    cos, sin = (torch.empty(n, cfg.head_dim // 2, device="cuda") for _ in range(2))
+                    args = inputs(n)
                     if guards < 0:
-                        guards = len(torch._dynamo.explain(block)(x, cos, sin).out_guards)
+                        guards = len(torch._dynamo.explain(block)(*args).out_guards)
                         torch._dynamo.reset()
                         counters.clear()
-                    compiled(x, cos, sin)
+                    compiled(*args)
         except DataDependentOutputException:
             read_back = 1  # eager code between graphs read a device value (fake tensors have none)
     found = {"graphs": len(graphs), "breaks": sum(counters["graph_break"].values()), "guards": guards}

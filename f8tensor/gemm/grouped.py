@@ -215,6 +215,7 @@ def validate_grouped_mm_args(x: torch.Tensor, w: torch.Tensor, offs: object, con
     return offs.to(torch.int32)
 
 
+@torch.compiler.assume_constant_result
 def grouped_kernel_available(device: torch.device) -> bool:
     """Whether ``torch._scaled_grouped_mm`` runs on ``device`` (a build a grouped rule covers)."""
     if device.type != "cuda" or torch.version.hip is not None:
