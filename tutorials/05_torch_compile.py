@@ -181,9 +181,9 @@ if TORCH_VERSION >= (2, 13):
 # Now the output is bitwise equal and the gradients agree to fp32 rounding (a reduction
 # may still sum in another order). Before torch 2.13 the flag left one rounding out:
 # inductor folded a round trip through bf16 (autocast's bf16 output read back in fp32 by
-# a cast's amax) into the fp32 value, so the printed figures stay the default's there. Worth knowing when a compiled run must reproduce an
-# eager one, or a test compares them; otherwise compare a compiled FP8 run with a
-# compiled bf16 twin, and leave the flag off.
+# a cast's amax) into the fp32 value, so the printed figures stay the default's there.
+# Worth knowing when a compiled run must reproduce an eager one, or a test compares them;
+# otherwise compare a compiled FP8 run with a compiled bf16 twin, and leave the flag off.
 
 # ---------------------------------------------------------------------------------------
 # 4. Timing, eager vs compiled.
