@@ -59,7 +59,9 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, out_dtype: 
     check_grouped_dims(k, n, "grouped product")
     a_inv = kernel_scale(inverse_scale(a8), (m, 1), (m,))
     b_inv = kernel_scale(inverse_scale(b8), (g, 1, n), (g, n))
-    out = scaled_grouped_mm(row_major(a8._data), col_major(b8._data), a_inv, b_inv, offs.to(torch.int32), KERNEL_OUT)
+    compiling = torch.compiler.is_compiling()
+    a_data, b_data = row_major(a8._data, compiling), col_major(b8._data, compiling)
+    out = scaled_grouped_mm(a_data, b_data, a_inv, b_inv, offs.to(torch.int32), KERNEL_OUT)
     return in_dtype(out, out_dtype)
 
 
@@ -69,7 +71,8 @@ def batched_mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torc
     (bsz, m, _), n = a8.shape, b8.shape[2]
     a_inv = kernel_scale(inverse_scale(a8), (bsz, m, 1), (bsz, m))
     b_inv = kernel_scale(inverse_scale(b8), (bsz, 1, n), (bsz, n))
-    a_data, b_data = row_major(a8._data), col_major(b8._data)
+    compiling = torch.compiler.is_compiling()
+    a_data, b_data = row_major(a8._data, compiling), col_major(b8._data, compiling)
     if bsz <= MAX_GROUPS:
         out = scaled_grouped_mm(a_data, b_data, a_inv, b_inv, None, KERNEL_OUT)
     else:
@@ -107,7 +110,9 @@ def check_grouped_dims(k: int, n: int, what: str) -> None:
             ...
         ValueError: FP8 expert GEMM: N (output)=40; each must be a multiple of 16 ...
     """
-    wrong = [f"{name}={size}" for name, size in (("K (contraction)", k), ("N (output)", n)) if size % ALIGN]
+    wrong = [
+        f"{name}={size}" for name, size in (("K (contraction)", k), ("N (output)", n)) if size % 16
+    ]  # ALIGN (dense.py)
     if wrong:
         raise ValueError(
             f"FP8 {what}: {' and '.join(wrong)}; each must be a multiple of {ALIGN} (torch._scaled_grouped_mm's "

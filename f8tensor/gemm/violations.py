@@ -252,6 +252,20 @@ def block_scaled_mm_violations(
 # torch._scaled_grouped_mm
 
 
+@compat.constant_per_config
+def _rule_fields(rule: GroupedMMRule) -> tuple:
+    """``rule``'s checked fields; traced, one constant (each field read would be a guard)."""
+    return (
+        tuple(sorted(rule.operand_dtypes, key=str)),
+        rule.scale_dtype,
+        tuple(sorted(rule.out_dtypes, key=str)),
+        rule.stride_bytes,
+        rule.align,
+        rule.offs_dtype,
+        rule.max_groups,
+    )
+
+
 def grouped_mm_violations(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -263,13 +277,13 @@ def grouped_mm_violations(
 ) -> list[str]:
     """What ``rule``'s kernel would refuse in this ``torch._scaled_grouped_mm`` call."""
     out = []
-    allowed = tuple(sorted(rule.operand_dtypes, key=str))
-    if a.dtype not in rule.operand_dtypes or b.dtype not in rule.operand_dtypes:
-        out.append(f"torch._scaled_grouped_mm takes only {allowed} operands; got {a.dtype} x {b.dtype}")
-    if scale_a.dtype != rule.scale_dtype or scale_b.dtype != rule.scale_dtype:
-        out.append(f"scales must be {_name(rule.scale_dtype)}; got {scale_a.dtype} and {scale_b.dtype}")
-    if out_dtype not in rule.out_dtypes:
-        out.append(f"the output dtype must be one of {tuple(rule.out_dtypes)}; got {out_dtype}")
+    operand_dtypes, scale_dtype, out_dtypes, stride_bytes, align, offs_dtype, max_groups = _rule_fields(rule)
+    if a.dtype not in operand_dtypes or b.dtype not in operand_dtypes:
+        out.append(f"torch._scaled_grouped_mm takes only {operand_dtypes} operands; got {a.dtype} x {b.dtype}")
+    if scale_a.dtype != scale_dtype or scale_b.dtype != scale_dtype:
+        out.append(f"scales must be {_name(scale_dtype)}; got {scale_a.dtype} and {scale_b.dtype}")
+    if out_dtype not in out_dtypes:
+        out.append(f"the output dtype must be one of {out_dtypes}; got {out_dtype}")
     if a.dim() not in (2, 3) or b.dim() not in (2, 3):
         return out + [f"operands must be 2D or 3D; got {a.dim()}D and {b.dim()}D"]
     if not is_row_major(a) or not is_col_major(b):
@@ -278,26 +292,26 @@ def grouped_mm_violations(
             f"{a.stride()} for {tuple(a.shape)} and {b.stride()} for {tuple(b.shape)}"
         )
     for name, t, lead in (("a", a, a.stride(-2)), ("b", b, b.stride(-1))):
-        if lead % rule.stride_bytes:
+        if lead % stride_bytes:
             out.append(
-                f"the leading stride of {name} must be a multiple of {rule.stride_bytes} bytes; got {lead} "
+                f"the leading stride of {name} must be a multiple of {stride_bytes} bytes; got {lead} "
                 f"for shape {tuple(t.shape)} (pad the contraction dim to a multiple of 16)"
             )
     if a.shape[-1] != b.shape[-2]:
         out.append(f"contraction dims differ: {tuple(a.shape)} x {tuple(b.shape)}")
     for what, size in (("K (a.size(-1))", a.shape[-1]), ("b.size(-2)", b.shape[-2]), ("N (b.size(-1))", b.shape[-1])):
-        if size % rule.align:
-            out.append(f"{what}={size} is not a multiple of {rule.align}")
+        if size % align:
+            out.append(f"{what}={size} is not a multiple of {align}")
     two_d = a.dim() == 2 or b.dim() == 2
     if two_d != (offs is not None):
         return out + ["offs is needed exactly when an operand is 2D"]
-    if offs is not None and (offs.dim() != 1 or offs.dtype != rule.offs_dtype):
-        out.append(f"offs must be a 1D {_name(rule.offs_dtype)} tensor; got {offs.dim()}D {offs.dtype}")
+    if offs is not None and (offs.dim() != 1 or offs.dtype != offs_dtype):
+        out.append(f"offs must be a 1D {_name(offs_dtype)} tensor; got {offs.dim()}D {offs.dtype}")
     if a.dim() == 3 and b.dim() == 2:
         return out + [f"the form {a.dim()}D x {b.dim()}D is not used by f8tensor"]
     groups = offs.shape[0] if offs is not None and offs.dim() == 1 else (b.shape[0] if b.dim() == 3 else a.shape[0])
-    if groups > rule.max_groups:
-        out.append(f"{groups} groups: one call takes at most {rule.max_groups}")
+    if groups > max_groups:
+        out.append(f"{groups} groups: one call takes at most {max_groups}")
     if offs is not None and offs.dim() == 1:
         out += _offs_value_violations(offs, a.shape[0] if b.dim() == 3 else a.shape[-1])
     expected = _grouped_scale_shapes(a, b, offs)

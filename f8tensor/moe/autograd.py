@@ -16,7 +16,7 @@ from f8tensor.gemm.rules import ALIGN, block_rule_for, build_of
 from f8tensor.nn.linear_autograd import LinearArgs
 from f8tensor.nn.linear_autograd import QuantizedLinearFn as _QuantizedLinearFn  # looked up at call time, here
 from f8tensor.quant.block_quantizers import BlockQuantizer
-from f8tensor.quant.config import CastConfig, Float8LinearConfig
+from f8tensor.quant.config import DEFAULT_GEMM, CastConfig, Float8LinearConfig
 from f8tensor.quant.quantizers import quantize
 from f8tensor.quant.scaling import materialized, segment_amax
 from f8tensor.quant.specs import CastSpec, is_tensorwise
@@ -24,12 +24,14 @@ from f8tensor.tensor.float8 import Float8Tensor
 from f8tensor.tensor.ops import _permuted
 
 __all__ = ["expert_path", "per_expert_loop"]
+# The traced code writes ALIGN as the literal 16: each global read is a guard.
+assert ALIGN == 16, ALIGN
 
 
 # ===================================================================== casts
 
 
-def _spec(cast: CastConfig, contracted_dim: int, *, ndim: int = 2, per_expert: bool = False) -> CastSpec:
+def _spec(cast: CastConfig, contracted_dim: int, ndim: int, per_expert: bool) -> CastSpec:
     """The cast of one grouped/batched GEMM operand contracted over ``contracted_dim``.
 
     Always e4m3 (the grouped kernel multiplies no e5m2) and round-to-nearest; ``per_expert``:
@@ -41,30 +43,37 @@ def _spec(cast: CastConfig, contracted_dim: int, *, ndim: int = 2, per_expert: b
     return spec._replace(float8_dtype=torch.float8_e4m3fn, rounding="nearest")
 
 
+def _cast(hp: torch.Tensor, spec: CastSpec, scale: torch.Tensor | None) -> Float8Tensor:
+    """:func:`quantize`, every argument given: traced, each default read is a guard."""
+    return quantize(
+        hp, spec, DEFAULT_GEMM, scale=scale, stats=None, amax=None, layouts="natural", column_major_gemm=None
+    )[0]
+
+
 def _stored_transposed(t: torch.Tensor) -> bool:
     """Whether ``t``'s last two dims are stored column-major only (an (E, N, K) weight seen as (E, K, N))."""
     return t.dim() >= 2 and is_col_major(t) and not is_row_major(t)
 
 
-def _cast_stored(t: torch.Tensor, spec: CastSpec, scale: torch.Tensor | None = None) -> Float8Tensor:
+def _cast_stored(t: torch.Tensor, spec: CastSpec, scale: torch.Tensor | None) -> Float8Tensor:
     """``t`` (3D) cast per ``spec`` in the order its bytes are stored.
 
     A transposed view is cast as the tensor it views and transposed back: the same bits, a
     contiguous amax, and column-major FP8 bytes with no copy.
     """
     if not _stored_transposed(t):
-        return quantize(t, spec, scale=scale)[0]
+        return _cast(t, spec, scale)
     b = spec.block
     swapped = spec._replace(block=(*b[:-2], b[-1], b[-2])) if b else spec
-    natural = quantize(t.transpose(-2, -1), swapped, scale=None if scale is None else scale.transpose(-2, -1))[0]
+    natural = _cast(t.transpose(-2, -1), swapped, None if scale is None else scale.transpose(-2, -1))
     # Rebuilt from fields: torch.export's trace returns NotImplemented for a view op here.
     perm = [*range(t.dim() - 2), t.dim() - 1, t.dim() - 2]
     return _permuted(natural, natural._data.transpose(-2, -1), perm)
 
 
-def _cast_weight(w: torch.Tensor, cast: CastConfig, scale: torch.Tensor | None = None) -> Float8Tensor:
+def _cast_weight(w: torch.Tensor, cast: CastConfig, scale: torch.Tensor | None) -> Float8Tensor:
     """An expert weight (E, K, N) cast per expert in its stored order."""
-    return _cast_stored(w, _spec(cast, 1, ndim=3, per_expert=True), scale)
+    return _cast_stored(w, _spec(cast, 1, 3, True), scale)
 
 
 @compat.constant_per_config
@@ -144,7 +153,7 @@ def _expert_loop(
 
 
 def _check_contraction(k: int, what: str) -> None:
-    if k % ALIGN:
+    if k % 16:  # ALIGN
         raise ValueError(
             f"FP8 expert GEMM ({what}): the contraction dim must be a multiple of {ALIGN} "
             f"(torch._scaled_grouped_mm's stride rule); got {k}"
@@ -165,9 +174,9 @@ def _pad_groups(offs: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor,
     g = offs.shape[0]
     o = offs.to(torch.int64)
     sizes = torch.diff(o, prepend=o.new_zeros(1))
-    padded_sizes = (sizes + ALIGN - 1) // ALIGN * ALIGN
+    padded_sizes = (sizes + 15) // 16 * 16  # 16: ALIGN
     padded_offs = torch.cumsum(padded_sizes, 0)
-    p = (m + ALIGN - 1) // ALIGN * ALIGN + ALIGN * g + ALIGN
+    p = (m + 15) // 16 * 16 + 16 * g + 16
     rows = torch.arange(p, device=offs.device)
     gid = torch.searchsorted(padded_offs, rows, right=True)
     gid_c = gid.clamp(max=g - 1)
@@ -181,7 +190,7 @@ def _padded(t: torch.Tensor, src: torch.Tensor, pad: torch.Tensor) -> torch.Tens
     """``t`` (M, C) in the padded (P, C) layout of :func:`_pad_groups` (FP8 through its bytes,
     not cast again): a gather."""
     if t.dtype.itemsize == 1 and t.dtype.is_floating_point:
-        return _padded(materialized(t).view(torch.uint8), src, pad).view(t.dtype)
+        return _padded(materialized(t, None).view(torch.uint8), src, pad).view(t.dtype)
     return t[src].masked_fill_(pad, 0)
 
 
@@ -205,7 +214,7 @@ def _group_cast(t: torch.Tensor, offs: torch.Tensor, g: int, spec: CastSpec) -> 
     o = offs.to(torch.int64)
     # The groups' row counts, then the rows past offs[-1].
     lengths = torch.diff(o, prepend=o.new_zeros(1), append=o.new_full((1,), p))
-    amax = segment_amax(t, lengths, rows_per_chunk=ALIGN)  # (G + 1, C)
+    amax = segment_amax(t, lengths, rows_per_chunk=16)  # (G + 1, C); 16: ALIGN
     scale = quantizer.scale_for(amax)
     gid = torch.searchsorted(o, torch.arange(p, device=t.device), right=True)
     data, _ = quantizer.with_block((1, 1)).quantize(t, scale[gid])
@@ -231,17 +240,22 @@ def _grouped_wgrad(
         x8, scale = x
         x8, xs = _padded(x8, src, pad), scale.expand(g, x8.shape[1])
     else:
-        x8, xs = _group_cast(_padded_to_cast(x, pad), poffs, g, _spec(config.input, 0))  # (P, K), (G, K)
+        x8, xs = _group_cast(_padded_to_cast(x, pad), poffs, g, _spec(config.input, 0, 2, False))  # (P, K), (G, K)
     if isinstance(grad, tuple):
         g8, scale = grad
         g8, gs = _padded(g8, src, pad), scale.expand(g, g8.shape[1])
     else:
-        g8, gs = _group_cast(_padded_to_cast(grad, pad), poffs, g, _spec(config.grad_output, 0))  # (P, N), (G, N)
+        g8, gs = _group_cast(
+            _padded_to_cast(grad, pad), poffs, g, _spec(config.grad_output, 0, 2, False)
+        )  # (P, N), (G, N)
     k, n = x8.shape[1], g8.shape[1]
     sa, sb = kernel_scale(xs.reciprocal(), (g, k), (g * k,)), kernel_scale(gs.reciprocal(), (g, n), (g * n,))
+    compiling = torch.compiler.is_compiling()
     if transposed:
-        return scaled_grouped_mm(row_major(g8.t()), col_major(x8), sb, sa, poffs, KERNEL_OUT).transpose(-2, -1)
-    return scaled_grouped_mm(row_major(x8.t()), col_major(g8), sa, sb, poffs, KERNEL_OUT)
+        return scaled_grouped_mm(
+            row_major(g8.t(), compiling), col_major(x8, compiling), sb, sa, poffs, KERNEL_OUT
+        ).transpose(-2, -1)
+    return scaled_grouped_mm(row_major(x8.t(), compiling), col_major(g8, compiling), sa, sb, poffs, KERNEL_OUT)
 
 
 class _GroupedMMFn(torch.autograd.Function):
@@ -256,8 +270,8 @@ class _GroupedMMFn(torch.autograd.Function):
         ctx: Any, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, config: Float8LinearConfig
     ) -> torch.Tensor:
         _check_contraction(x.shape[1], "forward")
-        x8 = quantize(x, _spec(config.input, 1))[0]
-        w8 = _cast_weight(w, config.weight)
+        x8 = _cast(x, _spec(config.input, 1, 2, False), None)
+        w8 = _cast_weight(w, config.weight, None)
         out = grouped_mm(x8, w8, offs, KERNEL_OUT)
         keep_fp8_x = not config.input.rowwise and not config.weight_grad_in_hp
         ctx.save_for_backward(
@@ -281,10 +295,10 @@ class _GroupedMMFn(torch.autograd.Function):
         grad_x = grad_w = g8 = None
         if ctx.needs_input_grad[0]:
             _check_contraction(n, "input gradient")
-            g8 = quantize(grad, _spec(config.grad_output, 1))[0]
+            g8 = _cast(grad, _spec(config.grad_output, 1, 2, False), None)
             # (G, N, K), contracted over N; tensorwise reuses the forward's scales.
             wt = w.transpose(-2, -1)
-            wt8 = _cast_weight(wt, config.weight, scale=None if ws is None else ws.transpose(-2, -1))
+            wt8 = _cast_weight(wt, config.weight, None if ws is None else ws.transpose(-2, -1))
             grad_x = grouped_mm(g8, wt8, offs, KERNEL_OUT).to(x_dtype)
         if ctx.needs_input_grad[1]:
             transposed = _stored_transposed(w)
@@ -313,7 +327,7 @@ def _bmm_fp8(a: torch.Tensor, b: torch.Tensor, a_spec: CastSpec, b_spec: CastSpe
     if pad:
         a = torch.nn.functional.pad(a, (0, pad))
         b = torch.nn.functional.pad(b, (0, 0, 0, pad))
-    return batched_mm(_cast_stored(a, a_spec), _cast_stored(b, b_spec), KERNEL_OUT)
+    return batched_mm(_cast_stored(a, a_spec, None), _cast_stored(b, b_spec, None), KERNEL_OUT)
 
 
 class _ExpertBmmFn(torch.autograd.Function):
@@ -328,8 +342,8 @@ class _ExpertBmmFn(torch.autograd.Function):
         ctx.config = config
         _check_contraction(x.shape[2], "batched forward")
         _check_contraction(w.shape[2], "batched input gradient, checked in forward")
-        w_spec = _spec(config.weight, 1, ndim=3, per_expert=True)
-        return in_dtype(_bmm_fp8(x, w, _spec(config.input, 2, ndim=3), w_spec), x.dtype)
+        w_spec = _spec(config.weight, 1, 3, True)
+        return in_dtype(_bmm_fp8(x, w, _spec(config.input, 2, 3, False), w_spec), x.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
@@ -338,14 +352,14 @@ class _ExpertBmmFn(torch.autograd.Function):
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:  # grad (B, M, N) @ w^T (B, N, K): contraction over N
             _check_contraction(w.shape[2], "batched input gradient")
-            w_spec = _spec(c.weight, 1, ndim=3, per_expert=True)
-            grad_x = _bmm_fp8(grad, w.transpose(1, 2), _spec(c.grad_output, 2, ndim=3), w_spec).to(x.dtype)
+            w_spec = _spec(c.weight, 1, 3, True)
+            grad_x = _bmm_fp8(grad, w.transpose(1, 2), _spec(c.grad_output, 2, 3, False), w_spec).to(x.dtype)
         if ctx.needs_input_grad[1]:  # x^T (B, K, M) @ grad (B, M, N): contraction over M
             if _stored_transposed(w):
                 # In w's own layout.
-                a_spec, b_spec = _spec(c.grad_output, 2, ndim=3), _spec(c.input, 1, ndim=3)
+                a_spec, b_spec = _spec(c.grad_output, 2, 3, False), _spec(c.input, 1, 3, False)
                 grad_w = _bmm_fp8(grad.transpose(1, 2), x, a_spec, b_spec).transpose(1, 2).to(w.dtype)
             else:
-                a_spec, b_spec = _spec(c.input, 2, ndim=3), _spec(c.grad_output, 1, ndim=3)
+                a_spec, b_spec = _spec(c.input, 2, 3, False), _spec(c.grad_output, 1, 3, False)
                 grad_w = _bmm_fp8(x.transpose(1, 2), grad, a_spec, b_spec).to(w.dtype)
         return grad_x, grad_w, None
