@@ -118,7 +118,8 @@ _TORCH_BYTES = {
     "float8_e5m2fnuz": 1,
     "uint8": 1,
 }
-_GEMMS = ("_scaled_mm", "mm", "addmm", "bmm", "_scaled_grouped_mm")
+# cpu_scaled_mm: f8tensor's CPU product, where torch's CPU kernel refuses one (rowwise on 2.11).
+_GEMMS = ("_scaled_mm", "cpu_scaled_mm", "mm", "addmm", "bmm", "_scaled_grouped_mm")
 
 
 # ===================================================================== reading generated code
@@ -344,7 +345,9 @@ def parse_graph_code(code: str, element_threshold: int) -> GraphCode:
         return arg, buffers.get(arg)
 
     kernels, gemms, others, passes = [], [], [], []
-    for m in re.finditer(r"^\s+(cpp_fused_\w+|extern_kernels\.\w+|torch\.ops\.[\w.]+)\(", call_src, re.MULTILINE):
+    for m in re.finditer(
+        r"^\s+(?:\w+ = )?(cpp_fused_\w+|extern_kernels\.\w+|torch\.ops\.[\w.]+)\(", call_src, re.MULTILINE
+    ):
         name = m.group(1)
         if name.startswith(("extern_kernels.", "torch.ops.")):
             short = name.split(".")[-1] if name.startswith("extern_kernels.") else name.split(".")[-2]

@@ -131,8 +131,8 @@ def _has_cpu_rowwise_scaled_mm() -> bool:
     return HAS_CPU_ROWWISE_SCALED_MM
 
 
-#: False: every CPU product to ``torch._scaled_mm`` (benchmarks of compiled graphs). Read
-#: when a graph is traced, as a constant: set it before compiling (or ``torch._dynamo.reset()``).
+#: False: CPU products torch's kernel takes go to ``torch._scaled_mm`` (graph benchmarks). Read
+#: when traced, as a constant: set it before compiling (or ``torch._dynamo.reset()``).
 CPU_PRODUCTS_IN_FP32: bool = True
 
 
@@ -174,7 +174,13 @@ def scaled_mm(
         return _fp32_epilogue(acc, bias, out_dtype or mat1.dtype, kwargs.get("out"))
     if (
         on_cpu
-        and (_cpu_products_in_fp32() if compiling else CPU_PRODUCTS_IN_FP32)
+        and (
+            (_cpu_products_in_fp32() if compiling else CPU_PRODUCTS_IN_FP32)
+            # What torch's CPU kernel refuses, whatever the flag.
+            or (not _has_cpu_rowwise_scaled_mm() and (scale_a.numel() > 1 or scale_b.numel() > 1))
+            or "fnuz" in str(mat1.dtype)
+            or "fnuz" in str(mat2.dtype)
+        )
         and scale_result is None
         and (
             (scale_a.numel() == 1 and scale_b.numel() == 1)

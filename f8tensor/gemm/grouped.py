@@ -110,9 +110,8 @@ def check_grouped_dims(k: int, n: int, what: str) -> None:
             ...
         ValueError: FP8 expert GEMM: N (output)=40; each must be a multiple of 16 ...
     """
-    wrong = [
-        f"{name}={size}" for name, size in (("K (contraction)", k), ("N (output)", n)) if size % 16
-    ]  # ALIGN (dense.py)
+    # 16: ALIGN (see dense.py).
+    wrong = [f"{name}={size}" for name, size in (("K (contraction)", k), ("N (output)", n)) if size % 16]
     if wrong:
         raise ValueError(
             f"FP8 {what}: {' and '.join(wrong)}; each must be a multiple of {ALIGN} (torch._scaled_grouped_mm's "

@@ -254,7 +254,7 @@ def block_scaled_mm_violations(
 
 @compat.constant_per_config
 def _rule_fields(rule: GroupedMMRule) -> tuple:
-    """``rule``'s checked fields; traced, one constant (each field read would be a guard)."""
+    """``rule``'s checked fields: traced, one constant."""
     return (
         tuple(sorted(rule.operand_dtypes, key=str)),
         rule.scale_dtype,

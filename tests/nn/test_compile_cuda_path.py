@@ -139,6 +139,9 @@ def test_cuda_path_guards_within_budget(traced, variant):
 
 def test_the_trace_sees_breaks_only_the_cuda_branch_has(traced):
     broken = traced["blockwise, a break in the kernel call"]
-    assert broken.get("breaks", 0) >= 1, broken
+    if compat.TORCH_VERSION < (2, 12) and "error" in broken:  # seen too: 2.11 fails the next frame
+        assert "SymNodeVariable() is not a constant" in broken["error"], broken
+    else:
+        assert broken.get("breaks", 0) >= 1, broken
     branched = traced["tensorwise, a branch on a scale"]
     assert branched["breaks"] >= 1 and branched["host_reads"] >= 1, branched

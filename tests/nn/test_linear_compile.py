@@ -10,9 +10,10 @@ import torch._dynamo
 import torch._dynamo.testing
 from helpers import torch_reference_cpu_kernels
 from torch import nn
+from torch._inductor.exc import InductorError
 from torch.utils.checkpoint import checkpoint
 
-from f8tensor import Float8Linear, sqnr
+from f8tensor import Float8Linear, compat, sqnr
 
 from linear_utils import MLP, RECIPE_NAMES, assert_sqnr, fp8_copy, fp8_linear, grads
 
@@ -77,7 +78,16 @@ def test_compile_fullgraph_aot_eager(recipe):
     _check_compiled_matches_eager(recipe, "aot_eager", torch.bfloat16)
 
 
-@pytest.mark.parametrize("recipe", ["blockwise", "mxfp8"])
+_CPP_GROUPS_211 = pytest.mark.xfail(
+    compat.TORCH_VERSION < (2, 12),
+    raises=InductorError,
+    strict=True,
+    reason="torch 2.11's C++ back end asserts on the MX grad cast's fused loops ('unexpected group'); "
+    "2.12 compiles it (a CPU-only bug: a GPU's kernels are Triton)",
+)
+
+
+@pytest.mark.parametrize("recipe", ["blockwise", pytest.param("mxfp8", marks=_CPP_GROUPS_211)])
 def test_inductor_multiplies_blocks_as_eager_does(recipe):
     # A CPU's block-scaled product is one op to inductor (as a GPU's is one kernel), so a
     # compiled step of two linears gives eager's bits; traced into the graph, its dequantized
