@@ -31,7 +31,7 @@ assert ALIGN == 16, ALIGN
 # ===================================================================== casts
 
 
-def _spec(cast: CastConfig, contracted_dim: int, ndim: int, per_expert: bool) -> CastSpec:
+def _spec(cast: CastConfig, contracted_dim: int, *, ndim: int, per_expert: bool) -> CastSpec:
     """The cast of one grouped/batched GEMM operand contracted over ``contracted_dim``.
 
     Always e4m3 (the grouped kernel multiplies no e5m2) and round-to-nearest; ``per_expert``:
@@ -73,7 +73,7 @@ def _cast_stored(t: torch.Tensor, spec: CastSpec, scale: torch.Tensor | None) ->
 
 def _cast_weight(w: torch.Tensor, cast: CastConfig, scale: torch.Tensor | None) -> Float8Tensor:
     """An expert weight (E, K, N) cast per expert in its stored order."""
-    return _cast_stored(w, _spec(cast, 1, 3, True), scale)
+    return _cast_stored(w, _spec(cast, 1, ndim=3, per_expert=True), scale)
 
 
 @compat.constant_per_config
@@ -240,13 +240,15 @@ def _grouped_wgrad(
         x8, scale = x
         x8, xs = _padded(x8, src, pad), scale.expand(g, x8.shape[1])
     else:
-        x8, xs = _group_cast(_padded_to_cast(x, pad), poffs, g, _spec(config.input, 0, 2, False))  # (P, K), (G, K)
+        x8, xs = _group_cast(
+            _padded_to_cast(x, pad), poffs, g, _spec(config.input, 0, ndim=2, per_expert=False)
+        )  # (P, K), (G, K)
     if isinstance(grad, tuple):
         g8, scale = grad
         g8, gs = _padded(g8, src, pad), scale.expand(g, g8.shape[1])
     else:
         g8, gs = _group_cast(
-            _padded_to_cast(grad, pad), poffs, g, _spec(config.grad_output, 0, 2, False)
+            _padded_to_cast(grad, pad), poffs, g, _spec(config.grad_output, 0, ndim=2, per_expert=False)
         )  # (P, N), (G, N)
     k, n = x8.shape[1], g8.shape[1]
     sa, sb = kernel_scale(xs.reciprocal(), (g, k), (g * k,)), kernel_scale(gs.reciprocal(), (g, n), (g * n,))
@@ -270,7 +272,7 @@ class _GroupedMMFn(torch.autograd.Function):
         ctx: Any, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, config: Float8LinearConfig
     ) -> torch.Tensor:
         _check_contraction(x.shape[1], "forward")
-        x8 = _cast(x, _spec(config.input, 1, 2, False), None)
+        x8 = _cast(x, _spec(config.input, 1, ndim=2, per_expert=False), None)
         w8 = _cast_weight(w, config.weight, None)
         out = grouped_mm(x8, w8, offs, KERNEL_OUT)
         keep_fp8_x = not config.input.rowwise and not config.weight_grad_in_hp
@@ -295,7 +297,7 @@ class _GroupedMMFn(torch.autograd.Function):
         grad_x = grad_w = g8 = None
         if ctx.needs_input_grad[0]:
             _check_contraction(n, "input gradient")
-            g8 = _cast(grad, _spec(config.grad_output, 1, 2, False), None)
+            g8 = _cast(grad, _spec(config.grad_output, 1, ndim=2, per_expert=False), None)
             # (G, N, K), contracted over N; tensorwise reuses the forward's scales.
             wt = w.transpose(-2, -1)
             wt8 = _cast_weight(wt, config.weight, None if ws is None else ws.transpose(-2, -1))
@@ -342,8 +344,8 @@ class _ExpertBmmFn(torch.autograd.Function):
         ctx.config = config
         _check_contraction(x.shape[2], "batched forward")
         _check_contraction(w.shape[2], "batched input gradient, checked in forward")
-        w_spec = _spec(config.weight, 1, 3, True)
-        return in_dtype(_bmm_fp8(x, w, _spec(config.input, 2, 3, False), w_spec), x.dtype)
+        w_spec = _spec(config.weight, 1, ndim=3, per_expert=True)
+        return in_dtype(_bmm_fp8(x, w, _spec(config.input, 2, ndim=3, per_expert=False), w_spec), x.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
@@ -352,14 +354,22 @@ class _ExpertBmmFn(torch.autograd.Function):
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:  # grad (B, M, N) @ w^T (B, N, K): contraction over N
             _check_contraction(w.shape[2], "batched input gradient")
-            w_spec = _spec(c.weight, 1, 3, True)
-            grad_x = _bmm_fp8(grad, w.transpose(1, 2), _spec(c.grad_output, 2, 3, False), w_spec).to(x.dtype)
+            w_spec = _spec(c.weight, 1, ndim=3, per_expert=True)
+            grad_x = _bmm_fp8(grad, w.transpose(1, 2), _spec(c.grad_output, 2, ndim=3, per_expert=False), w_spec).to(
+                x.dtype
+            )
         if ctx.needs_input_grad[1]:  # x^T (B, K, M) @ grad (B, M, N): contraction over M
             if _stored_transposed(w):
                 # In w's own layout.
-                a_spec, b_spec = _spec(c.grad_output, 2, 3, False), _spec(c.input, 1, 3, False)
+                a_spec, b_spec = (
+                    _spec(c.grad_output, 2, ndim=3, per_expert=False),
+                    _spec(c.input, 1, ndim=3, per_expert=False),
+                )
                 grad_w = _bmm_fp8(grad.transpose(1, 2), x, a_spec, b_spec).transpose(1, 2).to(w.dtype)
             else:
-                a_spec, b_spec = _spec(c.input, 2, 3, False), _spec(c.grad_output, 1, 3, False)
+                a_spec, b_spec = (
+                    _spec(c.input, 2, ndim=3, per_expert=False),
+                    _spec(c.grad_output, 1, ndim=3, per_expert=False),
+                )
                 grad_w = _bmm_fp8(x.transpose(1, 2), grad, a_spec, b_spec).to(w.dtype)
         return grad_x, grad_w, None

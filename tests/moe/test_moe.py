@@ -119,7 +119,10 @@ def test_compiled_group_cast_writes_no_padded_copy(monkeypatch):
 
     monkeypatch.syspath_prepend(str(BENCH))
     traffic = importlib.import_module("bench_cast_traffic")
-    offs, spec = _offs([100, 160, 140, 112]), _spec(Float8LinearConfig.from_recipe("rowwise").input, 0, 2, False)
+    offs, spec = (
+        _offs([100, 160, 140, 112]),
+        _spec(Float8LinearConfig.from_recipe("rowwise").input, 0, ndim=2, per_expert=False),
+    )
     x = torch.randn(512, 256, dtype=torch.bfloat16)
 
     def group_cast(x, offs):
