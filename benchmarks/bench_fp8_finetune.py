@@ -120,13 +120,12 @@ def main(argv=None) -> int:
         model, config=Float8LinearConfig.from_recipe("blockwise"), module_filter_fn=lambda m, fqn: fqn != "lm_head"
     )
     pre = _train(model, data, starts[: args.pretrain_steps], args, lr=3e-3)
-    directory = tempfile.mkdtemp(prefix="fp8-finetune-")
-    save_fp8_pretrained(model, directory, format="fp8_block")
-
-    with torch.device("meta"):
-        fp8 = AutoModelForCausalLM.from_config(_config(args), dtype=torch.bfloat16)
-    load_fp8_pretrained(fp8, directory)
-    bf16 = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16)
+    with tempfile.TemporaryDirectory(prefix="fp8-finetune-") as directory:
+        save_fp8_pretrained(model, directory, format="fp8_block")
+        with torch.device("meta"):
+            fp8 = AutoModelForCausalLM.from_config(_config(args), dtype=torch.bfloat16)
+        load_fp8_pretrained(fp8, directory)
+        bf16 = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16)
     lin_fp8, lin_bf16 = _linear_bytes(fp8), _linear_bytes(bf16)
     all_fp8, all_bf16 = _model_bytes(fp8), _model_bytes(bf16)
 

@@ -21,7 +21,11 @@ GROUPS = (("pytest_gpu_core", ("tests/gemm/test_gpu_scaled_mm.py",), 40),)
 
 
 def run_pytest(ctx: Ctx, paths: list[str], timeout_s: float, extra: tuple[str, ...] = ()) -> None:
-    junit = Path(tempfile.mkdtemp(prefix="f8tensor_campaign_")) / "junit.xml"
+    with tempfile.TemporaryDirectory(prefix="f8tensor_campaign_") as tmp:
+        _run_pytest(ctx, paths, timeout_s, extra, Path(tmp) / "junit.xml")
+
+
+def _run_pytest(ctx: Ctx, paths: list[str], timeout_s: float, extra: tuple[str, ...], junit: Path) -> None:
     cmd = [
         sys.executable,
         "-m",

@@ -129,10 +129,11 @@ def profile_one(ctx: Ctx, label: str, step) -> None:
         )
     trace = ctx.runner.out / "profile_trace.json.gz"
     if not trace.exists():
-        raw = Path(tempfile.mkdtemp(prefix="f8tensor_trace_")) / "trace.json"
-        prof.export_chrome_trace(str(raw))
-        with open(raw, "rb") as src, gzip.open(trace, "wb", compresslevel=6) as dst:
-            shutil.copyfileobj(src, dst)
+        with tempfile.TemporaryDirectory(prefix="f8tensor_trace_") as tmp:
+            raw = Path(tmp) / "trace.json"
+            prof.export_chrome_trace(str(raw))
+            with open(raw, "rb") as src, gzip.open(trace, "wb", compresslevel=6) as dst:
+                shutil.copyfileobj(src, dst)
         if trace.stat().st_size > 15 * 2**20:
             trace.unlink()
             ctx.note(f"the trace of {label} was over 15 MiB gzipped: not kept")

@@ -29,8 +29,8 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from campaign import linear, plans, report, runner, targets
 
 
-def _run(*args: str, blocked=None, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
+def _run(*args: str, blocked=None, timeout: float = 300, tmp=None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, **({"TMPDIR": str(tmp)} if tmp else {}))
     paths = [str(blocked)] if blocked else []
     env["PYTHONPATH"] = os.pathsep.join([*paths, str(REPO), env.get("PYTHONPATH", "")])
     return subprocess.run(
@@ -60,7 +60,7 @@ def blocked(tmp_path_factory):
 @pytest.fixture(scope="module")
 def dry_default(tmp_path_factory, blocked):
     out = tmp_path_factory.mktemp("campaign") / "default"
-    proc = _run("--dry-run", "--out", str(out), blocked=blocked)
+    proc = _run("--dry-run", "--out", str(out), blocked=blocked, tmp=tmp_path_factory.mktemp("tmpdir"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc, out
 
@@ -92,6 +92,7 @@ def dry_second(tmp_path_factory, blocked, dry_default):
         "--figures-csv",
         f"{dry_default[1] / 'results.csv'},{forced}",
         blocked=blocked,
+        tmp=tmp_path_factory.mktemp("tmpdir"),
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc, out
@@ -153,6 +154,11 @@ def test_dry_run_writes_at_most_8_files_with_plain_names(dry_default, dry_second
         assert (out / "campaign.log").read_text().startswith(f"## Environment ({plan} plan")
         with open(out / "results.csv", newline="") as f:
             assert tuple(next(csv.reader(f))) == report.FIELDS
+
+
+def test_dry_runs_leave_only_the_inductor_cache_in_the_temporary_folder(tmp_path_factory, dry_default, dry_second):
+    for tmp in sorted(tmp_path_factory.getbasetemp().glob("tmpdir*")):
+        assert sorted(p.name for p in tmp.iterdir()) in ([], ["f8tensor_campaign_inductor"]), tmp
 
 
 def test_environment_is_printed_first(dry_default):
