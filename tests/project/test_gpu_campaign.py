@@ -157,7 +157,9 @@ def test_dry_run_writes_at_most_8_files_with_plain_names(dry_default, dry_second
 
 
 def test_dry_runs_leave_only_the_inductor_cache_in_the_temporary_folder(tmp_path_factory, dry_default, dry_second):
-    for tmp in sorted(tmp_path_factory.getbasetemp().glob("tmpdir*")):
+    folders = sorted(tmp_path_factory.getbasetemp().glob("tmpdir[0-9]*"))  # one per dry run
+    assert len(folders) == 2, folders
+    for tmp in folders:
         assert sorted(p.name for p in tmp.iterdir()) in ([], ["f8tensor_campaign_inductor"]), tmp
 
 
